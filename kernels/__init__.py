@@ -1,0 +1,1 @@
+"""Triton kernels for the GPU path, imported as `cbatch.kernels`."""
