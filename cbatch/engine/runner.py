@@ -1,0 +1,172 @@
+"""Turns a StepPlan into one model call: builds the flat batch, runs the model, samples.
+
+The runner owns the KV tensors and a persistent block-table buffer: each running sequence has a
+row in it, and a step only writes the blocks that were added since the last step (no rebuilding
+of whole tables in Python). It never decides who runs.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from cbatch.attention import AttentionMetadata, make_backend
+from cbatch.engine.sampler import SamplingBatch, sample
+from cbatch.engine.scheduler import StepPlan
+from cbatch.engine.sequence import Sequence
+from cbatch.model.llama import ForwardContext, KVCacheView, LlamaForCausalLM
+
+
+class BlockTableBuffer:
+    """Rows of block ids, one row per running sequence, kept up to date incrementally."""
+
+    def __init__(self, num_rows: int, max_blocks_per_seq: int) -> None:
+        self.table = np.zeros((num_rows, max_blocks_per_seq), dtype=np.int32)
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+        self._row_of: dict[int, int] = {}  # seq_id -> row
+        self._written: dict[int, int] = {}  # seq_id -> blocks already copied into the row
+
+    def sync(self, seq: Sequence) -> int:
+        """Copies `seq`'s new blocks into its row (taking a row on first sight); returns the row."""
+        row = self._row_of.get(seq.seq_id)
+        if row is None:
+            row = self._free_rows.pop()
+            self._row_of[seq.seq_id] = row
+            self._written[seq.seq_id] = 0
+        written = self._written[seq.seq_id]
+        blocks = seq.block_ids
+        if len(blocks) > written:
+            self.table[row, written : len(blocks)] = blocks[written:]
+            self._written[seq.seq_id] = len(blocks)
+        return row
+
+    def release(self, seq: Sequence) -> None:
+        """Frees `seq`'s row (it finished or was preempted: its blocks are gone)."""
+        row = self._row_of.pop(seq.seq_id, None)
+        if row is not None:
+            self._written.pop(seq.seq_id)
+            self._free_rows.append(row)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_kv_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention_backend: str,
+        job_seed: int = 0,
+    ) -> None:
+        spec = model.spec
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.job_seed = job_seed
+        self.backend = make_backend(attention_backend, device)
+        # One allocation for every layer's K and V: [layers, 2, num_blocks, block_size, Hkv, D]
+        self.kv_cache = torch.zeros(
+            spec.num_layers, 2, num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype
+        )
+        self.kv = KVCacheView([self.kv_cache[i, 0] for i in range(spec.num_layers)], [self.kv_cache[i, 1] for i in range(spec.num_layers)])
+        max_blocks = -(-max_model_len // block_size)
+        # +max_num_seqs rows: static batching keeps finished members in the batch until their group ends
+        self.block_tables = BlockTableBuffer(2 * max_num_seqs, max_blocks)
+        self.forward_seconds = 0.0  # time inside the model call, for the report
+
+    def release(self, seq: Sequence) -> None:
+        self.block_tables.release(seq)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> dict[int, int]:
+        """Runs one step; returns {seq_id: sampled token} for the sequences whose chunk reached their end."""
+        for seq in plan.preempted:
+            self.block_tables.release(seq)
+        batch = self._build(plan)
+        start = time.perf_counter()
+        self.backend.prepare(batch.meta)
+        ctx = ForwardContext(self.backend, self.kv, batch.meta)
+        hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, hidden]
+        if not batch.sampling_seqs:
+            self.forward_seconds += time.perf_counter() - start
+            return {}
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab]
+        tokens = sample(logits, batch.sampling).tolist()
+        self.forward_seconds += time.perf_counter() - start
+        return {seq.seq_id: tok for seq, tok in zip(batch.sampling_seqs, tokens)}
+
+    def _build(self, plan: StepPlan) -> "_Batch":
+        n = len(plan.scheduled)
+        rows = np.empty(n, dtype=np.int64)
+        starts = np.empty(n, dtype=np.int64)  # num_computed before this step
+        q_lens = np.empty(n, dtype=np.int64)
+        token_ids: list[int] = []
+        sampling_seqs: list[Sequence] = []
+        logits_idx: list[int] = []
+        temps, top_ps, top_ks, seeds, out_pos = [], [], [], [], []
+        offset = 0
+        for i, (seq, num_new) in enumerate(plan.scheduled):
+            rows[i] = self.block_tables.sync(seq)
+            starts[i] = seq.num_computed
+            q_lens[i] = num_new
+            if num_new == 1:
+                token_ids.append(seq.token_at(seq.num_computed))
+            else:
+                token_ids.extend(seq.tokens(seq.num_computed, seq.num_computed + num_new))
+            offset += num_new
+            if seq.num_computed + num_new == seq.num_tokens:  # this chunk reaches the end: sample
+                sampling_seqs.append(seq)
+                logits_idx.append(offset - 1)
+                p = seq.params
+                temps.append(float(p.temperature))
+                top_ps.append(float(p.top_p))
+                top_ks.append(int(p.top_k))
+                seeds.append(p.seed if p.seed is not None else (self.job_seed << 32) ^ seq.seq_id)
+                out_pos.append(len(seq.output_ids))
+        num_tokens = offset
+        cu_q = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu_q[1:])
+        token_seq = np.repeat(np.arange(n), q_lens)  # [T] batch index of each token
+        positions = starts[token_seq] + (np.arange(num_tokens) - cu_q[:-1][token_seq])
+        seq_lens = starts + q_lens
+        max_seq_len = int(seq_lens.max())
+        num_cols = -(-max_seq_len // self.block_size)
+        table = self.block_tables.table[rows, :num_cols]  # [B, num_cols]
+        slots = table[token_seq, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
+
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.from_numpy(cu_q.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(np.ascontiguousarray(table)).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=max_seq_len,
+            query_lens_host=q_lens.tolist(),
+            seq_lens_host=seq_lens.tolist(),
+            block_size=self.block_size,
+        )
+        return _Batch(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(positions).to(dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
+            sampling_seqs=sampling_seqs,
+            sampling=SamplingBatch(temps, top_ps, top_ks, seeds, out_pos),
+        )
+
+
+class _Batch:
+    __slots__ = ("input_ids", "positions", "meta", "logits_indices", "sampling_seqs", "sampling")
+
+    def __init__(self, input_ids, positions, meta, logits_indices, sampling_seqs, sampling) -> None:
+        self.input_ids = input_ids  # int64 [T]
+        self.positions = positions  # int64 [T]
+        self.meta = meta
+        self.logits_indices = logits_indices  # int64 [N]: rows of the hidden states that sample
+        self.sampling_seqs = sampling_seqs
+        self.sampling = sampling

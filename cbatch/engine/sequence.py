@@ -1,0 +1,93 @@
+"""One request's state as the scheduler and the runner see it."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from cbatch.config import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # never started, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens (or the model's context) reached
+    ERROR = "error"  # could not run (e.g. does not fit the KV pool even alone)
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """A request in flight.
+
+    Invariant: the tokens the model has seen are `token_ids[:num_computed]`; a step schedules
+    `num_tokens - num_computed` of them at most (decode: 1, prefill chunk: k), and the sequence
+    samples a new token in a step whose chunk reaches `num_tokens`.
+    """
+
+    seq_id: int  # position in the job (input order); also the tie-breaker for every ordering
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    # static batching: a finished member keeps its slot (and computes) until its group ends;
+    # the tokens it makes after `num_result_tokens` are padding work, not output.
+    num_result_tokens: int | None = None
+    # step counters for the report
+    arrival_step: int = 0
+    first_scheduled_step: int | None = None
+    first_token_step: int | None = None
+    finish_step: int | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while the prompt (or a preempted sequence's recompute) is not fully computed."""
+        return self.num_uncomputed > 1 or not self.output_ids
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    @property
+    def result_ids(self) -> list[int]:
+        """The completion's token ids (static batching's padding work cut off)."""
+        n = self.num_result_tokens
+        return self.output_ids if n is None else self.output_ids[:n]
+
+    @property
+    def estimated_work(self) -> int:
+        """Tokens this request will put through the model: what longest-first sorts by."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,104 @@
+"""Building blocks of the Llama family in plain torch, with the numerics of HF transformers.
+
+Each op has a fused Triton twin in `cbatch.kernels`; `use_fused_kernels(True)` switches the model to
+them (GPU path). The torch versions are the reference and the CPU path.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_FUSED = {"on": False}
+
+
+def use_fused_kernels(enabled: bool) -> None:
+    """Routes RMSNorm, rotary and SiLU-and-mul through the Triton kernels (GPU path)."""
+    _FUSED["on"] = enabled
+
+
+class RMSNorm(nn.Module):
+    """HF's LlamaRMSNorm: variance in float32, normalised value cast back before the weight multiply."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _FUSED["on"]:
+            from cbatch.kernels import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual): the residual add fused with the norm."""
+        if _FUSED["on"]:
+            from cbatch.kernels import fused_add_rms_norm
+
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return self.forward(residual), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * intermediate] (gate | up) -> [num_tokens, intermediate]"""
+    if _FUSED["on"]:
+        from cbatch.kernels import silu_and_mul as fused
+
+        return fused(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in float32, with linear or llama3 scaling folded in."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / float(scaling["factor"])
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin_cache(max_positions: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos of position x inv_freq in the first half, sin in the second."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX-style rotary (HF's rotate_half) on q [T, Hq, D] and k [T, Hkv, D]."""
+    if _FUSED["on"]:
+        from cbatch.kernels import apply_rotary as fused
+
+        fused(q, k, positions, cos_sin)
+        return q, k
+    cos, sin = cos_sin[positions].to(q.dtype).chunk(2, dim=-1)  # [T, D/2] each
+    cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)  # [T, 1, D]
+    sin = torch.cat([sin, sin], dim=-1).unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

@@ -1,0 +1,123 @@
+"""One decoder for the Llama family: Llama 2/3 (SmolLM2, TinyLlama), Mistral, Qwen2, Qwen3.
+
+The switches come from `ModelSpec` (q/k/v bias, Qwen3's q/k norm, sliding window, tied embeddings).
+The model sees a flat batch of tokens and an `AttentionMetadata`; it knows nothing of requests.
+q/k/v and gate/up projections are packed into one matmul each (the loader packs the weights).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cbatch.attention import AttentionMetadata
+from cbatch.model.layers import RMSNorm, apply_rotary, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
+from cbatch.model.spec import ModelSpec
+
+
+class KVCacheView:
+    """The per-layer K and V caches the attention layers write to and read from."""
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+        self.k = k_caches  # each [num_blocks, block_size, Hkv, D]
+        self.v = v_caches
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        self.scale = spec.head_dim**-0.5
+        self.sliding_window = spec.sliding_window
+        self.qkv_proj = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, positions, cos_sin)
+        out = ctx.backend.forward(
+            q, k, v.contiguous(), ctx.kv.k[self.layer_idx], ctx.kv.v[self.layer_idx], ctx.meta, self.scale, self.sliding_window
+        )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, layer_idx)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, hidden, residual, positions, cos_sin, ctx):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(hidden, positions, cos_sin, ctx)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class ForwardContext:
+    """What every layer of one step needs besides activations."""
+
+    def __init__(self, backend, kv: KVCacheView, meta: AttentionMetadata) -> None:
+        self.backend = backend
+        self.kv = kv
+        self.meta = meta
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.max_positions = max_positions
+        self.cos_sin: torch.Tensor | None = None  # set by `build_rope_cache` once the device is known
+
+    def build_rope_cache(self, device: torch.device) -> None:
+        # float32 on purpose, whatever the model's dtype (HF computes RoPE angles in float32);
+        # a plain attribute, not a buffer, so `.to(dtype)` leaves it alone.
+        inv_freq = rope_inv_freq(self.spec.head_dim, self.spec.rope_theta, self.spec.rope_scaling)
+        self.cos_sin = rope_cos_sin_cache(self.max_positions, inv_freq).to(device)  # [max_positions, head_dim]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, positions, self.cos_sin, ctx)
+        hidden, _ = self.norm.add_forward(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab] (only for the rows that sample)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
