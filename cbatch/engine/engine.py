@@ -34,6 +34,15 @@ class RequestOutput:
     num_preemptions: int = 0
 
 
+@dataclass(slots=True)
+class StepInfo:
+    """What the last step did, for per-step metrics."""
+
+    scheduled_tokens: int = 0
+    prefill_tokens: int = 0  # tokens of chunks longer than one (prompt and recompute work)
+    sampled_tokens: int = 0  # new tokens that count as output (static padding excluded)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -89,6 +98,8 @@ class Engine:
             model = build_model(self.spec, self.max_model_len, self.device, self.dtype)
             self.model = init_random_weights(model, random_weights_seed or 0)
         self.tokenizer = tokenizer
+        self.model_dir = checkpoint.path if checkpoint is not None else None
+        self.last_step = StepInfo()
         num_blocks = kv_pool_blocks(config, self.spec, self.dtype, self.device, self.max_model_len)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -157,6 +168,8 @@ class Engine:
                 raise RuntimeError("scheduler made no progress with work pending (a bug: please report it)")
             return []
         sampled = self.runner.execute(plan)
+        info = StepInfo(scheduled_tokens=plan.num_tokens, prefill_tokens=sum(n for _, n in plan.scheduled if n > 1))
+        self.last_step = info
         finished: list[Sequence] = []
         step = self.scheduler.stats.steps
         for seq, num_new in plan.scheduled:
@@ -169,6 +182,7 @@ class Engine:
                 seq.first_token_step = step
             if seq.num_result_tokens is not None:
                 continue  # static batching: a finished member computing padding
+            info.sampled_tokens += 1
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 for done in self.scheduler.finish(seq, reason):

@@ -198,7 +198,7 @@ class Scheduler:
         seq.block_ids = blocks
         seq.status = SequenceStatus.RUNNING
         if seq.first_scheduled_step is None:
-            seq.first_scheduled_step = self.stats.steps
+            seq.first_scheduled_step = self.stats.steps + 1  # the step being built (1-based)
         self.running.append(seq)
 
     def _count(self, plan: StepPlan) -> None:

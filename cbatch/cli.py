@@ -1,0 +1,126 @@
+"""The command line: `cbatch run` and `cbatch bench`. Flags become configs; errors become exit codes."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from cbatch.config import ConfigError, EngineConfig, SamplingParams
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Offline LLM batch inference: continuous batching over a paged KV cache.",
+)
+
+
+
+@app.callback()
+def _group() -> None:
+    """Offline LLM batch inference: continuous batching over a paged KV cache."""
+
+
+ENGINE_HELP = "Engine"
+SAMPLING_HELP = "Sampling defaults (a row's own fields win)"
+JOB_HELP = "Job"
+
+
+def fail(message: str, code: int = 2) -> None:
+    """One line on stderr, no traceback."""
+    typer.echo(f"cbatch: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def engine_config(**flags) -> EngineConfig:
+    try:
+        return EngineConfig(**flags)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def sampling_defaults(max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos) -> SamplingParams:
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        stop=list(stop or []), ignore_eos=ignore_eos,
+    )
+    error = params.validate()
+    if error is not None:
+        flag = "--" + error.split(" ", 1)[0].replace("_", "-")
+        fail(f"{flag}: {error}")
+    return params
+
+
+@app.command()
+def run(
+    input: Path = typer.Argument(..., help="Prompts: .jsonl or .parquet with a `prompt` or `messages` field per row."),
+    out: Path = typer.Option(..., "--out", "-o", help="Results: .parquet or .jsonl, one row per input row, in input order."),
+    model: Optional[str] = typer.Option(None, help="Checkpoint folder or hub id; default SmolLM2-135M-Instruct.", rich_help_panel=ENGINE_HELP),
+    device: str = typer.Option("auto", help="auto | cpu | cuda.", rich_help_panel=ENGINE_HELP),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU).", rich_help_panel=ENGINE_HELP),
+    max_num_seqs: int = typer.Option(64, help="Most sequences in one step.", rich_help_panel=ENGINE_HELP),
+    max_num_batched_tokens: int = typer.Option(2048, help="Token budget of one step (decodes + prefill chunks).", rich_help_panel=ENGINE_HELP),
+    block_size: int = typer.Option(16, help="Tokens per KV-cache block.", rich_help_panel=ENGINE_HELP),
+    num_kv_blocks: Optional[int] = typer.Option(None, help="Force the KV pool size in blocks (default: from memory).", rich_help_panel=ENGINE_HELP),
+    policy: str = typer.Option("longest-first", help="Admission: longest-first | fcfs | static.", rich_help_panel=ENGINE_HELP),
+    attention_backend: str = typer.Option("auto", help="auto | torch | triton (auto: triton on CUDA).", rich_help_panel=ENGINE_HELP),
+    max_model_len: Optional[int] = typer.Option(None, help="Cap on prompt + completion tokens (default: the model's).", rich_help_panel=ENGINE_HELP),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for torch (default: torch's choice).", rich_help_panel=ENGINE_HELP),
+    max_tokens: int = typer.Option(256, help="Most tokens to generate per row.", rich_help_panel=SAMPLING_HELP),
+    temperature: float = typer.Option(0.0, help="0 = greedy.", rich_help_panel=SAMPLING_HELP),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 = off).", rich_help_panel=SAMPLING_HELP),
+    top_k: int = typer.Option(0, help="Keep the k most likely tokens (0 = off).", rich_help_panel=SAMPLING_HELP),
+    seed: Optional[int] = typer.Option(None, help="Job seed: rows without their own `seed` draw from (job seed, row index), so reruns are reproducible.", rich_help_panel=SAMPLING_HELP),
+    stop: Optional[List[str]] = typer.Option(None, help="Stop string (repeatable); not included in the completion.", rich_help_panel=SAMPLING_HELP),
+    ignore_eos: bool = typer.Option(False, help="Keep generating past EOS (benchmarks).", rich_help_panel=SAMPLING_HELP),
+    token_ids: bool = typer.Option(False, "--token-ids", help="Add a completion_token_ids column.", rich_help_panel=JOB_HELP),
+    report: Optional[Path] = typer.Option(None, help="Write the JSON report (throughput, utilization, latency) here.", rich_help_panel=JOB_HELP),
+    overwrite: bool = typer.Option(False, help="Start over: discard a partial run or an existing OUTPUT.", rich_help_panel=JOB_HELP),
+    allow_errors: bool = typer.Option(False, help="Exit 0 even when some rows failed (they still say why).", rich_help_panel=JOB_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only errors and the final summary.", rich_help_panel=JOB_HELP),
+    lookahead: int = typer.Option(16384, help="Rows queued at once; longest-first orders within this window.", rich_help_panel=JOB_HELP),
+    display: str = typer.Option("auto", help="auto | dashboard | plain | none (auto: dashboard on a terminal).", rich_help_panel=JOB_HELP),
+) -> None:
+    """Generate a completion for every row of INPUT and write them to OUTPUT."""
+    from cbatch.job import JobError, JobOptions, run_job
+    from cbatch.model.loader import ModelLoadError
+    from cbatch.model.spec import UnsupportedModelError
+
+    if lookahead < 1:
+        fail("--lookahead: must be at least 1")
+    if display not in ("auto", "dashboard", "plain", "none"):
+        fail(f"--display: must be one of auto, dashboard, plain, none, not {display!r}")
+    config = engine_config(
+        model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_kv_blocks=num_kv_blocks,
+        policy=policy, attention_backend=attention_backend, max_model_len=max_model_len,
+        seed=seed if seed is not None else 0, num_threads=threads,
+    )
+    defaults = sampling_defaults(max_tokens, temperature, top_p, top_k, None, stop, ignore_eos)
+    options = JobOptions(
+        input=input, output=out, engine=config, defaults=defaults, token_ids=token_ids, overwrite=overwrite,
+        allow_errors=allow_errors, report=report, quiet=quiet, lookahead=lookahead, display=display,
+    )
+    try:
+        code = run_job(options)
+    except (JobError, ConfigError, ModelLoadError, UnsupportedModelError) as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        typer.echo("cbatch: interrupted; run the same command again to resume.", err=True)
+        raise typer.Exit(130)
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        app()
+    except BrokenPipeError:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""One input row -> a validated request (prompt + sampling settings), or a message naming what is wrong.
+
+Accepted shapes: `{"prompt": "..."}`, `{"messages": [{"role", "content"}, ...]}`,
+`{"prompt_token_ids": [...]}`, each with optional `id`, `max_tokens`, `temperature`, `top_p`, `top_k`,
+`seed`, `stop`, `ignore_eos`; and the OpenAI batch format `{"custom_id", "body": {...}}`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cbatch.config import SamplingParams
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+_INT_FIELDS = ("max_tokens", "top_k", "seed")
+_FLOAT_FIELDS = ("temperature", "top_p")
+
+
+@dataclass(slots=True)
+class RowRequest:
+    index: int
+    row_id: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    params: SamplingParams | None = None
+
+
+class RowError(ValueError):
+    """A bad row: the message names the field and the problem."""
+
+
+def row_id_of(index: int, row: dict[str, Any] | str) -> str:
+    """The output id: the input's `id` (or OpenAI `custom_id`), else the row index."""
+    if isinstance(row, dict):
+        for key in ("id", "custom_id"):
+            value = row.get(key)
+            if isinstance(value, (str, int)) and not isinstance(value, bool):
+                return str(value)
+    return str(index)
+
+
+def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams) -> RowRequest:
+    """Raises RowError for a bad row."""
+    if isinstance(row, str):
+        raise RowError(row)
+    row_id = row_id_of(index, row)
+    if isinstance(row.get("body"), dict):  # OpenAI batch format: the request lives in `body`
+        row = {**row["body"], **{k: v for k, v in row.items() if k != "body"}}
+        if "max_completion_tokens" in row and "max_tokens" not in row:
+            row["max_tokens"] = row["max_completion_tokens"]
+    request = RowRequest(index=index, row_id=row_id)
+    given = [k for k in ("prompt", "messages", "prompt_token_ids") if row.get(k) is not None]
+    if not given:
+        raise RowError("missing prompt: give `prompt` (text), `messages` (chat) or `prompt_token_ids`")
+    if len(given) > 1:
+        raise RowError(f"give only one of `prompt`, `messages`, `prompt_token_ids` (got {', '.join(given)})")
+    field = given[0]
+    if field == "prompt":
+        if not isinstance(row["prompt"], str):
+            raise RowError(f"`prompt` must be a string, got {type(row['prompt']).__name__}")
+        if not row["prompt"].strip():
+            raise RowError("`prompt` is empty")
+        request.prompt = row["prompt"]
+    elif field == "messages":
+        request.messages = _messages(row["messages"])
+    else:
+        request.prompt_token_ids = _token_ids(row["prompt_token_ids"])
+    request.params = sampling_from_row(row, defaults)
+    return request
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise RowError("`messages` must be a non-empty list of {\"role\", \"content\"} objects")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RowError(f"`messages[{i}]` must be an object with a string `role` and `content`")
+        content = message.get("content")
+        if isinstance(content, list):  # OpenAI content parts: keep the text parts
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise RowError(f"`messages[{i}].content` parts must all be text parts")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RowError(f"`messages[{i}].content` must be a string")
+        out.append({"role": message["role"], "content": content})
+    return out
+
+
+def _token_ids(value: Any) -> list[int]:
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    ):
+        raise RowError("`prompt_token_ids` must be a non-empty list of non-negative integers")
+    return list(value)
+
+
+def sampling_from_row(row: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
+    """The CLI defaults with the row's own settings on top; the result is validated."""
+    changes: dict[str, Any] = {}
+    for key in SAMPLING_FIELDS:
+        if key not in row or row[key] is None:
+            continue
+        value = row[key]
+        if key in _INT_FIELDS and isinstance(value, float) and value.is_integer():
+            value = int(value)  # JSON and Parquet may carry integers as floats
+        if key in _FLOAT_FIELDS and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if key in _FLOAT_FIELDS and isinstance(value, float) and not math.isfinite(value):
+            raise RowError(f"{key} must be a finite number, got {value!r}")
+        if key == "stop" and isinstance(value, str):
+            value = [value]
+        changes[key] = value
+    params = replace(defaults, **changes)
+    error = params.validate()
+    if error is not None:
+        raise RowError(error)
+    return params

@@ -1,0 +1,64 @@
+"""Writes the final OUTPUT (Parquet or JSONL by extension), one row per input row, in input order."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+OUTPUT_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
+COLUMNS = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+
+
+class OutputError(ValueError):
+    """OUTPUT cannot be written; the message names the path and the fix."""
+
+
+def output_format(path: Path) -> str:
+    fmt = OUTPUT_SUFFIXES.get(path.suffix.lower())
+    if fmt is None:
+        raise OutputError(f"--out {path}: unknown output extension {path.suffix or '(none)'!r}; use .parquet or .jsonl")
+    return fmt
+
+
+def check_writable(path: Path) -> None:
+    import os
+
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputError(f"--out {path}: the folder {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"--out {path}: the folder {parent} is not writable; choose another --out")
+    if path.is_dir():
+        raise OutputError(f"--out {path}: is a folder; give a file name ending in .parquet or .jsonl")
+
+
+def write_output(path: Path, fmt: str, records: Iterable[dict[str, Any]], token_ids: bool, chunk_rows: int = 4096) -> None:
+    columns = COLUMNS + (("completion_token_ids",) if token_ids else ())
+    if fmt == "jsonl":
+        with open(path, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps({c: record.get(c) for c in columns}, ensure_ascii=False) + "\n")
+        return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fields = [
+        pa.field("id", pa.string()),
+        pa.field("completion", pa.string()),
+        pa.field("finish_reason", pa.string()),
+        pa.field("prompt_tokens", pa.int64()),
+        pa.field("completion_tokens", pa.int64()),
+        pa.field("error", pa.string()),
+    ]
+    if token_ids:
+        fields.append(pa.field("completion_token_ids", pa.list_(pa.int64())))
+    schema = pa.schema(fields)
+    with pq.ParquetWriter(path, schema) as writer:
+        chunk: list[dict[str, Any]] = []
+        for record in records:
+            chunk.append({c: record.get(c) for c in columns})
+            if len(chunk) >= chunk_rows:
+                writer.write_table(pa.Table.from_pylist(chunk, schema=schema))
+                chunk = []
+        if chunk or writer is not None:
+            writer.write_table(pa.Table.from_pylist(chunk, schema=schema))

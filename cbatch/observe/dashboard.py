@@ -1,0 +1,80 @@
+"""The live dashboard (rich `Live`) shown when stdout is a terminal.
+
+It reads counters a few times a second from a background refresh; the step loop only hands it the
+engine (an attribute store), so it costs nothing per token.
+"""
+from __future__ import annotations
+
+from rich.console import Group
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from cbatch.observe.metrics import JobMetrics
+from cbatch.observe.progress import format_eta
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 40) -> str:
+    """Values in 0..1 -> a row of block characters (the last `width` buckets)."""
+    if not values:
+        return ""
+    bucket = max(1, len(values) // width)
+    points = [sum(values[i : i + bucket]) / len(values[i : i + bucket]) for i in range(0, len(values), bucket)][-width:]
+    return "".join(SPARK[min(len(SPARK) - 1, int(max(0.0, min(1.0, v)) * (len(SPARK) - 1) + 0.5))] for v in points)
+
+
+class Dashboard:
+    def __init__(self, metrics: JobMetrics, options, refresh_per_second: float = 4.0) -> None:
+        self.metrics = metrics
+        self.max_num_seqs = options.engine.max_num_seqs
+        self.token_budget = options.engine.max_num_batched_tokens
+        self.engine = None
+        self._live = Live(get_renderable=self.render, refresh_per_second=refresh_per_second, transient=False)
+        self._live.start()
+
+    def update(self, engine=None, **_: object) -> None:
+        self.engine = engine
+
+    def close(self) -> None:
+        self._live.stop()
+
+    def render(self) -> Group:
+        m = self.metrics
+        elapsed = max(m.now(), 1e-9)
+        total = max(m.total_rows, 1)
+        done = m.done_rows + m.skipped_rows
+        rate = m.done_rows / elapsed
+        remaining = m.total_rows - done
+        eta = remaining / rate if rate > 0 else None
+        recent = [s for s in m.steps[-200:] if s.t >= elapsed - 5.0]
+        span = (recent[-1].t - recent[0].t) if len(recent) > 1 else 0.0
+        recent_out = sum(s.output_tokens for s in recent[1:]) / span if span > 0 else 0.0
+        recent_prompt = sum(s.prefill_tokens for s in recent[1:]) / span if span > 0 else 0.0
+        engine = self.engine
+        running = len(engine.scheduler.running) if engine else 0
+        waiting = engine.scheduler.num_waiting if engine else 0
+        stats = engine.scheduler.stats if engine else None
+        kv_used = engine.pool.num_used if engine else 0
+        kv_total = engine.pool.num_blocks if engine else 1
+        last = m.steps[-1] if m.steps else None
+
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="bold cyan")
+        table.add_column()
+        table.add_row("rows", f"{done}/{m.total_rows}  errors {m.error_rows}  ETA {format_eta(eta)}")
+        table.add_row("output tok/s", f"{recent_out:,.1f} recent  {m.output_tokens / elapsed:,.1f} overall")
+        table.add_row("prompt tok/s", f"{recent_prompt:,.1f} recent  {m.prompt_tokens / elapsed:,.1f} overall")
+        table.add_row("batch", f"running {running}  waiting {waiting}  preempted {stats.preemptions if stats else 0}")
+        table.add_row("occupancy", f"{running / self.max_num_seqs:.0%} of {self.max_num_seqs} seqs")
+        table.add_row("token budget", f"{(last.scheduled_tokens if last else 0) / self.token_budget:.0%} of {self.token_budget} per step")
+        table.add_row("KV blocks", f"{kv_used}/{kv_total} ({kv_used / max(kv_total, 1):.0%})")
+        table.add_row("occupancy ▸", sparkline([s.running / self.max_num_seqs for s in m.steps[-2000:]]))
+        return Group(
+            Text("cbatch run", style="bold"),
+            ProgressBar(total=total, completed=done, width=60),
+            table,
+        )
+
