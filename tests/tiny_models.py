@@ -37,13 +37,13 @@ ARCHS: dict[str, dict] = {
 }
 
 
-def make_checkpoint(arch: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+def make_checkpoint(arch: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> Path:
     """Writes config.json + model.safetensors (+ generation_config.json) for `arch` into `path`."""
     import transformers
 
     spec = dict(ARCHS[arch])
     cls = getattr(transformers, spec.pop("cls"))
-    config = cls(**{**BASE, **spec})
+    config = cls(**{**BASE, **spec, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(path)

@@ -1,0 +1,24 @@
+"""Small helpers shared by the engine tests."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from cbatch.config import EngineConfig, SamplingParams
+from cbatch.engine.engine import Engine, run_to_completion
+from cbatch.model.loader import read_checkpoint
+
+
+def make_engine(path: Path, **settings) -> Engine:
+    settings.setdefault("device", "cpu")
+    return Engine(EngineConfig(model=str(path), **settings), checkpoint=read_checkpoint(path))
+
+
+def random_prompts(n: int, vocab: int, seed: int, min_len: int = 1, max_len: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    per_row = params if isinstance(params, list) else [params] * len(prompts)
+    return [o.token_ids for o in run_to_completion(engine, prompts, per_row)]
