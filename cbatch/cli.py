@@ -69,6 +69,8 @@ def run(
     attention_backend: str = typer.Option("auto", help="auto | torch | triton (auto: triton on CUDA).", rich_help_panel=ENGINE_HELP),
     max_model_len: Optional[int] = typer.Option(None, help="Cap on prompt + completion tokens (default: the model's).", rich_help_panel=ENGINE_HELP),
     threads: Optional[int] = typer.Option(None, help="CPU threads for torch (default: torch's choice).", rich_help_panel=ENGINE_HELP),
+    gpu_memory_utilization: float = typer.Option(0.9, help="Share of GPU memory for weights + activations + KV cache.", rich_help_panel=ENGINE_HELP),
+    enforce_eager: bool = typer.Option(False, help="GPU: no CUDA graphs for decode steps.", rich_help_panel=ENGINE_HELP),
     max_tokens: int = typer.Option(256, help="Most tokens to generate per row.", rich_help_panel=SAMPLING_HELP),
     temperature: float = typer.Option(0.0, help="0 = greedy.", rich_help_panel=SAMPLING_HELP),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 = off).", rich_help_panel=SAMPLING_HELP),
@@ -98,6 +100,7 @@ def run(
         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_kv_blocks=num_kv_blocks,
         policy=policy, attention_backend=attention_backend, max_model_len=max_model_len,
         seed=seed if seed is not None else 0, num_threads=threads,
+        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
     )
     defaults = sampling_defaults(max_tokens, temperature, top_p, top_k, None, stop, ignore_eos)
     options = JobOptions(

@@ -29,6 +29,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0  # seed for requests that give none
     num_threads: int | None = None  # CPU threads for torch; None = torch's default
+    enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         def check(ok: bool, flag: str, fix: str) -> None:

@@ -7,6 +7,7 @@ from typing import Iterable, Sequence as Seq
 import torch
 
 from cbatch.config import ConfigError, EngineConfig, SamplingParams
+from cbatch.engine import memory
 from cbatch.engine.kv_blocks import BlockPool
 from cbatch.engine.policy import get_policy
 from cbatch.engine.runner import ModelRunner
@@ -15,6 +16,7 @@ from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
 from cbatch.model.loader import (
     Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir,
 )
+from cbatch.model.layers import use_fused_kernels
 from cbatch.model.spec import ModelSpec
 
 
@@ -51,33 +53,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def kv_pool_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_model_len: int) -> int:
-    """Blocks in the KV pool: forced by --num-kv-blocks, else from the memory budget (never more than useful)."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    bytes_per_block = spec.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * config.block_size
-    useful = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1 - config.gpu_memory_utilization) * total
-    elif config.kv_cache_memory_gb is not None:
-        budget = config.kv_cache_memory_gb * 2**30
-    else:
-        budget = min(4 * 2**30, 0.25 * _available_memory())
-    return max(1, min(useful, int(budget // bytes_per_block)))
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30
-
-
 class Engine:
     """Owns one model and runs requests through it, one step at a time."""
 
@@ -100,17 +75,36 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_dir = checkpoint.path if checkpoint is not None else None
         self.last_step = StepInfo()
-        num_blocks = kv_pool_blocks(config, self.spec, self.dtype, self.device, self.max_model_len)
+        use_triton = config.attention_backend == "triton" or (config.attention_backend == "auto" and self.device.type == "cuda")
+        if use_triton and self.device.type == "cuda":
+            use_fused_kernels(True)  # GPU path: RMSNorm, rotary and SiLU-and-mul through cbatch.kernels
+        num_blocks = self._kv_pool_blocks()
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             get_policy(config.policy), self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
-        self.runner = ModelRunner(
-            self.model, num_blocks, config.block_size, config.max_num_seqs, self.max_model_len,
-            self.device, self.dtype, config.attention_backend, config.seed,
-        )
+        self.runner = self._make_runner(num_blocks)
+        if self.device.type == "cuda" and use_triton and not config.enforce_eager:
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self._stop_checks: dict[int, list[str]] = {}
         self._next_id = 0
+
+    def _make_runner(self, num_blocks: int) -> ModelRunner:
+        c = self.config
+        return ModelRunner(
+            self.model, num_blocks, c.block_size, c.max_num_seqs, self.max_model_len,
+            self.device, self.dtype, c.attention_backend, c.seed,
+        )
+
+    def _kv_pool_blocks(self) -> int:
+        """Forced by --num-kv-blocks, else from the memory budget (GPU: after a profiled dummy step)."""
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if self.device.type != "cuda":
+            return memory.cpu_kv_blocks(c, self.spec, self.dtype, self.max_model_len)
+        peak = memory.profile_activation_peak(self._make_runner, c, self.max_model_len)
+        return memory.gpu_kv_blocks(c, self.spec, self.dtype, self.max_model_len, peak)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":

@@ -77,6 +77,14 @@ class ModelRunner:
         # +max_num_seqs rows: static batching keeps finished members in the batch until their group ends
         self.block_tables = BlockTableBuffer(2 * max_num_seqs, max_blocks)
         self.forward_seconds = 0.0  # time inside the model call, for the report
+        self.graphs = None  # DecodeGraphs once `capture_decode_graphs` ran (CUDA + Triton backend)
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        from cbatch.engine.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.backend, self.kv, max_num_seqs, max_model_len, self.block_size, self.device)
+        graphs.capture_all()
+        self.graphs = graphs
 
     def release(self, seq: Sequence) -> None:
         self.block_tables.release(seq)
@@ -88,9 +96,12 @@ class ModelRunner:
             self.block_tables.release(seq)
         batch = self._build(plan)
         start = time.perf_counter()
-        self.backend.prepare(batch.meta)
-        ctx = ForwardContext(self.backend, self.kv, batch.meta)
-        hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, hidden]
+        if self.graphs is not None and self.graphs.can_run(batch.meta, batch.input_ids.shape[0]):
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)  # [T, hidden]
+        else:
+            self.backend.prepare(batch.meta)
+            ctx = ForwardContext(self.backend, self.kv, batch.meta)
+            hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, hidden]
         if not batch.sampling_seqs:
             self.forward_seconds += time.perf_counter() - start
             return {}
