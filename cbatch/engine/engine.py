@@ -1,6 +1,7 @@
 """The step loop tying scheduler, runner and model together, and the library API (`LLM.generate`)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Iterable, Sequence as Seq
 
@@ -76,8 +77,13 @@ class Engine:
         self.model_dir = checkpoint.path if checkpoint is not None else None
         self.last_step = StepInfo()
         use_triton = config.attention_backend == "triton" or (config.attention_backend == "auto" and self.device.type == "cuda")
-        if use_triton and self.device.type == "cuda":
-            use_fused_kernels(True)  # GPU path: RMSNorm, rotary and SiLU-and-mul through cbatch.kernels
+        if use_triton and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(
+                "--attention-backend triton: on a CPU it runs only under the Triton interpreter "
+                "(TRITON_INTERPRET=1, for testing); use --attention-backend torch"
+            )
+        # The Triton path also routes RMSNorm, rotary and SiLU-and-mul through cbatch.kernels.
+        use_fused_kernels(use_triton)
         num_blocks = self._kv_pool_blocks()
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -139,13 +145,14 @@ class Engine:
         eos = frozenset(self.spec.eos_token_ids)
         seq = Sequence(seq_id=seq_id, prompt_ids=list(prompt_ids), params=params, eos_ids=eos)
         error = params.validate() or self.admission_error(len(prompt_ids), params)
+        if error is None and params.stop and self.tokenizer is None:
+            error = "stop strings need a tokenizer, and this model has none"
+
         if error is not None:
             seq.finish_reason, seq.error = FinishReason.ERROR, error
             seq.status = SequenceStatus.FINISHED
             return seq
         if params.stop:
-            if self.tokenizer is None:
-                raise ConfigError("stop strings need a tokenizer; this model has none")
             self._stop_checks[seq_id] = params.stop
         self.scheduler.add(seq)
         return seq
