@@ -2,6 +2,10 @@
 
     store_kv            write this step's K/V into the paged cache
     paged_attention     decode + chunked-prefill attention over the paged cache (optional split-KV)
+    rms_norm            HF-Llama RMSNorm
+    fused_add_rms_norm  residual add + RMSNorm in one pass
+    apply_rotary        NeoX/HF rotary embedding, in place
+    silu_and_mul        SwiGLU activation
 
 Importing this package never needs a GPU (Triton imports on CPU). Where Triton itself is missing
 (e.g. macOS), the names still import and raise ImportError when called, so the engine's CPU path keeps
@@ -23,15 +27,26 @@ except ImportError as _err:  # pragma: no cover - exercised only where triton is
 
     store_kv = _missing("store_kv")
     paged_attention = _missing("paged_attention")
+    rms_norm = _missing("rms_norm")
+    fused_add_rms_norm = _missing("fused_add_rms_norm")
+    apply_rotary = _missing("apply_rotary")
+    silu_and_mul = _missing("silu_and_mul")
     HAS_TRITON = False
 else:
+    from .activation import silu_and_mul
     from .kv_store import store_kv
     from .paged_attention import paged_attention
+    from .rmsnorm import fused_add_rms_norm, rms_norm
+    from .rotary import apply_rotary
 
     HAS_TRITON = True
 
 __all__ = [
     "HAS_TRITON",
+    "apply_rotary",
+    "fused_add_rms_norm",
     "paged_attention",
+    "rms_norm",
+    "silu_and_mul",
     "store_kv",
 ]
