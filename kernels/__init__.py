@@ -14,7 +14,9 @@ first import of triton).
 """
 
 try:
-    import triton  # noqa: F401
+    import triton as _triton  # probe only: the submodules below import it themselves
+
+    del _triton
 except ImportError as _err:  # pragma: no cover - exercised only where triton is absent
     _TRITON_IMPORT_ERROR = _err
 
