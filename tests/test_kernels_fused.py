@@ -53,9 +53,12 @@ def assert_close_to_eager(out, eager):
     as the GPU does, so under the interpreter the bf16 comparison is skipped (the float64 check stays)."""
     if INTERPRET and eager.dtype == torch.bfloat16:
         return
-    eps = torch.finfo(eager.dtype).eps
+    # 16-bit: two rounding steps of the dtype. fp32: 1e-5, since there the GPU may contract a multiply and
+    # an add into one FMA and its rsqrt/exp differ from torch's by an ulp or two (accuracy is covered by
+    # the float64 check; this comparison is about matching eager's 16-bit rounding).
+    rtol = 1e-5 if eager.dtype == torch.float32 else 2 * torch.finfo(eager.dtype).eps
     diff = (out.cpu().double() - eager.cpu().double()).abs()
-    assert (diff <= 2 * eps * eager.cpu().double().abs() + 1e-6).all(), f"max diff {diff.max().item():.3e}"
+    assert (diff <= rtol * eager.cpu().double().abs() + 1e-6).all(), f"max diff {diff.max().item():.3e}"
 
 
 def test_exports():
