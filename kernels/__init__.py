@@ -1,1 +1,54 @@
-"""Triton kernels for the GPU path, imported as `cbatch.kernels`."""
+"""Triton kernels for the GPU path, imported as `cbatch.kernels`.
+
+    store_kv            write this step's K/V into the paged cache
+    paged_attention     decode + chunked-prefill attention over the paged cache (optional split-KV)
+    rms_norm            HF-Llama RMSNorm
+    fused_add_rms_norm  residual add + RMSNorm in one pass
+    apply_rotary        NeoX/HF rotary embedding, in place
+    silu_and_mul        SwiGLU activation
+
+Importing this package never needs a GPU (Triton imports on CPU). Where Triton itself is missing
+(e.g. macOS), the names still import and raise ImportError when called, so the engine's CPU path keeps
+working. Kernels run on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (set it before the
+first import of triton).
+"""
+
+try:
+    import triton as _triton  # probe only: the submodules below import it themselves
+
+    del _triton
+except ImportError as _err:  # pragma: no cover - exercised only where triton is absent
+    _TRITON_IMPORT_ERROR = _err
+
+    def _missing(name):
+        def _fn(*args, **kwargs):
+            raise ImportError(f"cbatch.kernels.{name} needs triton, which failed to import: {_TRITON_IMPORT_ERROR}")
+
+        _fn.__name__ = name
+        return _fn
+
+    store_kv = _missing("store_kv")
+    paged_attention = _missing("paged_attention")
+    rms_norm = _missing("rms_norm")
+    fused_add_rms_norm = _missing("fused_add_rms_norm")
+    apply_rotary = _missing("apply_rotary")
+    silu_and_mul = _missing("silu_and_mul")
+    HAS_TRITON = False
+else:
+    from .activation import silu_and_mul
+    from .kv_store import store_kv
+    from .paged_attention import paged_attention
+    from .rmsnorm import fused_add_rms_norm, rms_norm
+    from .rotary import apply_rotary
+
+    HAS_TRITON = True
+
+__all__ = [
+    "HAS_TRITON",
+    "apply_rotary",
+    "fused_add_rms_norm",
+    "paged_attention",
+    "rms_norm",
+    "silu_and_mul",
+    "store_kv",
+]

@@ -1,0 +1,181 @@
+"""Compile the kernels for Hopper (sm_90) without a GPU, as real calls would launch them.
+
+    python -m cbatch.kernels._compile_check          # prints one line per kernel variant
+
+Triton's interpreter (what the tests use on a CPU machine) never lowers a kernel, so code that runs
+there can still fail to compile for a GPU (scalar/tensor type mismatches in loops, unsupported ops, tile
+shapes tl.dot rejects). This drives the public wrappers with small CPU tensors, intercepts each kernel
+launch, and compiles it with the same signature, constexprs, divisibility specialisation and launch
+options the JIT would use, down to a cubin through the ptxas that ships with Triton. It also reports
+registers, stack (spills) and shared memory per variant from the cubin.
+Exit status 1 if any variant fails to compile.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    raise SystemExit("run without TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+_TL_TYPE = {
+    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+    torch.int32: "i32", torch.int64: "i64",
+}
+_MODULES = ("paged_attention", "kv_store", "rmsnorm", "rotary", "activation")
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kwargs)` records the call."""
+
+    def __init__(self, jit_fn):
+        self.jit_fn = jit_fn
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((args, dict(kwargs)))
+
+        return launch
+
+
+def _arg_spec(value):
+    """(signature type, divisible-by-16) for a runtime argument, as the JIT would specialise it."""
+    if isinstance(value, torch.Tensor):
+        return "*" + _TL_TYPE[value.dtype], value.data_ptr() % 16 == 0
+    if isinstance(value, bool):
+        return "i1", False
+    if isinstance(value, int):
+        return ("i32" if -(2**31) <= value < 2**31 else "i64"), value % 16 == 0
+    if isinstance(value, float):
+        return "fp32", False
+    raise TypeError(f"unexpected kernel argument {value!r}")
+
+
+def _cubin_resources(cubin: bytes) -> str:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        return "(no cuobjdump)"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", text)
+    return f"regs={m.group(1):>3} stack={m.group(2):>4}B" if m else text.strip()
+
+
+def compile_call(jit_fn, args, kwargs, arch: int = 90):
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(jit_fn.params):
+        name = param.name
+        value = args[i] if i < len(args) else kwargs[name]
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[name] = value
+        else:
+            signature[name], div16 = _arg_spec(value)
+            if div16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(jit_fn, signature, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _drive():
+    """Call every wrapper on the shapes the engine will use (bf16 mostly; fp32/fp16 for the tests)."""
+    from cbatch.kernels import apply_rotary, fused_add_rms_norm, paged_attention, rms_norm, silu_and_mul, store_kv
+
+    def attention(label, dtype, num_q_heads, num_kv_heads, head_dim, q_lens, seq_len, block_size=16,
+                  sliding_window=None, num_splits=None):
+        num_seqs = len(q_lens)
+        blocks = -(-seq_len // block_size)
+        q = torch.empty(sum(q_lens), num_q_heads, head_dim, dtype=dtype)
+        cache = torch.empty(blocks * num_seqs, block_size, num_kv_heads, head_dim, dtype=dtype)
+        qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+        paged_attention(q, cache, cache, torch.empty_like(q), qsl,
+                        torch.full((num_seqs,), seq_len, dtype=torch.int32),
+                        torch.zeros(num_seqs, blocks, dtype=torch.int32), head_dim ** -0.5,
+                        max(q_lens), seq_len, sliding_window=sliding_window, num_splits=num_splits)
+        return label
+
+    yield attention("decode Qwen3-0.6B B64 ctx2048", torch.bfloat16, 16, 8, 128, [1] * 64, 2048)
+    yield attention("decode Qwen3-0.6B B4 ctx8192 (auto split)", torch.bfloat16, 16, 8, 128, [1] * 4, 8192)
+    yield attention("decode Llama-8B G4 B16", torch.bfloat16, 32, 8, 128, [1] * 16, 4096)
+    yield attention("decode G8 block32", torch.bfloat16, 64, 8, 128, [1] * 8, 1024, block_size=32)
+    yield attention("mixed Qwen3-0.6B prefill 512 + decode", torch.bfloat16, 16, 8, 128, [512, 1, 1], 1024)
+    yield attention("mixed Llama-8B G4 prefill", torch.bfloat16, 32, 8, 128, [256, 1], 512)
+    yield attention("mixed G8 sliding window", torch.bfloat16, 64, 8, 128, [128, 1], 4096, sliding_window=1024)
+    yield attention("mixed fp16 hd64 G1 forced split", torch.float16, 8, 8, 64, [64, 1], 256, num_splits=3)
+    yield attention("mixed bf16 hd96 G4", torch.bfloat16, 16, 4, 96, [64, 1], 256)
+    yield attention("mixed bf16 hd256 G8", torch.bfloat16, 16, 2, 256, [64, 1], 256)
+    yield attention("mixed fp32 hd128 G4 (tests only)", torch.float32, 8, 2, 128, [64, 1], 256)
+
+    qkv = torch.empty(256, (16 + 2 * 8) * 128, dtype=torch.bfloat16)
+    k = qkv[:, 16 * 128 : 24 * 128].view(256, 8, 128)
+    v = qkv[:, 24 * 128 :].view(256, 8, 128)
+    cache = torch.empty(32, 16, 8, 128, dtype=torch.bfloat16)
+    store_kv(k, v, cache, cache, torch.zeros(256, dtype=torch.int64))
+    yield "store_kv bf16 8x128 (qkv views)"
+    q = qkv[:, : 16 * 128].view(256, 16, 128)
+    apply_rotary(q, k, torch.zeros(256, dtype=torch.int64), torch.empty(4096, 128))
+    yield "rotary bf16 16+8 heads x 128 (qkv views)"
+    for hidden in (1024, 4096):
+        x = torch.empty(256, hidden, dtype=torch.bfloat16)
+        w = torch.empty(hidden, dtype=torch.bfloat16)
+        rms_norm(x, w, 1e-6)
+        yield f"rms_norm bf16 hidden {hidden}"
+        fused_add_rms_norm(x, x, w, 1e-6)
+        yield f"fused_add_rms_norm bf16 hidden {hidden}"
+    silu_and_mul(torch.empty(256, 2 * 3072, dtype=torch.bfloat16))
+    yield "silu_and_mul bf16 I=3072"
+
+
+def main(arch: int = 90) -> int:
+    modules = [importlib.import_module(f"cbatch.kernels.{m}") for m in _MODULES]
+    recorders = {}
+    for mod in modules:
+        # the wrappers check for CUDA tensors; nothing is launched here, so CPU tensors are fine
+        mod.check_launchable = lambda *tensors: torch.device("cpu")
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
+                recorders[name] = rec = _Recorder(obj)
+                setattr(mod, name, rec)
+
+    failures = 0
+    seen = set()
+    for label in _drive():
+        for name, rec in recorders.items():
+            for args, kwargs in rec.calls:
+                t0 = time.time()
+                try:
+                    compiled = compile_call(rec.jit_fn, args, kwargs, arch)
+                except Exception as err:  # report every failing variant, then fail
+                    failures += 1
+                    print(f"FAIL  {label:45s} {name}: {type(err).__name__}: {err}")
+                    continue
+                key = compiled.asm["cubin"]
+                note = "" if key not in seen else " (same binary as above)"
+                seen.add(key)
+                ptx = compiled.asm["ptx"]
+                mma = "wgmma" if "wgmma" in ptx else ("mma" if "mma.sync" in ptx else "-")
+                print(f"ok    {label:45s} {name:26s} {_cubin_resources(compiled.asm['cubin'])} "
+                      f"smem={compiled.metadata.shared:>6}B mma={mma:5s} {time.time() - t0:4.1f}s{note}")
+            rec.calls.clear()
+    print(f"{failures} variant(s) failed to compile for sm_{arch}" if failures else f"all variants compile for sm_{arch}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 90))

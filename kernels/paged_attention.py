@@ -1,0 +1,416 @@
+"""Paged attention over the block-table KV cache: decode rows and chunked-prefill rows in one launch.
+
+Layout (per layer):
+    q, out               [num_tokens, num_q_heads, head_dim]      flat, unpadded batch of B sequences
+    k_cache, v_cache     [num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc      [B + 1] int32   sequence b owns q rows query_start_loc[b]:query_start_loc[b+1]
+    seq_lens             [B] int32       context length of b INCLUDING this step's tokens (already in the cache)
+    block_table          [B, max_blocks_per_seq] int32   logical block -> physical block
+
+Query row i of sequence b (0-based among its q_len rows) sits at absolute position
+p = seq_len - q_len + i and sees keys j <= p (and p - j < sliding_window when a window is set).
+
+Work decomposition (ideas after vLLM's unified Triton attention; this is an independent implementation):
+  * grid = (query blocks, kv heads[, kv splits]). A program owns BLOCK_Q consecutive query tokens of one
+    sequence and ONE kv head; the GROUP query heads that share that kv head are packed into the M dimension
+    of the tile (row r <-> token r // GROUP, head r % GROUP), so each K/V tile is read once per group.
+  * Programs find their sequence by binary search over query_start_loc (no host sync, no per-step
+    metadata). Query blocks are numbered so that sequence b's first block is
+    query_start_loc[b] // BLOCK_Q + b, which over-allocates at most one block per sequence; surplus
+    programs return at once. A decode-only batch (max_query_len == 1) skips the search: program = sequence.
+  * Keys are walked in tiles of TILE_N positions. The tile size is independent of the cache block size:
+    each key looks up its own physical block in the block table (a gather of TILE_N small ints that hit
+    L1), so any block size works and tiles may straddle blocks.
+  * Online softmax in fp32 in the log2 domain (scores pre-multiplied by scale * log2(e), exp2).
+  * Split-KV (flash-decoding): with few (sequence x kv head) programs and long contexts, a third grid
+    axis cuts each sequence's key tiles into NUM_SPLITS segments; each writes its normalised partial
+    output and log2-sum-exp, and a second small kernel merges them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_launchable, interpreting, next_pow2, on_device
+
+# Split-KV policy (decode-only batches). See _auto_num_splits.
+_MIN_KEYS_PER_SPLIT = 512  # below this a segment's fixed cost (q load, partial write, merge) starts to show
+_MAX_SPLITS = 16
+_DEFAULT_NUM_SMS = 132  # H100 SXM; used only when the inputs are not on a CUDA device (interpreter)
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest b in [0, num_seqs) whose first query block, query_start_loc[b] // BLOCK_Q + b, is <= q_block.
+
+    first(b) is strictly increasing in b and first(0) == 0, so the answer exists and is unique.
+    """
+    lo = tl.zeros((), dtype=tl.int32)  # invariant: first(lo) <= q_block
+    hi = num_seqs + lo                 # invariant: first(b) > q_block for every b >= hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        if first <= q_block:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """tl.dot with an fp32 accumulator. UPCAST (set only under TRITON_INTERPRET) converts the operands to
+    fp32 first: Triton's interpreter keeps bf16 as raw uint16 bits and hands those to np.matmul, which
+    yields garbage. bf16 values are exact in fp32 and the GPU accumulates in fp32, so numerics match."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [num_tokens, num_q_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    out_ptr,  # NUM_SPLITS == 1: out [num_tokens, num_q_heads, head_dim]
+    #           NUM_SPLITS > 1:  partial out, fp32 [num_tokens, num_q_heads, NUM_SPLITS, HEAD_DIM_PAD]
+    lse_ptr,  # NUM_SPLITS > 1: fp32 [num_tokens, num_q_heads, NUM_SPLITS] (log2-sum-exp); unused otherwise
+    query_start_loc_ptr,  # [B + 1]
+    seq_lens_ptr,  # [B]
+    block_table_ptr,  # [B, max_blocks_per_seq]
+    scale_log2,  # softmax scale * log2(e)
+    num_seqs,
+    num_q_heads,
+    sliding_window,  # only read when USE_WINDOW
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # next power of 2 >= HEAD_DIM (tile width; extra lanes masked)
+    BLOCK_SIZE: tl.constexpr,  # KV cache block size
+    GROUP: tl.constexpr,  # query heads per kv head
+    BLOCK_M: tl.constexpr,  # tile rows = (query token, group head) pairs
+    BLOCK_Q: tl.constexpr,  # query tokens per program = BLOCK_M // GROUP
+    TILE_N: tl.constexpr,  # keys per inner iteration
+    NUM_SPLITS: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,  # every sequence has q_len <= 1: program_id(0) is the sequence
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (tf32 would cost ~1e-3 accuracy), else "tf32" (ignored for 16-bit)
+    DOT_UPCAST: tl.constexpr,  # interpreter only: do bf16 dots in fp32 (see _dot)
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    if DECODE_ONLY:
+        seq = q_block
+        q_block_local = 0
+    else:
+        seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+        q_block_local = q_block - (tl.load(query_start_loc_ptr + seq).to(tl.int32) // BLOCK_Q + seq)
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
+    if q_block_local * BLOCK_Q >= q_len:
+        return  # surplus program of the over-allocated grid (or an empty sequence)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    ctx_len = seq_len - q_len  # keys cached before this step's tokens
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_n = tl.arange(0, TILE_N)
+    tok = q_block_local * BLOCK_Q + offs_m // GROUP  # [BLOCK_M] token index within the sequence's q rows
+    head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M] query head of each row
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)  # [BLOCK_M]
+    d_ok = offs_d < HEAD_DIM  # [HEAD_DIM_PAD]
+    q_pos = ctx_len + tok  # [BLOCK_M] absolute position of each row's token
+    row = (q_start + tok).to(tl.int64)  # [BLOCK_M] row in q / out
+
+    q = tl.load(
+        q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM_PAD]
+
+    # Key range this program needs: [key_lo, key_hi). Causality bounds it by the block's last token;
+    # the window by its first token.
+    last_tok = tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, q_len) - 1
+    key_hi = ctx_len + last_tok + 1
+    tile_lo = 0
+    if USE_WINDOW:
+        first_pos = ctx_len + q_block_local * BLOCK_Q
+        tile_lo = tl.maximum(first_pos - sliding_window + 1, 0) // TILE_N
+    tile_hi = tl.cdiv(key_hi, TILE_N)
+    if NUM_SPLITS > 1:
+        # Segments cut the sequence's whole key range, so every query block of a sequence sees the same cuts.
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), NUM_SPLITS)
+        tile_lo = tl.maximum(tile_lo, split * tiles_per_split)
+        tile_hi = tl.minimum(tile_hi, (split + 1) * tiles_per_split)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 domain)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)  # running unnormalised output
+    block_table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
+
+    for tile in range(tile_lo, tile_hi):
+        key = tile * TILE_N + offs_n  # [TILE_N] absolute key positions
+        key_ok = key < seq_len
+        phys = tl.load(block_table_row + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)  # [TILE_N]
+        in_block = key % BLOCK_SIZE
+        kv_mask = key_ok[None, :] & d_ok[:, None]  # [HEAD_DIM_PAD, TILE_N]
+        k = tl.load(
+            k_head_ptr + phys[None, :] * stride_kb + in_block[None, :] * stride_kt + offs_d[:, None],
+            mask=kv_mask,
+            other=0.0,
+        )  # [HEAD_DIM_PAD, TILE_N]
+        v = tl.load(
+            v_head_ptr + phys[:, None] * stride_vb + in_block[:, None] * stride_vt + offs_d[None, :],
+            mask=key_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [TILE_N, HEAD_DIM_PAD]
+
+        s = _dot(q, k, None, DOT_PRECISION, DOT_UPCAST) * scale_log2  # [BLOCK_M, TILE_N]
+        visible = key_ok[None, :] & (key[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (q_pos[:, None] - key[None, :] < sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, TILE_N]
+        alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M] rescale of what was accumulated so far
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    # Every real row sees at least its own key, so l_i > 0 there; the guard only keeps masked rows finite
+    # (and, with splits, segments that hold no visible key).
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM_PAD]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        part = (row * num_q_heads + head) * NUM_SPLITS + split  # [BLOCK_M] index into [T, Hq, NUM_SPLITS]
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=row_ok)
+        tl.store(out_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], o, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr,  # fp32 [num_tokens, num_q_heads, NUM_SPLITS, HEAD_DIM_PAD]
+    lse_ptr,  # fp32 [num_tokens, num_q_heads, NUM_SPLITS]
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    query_start_loc_ptr,  # [B + 1]; rows at or past query_start_loc[B] are padding nobody wrote
+    num_seqs,
+    num_q_heads,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if row >= tl.load(query_start_loc_ptr + num_seqs):
+        return
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_ok = offs_s < NUM_SPLITS
+    base = (row * num_q_heads + head) * NUM_SPLITS
+    lse = tl.load(lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))  # [SPLITS_PAD]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # cannot happen for a real row; keeps the guard NaN-free
+    w = tl.exp2(lse - m)  # [SPLITS_PAD] weight of each segment; 0 for empty segments
+    parts = tl.load(
+        part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+        mask=s_ok[:, None],
+        other=0.0,
+    )  # [SPLITS_PAD, HEAD_DIM_PAD]
+    total = tl.sum(w, 0)
+    total = tl.where(total > 0.0, total, 1.0)
+    o = tl.sum(parts * w[:, None], 0) / total  # [HEAD_DIM_PAD]
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _DEFAULT_NUM_SMS
+
+
+def _select_tiles(head_dim_pad: int, group: int, max_query_len: int, is_fp32: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps) for a launch.
+
+    Decode (max_query_len <= 1): a tile's rows are just the GROUP query heads of one kv head. tl.dot needs
+    at least 16 rows on the tensor cores, so the group is padded to 16 rows (GROUP > 16 uses next_pow2).
+    For GROUP = 2 that wastes 14 of 16 rows of MMA work, which does not matter: decode is bound by
+    streaming K/V from HBM (2 * TILE_N * head_dim * 2 bytes per tile against 2 * 16 * TILE_N * head_dim
+    FLOPs, ~4 FLOP/byte, far below the ~300 FLOP/byte the tensor cores could absorb).
+    TILE_N = 64 keys: a K plus a V tile is 64 * 128 * 2 * 2 B = 32 KiB in bf16, enough bytes in flight per
+    iteration to keep a few resident programs per SM streaming, with 2-3 pipeline stages fitting in shared
+    memory; ctx 2048 is 32 iterations.
+
+    Prefill: 64 rows (64 // GROUP tokens) per program: larger M raises arithmetic intensity (each K/V tile
+    is reused by 64 rows) while keeping the fp32 accumulator at 64 x 128 (32 KiB of registers per program,
+    fine for 4 warps). Small chunks shrink M to the rows they actually have.
+    head_dim 256 halves TILE_N to keep the K/V tiles and the score tile in registers.
+
+    fp32 (tests only: exact "ieee" dots run on FMA units, not tensor cores) uses at most 32 x 32 tiles;
+    at 64 x 64 the sm_90 build spills ~8 KB per thread (see kernels/_compile_check.py).
+    """
+    tile_n = 64 if head_dim_pad <= 128 else 32
+    if max_query_len <= 1:
+        block_m = max(16, next_pow2(group))
+    else:
+        block_m = max(64, next_pow2(group))
+        block_m = min(block_m, max(16, next_pow2(max_query_len * group)))
+    if is_fp32:
+        tile_n = 32
+        block_m = max(min(block_m, 32), next_pow2(group))
+    return block_m, tile_n, 4
+
+
+def _auto_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                     device: torch.device) -> int:
+    """How many key segments per (sequence, kv head) for a launch.
+
+    Only decode-only batches split: a batch with prefill rows has many query blocks and its time is
+    dominated by prefill compute. A decode launch has num_seqs * num_kv_heads programs, each streaming
+    one sequence's K/V for one head. With fewer than ~2 programs per SM the HBM pipe is not kept busy
+    (each program has a bounded number of loads in flight), so split until there are ~4 programs per SM,
+    but never make a segment shorter than _MIN_KEYS_PER_SPLIT keys (per-segment overhead: reading q,
+    writing HEAD_DIM+1 fp32 per row, the merge kernel) and never more than _MAX_SPLITS.
+    Uses host integers only (no device sync).
+    """
+    if max_query_len > 1:
+        return 1
+    sms = _num_sms(device)
+    programs = max(1, num_seqs * num_kv_heads)
+    if programs >= 2 * sms:
+        return 1
+    want = -(-4 * sms // programs)
+    splits = min(want, max_seq_len // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS)
+    return splits if splits >= 2 else 1
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of the flat batch `q` against the paged KV cache; writes and returns `out`.
+
+    max_query_len / max_seq_len are host-side upper bounds of the per-sequence q_len / seq_len (they pick
+    tile shapes and the split count; nothing is read back from the device). num_splits forces the
+    split-KV factor (1 = no split); None chooses automatically.
+    Rows of `out` past query_start_loc[-1] (padding) are left untouched.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape  # q: [num_tokens, num_q_heads, head_dim]
+    num_blocks, block_size, num_kv_heads, kv_head_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    if kv_head_dim != head_dim or out.shape != q.shape:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, out {tuple(out.shape)}, cache {tuple(k_cache.shape)}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    device = check_launchable(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table)
+
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    head_dim_pad = max(16, next_pow2(head_dim))
+    block_m, tile_n, num_warps = _select_tiles(head_dim_pad, group, max_query_len, q.dtype == torch.float32)
+    block_q = block_m // group
+    decode_only = max_query_len <= 1
+    # A window at least as long as any context masks nothing: drop it at compile time.
+    use_window = sliding_window is not None and sliding_window < max_seq_len
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if num_splits is None:
+        num_splits = _auto_num_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len, device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+    dot_upcast = interpreting() and q.dtype == torch.bfloat16
+    num_q_blocks = num_seqs if decode_only else num_tokens // block_q + num_seqs
+    grid = (num_q_blocks, num_kv_heads, num_splits)
+    if num_splits == 1:
+        target, lse = out, out  # lse_ptr is never read when NUM_SPLITS == 1
+    else:
+        target = torch.empty((num_tokens, num_q_heads, num_splits, head_dim_pad), dtype=torch.float32, device=device)
+        lse = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=device)
+
+    with on_device(device):
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, target, lse,
+            query_start_loc, seq_lens, block_table,
+            float(scale) * math.log2(math.e),
+            num_seqs,
+            num_q_heads,
+            int(sliding_window) if use_window else 0,
+            q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_table.stride(0),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_SIZE=block_size,
+            GROUP=group,
+            BLOCK_M=block_m,
+            BLOCK_Q=block_q,
+            TILE_N=tile_n,
+            NUM_SPLITS=num_splits,
+            DECODE_ONLY=decode_only,
+            USE_WINDOW=use_window,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_UPCAST=dot_upcast,
+            num_warps=num_warps,
+        )
+        if num_splits > 1:
+            _merge_splits_kernel[(num_tokens, num_q_heads)](
+                target, lse, out, query_start_loc,
+                num_seqs,
+                num_q_heads,
+                out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=head_dim_pad,
+                NUM_SPLITS=num_splits,
+                SPLITS_PAD=next_pow2(num_splits),
+                num_warps=4,
+            )
+    return out

@@ -1,0 +1,293 @@
+"""Paged attention and KV-cache store kernels against float64 PyTorch references.
+
+Runs on a GPU when one is present; otherwise through Triton's CPU interpreter (TRITON_INTERPRET=1 is set
+below before anything imports triton, so plain `pytest` works). Shapes are kept small on purpose: the
+interpreter executes every program in numpy.
+"""
+
+import importlib
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+
+import pytest
+
+pytest.importorskip("triton")
+
+from cbatch.kernels import paged_attention, store_kv  # noqa: E402
+# the submodule, not the function of the same name that the package exports
+pa_mod = importlib.import_module("cbatch.kernels.paged_attention")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cpu" if INTERPRET else "cuda"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("no CUDA device and TRITON_INTERPRET is off", allow_module_level=True)
+if INTERPRET and type(pa_mod._paged_attention_kernel).__name__ != "InterpretedFunction":
+    pytest.skip(
+        "cbatch.kernels was imported before TRITON_INTERPRET=1 was set; run with TRITON_INTERPRET=1",
+        allow_module_level=True,
+    )
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------------
+
+
+def make_batch(spec, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, q_padding=0):
+    """A flat batch from spec = [(q_len, seq_len), ...] with a randomly permuted, non-contiguous block table.
+
+    The whole cache (also slots past each seq_len and unused blocks) holds random data, and unused
+    block-table entries point at random blocks, so reading anything outside the visible context shows up
+    in the result. q gets `q_padding` extra rows past query_start_loc[-1].
+    """
+    g = torch.Generator().manual_seed(seed)
+    q_lens = [ql for ql, _ in spec]
+    seq_lens = [sl for _, sl in spec]
+    assert all(0 <= ql <= sl for ql, sl in spec)
+    blocks_per_seq = [-(-sl // block_size) for sl in seq_lens]
+    max_blocks = max(blocks_per_seq) + 1
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    block_table = torch.randint(0, num_blocks, (len(spec), max_blocks), generator=g, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        block_table[b, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    num_tokens = sum(q_lens) + q_padding
+    q = torch.randn(num_tokens, num_q_heads, head_dim, generator=g).to(dtype)
+    query_start_loc = torch.zeros(len(spec) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    return dict(
+        q=to(q),
+        k_cache=to(k_cache),
+        v_cache=to(v_cache),
+        query_start_loc=to(query_start_loc),
+        seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)),
+        block_table=to(block_table),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, sliding_window=None):
+    """Per-sequence float64 attention; returns [num_tokens, num_q_heads, head_dim] (padding rows zero)."""
+    q, k_cache, v_cache = q.cpu().double(), k_cache.cpu().double(), v_cache.cpu().double()
+    query_start_loc, seq_lens, block_table = query_start_loc.cpu(), seq_lens.cpu(), block_table.cpu()
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.zeros_like(q)
+    for b in range(seq_lens.shape[0]):
+        start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        seq_len, q_len = int(seq_lens[b]), end - start
+        if q_len == 0:
+            continue
+        j = torch.arange(seq_len)
+        phys = block_table[b, j // block_size].long()
+        k = k_cache[phys, j % block_size].repeat_interleave(group, dim=1)  # [seq_len, Hq, D]
+        v = v_cache[phys, j % block_size].repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end], k) * scale  # [Hq, q_len, seq_len]
+        pos = (seq_len - q_len + torch.arange(q_len))[:, None]  # [q_len, 1] absolute positions
+        visible = j[None, :] <= pos
+        if sliding_window is not None:
+            visible &= (pos - j[None, :]) < sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def rel_err(out, ref):
+    return ((out.cpu().double() - ref).norm() / ref.norm()).item()
+
+
+def run_and_check(batch, dtype, sliding_window=None, num_splits=None, out=None):
+    q = batch["q"]
+    scale = q.shape[-1] ** -0.5
+    if out is None:
+        out = torch.full_like(q, float("nan"))  # poison: every real row must be written
+    ret = paged_attention(
+        q, batch["k_cache"], batch["v_cache"], out, batch["query_start_loc"], batch["seq_lens"],
+        batch["block_table"], scale, batch["max_query_len"], batch["max_seq_len"],
+        sliding_window=sliding_window, num_splits=num_splits,
+    )
+    assert ret is out
+    ref = reference_attention(q, batch["k_cache"], batch["v_cache"], batch["query_start_loc"],
+                              batch["seq_lens"], batch["block_table"], scale, sliding_window)
+    n_real = int(batch["query_start_loc"][-1])
+    assert torch.isfinite(out[:n_real]).all(), "NaN/inf (or unwritten rows) in the output"
+    err = rel_err(out[:n_real], ref[:n_real])
+    assert err < TOL[dtype], f"relative error {err:.3e} >= {TOL[dtype]:.0e}"
+    return out
+
+
+# Decode rows (q_len 1) at contexts 1, 15, 17, 100; a chunked-prefill row with a cached prefix
+# (16 new tokens after 17 cached: crosses the 16/32 block boundaries); fresh prefills of 15 and 33.
+MIXED = [(1, 1), (1, 15), (1, 17), (1, 100), (16, 33), (15, 15), (33, 33)]
+# The same kinds of rows in fewer tokens, for split-KV cases: the interpreter runs the merge kernel as
+# one program per (token, head), which dominates their run time.
+MIXED_SMALL = [(1, 1), (1, 17), (1, 100), (16, 33), (15, 15)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# paged_attention
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_mixed_batch_fp32(block_size, head_dim, group):
+    num_kv_heads = 2
+    batch = make_batch(MIXED, group * num_kv_heads, num_kv_heads, head_dim, block_size, torch.float32,
+                       seed=block_size + head_dim + group)
+    run_and_check(batch, torch.float32, num_splits=None)  # a batch with prefill rows: auto = no split
+
+
+@pytest.mark.parametrize(
+    "block_size,head_dim,group,num_splits",
+    [(16, 64, 1, 2), (32, 128, 4, 3), (16, 128, 8, 5)],
+)
+def test_mixed_batch_forced_split(block_size, head_dim, group, num_splits):
+    """Split-KV on a batch with prefill rows; 5 splits of contexts only 1-4 key tiles long leave segments empty."""
+    batch = make_batch(MIXED_SMALL, group * 2, 2, head_dim, block_size, torch.float32, seed=7 + num_splits)
+    run_and_check(batch, torch.float32, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_decode_long_context_auto_split(num_splits):
+    """Decode-only batch with few programs and long contexts: the heuristic must choose split-KV;
+    forcing num_splits=1 runs the 2-D path on the same shapes."""
+    spec = [(1, 1), (1, 17), (1, 600), (1, 1500)]
+    num_kv_heads, group = 2, 4
+    auto = pa_mod._auto_num_splits(len(spec), num_kv_heads, 1, 1500, torch.device(DEVICE))
+    if DEVICE == "cpu":  # the CPU path assumes an H100's 132 SMs
+        assert auto == 1500 // pa_mod._MIN_KEYS_PER_SPLIT
+    batch = make_batch(spec, group * num_kv_heads, num_kv_heads, 128, 16, torch.float32, seed=3)
+    run_and_check(batch, torch.float32, num_splits=num_splits)
+
+
+def test_auto_split_policy():
+    dev = torch.device("cpu")  # 132 SMs assumed
+    assert pa_mod._auto_num_splits(8, 8, 1, 8192, dev) == 9  # 64 programs -> ceil(528 / 64)
+    assert pa_mod._auto_num_splits(8, 8, 1, 2048, dev) == 4  # capped by 2048 // 512 keys per split
+    assert pa_mod._auto_num_splits(256, 8, 1, 8192, dev) == 1  # 2048 programs fill the GPU
+    assert pa_mod._auto_num_splits(8, 8, 1, 700, dev) == 1  # context too short to be worth it
+    assert pa_mod._auto_num_splits(8, 8, 16, 8192, dev) == 1  # batches with prefill rows never split
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_batch_half_precision(dtype, num_splits):
+    batch = make_batch(MIXED if num_splits == 1 else MIXED_SMALL, 8, 2, 128, 16, dtype, seed=11)
+    run_and_check(batch, dtype, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sliding_window(num_splits):
+    # window 24: decode rows at 100 and 70 see only their last 24 keys; the prefill rows with prefix
+    # (q 16 of 60, q 40 of 40) have windows that start mid-tile and mid-block.
+    spec = [(1, 100), (1, 70), (16, 60), (40, 40), (1, 5)]
+    batch = make_batch(spec, 8, 2, 64, 16, torch.float32, seed=5)
+    run_and_check(batch, torch.float32, sliding_window=24, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_non_pow2_head_dim(head_dim):
+    batch = make_batch(MIXED, 4, 2, head_dim, 16, torch.float32, seed=head_dim)
+    run_and_check(batch, torch.float32)
+
+
+def test_non_pow2_group():
+    """GQA 7 (e.g. 28 q / 4 kv heads): 16-row tiles hold 2 tokens x 7 heads, the last 2 rows are padding."""
+    batch = make_batch(MIXED, 14, 2, 64, 16, torch.float32, seed=77)
+    run_and_check(batch, torch.float32)
+
+
+def test_small_tiles_many_q_blocks(monkeypatch):
+    """16-row / 16-key tiles: with GQA 4 a program holds 4 tokens, so prefill rows span many query
+    blocks (exercising the binary search and the surplus-program exit) and contexts span many key tiles
+    inside 32-slot blocks; sliding windows then start at many different offsets within a tile. Also: q is a strided view of a packed qkv tensor, and out has padding rows
+    past query_start_loc[-1] that must stay untouched."""
+    monkeypatch.setattr(pa_mod, "_select_tiles", lambda *args: (16, 16, 4))
+    spec = [(1, 40), (33, 70), (1, 1), (9, 9), (2, 34)]
+    num_q_heads, num_kv_heads, head_dim = 8, 2, 64
+    batch = make_batch(spec, num_q_heads, num_kv_heads, head_dim, 32, torch.float32, seed=13, q_padding=3)
+    num_tokens = batch["q"].shape[0]
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, device=DEVICE)
+    q_view = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
+    q_view.copy_(batch["q"])
+    batch["q"] = q_view
+    assert not q_view.is_contiguous()
+    out = torch.full((num_tokens, num_q_heads, head_dim), float("nan"), device=DEVICE)
+    n_real = int(batch["query_start_loc"][-1])
+    out[n_real:] = 123.0
+    # windows 5 and 19 put the first needed key of some query blocks on the last key of a 16-key tile
+    for num_splits, window in ((1, None), (3, 19), (2, 5)):
+        out[:n_real] = float("nan")
+        run_and_check(batch, torch.float32, sliding_window=window, num_splits=num_splits, out=out)
+        assert (out[n_real:] == 123.0).all(), "padding rows were written"
+
+
+def test_store_then_attend():
+    """Prefill 20 tokens through store_kv, then a decode step: the engine's real call order."""
+    num_q_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    g = torch.Generator().manual_seed(21)
+    num_blocks = 6
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(DEVICE)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(DEVICE)
+    block_table = torch.tensor([[4, 1, 3]], dtype=torch.int32, device=DEVICE)
+    for start, q_len in ((0, 20), (20, 1)):
+        pos = torch.arange(start, start + q_len)
+        slots = (block_table[0].cpu()[pos // block_size].long() * block_size + pos % block_size).to(DEVICE)
+        key = torch.randn(q_len, num_kv_heads, head_dim, generator=g).to(DEVICE)
+        value = torch.randn(q_len, num_kv_heads, head_dim, generator=g).to(DEVICE)
+        store_kv(key, value, k_cache, v_cache, slots)
+        batch = dict(
+            q=torch.randn(q_len, num_q_heads, head_dim, generator=g).to(DEVICE),
+            k_cache=k_cache, v_cache=v_cache,
+            query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor([start + q_len], dtype=torch.int32, device=DEVICE),
+            block_table=block_table, max_query_len=q_len, max_seq_len=start + q_len,
+        )
+        run_and_check(batch, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# store_kv
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_store_kv(dtype, block_size, head_dim):
+    g = torch.Generator().manual_seed(block_size + head_dim)
+    num_tokens, num_q_heads, num_kv_heads, num_blocks = 11, 4, 2, 4
+    # key/value as strided views of a packed qkv projection, like the model produces them
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype).to(DEVICE)
+    kv = qkv[:, num_q_heads * head_dim :].view(num_tokens, 2 * num_kv_heads, head_dim)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[[2, 5, 6]] = -1  # padding tokens
+    slot_mapping = slots.to(DEVICE)
+
+    store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    k_expect, v_expect = k_before.clone(), v_before.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            k_expect[s // block_size, s % block_size] = key[t]
+            v_expect[s // block_size, s % block_size] = value[t]
+    assert torch.equal(k_cache, k_expect)  # written slots exact, every other slot untouched
+    assert torch.equal(v_cache, v_expect)

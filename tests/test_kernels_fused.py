@@ -1,0 +1,203 @@
+"""RMSNorm (+ residual), rotary embedding and SwiGLU kernels against float64 references and HF eager math.
+
+Runs on a GPU when one is present; otherwise through Triton's CPU interpreter (TRITON_INTERPRET=1 is set
+below before anything imports triton, so plain `pytest` works).
+"""
+
+import importlib
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+
+import pytest
+
+pytest.importorskip("triton")
+
+import cbatch.kernels as kernels  # noqa: E402
+from cbatch.kernels import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cpu" if INTERPRET else "cuda"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("no CUDA device and TRITON_INTERPRET is off", allow_module_level=True)
+if INTERPRET and type(importlib.import_module("cbatch.kernels.rmsnorm")._rms_norm_kernel).__name__ != "InterpretedFunction":
+    pytest.skip(
+        "cbatch.kernels was imported before TRITON_INTERPRET=1 was set; run with TRITON_INTERPRET=1",
+        allow_module_level=True,
+    )
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def randn(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
+
+def check(out, ref, dtype):
+    assert torch.isfinite(out).all(), "NaN/inf in the output"
+    ref = ref.cpu().double()
+    err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+    assert err < TOL[dtype], f"relative error {err:.3e} >= {TOL[dtype]:.0e}"
+
+
+def assert_close_to_eager(out, eager):
+    """Same-dtype eager torch (the HF code path) should agree to ~1 rounding step of the dtype.
+
+    The kernels round every intermediate where eager torch does, so on a GPU they match eager to the last
+    bit or two. Triton's interpreter (3.9) converts fp32 -> bf16 by truncation, not round-to-nearest-even
+    as the GPU does, so under the interpreter the bf16 comparison is skipped (the float64 check stays)."""
+    if INTERPRET and eager.dtype == torch.bfloat16:
+        return
+    # 16-bit: two rounding steps of the dtype. fp32: 1e-5, since there the GPU may contract a multiply and
+    # an add into one FMA and its rsqrt/exp differ from torch's by an ulp or two (accuracy is covered by
+    # the float64 check; this comparison is about matching eager's 16-bit rounding).
+    rtol = 1e-5 if eager.dtype == torch.float32 else 2 * torch.finfo(eager.dtype).eps
+    diff = (out.cpu().double() - eager.cpu().double()).abs()
+    assert (diff <= rtol * eager.cpu().double().abs() + 1e-6).all(), f"max diff {diff.max().item():.3e}"
+
+
+def test_exports():
+    for name in ("store_kv", "paged_attention", "rms_norm", "fused_add_rms_norm", "apply_rotary", "silu_and_mul"):
+        assert callable(getattr(kernels, name))
+    assert kernels.HAS_TRITON
+
+
+# ----------------------------------------------------------------------------------------------------
+# RMSNorm
+# ----------------------------------------------------------------------------------------------------
+
+
+def hf_rms_norm(x, weight, eps):
+    """transformers' LlamaRMSNorm.forward, in the input dtype."""
+    h = x.to(torch.float32)
+    var = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(var + eps)
+    return weight * h.to(x.dtype)
+
+
+def ref_rms_norm(x, weight, eps):
+    h = x.cpu().double()
+    return weight.cpu().double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("hidden", [64, 1000, 4096])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(dtype, hidden):
+    eps = 1e-6
+    x = randn(7, hidden, dtype=dtype, seed=hidden)
+    weight = (1.0 + 0.1 * randn(hidden, dtype=torch.float32, seed=1)).to(dtype)
+    out = rms_norm(x, weight, eps)
+    assert out.dtype == dtype and out.shape == x.shape
+    check(out, ref_rms_norm(x, weight, eps), dtype)
+    assert_close_to_eager(out, hf_rms_norm(x, weight, eps))
+
+
+@pytest.mark.parametrize("hidden", [64, 1000, 4096])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm(dtype, hidden):
+    eps = 1e-5
+    x = randn(5, hidden, dtype=dtype, seed=hidden)
+    residual = randn(5, hidden, dtype=dtype, seed=hidden + 1)
+    weight = (1.0 + 0.1 * randn(hidden, dtype=torch.float32, seed=2)).to(dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+    out, new_residual = fused_add_rms_norm(x, residual, weight, eps)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before), "inputs were modified"
+    summed = x + residual  # eager: the sum is rounded to the activation dtype
+    if INTERPRET and dtype == torch.bfloat16:  # interpreter truncates fp32 -> bf16: within one ulp
+        diff = (new_residual.double() - summed.double()).abs()
+        assert (diff <= torch.finfo(dtype).eps * summed.double().abs()).all()
+    else:
+        assert torch.equal(new_residual, summed)
+    check(out, ref_rms_norm(summed, weight, eps), dtype)
+    assert_close_to_eager(out, hf_rms_norm(summed, weight, eps))
+
+
+def test_rms_norm_strided_rows():
+    """Rows of a wider tensor (stride 2 * hidden) are read through the row stride."""
+    wide = randn(6, 2 * 256, dtype=torch.float32, seed=9)
+    x = wide[:, :256]
+    weight = randn(256, dtype=torch.float32, seed=10)
+    check(rms_norm(x, weight, 1e-6), ref_rms_norm(x, weight, 1e-6), torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rotary
+# ----------------------------------------------------------------------------------------------------
+
+
+def make_cos_sin_cache(max_pos, head_dim, base=10000.0):
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)  # [max_pos, head_dim / 2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)  # [max_pos, head_dim]
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def hf_rotary(x, positions, cache):
+    """transformers' apply_rotary_pos_emb: cos/sin cast to x's dtype, math in x's dtype."""
+    half = x.shape[-1] // 2
+    c, s = cache[positions, :half], cache[positions, half:]
+    cos = torch.cat([c, c], -1).to(x.dtype)[:, None, :]
+    sin = torch.cat([s, s], -1).to(x.dtype)[:, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+def ref_rotary(x, positions, cache):
+    half = x.shape[-1] // 2
+    c, s = cache.cpu().double()[positions.cpu(), :half], cache.cpu().double()[positions.cpu(), half:]
+    cos, sin = torch.cat([c, c], -1)[:, None, :], torch.cat([s, s], -1)[:, None, :]
+    x = x.cpu().double()
+    return x * cos + rotate_half(x) * sin
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary(dtype, head_dim, heads):
+    num_q_heads, num_kv_heads = heads
+    num_tokens, max_pos = 9, 4096
+    cache = make_cos_sin_cache(max_pos, head_dim)
+    g = torch.Generator().manual_seed(head_dim)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=g, dtype=torch.int64)
+    positions[:3] = torch.tensor([0, 1, max_pos - 1])
+    positions = positions.to(DEVICE)
+    # q and k as strided views of a packed qkv projection: the kernel must go through the strides
+    qkv = randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=head_dim + num_q_heads)
+    qkv_before = qkv.clone()
+    q = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
+    k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    q0, k0 = q.clone(), k.clone()
+
+    apply_rotary(q, k, positions, cache)
+
+    check(q, ref_rotary(q0, positions, cache), dtype)
+    check(k, ref_rotary(k0, positions, cache), dtype)
+    assert_close_to_eager(q, hf_rotary(q0, positions, cache))
+    assert_close_to_eager(k, hf_rotary(k0, positions, cache))
+    v_start = (num_q_heads + num_kv_heads) * head_dim
+    assert torch.equal(qkv[:, v_start:], qkv_before[:, v_start:]), "v columns were touched"
+
+
+# ----------------------------------------------------------------------------------------------------
+# SwiGLU
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inter", [300, 2500])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype, inter):
+    x = randn(6, 2 * inter, dtype=dtype, seed=inter)
+    out = silu_and_mul(x)
+    assert out.dtype == dtype and out.shape == (6, inter)
+    xd = x.cpu().double()
+    ref = torch.nn.functional.silu(xd[:, :inter]) * xd[:, inter:]
+    check(out, ref, dtype)
+    assert_close_to_eager(out, torch.nn.functional.silu(x[:, :inter]) * x[:, inter:])
