@@ -32,7 +32,8 @@ class RMSNorm(nn.Module):
         if _FUSED["on"]:
             from cbatch.kernels import rms_norm
 
-            return rms_norm(x, self.weight, self.eps)
+            # the kernel takes [rows, hidden]; Qwen3's per-head q/k norms come as [T, heads, head_dim]
+            return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
