@@ -241,7 +241,7 @@ class JobRunner:
         self.state.append(record)
 
 
-def run_job(options: JobOptions, make_engine=Engine.from_config, make_progress=None) -> int:
+def run_job(options: JobOptions, make_engine=None, make_progress=None) -> int:
     """The whole `cbatch run`. Raises JobError (or a model/config error) for a bad job: exit 2, nothing written.
 
     Order matters: every check that can refuse the job (paths, input, model config, lock, resume
@@ -259,7 +259,7 @@ def run_job(options: JobOptions, make_engine=Engine.from_config, make_progress=N
     except StateError as exc:
         raise JobError(str(exc)) from None
     try:
-        engine = make_engine(config)
+        engine = (make_engine or Engine.from_config)(config)
     except (ModelLoadError, UnsupportedModelError, ConfigError):
         raise
     except Exception as exc:  # damaged weights and the like: one line, not a traceback
