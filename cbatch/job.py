@@ -111,10 +111,12 @@ def resolve_job(options: JobOptions) -> tuple[dict[str, str], EngineConfig]:
 
 
 def read_checkpoint_or_fail(model_dir: Path):
+    """The checkpoint's config (no weights); a bad folder is a JobError whose message names it."""
     try:
         return read_checkpoint(model_dir)
-    except (ModelLoadError, UnsupportedModelError):
-        raise
+    except (ModelLoadError, UnsupportedModelError) as exc:
+        message = str(exc)
+        raise JobError(message if str(model_dir) in message else f"--model {model_dir}: {message}") from None
     except (OSError, ValueError) as exc:  # e.g. a damaged generation_config.json
         raise JobError(f"--model {model_dir}: cannot read the checkpoint ({exc}); it looks damaged") from None
 
