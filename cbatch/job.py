@@ -146,7 +146,7 @@ class JobRunner:
         while True:
             if interrupt.signum is not None:
                 return EXIT_SIGINT if interrupt.signum == signal.SIGINT else EXIT_SIGTERM
-            while not exhausted and engine.scheduler.num_waiting < self.options.lookahead:
+            while not exhausted and engine.scheduler.num_waiting < self.options.lookahead and interrupt.signum is None:
                 item = next(rows, None)
                 if item is None:
                     exhausted = True
