@@ -27,7 +27,7 @@ def token_rows(n: int, vocab: int, seed: int, bad_every: int = 0) -> list[dict |
                                     {"id": f"r{i}", "prompt_token_ids": [vocab + 7]}]))
             continue
         row = {"id": f"r{i}", "prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randint(1, 30))],
-               "max_tokens": rng.randint(2, 12)}
+               "max_tokens": rng.randint(2, 8)}
         if i % 3 == 1:
             row["temperature"] = 0.9
             if i % 2:

@@ -22,7 +22,7 @@ def job(tiny_checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("ops-resume")
     rows = token_rows(N_ROWS, vocab=384, seed=11, bad_every=37)
     source = write_jsonl(root / "in.jsonl", rows)
-    flags = ["--model", str(tiny_checkpoints["llama"]), "--max-num-seqs", "16", "--token-ids", "--seed", "7",
+    flags = ["--model", str(tiny_checkpoints["llama"]), "--max-num-seqs", "32", "--token-ids", "--seed", "7",
              "--progress-interval", "0.5"]
     reference = root / "reference.jsonl"
     code, out, err = run_inprocess("run", str(source), "--out", str(reference), *flags)
@@ -213,4 +213,30 @@ def test_failed_final_write_keeps_rows_and_leaves_no_output(job, tmp_path, monke
     code, _, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"])
     assert code == 0 and "resuming: 30 of 30 rows" in err, err  # no bad row among the first 30
     assert read_jsonl(out) == job["reference"][:30]
+    assert leftovers(out) == set()
+
+
+def test_parquet_job_interrupted_and_resumed_equals_uninterrupted(job, tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [r for r in job["rows"] if isinstance(r, dict) and r.get("max_tokens", 1) > 0][:120]
+    source = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), source)  # missing temperature / seed become nulls
+    reference, out = tmp_path / "ref.parquet", tmp_path / "out.parquet"
+    code, _, err = run_inprocess("run", str(source), "--out", str(reference), *job["flags"])
+    assert code in (0, 1), err
+    _sigterm_after(monkeypatch, 4)
+    code, _, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"])
+    assert code == 143 and not out.exists(), err
+    monkeypatch.undo()
+    saved = part_lines(out)
+    assert 0 < saved < len(rows)
+    code, _, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"])
+    assert code in (0, 1) and f"resuming: {saved} of {len(rows)} rows" in err, err
+    got, want = pq.read_table(out).to_pylist(), pq.read_table(reference).to_pylist()
+    assert [r["id"] for r in got] == [r["id"] for r in rows]
+    assert got == want
+    sampled = [g for g, r in zip(got, rows) if r.get("temperature")]
+    assert sampled and all(g["completion_token_ids"] for g in sampled)
     assert leftovers(out) == set()
