@@ -235,6 +235,9 @@ class JobRunner:
         }, ok=True)
 
     def _store(self, record: dict[str, Any], ok: bool = False) -> None:
+        for key in ("id", "completion", "error"):  # JSON input may carry lone surrogates: not writable as UTF-8
+            if isinstance(record[key], str):
+                record[key] = record[key].encode("utf-8", "replace").decode("utf-8")
         if ok:
             self.metrics.ok_rows += 1
         else:

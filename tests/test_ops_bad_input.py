@@ -41,6 +41,7 @@ BAD = [
     (b'{"id": "b-topk", "prompt": "hi", "temperature": 1, "top_k": 100000000000000000000000}', "top_k must be a non-negative integer"),
     (b'{"id": "b-stop", "prompt": "hi", "stop": 5}', "stop must be a string or a list"),
     (b'{"id": "b-vocab", "prompt_token_ids": [1, 49152, 5]}', "token id 49152, outside the model's vocabulary (ids 0..49151)"),
+    (b'{"id": "b-surrogate", "prompt": "a\\udfffb"}', "`prompt` is not valid Unicode text (an unpaired surrogate at character 1)"),
     (b'{"id": "b-ids", "prompt_token_ids": [1, -2]}', "`prompt_token_ids` must be a non-empty list of non-negative integers"),
 ]
 

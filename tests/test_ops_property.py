@@ -24,7 +24,8 @@ FIELDS = ["prompt", "messages", "prompt_token_ids", "max_tokens", "temperature",
           "stop", "ignore_eos", "id", "custom_id", "body"]
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=8)
+    | st.sampled_from(["\ud800", "a\udfffb", "\u2028", "\x00"]),  # lone surrogates survive JSON escapes
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=4), inner, max_size=4),
     max_leaves=12,
 )

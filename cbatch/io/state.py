@@ -168,6 +168,7 @@ class JobState:
             done = self._load_parts()
             self._part_no = 1 + max((int(p.stem.split("-")[1]) for p in self.dir.glob("part-*.jsonl")), default=0)
             self._part = open(self.dir / f"part-{self._part_no:04d}.jsonl", "ab")
+            _fsync_dir(self.dir)  # the new part file's name survives a power loss too
         except BaseException:
             self._drop_lock()
             raise
@@ -242,7 +243,7 @@ class JobState:
     def append(self, record: dict[str, Any], sync_every: int = 64, sync_seconds: float = 2.0) -> None:
         """Persists one finished row; fsync in batches (a crash loses at most the unsynced tail)."""
         offset = self._part.tell()
-        self._part.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        self._part.write((json.dumps(record) + "\n").encode("ascii"))  # escaped: any str round-trips
         self._remember(record["index"], self._part_no, offset, record["finish_reason"] == "error")
         self._unsynced += 1
         if self._unsynced >= sync_every or time.monotonic() - self._last_sync > sync_seconds:
