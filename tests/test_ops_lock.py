@@ -15,14 +15,14 @@ from ops_jobs import cbatch_process, leftovers, part_lines, read_jsonl, run_inpr
 @pytest.fixture()
 def small_job(tiny_checkpoints, tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", token_rows(40, vocab=384, seed=5))
-    flags = ["--model", str(tiny_checkpoints["llama"]), "--token-ids"]
+    flags = ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu", "--token-ids"]
     return source, tmp_path / "out.jsonl", flags
 
 
 def test_second_concurrent_run_refuses(tiny_checkpoints, tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", token_rows(300, vocab=384, seed=3))
     out = tmp_path / "out.jsonl"
-    flags = ["--model", str(tiny_checkpoints["llama"]), "--max-num-seqs", "2"]  # slow on purpose: it must outlive B
+    flags = ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu", "--max-num-seqs", "2"]  # slow on purpose: it must outlive B
     first = cbatch_process("run", str(source), "--out", str(out), *flags)
     try:
         wait_for(lambda: part_lines(out) > 0, proc=first)

@@ -22,7 +22,7 @@ def job(tiny_checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("ops-resume")
     rows = token_rows(N_ROWS, vocab=384, seed=11, bad_every=37)
     source = write_jsonl(root / "in.jsonl", rows)
-    flags = ["--model", str(tiny_checkpoints["llama"]), "--max-num-seqs", "32", "--token-ids", "--seed", "7",
+    flags = ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu", "--max-num-seqs", "32", "--token-ids", "--seed", "7",
              "--progress-interval", "0.5"]
     reference = root / "reference.jsonl"
     code, out, err = run_inprocess("run", str(source), "--out", str(reference), *flags)
