@@ -170,8 +170,15 @@ def test_complete_output_exits_0_without_loading_the_model(job, tmp_path, monkey
 
     # the same OUTPUT asked for with other settings: refused before loading, and --overwrite replaces it
     code, _, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"], "--max-tokens", "3")
-    assert code == 2 and "different input file, other generation settings" in err and "--overwrite" in err, err
+    assert code == 2 and "written by an earlier cbatch job from different generation settings" in err and "--overwrite" in err, err
     assert out.read_bytes() == first
+    # another input file; then an OUTPUT edited after the job wrote it
+    other = write_jsonl(tmp_path / "other.jsonl", job["rows"][:21])
+    code, _, err = run_inprocess("run", str(other), "--out", str(out), *job["flags"])
+    assert code == 2 and "written by an earlier cbatch job from a different input file" in err, err
+    out.write_bytes(first + b"\n")
+    code, _, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"])
+    assert code == 2 and "the file has been changed since; pass --overwrite" in err, err
 
 
 def test_output_not_written_by_cbatch_is_refused_then_overwritten(job, tmp_path):

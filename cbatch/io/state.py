@@ -137,18 +137,23 @@ class JobState:
                     f"--out {self.output} already exists and was not written by cbatch; "
                     "pass --overwrite to replace it, or choose another --out"
                 )
-            raise StateError(
-                f"--out {self.output} was written by an earlier cbatch job from a different input file, "
-                "other generation settings, or has been changed since; pass --overwrite to replace it"
-            )
+            what = self._difference(record) or "the same input and settings, but the file has been changed since"
+            raise StateError(f"--out {self.output} was written by an earlier cbatch job from {what}; pass --overwrite to replace it")
         manifest = _read_json(self.dir / "manifest.json") if self.dir.exists() else None
         if manifest is not None and manifest.get("fingerprint") != self.fingerprint:
-            previous = manifest.get("fingerprint") or {}
-            what = "input file" if previous.get("input") != self.fingerprint["input"] else "generation settings (model, dtype, seed, sampling flags)"
             raise StateError(
-                f"a partial run for {self.output} used a different {what}; run the same command as before "
+                f"a partial run for {self.output} used {self._difference(manifest)}; run the same command as before "
                 "to resume it, or pass --overwrite to start over"
             )
+
+    def _difference(self, record: dict[str, Any]) -> str | None:
+        """What differs between this job and the one that wrote `record` (a manifest or a completion record)."""
+        previous = record.get("fingerprint")
+        if not isinstance(previous, dict) or previous.get("input") != self.fingerprint["input"]:
+            return "a different input file"
+        if previous.get("settings") != self.fingerprint["settings"]:
+            return "different generation settings (model, dtype, device, seed, sampling flags)"
+        return None
 
     # ---- start -----------------------------------------------------------------------------------
     def open(self, overwrite: bool) -> dict[int, dict[str, Any]]:
