@@ -51,7 +51,7 @@ def _long_prompt_row() -> bytes:
 
 
 def test_bad_rows_are_error_rows_and_good_rows_complete(tiny_chat_model, tmp_path):
-    lines = [json.dumps(GOOD[0]).encode()]
+    lines = [b"\xef\xbb\xbf" + json.dumps(GOOD[0]).encode()]  # files saved on Windows often start with a BOM
     for i, (line, _) in enumerate(BAD):
         lines += [line, json.dumps(GOOD[1 + i % (len(GOOD) - 1)]).encode()]
     lines.append(_long_prompt_row())

@@ -65,7 +65,7 @@ def _jsonl_rows(path: Path) -> Iterator[RawRow]:
 def _parse_line(line_no: int, raw: bytes) -> "dict[str, Any] | str":
     """One JSONL line -> the object, or a message naming what is wrong with it."""
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a byte-order mark may open the file
     except UnicodeDecodeError as exc:
         return f"line {line_no}: undecodable bytes (not UTF-8) at byte {exc.start}"
     try:
