@@ -20,9 +20,10 @@ def small_job(tiny_checkpoints, tmp_path):
 
 
 def test_second_concurrent_run_refuses(tiny_checkpoints, tmp_path):
-    source = write_jsonl(tmp_path / "in.jsonl", token_rows(300, vocab=384, seed=3))
+    # thousands of one-at-a-time rows: the first job must outlive the second's start even on a fast machine
+    source = write_jsonl(tmp_path / "in.jsonl", token_rows(3000, vocab=384, seed=3))
     out = tmp_path / "out.jsonl"
-    flags = ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu", "--max-num-seqs", "2"]  # slow on purpose: it must outlive B
+    flags = ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu", "--max-num-seqs", "1"]
     first = cbatch_process("run", str(source), "--out", str(out), *flags)
     try:
         wait_for(lambda: part_lines(out) > 0, proc=first)
