@@ -85,6 +85,7 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only errors and the final summary.", rich_help_panel=JOB_HELP),
     lookahead: int = typer.Option(16384, help="Rows queued at once; longest-first orders within this window.", rich_help_panel=JOB_HELP),
     display: str = typer.Option("auto", help="auto | dashboard | plain | none (auto: dashboard on a terminal).", rich_help_panel=JOB_HELP),
+    progress_interval: float = typer.Option(10.0, help="Seconds between plain progress lines (logs, cron).", rich_help_panel=JOB_HELP),
 ) -> None:
     """Generate a completion for every row of INPUT and write them to OUTPUT."""
     from cbatch.job import JobError, JobOptions, run_job
@@ -93,6 +94,8 @@ def run(
 
     if lookahead < 1:
         fail("--lookahead: must be at least 1")
+    if not progress_interval > 0:
+        fail("--progress-interval: must be a positive number of seconds, e.g. 10")
     if display not in ("auto", "dashboard", "plain", "none"):
         fail(f"--display: must be one of auto, dashboard, plain, none, not {display!r}")
     config = engine_config(
@@ -106,6 +109,7 @@ def run(
     options = JobOptions(
         input=input, output=out, engine=config, defaults=defaults, token_ids=token_ids, overwrite=overwrite,
         allow_errors=allow_errors, report=report, quiet=quiet, lookahead=lookahead, display=display,
+        progress_interval=progress_interval,
     )
     try:
         code = run_job(options)
@@ -118,11 +122,35 @@ def run(
 
 
 def main() -> None:
+    """The entry point. Click's usage errors (a bad flag value, a missing argument) become one line, exit 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        app()
+        code = app(standalone_mode=False)
     except BrokenPipeError:
-        sys.exit(1)
+        code = 1
+    except Exception as exc:
+        code = _click_error(exc)
+    sys.exit(code or 0)
+
+
+def _click_error(exc: Exception) -> int:
+    """Reports click's own exceptions (typer vendors click, so they are matched by class name)."""
+    kinds = {cls.__name__ for cls in type(exc).__mro__}
+    if "NoArgsIsHelpError" in kinds:  # bare `cbatch`: the help text
+        exc.show()
+        return exc.exit_code
+    if "UsageError" in kinds:
+        ctx = getattr(exc, "ctx", None)
+        command = ctx.command_path if ctx is not None else "cbatch"
+        message = " ".join(exc.format_message().split())
+        typer.echo(f"cbatch: error: {message} (see `{command} --help`)", err=True)
+        return 2
+    if "ClickException" in kinds:
+        exc.show()
+        return exc.exit_code
+    if "Abort" in kinds:
+        return 1
+    raise exc
 
 
 if __name__ == "__main__":

@@ -58,6 +58,11 @@ class EngineConfig:
             "must be in (0, 1], e.g. 0.9",
         )
         check(self.max_model_len is None or self.max_model_len >= 1, "--max-model-len", "must be at least 1")
+        # rows without a seed draw from (job seed << 32) ^ row index, an int64
+        check(-(2**31) <= self.seed < 2**31, "--seed", "must be a 32-bit integer (-2147483648..2147483647)")
+
+
+_INT64 = 2**63  # sampling settings become int64 tensors
 
 
 class ConfigError(ValueError):
@@ -86,10 +91,10 @@ class SamplingParams:
             return f"temperature must be in [0, 100], got {self.temperature!r}"
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0.0 < self.top_p <= 1.0:
             return f"top_p must be in (0, 1], got {self.top_p!r}"
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < _INT64:
             return f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}"
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            return f"seed must be an integer, got {self.seed!r}"
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -_INT64 <= self.seed < _INT64):
+            return f"seed must be a 64-bit integer, got {self.seed!r}"
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             return f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
         if not isinstance(self.ignore_eos, bool):

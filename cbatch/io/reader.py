@@ -54,39 +54,33 @@ def iter_rows(path: Path) -> Iterator[RawRow]:
 
 def _jsonl_rows(path: Path) -> Iterator[RawRow]:
     index = 0
-    seen_prompt_field = False
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue  # blank lines are not rows
-            row: dict[str, Any] | str
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                row = f"line {line_no}: undecodable bytes (not UTF-8) at byte {exc.start}"
-            else:
-                try:
-                    value = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    row = f"line {line_no}: invalid JSON ({exc.msg} at column {exc.colno})"
-                except RecursionError:
-                    row = f"line {line_no}: invalid JSON (nested too deeply)"
-                else:
-                    row = value if isinstance(value, dict) else f"line {line_no}: expected a JSON object, got {type(value).__name__}"
-            if isinstance(row, dict) and any(k in row for k in PROMPT_FIELDS):
-                seen_prompt_field = True
-            if index == 200 and not seen_prompt_field:
-                raise InputError(
-                    f"{path}: none of the first 200 rows has a `prompt` or `messages` field; "
-                    "each line needs one, e.g. {\"prompt\": \"...\"}"
-                )
-            yield index, row
+            yield index, _parse_line(line_no, raw)
             index += 1
-    if index and not seen_prompt_field:
-        raise InputError(f"{path}: no row has a `prompt` or `messages` field; each line needs one, e.g. {{\"prompt\": \"...\"}}")
 
 
-def _parquet_rows(path: Path) -> Iterator[RawRow]:
+def _parse_line(line_no: int, raw: bytes) -> "dict[str, Any] | str":
+    """One JSONL line -> the object, or a message naming what is wrong with it."""
+    try:
+        text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a byte-order mark may open the file
+    except UnicodeDecodeError as exc:
+        return f"line {line_no}: undecodable bytes (not UTF-8) at byte {exc.start}"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return f"line {line_no}: invalid JSON ({exc.msg} at column {exc.colno})"
+    except RecursionError:
+        return f"line {line_no}: invalid JSON (nested too deeply)"
+    except ValueError as exc:  # e.g. an integer too long to convert
+        return f"line {line_no}: invalid JSON ({exc})"
+    return value if isinstance(value, dict) else f"line {line_no}: expected a JSON object, got {type(value).__name__}"
+
+
+def _open_parquet(path: Path):
+    """The ParquetFile, checked to be readable and to have a prompt column."""
     import pyarrow.parquet as pq
 
     try:
@@ -98,22 +92,54 @@ def _parquet_rows(path: Path) -> Iterator[RawRow]:
         raise InputError(
             f"{path}: no `prompt` or `messages` column (columns: {', '.join(sorted(columns)) or 'none'}); add one"
         )
+    return pf
+
+
+def _parquet_rows(path: Path) -> Iterator[RawRow]:
+    pf = _open_parquet(path)
     index = 0
-    for batch in pf.iter_batches(batch_size=1024):
+    batches = pf.iter_batches(batch_size=1024)
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as exc:  # a damaged row group
+            raise InputError(f"{path}: cannot read rows after row {index} ({exc}); the Parquet file is damaged") from None
+        if batch is None:
+            return
         for row in batch.to_pylist():
             yield index, {k: v for k, v in row.items() if v is not None}
             index += 1
 
 
-def count_rows(path: Path) -> int:
-    """Total rows, for progress and ETA: Parquet metadata, or non-blank lines of a JSONL file (one fast pass)."""
-    if input_format(path) == "parquet":
-        import pyarrow.parquet as pq
+def inspect_input(path: Path, probe_rows: int = 200) -> int:
+    """Checks, before any work, that INPUT is a usable prompts file; returns its number of rows.
 
-        return pq.ParquetFile(path).metadata.num_rows
-    count = 0
-    with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
+    JSONL: one pass counting non-blank lines; at least one of the first `probe_rows` rows must carry
+    a prompt field (a file where none does is not a prompts file: a bad job, not bad rows).
+    Parquet: the metadata, and a `prompt`/`messages` column.
+    """
+    check_readable(path)
+    if input_format(path) == "parquet":
+        count = _open_parquet(path).metadata.num_rows
+    else:
+        count, seen_prompt, first_problem = 0, False, None
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                if count < probe_rows and not seen_prompt:
+                    row = _parse_line(line_no, raw)
+                    seen_prompt = isinstance(row, dict) and any(k in row for k in PROMPT_FIELDS)
+                    if first_problem is None and isinstance(row, str):
+                        first_problem = row
                 count += 1
+        if count and not seen_prompt:
+            within = "no row" if count <= probe_rows else f"none of the first {probe_rows} rows"
+            hint = f" (first problem: {first_problem})" if first_problem else ""
+            raise InputError(
+                f"{path}: {within} has a `prompt`, `messages` or `prompt_token_ids` field{hint}; "
+                "each line needs one, e.g. {\"prompt\": \"...\"}"
+            )
+    if count == 0:
+        raise InputError(f"{path}: the input has no rows; give at least one row with a `prompt` or `messages` field")
     return count

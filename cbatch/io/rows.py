@@ -62,7 +62,7 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams) -
             raise RowError(f"`prompt` must be a string, got {type(row['prompt']).__name__}")
         if not row["prompt"].strip():
             raise RowError("`prompt` is empty")
-        request.prompt = row["prompt"]
+        request.prompt = _text("prompt", row["prompt"])
     elif field == "messages":
         request.messages = _messages(row["messages"])
     else:
@@ -85,8 +85,17 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RowError(f"`messages[{i}].content` must be a string")
-        out.append({"role": message["role"], "content": content})
+        out.append({"role": _text(f"messages[{i}].role", message["role"]), "content": _text(f"messages[{i}].content", content)})
     return out
+
+
+def _text(field: str, value: str) -> str:
+    """`value`, if it is valid Unicode (JSON escapes can smuggle in lone surrogates, which no tokenizer takes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RowError(f"`{field}` is not valid Unicode text (an unpaired surrogate at character {exc.start})") from None
+    return value
 
 
 def _token_ids(value: Any) -> list[int]:

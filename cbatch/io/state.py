@@ -1,17 +1,23 @@
 """Crash-safe job state next to the output: lock, manifest, append-only part files, atomic final write.
 
 Layout for OUTPUT = dir/results.parquet:
+    dir/.results.parquet.cbatch.lock    while a job runs: flock()ed by it, holds its pid and host
     dir/.results.parquet.cbatch/        while the job is unfinished
-        lock                           pid and host of the running job
         manifest.json                  fingerprint of input + generation settings
         part-0001.jsonl, part-0002...  finished rows, one JSON object a line, one file per run
-    dir/.results.parquet.cbatch.json    after success: the fingerprint of the complete OUTPUT
+    dir/.results.parquet.cbatch.json    after success: the fingerprint (and size) of the complete OUTPUT
 
 Invariants: OUTPUT only ever appears whole (temp file + fsync + rename); a part line is either
 complete JSON or the torn tail of a killed run, which is ignored (that row is generated again).
+The lock is an flock() on the lock file, so the kernel drops it when its owner dies in any way
+(SIGKILL, OOM-kill): a lock file left behind by a dead job is simply taken over.
+Finished rows are not kept in memory: the state keeps each row's place in the part files, and the
+final OUTPUT is streamed from there in input order.
 """
 from __future__ import annotations
 
+import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -19,7 +25,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterator
 
 
 class StateError(ValueError):
@@ -38,16 +44,6 @@ def settings_digest(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -59,112 +55,201 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+_PART_SHIFT = 40  # a row's place in the part files: part number << 40 | byte offset
+
+
 class JobState:
     def __init__(self, output: Path, fingerprint: dict[str, str]) -> None:
         self.output = output
         self.fingerprint = fingerprint
         self.dir = output.parent / f".{output.name}.cbatch"
         self.done_record = output.parent / f".{output.name}.cbatch.json"
-        self._lock_path = self.dir / "lock"
+        self.lock_path = output.parent / f".{output.name}.cbatch.lock"
+        self._lock_fd: int | None = None
         self._part = None
+        self._part_no = 0
         self._unsynced = 0
         self._last_sync = time.monotonic()
+        self._places: dict[int, int] = {}  # row index -> where its record is (see _PART_SHIFT)
+        self.error_rows: set[int] = set()
+
+    # ---- read-only checks (before the model loads) ------------------------------------------------
+    def is_complete(self) -> bool:
+        """OUTPUT exists and was written whole by a finished job with the same input and settings."""
+        if not self.output.is_file() or self.dir.exists():
+            return False
+        record = _read_json(self.done_record) or {}
+        return record.get("fingerprint") == self.fingerprint and record.get("bytes") == self.output.stat().st_size
+
+    def lock_owner(self) -> dict[str, Any] | None:
+        """The live job holding the lock ({} if it has not written its pid yet), or None when free."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _read_json(self.lock_path) or {}
+            return None  # nobody holds it: a stale file from a dead job
+        finally:
+            os.close(fd)  # also drops our shared lock
+
+    def check(self, overwrite: bool) -> None:
+        """Why this job may not start on OUTPUT (raises StateError); reads, never writes."""
+        owner = self.lock_owner()
+        if owner is not None:
+            raise self._locked_error(owner)
+        self._check_output(overwrite)
+
+    def _locked_error(self, owner: dict[str, Any]) -> StateError:
+        return StateError(
+            f"{self.output} is already being written by another cbatch job "
+            f"(pid {owner.get('pid', '?')} on {owner.get('host', '?')}); wait for it to finish, "
+            "or stop it and run again to resume"
+        )
+
+    def _check_output(self, overwrite: bool) -> None:
+        if overwrite:
+            return
+        if self.output.exists() and not self.dir.exists():
+            record = _read_json(self.done_record)
+            if record is None:
+                raise StateError(
+                    f"--out {self.output} already exists and was not written by cbatch; "
+                    "pass --overwrite to replace it, or choose another --out"
+                )
+            what = self._difference(record) or "the same input and settings, but the file has been changed since"
+            raise StateError(f"--out {self.output} was written by an earlier cbatch job from {what}; pass --overwrite to replace it")
+        manifest = _read_json(self.dir / "manifest.json") if self.dir.exists() else None
+        if manifest is not None and manifest.get("fingerprint") != self.fingerprint:
+            raise StateError(
+                f"a partial run for {self.output} used {self._difference(manifest)}; run the same command as before "
+                "to resume it, or pass --overwrite to start over"
+            )
+
+    def _difference(self, record: dict[str, Any]) -> str | None:
+        """What differs between this job and the one that wrote `record` (a manifest or a completion record)."""
+        previous = record.get("fingerprint")
+        if not isinstance(previous, dict) or previous.get("input") != self.fingerprint["input"]:
+            return "a different input file"
+        if previous.get("settings") != self.fingerprint["settings"]:
+            return "different generation settings (model, dtype, device, seed, sampling flags)"
+        return None
 
     # ---- start -----------------------------------------------------------------------------------
-    def is_complete(self) -> bool:
-        """OUTPUT exists and was written by a finished job with the same input and settings."""
-        if not self.output.exists() or self.dir.exists() or not self.done_record.exists():
-            return False
-        try:
-            return json.loads(self.done_record.read_text()).get("fingerprint") == self.fingerprint
-        except (OSError, json.JSONDecodeError):
-            return False
-
     def open(self, overwrite: bool) -> dict[int, dict[str, Any]]:
-        """Takes the lock and returns the rows finished by earlier runs ({} on a fresh start)."""
-        if overwrite:
-            self._clear_previous()
-        elif self.output.exists() and not self.dir.exists():
-            raise StateError(
-                f"{self.output} already exists from another input or other settings; "
-                "pass --overwrite to replace it"
-            )
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Takes the lock and loads the rows finished by earlier runs: {index: {"finish_reason", ...}}."""
         self._take_lock()
-        manifest = self.dir / "manifest.json"
-        if manifest.exists():
-            try:
-                previous = json.loads(manifest.read_text()).get("fingerprint")
-            except (OSError, json.JSONDecodeError):
-                previous = None
-            if previous != self.fingerprint:
-                what = "input file" if previous and previous.get("input") != self.fingerprint["input"] else "generation settings"
-                self._drop_lock()
-                raise StateError(
-                    f"a partial run for {self.output} used a different {what}; "
-                    "run the same command as before to resume, or pass --overwrite to start over"
-                )
-        else:
-            self._write_atomic(manifest, json.dumps({"fingerprint": self.fingerprint}))
-        done = self._load_parts()
-        run_no = 1 + max((int(p.stem.split("-")[1]) for p in self.dir.glob("part-*.jsonl")), default=0)
-        self._part = open(self.dir / f"part-{run_no:04d}.jsonl", "a", encoding="utf-8")
+        try:
+            self._check_output(overwrite)  # again, now under the lock
+            if overwrite:
+                shutil.rmtree(self.dir, ignore_errors=True)
+                self.done_record.unlink(missing_ok=True)
+            self._remove_temp_files()
+            self.dir.mkdir(parents=True, exist_ok=True)
+            manifest = self.dir / "manifest.json"
+            if not manifest.exists():
+                _write_atomic(manifest, json.dumps({"fingerprint": self.fingerprint}))
+                _fsync_dir(self.output.parent)
+            done = self._load_parts()
+            self._part_no = 1 + max((int(p.stem.split("-")[1]) for p in self.dir.glob("part-*.jsonl")), default=0)
+            self._part = open(self.dir / f"part-{self._part_no:04d}.jsonl", "ab")
+            _fsync_dir(self.dir)  # the new part file's name survives a power loss too
+        except BaseException:
+            self._drop_lock()
+            raise
         return done
 
-    def _clear_previous(self) -> None:
-        if self.dir.exists():
-            lock = self._read_lock()
-            if lock and lock.get("host") == socket.gethostname() and _pid_alive(int(lock.get("pid", -1))) and int(lock["pid"]) != os.getpid():
-                raise StateError(f"{self.output} is being written by a running job (pid {lock['pid']}); --overwrite cannot take it over")
-            shutil.rmtree(self.dir)
-        self.done_record.unlink(missing_ok=True)
-
-    def _read_lock(self) -> dict[str, Any] | None:
-        try:
-            return json.loads(self._lock_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            return None
-
-    def _take_lock(self) -> None:
-        me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
-        for _ in range(2):
+    def _take_lock(self, tries: int = 20) -> None:
+        """flock()s the lock file; a file left by a dead job is free (the kernel dropped its lock)."""
+        for _ in range(tries):
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fd = os.open(self._lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                owner = self._read_lock() or {}
-                pid = int(owner.get("pid", -1))
-                if owner.get("host", socket.gethostname()) != socket.gethostname() or (pid > 0 and _pid_alive(pid)):
-                    raise StateError(
-                        f"{self.output} is already being written by another cbatch job "
-                        f"(pid {pid} on {owner.get('host', '?')}); wait for it, or remove {self._lock_path} if that job is gone"
-                    ) from None
-                self._lock_path.unlink(missing_ok=True)  # stale: its owner died
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)  # held, or only peeked at by a job starting this very moment: look again
+                time.sleep(0.05)
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(me)
+            try:  # a finishing job unlinks the file it locked: make sure the path is still ours
+                same = os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode())
+            self._lock_fd = fd
             return
-        raise StateError(f"could not take the lock {self._lock_path}; another job is starting on the same output")
+        raise self._locked_error(_read_json(self.lock_path) or {})
 
     def _drop_lock(self) -> None:
-        self._lock_path.unlink(missing_ok=True)
+        if self._lock_fd is None:
+            return
+        self.lock_path.unlink(missing_ok=True)  # while still locked: a waiting opener sees a new inode
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+    def _remove_temp_files(self) -> None:
+        """Temp files of a job killed while writing OUTPUT or its record (we hold the lock: none is live)."""
+        for tmp in self.output.parent.glob(glob.escape(f".{self.output.name}") + ".tmp-*"):
+            tmp.unlink(missing_ok=True)
+        self.done_record.with_name(self.done_record.name + ".tmp").unlink(missing_ok=True)
 
     def _load_parts(self) -> dict[int, dict[str, Any]]:
         done: dict[int, dict[str, Any]] = {}
         for part in sorted(self.dir.glob("part-*.jsonl")):
+            part_no = int(part.stem.split("-")[1])
+            offset = 0
             with open(part, "rb") as f:
                 for line in f:
                     try:
                         record = json.loads(line)
-                    except (json.JSONDecodeError, UnicodeDecodeError):
-                        continue  # the torn tail of a killed run: that row runs again
+                    except ValueError:
+                        record = None  # the torn tail of a killed run: that row runs again
                     if isinstance(record, dict) and isinstance(record.get("index"), int):
-                        done[record["index"]] = record
+                        index = record["index"]
+                        self._remember(index, part_no, offset, record.get("finish_reason") == "error")
+                        done[index] = {"finish_reason": record.get("finish_reason")}
+                    offset += len(line)
         return done
 
+    def _remember(self, index: int, part_no: int, offset: int, is_error: bool) -> None:
+        self._places[index] = part_no << _PART_SHIFT | offset
+        if is_error:
+            self.error_rows.add(index)
+        else:
+            self.error_rows.discard(index)
+
     # ---- while running ---------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return len(self._places)
+
     def append(self, record: dict[str, Any], sync_every: int = 64, sync_seconds: float = 2.0) -> None:
         """Persists one finished row; fsync in batches (a crash loses at most the unsynced tail)."""
-        self._part.write(json.dumps(record, ensure_ascii=False) + "\n")
+        offset = self._part.tell()
+        self._part.write((json.dumps(record) + "\n").encode("ascii"))  # escaped: any str round-trips
+        self._remember(record["index"], self._part_no, offset, record["finish_reason"] == "error")
         self._unsynced += 1
         if self._unsynced >= sync_every or time.monotonic() - self._last_sync > sync_seconds:
             self.sync()
@@ -185,8 +270,25 @@ class JobState:
             self._part = None
         self._drop_lock()
 
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Every finished row's record, in input order, read back from the part files."""
+        self._part.flush()
+        files: dict[int, Any] = {}
+        try:
+            for index in sorted(self._places):
+                place = self._places[index]
+                part_no = place >> _PART_SHIFT
+                f = files.get(part_no)
+                if f is None:
+                    f = files[part_no] = open(self.dir / f"part-{part_no:04d}.jsonl", "rb")
+                f.seek(place & ((1 << _PART_SHIFT) - 1))
+                yield json.loads(f.readline())
+        finally:
+            for f in files.values():
+                f.close()
+
     # ---- success ---------------------------------------------------------------------------------
-    def finish(self, write_output, summary: dict[str, Any]) -> None:
+    def finish(self, write_output: Callable[[Path], None], summary: dict[str, Any]) -> None:
         """Writes OUTPUT atomically with `write_output(tmp_path)`, records it complete, removes the state."""
         self.sync()
         tmp = self.output.parent / f".{self.output.name}.tmp-{os.getpid()}"
@@ -197,23 +299,12 @@ class JobState:
             os.replace(tmp, self.output)
         finally:
             tmp.unlink(missing_ok=True)
-        self._write_atomic(self.done_record, json.dumps({"fingerprint": self.fingerprint, **summary}))
+        _write_atomic(self.done_record, json.dumps(
+            {"fingerprint": self.fingerprint, "bytes": self.output.stat().st_size, **summary}
+        ))
         _fsync_dir(self.output.parent)
         if self._part is not None:
             self._part.close()
             self._part = None
         shutil.rmtree(self.dir, ignore_errors=True)
-
-    @staticmethod
-    def _write_atomic(path: Path, text: str) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-
-
-def records_in_order(done: dict[int, dict[str, Any]]) -> Iterable[dict[str, Any]]:
-    for index in sorted(done):
-        yield done[index]
+        self._drop_lock()

@@ -20,16 +20,22 @@ def output_format(path: Path) -> str:
     return fmt
 
 
-def check_writable(path: Path) -> None:
+def check_writable(path: Path, flag: str = "--out") -> None:
+    """The folder exists and a file can really be created in it (os.access lies for root and read-only mounts)."""
     import os
+    import tempfile
 
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
-        raise OutputError(f"--out {path}: the folder {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"--out {path}: the folder {parent} is not writable; choose another --out")
+        raise OutputError(f"{flag} {path}: the folder {parent} does not exist; create it first")
     if path.is_dir():
-        raise OutputError(f"--out {path}: is a folder; give a file name ending in .parquet or .jsonl")
+        raise OutputError(f"{flag} {path}: is a folder; give a file name ending in .parquet or .jsonl")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".cbatch-probe-", dir=parent)
+    except OSError as exc:
+        raise OutputError(f"{flag} {path}: cannot write in the folder {parent} ({exc.strerror}); choose another {flag}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def write_output(path: Path, fmt: str, records: Iterable[dict[str, Any]], token_ids: bool, chunk_rows: int = 4096) -> None:

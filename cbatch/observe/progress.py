@@ -32,20 +32,20 @@ def progress_text(metrics: JobMetrics) -> str:
 class PlainProgress:
     """A line every `interval` seconds (for logs and cron mail), never per token."""
 
-    def __init__(self, metrics: JobMetrics, interval: float = 10.0, stream: TextIO = sys.stderr) -> None:
+    def __init__(self, metrics: JobMetrics, interval: float = 10.0, stream: TextIO | None = None) -> None:
         self.metrics = metrics
         self.interval = interval
-        self.stream = stream
+        self.stream = stream  # None: sys.stderr as it is when a line is printed
         self._last = time.monotonic()
 
     def update(self, **_: object) -> None:
         now = time.monotonic()
         if now - self._last >= self.interval:
             self._last = now
-            print(f"cbatch: {progress_text(self.metrics)}", file=self.stream, flush=True)
+            print(f"cbatch: {progress_text(self.metrics)}", file=self.stream or sys.stderr, flush=True)
 
     def close(self) -> None:
-        pass
+        pass  # the job prints its summary line at the end
 
 
 class NoProgress:
@@ -64,4 +64,4 @@ def make_progress(metrics: JobMetrics, options) -> "PlainProgress | NoProgress":
         from cbatch.observe.dashboard import Dashboard
 
         return Dashboard(metrics, options)
-    return PlainProgress(metrics)
+    return PlainProgress(metrics, interval=options.progress_interval)
