@@ -13,14 +13,12 @@ from typing import Any
 
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine.engine import Engine
-from cbatch.engine.sequence import Sequence
 from cbatch.io.reader import check_readable, count_rows, input_format, iter_rows
-from cbatch.io.rows import RowError, RowRequest, parse_row, row_id_of
 from cbatch.io.state import JobState, file_digest, records_in_order, settings_digest
 from cbatch.io.writer import check_writable, output_format, write_output
-from cbatch.observe.metrics import JobMetrics, RequestTiming, StepSample
+from cbatch.observe.metrics import JobMetrics
 from cbatch.observe.report import build_report, summary_line, write_report
-from cbatch.tokenizer import encode_messages, encode_text
+from cbatch.rowrun import RowRunner, is_ok
 
 EXIT_OK, EXIT_ROW_ERRORS, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
@@ -99,7 +97,7 @@ class JobRunner:
         self.progress = progress
         self.metrics = JobMetrics()
         self.results: dict[int, dict[str, Any]] = {}
-        self._rows: dict[int, tuple[RowRequest, float, int]] = {}  # seq_id -> (row, queued_s, queued_step)
+        self.rows = RowRunner(engine, options.defaults, self.metrics)  # parse, tokenize, queue, record
 
     def run(self, done: dict[int, dict[str, Any]], interrupt: _Interrupt) -> int | None:
         """Runs every row not in `done`; returns an exit code if interrupted, else None."""
@@ -123,86 +121,22 @@ class JobRunner:
                 if exhausted:
                     return None
                 continue
-            finished = engine.step()
-            info = engine.last_step
-            metrics.record_step(StepSample(
-                t=metrics.now(), running=len(engine.scheduler.running), waiting=engine.scheduler.num_waiting,
-                scheduled_tokens=info.scheduled_tokens, prefill_tokens=info.prefill_tokens,
-                output_tokens=info.sampled_tokens, kv_used=engine.pool.num_used,
-            ))
-            for seq in finished:
-                self._record(seq)
-            metrics.forward_seconds = engine.runner.forward_seconds
+            for record in self.rows.step():
+                self._store(record, ok=is_ok(record))
             self.progress.update(engine=engine)
 
     def _admit(self, index: int, raw: dict[str, Any] | str) -> None:
         if index in self.results:
             return
-        try:
-            request = parse_row(index, raw, self.options.defaults)
-            prompt_ids = self._tokenize(request)
-        except RowError as exc:
-            self._record_error(index, row_id_of(index, raw), str(exc), 0)
-            return
-        seq = self.engine.add_request(prompt_ids, request.params, seq_id=index)
-        self._rows[index] = (request, self.metrics.now(), self.engine.scheduler.stats.steps)
-        if seq.is_finished:  # could never run (too long for the model or the KV pool)
-            self._record(seq)
-
-    def _tokenize(self, request: RowRequest) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if request.prompt_token_ids is not None:
-            vocab = self.engine.spec.vocab_size
-            if max(request.prompt_token_ids) >= vocab:
-                raise RowError(f"`prompt_token_ids` has ids outside the vocabulary (size {vocab})")
-            return request.prompt_token_ids
-        if tokenizer is None:
-            raise RowError("this model has no tokenizer; give `prompt_token_ids` instead of text")
-        try:
-            if request.messages is not None:
-                return encode_messages(tokenizer, request.messages)
-            return encode_text(tokenizer, request.prompt)
-        except RowError:
-            raise
-        except Exception as exc:  # a chat template raising on odd roles, a tokenizer edge case
-            raise RowError(f"could not tokenize the prompt ({type(exc).__name__}: {exc})") from None
-
-    def _record_error(self, index: int, row_id: str, error: str, prompt_tokens: int) -> None:
-        self._store({
-            "index": index, "id": row_id, "completion": None, "finish_reason": "error",
-            "prompt_tokens": prompt_tokens, "completion_tokens": 0, "error": error, "completion_token_ids": [],
-        })
-
-    def _record(self, seq: Sequence) -> None:
-        request, queued_s, queued_step = self._rows.pop(seq.seq_id)
-        out = self.engine.output_of(seq)
-        if out.finish_reason == "error":
-            self._record_error(seq.seq_id, request.row_id, out.error or "failed", len(out.prompt_token_ids))
-            return
-        metrics = self.metrics
-        metrics.prompt_tokens += len(out.prompt_token_ids)
-        metrics.output_tokens += len(out.token_ids)
-        step_time = metrics.step_time
-        metrics.requests.append(RequestTiming(
-            row_id=request.row_id, queued_s=queued_s,
-            scheduled_s=step_time(seq.first_scheduled_step - 1) if seq.first_scheduled_step and seq.first_scheduled_step > 1 else queued_s,
-            first_token_s=step_time(seq.first_token_step), finished_s=metrics.now(),
-            queued_step=queued_step, first_scheduled_step=seq.first_scheduled_step,
-            first_token_step=seq.first_token_step, finished_step=seq.finish_step or queued_step,
-            prompt_tokens=len(out.prompt_token_ids), output_tokens=len(out.token_ids),
-        ))
-        self._store({
-            "index": seq.seq_id, "id": request.row_id, "completion": out.text, "finish_reason": out.finish_reason,
-            "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids), "error": None,
-            "completion_token_ids": out.token_ids,
-        }, ok=True)
+        record = self.rows.admit(index, raw)
+        if record is not None:
+            self._store(record, ok=is_ok(record))
 
     def _store(self, record: dict[str, Any], ok: bool = False) -> None:
         if ok:
             self.metrics.ok_rows += 1
         else:
             self.metrics.error_rows += 1
-            self._rows.pop(record["index"], None)
         self.results[record["index"]] = record
         self.state.append(record)
 
