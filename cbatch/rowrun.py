@@ -70,9 +70,9 @@ class RowRunner:
         self.metrics = metrics
         self._rows: dict[int, tuple[RowRequest, float, int]] = {}  # seq_id -> (row, queued_s, queued_step)
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._rows)
+    def is_pending(self, index: int) -> bool:
+        """The row is queued or running in the engine."""
+        return index in self._rows
 
     def admit(self, index: int, raw: dict[str, Any] | str) -> Record | None:
         """Queues the row; returns its record at once if it can never run (bad row, too long), else None."""
