@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from itertools import islice
@@ -156,7 +157,9 @@ class RayJob:
         for _ in range(replicas):
             self._spawn()
         identities = self._get([r.actor.start.remote() for r in self.replicas])
+        # like a local run, the job's clock starts once the models are loaded; start-up is reported apart
         self.startup_seconds = self.metrics.now()
+        self.metrics.started = time.perf_counter()
         return identities[0]
 
     def _spawn(self) -> ReplicaHandle:
@@ -304,8 +307,8 @@ class RayJob:
         )
         report["time"]["startup_seconds"] = self.startup_seconds
         report["replicas"] = [
-            {**(r.stats.as_report() if r.stats else {"replica": r.number, "rows": 0}), "status": r.status,
-             "error": r.error}
+            {**(r.stats.as_report() if r.stats else {"replica": r.number, "rows": 0}), "status": "failed" if r.status == "failed" else "ok",
+             "failure": r.error}
             for r in self.replicas
         ]
         report["ray"] = {
@@ -376,5 +379,5 @@ def _run(job: RayJob, options: JobOptions, make_progress) -> int:
         lambda tmp: write_output(tmp, fmt, records_in_order(job.results), options.token_ids),
         {"rows": len(job.results), "errors": errors},
     )
-    print(summary_line(report) + f" | {job.shape['replicas']} replicas")
+    print(summary_line(report) + f" | {job.shape['replicas']} Ray replica(s)")
     return EXIT_ROW_ERRORS if errors and not options.allow_errors else EXIT_OK
