@@ -232,3 +232,16 @@ def test_ray_flag_without_ray_says_how_to_install(tmp_path, job_input):
 ])
 def test_ray_flag_takes_an_optional_address(argv, expected):
     assert normalize_ray_flag(argv) == expected
+
+
+def test_an_address_nobody_answers_fails_fast():
+    import socket
+
+    from cbatch.job import JobError
+    from cbatch.scaleout.ray_job import check_reachable
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(JobError, match=rf"--ray 127.0.0.1:{port}: no Ray cluster answers there"):
+        check_reachable(f"127.0.0.1:{port}", timeout_s=2)

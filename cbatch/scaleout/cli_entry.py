@@ -12,10 +12,8 @@ EXIT_REPLICAS_FAILED = 1
 def run_on_ray(options: JobOptions, address: str, replicas: int | None, gpus_per_replica: int | None,
                block_rows: int) -> int:
     """Raises JobError for a bad job (exit 2), like `run_job`."""
-    try:
-        from cbatch.scaleout.ray_job import RayOptions, ReplicaFailure, run_ray_job
-    except RayMissingError as exc:
-        raise JobError(f"--ray: {exc}") from None
+    from cbatch.scaleout.ray_job import RayOptions, ReplicaFailure, run_ray_job  # imports Ray only when run
+
     ray_options = RayOptions(
         address=None if address == LOCAL else address, replicas=replicas,
         gpus_per_replica=gpus_per_replica, block_rows=block_rows,

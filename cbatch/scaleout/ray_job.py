@@ -90,12 +90,28 @@ def connect(ray, address: str | None) -> bool:
     if address is None:
         ray.init(**quiet)
     else:
+        check_reachable(address)
         try:
             ray.init(address=address, logging_level="warning", log_to_driver=False)
         except (ConnectionError, ValueError) as exc:
             raise JobError(f"--ray {address}: cannot join that Ray cluster ({exc}); check the address "
                            "(`ray status` on the head node shows it)") from None
     return True
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A `host:port` (or `ray://host:port`) nobody answers on fails here in seconds, not in Ray's minutes of retries."""
+    import socket
+
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto" and friends: Ray resolves them
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise JobError(f"--ray {address}: no Ray cluster answers there ({exc.strerror or exc}); "
+                       "start one with `ray start --head`, or check the address") from None
 
 
 def pool_shape(ray, options: JobOptions, ray_options: RayOptions) -> tuple[int, int, int]:

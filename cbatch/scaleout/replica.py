@@ -75,7 +75,6 @@ class Replica:
         self._engine: Engine | None = None
         self._lock = threading.Lock()  # guards the engine, the runner and the records below
         self._done: dict[int, Record] = {}  # finished rows not yet returned, by row index
-        self._timings_sent = 0
 
     # ---- start -----------------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -130,8 +129,7 @@ class Replica:
 
     def _result(self, indices: list[int]) -> BlockResult:
         records = [self._done.pop(i) for i in indices]
-        timings = self.metrics.requests[self._timings_sent:]
-        self._timings_sent = len(self.metrics.requests)
+        timings, self.metrics.requests = self.metrics.requests, []  # handed to the driver, not kept here
         engine, stats = self._engine, self.stats
         stats.blocks += 1
         stats.prompt_tokens, stats.output_tokens = self.metrics.prompt_tokens, self.metrics.output_tokens
@@ -139,5 +137,5 @@ class Replica:
         stats.alive_seconds = time.perf_counter() - self._ready
         stats.scheduler = SchedulerStats(**asdict(engine.scheduler.stats))
         # a detached copy: the live stats keep changing while the result travels
-        return BlockResult(records=records, timings=list(timings), stats=replace(stats, scheduler=stats.scheduler))
+        return BlockResult(records=records, timings=timings, stats=replace(stats, scheduler=stats.scheduler))
 
