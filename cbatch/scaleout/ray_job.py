@@ -245,7 +245,9 @@ class RayJob:
         return Block(self._blocks_made, chunk)
 
     def _collect(self, ref: Any) -> None:
-        handle = next(r for r in self.replicas if ref in r.in_flight)
+        handle = next((r for r in self.replicas if ref in r.in_flight), None)
+        if handle is None:  # its replica failed meanwhile; the block is queued again already
+            return
         block = handle.in_flight.pop(ref)
         try:
             result: BlockResult = self.ray.get(ref)

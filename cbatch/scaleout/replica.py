@@ -104,8 +104,8 @@ class Replica:
         indices = [index for index, _ in rows]
         with self._lock:
             for index, raw in rows:
-                if index in self._done or self.rows.is_pending(index):
-                    continue  # already here (a block sent twice): never two sequences for one row
+                if index in self._done or self.rows.is_pending(index):  # one sequence per row id, always
+                    raise ValueError(f"row {index} is already running in replica {self.replica}")
                 record = self.rows.admit(index, raw)
                 if record is not None:
                     self._finish(record)
