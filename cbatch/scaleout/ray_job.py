@@ -254,7 +254,8 @@ class RayJob:
         except self.ray.exceptions.RayError as exc:
             self._replica_failed(handle, block, exc)
             return
-        handle.stats = result.stats
+        if handle.stats is None or result.stats.blocks > handle.stats.blocks:
+            handle.stats = result.stats  # the newest snapshot: a replica's blocks may come back out of order
         self.metrics.requests.extend(result.timings)
         for record in result.records:
             if record["index"] not in self.results:  # exactly once, whatever was retried
