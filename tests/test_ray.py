@@ -18,6 +18,7 @@ from cbatch.job import JobOptions, run_job
 from cbatch.scaleout import normalize_ray_flag
 
 ROWS = 26
+LONG_ROWS = (4, 17)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def job_input(tmp_path_factory, tiny_checkpoints) -> tuple[Path, Path]:
-    """Random token-id rows (greedy and sampled without their own seed, random lengths), one bad line, one bad row."""
+    """Random token-id rows (greedy and sampled without their own seed, random lengths), one bad line, one bad row,
+    and two long rows (ignore_eos, many tokens) that keep a block busy long enough to kill its replica mid-block."""
     rng = random.Random(1234)
     path = tmp_path_factory.mktemp("rayin") / "in.jsonl"
     lines = []
@@ -40,6 +42,8 @@ def job_input(tmp_path_factory, tiny_checkpoints) -> tuple[Path, Path]:
                "max_tokens": rng.randint(1, 14)}
         if i % 3 == 0:
             row["temperature"] = 0.9  # seeded from (job seed, row index): must match wherever it runs
+        if i in LONG_ROWS:
+            row.update(max_tokens=200, ignore_eos=True)
         lines.append(json.dumps(row))
     lines.insert(7, "{not json")
     lines.insert(15, json.dumps({"id": "bad", "prompt": 5}))
@@ -112,7 +116,7 @@ def test_a_killed_replica_has_its_rows_retried_exactly_once(ray_cluster, job_inp
 
     inp, model = job_input
     out, report_path = tmp_path / "out.jsonl", tmp_path / "report.json"
-    killed: list[tuple[int, list[int]]] = []
+    killed: list[int] = []
 
     def kill_one_mid_job(job) -> None:
         job.state.sync()
@@ -120,10 +124,14 @@ def test_a_killed_replica_has_its_rows_retried_exactly_once(ray_cluster, job_inp
         assert len(records) == len({r["index"] for r in records}) == len(job.results)  # never a duplicate
         if killed:
             return
-        victim = max((r for r in job.replicas if r.status == "running"), key=lambda r: len(r.in_flight))
-        assert victim.in_flight, "the victim must hold unfinished blocks"
-        killed.append((victim.number, [i for b in victim.in_flight.values() for i, _ in b.rows]))
-        ray_cluster.kill(victim.actor, no_restart=True)
+        for victim in (r for r in job.replicas if r.status == "running"):
+            # a block with a long row that is still running: killing now surely loses unfinished work
+            busy = [ref for ref, block in victim.in_flight.items()
+                    if any(isinstance(raw, dict) and raw.get("ignore_eos") for _, raw in block.rows)]
+            if busy and not ray_cluster.wait(busy, timeout=0)[0]:
+                killed.append(victim.number)
+                ray_cluster.kill(victim.actor, no_restart=True)
+                return
 
     code = run_ray_job(options(inp, out, model, report=report_path), ray_options(), on_block=kill_one_mid_job)
     assert code == 1 and killed
@@ -133,7 +141,7 @@ def test_a_killed_replica_has_its_rows_retried_exactly_once(ray_cluster, job_inp
     assert report["requests"]["ok"] + report["requests"]["error"] == ROWS + 2
     assert report["ray"]["retried_blocks"] >= 1 and report["ray"]["replaced_replicas"] == 1
     statuses = {r["replica"]: r["status"] for r in report["replicas"]}
-    assert statuses[killed[0][0]] == "failed" and len(statuses) == 3
+    assert statuses[killed[0]] == "failed" and len(statuses) == 3
 
 
 def test_a_rerun_after_a_crash_skips_rows_already_written(ray_cluster, job_input, local_output, tmp_path):
