@@ -27,7 +27,7 @@ def _group() -> None:
 ENGINE_HELP = "Engine"
 SAMPLING_HELP = "Sampling defaults (a row's own fields win)"
 JOB_HELP = "Job"
-RAY_HELP = "Scale-out on Ray (pip install \"cbatch[ray]\")"
+RAY_HELP = "Scale-out on Ray (needs the ray extra)"
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -20,9 +20,6 @@ def require_ray():
     return ray
 
 
-__all__ = ["INSTALL_HINT", "LOCAL", "RayMissingError", "normalize_ray_flag", "require_ray"]
-
-
 LOCAL = "local"  # `--ray` without an address: start a local Ray instance
 
 
@@ -48,3 +45,6 @@ def normalize_ray_flag(argv: list[str]) -> list[str]:
         if not is_address:
             out[-1] = f"--ray={LOCAL}"
     return out
+
+
+__all__ = ["INSTALL_HINT", "LOCAL", "RayMissingError", "normalize_ray_flag", "require_ray"]
