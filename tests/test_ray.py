@@ -220,7 +220,7 @@ def test_map_batches_callable(ray_cluster, job_input, local_output):
 def test_ray_flag_without_ray_says_how_to_install(tmp_path, job_input):
     fake = tmp_path / "noray" / "ray"
     fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'ray'\", name='ray')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])}
     inp, model = job_input
     proc = subprocess.run([sys.executable, "-m", "cbatch.cli", "run", str(inp), "--out", str(tmp_path / "o.jsonl"),
