@@ -27,6 +27,7 @@ def _group() -> None:
 ENGINE_HELP = "Engine"
 SAMPLING_HELP = "Sampling defaults (a row's own fields win)"
 JOB_HELP = "Job"
+RAY_HELP = "Scale-out on Ray (needs the ray extra)"
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -86,6 +87,10 @@ def run(
     lookahead: int = typer.Option(16384, help="Rows queued at once; longest-first orders within this window.", rich_help_panel=JOB_HELP),
     display: str = typer.Option("auto", help="auto | dashboard | plain | none (auto: dashboard on a terminal).", rich_help_panel=JOB_HELP),
     progress_interval: float = typer.Option(10.0, help="Seconds between plain progress lines (logs, cron).", rich_help_panel=JOB_HELP),
+    ray: Optional[str] = typer.Option(None, "--ray", metavar="[ADDRESS]", help="Run on Ray: a local instance, or join the cluster at ADDRESS (host:port, auto, ray://...).", rich_help_panel=RAY_HELP),
+    replicas: Optional[int] = typer.Option(None, help="Engine replicas (default: one per GPU in the cluster).", rich_help_panel=RAY_HELP),
+    gpus_per_replica: Optional[int] = typer.Option(None, help="1 = GPU replicas, 0 = CPU replicas (default: 1 if the cluster has GPUs).", rich_help_panel=RAY_HELP),
+    ray_block_rows: int = typer.Option(512, help="Rows per block sent to a replica (each holds two blocks).", rich_help_panel=RAY_HELP),
 ) -> None:
     """Generate a completion for every row of INPUT and write them to OUTPUT."""
     from cbatch.job import JobError, JobOptions, run_job
@@ -112,7 +117,12 @@ def run(
         progress_interval=progress_interval,
     )
     try:
-        code = run_job(options)
+        if ray is None:
+            code = run_job(options)
+        else:
+            from cbatch.scaleout.cli_entry import run_on_ray
+
+            code = run_on_ray(options, ray, replicas, gpus_per_replica, ray_block_rows)
     except (JobError, ConfigError, ModelLoadError, UnsupportedModelError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -124,6 +134,9 @@ def run(
 def main() -> None:
     """The entry point. Click's usage errors (a bad flag value, a missing argument) become one line, exit 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from cbatch.scaleout import normalize_ray_flag
+
+    sys.argv[1:] = normalize_ray_flag(sys.argv[1:])  # `--ray` takes an optional ADDRESS
     try:
         code = app(standalone_mode=False)
     except BrokenPipeError:

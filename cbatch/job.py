@@ -13,17 +13,15 @@ from typing import Any
 
 from cbatch.config import ConfigError, EngineConfig, SamplingParams
 from cbatch.engine.engine import Engine, resolve_device
-from cbatch.engine.sequence import Sequence
 from cbatch.io.reader import inspect_input, iter_rows
-from cbatch.io.rows import RowError, RowRequest, parse_row, row_id_of
 from cbatch.io.state import JobState, StateError, file_digest, settings_digest
 from cbatch.io.writer import check_writable, output_format, write_output
 from cbatch.model.default_model import default_model_dir
 from cbatch.model.loader import ModelLoadError, read_checkpoint, resolve_dtype, resolve_model_dir
 from cbatch.model.spec import UnsupportedModelError
-from cbatch.observe.metrics import JobMetrics, RequestTiming, StepSample
+from cbatch.observe.metrics import JobMetrics
 from cbatch.observe.report import build_report, summary_line, write_report
-from cbatch.tokenizer import encode_messages, encode_text
+from cbatch.rowrun import RowRunner, is_ok
 
 EXIT_OK, EXIT_ROW_ERRORS, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
@@ -129,7 +127,7 @@ class JobRunner:
         self.progress = None
         self.metrics = JobMetrics(total_rows=total_rows)
         self._done: set[int] = set()
-        self._rows: dict[int, tuple[RowRequest, float, int]] = {}  # seq_id -> (row, queued_s, queued_step)
+        self.rows = RowRunner(engine, options.defaults, self.metrics)  # parse, tokenize, queue, record
 
     def run(self, done: set[int], interrupt: _Interrupt) -> int | None:
         """Runs every row not in `done`; returns an exit code if interrupted, else None.
@@ -156,16 +154,8 @@ class JobRunner:
                 if exhausted:
                     return None
                 continue
-            finished = engine.step()
-            info = engine.last_step
-            metrics.record_step(StepSample(
-                t=metrics.now(), running=len(engine.scheduler.running), waiting=engine.scheduler.num_waiting,
-                scheduled_tokens=info.scheduled_tokens, prefill_tokens=info.prefill_tokens,
-                output_tokens=info.sampled_tokens, kv_used=engine.pool.num_used,
-            ))
-            for seq in finished:
-                self._record(seq)
-            metrics.forward_seconds = engine.runner.forward_seconds
+            for record in self.rows.step():
+                self._store(record, ok=is_ok(record))
             self.progress.update(engine=engine)
 
     def _admit(self, index: int, raw: dict[str, Any] | str) -> None:
@@ -173,76 +163,15 @@ class JobRunner:
         makes it an error row and never stops the job."""
         if index in self._done:
             return
-        try:
-            request = parse_row(index, raw, self.options.defaults)
-            prompt_ids = self._tokenize(request)
-            seq = self.engine.add_request(prompt_ids, request.params, seq_id=index)
-        except Exception as exc:  # RowError, or a tokenizer / chat template / engine check on this row
-            message = str(exc) if isinstance(exc, ValueError) else f"could not prepare this row ({type(exc).__name__}: {exc})"
-            self._record_error(index, row_id_of(index, raw), message, 0)
-            return
-        self._rows[index] = (request, self.metrics.now(), self.engine.scheduler.stats.steps)
-        if seq.is_finished:  # could never run (too long for the model or the KV pool)
-            self._record(seq)
-
-    def _tokenize(self, request: RowRequest) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if request.prompt_token_ids is not None:
-            ids = request.prompt_token_ids
-        elif tokenizer is None:
-            raise RowError("this model has no tokenizer; give `prompt_token_ids` instead of text")
-        else:
-            try:
-                if request.messages is not None:
-                    ids = encode_messages(tokenizer, request.messages)
-                else:
-                    ids = encode_text(tokenizer, request.prompt)
-            except Exception as exc:  # a chat template raising on odd roles, a tokenizer edge case
-                raise RowError(f"could not tokenize the prompt ({type(exc).__name__}: {exc})") from None
-        vocab = self.engine.spec.vocab_size
-        outside = next((t for t in ids if t >= vocab), None)
-        if outside is not None:
-            raise RowError(f"the prompt has token id {outside}, outside the model's vocabulary (ids 0..{vocab - 1})")
-        return ids
-
-    def _record_error(self, index: int, row_id: str, error: str, prompt_tokens: int) -> None:
-        self._store({
-            "index": index, "id": row_id, "completion": None, "finish_reason": "error",
-            "prompt_tokens": prompt_tokens, "completion_tokens": 0, "error": error, "completion_token_ids": [],
-        })
-    def _record(self, seq: Sequence) -> None:
-        request, queued_s, queued_step = self._rows.pop(seq.seq_id)
-        out = self.engine.output_of(seq)
-        if out.finish_reason == "error":
-            self._record_error(seq.seq_id, request.row_id, out.error or "failed", len(out.prompt_token_ids))
-            return
-        metrics = self.metrics
-        metrics.prompt_tokens += len(out.prompt_token_ids)
-        metrics.output_tokens += len(out.token_ids)
-        step_time = metrics.step_time
-        metrics.requests.append(RequestTiming(
-            row_id=request.row_id, queued_s=queued_s,
-            scheduled_s=step_time(seq.first_scheduled_step - 1) if seq.first_scheduled_step and seq.first_scheduled_step > 1 else queued_s,
-            first_token_s=step_time(seq.first_token_step), finished_s=metrics.now(),
-            queued_step=queued_step, first_scheduled_step=seq.first_scheduled_step,
-            first_token_step=seq.first_token_step, finished_step=seq.finish_step or queued_step,
-            prompt_tokens=len(out.prompt_token_ids), output_tokens=len(out.token_ids),
-        ))
-        self._store({
-            "index": seq.seq_id, "id": request.row_id, "completion": out.text, "finish_reason": out.finish_reason,
-            "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids), "error": None,
-            "completion_token_ids": out.token_ids,
-        }, ok=True)
+        record = self.rows.admit(index, raw)
+        if record is not None:
+            self._store(record, ok=is_ok(record))
 
     def _store(self, record: dict[str, Any], ok: bool = False) -> None:
-        for key in ("id", "completion", "error"):  # JSON input may carry lone surrogates: not writable as UTF-8
-            if isinstance(record[key], str):
-                record[key] = record[key].encode("utf-8", "replace").decode("utf-8")
         if ok:
             self.metrics.ok_rows += 1
         else:
             self.metrics.error_rows += 1
-            self._rows.pop(record["index"], None)
         self.state.append(record)
 
 

@@ -38,15 +38,9 @@ def check_writable(path: Path, flag: str = "--out") -> None:
     os.unlink(probe)
 
 
-def write_output(path: Path, fmt: str, records: Iterable[dict[str, Any]], token_ids: bool, chunk_rows: int = 4096) -> None:
-    columns = COLUMNS + (("completion_token_ids",) if token_ids else ())
-    if fmt == "jsonl":
-        with open(path, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps({c: record.get(c) for c in columns}, ensure_ascii=False) + "\n")
-        return
+def output_schema(token_ids: bool):
+    """The Arrow schema of the output columns (Parquet OUTPUT, and the Ray Data callable's columns)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     fields = [
         pa.field("id", pa.string()),
@@ -58,7 +52,20 @@ def write_output(path: Path, fmt: str, records: Iterable[dict[str, Any]], token_
     ]
     if token_ids:
         fields.append(pa.field("completion_token_ids", pa.list_(pa.int64())))
-    schema = pa.schema(fields)
+    return pa.schema(fields)
+
+
+def write_output(path: Path, fmt: str, records: Iterable[dict[str, Any]], token_ids: bool, chunk_rows: int = 4096) -> None:
+    columns = COLUMNS + (("completion_token_ids",) if token_ids else ())
+    if fmt == "jsonl":
+        with open(path, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps({c: record.get(c) for c in columns}, ensure_ascii=False) + "\n")
+        return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = output_schema(token_ids)
     with pq.ParquetWriter(path, schema) as writer:
         chunk: list[dict[str, Any]] = []
         for record in records:

@@ -1,0 +1,141 @@
+"""One replica: an engine that runs blocks of rows and returns their records. No Ray in here.
+
+Ray wraps `Replica` as an actor (`ray_job.py`) and `CbatchPredictor` wraps it for
+`Dataset.map_batches` (`predictor.py`). The replica accepts several blocks at once (a threaded
+actor): every block's rows go into the same engine, and whichever call holds the lock steps it,
+so the engine's batch stays full across block boundaries instead of draining at the end of
+each block. A call returns when all of its own rows are finished.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable
+
+from cbatch.config import EngineConfig, SamplingParams
+from cbatch.engine.engine import Engine
+from cbatch.engine.scheduler import SchedulerStats
+from cbatch.io.reader import RawRow
+from cbatch.observe.metrics import JobMetrics, RequestTiming
+from cbatch.rowrun import Record, RowRunner, is_ok
+
+
+@dataclass(slots=True)
+class ReplicaStats:
+    """A replica's counters since it started; a fresh snapshot comes back with every block."""
+
+    replica: int
+    host: str
+    device: str
+    rows: int = 0
+    ok_rows: int = 0
+    error_rows: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    blocks: int = 0
+    busy_seconds: float = 0.0  # time spent in engine steps
+    alive_seconds: float = 0.0  # since the engine was ready
+    forward_seconds: float = 0.0
+    num_kv_blocks: int = 0
+    max_num_seqs: int = 0
+    scheduler: SchedulerStats = field(default_factory=SchedulerStats)
+
+    def as_report(self) -> dict[str, Any]:
+        steps = max(self.scheduler.steps, 1)
+        return {
+            "replica": self.replica, "host": self.host, "device": self.device, "blocks": self.blocks,
+            "rows": self.rows, "ok": self.ok_rows, "error": self.error_rows,
+            "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+            "busy_seconds": self.busy_seconds,
+            "busy_fraction": self.busy_seconds / self.alive_seconds if self.alive_seconds > 0 else 0.0,
+            "output_tokens_per_busy_s": self.output_tokens / self.busy_seconds if self.busy_seconds > 0 else 0.0,
+            "steps": self.scheduler.steps,
+            "mean_batch_occupancy": self.scheduler.occupancy_sum / steps,
+            "peak_kv_usage": self.scheduler.peak_kv_blocks / max(self.num_kv_blocks, 1),
+            "preemptions": self.scheduler.preemptions,
+        }
+
+
+@dataclass(slots=True)
+class BlockResult:
+    records: list[Record]  # one per row of the block, in the block's order
+    timings: list[RequestTiming]  # of every row this replica finished since the last BlockResult
+    stats: ReplicaStats
+
+
+class Replica:
+    def __init__(self, config: EngineConfig, defaults: SamplingParams, replica: int = 0,
+                 make_engine: Callable[[EngineConfig], Engine] = Engine.from_config) -> None:
+        self.config = config
+        self.defaults = defaults
+        self.replica = replica
+        self._make_engine = make_engine
+        self._engine: Engine | None = None
+        self._lock = threading.Lock()  # guards the engine, the runner and the records below
+        self._done: dict[int, Record] = {}  # finished rows not yet returned, by row index
+
+    # ---- start -----------------------------------------------------------------------------------
+    def start(self) -> dict[str, Any]:
+        """Loads the model (once); returns what the job's fingerprint needs, as `fingerprint()` reads it."""
+        with self._lock:
+            if self._engine is None:
+                engine = self._make_engine(self.config)
+                self.metrics = JobMetrics()
+                self.rows = RowRunner(engine, self.defaults, self.metrics)
+                self.stats = ReplicaStats(
+                    replica=self.replica, host=socket.gethostname(), device=str(engine.device),
+                    num_kv_blocks=engine.pool.num_blocks, max_num_seqs=self.config.max_num_seqs,
+                )
+                self._ready = time.perf_counter()
+                self._engine = engine
+            engine = self._engine
+        return {
+            "model_dir": str(engine.model_dir) if engine.model_dir else None,
+            "architecture": engine.spec.architecture, "dtype": str(engine.dtype),
+            "max_model_len": engine.max_model_len, "device": str(engine.device), "host": self.stats.host,
+        }
+
+    # ---- work ------------------------------------------------------------------------------------
+    def run_block(self, rows: list[RawRow]) -> BlockResult:
+        """Runs the rows (index, raw row) to completion; other blocks may share the engine meanwhile."""
+        self.start()
+        indices = [index for index, _ in rows]
+        with self._lock:
+            for index, raw in rows:
+                if index in self._done or self.rows.is_pending(index):  # one sequence per row id, always
+                    raise ValueError(f"row {index} is already running in replica {self.replica}")
+                record = self.rows.admit(index, raw)
+                if record is not None:
+                    self._finish(record)
+        while True:
+            with self._lock:
+                if all(i in self._done for i in indices):
+                    return self._result(indices)
+                started = time.perf_counter()
+                for record in self.rows.step():
+                    self._finish(record)
+                self.stats.busy_seconds += time.perf_counter() - started
+
+    def _finish(self, record: Record) -> None:
+        self._done[record["index"]] = record
+        stats = self.stats
+        stats.rows += 1
+        if is_ok(record):
+            stats.ok_rows += 1
+        else:
+            stats.error_rows += 1
+
+    def _result(self, indices: list[int]) -> BlockResult:
+        records = [self._done.pop(i) for i in indices]
+        timings, self.metrics.requests = self.metrics.requests, []  # handed to the driver, not kept here
+        engine, stats = self._engine, self.stats
+        stats.blocks += 1
+        stats.prompt_tokens, stats.output_tokens = self.metrics.prompt_tokens, self.metrics.output_tokens
+        stats.forward_seconds = engine.runner.forward_seconds
+        stats.alive_seconds = time.perf_counter() - self._ready
+        stats.scheduler = SchedulerStats(**asdict(engine.scheduler.stats))
+        # a detached copy: the live stats keep changing while the result travels
+        return BlockResult(records=records, timings=timings, stats=replace(stats, scheduler=stats.scheduler))
+

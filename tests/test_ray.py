@@ -1,0 +1,255 @@
+"""`cbatch run --ray` and the Ray Data callable, on one small local Ray instance (2 CPUs) shared by the module.
+
+Every Ray job here is compared with the single-process run of the same rows: same bytes out.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cbatch.config import EngineConfig, SamplingParams
+from cbatch.job import JobOptions, run_job
+from cbatch.scaleout import normalize_ray_flag
+
+ROWS = 26
+LONG_ROWS = (4, 17)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray instance for the module (skipped cleanly where Ray is not installed)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def job_input(tmp_path_factory, tiny_checkpoints) -> tuple[Path, Path]:
+    """Random token-id rows (greedy and sampled without their own seed, random lengths), one bad line, one bad row,
+    and two long rows (ignore_eos, many tokens) that keep a block busy long enough to kill its replica mid-block."""
+    rng = random.Random(1234)
+    path = tmp_path_factory.mktemp("rayin") / "in.jsonl"
+    lines = []
+    for i in range(ROWS):
+        row = {"id": f"r{i}", "prompt_token_ids": [rng.randrange(3, 384) for _ in range(rng.randint(2, 40))],
+               "max_tokens": rng.randint(1, 14)}
+        if i % 3 == 0:
+            row["temperature"] = 0.9  # seeded from (job seed, row index): must match wherever it runs
+        if i in LONG_ROWS:
+            row.update(max_tokens=200, ignore_eos=True)
+        lines.append(json.dumps(row))
+    lines.insert(7, "{not json")
+    lines.insert(15, json.dumps({"id": "bad", "prompt": 5}))
+    path.write_text("\n".join(lines) + "\n")
+    return path, tiny_checkpoints["llama"]
+
+
+def options(inp: Path, out: Path, model: Path, **extra) -> JobOptions:
+    return JobOptions(
+        input=inp, output=out, engine=EngineConfig(model=str(model), device="cpu", max_num_seqs=4, seed=7),
+        defaults=SamplingParams(max_tokens=8), token_ids=True, quiet=True, display="none", **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def local_output(job_input, tmp_path_factory) -> bytes:
+    """The single-process run: the reference every Ray run must equal."""
+    inp, model = job_input
+    out = tmp_path_factory.mktemp("local") / "out.jsonl"
+    assert run_job(options(inp, out, model)) == 1  # row errors, as the input has two bad rows
+    return out.read_bytes()
+
+
+def ray_options(**settings):
+    from cbatch.scaleout.ray_job import RayOptions
+
+    return RayOptions(**{"replicas": 2, "gpus_per_replica": 0, "block_rows": 3, **settings})
+
+
+def check_rows(data: bytes) -> list[dict]:
+    rows = [json.loads(line) for line in data.decode().splitlines()]
+    assert len(rows) == ROWS + 2
+    assert len({r["id"] for r in rows}) == len(rows)  # every row exactly once
+    return rows
+
+
+def part_lines(state_dir: Path) -> list[dict]:
+    return [json.loads(line) for part in sorted(state_dir.glob("part-*.jsonl")) for line in part.read_text().splitlines()]
+
+
+def test_two_replicas_match_the_single_process_run(ray_cluster, job_input, local_output, tmp_path):
+    from cbatch.scaleout.ray_job import run_ray_job
+
+    inp, model = job_input
+    out, report_path = tmp_path / "out.jsonl", tmp_path / "report.json"
+    code = run_ray_job(options(inp, out, model, report=report_path), ray_options())
+    assert code == 1  # the same exit code as the local run: two error rows
+    assert out.read_bytes() == local_output  # same rows, same order, same tokens (sampled rows included)
+    rows = check_rows(out.read_bytes())
+    assert sum(r["finish_reason"] == "error" for r in rows) == 2
+    report = json.loads(report_path.read_text())
+    assert report["requests"] == {"total": ROWS + 2, "ok": ROWS, "error": 2, "resumed": 0}
+    assert report["tokens"]["output"] == sum(r["completion_tokens"] for r in rows) > ROWS
+    replicas = report["replicas"]
+    assert len(replicas) == 2 and all(r["status"] == "ok" and r["rows"] > 0 for r in replicas)
+    assert sum(r["rows"] for r in replicas) == ROWS + 2  # each row ran once, on one replica
+    assert sum(r["output_tokens"] for r in replicas) == report["tokens"]["output"]
+    assert all(0 < r["mean_batch_occupancy"] <= 1 and r["busy_seconds"] > 0 for r in replicas)
+    steps = sum(r["steps"] for r in replicas)
+    assert report["utilization"]["steps"] == steps
+    weighted = sum(r["mean_batch_occupancy"] * r["steps"] for r in replicas) / steps
+    assert report["utilization"]["mean_batch_occupancy"] == pytest.approx(weighted)
+    assert report["throughput"]["output_tokens_per_s"] == pytest.approx(
+        report["tokens"]["output"] / report["time"]["wall_seconds"])
+    assert report["ray"]["replicas"] == 2 and report["ray"]["retried_blocks"] == 0
+
+
+def test_a_killed_replica_has_its_rows_retried_exactly_once(ray_cluster, job_input, local_output, tmp_path):
+    from cbatch.scaleout.ray_job import run_ray_job
+
+    inp, model = job_input
+    out, report_path = tmp_path / "out.jsonl", tmp_path / "report.json"
+    killed: list[int] = []
+
+    def kill_one_mid_job(job) -> None:
+        job.state.sync()
+        records = part_lines(job.state.dir)
+        assert len(records) == len({r["index"] for r in records}) == len(job.done)  # never a duplicate
+        if killed:
+            return
+        for victim in (r for r in job.replicas if r.status == "running"):
+            # a block with a long row that is still running: killing now surely loses unfinished work
+            busy = [ref for ref, block in victim.in_flight.items()
+                    if any(isinstance(raw, dict) and raw.get("ignore_eos") for _, raw in block.rows)]
+            if busy and not ray_cluster.wait(busy, timeout=0)[0]:
+                killed.append(victim.number)
+                ray_cluster.kill(victim.actor, no_restart=True)
+                return
+
+    code = run_ray_job(options(inp, out, model, report=report_path), ray_options(), on_block=kill_one_mid_job)
+    assert code == 1 and killed
+    assert out.read_bytes() == local_output  # every row, once, in order, the killed replica's rows included
+    check_rows(out.read_bytes())
+    report = json.loads(report_path.read_text())
+    assert report["requests"]["ok"] + report["requests"]["error"] == ROWS + 2
+    assert report["ray"]["retried_blocks"] >= 1 and report["ray"]["replaced_replicas"] == 1
+    statuses = {r["replica"]: r["status"] for r in report["replicas"]}
+    assert statuses[killed[0]] == "failed" and len(statuses) == 3
+
+
+def test_a_rerun_after_a_crash_skips_rows_already_written(ray_cluster, job_input, local_output, tmp_path):
+    from cbatch.scaleout.ray_job import run_ray_job
+
+    inp, model = job_input
+    out, report_path = tmp_path / "out.jsonl", tmp_path / "report.json"
+    saved: list[int] = []
+
+    def crash_after_two_blocks(job) -> None:
+        if len(job.done) >= 6:
+            job.state.sync()
+            saved.extend(r["index"] for r in part_lines(job.state.dir))
+            raise KeyboardInterrupt  # the driver dies: its part file stays for the re-run
+
+    with pytest.raises(KeyboardInterrupt):
+        run_ray_job(options(inp, out, model), ray_options(replicas=1), on_block=crash_after_two_blocks)
+    assert not out.exists() and len(saved) >= 6
+    assert run_ray_job(options(inp, out, model, report=report_path), ray_options(replicas=1)) == 1
+    assert out.read_bytes() == local_output
+    report = json.loads(report_path.read_text())
+    assert report["requests"]["resumed"] == len(saved)
+    assert report["replicas"][0]["rows"] == ROWS + 2 - len(saved)  # only the rows not yet written ran again
+
+
+def test_cli_joins_a_running_cluster(ray_cluster, job_input, local_output, tmp_path):
+    inp, model = job_input
+    out = tmp_path / "out.jsonl"
+    address = ray_cluster.get_runtime_context().gcs_address
+    proc = subprocess.run(
+        [sys.executable, "-m", "cbatch.cli", "run", str(inp), "--out", str(out), "--model", str(model),
+         "--device", "cpu", "--max-num-seqs", "4", "--seed", "7", "--max-tokens", "8", "--token-ids",
+         "--display", "none", "--ray", address, "--replicas", "1", "--gpus-per-replica", "0", "--ray-block-rows", "4"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr  # row errors, as locally
+    assert out.read_bytes() == local_output
+    assert f"cbatch: {ROWS}/{ROWS + 2} rows ok, 2 errors" in proc.stdout and "1 Ray replica(s)" in proc.stdout
+
+
+def test_pool_larger_than_the_cluster_is_refused(ray_cluster, job_input, tmp_path):
+    from cbatch.job import JobError
+    from cbatch.scaleout.ray_job import run_ray_job
+
+    inp, model = job_input
+    with pytest.raises(JobError, match=r"--replicas 3 needs 3 CPUs .* has 2"):
+        run_ray_job(options(inp, tmp_path / "o.jsonl", model), ray_options(replicas=3))
+    with pytest.raises(JobError, match="--gpus-per-replica: must be 1"):
+        run_ray_job(options(inp, tmp_path / "o.jsonl", model), ray_options(gpus_per_replica=2))
+    assert not list(tmp_path.iterdir())
+
+
+def test_map_batches_callable(ray_cluster, job_input, local_output):
+    from cbatch.scaleout.predictor import CbatchPredictor
+
+    inp, model = job_input
+    rows = [json.loads(line) for line in inp.read_text().splitlines() if line.startswith("{\"")]
+    expected = {r["id"]: r for r in map(json.loads, local_output.decode().splitlines())}
+    greedy = [r for r in rows if "temperature" not in r]  # sampled rows need their own seed outside a job
+    ds = ray_cluster.data.from_items(greedy)
+    out = ds.map_batches(
+        CbatchPredictor, fn_constructor_kwargs={"model": str(model), "device": "cpu", "max_num_seqs": 4,
+                                                "sampling": {"max_tokens": 8}, "token_ids": True},
+        compute=ray_cluster.data.ActorPoolStrategy(size=1), num_cpus=1, batch_size=5, batch_format="pyarrow",
+    ).take_all()
+    assert sorted(r["id"] for r in out) == sorted(r["id"] for r in greedy)
+    for row in out:
+        want = expected[row["id"]]
+        assert list(row["completion_token_ids"]) == want["completion_token_ids"]
+        assert (row["finish_reason"], row["error"]) == (want["finish_reason"], want["error"])
+        source = next(r for r in greedy if r["id"] == row["id"])  # input columns are kept
+        assert (row["max_tokens"], row["prompt_token_ids"] and list(row["prompt_token_ids"])) == (
+            source.get("max_tokens"), source.get("prompt_token_ids"))
+
+
+def test_ray_flag_without_ray_says_how_to_install(tmp_path, job_input):
+    fake = tmp_path / "noray" / "ray"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'ray'\", name='ray')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])}
+    inp, model = job_input
+    proc = subprocess.run([sys.executable, "-m", "cbatch.cli", "run", str(inp), "--out", str(tmp_path / "o.jsonl"),
+                           "--model", str(model), "--ray"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert 'pip install "cbatch[ray]"' in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["run", "a.jsonl", "--out", "o", "--ray"], ["run", "a.jsonl", "--out", "o", "--ray=local"]),
+    (["run", "--ray", "a.jsonl", "--out", "o"], ["run", "--ray=local", "a.jsonl", "--out", "o"]),
+    (["run", "a", "--ray", "10.0.0.1:6379"], ["run", "a", "--ray", "10.0.0.1:6379"]),
+    (["run", "a", "--ray", "auto", "-o", "x"], ["run", "a", "--ray", "auto", "-o", "x"]),
+    (["run", "a", "--ray", "ray://head:10001"], ["run", "a", "--ray", "ray://head:10001"]),
+    (["run", "a", "--ray", "--out", "o"], ["run", "a", "--ray=local", "--out", "o"]),
+])
+def test_ray_flag_takes_an_optional_address(argv, expected):
+    assert normalize_ray_flag(argv) == expected
+
+
+def test_an_address_nobody_answers_fails_fast():
+    import socket
+
+    from cbatch.job import JobError
+    from cbatch.scaleout.ray_job import check_reachable
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(JobError, match=rf"--ray 127.0.0.1:{port}: no Ray cluster answers there"):
+        check_reachable(f"127.0.0.1:{port}", timeout_s=2)
