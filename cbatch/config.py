@@ -9,6 +9,8 @@ POLICIES: tuple[str, ...] = ("longest-first", "fcfs", "static")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
+ADMISSION_MODES: tuple[str, ...] = ("optimistic", "reserve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0  # seed for requests that give none
     num_threads: int | None = None  # CPU threads for torch; None = torch's default
+    enable_prefix_cache: bool = True  # share computed full KV blocks between requests with the same prefix
+    preemption: str = "recompute"  # recompute | swap | auto (swap victims whose recompute would be long)
+    swap_space_gb: float = 4.0  # host memory for swapped-out KV blocks
+    admission: str = "optimistic"  # optimistic (admit on the prompt) | reserve (prompt + max_tokens must fit)
+    priority_aging_steps: int | None = 1000  # a waiting request gains one priority class per this many steps
 
     def __post_init__(self) -> None:
         def check(ok: bool, flag: str, fix: str) -> None:
@@ -57,6 +64,22 @@ class EngineConfig:
             "must be in (0, 1], e.g. 0.9",
         )
         check(self.max_model_len is None or self.max_model_len >= 1, "--max-model-len", "must be at least 1")
+        check(
+            self.preemption in PREEMPTION_MODES,
+            "--preemption",
+            f"must be one of {', '.join(PREEMPTION_MODES)}, not {self.preemption!r}",
+        )
+        check(self.swap_space_gb >= 0, "--swap-space", "must be a non-negative number of GB, e.g. 4")
+        check(
+            self.admission in ADMISSION_MODES,
+            "--admission",
+            f"must be one of {', '.join(ADMISSION_MODES)}, not {self.admission!r}",
+        )
+        check(
+            self.priority_aging_steps is None or self.priority_aging_steps >= 0,
+            "--priority-aging-steps",
+            "must be a non-negative number of steps (0 = no aging)",
+        )
 
 
 class ConfigError(ValueError):
@@ -74,6 +97,7 @@ class SamplingParams:
     seed: int | None = None  # per-request seed: same tokens whatever else is in the batch
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    priority: int = 0  # scheduling class: lower is admitted sooner (and preempted later)
 
     def validate(self) -> str | None:
         """Returns a message naming the bad field, or None when the settings are usable."""
@@ -93,6 +117,8 @@ class SamplingParams:
             return f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
         if not isinstance(self.ignore_eos, bool):
             return f"ignore_eos must be true or false, got {self.ignore_eos!r}"
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            return f"priority must be an integer (lower = sooner), got {self.priority!r}"
         return None
 
     @property

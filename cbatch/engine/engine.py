@@ -8,7 +8,7 @@ import torch
 
 from cbatch.config import ConfigError, EngineConfig, SamplingParams
 from cbatch.engine.kv_blocks import BlockPool
-from cbatch.engine.policy import get_policy
+from cbatch.engine.policy import PreemptionPolicy, PriorityOrder, get_policy
 from cbatch.engine.runner import ModelRunner
 from cbatch.engine.scheduler import Scheduler
 from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -55,7 +55,7 @@ def kv_pool_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, de
     """Blocks in the KV pool: forced by --num-kv-blocks, else from the memory budget (never more than useful)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    bytes_per_block = spec.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * config.block_size
+    bytes_per_block = kv_block_bytes(config, spec, dtype)
     useful = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -65,6 +65,11 @@ def kv_pool_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, de
     else:
         budget = min(4 * 2**30, 0.25 * _available_memory())
     return max(1, min(useful, int(budget // bytes_per_block)))
+
+
+def kv_block_bytes(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
+    """Bytes of one KV block over all layers (K and V)."""
+    return spec.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * config.block_size
 
 
 def _available_memory() -> int:
@@ -101,14 +106,20 @@ class Engine:
         self.model_dir = checkpoint.path if checkpoint is not None else None
         self.last_step = StepInfo()
         num_blocks = kv_pool_blocks(config, self.spec, self.dtype, self.device, self.max_model_len)
-        self.pool = BlockPool(num_blocks, config.block_size)
+        self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_cache)
+        num_host_blocks = 0
+        if config.preemption != "recompute":
+            num_host_blocks = int(config.swap_space_gb * 2**30 // kv_block_bytes(config, self.spec, self.dtype))
         self.scheduler = Scheduler(
-            get_policy(config.policy), self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            get_policy(config.policy), self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            priority=PriorityOrder(config.priority_aging_steps), preemption=PreemptionPolicy(config.preemption),
+            reserve=config.admission == "reserve", num_host_blocks=num_host_blocks,
         )
         self.runner = ModelRunner(
             self.model, num_blocks, config.block_size, config.max_num_seqs, self.max_model_len,
             self.device, self.dtype, config.attention_backend, config.seed,
         )
+        self.runner.num_host_blocks = num_host_blocks
         self._stop_checks: dict[int, list[str]] = {}
         self._next_id = 0
 

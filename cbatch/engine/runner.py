@@ -77,6 +77,8 @@ class ModelRunner:
         # +max_num_seqs rows: static batching keeps finished members in the batch until their group ends
         self.block_tables = BlockTableBuffer(2 * max_num_seqs, max_blocks)
         self.forward_seconds = 0.0  # time inside the model call, for the report
+        self.num_host_blocks = 0  # swap space in blocks (set by the engine); allocated at the first swap
+        self._host_kv: torch.Tensor | None = None
 
     def release(self, seq: Sequence) -> None:
         self.block_tables.release(seq)
@@ -86,6 +88,8 @@ class ModelRunner:
         """Runs one step; returns {seq_id: sampled token} for the sequences whose chunk reached their end."""
         for seq in plan.preempted:
             self.block_tables.release(seq)
+        if plan.swap_out or plan.swap_in:
+            self.swap(plan.swap_out, plan.swap_in)
         batch = self._build(plan)
         start = time.perf_counter()
         self.backend.prepare(batch.meta)
@@ -98,6 +102,30 @@ class ModelRunner:
         tokens = sample(logits, batch.sampling).tolist()
         self.forward_seconds += time.perf_counter() - start
         return {seq.seq_id: tok for seq, tok in zip(batch.sampling_seqs, tokens)}
+
+    @torch.inference_mode()
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copies preempted sequences' KV blocks to host slots (`swap_out`: (device, host) pairs), then
+        swapped-back sequences' slots into their new device blocks (`swap_in`: (host, device) pairs).
+
+        Host memory `[host_blocks, layers, 2, block_size, Hkv, D]` (pinned when the cache is on a GPU)
+        is a separate buffer even on CPU. NOTE: out before in: a block swapped out this step may be
+        the target of a swap_in or of this step's new tokens.
+        """
+        if self._host_kv is None:
+            layers, two, _, block_size, heads, dim = self.kv_cache.shape
+            self._host_kv = torch.empty(
+                self.num_host_blocks, layers, two, block_size, heads, dim,
+                dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda",
+            )
+        if swap_out:
+            dev, host = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*swap_out))
+            blocks = self.kv_cache.index_select(2, dev.to(self.device)).movedim(2, 0)  # [n, L, 2, bs, H, D]
+            self._host_kv.index_copy_(0, host, blocks.cpu())
+        if swap_in:
+            host, dev = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*swap_in))
+            blocks = self._host_kv.index_select(0, host).to(self.device, non_blocking=True)
+            self.kv_cache.index_copy_(2, dev.to(self.device), blocks.movedim(0, 2))
 
     def _build(self, plan: StepPlan) -> "_Batch":
         n = len(plan.scheduled)
