@@ -108,8 +108,9 @@ class Engine:
         num_blocks = kv_pool_blocks(config, self.spec, self.dtype, self.device, self.max_model_len)
         self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_cache)
         num_host_blocks = 0
-        if config.preemption != "recompute":
-            num_host_blocks = int(config.swap_space_gb * 2**30 // kv_block_bytes(config, self.spec, self.dtype))
+        if config.preemption != "recompute":  # --swap-space, but never more than 4 pools' worth
+            by_size = int(config.swap_space_gb * 2**30 // kv_block_bytes(config, self.spec, self.dtype))
+            num_host_blocks = min(by_size, 4 * num_blocks)
         self.scheduler = Scheduler(
             get_policy(config.policy), self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             priority=PriorityOrder(config.priority_aging_steps), preemption=PreemptionPolicy(config.preemption),
