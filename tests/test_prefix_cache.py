@@ -163,3 +163,19 @@ def test_forced_hash_collisions_never_reuse_wrong_kv(cached_workload, monkeypatc
     engine = make_engine(path, max_num_seqs=2, block_size=4)
     assert generate(engine, prompts, PARAMS) == reference
     assert engine.pool.num_cached <= 1  # one hash value: at most one block cached at a time
+
+
+def test_rows_sharing_a_prefix_wait_one_step_instead_of_computing_it_twice():
+    sched, pool = make(block_size=4, budget=100)
+    prefix = list(range(50, 62))
+    rows = [seq(i, prefix + [200 + i, 300 + i]) for i in range(4)]
+    other = seq(9, list(range(100, 110)))
+    for s in rows + [other]:
+        sched.add(s)
+    plan = sched.schedule()
+    assert [s for s, _ in plan.scheduled] == [rows[0]]  # the others would compute the same 3 blocks
+    assert sched.stats.stalled_prefix_pending == 1
+    advance(plan)
+    plan = sched.schedule()
+    assert [(s, n) for s, n in plan.scheduled if s is not rows[0]] == [(r, 2) for r in rows[1:]] + [(other, 10)]
+    assert sched.stats.prefix_cache_hit_tokens == 3 * 12

@@ -188,3 +188,19 @@ def cache_computed_blocks(pool: BlockPool, seq: Sequence) -> None:
     for i in range(seq.num_registered_blocks, full):
         pool.register(seq.block_ids[i], hashes[i], _block_key(pool, seq, i))
     seq.num_registered_blocks = full
+
+
+def hashes_completed(pool: BlockPool, seq: Sequence, num_new: int) -> list[int]:
+    """Hashes of the full blocks that computing `num_new` more tokens of `seq` completes."""
+    if not pool.enable_caching:
+        return []
+    first, end = seq.num_computed // pool.block_size, (seq.num_computed + num_new) // pool.block_size
+    return _block_hashes(pool, seq, end)[first:end]
+
+
+def first_missing_hash(pool: BlockPool, seq: Sequence, num_hits: int) -> int | None:
+    """The hash of the first of a starting `seq`'s full blocks the cache did not have (None: no such
+    block, or `seq` resumes with KV of its own)."""
+    if not pool.enable_caching or seq.num_computed or seq.host_block_ids or num_hits >= (seq.num_tokens - 1) // pool.block_size:
+        return None
+    return _block_hashes(pool, seq, num_hits + 1)[num_hits]

@@ -22,12 +22,14 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from cbatch.engine.kv_blocks import BlockPool, cache_computed_blocks, prefix_hits
+from cbatch.engine.kv_blocks import BlockPool, cache_computed_blocks, first_missing_hash, hashes_completed, prefix_hits
 from cbatch.engine.policy import AdmissionPolicy, PreemptionPolicy, PriorityOrder
 from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 # Why waiting work was not admitted in a step (one reason per step, counted in SchedulerStats).
-STALL_REASONS = ("no_free_blocks", "token_budget", "max_num_seqs", "reserved", "after_preemption", "static_group")
+STALL_REASONS = (
+    "no_free_blocks", "token_budget", "max_num_seqs", "reserved", "after_preemption", "static_group", "prefix_pending",
+)
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class SchedulerStats:
     stalled_reserved: int = 0  # reserve admission: the prompt fit, prompt + max_tokens did not
     stalled_after_preemption: int = 0
     stalled_static_group: int = 0
+    stalled_prefix_pending: int = 0  # the head shares a prefix block another sequence computes this step
     # queue wait (steps from arrival to first scheduling) per priority class
     wait_steps_by_priority: dict[int, list[int]] = field(default_factory=dict)
 
@@ -116,6 +119,7 @@ class Scheduler:
         self._waiting: list[tuple[tuple, Sequence]] = []  # heap: (priority class, resumed first, order)
         self._num_requeued = 0
         self._host_to_free: list[int] = []  # host slots read by the last step's swap_in
+        self._inflight: set[int] = set()  # hashes of the full blocks this step's prefill chunks complete
         self.stats = SchedulerStats()
 
     # ---- queue ----------------------------------------------------------------------------
@@ -149,6 +153,7 @@ class Scheduler:
         scheduled_ids: set[int] = set()
         self.host.release(self._host_to_free)
         self._host_to_free = []
+        self._inflight.clear()
         for seq in self.running:  # the last step computed these blocks: now others may share them
             cache_computed_blocks(self.pool, seq)
 
@@ -168,6 +173,8 @@ class Scheduler:
             plan.scheduled.append((seq, num_new))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
+            if num_new > 1:
+                self._inflight.update(hashes_completed(self.pool, seq, num_new))
 
         if plan.preempted:
             # NOTE: no admission after a preemption: the freed blocks go to the running sequences
@@ -276,6 +283,12 @@ class Scheduler:
         """Starts `seq` with the blocks for its next chunk (reusing cached prefix blocks or its swapped
         copy) and schedules that chunk; returns why not instead when the blocks are not there."""
         hits = prefix_hits(self.pool, seq)
+        if first_missing_hash(self.pool, seq, len(hits)) in self._inflight:
+            # NOTE: its next prefix block is being computed this step by another sequence: waiting one
+            # step turns that block (and the rest of the shared prefix) into cache hits instead of
+            # computing it twice. At most one step per new shared prefix; never a deadlock, since
+            # `_inflight` only holds blocks scheduled in this step.
+            return "prefix_pending"
         reused = len(seq.host_block_ids) + len(hits)  # blocks it starts with before new ones
         computed = seq.num_computed + len(hits) * self.pool.block_size
         num_new = min(seq.num_tokens - computed, budget)
@@ -289,6 +302,7 @@ class Scheduler:
         seq.block_ids.extend(self.pool.allocate(fresh))
         self._start(seq)
         plan.scheduled.append((seq, num_new))
+        self._inflight.update(hashes_completed(self.pool, seq, num_new))
         return None
 
     def _admit_group(self, plan: StepPlan, budget: int, scheduled_ids: set[int]) -> int:
