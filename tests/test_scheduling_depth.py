@@ -239,3 +239,28 @@ def test_mixed_priorities_identical(pressure_workload):
     engine = make_engine(path, num_kv_blocks=20, block_size=4, preemption="swap", priority_aging_steps=4)
     assert generate(engine, prompts, params) == reference
     assert set(engine.scheduler.stats.wait_steps_by_priority) == {0, 1, 2}
+
+
+def test_cli_run_with_priorities_reports_waits_per_class(tiny_chat_model, tmp_path):
+    import json
+
+    from test_cli_run import cbatch, read_output
+
+    src, out, report = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "report.json"
+    rows = [{"prompt": f"Tell me about number {i}", "priority": i % 2} for i in range(6)] + [{"prompt": "x", "priority": "high"}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = cbatch("run", str(src), "--out", str(out), "--model", str(tiny_chat_model), "--max-tokens", "4",
+                  "--report", str(report), "--preemption", "auto", "--admission", "reserve", "--priority", "1",
+                  "--max-num-seqs", "2", "--allow-errors", "--display", "none")
+    assert proc.returncode == 0, proc.stderr
+    results = read_output(out)
+    assert [r["finish_reason"] for r in results[:6]] == ["length"] * 6
+    assert results[6]["finish_reason"] == "error" and "priority must be an integer" in results[6]["error"]
+    data = json.loads(report.read_text())
+    waits = data["latency"]["queue_wait_steps_by_priority"]
+    assert set(waits) == {"0", "1"} and waits["0"]["requests"] == 3 and waits["1"]["requests"] == 3
+    assert waits["0"]["max"] <= waits["1"]["max"]  # the urgent class went first
+    assert data["latency"]["oldest_wait_steps"] == waits["1"]["max"]
+    assert {"prefix_cache_hit_rate", "prefix_cache_saved_tokens", "admission_stalls"} <= set(data["utilization"])
+    bad = cbatch("run", str(src), "--out", str(tmp_path / "o2.jsonl"), "--model", str(tiny_chat_model), "--preemption", "sometimes")
+    assert bad.returncode == 2 and "--preemption" in bad.stderr and "Traceback" not in bad.stderr
