@@ -179,3 +179,12 @@ def test_rows_sharing_a_prefix_wait_one_step_instead_of_computing_it_twice():
     plan = sched.schedule()
     assert [(s, n) for s, n in plan.scheduled if s is not rows[0]] == [(r, 2) for r in rows[1:]] + [(other, 10)]
     assert sched.stats.prefix_cache_hit_tokens == 3 * 12
+
+
+def test_seeded_sampling_identical_with_prefix_cache(cached_workload):
+    path, prompts, _ = cached_workload
+    params = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True) for i in range(len(prompts))]
+    cached = make_engine(path, max_num_seqs=2, block_size=4)
+    plain = make_engine(path, max_num_seqs=5, block_size=4, enable_prefix_cache=False)
+    assert generate(cached, prompts, params) == generate(plain, prompts, params)
+    assert cached.scheduler.stats.prefix_cache_hit_tokens > 0

@@ -334,8 +334,8 @@ class Scheduler:
         return budget
 
     def _restore_kv(self, seq: Sequence, hits: list[int], plan: StepPlan) -> None:
-        """Gives a starting `seq` the KV it can reuse: its swapped-out copy, or cached prefix blocks.
-        The caller checked that the blocks are free."""
+        """Gives a starting `seq` the KV it can reuse: its swapped-out copy (the caller checked that its
+        blocks are free), or cached prefix blocks (held here, before any allocation could evict them)."""
         if seq.host_block_ids:
             blocks = self.pool.allocate(len(seq.host_block_ids))
             plan.swap_in.extend(zip(seq.host_block_ids, blocks))
