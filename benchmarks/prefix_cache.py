@@ -1,6 +1,6 @@
 """Prefix caching on a workload where one shared preamble dominates every prompt.
 
-Usage: PYTHONPATH=. python benchmarks/prefix_cache.py [--rows 32] [--prefix 768] [--suffix 32]
+Usage: PYTHONPATH=. python benchmarks/prefix_cache.py [--rows 16] [--prefix 384] [--suffix 16] [--layers 30]
 
 Model: SmolLM2-135M's shape (30 layers, 576 hidden, 9 heads / 3 KV heads, vocab 49152) with random
 weights, on CPU in float32. Rows: the same `--prefix` random tokens followed by `--suffix` tokens of
@@ -47,10 +47,10 @@ def run(enable: bool, prompts, params, args) -> tuple[float, list[list[int]], En
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--prefix", type=int, default=768, help="shared preamble tokens")
-    ap.add_argument("--suffix", type=int, default=32, help="each row's own tokens after the preamble")
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--prefix", type=int, default=384, help="shared preamble tokens")
+    ap.add_argument("--suffix", type=int, default=16, help="each row's own tokens after the preamble")
+    ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--kv-blocks", type=int, default=2048)
