@@ -53,8 +53,9 @@ class PriorityOrder:
     comparing `priority + arrival_step / aging_steps`: a key fixed at arrival, which a heap can
     keep. The arrival term is floored (`// aging_steps`) so requests arriving within one window of
     `aging_steps` steps keep the admission policy's order among themselves.
-    NOTE: a request of priority p is admitted at the latest once favoured rows arriving
-    (p - p') * aging_steps steps after it no longer outrank it: no request waits forever.
+    NOTE: rows of a better priority p' < p that arrive more than (p - p') * aging_steps steps after
+    a row of priority p rank behind it, so its wait is bounded by the work of the rows that arrived
+    before then: no request waits forever behind a stream of favoured ones.
     """
 
     aging_steps: int | None = None  # None or 0: no aging (strict priority classes)
