@@ -50,6 +50,8 @@ class BlockTableBuffer:
 
 
 class ModelRunner:
+    _block_dim = 2  # the block dimension of `kv_cache` (a backend may choose another layout)
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -88,9 +90,9 @@ class ModelRunner:
         """Runs one step; returns {seq_id: sampled token} for the sequences whose chunk reached their end."""
         for seq in plan.preempted:
             self.block_tables.release(seq)
-        if plan.swap_out or plan.swap_in:
-            self.swap(plan.swap_out, plan.swap_in)
         batch = self._build(plan)
+        if plan.swap_out or plan.swap_in:  # NOTE: after _build (nothing there may overwrite a swap_in), before the model
+            self.swap(plan.swap_out, plan.swap_in)
         start = time.perf_counter()
         self.backend.prepare(batch.meta)
         ctx = ForwardContext(self.backend, self.kv, batch.meta)
@@ -108,24 +110,22 @@ class ModelRunner:
         """Copies preempted sequences' KV blocks to host slots (`swap_out`: (device, host) pairs), then
         swapped-back sequences' slots into their new device blocks (`swap_in`: (host, device) pairs).
 
-        Host memory `[host_blocks, layers, 2, block_size, Hkv, D]` (pinned when the cache is on a GPU)
-        is a separate buffer even on CPU. NOTE: out before in: a block swapped out this step may be
-        the target of a swap_in or of this step's new tokens.
+        The host buffer has the cache's layout with `num_host_blocks` along the block dimension (pinned
+        when the cache is on a GPU); it is a separate buffer even on CPU. NOTE: out before in: a block
+        swapped out this step may be the target of a swap_in or of this step's new tokens.
         """
+        dim = self._block_dim
         if self._host_kv is None:
-            layers, two, _, block_size, heads, dim = self.kv_cache.shape
-            self._host_kv = torch.empty(
-                self.num_host_blocks, layers, two, block_size, heads, dim,
-                dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda",
-            )
+            shape = list(self.kv_cache.shape)
+            shape[dim] = self.num_host_blocks
+            self._host_kv = torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda")
         if swap_out:
             dev, host = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*swap_out))
-            blocks = self.kv_cache.index_select(2, dev.to(self.device)).movedim(2, 0)  # [n, L, 2, bs, H, D]
-            self._host_kv.index_copy_(0, host, blocks.cpu())
+            self._host_kv.index_copy_(dim, host, self.kv_cache.index_select(dim, dev.to(self.device)).cpu())
         if swap_in:
             host, dev = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*swap_in))
-            blocks = self._host_kv.index_select(0, host).to(self.device, non_blocking=True)
-            self.kv_cache.index_copy_(2, dev.to(self.device), blocks.movedim(0, 2))
+            blocks = self._host_kv.index_select(dim, host).to(self.device, non_blocking=True)
+            self.kv_cache.index_copy_(dim, dev.to(self.device), blocks)
 
     def _build(self, plan: StepPlan) -> "_Batch":
         n = len(plan.scheduled)
