@@ -55,7 +55,7 @@ def kv_pool_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, de
     """Blocks in the KV pool: forced by --num-kv-blocks, else from the memory budget (never more than useful)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    bytes_per_block = kv_block_bytes(config, spec, dtype)
+    bytes_per_block = spec.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * config.block_size
     useful = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -65,11 +65,6 @@ def kv_pool_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, de
     else:
         budget = min(4 * 2**30, 0.25 * _available_memory())
     return max(1, min(useful, int(budget // bytes_per_block)))
-
-
-def kv_block_bytes(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
-    """Bytes of one KV block over all layers (K and V)."""
-    return spec.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * config.block_size
 
 
 def _available_memory() -> int:
@@ -109,8 +104,8 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_cache)
         num_host_blocks = 0
         if config.preemption != "recompute":  # --swap-space, but never more than 4 pools' worth
-            by_size = int(config.swap_space_gb * 2**30 // kv_block_bytes(config, self.spec, self.dtype))
-            num_host_blocks = min(by_size, 4 * num_blocks)
+            block_bytes = self.spec.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * config.block_size
+            num_host_blocks = min(int(config.swap_space_gb * 2**30 // block_bytes), 4 * num_blocks)
         self.scheduler = Scheduler(
             get_policy(config.policy), self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             priority=PriorityOrder(config.priority_aging_steps), preemption=PreemptionPolicy(config.preemption),
