@@ -43,10 +43,10 @@ def engine_config(**flags) -> EngineConfig:
         fail(str(exc))
 
 
-def sampling_defaults(max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos) -> SamplingParams:
+def sampling_defaults(max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, priority=0) -> SamplingParams:
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        stop=list(stop or []), ignore_eos=ignore_eos,
+        stop=list(stop or []), ignore_eos=ignore_eos, priority=priority,
     )
     error = params.validate()
     if error is not None:
@@ -72,6 +72,11 @@ def run(
     threads: Optional[int] = typer.Option(None, help="CPU threads for torch (default: torch's choice).", rich_help_panel=ENGINE_HELP),
     gpu_memory_utilization: float = typer.Option(0.9, help="Share of GPU memory for weights + activations + KV cache.", rich_help_panel=ENGINE_HELP),
     enforce_eager: bool = typer.Option(False, help="GPU: no CUDA graphs for decode steps.", rich_help_panel=ENGINE_HELP),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Reuse the KV of prompt prefixes shared between rows.", rich_help_panel=ENGINE_HELP),
+    preemption: str = typer.Option("recompute", help="When KV runs out: recompute | swap (to host memory) | auto (swap long ones).", rich_help_panel=ENGINE_HELP),
+    swap_space: float = typer.Option(4.0, help="Host memory (GB) for swapped-out KV blocks.", rich_help_panel=ENGINE_HELP),
+    admission: str = typer.Option("optimistic", help="optimistic (admit on the prompt) | reserve (prompt + max_tokens must fit; never preempts).", rich_help_panel=ENGINE_HELP),
+    priority_aging_steps: int = typer.Option(1000, help="A waiting row gains one priority class per this many steps (0 = no aging).", rich_help_panel=ENGINE_HELP),
     max_tokens: int = typer.Option(256, help="Most tokens to generate per row.", rich_help_panel=SAMPLING_HELP),
     temperature: float = typer.Option(0.0, help="0 = greedy.", rich_help_panel=SAMPLING_HELP),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 = off).", rich_help_panel=SAMPLING_HELP),
@@ -79,6 +84,7 @@ def run(
     seed: Optional[int] = typer.Option(None, help="Job seed: rows without their own `seed` draw from (job seed, row index), so reruns are reproducible.", rich_help_panel=SAMPLING_HELP),
     stop: Optional[List[str]] = typer.Option(None, help="Stop string (repeatable); not included in the completion.", rich_help_panel=SAMPLING_HELP),
     ignore_eos: bool = typer.Option(False, help="Keep generating past EOS (benchmarks).", rich_help_panel=SAMPLING_HELP),
+    priority: int = typer.Option(0, help="Scheduling priority of rows without their own `priority` (lower = sooner).", rich_help_panel=SAMPLING_HELP),
     token_ids: bool = typer.Option(False, "--token-ids", help="Add a completion_token_ids column.", rich_help_panel=JOB_HELP),
     report: Optional[Path] = typer.Option(None, help="Write the JSON report (throughput, utilization, latency) here.", rich_help_panel=JOB_HELP),
     overwrite: bool = typer.Option(False, help="Start over: discard a partial run or an existing OUTPUT.", rich_help_panel=JOB_HELP),
@@ -108,9 +114,10 @@ def run(
         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_kv_blocks=num_kv_blocks,
         policy=policy, attention_backend=attention_backend, max_model_len=max_model_len,
         seed=seed if seed is not None else 0, num_threads=threads,
-        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, enable_prefix_cache=prefix_cache,
+        preemption=preemption, swap_space_gb=swap_space, admission=admission, priority_aging_steps=priority_aging_steps,
     )
-    defaults = sampling_defaults(max_tokens, temperature, top_p, top_k, None, stop, ignore_eos)
+    defaults = sampling_defaults(max_tokens, temperature, top_p, top_k, None, stop, ignore_eos, priority)
     options = JobOptions(
         input=input, output=out, engine=config, defaults=defaults, token_ids=token_ids, overwrite=overwrite,
         allow_errors=allow_errors, report=report, quiet=quiet, lookahead=lookahead, display=display,

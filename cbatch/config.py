@@ -9,6 +9,8 @@ POLICIES: tuple[str, ...] = ("longest-first", "fcfs", "static")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
+ADMISSION_MODES: tuple[str, ...] = ("optimistic", "reserve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,11 @@ class EngineConfig:
     seed: int = 0  # seed for requests that give none
     num_threads: int | None = None  # CPU threads for torch; None = torch's default
     enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
+    enable_prefix_cache: bool = True  # share computed full KV blocks between requests with the same prefix
+    preemption: str = "recompute"  # recompute | swap | auto (swap victims whose recompute would be long)
+    swap_space_gb: float = 4.0  # host memory for swapped-out KV blocks
+    admission: str = "optimistic"  # optimistic (admit on the prompt) | reserve (prompt + max_tokens must fit)
+    priority_aging_steps: int | None = 1000  # a waiting request gains one priority class per this many steps
 
     def __post_init__(self) -> None:
         def check(ok: bool, flag: str, fix: str) -> None:
@@ -61,6 +68,23 @@ class EngineConfig:
         # rows without a seed draw from (job seed << 32) ^ row index, an int64
         check(-(2**31) <= self.seed < 2**31, "--seed", "must be a 32-bit integer (-2147483648..2147483647)")
 
+        check(
+            self.preemption in PREEMPTION_MODES,
+            "--preemption",
+            f"must be one of {', '.join(PREEMPTION_MODES)}, not {self.preemption!r}",
+        )
+        check(self.swap_space_gb >= 0, "--swap-space", "must be a non-negative number of GB, e.g. 4")
+        check(
+            self.admission in ADMISSION_MODES,
+            "--admission",
+            f"must be one of {', '.join(ADMISSION_MODES)}, not {self.admission!r}",
+        )
+        check(
+            self.priority_aging_steps is None or self.priority_aging_steps >= 0,
+            "--priority-aging-steps",
+            "must be a non-negative number of steps (0 = no aging)",
+        )
+
 
 _INT64 = 2**63  # sampling settings become int64 tensors
 
@@ -80,6 +104,7 @@ class SamplingParams:
     seed: int | None = None  # per-request seed: same tokens whatever else is in the batch
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    priority: int = 0  # scheduling class: lower is admitted sooner (and preempted later)
 
     def validate(self) -> str | None:
         """Returns a message naming the bad field, or None when the settings are usable."""
@@ -99,6 +124,8 @@ class SamplingParams:
             return f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
         if not isinstance(self.ignore_eos, bool):
             return f"ignore_eos must be true or false, got {self.ignore_eos!r}"
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            return f"priority must be an integer (lower = sooner), got {self.priority!r}"
         return None
 
     @property

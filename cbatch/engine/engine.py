@@ -10,7 +10,7 @@ import torch
 from cbatch.config import ConfigError, EngineConfig, SamplingParams
 from cbatch.engine import memory
 from cbatch.engine.kv_blocks import BlockPool
-from cbatch.engine.policy import get_policy
+from cbatch.engine.policy import PreemptionPolicy, PriorityOrder, get_policy
 from cbatch.engine.runner import ModelRunner
 from cbatch.engine.scheduler import Scheduler
 from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -85,11 +85,18 @@ class Engine:
         # The Triton path also routes RMSNorm, rotary and SiLU-and-mul through cbatch.kernels.
         use_fused_kernels(use_triton)
         num_blocks = self._kv_pool_blocks()
-        self.pool = BlockPool(num_blocks, config.block_size)
+        self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_cache)
+        num_host_blocks = 0
+        if config.preemption != "recompute":  # --swap-space, but never more than 4 pools' worth
+            block_bytes = self.spec.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * config.block_size
+            num_host_blocks = min(int(config.swap_space_gb * 2**30 // block_bytes), 4 * num_blocks)
         self.scheduler = Scheduler(
-            get_policy(config.policy), self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            get_policy(config.policy), self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            priority=PriorityOrder(config.priority_aging_steps), preemption=PreemptionPolicy(config.preemption),
+            reserve=config.admission == "reserve", num_host_blocks=num_host_blocks,
         )
         self.runner = self._make_runner(num_blocks)
+        self.runner.num_host_blocks = num_host_blocks
         if self.device.type == "cuda" and use_triton and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self._stop_checks: dict[int, list[str]] = {}

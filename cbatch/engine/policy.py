@@ -1,8 +1,10 @@
-"""Admission order: which waiting request joins the batch next.
+"""Scheduling policies: small objects the scheduler consults; none touches blocks, budgets or tensors.
 
-A policy is a small object the scheduler consults; it never touches blocks or budgets.
-`group` policies (static batching) admit a whole group when the batch is empty and nothing else
-until that group has finished.
+- `AdmissionPolicy`: which waiting request joins the batch next (`longest-first`, `fcfs`, `static`).
+  `group` policies (static batching) admit a whole group when the batch is empty and nothing else
+  until that group has finished.
+- `PriorityOrder`: per-request priority classes with aging, the first part of every queue key.
+- `PreemptionPolicy`: what happens to a victim's KV: recompute later, or swap to host memory.
 """
 from __future__ import annotations
 
@@ -41,3 +43,38 @@ def get_policy(name: str) -> AdmissionPolicy:
         return POLICY_BY_NAME[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_BY_NAME)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityOrder:
+    """Effective priority = priority - waited_steps / aging_steps (lower = sooner).
+
+    Every waiting request ages at the same rate, so comparing effective priorities at any step is
+    comparing `priority + arrival_step / aging_steps`: a key fixed at arrival, which a heap can
+    keep. The arrival term is floored (`// aging_steps`) so requests arriving within one window of
+    `aging_steps` steps keep the admission policy's order among themselves.
+    NOTE: rows of a better priority p' < p that arrive more than (p - p') * aging_steps steps after
+    a row of priority p rank behind it, so its wait is bounded by the work of the rows that arrived
+    before then: no request waits forever behind a stream of favoured ones.
+    """
+
+    aging_steps: int | None = None  # None or 0: no aging (strict priority classes)
+
+    def rank(self, seq: Sequence) -> int:
+        age = seq.arrival_step // self.aging_steps if self.aging_steps else 0
+        return seq.params.priority + age
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionPolicy:
+    """`recompute` frees a victim's blocks (it prefills again later); `swap` copies them to host
+    memory and back; `auto` swaps only victims whose recompute would be long."""
+
+    mode: str = "recompute"  # recompute | swap | auto
+    auto_swap_min_tokens: int = 256  # auto: swap victims with at least this many computed tokens
+
+    def swaps(self, seq: Sequence, host_free_blocks: int) -> bool:
+        """True when `seq` should be swapped out (and its blocks fit the free host space)."""
+        if self.mode == "recompute" or seq.num_computed == 0 or len(seq.block_ids) > host_free_blocks:
+            return False
+        return self.mode == "swap" or seq.num_computed >= self.auto_swap_min_tokens

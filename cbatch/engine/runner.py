@@ -50,6 +50,8 @@ class BlockTableBuffer:
 
 
 class ModelRunner:
+    _block_dim = 2  # the block dimension of `kv_cache` (a backend may choose another layout)
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -78,6 +80,8 @@ class ModelRunner:
         self.block_tables = BlockTableBuffer(2 * max_num_seqs, max_blocks)
         self.forward_seconds = 0.0  # time inside the model call, for the report
         self.graphs = None  # DecodeGraphs once `capture_decode_graphs` ran (CUDA + Triton backend)
+        self.num_host_blocks = 0  # swap space in blocks (set by the engine); allocated at the first swap
+        self._host_kv: torch.Tensor | None = None
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         from cbatch.engine.cuda_graphs import DecodeGraphs
@@ -95,6 +99,8 @@ class ModelRunner:
         for seq in plan.preempted:
             self.block_tables.release(seq)
         batch = self._build(plan)
+        if plan.swap_out or plan.swap_in:  # NOTE: after _build (nothing there may overwrite a swap_in), before the model
+            self.swap(plan.swap_out, plan.swap_in)
         start = time.perf_counter()
         if self.graphs is not None and self.graphs.can_run(batch.meta, batch.input_ids.shape[0]):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)  # [T, hidden]
@@ -109,6 +115,28 @@ class ModelRunner:
         tokens = sample(logits, batch.sampling).tolist()
         self.forward_seconds += time.perf_counter() - start
         return {seq.seq_id: tok for seq, tok in zip(batch.sampling_seqs, tokens)}
+
+    @torch.inference_mode()
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copies preempted sequences' KV blocks to host slots (`swap_out`: (device, host) pairs), then
+        swapped-back sequences' slots into their new device blocks (`swap_in`: (host, device) pairs).
+
+        The host buffer has the cache's layout with `num_host_blocks` along the block dimension (pinned
+        when the cache is on a GPU); it is a separate buffer even on CPU. NOTE: out before in: a block
+        swapped out this step may be the target of a swap_in or of this step's new tokens.
+        """
+        dim = self._block_dim
+        if self._host_kv is None:
+            shape = list(self.kv_cache.shape)
+            shape[dim] = self.num_host_blocks
+            self._host_kv = torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda")
+        if swap_out:
+            dev, host = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*swap_out))
+            self._host_kv.index_copy_(dim, host, self.kv_cache.index_select(dim, dev.to(self.device)).cpu())
+        if swap_in:
+            host, dev = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*swap_in))
+            blocks = self._host_kv.index_select(dim, host).to(self.device, non_blocking=True)
+            self.kv_cache.index_copy_(dim, dev.to(self.device), blocks)
 
     def _build(self, plan: StepPlan) -> "_Batch":
         n = len(plan.scheduled)

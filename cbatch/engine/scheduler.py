@@ -2,24 +2,34 @@
 
 One token budget (vLLM v1's rule): a sequence has `num_computed` of `num_tokens` tokens in the KV
 cache; each step gives it tokens so that computed catches up. Decode (1 token), chunked prefill
-(k tokens) and recompute after preemption all fall out of that rule.
+(k tokens), recompute after preemption and prefix-cache hits all fall out of that rule.
 
 Order inside a step: running decodes first (they are never starved), then running prefills that
 were chunked, then admission of waiting requests while budget, sequence slots and KV blocks last.
-When blocks run out, the newest-admitted running sequence is preempted by recompute (its blocks
-are freed, it goes back to the front of the waiting queue); no admission happens in such a step.
+When blocks run out, the least important running sequence (lowest priority class, newest admitted
+among equals) is preempted: by recompute (its blocks are freed) or by swap (its blocks are copied
+to host memory first); it goes back to the waiting queue ahead of never-started work of its class.
+No admission happens in a step that preempted.
 
-The scheduler never touches tensors.
+The policies are objects (policy.py): admission order, priority classes with aging, preemption
+mode; `reserve` admission admits a request only when its whole prompt + max_tokens fits.
+
+The scheduler never touches tensors: swaps are (device block, host block) pairs in the StepPlan,
+which the runner copies before the model call.
 """
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from dataclasses import dataclass, field
 
-from cbatch.engine.kv_blocks import BlockPool
-from cbatch.engine.policy import AdmissionPolicy
+from cbatch.engine.kv_blocks import BlockPool, cache_computed_blocks, first_missing_hash, hashes_completed, prefix_hits
+from cbatch.engine.policy import AdmissionPolicy, PreemptionPolicy, PriorityOrder
 from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+# Why waiting work was not admitted in a step (one reason per step, counted in SchedulerStats).
+STALL_REASONS = (
+    "no_free_blocks", "token_budget", "max_num_seqs", "reserved", "after_preemption", "static_group", "prefix_pending",
+)
 
 
 @dataclass(slots=True)
@@ -28,6 +38,11 @@ class StepPlan:
 
     scheduled: list[tuple[Sequence, int]]  # (sequence, tokens to compute this step), decodes first
     preempted: list[Sequence] = field(default_factory=list)
+    # NOTE: the runner copies swap_out before swap_in, both before the model call. A device block in
+    # swap_out may be handed to another sequence in this very step (it is copied out first); a host
+    # slot read by swap_in is reused only from the next step on.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 
     @property
     def num_tokens(self) -> int:
@@ -44,11 +59,37 @@ class SchedulerStats:
     steps: int = 0
     scheduled_tokens: int = 0
     preemptions: int = 0
-    recomputed_tokens: int = 0  # tokens computed again because their sequence was preempted
+    recomputed_tokens: int = 0  # computed tokens dropped by recompute preemptions (the cache may give some back)
     padding_tokens: int = 0  # static batching: tokens computed for members that already finished
     occupancy_sum: float = 0.0  # sum over steps of running / max_num_seqs
     kv_usage_sum: float = 0.0  # sum over steps of used / total blocks
     peak_kv_blocks: int = 0
+    # prefix cache
+    prefix_cache_queries: int = 0  # sequences that looked up the cache when starting
+    prefix_cache_query_tokens: int = 0  # their tokens
+    prefix_cache_hit_tokens: int = 0  # of those, tokens found cached (not computed)
+    # swap preemption
+    swap_preemptions: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    # admission stalls: steps in which waiting work was left waiting, by reason
+    stalled_no_free_blocks: int = 0
+    stalled_token_budget: int = 0
+    stalled_max_num_seqs: int = 0
+    stalled_reserved: int = 0  # reserve admission: the prompt fit, prompt + max_tokens did not
+    stalled_after_preemption: int = 0
+    stalled_static_group: int = 0
+    stalled_prefix_pending: int = 0  # the head shares a prefix block another sequence computes this step
+    # queue wait (steps from arrival to first scheduling) per priority class
+    wait_steps_by_priority: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hit_tokens / max(self.prefix_cache_query_tokens, 1)
+
+    @property
+    def admission_stalls(self) -> dict[str, int]:
+        return {reason: getattr(self, f"stalled_{reason}") for reason in STALL_REASONS}
 
 
 class Scheduler:
@@ -59,43 +100,62 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        *,
+        priority: PriorityOrder = PriorityOrder(),
+        preemption: PreemptionPolicy = PreemptionPolicy(),
+        reserve: bool = False,
+        num_host_blocks: int = 0,
     ) -> None:
         self.policy = policy
+        self.priority = priority
+        self.preemption = preemption
+        self.reserve = reserve  # admit only when prompt + max_tokens fits (never preempts)
         self.pool = pool
+        self.host = BlockPool(num_host_blocks, pool.block_size)  # swap slots in host memory (accounting)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.running: list[Sequence] = []  # admission order: newest last (the preemption victim)
-        self._resume: deque[Sequence] = deque()  # preempted sequences, ahead of never-started work
-        self._waiting: list[tuple[tuple, Sequence]] = []  # heap keyed by the policy
+        self.running: list[Sequence] = []  # admission order: newest last
+        self._waiting: list[tuple[tuple, Sequence]] = []  # heap: (priority class, resumed first, order)
+        self._num_requeued = 0
+        self._host_to_free: list[int] = []  # host slots read by the last step's swap_in
+        self._inflight: set[int] = set()  # hashes of the full blocks this step's prefill chunks complete
         self.stats = SchedulerStats()
 
     # ---- queue ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         seq.arrival_step = self.stats.steps
-        heapq.heappush(self._waiting, (self.policy.key(seq), seq))
+        heapq.heappush(self._waiting, ((self.priority.rank(seq), 1, 0, self.policy.key(seq)), seq))
+
+    def _requeue(self, seq: Sequence) -> None:
+        """A preempted sequence goes ahead of never-started work of its class, latest preempted first."""
+        self._num_requeued += 1
+        heapq.heappush(self._waiting, ((self.priority.rank(seq), 0, -self._num_requeued, ()), seq))
 
     @property
     def num_waiting(self) -> int:
-        return len(self._resume) + len(self._waiting)
+        return len(self._waiting)
 
     def has_work(self) -> bool:
-        return bool(self.running or self._resume or self._waiting)
+        return bool(self.running or self._waiting)
 
     def _peek_waiting(self) -> Sequence | None:
-        if self._resume:
-            return self._resume[0]
         return self._waiting[0][1] if self._waiting else None
 
     def _pop_waiting(self) -> Sequence:
-        return self._resume.popleft() if self._resume else heapq.heappop(self._waiting)[1]
+        return heapq.heappop(self._waiting)[1]
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan(scheduled=[])
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
+        self.host.release(self._host_to_free)
+        self._host_to_free = []
+        self._inflight.clear()
+        for seq in self.running:  # the last step computed these blocks: now others may share them
+            cache_computed_blocks(self.pool, seq)
 
         # Running sequences: decodes first, then chunked prefills continuing, both in admission order.
         decodes = [s for s in self.running if s.num_uncomputed == 1]
@@ -113,8 +173,17 @@ class Scheduler:
             plan.scheduled.append((seq, num_new))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
+            if num_new > 1:
+                self._inflight.update(hashes_completed(self.pool, seq, num_new))
 
-        if not plan.preempted:
+        if plan.preempted:
+            # NOTE: no admission after a preemption: the freed blocks go to the running sequences
+            # first, and a swap_in never shares a step with a swap_out.
+            if self._waiting:
+                self.stats.stalled_after_preemption += 1
+        elif self.policy.group:
+            budget = self._admit_group(plan, budget, scheduled_ids)
+        else:
             budget = self._admit(plan, budget, scheduled_ids)
 
         self._count(plan)
@@ -126,20 +195,16 @@ class Scheduler:
         if seq.num_result_tokens is None:
             return False
         need = self.pool.blocks_for(seq.num_computed + num_new) - len(seq.block_ids)
-        return need > self.pool.num_free or seq.num_tokens >= self.max_model_len
+        return need > self._spare_blocks() or seq.num_tokens >= self.max_model_len
 
     def _grow(self, seq: Sequence, num_new: int, scheduled_ids: set[int], plan: StepPlan) -> bool:
-        """Gives `seq` the blocks for `num_new` more tokens, preempting newer sequences if needed.
+        """Gives `seq` the blocks for `num_new` more tokens, preempting less important sequences if needed.
 
         Returns False when `seq` itself had to be preempted.
         """
         need = self.pool.blocks_for(seq.num_computed + num_new) - len(seq.block_ids)
         while need > self.pool.num_free:
-            victim = next(
-                (s for s in reversed(self.running) if s is not seq and s.seq_id not in scheduled_ids), None
-            )
-            if victim is None:
-                victim = seq
+            victim = self._pick_victim(seq, scheduled_ids)
             self._preempt(victim, plan)
             if victim is seq:
                 return False
@@ -147,42 +212,116 @@ class Scheduler:
             seq.block_ids.extend(self.pool.allocate(need))
         return True
 
+    # ---- preemption -------------------------------------------------------------------------
+    def _pick_victim(self, seq: Sequence, scheduled_ids: set[int]) -> Sequence:
+        """The running sequence of the worst priority class not yet scheduled this step, newest first
+        among equals; `seq` itself when there is none or every candidate outranks it."""
+        rank = self.priority.rank
+        victim: Sequence | None = None
+        for other in reversed(self.running):
+            if other is seq or other.seq_id in scheduled_ids:
+                continue
+            if victim is None or rank(other) > rank(victim):
+                victim = other
+        if victim is None or rank(victim) < rank(seq):
+            return seq
+        return victim
+
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
+        cache_computed_blocks(self.pool, seq)  # NOTE: its cached blocks outlive it in the LRU
+        # NOTE: static groups always recompute: a group's admission step may also preempt a member,
+        # and a swap_out of blocks whose swap_in is planned in the same step would copy garbage.
+        if not self.policy.group and self.preemption.swaps(seq, self.host.num_free):
+            self._swap_out(seq, plan)
+        else:
+            self.stats.recomputed_tokens += seq.num_computed
+            seq.num_computed = 0
         self.pool.release(seq.block_ids)
         seq.block_ids = []
-        self.stats.recomputed_tokens += seq.num_computed
-        seq.num_computed = 0
+        seq.num_registered_blocks = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self._resume.appendleft(seq)
+        self._requeue(seq)
         plan.preempted.append(seq)
         self.stats.preemptions += 1
 
+    def _swap_out(self, seq: Sequence, plan: StepPlan) -> None:
+        """Plans the copy of `seq`'s blocks (holding its `num_computed` tokens) to host slots."""
+        seq.host_block_ids = self.host.allocate(len(seq.block_ids))
+        plan.swap_out.extend(zip(seq.block_ids, seq.host_block_ids))
+        self.stats.swap_preemptions += 1
+        self.stats.swapped_out_blocks += len(seq.block_ids)
+
+    # ---- admission --------------------------------------------------------------------------
     def _admit(self, plan: StepPlan, budget: int, scheduled_ids: set[int]) -> int:
-        if self.policy.group:
-            return self._admit_group(plan, budget, scheduled_ids)
-        while budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self._peek_waiting()
-            if seq is None:
+        """Starts waiting sequences in queue order while budget, slots and blocks last.
+
+        NOTE: admission stops at the first request that does not fit (never skips it): skipping would
+        starve long requests and the priority order.
+        """
+        while self._waiting:
+            seq = self._waiting[0][1]
+            reason = self._admission_blocker(budget) or self._try_start(seq, budget, plan)
+            if reason is not None:
+                self._stall(reason)
                 break
-            num_new = min(seq.num_uncomputed, budget)
-            need = self.pool.blocks_for(seq.num_computed + num_new)
-            if need > self.pool.num_free:
-                break  # wait for blocks; admitting out of order would starve the head of the queue
             self._pop_waiting()
-            self._start(seq, self.pool.allocate(need))
-            plan.scheduled.append((seq, num_new))
+            num_new = plan.scheduled[-1][1]
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
         return budget
 
+    def _admission_blocker(self, budget: int) -> str | None:
+        if budget == 0:
+            return "token_budget"
+        if len(self.running) >= self.max_num_seqs:
+            return "max_num_seqs"
+        return None
+
+    def _try_start(self, seq: Sequence, budget: int, plan: StepPlan) -> str | None:
+        """Starts `seq` with the blocks for its next chunk (reusing cached prefix blocks or its swapped
+        copy) and schedules that chunk; returns why not instead when the blocks are not there."""
+        hits = prefix_hits(self.pool, seq)
+        if first_missing_hash(self.pool, seq, len(hits)) in self._inflight:
+            # NOTE: its next prefix block is being computed this step by another sequence: waiting one
+            # step turns that block (and the rest of the shared prefix) into cache hits instead of
+            # computing it twice. At most one step per new shared prefix; never a deadlock, since
+            # `_inflight` only holds blocks scheduled in this step.
+            return "prefix_pending"
+        reused = len(seq.host_block_ids) + len(hits)  # blocks it starts with before new ones
+        computed = seq.num_computed + len(hits) * self.pool.block_size
+        num_new = min(seq.num_tokens - computed, budget)
+        fresh = max(0, self.pool.blocks_for(computed + num_new) - reused)
+        cost = fresh + len(seq.host_block_ids) + sum(1 for b in hits if self.pool.is_evictable(b))
+        if cost > self.pool.num_free:
+            return "no_free_blocks"
+        if self.reserve and self._lifetime_blocks(seq, hits) > self._spare_blocks():
+            return "reserved"
+        self._restore_kv(seq, hits, plan)
+        seq.block_ids.extend(self.pool.allocate(fresh))
+        self._start(seq)
+        plan.scheduled.append((seq, num_new))
+        self._inflight.update(hashes_completed(self.pool, seq, num_new))
+        return None
+
     def _admit_group(self, plan: StepPlan, budget: int, scheduled_ids: set[int]) -> int:
         """Static batching: a new group only when the previous one has completely left."""
         if self.running:
+            if self._waiting:
+                self._stall("static_group")
             return budget
-        while len(self.running) < self.max_num_seqs and self._peek_waiting() is not None:
-            self._start(self._pop_waiting(), [])
+        while self._waiting:
+            seq = self._waiting[0][1]
+            if len(self.running) >= self.max_num_seqs:
+                self._stall("max_num_seqs")
+                break
+            if self.reserve and self._lifetime_blocks(seq, []) > self._spare_blocks():
+                self._stall("reserved")
+                break
+            self._pop_waiting()
+            self._restore_kv(seq, prefix_hits(self.pool, seq), plan)  # (never a host copy: groups recompute)
+            self._start(seq)
         for seq in self.running:
             if budget == 0:
                 break
@@ -194,13 +333,58 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _start(self, seq: Sequence, blocks: list[int]) -> None:
-        seq.block_ids = blocks
+    def _restore_kv(self, seq: Sequence, hits: list[int], plan: StepPlan) -> None:
+        """Gives a starting `seq` the KV it can reuse: its swapped-out copy (the caller checked that its
+        blocks are free), or cached prefix blocks (held here, before any allocation could evict them)."""
+        if seq.host_block_ids:
+            blocks = self.pool.allocate(len(seq.host_block_ids))
+            plan.swap_in.extend(zip(seq.host_block_ids, blocks))
+            self._host_to_free.extend(seq.host_block_ids)
+            self.stats.swapped_in_blocks += len(blocks)
+            seq.host_block_ids = []
+            seq.block_ids = blocks
+            return
+        for block in hits:
+            self.pool.hold(block)  # NOTE: before any allocate, which could evict an unheld hit
+        seq.block_ids = list(hits)
+        seq.num_computed = len(hits) * self.pool.block_size
+        seq.num_registered_blocks = len(hits)
+        if self.pool.enable_caching:
+            self.stats.prefix_cache_queries += 1
+            self.stats.prefix_cache_query_tokens += seq.num_tokens
+            self.stats.prefix_cache_hit_tokens += seq.num_computed
+
+    def _start(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
         if seq.first_scheduled_step is None:
             seq.first_scheduled_step = self.stats.steps + 1  # the step being built (1-based)
+            waits = self.stats.wait_steps_by_priority.setdefault(seq.params.priority, [])
+            waits.append(self.stats.steps - seq.arrival_step)
         self.running.append(seq)
 
+    def _stall(self, reason: str) -> None:
+        name = f"stalled_{reason}"
+        setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+    # ---- reserve admission ------------------------------------------------------------------
+    def _final_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq` holds at most: its prompt plus max_tokens, within the model's context."""
+        return self.pool.blocks_for(min(seq.prompt_len + seq.params.max_tokens, self.max_model_len))
+
+    def _lifetime_blocks(self, seq: Sequence, hits: list[int]) -> int:
+        """Free blocks `seq` will take from now to its end (cached hits held by others cost none)."""
+        shared = sum(1 for b in hits if not self.pool.is_evictable(b))
+        return self._final_blocks(seq) - shared
+
+    def _spare_blocks(self) -> int:
+        """Free blocks nobody has a claim on. In reserve mode, running sequences' future growth is
+        claimed: NOTE: that is what makes reserve admission never preempt."""
+        if not self.reserve:
+            return self.pool.num_free
+        claimed = sum(max(0, self._final_blocks(s) - len(s.block_ids)) for s in self.running)
+        return self.pool.num_free - claimed
+
+    # ---- bookkeeping ------------------------------------------------------------------------
     def _count(self, plan: StepPlan) -> None:
         stats = self.stats
         stats.steps += 1
@@ -229,6 +413,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
+        cache_computed_blocks(self.pool, seq)
         self.pool.release(seq.block_ids)
         seq.block_ids = []
         seq.status = SequenceStatus.FINISHED

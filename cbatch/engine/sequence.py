@@ -8,7 +8,7 @@ from cbatch.config import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"  # never started, or preempted and waiting to be recomputed
+    WAITING = "waiting"  # never started, or preempted (waiting to be recomputed or swapped back in)
     RUNNING = "running"  # holds KV blocks and is scheduled every step
     FINISHED = "finished"
 
@@ -47,6 +47,12 @@ class Sequence:
     first_scheduled_step: int | None = None
     first_token_step: int | None = None
     finish_step: int | None = None
+    # prefix cache: chained hashes of the full blocks of `token_ids` (computed lazily, only ever
+    # extended: tokens are only appended), and how many of `block_ids` were offered to the cache
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    # swap preemption: host slots holding the KV of `token_ids[:num_computed]` while preempted
+    host_block_ids: list[int] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:

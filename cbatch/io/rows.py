@@ -2,7 +2,7 @@
 
 Accepted shapes: `{"prompt": "..."}`, `{"messages": [{"role", "content"}, ...]}`,
 `{"prompt_token_ids": [...]}`, each with optional `id`, `max_tokens`, `temperature`, `top_p`, `top_k`,
-`seed`, `stop`, `ignore_eos`; and the OpenAI batch format `{"custom_id", "body": {...}}`.
+`seed`, `stop`, `ignore_eos`, `priority` (integer, lower = scheduled sooner); and the OpenAI batch format `{"custom_id", "body": {...}}`.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 
 from cbatch.config import SamplingParams
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
-_INT_FIELDS = ("max_tokens", "top_k", "seed")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "priority")
+_INT_FIELDS = ("max_tokens", "top_k", "seed", "priority")
 _FLOAT_FIELDS = ("temperature", "top_p")
 
 

@@ -64,12 +64,23 @@ def build_report(
             "preemptions": stats.preemptions,
             "recomputed_tokens": stats.recomputed_tokens,
             "padding_waste": stats.padding_tokens / max(stats.scheduled_tokens, 1),
+            "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+            "prefix_cache_saved_tokens": stats.prefix_cache_hit_tokens,
+            "swap_preemptions": stats.swap_preemptions,
+            "swapped_out_blocks": stats.swapped_out_blocks,
+            "swapped_in_blocks": stats.swapped_in_blocks,
+            "admission_stalls": stats.admission_stalls,
         },
         "latency": {
             "seconds": {"queue_wait": percentiles(queue_s), "total": percentiles(total_s),
                         "time_to_first_token": percentiles(ttft_s)},
             "steps": {"queue_wait": percentiles(queue_steps), "time_to_first_token": percentiles(ttft_steps),
                       "total": percentiles(total_steps)},
+            "queue_wait_steps_by_priority": {
+                str(p): {**percentiles(w), "max": max(w), "requests": len(w)}
+                for p, w in sorted(stats.wait_steps_by_priority.items())
+            },
+            "oldest_wait_steps": max((max(w) for w in stats.wait_steps_by_priority.values()), default=None),
         },
     }
 
