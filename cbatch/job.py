@@ -18,7 +18,7 @@ from cbatch.io.reader import check_readable, count_rows, input_format, iter_rows
 from cbatch.io.rows import RowError, RowRequest, parse_row, row_id_of
 from cbatch.io.state import JobState, file_digest, records_in_order, settings_digest
 from cbatch.io.writer import check_writable, output_format, write_output
-from cbatch.observe.metrics import JobMetrics, RequestTiming, StepSample
+from cbatch.observe.metrics import JobMetrics, RequestTiming, engine_step_sample
 from cbatch.observe.report import build_report, summary_line, write_report
 from cbatch.tokenizer import encode_messages, encode_text
 
@@ -124,12 +124,7 @@ class JobRunner:
                     return None
                 continue
             finished = engine.step()
-            info = engine.last_step
-            metrics.record_step(StepSample(
-                t=metrics.now(), running=len(engine.scheduler.running), waiting=engine.scheduler.num_waiting,
-                scheduled_tokens=info.scheduled_tokens, prefill_tokens=info.prefill_tokens,
-                output_tokens=info.sampled_tokens, kv_used=engine.pool.num_used,
-            ))
+            metrics.record_step(engine_step_sample(metrics, engine))
             for seq in finished:
                 self._record(seq)
             metrics.forward_seconds = engine.runner.forward_seconds
