@@ -72,6 +72,7 @@ def comparison_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "output_tokens_per_s": r["throughput"]["output_tokens_per_s"],
             "wall_time": r["time"]["wall_seconds"],
             "mean_occupancy": r["utilization"]["mean_batch_occupancy"],
+            "padding_waste": r["utilization"]["padding_waste"],
             "latency_p50": lat["p50"],
             "latency_p99": lat["p99"],
         }
@@ -99,6 +100,7 @@ def comparison_table(runs: list[dict[str, Any]]):
         ("output_tokens_per_s", f"output tok/{unit}", "{:,.1f}"),
         ("wall_time", f"wall time ({unit})", "{:,.2f}"),
         ("mean_occupancy", "mean occupancy", "{:.1%}"),
+        ("padding_waste", "padding waste", "{:.1%}"),
         ("latency_p50", f"latency p50 ({unit})", "{:,.2f}"),
         ("latency_p99", f"latency p99 ({unit})", "{:,.2f}"),
     ):
@@ -106,7 +108,7 @@ def comparison_table(runs: list[dict[str, Any]]):
         for row in rows:
             value, ratio = row[key], row["ratio"][key]
             cell = "-" if value is None else fmt.format(value)
-            if ratio is not None and row["policy"] != row["baseline"]:
+            if ratio is not None and row["policy"] != row["baseline"] and key != "padding_waste":
                 cell += f" ({ratio:.2f}x)"
             cells.append(cell)
         table.add_row(label, *cells)

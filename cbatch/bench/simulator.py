@@ -103,6 +103,8 @@ def simulate(requests: list[BenchRequest], config: EngineConfig, cost: CostModel
                 run.record(queued.pop(index), seq, stats.steps, clock)
         # NOTE: with nothing to run before the next arrival the plan is empty: an idle step at fixed cost
         plan = scheduler.schedule()
+        if not plan and scheduler.has_work():  # the engine raises the same way (Engine.step)
+            raise RuntimeError(f"scheduler made no progress with work pending at step {stats.steps} (a bug: please report it)")
         finished, info = commit_step(scheduler, plan, _ZERO_TOKENS, finish)
         clock += cost.step_cost(info)
         metrics.record_step(StepSample(

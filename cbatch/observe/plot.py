@@ -63,7 +63,7 @@ def render_png(reports: list[dict[str, Any]], dpi: int = 80) -> bytes:
     ax_occ.set_ylim(0, 105)
     ax_kv.set_ylim(0, 105)
     ax_lat.set_title("request latency (queue to done)")
-    ax_lat.set_xlabel(f"seconds ({unit})" if unit != "s" else "seconds")
+    ax_lat.set_xlabel("seconds" if unit == "s" else f"time ({unit})")
     ax_lat.set_ylabel("requests")
     ax_lat.grid(alpha=0.3)
     if len(reports) > 1:
