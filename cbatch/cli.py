@@ -90,6 +90,7 @@ def run(
     ignore_eos: bool = typer.Option(False, help="Keep generating past EOS (benchmarks).", rich_help_panel=SAMPLING_HELP),
     token_ids: bool = typer.Option(False, "--token-ids", help="Add a completion_token_ids column.", rich_help_panel=JOB_HELP),
     report: Optional[Path] = typer.Option(None, help="Write the JSON report (throughput, utilization, latency) here.", rich_help_panel=JOB_HELP),
+    plot: Optional[Path] = typer.Option(None, help="Draw occupancy, KV usage, tokens/s and latency (.png or .html; needs matplotlib).", rich_help_panel=JOB_HELP),
     overwrite: bool = typer.Option(False, help="Start over: discard a partial run or an existing OUTPUT.", rich_help_panel=JOB_HELP),
     allow_errors: bool = typer.Option(False, help="Exit 0 even when some rows failed (they still say why).", rich_help_panel=JOB_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only errors and the final summary.", rich_help_panel=JOB_HELP),
@@ -112,9 +113,16 @@ def run(
         seed=seed if seed is not None else 0, num_threads=threads,
     )
     defaults = sampling_defaults(max_tokens, temperature, top_p, top_k, None, stop, ignore_eos)
+    if plot is not None:
+        from cbatch.observe.plot import PlotError, check_plot_path
+
+        try:
+            check_plot_path(plot)
+        except PlotError as exc:
+            fail(str(exc))
     options = JobOptions(
         input=input, output=out, engine=config, defaults=defaults, token_ids=token_ids, overwrite=overwrite,
-        allow_errors=allow_errors, report=report, quiet=quiet, lookahead=lookahead, display=display,
+        allow_errors=allow_errors, report=report, quiet=quiet, lookahead=lookahead, display=display, plot=plot,
     )
     try:
         code = run_job(options)
@@ -163,6 +171,7 @@ def bench(
     from cbatch.bench.command import BenchOptions, run_bench
     from cbatch.bench.simulator import CostModel, CostModelError
     from cbatch.bench.workload import WorkloadError
+    from cbatch.observe.plot import PlotError, check_plot_path
     from cbatch.model.loader import ModelLoadError
     from cbatch.model.spec import UnsupportedModelError
 
@@ -177,15 +186,16 @@ def bench(
         cost = CostModel.fit(cost_from) if cost_from else CostModel(cost_per_step, cost_per_prefill_token, cost_per_context_token)
         if min(cost.per_step, cost.per_prefill_token, cost.per_context_token) < 0 or cost.per_step + cost.per_prefill_token + cost.per_context_token <= 0:
             fail("--cost-per-*: costs must be >= 0 and not all 0")
-        for flag, path in (("--report", report), ("--plot", plot)):
-            if path is not None and not (path.parent if str(path.parent) else Path(".")).is_dir():
-                fail(f"{flag} {path}: the folder {path.parent} does not exist; create it first")
+        if report is not None and not (report.parent if str(report.parent) else Path(".")).is_dir():
+            fail(f"--report {report}: the folder {report.parent} does not exist; create it first")
+        if plot is not None:
+            check_plot_path(plot)
         run_bench(BenchOptions(
             engine=config, model_config=model_config, num_prompts=num_prompts, input_len=input_len,
             output_len=output_len, seed=seed, trace=trace, policy=policy, simulate=simulate, cost=cost,
             report=report, plot=plot, quiet=quiet, warmup=warmup,
         ))
-    except (WorkloadError, CostModelError, ConfigError, ModelLoadError, UnsupportedModelError) as exc:
+    except (WorkloadError, CostModelError, PlotError, ConfigError, ModelLoadError, UnsupportedModelError) as exc:
         fail(str(exc))
 
 

@@ -19,7 +19,8 @@ from cbatch.io.rows import RowError, RowRequest, parse_row, row_id_of
 from cbatch.io.state import JobState, file_digest, records_in_order, settings_digest
 from cbatch.io.writer import check_writable, output_format, write_output
 from cbatch.observe.metrics import JobMetrics, RequestTiming, engine_step_sample
-from cbatch.observe.report import build_report, summary_line, write_report
+from cbatch.observe.report import build_report, summary_line, summary_table, write_report
+from cbatch.observe.roofline import engine_hardware
 from cbatch.tokenizer import encode_messages, encode_text
 
 EXIT_OK, EXIT_ROW_ERRORS, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
@@ -42,6 +43,7 @@ class JobOptions:
     quiet: bool = False
     lookahead: int = 16384  # rows queued in the engine at once: longest-first sorts inside this window
     display: str = "auto"  # auto | dashboard | plain | none
+    plot: Path | None = None  # --plot: report.png / .html
 
 
 class _Interrupt:
@@ -230,12 +232,16 @@ def run_job(options: JobOptions, make_engine=Engine.from_config, make_progress=N
     wall = job.metrics.now()
     report = build_report(
         job.metrics, engine.scheduler.stats, wall_seconds=wall, max_num_seqs=options.engine.max_num_seqs,
-        num_kv_blocks=engine.pool.num_blocks,
+        num_kv_blocks=engine.pool.num_blocks, hardware=engine_hardware(engine, job.metrics.steps, job.metrics.forward_seconds),
         settings={"engine": asdict(options.engine), "defaults": asdict(options.defaults), "dtype": str(engine.dtype),
                   "device": str(engine.device), "input": str(options.input), "output": str(options.output)},
     )
     if options.report is not None:
         write_report(options.report, report)
+    if options.plot is not None:
+        from cbatch.observe.plot import plot_reports
+
+        plot_reports([report], options.plot)
     if code is not None:
         state.close()
         print(
@@ -250,5 +256,9 @@ def run_job(options: JobOptions, make_engine=Engine.from_config, make_progress=N
         {"rows": len(job.results), "errors": sum(1 for r in job.results.values() if r["finish_reason"] == "error")},
     )
     print(summary_line(report))
+    if not options.quiet:
+        from rich.console import Console
+
+        Console().print(summary_table(report))
     errors = sum(1 for r in job.results.values() if r["finish_reason"] == "error")
     return EXIT_ROW_ERRORS if errors and not options.allow_errors else EXIT_OK

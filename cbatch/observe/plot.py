@@ -17,10 +17,21 @@ class PlotError(ValueError):
     """--plot cannot be drawn (matplotlib missing, unknown extension): one line naming the fix."""
 
 
-def plot_reports(reports: list[dict[str, Any]], path: Path) -> None:
-    """Writes one figure for one or more runs (several runs are overlaid, labelled by policy)."""
+def check_plot_path(path: Path) -> None:
+    """Before any work: the extension is known, the folder exists and matplotlib is installed."""
     if path.suffix.lower() not in (".png", ".html"):
         raise PlotError(f"--plot {path}: give a file name ending in .png or .html")
+    if not (path.parent if str(path.parent) else Path(".")).is_dir():
+        raise PlotError(f"--plot {path}: the folder {path.parent} does not exist; create it first")
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise PlotError(INSTALL_HINT)
+
+
+def plot_reports(reports: list[dict[str, Any]], path: Path) -> None:
+    """Writes one figure for one or more runs (several runs are overlaid, labelled by policy)."""
+    check_plot_path(path)
     png = render_png(reports)
     if path.suffix.lower() == ".png":
         path.write_bytes(png)
