@@ -155,18 +155,20 @@ def test_sparkline_scales_to_width():
 
 
 def test_run_on_a_terminal_shows_the_dashboard(tiny_chat_model, tmp_path):
-    """`cbatch run` with stdout a pseudo-terminal: the live dashboard is drawn (auto), then the summary."""
+    """`cbatch run` with stdout a pseudo-terminal: the live dashboard is drawn (auto), then the summary
+    line and table; --plot writes the figure."""
     master, slave = pty.openpty()
     env = {**os.environ, "COLUMNS": "120", "TERM": "xterm"}
+    plot = tmp_path / "r.png"
     proc = subprocess.Popen(
         [sys.executable, "-m", "cbatch.cli", "run", str(SAMPLE / "prompts.jsonl"), "--out", str(tmp_path / "o.jsonl"),
-         "--model", str(tiny_chat_model), "--max-tokens", "40", "--max-num-seqs", "4"],
+         "--model", str(tiny_chat_model), "--max-tokens", "24", "--max-num-seqs", "4", "--plot", str(plot)],
         stdout=slave, stderr=slave, stdin=subprocess.DEVNULL, env=env,
     )
     os.close(slave)
     chunks = []
     while True:
-        ready, _, _ = select.select([master], [], [], 120)
+        ready, _, _ = select.select([master], [], [], 180)
         if not ready:
             break
         try:
@@ -176,22 +178,30 @@ def test_run_on_a_terminal_shows_the_dashboard(tiny_chat_model, tmp_path):
         if not data:
             break
         chunks.append(data)
-    proc.wait(timeout=120)
+    proc.wait(timeout=180)
     os.close(master)
     out = b"".join(chunks).decode(errors="replace")
     assert proc.returncode == 0, out[-2000:]
-    for field in ("rows", "output tok/s", "running", "KV blocks", "token budget", "cbatch: 12/12 rows ok"):
+    for field in ("rows", "output tok/s", "running", "KV blocks", "token budget", "cbatch: 12/12 rows ok",
+                  "cbatch report", "throughput", "latency p50/p90/p99"):
         assert field in out, field
     assert "\x1b[" in out  # drawn with terminal control codes (rich Live), not plain lines
+    assert plot.stat().st_size > 10_000
 
 
-def test_non_terminal_gets_no_dashboard(tiny_chat_model, tmp_path):
-    proc = cbatch("run", str(SAMPLE / "prompts.jsonl"), "--out", str(tmp_path / "o.jsonl"), "--model", str(tiny_chat_model),
-                  "--max-tokens", "4", "--plot", str(tmp_path / "r.png"))
-    assert proc.returncode == 0, proc.stderr
-    assert "KV blocks" not in proc.stdout + proc.stderr and "\x1b[" not in proc.stdout
-    assert "cbatch report" in proc.stdout and "throughput" in proc.stdout  # the summary table
-    assert (tmp_path / "r.png").stat().st_size > 10_000
+def test_non_terminal_gets_plain_progress_lines(capsys):
+    from cbatch.observe.metrics import JobMetrics
+    from cbatch.observe.progress import NoProgress, PlainProgress, make_progress
+
+    options = SimpleNamespace(quiet=False, display="auto", engine=EngineConfig())
+    assert not sys.stdout.isatty()  # pytest captures stdout
+    progress = make_progress(JobMetrics(total_rows=5, ok_rows=2, output_tokens=40), options)
+    assert isinstance(progress, PlainProgress)
+    progress.interval = 0.0
+    progress.update()
+    line = capsys.readouterr().err
+    assert line.startswith("cbatch: rows 2/5") and "output tok/s" in line and "\x1b[" not in line
+    assert isinstance(make_progress(JobMetrics(), SimpleNamespace(quiet=True, display="auto")), NoProgress)
 
 
 # ---- cbatch bench end to end --------------------------------------------------------------------
