@@ -202,3 +202,26 @@ def test_static_under_kv_pressure_makes_progress():
     config = EngineConfig(max_num_seqs=4, num_kv_blocks=40, block_size=8, max_num_batched_tokens=64, policy="static")
     run = simulate(requests, config, CostModel(), max_model_len=4096)
     assert run.metrics.ok_rows == 16
+
+
+# ---- presets -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,billions", [
+    # published parameter counts (untied models: minus the input embedding, which no token multiplies)
+    ("qwen3-0.6b", 0.60), ("qwen2.5-1.5b", 1.54), ("llama-3.2-1b", 1.24), ("llama-3.1-8b", 8.03 - 0.525),
+])
+def test_presets_have_the_real_shapes(name, billions):
+    from cbatch.model.presets import preset_spec
+
+    spec = preset_spec(name)
+    assert spec.num_params() / 1e9 == pytest.approx(billions, rel=0.03)
+    assert spec.hidden_size == spec.num_heads * spec.head_dim or spec.family == "qwen3"
+
+
+def test_preset_from_a_config_json_and_unknown_names(tmp_path):
+    from cbatch.model.presets import PRESETS, preset_spec
+    from cbatch.model.spec import UnsupportedModelError
+
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["llama-3.2-1b"]))
+    assert preset_spec(str(tmp_path)) == preset_spec(str(tmp_path / "config.json")) == preset_spec("llama-3.2-1b")
+    with pytest.raises(UnsupportedModelError, match="not a preset"):
+        preset_spec("gpt-9")

@@ -248,3 +248,14 @@ def test_bench_mistakes_are_one_line(args, message):
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
+    import importlib.util
+
+    from cbatch.observe.plot import PlotError, check_plot_path
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(PlotError, match=r"pip install 'cbatch\[plot\]'"):
+        check_plot_path(tmp_path / "r.png")

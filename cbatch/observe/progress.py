@@ -32,10 +32,10 @@ def progress_text(metrics: JobMetrics) -> str:
 class PlainProgress:
     """A line every `interval` seconds (for logs and cron mail), never per token."""
 
-    def __init__(self, metrics: JobMetrics, interval: float = 10.0, stream: TextIO = sys.stderr) -> None:
+    def __init__(self, metrics: JobMetrics, interval: float = 10.0, stream: TextIO | None = None) -> None:
         self.metrics = metrics
         self.interval = interval
-        self.stream = stream
+        self.stream = stream if stream is not None else sys.stderr  # looked up now: redirections count
         self._last = time.monotonic()
 
     def update(self, **_: object) -> None:
