@@ -231,6 +231,17 @@ class Scheduler:
             self._release(member)
         return group
 
+    def release_stranded_group(self) -> list[Sequence]:
+        """Static batching: when preemption took a group's last unfinished members, the finished ones
+        leave now (returned, like `finish`'s). Otherwise they would pad forever, holding the blocks the
+        preempted members wait for: a deadlock. Called after the step ran (their KV writes are done)."""
+        if not self.policy.group or not self.running or any(s.num_result_tokens is None for s in self.running):
+            return []
+        group = list(self.running)
+        for member in group:
+            self._release(member)
+        return group
+
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)

@@ -88,4 +88,9 @@ def commit_step(
                 if on_release is not None:
                     on_release(done)
                 finished.append(done)
+    if plan.preempted:  # a static group may have lost its last unfinished members
+        for done in scheduler.release_stranded_group():
+            if on_release is not None:
+                on_release(done)
+            finished.append(done)
     return finished, info
