@@ -29,6 +29,18 @@ SAMPLING_HELP = "Sampling defaults (a row's own fields win)"
 JOB_HELP = "Job"
 RAY_HELP = "Scale-out on Ray (needs the ray extra)"
 
+# Engine flags shared by `run` and `bench` (one definition each).
+MODEL_OPT = typer.Option(None, help="Checkpoint folder or hub id; default SmolLM2-135M-Instruct.", rich_help_panel=ENGINE_HELP)
+DEVICE_OPT = typer.Option("auto", help="auto | cpu | cuda.", rich_help_panel=ENGINE_HELP)
+DTYPE_OPT = typer.Option("auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU).", rich_help_panel=ENGINE_HELP)
+MAX_NUM_SEQS_OPT = typer.Option(64, help="Most sequences in one step.", rich_help_panel=ENGINE_HELP)
+MAX_NUM_BATCHED_TOKENS_OPT = typer.Option(2048, help="Token budget of one step (decodes + prefill chunks).", rich_help_panel=ENGINE_HELP)
+BLOCK_SIZE_OPT = typer.Option(16, help="Tokens per KV-cache block.", rich_help_panel=ENGINE_HELP)
+NUM_KV_BLOCKS_OPT = typer.Option(None, help="Force the KV pool size in blocks (default: from memory).", rich_help_panel=ENGINE_HELP)
+ATTENTION_BACKEND_OPT = typer.Option("auto", help="auto | torch | triton (auto: triton on CUDA).", rich_help_panel=ENGINE_HELP)
+MAX_MODEL_LEN_OPT = typer.Option(None, help="Cap on prompt + completion tokens (default: the model's).", rich_help_panel=ENGINE_HELP)
+THREADS_OPT = typer.Option(None, help="CPU threads for torch (default: torch's choice).", rich_help_panel=ENGINE_HELP)
+
 
 def fail(message: str, code: int = 2) -> None:
     """One line on stderr, no traceback."""
@@ -59,17 +71,17 @@ def sampling_defaults(max_tokens, temperature, top_p, top_k, seed, stop, ignore_
 def run(
     input: Path = typer.Argument(..., help="Prompts: .jsonl or .parquet with a `prompt` or `messages` field per row."),
     out: Path = typer.Option(..., "--out", "-o", help="Results: .parquet or .jsonl, one row per input row, in input order."),
-    model: Optional[str] = typer.Option(None, help="Checkpoint folder or hub id; default SmolLM2-135M-Instruct.", rich_help_panel=ENGINE_HELP),
-    device: str = typer.Option("auto", help="auto | cpu | cuda.", rich_help_panel=ENGINE_HELP),
-    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU).", rich_help_panel=ENGINE_HELP),
-    max_num_seqs: int = typer.Option(64, help="Most sequences in one step.", rich_help_panel=ENGINE_HELP),
-    max_num_batched_tokens: int = typer.Option(2048, help="Token budget of one step (decodes + prefill chunks).", rich_help_panel=ENGINE_HELP),
-    block_size: int = typer.Option(16, help="Tokens per KV-cache block.", rich_help_panel=ENGINE_HELP),
-    num_kv_blocks: Optional[int] = typer.Option(None, help="Force the KV pool size in blocks (default: from memory).", rich_help_panel=ENGINE_HELP),
+    model: Optional[str] = MODEL_OPT,
+    device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
+    max_num_seqs: int = MAX_NUM_SEQS_OPT,
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS_OPT,
+    block_size: int = BLOCK_SIZE_OPT,
+    num_kv_blocks: Optional[int] = NUM_KV_BLOCKS_OPT,
     policy: str = typer.Option("longest-first", help="Admission: longest-first | fcfs | static.", rich_help_panel=ENGINE_HELP),
-    attention_backend: str = typer.Option("auto", help="auto | torch | triton (auto: triton on CUDA).", rich_help_panel=ENGINE_HELP),
-    max_model_len: Optional[int] = typer.Option(None, help="Cap on prompt + completion tokens (default: the model's).", rich_help_panel=ENGINE_HELP),
-    threads: Optional[int] = typer.Option(None, help="CPU threads for torch (default: torch's choice).", rich_help_panel=ENGINE_HELP),
+    attention_backend: str = ATTENTION_BACKEND_OPT,
+    max_model_len: Optional[int] = MAX_MODEL_LEN_OPT,
+    threads: Optional[int] = THREADS_OPT,
     gpu_memory_utilization: float = typer.Option(0.9, help="Share of GPU memory for weights + activations + KV cache.", rich_help_panel=ENGINE_HELP),
     enforce_eager: bool = typer.Option(False, help="GPU: no CUDA graphs for decode steps.", rich_help_panel=ENGINE_HELP),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Reuse the KV of prompt prefixes shared between rows.", rich_help_panel=ENGINE_HELP),
@@ -87,6 +99,7 @@ def run(
     priority: int = typer.Option(0, help="Scheduling priority of rows without their own `priority` (lower = sooner).", rich_help_panel=SAMPLING_HELP),
     token_ids: bool = typer.Option(False, "--token-ids", help="Add a completion_token_ids column.", rich_help_panel=JOB_HELP),
     report: Optional[Path] = typer.Option(None, help="Write the JSON report (throughput, utilization, latency) here.", rich_help_panel=JOB_HELP),
+    plot: Optional[Path] = typer.Option(None, help="Draw occupancy, KV usage, tokens/s and latency (.png or .html; needs matplotlib).", rich_help_panel=JOB_HELP),
     overwrite: bool = typer.Option(False, help="Start over: discard a partial run or an existing OUTPUT.", rich_help_panel=JOB_HELP),
     allow_errors: bool = typer.Option(False, help="Exit 0 even when some rows failed (they still say why).", rich_help_panel=JOB_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only errors and the final summary.", rich_help_panel=JOB_HELP),
@@ -118,9 +131,16 @@ def run(
         preemption=preemption, swap_space_gb=swap_space, admission=admission, priority_aging_steps=priority_aging_steps,
     )
     defaults = sampling_defaults(max_tokens, temperature, top_p, top_k, None, stop, ignore_eos, priority)
+    if plot is not None:
+        from cbatch.observe.plot import PlotError, check_plot_path
+
+        try:
+            check_plot_path(plot)
+        except PlotError as exc:
+            fail(str(exc))
     options = JobOptions(
         input=input, output=out, engine=config, defaults=defaults, token_ids=token_ids, overwrite=overwrite,
-        allow_errors=allow_errors, report=report, quiet=quiet, lookahead=lookahead, display=display,
+        allow_errors=allow_errors, report=report, quiet=quiet, lookahead=lookahead, display=display, plot=plot,
         progress_interval=progress_interval,
     )
     try:
@@ -136,6 +156,71 @@ def run(
         typer.echo("cbatch: interrupted; run the same command again to resume.", err=True)
         raise typer.Exit(130)
     raise typer.Exit(code)
+
+
+BENCH_HELP = "Workload"
+SIM_HELP = "Simulator (--simulate)"
+
+
+@app.command()
+def bench(
+    num_prompts: int = typer.Option(256, help="Requests in the synthetic workload.", rich_help_panel=BENCH_HELP),
+    input_len: str = typer.Option("100:1024", help="Prompt lengths: N | A:B (uniform) | lognormal:MEDIAN:SIGMA | chat.", rich_help_panel=BENCH_HELP),
+    output_len: str = typer.Option("100:1024", help="Output lengths (EOS ignored, exact): N | A:B | lognormal:MEDIAN:SIGMA | chat.", rich_help_panel=BENCH_HELP),
+    seed: int = typer.Option(0, help="Workload, prompt and weight seed.", rich_help_panel=BENCH_HELP),
+    trace: Optional[Path] = typer.Option(None, help="JSONL rows {prompt_len, output_len, arrival (steps, optional)} instead of a synthetic workload.", rich_help_panel=BENCH_HELP),
+    policy: str = typer.Option("all", help="static | fcfs | longest-first | all (each on the identical workload).", rich_help_panel=BENCH_HELP),
+    model: Optional[str] = MODEL_OPT,
+    model_config: Optional[str] = typer.Option(None, help="Weightless model: preset (qwen3-0.6b, llama-3.2-1b, llama-3.1-8b, qwen2.5-1.5b, tiny) or config.json; random weights.", rich_help_panel=ENGINE_HELP),
+    device: str = DEVICE_OPT,
+    dtype: str = DTYPE_OPT,
+    max_num_seqs: int = MAX_NUM_SEQS_OPT,
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS_OPT,
+    block_size: int = BLOCK_SIZE_OPT,
+    num_kv_blocks: Optional[int] = NUM_KV_BLOCKS_OPT,
+    attention_backend: str = ATTENTION_BACKEND_OPT,
+    max_model_len: Optional[int] = MAX_MODEL_LEN_OPT,
+    threads: Optional[int] = THREADS_OPT,
+    simulate: bool = typer.Option(False, "--simulate", help="Drive the real scheduler and block pool with a cost model instead of the model.", rich_help_panel=SIM_HELP),
+    cost_per_step: float = typer.Option(1.0, help="Simulated cost of every step.", rich_help_panel=SIM_HELP),
+    cost_per_prefill_token: float = typer.Option(0.0, help="Simulated cost per prefill token.", rich_help_panel=SIM_HELP),
+    cost_per_context_token: float = typer.Option(0.0, help="Simulated cost per KV token read.", rich_help_panel=SIM_HELP),
+    cost_from: Optional[Path] = typer.Option(None, help="Fit the cost model (in seconds) to a real run's --report.", rich_help_panel=SIM_HELP),
+    report: Optional[Path] = typer.Option(None, help="Write every run's JSON report here.", rich_help_panel=JOB_HELP),
+    plot: Optional[Path] = typer.Option(None, help="Draw occupancy, KV usage, tokens/s and latency (.png or .html).", rich_help_panel=JOB_HELP),
+    warmup: bool = typer.Option(True, help="Run a few short requests before timing (real runs).", rich_help_panel=JOB_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the table.", rich_help_panel=JOB_HELP),
+) -> None:
+    """Benchmark a synthetic workload (or a trace) under each admission policy, for real or simulated."""
+    from cbatch.bench.command import BenchOptions, run_bench
+    from cbatch.bench.simulator import CostModel, CostModelError
+    from cbatch.bench.workload import WorkloadError
+    from cbatch.observe.plot import PlotError, check_plot_path
+    from cbatch.model.loader import ModelLoadError
+    from cbatch.model.spec import UnsupportedModelError
+
+    if model is not None and model_config is not None:
+        fail("--model and --model-config: give one (a checkpoint, or a weightless shape)")
+    config = engine_config(
+        model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_kv_blocks=num_kv_blocks,
+        attention_backend=attention_backend, max_model_len=max_model_len, seed=seed, num_threads=threads,
+    )
+    try:
+        cost = CostModel.fit(cost_from) if cost_from else CostModel(cost_per_step, cost_per_prefill_token, cost_per_context_token)
+        if min(cost.per_step, cost.per_prefill_token, cost.per_context_token) < 0 or cost.per_step + cost.per_prefill_token + cost.per_context_token <= 0:
+            fail("--cost-per-*: costs must be >= 0 and not all 0")
+        if report is not None and not (report.parent if str(report.parent) else Path(".")).is_dir():
+            fail(f"--report {report}: the folder {report.parent} does not exist; create it first")
+        if plot is not None:
+            check_plot_path(plot)
+        run_bench(BenchOptions(
+            engine=config, model_config=model_config, num_prompts=num_prompts, input_len=input_len,
+            output_len=output_len, seed=seed, trace=trace, policy=policy, simulate=simulate, cost=cost,
+            report=report, plot=plot, quiet=quiet, warmup=warmup,
+        ))
+    except (WorkloadError, CostModelError, PlotError, ConfigError, ModelLoadError, UnsupportedModelError) as exc:
+        fail(str(exc))
 
 
 def main() -> None:

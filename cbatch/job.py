@@ -20,7 +20,8 @@ from cbatch.model.default_model import default_model_dir
 from cbatch.model.loader import ModelLoadError, read_checkpoint, resolve_dtype, resolve_model_dir
 from cbatch.model.spec import UnsupportedModelError
 from cbatch.observe.metrics import JobMetrics
-from cbatch.observe.report import build_report, summary_line, write_report
+from cbatch.observe.report import build_report, summary_line, summary_table, write_report
+from cbatch.observe.roofline import engine_hardware
 from cbatch.rowrun import RowRunner, is_ok
 
 EXIT_OK, EXIT_ROW_ERRORS, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
@@ -44,6 +45,7 @@ class JobOptions:
     lookahead: int = 16384  # rows queued in the engine at once: longest-first sorts inside this window
     display: str = "auto"  # auto | dashboard | plain | none
     progress_interval: float = 10.0  # seconds between plain progress lines (logs, cron)
+    plot: Path | None = None  # --plot: report.png / .html
 
 
 class _Interrupt:
@@ -175,6 +177,15 @@ class JobRunner:
         self.state.append(record)
 
 
+def write_report_and_plot(options: JobOptions, report: dict[str, Any]) -> None:
+    if options.report is not None:
+        write_report(options.report, report)
+    if options.plot is not None:
+        from cbatch.observe.plot import plot_reports
+
+        plot_reports([report], options.plot)
+
+
 def run_job(options: JobOptions, make_engine=None, make_progress=None) -> int:
     """The whole `cbatch run`. Raises JobError (or a model/config error) for a bad job: exit 2, nothing written.
 
@@ -219,7 +230,7 @@ def run_job(options: JobOptions, make_engine=None, make_progress=None) -> int:
     wall = job.metrics.now()
     report = build_report(
         job.metrics, engine.scheduler.stats, wall_seconds=wall, max_num_seqs=config.max_num_seqs,
-        num_kv_blocks=engine.pool.num_blocks,
+        num_kv_blocks=engine.pool.num_blocks, hardware=engine_hardware(engine, job.metrics.steps, job.metrics.forward_seconds),
         settings={"engine": asdict(config), "defaults": asdict(options.defaults), "dtype": str(engine.dtype),
                   "device": str(engine.device), "input": str(options.input), "output": str(options.output)},
     )
@@ -228,8 +239,7 @@ def run_job(options: JobOptions, make_engine=None, make_progress=None) -> int:
     report["requests"].update(ok=state.num_rows - errors, error=errors)
     if code is not None:
         state.close()
-        if options.report is not None:
-            write_report(options.report, report)
+        write_report_and_plot(options, report)
         print(
             f"cbatch: interrupted; {state.num_rows} of {total_rows} rows are saved. "
             "Run the same command again to resume.",
@@ -248,7 +258,10 @@ def run_job(options: JobOptions, make_engine=None, make_progress=None) -> int:
             f"could not write {options.output} ({exc.strerror or exc}); all {state.num_rows} finished rows are kept: "
             "fix the problem and run the same command again"
         ) from None
-    if options.report is not None:
-        write_report(options.report, report)
+    write_report_and_plot(options, report)
     print(summary_line(report), flush=True)
+    if not options.quiet:
+        from rich.console import Console
+
+        Console().print(summary_table(report))
     return EXIT_ROW_ERRORS if errors and not options.allow_errors else EXIT_OK

@@ -12,7 +12,7 @@ from cbatch.config import SamplingParams
 from cbatch.engine.engine import Engine, RequestOutput
 from cbatch.engine.sequence import Sequence
 from cbatch.io.rows import RowError, RowRequest, parse_row, row_id_of
-from cbatch.observe.metrics import JobMetrics, RequestTiming, StepSample
+from cbatch.observe.metrics import JobMetrics, RequestTiming, engine_step_sample
 from cbatch.tokenizer import encode_messages, encode_text
 
 Record = dict[str, Any]
@@ -99,12 +99,7 @@ class RowRunner:
         """One engine step, recorded in the metrics; the records of the rows that finished."""
         engine, metrics = self.engine, self.metrics
         finished = engine.step()
-        info = engine.last_step
-        metrics.record_step(StepSample(
-            t=metrics.now(), running=len(engine.scheduler.running), waiting=engine.scheduler.num_waiting,
-            scheduled_tokens=info.scheduled_tokens, prefill_tokens=info.prefill_tokens,
-            output_tokens=info.sampled_tokens, kv_used=engine.pool.num_used,
-        ))
+        metrics.record_step(engine_step_sample(metrics, engine))
         metrics.forward_seconds = engine.runner.forward_seconds
         return [self.record(seq) for seq in finished]
 

@@ -14,6 +14,7 @@ from cbatch.engine.policy import PreemptionPolicy, PriorityOrder, get_policy
 from cbatch.engine.runner import ModelRunner
 from cbatch.engine.scheduler import Scheduler
 from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
+from cbatch.engine.step import StepInfo, admission_error, commit_step, length_finish
 from cbatch.model.loader import (
     Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir,
 )
@@ -35,15 +36,6 @@ class RequestOutput:
     first_token_step: int | None = None
     finish_step: int | None = None
     num_preemptions: int = 0
-
-
-@dataclass(slots=True)
-class StepInfo:
-    """What the last step did, for per-step metrics."""
-
-    scheduled_tokens: int = 0
-    prefill_tokens: int = 0  # tokens of chunks longer than one (prompt and recompute work)
-    sampled_tokens: int = 0  # new tokens that count as output (static padding excluded)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -131,18 +123,7 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------
     def admission_error(self, prompt_len: int, params: SamplingParams) -> str | None:
         """Why a request can never run here (too long for the model or for the KV pool), or None."""
-        if prompt_len == 0:
-            return "the prompt is empty"
-        if prompt_len >= self.max_model_len:
-            return f"the prompt has {prompt_len} tokens; the model's context is {self.max_model_len}"
-        total = min(prompt_len + params.max_tokens, self.max_model_len)
-        need = self.pool.blocks_for(total)
-        if need > self.pool.num_blocks:
-            return (
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks "
-                f"but the pool has {self.pool.num_blocks}; lower max_tokens or raise --num-kv-blocks"
-            )
-        return None
+        return admission_error(prompt_len, params, self.max_model_len, self.pool)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> Sequence:
         """Queues a request; a request that cannot run comes back already finished with an error."""
@@ -176,38 +157,19 @@ class Engine:
                 raise RuntimeError("scheduler made no progress with work pending (a bug: please report it)")
             return []
         sampled = self.runner.execute(plan)
-        info = StepInfo(scheduled_tokens=plan.num_tokens, prefill_tokens=sum(n for _, n in plan.scheduled if n > 1))
-        self.last_step = info
-        finished: list[Sequence] = []
-        step = self.scheduler.stats.steps
-        for seq, num_new in plan.scheduled:
-            seq.num_computed += num_new
-            token = sampled.get(seq.seq_id)
-            if token is None:
-                continue
-            seq.output_ids.append(token)
-            if seq.first_token_step is None:
-                seq.first_token_step = step
-            if seq.num_result_tokens is not None:
-                continue  # static batching: a finished member computing padding
-            info.sampled_tokens += 1
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                for done in self.scheduler.finish(seq, reason):
-                    self.runner.release(done)
-                    self._stop_checks.pop(done.seq_id, None)
-                    finished.append(done)
+        finished, self.last_step = commit_step(self.scheduler, plan, sampled, self._finish_reason, self._release)
         return finished
 
+    def _release(self, seq: Sequence) -> None:
+        self.runner.release(seq)
+        self._stop_checks.pop(seq.seq_id, None)
+
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        if token in seq.eos_ids and not seq.params.ignore_eos:
-            return FinishReason.STOP
+        """Stop strings (they need the tokenizer), then EOS / max_tokens / context (shared with the simulator)."""
         stops = self._stop_checks.get(seq.seq_id)
         if stops and _find_stop(self.tokenizer.decode(seq.output_ids, skip_special_tokens=True), stops) is not None:
             return FinishReason.STOP
-        if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return length_finish(seq, token, self.max_model_len)
 
     def output_of(self, seq: Sequence) -> RequestOutput:
         token_ids = seq.result_ids

@@ -158,17 +158,22 @@ class Scheduler:
             cache_computed_blocks(self.pool, seq)
 
         # Running sequences: decodes first, then chunked prefills continuing, both in admission order.
-        decodes = [s for s in self.running if s.num_uncomputed == 1]
-        prefills = [s for s in self.running if s.num_uncomputed > 1]
-        for seq in decodes + prefills:
+        # NOTE (speed, the simulator runs this for 1000s of sequences): uncomputed counts are read once,
+        # and the helper calls below are skipped on their common no-op path (inline checks).
+        pending = [(s, s.num_uncomputed) for s in self.running]
+        decodes = [p for p in pending if p[1] == 1]
+        prefills = [p for p in pending if p[1] > 1]
+        capacity = self.pool.block_size
+        for seq, uncomputed in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                 continue
-            num_new = min(seq.num_uncomputed, budget)
-            if self._padding_blocked(seq, num_new):
+            num_new = min(uncomputed, budget)
+            if seq.num_result_tokens is not None and self._padding_blocked(seq, num_new):
                 continue
-            if not self._grow(seq, num_new, scheduled_ids, plan):
+            fits = seq.num_computed + num_new <= len(seq.block_ids) * capacity  # no new block needed
+            if not fits and not self._grow(seq, num_new, scheduled_ids, plan):
                 continue  # `seq` itself was preempted
             plan.scheduled.append((seq, num_new))
             scheduled_ids.add(seq.seq_id)
@@ -405,6 +410,17 @@ class Scheduler:
             return [seq]
         if any(s.num_result_tokens is None for s in self.running):
             return []  # the group runs on to its longest member; `seq` keeps its slot
+        group = list(self.running)
+        for member in group:
+            self._release(member)
+        return group
+
+    def release_stranded_group(self) -> list[Sequence]:
+        """Static batching: when preemption took a group's last unfinished members, the finished ones
+        leave now (returned, like `finish`'s). Otherwise they would pad forever, holding the blocks the
+        preempted members wait for: a deadlock. Called after the step ran (their KV writes are done)."""
+        if not self.policy.group or not self.running or any(s.num_result_tokens is None for s in self.running):
+            return []
         group = list(self.running)
         for member in group:
             self._release(member)

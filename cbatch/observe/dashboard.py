@@ -27,19 +27,25 @@ def sparkline(values: list[float], width: int = 40) -> str:
 
 
 class Dashboard:
-    def __init__(self, metrics: JobMetrics, options, refresh_per_second: float = 4.0) -> None:
+    """`start=False` builds one without a Live display (tests render frames with `render()`)."""
+
+    def __init__(self, metrics: JobMetrics, options, refresh_per_second: float = 4.0, start: bool = True,
+                 console=None) -> None:
         self.metrics = metrics
         self.max_num_seqs = options.engine.max_num_seqs
         self.token_budget = options.engine.max_num_batched_tokens
         self.engine = None
-        self._live = Live(get_renderable=self.render, refresh_per_second=refresh_per_second, transient=False)
-        self._live.start()
+        self._live = Live(get_renderable=self.render, refresh_per_second=refresh_per_second, transient=False,
+                          console=console)
+        if start:
+            self._live.start()
 
     def update(self, engine=None, **_: object) -> None:
         self.engine = engine
 
     def close(self) -> None:
-        self._live.stop()
+        if self._live.is_started:
+            self._live.stop()
 
     def render(self) -> Group:
         m = self.metrics

@@ -17,6 +17,8 @@ class StepSample:
     prefill_tokens: int
     output_tokens: int  # tokens sampled this step (finished rows' padding excluded)
     kv_used: int
+    context_tokens: int = 0  # KV tokens read this step (sum of scheduled sequences' contexts)
+    attention_pairs: int = 0  # (query, key) pairs attended this step
 
 
 @dataclass(slots=True)
@@ -64,3 +66,14 @@ class JobMetrics:
         if step is None or not self.steps:
             return None
         return self.steps[min(max(step, 1), len(self.steps)) - 1].t
+
+
+def engine_step_sample(metrics: JobMetrics, engine) -> StepSample:
+    """The sample of the engine's last step (counters only: cheap enough for every step)."""
+    info, scheduler = engine.last_step, engine.scheduler
+    return StepSample(
+        t=metrics.now(), running=len(scheduler.running), waiting=scheduler.num_waiting,
+        scheduled_tokens=info.scheduled_tokens, prefill_tokens=info.prefill_tokens,
+        output_tokens=info.sampled_tokens, kv_used=engine.pool.num_used,
+        context_tokens=info.context_tokens, attention_pairs=info.attention_pairs,
+    )

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from cbatch.engine.scheduler import SchedulerStats
-from cbatch.observe.metrics import JobMetrics
+from cbatch.observe.metrics import JobMetrics, StepSample
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -26,7 +26,10 @@ def build_report(
     max_num_seqs: int,
     num_kv_blocks: int,
     settings: dict[str, Any],
+    hardware: dict[str, Any] | None = None,
+    time_unit: str = "s",
 ) -> dict[str, Any]:
+    """The report. `time_unit` is "s", or "cost" for the simulator (its clock counts cost-model units)."""
     steps = max(stats.steps, 1)
     wall = max(wall_seconds, 1e-9)
     timings = metrics.requests
@@ -36,8 +39,9 @@ def build_report(
     queue_steps = [(r.first_scheduled_step or r.finished_step) - r.queued_step for r in timings]
     ttft_steps = [r.first_token_step - r.queued_step for r in timings if r.first_token_step is not None]
     total_steps = [r.finished_step - r.queued_step for r in timings]
-    return {
+    report = {
         "settings": settings,
+        "time_unit": time_unit,
         "requests": {
             "total": metrics.total_rows,
             "ok": metrics.ok_rows,
@@ -81,8 +85,57 @@ def build_report(
                 for p, w in sorted(stats.wait_steps_by_priority.items())
             },
             "oldest_wait_steps": max((max(w) for w in stats.wait_steps_by_priority.values()), default=None),
+            "histogram_total_seconds": histogram(total_s),
         },
+        "series": time_series(metrics.steps, max_num_seqs, num_kv_blocks),
     }
+    if hardware is not None:
+        report["hardware"] = hardware
+    return report
+
+
+def histogram(values: list[float], bins: int = 30) -> dict[str, list[float]]:
+    """Equal-width bins over [min, max]: `edges` (bins + 1) and `counts` (bins)."""
+    if not values:
+        return {"edges": [], "counts": []}
+    low, high = min(values), max(values)
+    width = (high - low) / bins or 1.0
+    counts = [0] * bins
+    for v in values:
+        counts[min(bins - 1, int((v - low) / width))] += 1
+    return {"edges": [low + i * width for i in range(bins + 1)], "counts": counts}
+
+
+def time_series(samples: list[StepSample], max_num_seqs: int, num_kv_blocks: int, points: int = 400) -> dict[str, list]:
+    """The per-step samples folded into at most `points` buckets of consecutive steps.
+
+    Sums (steps, tokens, dt) are kept per bucket, so a linear cost model fitted on buckets is the
+    same fit as on steps; occupancy and KV usage are bucket means; rates are bucket sums / dt.
+    """
+    keys = ("t", "dt", "steps", "occupancy", "kv_usage", "waiting", "output_tokens_per_s", "prompt_tokens_per_s",
+            "scheduled_tokens", "prefill_tokens", "context_tokens", "output_tokens")
+    series: dict[str, list] = {k: [] for k in keys}
+    size = max(1, -(-len(samples) // points))
+    previous_t = 0.0
+    for start in range(0, len(samples), size):
+        chunk = samples[start : start + size]
+        n, t_end = len(chunk), chunk[-1].t
+        dt = t_end - previous_t
+        previous_t = t_end
+        out = sum(s.output_tokens for s in chunk)
+        prefill = sum(s.prefill_tokens for s in chunk)
+        for key, value in (
+            ("t", t_end), ("dt", dt), ("steps", n),
+            ("occupancy", sum(s.running for s in chunk) / (n * max_num_seqs)),
+            ("kv_usage", sum(s.kv_used for s in chunk) / (n * max(num_kv_blocks, 1))),
+            ("waiting", chunk[-1].waiting),
+            ("output_tokens_per_s", out / dt if dt > 0 else 0.0),
+            ("prompt_tokens_per_s", prefill / dt if dt > 0 else 0.0),
+            ("scheduled_tokens", sum(s.scheduled_tokens for s in chunk)), ("prefill_tokens", prefill),
+            ("context_tokens", sum(s.context_tokens for s in chunk)), ("output_tokens", out),
+        ):
+            series[key].append(value)
+    return series
 
 
 def write_report(path: Path, report: dict[str, Any]) -> None:
@@ -100,3 +153,38 @@ def summary_line(report: dict[str, Any]) -> str:
         f" = {t['output_tokens_per_s']:.1f} tok/s ({t['total_tokens_per_s']:.1f} total)"
         f" | occupancy {u['mean_batch_occupancy']:.0%}, peak KV {u['peak_kv_usage']:.0%}, preemptions {u['preemptions']}"
     )
+
+
+def summary_table(report: dict[str, Any]):
+    """The end-of-job table (rich): requests, tokens, time, throughput, utilization, latency."""
+    from rich.table import Table
+
+    unit = report.get("time_unit", "s")
+    r, tok, tm, t, u = (report[k] for k in ("requests", "tokens", "time", "throughput", "utilization"))
+    lat = report["latency"]["seconds"]
+    table = Table(title="cbatch report", show_header=False, title_justify="left")
+    table.add_column(style="bold cyan")
+    table.add_column()
+    table.add_row("requests", f"{r['total']} total, {r['ok']} ok, {r['error']} error")
+    table.add_row("tokens", f"{tok['prompt']:,} prompt, {tok['output']:,} output")
+    table.add_row("time", f"{tm['wall_seconds']:.2f} {unit} wall, {tm['model_forward_seconds']:.2f} {unit} model forward")
+    table.add_row("throughput", f"{t['output_tokens_per_s']:,.1f} output tok/{unit}, {t['total_tokens_per_s']:,.1f} total tok/{unit}, "
+                  f"{t['requests_per_s']:,.2f} req/{unit}")
+    table.add_row("utilization", f"{u['steps']} steps, occupancy {u['mean_batch_occupancy']:.0%}, "
+                  f"{u['mean_tokens_per_step']:.1f} tok/step, KV mean {u['mean_kv_usage']:.0%} peak {u['peak_kv_usage']:.0%}")
+    table.add_row("preemption", f"{u['preemptions']} preemptions, {u['recomputed_tokens']:,} tokens recomputed, "
+                  f"padding waste {u['padding_waste']:.1%}")
+
+    def pct(p: dict) -> str:
+        return "-" if p["p50"] is None else f"{p['p50']:.2f} / {p['p90']:.2f} / {p['p99']:.2f}"
+
+    table.add_row(f"latency p50/p90/p99 ({unit})",
+                  f"queue {pct(lat['queue_wait'])}, first token {pct(lat['time_to_first_token'])}, total {pct(lat['total'])}")
+    hw = report.get("hardware")
+    if hw:
+        line = f"{hw['achieved_tflops']:.2f} TFLOP/s, {hw['achieved_gb_per_s']:.1f} GB/s"
+        if hw.get("peak_tflops"):
+            line += f" ({hw['flops_utilization']:.1%} of {hw['peak_tflops']:.0f} TFLOP/s, " \
+                    f"{hw['bandwidth_utilization']:.1%} of {hw['peak_gb_per_s']:.0f} GB/s peak on {hw['device_name']})"
+        table.add_row("hardware (est.)", line)
+    return table

@@ -1,0 +1,120 @@
+"""`cbatch bench`: one workload, one run per policy (real or simulated), a side-by-side table, a report."""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from cbatch.bench.result import BenchRun, comparison_rows, comparison_table
+from cbatch.bench.simulator import CostModel, cost_settings, simulate
+from cbatch.bench.workload import BenchRequest, WorkloadError, parse_distribution, read_trace, synthetic_workload
+from cbatch.config import EngineConfig
+
+ALL_POLICIES = ("static", "fcfs", "longest-first")
+
+
+@dataclass(slots=True)
+class BenchOptions:
+    engine: EngineConfig
+    model_config: str | None = None  # preset name or config.json: random weights, no tokenizer
+    num_prompts: int = 256
+    input_len: str = "100:1024"
+    output_len: str = "100:1024"
+    seed: int = 0
+    trace: Path | None = None
+    policy: str = "all"  # one of ALL_POLICIES, or all
+    simulate: bool = False
+    cost: CostModel = CostModel()
+    report: Path | None = None
+    plot: Path | None = None
+    quiet: bool = False
+    warmup: bool = True
+
+
+def policies_of(name: str) -> list[str]:
+    if name == "all":
+        return list(ALL_POLICIES)
+    if name not in ALL_POLICIES:
+        raise WorkloadError(f"--policy: must be one of {', '.join(ALL_POLICIES)} or all, not {name!r}")
+    return [name]
+
+
+def make_workload(options: BenchOptions) -> tuple[list[BenchRequest], dict[str, Any]]:
+    if options.trace is not None:
+        requests = read_trace(options.trace)
+        return requests, {"trace": str(options.trace), "num_prompts": len(requests)}
+    if options.num_prompts < 1:
+        raise WorkloadError("--num-prompts: must be at least 1")
+    input_len = parse_distribution(options.input_len, "--input-len")
+    output_len = parse_distribution(options.output_len, "--output-len")
+    requests = synthetic_workload(options.num_prompts, input_len, output_len, options.seed)
+    return requests, {"num_prompts": options.num_prompts, "input_len": options.input_len,
+                      "output_len": options.output_len, "seed": options.seed}
+
+
+def _sim_max_model_len(options: BenchOptions, requests: list[BenchRequest]) -> int:
+    """The model's context if a model is named, else room for the workload's longest request."""
+    if options.engine.max_model_len:
+        return options.engine.max_model_len
+    if options.model_config is not None:
+        from cbatch.model.presets import preset_spec
+
+        return preset_spec(options.model_config).max_position_embeddings
+    return max(r.prompt_len + r.output_len for r in requests) + 1
+
+
+def run_bench(options: BenchOptions) -> dict[str, Any]:
+    """Runs the benchmark, prints the table; returns the whole report (also written to --report)."""
+    from rich.console import Console
+
+    console = Console(file=sys.stdout)
+    requests, workload = make_workload(options)
+    workload["prompt_tokens"] = sum(r.prompt_len for r in requests)
+    workload["output_tokens"] = sum(r.output_len for r in requests)
+    policies = policies_of(options.policy)
+    engine_settings = asdict(options.engine)
+    runs: list[BenchRun] = []
+    if options.simulate:
+        max_model_len = _sim_max_model_len(options, requests)
+        for policy in policies:
+            run = simulate(requests, options.engine, options.cost, max_model_len, policy)
+            settings = {"engine": {**engine_settings, "policy": policy}, "simulated": True,
+                        "max_model_len": max_model_len, "cost_model": cost_settings(options.cost)}
+            run.build_report(options.engine.max_num_seqs, settings, options.cost.unit)
+            runs.append(run)
+    else:
+        from cbatch.bench.runner import make_bench_engine, run_real, warm_up
+        from cbatch.observe.roofline import engine_hardware
+
+        engine = make_bench_engine(options.engine, options.model_config, options.seed)
+        if options.warmup:
+            warm_up(engine, options.seed)
+        for policy in policies:
+            if not options.quiet:
+                print(f"cbatch bench: running {len(requests)} requests with --policy {policy} ...", file=sys.stderr, flush=True)
+            run = run_real(engine, requests, policy, options.seed)
+            settings = {"engine": {**engine_settings, "policy": policy}, "simulated": False,
+                        "model": options.model_config or options.engine.model or "default",
+                        "device": str(engine.device), "dtype": str(engine.dtype), "max_model_len": engine.max_model_len}
+            hardware = engine_hardware(engine, run.metrics.steps, run.metrics.forward_seconds)
+            run.build_report(options.engine.max_num_seqs, settings, "s", hardware)
+            runs.append(run)
+    reports = [run.report for run in runs]
+    result = {"workload": workload, "runs": reports, "comparison": comparison_rows(reports)}
+    if len(reports) > 1:
+        console.print(comparison_table(reports))
+    else:
+        from cbatch.observe.report import summary_table
+
+        console.print(summary_table(reports[0]))
+    if options.report is not None:
+        from cbatch.observe.report import write_report
+
+        write_report(options.report, result)
+    if options.plot is not None:
+        from cbatch.observe.plot import plot_reports
+
+        plot_reports(reports, options.plot)
+    return result
+

@@ -1,0 +1,115 @@
+"""What a benchmark run (real or simulated) records, and the side-by-side table of several runs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cbatch.engine.scheduler import SchedulerStats
+from cbatch.engine.sequence import Sequence
+from cbatch.observe.metrics import JobMetrics, RequestTiming
+
+
+@dataclass(slots=True)
+class BenchRun:
+    """One policy's run: the metrics the report is built from, and each request's finish step and time."""
+
+    policy: str
+    metrics: JobMetrics = field(default_factory=JobMetrics)
+    finish_step: list[int | None] = field(default_factory=list)  # by request index; None for error rows
+    finish_time: list[float | None] = field(default_factory=list)
+    report: dict[str, Any] = field(default_factory=dict)
+    stats: SchedulerStats | None = None  # the scheduler's counters at the end
+    num_kv_blocks: int = 0
+    wall: float = 0.0  # seconds, or cost units for the simulator
+
+    def record(self, queued: tuple[float, int], seq: Sequence, left_step: int, left_t: float) -> None:
+        """A request left the engine (done): tokens, latency and its finish step.
+
+        `queued` is (time, step) it was added; `left_step` / `left_t` are when its result became
+        available (a static group leaves together).
+        """
+        queued_t, queued_step = queued
+        m = self.metrics
+        self.finish_step[seq.seq_id], self.finish_time[seq.seq_id] = left_step, left_t
+        if seq.error is not None:
+            m.error_rows += 1
+            return
+        m.ok_rows += 1
+        m.prompt_tokens += seq.prompt_len
+        m.output_tokens += len(seq.result_ids)
+        first = seq.first_scheduled_step
+        m.requests.append(RequestTiming(
+            row_id=str(seq.seq_id), queued_s=queued_t,
+            scheduled_s=max(queued_t, m.step_time(first - 1) or 0.0) if first and first > 1 else queued_t,
+            first_token_s=m.step_time(seq.first_token_step), finished_s=left_t,
+            queued_step=queued_step, first_scheduled_step=first, first_token_step=seq.first_token_step,
+            finished_step=left_step, prompt_tokens=seq.prompt_len, output_tokens=len(seq.result_ids),
+        ))
+
+
+    def build_report(self, max_num_seqs: int, settings: dict[str, Any], time_unit: str,
+                     hardware: dict[str, Any] | None = None) -> dict[str, Any]:
+        from cbatch.observe.report import build_report
+
+        assert self.stats is not None
+        self.metrics.forward_seconds = self.metrics.forward_seconds or self.wall
+        report = build_report(self.metrics, self.stats, wall_seconds=self.wall, max_num_seqs=max_num_seqs,
+                              num_kv_blocks=self.num_kv_blocks, settings=settings, hardware=hardware,
+                              time_unit=time_unit)
+        report["policy"] = self.policy
+        report["per_request"] = {"finish_step": self.finish_step, "finish_time": self.finish_time}
+        self.report = report
+        return report
+
+
+def comparison_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per run: the headline figures and their ratio against static batching (or the first run)."""
+    base = next((r for r in runs if r["policy"] == "static"), runs[0])
+
+    def figures(r: dict[str, Any]) -> dict[str, float | None]:
+        lat = r["latency"]["seconds"]["total"]
+        return {
+            "output_tokens_per_s": r["throughput"]["output_tokens_per_s"],
+            "wall_time": r["time"]["wall_seconds"],
+            "mean_occupancy": r["utilization"]["mean_batch_occupancy"],
+            "padding_waste": r["utilization"]["padding_waste"],
+            "latency_p50": lat["p50"],
+            "latency_p99": lat["p99"],
+        }
+
+    b = figures(base)
+    rows = []
+    for r in runs:
+        f = figures(r)
+        ratios = {k: (v / b[k] if v is not None and b[k] else None) for k, v in f.items()}
+        rows.append({"policy": r["policy"], "baseline": base["policy"], **f, "ratio": ratios})
+    return rows
+
+
+def comparison_table(runs: list[dict[str, Any]]):
+    """One rich table, policies side by side, each figure with its ratio against the baseline."""
+    from rich.table import Table
+
+    rows = comparison_rows(runs)
+    unit = runs[0].get("time_unit", "s")
+    table = Table(title=f"cbatch bench (ratios against {rows[0]['baseline']})", title_justify="left")
+    table.add_column("")
+    for row in rows:
+        table.add_column(row["policy"], justify="right")
+    for key, label, fmt in (
+        ("output_tokens_per_s", f"output tok/{unit}", "{:,.1f}"),
+        ("wall_time", f"wall time ({unit})", "{:,.2f}"),
+        ("mean_occupancy", "mean occupancy", "{:.1%}"),
+        ("padding_waste", "padding waste", "{:.1%}"),
+        ("latency_p50", f"latency p50 ({unit})", "{:,.2f}"),
+        ("latency_p99", f"latency p99 ({unit})", "{:,.2f}"),
+    ):
+        cells = []
+        for row in rows:
+            value, ratio = row[key], row["ratio"][key]
+            cell = "-" if value is None else fmt.format(value)
+            if ratio is not None and row["policy"] != row["baseline"] and key != "padding_waste":
+                cell += f" ({ratio:.2f}x)"
+            cells.append(cell)
+        table.add_row(label, *cells)
+    return table

@@ -1,0 +1,228 @@
+"""`cbatch bench`: workload distributions, traces, the simulator (the engine's own scheduler), and
+the real engine agreeing with it."""
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from cbatch.bench.result import comparison_rows
+from cbatch.bench.simulator import CostModel, CostModelError, simulate
+from cbatch.bench.workload import (
+    CHAT_BUCKETS, BenchRequest, WorkloadError, parse_distribution, read_trace, synthetic_workload,
+)
+from cbatch.config import EngineConfig
+
+
+def chat_workload(n: int, seed: int) -> list[BenchRequest]:
+    chat = parse_distribution("chat", "--output-len")
+    return synthetic_workload(n, chat, chat, seed)
+
+
+# ---- distributions ---------------------------------------------------------------------------------
+def test_fixed_and_uniform_are_exact_and_inclusive():
+    rng = random.Random(1)
+    assert set(parse_distribution("37", "--input-len").sample(rng, 50)) == {37}
+    values = parse_distribution("3:6", "--input-len").sample(rng, 2000)
+    assert set(values) == {3, 4, 5, 6}  # both ends drawn
+
+
+def test_lognormal_median_and_spread():
+    values = sorted(parse_distribution("lognormal:200:0.5", "--output-len").sample(random.Random(7), 4001))
+    median = values[2000]
+    assert 180 <= median <= 220
+    assert min(values) >= 1 and values[-1] > 2 * median  # a right tail
+
+
+def test_chat_preset_buckets_and_shares():
+    values = parse_distribution("chat", "--output-len").sample(random.Random(3), 10000)
+    shares = Counter(next(i for i, (_, lo, hi) in enumerate(CHAT_BUCKETS) if lo <= v <= hi) for v in values)
+    for i, (share, _, _) in enumerate(CHAT_BUCKETS):
+        assert abs(shares[i] / len(values) - share) < 0.02
+    assert min(values) >= 10 and max(values) <= 2000
+
+
+def test_workload_is_seeded():
+    a, b, c = chat_workload(50, 5), chat_workload(50, 5), chat_workload(50, 6)
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("text", ["0", "5:2", "abc", "lognormal:0:1", "lognormal:10", "1:2:3", ""])
+def test_bad_distribution_names_the_flag(text):
+    with pytest.raises(WorkloadError, match="--input-len"):
+        parse_distribution(text, "--input-len")
+
+
+def test_trace_rows_and_errors(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"prompt_len": 5, "output_len": 3}\n\n{"prompt_len": 2, "output_len": 9, "arrival": 4}\n')
+    assert read_trace(path) == [BenchRequest(5, 3, 0), BenchRequest(2, 9, 4)]
+    path.write_text('{"prompt_len": 5, "output_len": 3}\n{"prompt_len": 5, "output_len": "x"}\n')
+    with pytest.raises(WorkloadError, match="line 2: `output_len`"):
+        read_trace(path)
+
+
+# ---- simulator -----------------------------------------------------------------------------------
+def sim(requests, policy, max_num_seqs=8, **settings):
+    config = EngineConfig(max_num_seqs=max_num_seqs, policy=policy, **settings)
+    return simulate(requests, config, CostModel(), max_model_len=4096)
+
+
+def test_simulated_lengths_are_exact_and_steps_are_the_clock():
+    requests = chat_workload(60, 2)
+    run = sim(requests, "fcfs")
+    assert run.metrics.ok_rows == 60
+    assert run.metrics.output_tokens == sum(r.output_len for r in requests)
+    assert run.metrics.prompt_tokens == sum(r.prompt_len for r in requests)
+    assert run.wall == run.stats.steps == len(run.metrics.steps)  # 1 cost unit per step
+    assert max(run.finish_step) == run.stats.steps
+
+
+def test_continuous_batching_finishes_well_ahead_of_static_on_chat():
+    requests = chat_workload(200, 0)
+    static, fcfs, longest = (sim(requests, p) for p in ("static", "fcfs", "longest-first"))
+    assert static.wall > 2.0 * fcfs.wall  # static waits for each group's longest member
+    assert static.stats.padding_tokens > 0 and fcfs.stats.padding_tokens == 0
+    assert longest.wall <= fcfs.wall
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("dist", ["chat", "lognormal:60:1.2"])
+def test_longest_first_makespan_no_worse_than_fcfs_on_skewed_workloads(seed, dist):
+    output = parse_distribution(dist, "--output-len")
+    requests = synthetic_workload(120, parse_distribution("10:200", "--input-len"), output, seed)
+    assert sim(requests, "longest-first").wall <= sim(requests, "fcfs").wall
+
+
+def test_cost_model_terms_add_up():
+    requests = chat_workload(40, 4)
+    config = EngineConfig(max_num_seqs=8, policy="fcfs")
+    cost = CostModel(per_step=0.5, per_prefill_token=0.01, per_context_token=0.001)
+    run = simulate(requests, config, cost, max_model_len=4096)
+    expected = sum(0.5 + 0.01 * s.prefill_tokens + 0.001 * s.context_tokens for s in run.metrics.steps)
+    assert run.wall == pytest.approx(expected)
+    assert run.stats.steps == sim(requests, "fcfs").stats.steps  # costs never change the schedule
+
+
+def test_kv_pressure_preempts_and_recomputes():
+    requests = chat_workload(60, 9)
+    run = sim(requests, "longest-first", num_kv_blocks=260)
+    assert run.stats.preemptions > 0 and run.stats.recomputed_tokens > 0
+    assert run.metrics.output_tokens == sum(r.output_len for r in requests)  # nothing lost
+
+
+def test_trace_arrivals_delay_admission():
+    requests = [BenchRequest(10, 5), BenchRequest(10, 5, arrival=50)]
+    run = sim(requests, "fcfs")
+    assert run.finish_step[0] < 50 < run.finish_step[1]
+    assert run.stats.steps >= 55
+
+
+def test_cost_fit_recovers_coefficients(tmp_path):
+    rng = random.Random(0)
+    steps = [rng.randint(1, 5) for _ in range(40)]
+    prefill = [rng.randint(0, 500) for _ in range(40)]
+    context = [rng.randint(100, 5000) for _ in range(40)]
+    dt = [0.02 * s + 1e-4 * p + 2e-6 * c for s, p, c in zip(steps, prefill, context)]
+    report = {"time_unit": "s", "series": {"steps": steps, "prefill_tokens": prefill, "context_tokens": context, "dt": dt}}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"runs": [report]}))
+    cost = CostModel.fit(path)
+    assert cost.unit == "s"
+    assert cost.per_step == pytest.approx(0.02, rel=1e-6)
+    assert cost.per_prefill_token == pytest.approx(1e-4, rel=1e-6)
+    assert cost.per_context_token == pytest.approx(2e-6, rel=1e-6)
+    path.write_text(json.dumps({"time_unit": "cost", "series": report["series"]}))
+    with pytest.raises(CostModelError, match="real run"):
+        CostModel.fit(path)
+
+
+def test_simulator_is_fast_at_scale():
+    """3k requests x 512 slots in well under a minute even on a loaded 2-core box (10k x 1024: benchmarks/)."""
+    import time
+
+    requests = chat_workload(3000, 0)
+    start = time.process_time()
+    run = simulate(requests, EngineConfig(max_num_seqs=512, max_num_batched_tokens=8192, policy="longest-first"),
+                   CostModel(), max_model_len=4096)
+    assert run.metrics.ok_rows == 3000
+    assert time.process_time() - start < 30
+
+
+# ---- the real engine agrees with the simulator ------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_engine():
+    from cbatch.bench.runner import make_bench_engine
+
+    from cbatch.bench.runner import warm_up
+
+    config = EngineConfig(device="cpu", max_num_seqs=4, num_kv_blocks=40, block_size=8, max_num_batched_tokens=64)
+    engine = make_bench_engine(config, "tiny", seed=0)
+    warm_up(engine, seed=0)
+    return engine
+
+
+def test_real_engine_takes_the_simulators_steps(tiny_engine):
+    """Same scheduler code, same workload: the engine's schedule is the simulator's, step for step."""
+    from cbatch.bench.runner import run_real
+
+    requests = synthetic_workload(16, parse_distribution("4:40", "--input-len"),
+                                  parse_distribution("lognormal:12:1.3", "--output-len"), 3)
+    requests = [BenchRequest(r.prompt_len, min(r.output_len, 100)) for r in requests]
+    config = tiny_engine.config
+    reports = {}
+    for policy in ("static", "fcfs", "longest-first"):
+        real = run_real(tiny_engine, requests, policy, seed=0)
+        simulated = simulate(requests, config, CostModel(), tiny_engine.max_model_len, policy)
+        assert real.finish_step == simulated.finish_step
+        assert real.stats.steps == simulated.stats.steps
+        assert real.stats.preemptions == simulated.stats.preemptions
+        assert real.metrics.output_tokens == simulated.metrics.output_tokens == sum(r.output_len for r in requests)
+        report = real.build_report(config.max_num_seqs, {}, "s")
+        assert report["utilization"]["preemptions"] == tiny_engine.scheduler.stats.preemptions
+        reports[policy] = (report, simulated.build_report(config.max_num_seqs, {}, "cost"))
+    # direction: continuous batching well ahead of static in the simulator, and for real (wall time)
+    sim_static, sim_fcfs = (reports[p][1]["time"]["wall_seconds"] for p in ("static", "fcfs"))
+    real_static, real_fcfs = (reports[p][0]["time"]["wall_seconds"] for p in ("static", "fcfs"))
+    assert sim_static > 1.5 * sim_fcfs
+    assert real_static > real_fcfs
+    rows = comparison_rows([reports[p][0] for p in reports])
+    assert rows[0]["policy"] == "static" and rows[0]["ratio"]["wall_time"] == 1.0
+
+
+def test_static_under_kv_pressure_makes_progress():
+    """Preemption can take a static group's last unfinished members; the finished ones must then leave
+    (they used to pad forever holding the blocks the preempted members waited for: a deadlock)."""
+    requests = synthetic_workload(16, parse_distribution("4:40", "--input-len"),
+                                  parse_distribution("lognormal:12:1.3", "--output-len"), 5)
+    requests = [BenchRequest(r.prompt_len, min(r.output_len, 100)) for r in requests]
+    config = EngineConfig(max_num_seqs=4, num_kv_blocks=40, block_size=8, max_num_batched_tokens=64, policy="static")
+    run = simulate(requests, config, CostModel(), max_model_len=4096)
+    assert run.metrics.ok_rows == 16 and run.stats.preemptions > 0
+    assert run.metrics.output_tokens == sum(r.output_len for r in requests)
+
+
+# ---- presets -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,billions", [
+    # published parameter counts (untied models: minus the input embedding, which no token multiplies)
+    ("qwen3-0.6b", 0.60), ("qwen2.5-1.5b", 1.54), ("llama-3.2-1b", 1.24), ("llama-3.1-8b", 8.03 - 0.525),
+])
+def test_presets_have_the_real_shapes(name, billions):
+    from cbatch.model.presets import preset_spec
+
+    spec = preset_spec(name)
+    assert spec.num_params() / 1e9 == pytest.approx(billions, rel=0.03)
+    assert spec.hidden_size == spec.num_heads * spec.head_dim or spec.family == "qwen3"
+
+
+def test_preset_from_a_config_json_and_unknown_names(tmp_path):
+    from cbatch.model.presets import PRESETS, preset_spec
+    from cbatch.model.spec import UnsupportedModelError
+
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["llama-3.2-1b"]))
+    assert preset_spec(str(tmp_path)) == preset_spec(str(tmp_path / "config.json")) == preset_spec("llama-3.2-1b")
+    with pytest.raises(UnsupportedModelError, match="not a preset"):
+        preset_spec("gpt-9")
