@@ -193,7 +193,7 @@ def test_non_terminal_gets_plain_progress_lines(capsys):
     from cbatch.observe.metrics import JobMetrics
     from cbatch.observe.progress import NoProgress, PlainProgress, make_progress
 
-    options = SimpleNamespace(quiet=False, display="auto", engine=EngineConfig())
+    options = SimpleNamespace(quiet=False, display="auto", engine=EngineConfig(), progress_interval=10.0)
     assert not sys.stdout.isatty()  # pytest captures stdout
     progress = make_progress(JobMetrics(total_rows=5, ok_rows=2, output_tokens=40), options)
     assert isinstance(progress, PlainProgress)
