@@ -260,7 +260,7 @@ def run_job(options: JobOptions, make_engine=None, make_progress=None) -> int:
         ) from None
     write_report_and_plot(options, report)
     print(summary_line(report), flush=True)
-    if not options.quiet:
+    if not options.quiet and sys.stdout.isatty():  # a log file or cron mail gets the one summary line
         from rich.console import Console
 
         Console().print(summary_table(report))

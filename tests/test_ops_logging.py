@@ -26,7 +26,7 @@ def job(tiny_checkpoints, tmp_path):
 
 def test_plain_progress_lines_and_summary_when_not_a_terminal(job):
     source, tmp, flags = job
-    code, stdout, err = run_inprocess("run", str(source), "--out", str(tmp / "o.jsonl"), *flags, "--progress-interval", "0.05")
+    code, stdout, err = run_inprocess("run", str(source), "--out", str(tmp / "o.jsonl"), *flags, "--progress-interval", "0.001")
     assert code == 1, err  # two bad rows
     assert "\x1b" not in err + stdout  # no live display, no colour codes in a log file
     lines = err.splitlines()

@@ -134,7 +134,7 @@ class Engine:
         seq = Sequence(seq_id=seq_id, prompt_ids=list(prompt_ids), params=params, eos_ids=eos)
         error = params.validate() or self.admission_error(len(prompt_ids), params)
         if error is None and params.stop and self.tokenizer is None:
-            error = "stop strings need a tokenizer, and this model has none"
+            error = "stop strings need a tokenizer; this model has none"
 
         if error is not None:
             seq.finish_reason, seq.error = FinishReason.ERROR, error

@@ -312,6 +312,10 @@ class RayJob:
             for name, value in asdict(s.scheduler).items():
                 if name == "peak_kv_blocks":
                     total.peak_kv_blocks = max(total.peak_kv_blocks, value)
+                elif isinstance(value, dict):  # e.g. queue waits per priority class: {class: [waits]}
+                    merged = getattr(total, name)
+                    for key, items in value.items():
+                        merged.setdefault(key, []).extend(items)
                 else:
                     setattr(total, name, getattr(total, name) + value)
         self.metrics.forward_seconds = sum(s.forward_seconds for s in snapshots)
