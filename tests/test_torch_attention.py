@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+import cbatch.attention
 from cbatch.attention import AttentionMetadata, TorchAttention
 
 HQ, HKV, D, BS = 6, 2, 16, 4
@@ -33,11 +34,13 @@ def _reference(q, keys, values, ctx, window):
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_paged_matches_dense(seed: int, window: int | None) -> None:
+@pytest.mark.parametrize("group_rows", [2, 8])  # decodes split across groups, or one group
+def test_paged_matches_dense(seed: int, window: int | None, group_rows: int, monkeypatch) -> None:
+    monkeypatch.setattr(cbatch.attention, "DECODE_GROUP_ROWS", group_rows)
     gen = torch.Generator().manual_seed(seed)
     # (context after this step, query tokens): decodes first, like the scheduler's plans
-    rows = [(13, 1), (1, 1), (30, 1), (9, 9), (21, 6)]
-    num_blocks = 48
+    rows = [(13, 1), (1, 1), (30, 1), (17, 1), (9, 9), (21, 6)]
+    num_blocks = 64
     backend = TorchAttention()
     k_cache = torch.randn(backend.cache_shape(num_blocks, BS, HKV, D), generator=gen)  # stale, finite data
     v_cache = torch.randn(backend.cache_shape(num_blocks, BS, HKV, D), generator=gen)

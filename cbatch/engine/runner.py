@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from cbatch.attention import AttentionMetadata, make_backend
+from cbatch.engine.cpu_memory import keep_freed_memory
 from cbatch.engine.sampler import SamplingBatch, sample
 from cbatch.engine.scheduler import StepPlan
 from cbatch.engine.sequence import Sequence
@@ -79,6 +80,7 @@ class ModelRunner:
         # time a sequence gets it; block 0, which unused table entries name, is zeroed now.
         self._untouched: np.ndarray | None = None
         if device.type == "cpu":
+            keep_freed_memory()  # activations stay resident between steps (see cpu_memory.py)
             self.kv_cache = torch.empty(shape, device=device, dtype=dtype)
             self._untouched = np.ones(num_kv_blocks, dtype=bool)
             self._zero_fresh_blocks([0])
