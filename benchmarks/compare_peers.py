@@ -160,9 +160,11 @@ def run_hf_cb(model_dir: str, wl: Workload, dtype: str, threads: int, extra: dic
                    for i, (p, n) in enumerate(zip(prompts, lens))]
             done: dict[str, list[int]] = {}
             while len(done) < len(ids):
-                result = manager.get_result(timeout=60)
-                if result is None:
-                    raise RuntimeError("transformers continuous batching stopped without finishing every request")
+                result = manager.get_result(timeout=5)
+                if result is None:  # nothing yet (a loaded machine can take minutes), or the loop died
+                    if not manager.is_running():
+                        raise RuntimeError("transformers continuous batching stopped without finishing every request")
+                    continue
                 if result.is_finished():
                     if result.error is not None:
                         raise RuntimeError(f"transformers continuous batching failed: {result.error}")
