@@ -6,12 +6,14 @@ of whole tables in Python). It never decides who runs.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 import torch
 
 from cbatch.attention import AttentionMetadata, make_backend
+from cbatch.engine.cpu_memory import keep_freed_memory
 from cbatch.engine.sampler import SamplingBatch, sample
 from cbatch.engine.scheduler import StepPlan
 from cbatch.engine.sequence import Sequence
@@ -26,6 +28,7 @@ class BlockTableBuffer:
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._row_of: dict[int, int] = {}  # seq_id -> row
         self._written: dict[int, int] = {}  # seq_id -> blocks already copied into the row
+        self.added: list[int] = []  # block ids copied in since the runner last looked (it clears this)
 
     def sync(self, seq: Sequence) -> int:
         """Copies `seq`'s new blocks into its row (taking a row on first sight); returns the row."""
@@ -38,6 +41,7 @@ class BlockTableBuffer:
         blocks = seq.block_ids
         if len(blocks) > written:
             self.table[row, written : len(blocks)] = blocks[written:]
+            self.added.extend(blocks[written:])
             self._written[seq.seq_id] = len(blocks)
         return row
 
@@ -70,10 +74,21 @@ class ModelRunner:
         self.block_size = block_size
         self.job_seed = job_seed
         self.backend = make_backend(attention_backend, device)
-        # One allocation for every layer's K and V: [layers, 2, num_blocks, block_size, Hkv, D]
-        self.kv_cache = torch.zeros(
-            spec.num_layers, 2, num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype
-        )
+        # One allocation for every layer's K and V: [layers, 2, *backend.cache_shape(...)]
+        shape = (spec.num_layers, 2, *self.backend.cache_shape(num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim))
+        self._block_dim = 2 + self.backend.cache_block_dim
+        # NOTE: attention reads whole blocks, padding included (masked), so every block a table can name
+        # must hold finite values. On CPU the pool is left unwritten (its pages are not resident until
+        # used, so memory tracks the KV actually used, not the budget) and a block is zeroed the first
+        # time a sequence gets it; block 0, which unused table entries name, is zeroed now.
+        self._untouched: np.ndarray | None = None
+        if device.type == "cpu":
+            keep_freed_memory()  # activations stay resident between steps (see cpu_memory.py)
+            self.kv_cache = torch.empty(shape, device=device, dtype=dtype)
+            self._untouched = np.ones(num_kv_blocks, dtype=bool)
+            self._zero_fresh_blocks([0])
+        else:
+            self.kv_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.kv = KVCacheView([self.kv_cache[i, 0] for i in range(spec.num_layers)], [self.kv_cache[i, 1] for i in range(spec.num_layers)])
         max_blocks = -(-max_model_len // block_size)
         # +max_num_seqs rows: static batching keeps finished members in the batch until their group ends
@@ -92,6 +107,18 @@ class ModelRunner:
 
     def release(self, seq: Sequence) -> None:
         self.block_tables.release(seq)
+
+    def _zero_fresh_blocks(self, blocks: list[int]) -> None:
+        """Zeroes those of `blocks` that were never handed out before (CPU only: see __init__)."""
+        ids = np.asarray(blocks, dtype=np.int64)
+        fresh = ids[self._untouched[ids]]
+        if len(fresh):
+            self._untouched[fresh] = False
+            # as [everything before the block dim, blocks, everything after]: index_put is O(blocks zeroed)
+            # while index_fill_ on the 6-D tensor walks all of it (88 ms a step at 1024 sequences)
+            shape = self.kv_cache.shape
+            by_block = self.kv_cache.view(math.prod(shape[: self._block_dim]), shape[self._block_dim], -1)
+            by_block[:, torch.from_numpy(fresh).to(self.device)] = 0
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> dict[int, int]:
@@ -167,6 +194,10 @@ class ModelRunner:
                 seeds.append(p.seed if p.seed is not None else (self.job_seed << 32) ^ seq.seq_id)
                 out_pos.append(len(seq.output_ids))
         num_tokens = offset
+        if self.block_tables.added:
+            if self._untouched is not None:
+                self._zero_fresh_blocks(self.block_tables.added)
+            self.block_tables.added.clear()
         cu_q = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu_q[1:])
         token_seq = np.repeat(np.arange(n), q_lens)  # [T] batch index of each token

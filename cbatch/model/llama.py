@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from cbatch.attention import AttentionMetadata
-from cbatch.model.layers import RMSNorm, apply_rotary, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
+from cbatch.model.layers import Linear, RMSNorm, linear, apply_rotary, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
 from cbatch.model.spec import ModelSpec
 
 
@@ -18,7 +18,7 @@ class KVCacheView:
     """The per-layer K and V caches the attention layers write to and read from."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
-        self.k = k_caches  # each [num_blocks, block_size, Hkv, D]
+        self.k = k_caches  # one per layer, in the attention backend's `cache_shape` layout
         self.v = v_caches
 
 
@@ -32,8 +32,8 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
         self.scale = spec.head_dim**-0.5
         self.sliding_window = spec.sliding_window
-        self.qkv_proj = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
@@ -56,8 +56,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -98,7 +98,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.max_positions = max_positions
         self.cos_sin: torch.Tensor | None = None  # set by `build_rope_cache` once the device is known
 
@@ -120,4 +120,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab] (only for the rows that sample)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return linear(hidden, weight).float()

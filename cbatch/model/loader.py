@@ -57,7 +57,8 @@ def read_checkpoint(model_dir: Path) -> Checkpoint:
 
 
 def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
-    """`auto`: float32 on CPU (exact and, without AMX, as fast); the checkpoint's dtype on GPU."""
+    """`auto`: float32 on CPU (token-exact with HF; bfloat16 is ~2x faster on CPUs with avx512_bf16 or
+    AMX, see benchmarks/NOTES.md, and is a --dtype away); the checkpoint's dtype on GPU."""
     if name != "auto":
         return DTYPE_BY_NAME[name]
     if device.type == "cpu":

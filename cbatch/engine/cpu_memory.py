@@ -1,0 +1,36 @@
+"""Keeps freed activation memory in the process on Linux/glibc (CPU runs only).
+
+Why: a CPU step allocates and frees many activation tensors of 1-30 MB. glibc serves large requests
+with fresh mmap()s and hands freed heap tops back to the kernel, so every step page-faults its
+activations in again (measured: 400k minor faults and 0.6 s of system time in one 2048-token
+prefill step of SmolLM2-135M, about 18% of the step). Raising glibc's mmap and trim thresholds
+makes such blocks come from, and return to, the heap, so later steps reuse resident pages. The cost
+is that the process keeps its peak activation memory mapped, which a batch job reaches anyway.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+_done = False
+
+
+def keep_freed_memory() -> bool:
+    """Tunes glibc malloc once per process; returns False where there is no glibc (nothing changed)."""
+    global _done
+    if _done or not sys.platform.startswith("linux"):
+        return _done
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl or another libc without mallopt
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
+    ok = mallopt(_M_TRIM_THRESHOLD, 2**30) == 1 and ok  # 1 GiB: beyond what a step frees
+    _done = ok
+    return ok
