@@ -3,6 +3,9 @@
     python benchmarks/compare_peers.py                      # 64 requests, float32, 3 interleaved repeats
     python benchmarks/compare_peers.py --dtype bfloat16 --engines cbatch,hf-cb
     python benchmarks/compare_peers.py --quick              # 16 short requests, 1 repeat: a smoke test
+    # GPU, the nano-vllm workload on a random-weight Qwen3-0.6B checkpoint (benchmarks/gpu_session.sh makes it):
+    python benchmarks/compare_peers.py --device cuda --dtype bfloat16 --model /tmp/qwen3-0.6b-random \
+        --num-requests 256 --prompt-len 100,1024 --output-len 100,1024 --engines cbatch,hf-cb --repeats 1
 
 Every run of every engine happens in a fresh subprocess (so peak RSS is that engine's alone), with the
 same model files, dtype and thread count. Runs are interleaved (cbatch, hf-cb, hf-static, cbatch, ...)
@@ -26,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 ENGINES = ("cbatch", "hf-cb", "hf-static")
@@ -53,7 +56,8 @@ OUTPUT_MIX = ((0.7, 8, 32), (0.2, 32, 128), (0.1, 128, 256))
 
 def make_workload(num_requests: int, seed: int, prompt_range: tuple[int, int], vocab_size: int,
                   output_mix=OUTPUT_MIX) -> Workload:
-    """Random token-id prompts (uniform length) and outputs drawn from `output_mix` in exact shares."""
+    """Random token-id prompts (uniform length) and outputs drawn from `output_mix` in exact shares
+    (a mix of one band, e.g. ((1.0, 100, 1024),), is a uniform length)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, vocab_size) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
     counts = [round(share * num_requests) for share, _, _ in output_mix]
@@ -81,6 +85,17 @@ def workload_flops(spec: dict, wl: Workload) -> float:
 
 
 # ---- one engine run, inside a fresh subprocess -------------------------------------------------------------
+def _device() -> str:
+    return os.environ.get("CBATCH_PEERS_DEVICE", "cpu")
+
+
+def _sync() -> None:
+    if _device() == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def _set_threads(threads: int) -> None:
     import torch
 
@@ -92,7 +107,7 @@ def run_cbatch(model_dir: str, wl: Workload, dtype: str, threads: int, extra: di
     from cbatch.engine.engine import Engine, run_to_completion
     from cbatch.model.loader import read_checkpoint
 
-    engine = Engine(EngineConfig(model=model_dir, dtype=dtype, num_threads=threads, **extra),
+    engine = Engine(EngineConfig(model=model_dir, dtype=dtype, num_threads=threads, device=_device(), **extra),
                     checkpoint=read_checkpoint(Path(model_dir)))
     run_to_completion(engine, [wl.prompts[0][:16]], [SamplingParams(max_tokens=4, ignore_eos=True)])  # warm-up
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
@@ -109,7 +124,7 @@ def _load_hf(model_dir: str, dtype: str):
 
     hf_logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    return model
+    return model.to(_device())
 
 
 def run_hf_static(model_dir: str, wl: Workload, dtype: str, threads: int, extra: dict) -> list[list[int]]:
@@ -122,8 +137,8 @@ def run_hf_static(model_dir: str, wl: Workload, dtype: str, threads: int, extra:
 
     def generate(prompts: list[list[int]], max_new: int) -> torch.Tensor:
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=_device())
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=_device())
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=0,
                                  do_sample=False, eos_token_id=None, pad_token_id=pad)
@@ -185,10 +200,12 @@ _CLOCK: dict[str, float] = {}
 
 
 def _mark_start() -> None:
+    _sync()
     _CLOCK["start"] = time.perf_counter()
 
 
 def _mark_end() -> None:
+    _sync()
     _CLOCK["end"] = time.perf_counter()
 
 
@@ -209,9 +226,18 @@ def worker(args: argparse.Namespace) -> None:
         "output_tok_s": wl.output_tokens / wall,
         "total_tok_s": wl.total_tokens / wall,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
+        "peak_gpu_mb": _peak_gpu_mb(),
         "outputs": outs,
     }
     Path(args.result).write_text(json.dumps(result))
+
+
+def _peak_gpu_mb() -> float | None:
+    if _device() != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20
 
 
 def gemm_probe(args: argparse.Namespace) -> None:
@@ -227,16 +253,19 @@ def gemm_probe(args: argparse.Namespace) -> None:
     from cbatch.model.layers import linear  # oneDNN for float32 on CPU (see there); torch's F.linear uses MKL
 
     dtype = getattr(torch, args.dtype)
-    weights = [torch.randn(n, k, dtype=dtype) * 0.02 for n, k in shapes]
+    device = _device()
+    weights = [torch.randn(n, k, dtype=dtype, device=device) * 0.02 for n, k in shapes]
     best = {"torch": 0.0, "cbatch": 0.0}
     for rows in (256, 512, 1024, 2048):
-        xs = [torch.randn(rows, k, dtype=dtype) for _, k in shapes]
+        xs = [torch.randn(rows, k, dtype=dtype, device=device) for _, k in shapes]
         flops = sum(2 * rows * n * k for n, k in shapes)
         for name, fn in (("torch", torch.nn.functional.linear), ("cbatch", linear)):
             for _ in range(7):
+                _sync()
                 t = time.perf_counter()
                 for x, w in zip(xs, weights):
                     fn(x, w)
+                _sync()
                 best[name] = max(best[name], flops / (time.perf_counter() - t) / 1e9)
     Path(args.result).write_text(json.dumps({"gflops": max(best.values()), "by_path": best}))
 
@@ -246,7 +275,8 @@ def _spawn(mode: str, name: str, args: argparse.Namespace, workload_path: Path, 
     result_path = tmp / f"{name}-{time.monotonic_ns()}.json"
     cmd = [sys.executable, __file__, f"--{mode}", name, "--workload", str(workload_path), "--result", str(result_path),
            "--dtype", args.dtype, "--threads", str(args.threads)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
+               CBATCH_PEERS_DEVICE=args.device)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -299,6 +329,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for every engine")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", default="16,256", help="shortest,longest prompt (tokens)")
+    p.add_argument("--output-len", default=None, help="shortest,longest output, uniform (default: the 70/20/10 mix)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where every engine runs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="checkpoint folder (default: the converted SmolLM2-135M-Instruct)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="ENGINE:KEY=VALUE",
@@ -321,10 +353,14 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not engines:
         raise SystemExit(f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}")
     extra = _parse_extra(args.engine_arg)
-    extra.setdefault("hf-cb", {}).setdefault("max_batch_tokens", 512)  # its best setting on this CPU (see RESULTS.md)
+    if args.device == "cpu":  # its best setting on the 2-core CPU (see RESULTS.md); on a GPU, its own defaults
+        extra.setdefault("hf-cb", {}).setdefault("max_batch_tokens", 512)
     extra.setdefault("hf-static", {}).setdefault("batch_size", 16)
     lo, hi = (int(x) for x in args.prompt_len.split(","))
     mix = OUTPUT_MIX
+    if args.output_len:
+        out_lo, out_hi = (int(x) for x in args.output_len.split(","))
+        mix = ((1.0, out_lo, out_hi),)
     if args.quick:
         args.num_requests, lo, hi, args.repeats, mix = 16, 16, 64, 1, ((1.0, 8, 32),)
 
@@ -363,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.dtype}, {args.threads} threads; by path: {paths}) = {floor_s:.1f} s")
     print(f"load average (1/5/15 min): before {'/'.join(f'{x:.2f}' for x in load_before)}, "
           f"after {'/'.join(f'{x:.2f}' for x in load_after)}; medians of {args.repeats} interleaved repeats\n")
-    header = f"| engine | output tok/s | total tok/s | wall s | peak RSS MB | floor reached |"
+    header = "| engine | output tok/s | total tok/s | wall s | peak RSS MB | peak GPU MB | floor reached |"
     for peer in engines[1:] if engines[0] == "cbatch" else []:
         header += f" cbatch / {peer} |"
     print(header)
@@ -373,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = runs[engine]
         wall = _median(rows, "wall_s")
         line = (f"| {engine} | {_median(rows, 'output_tok_s'):.1f} | {_median(rows, 'total_tok_s'):.1f} | {wall:.2f} | "
-                f"{_median(rows, 'peak_rss_mb'):.0f} | {floor_s / wall:.0%} |")
+                f"{_median(rows, 'peak_rss_mb'):.0f} | {rows[0].get('peak_gpu_mb') or 0:.0f} | {floor_s / wall:.0%} |")
         if base is not None:
             for peer in engines[1:]:
                 line += f" {base / _median(runs[peer], 'output_tok_s'):.2f}x |" if engine == "cbatch" else " |"
