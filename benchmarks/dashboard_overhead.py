@@ -23,7 +23,7 @@ from rich.console import Console
 from cbatch.bench.runner import make_bench_engine
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.job import JobOptions, run_job
-from cbatch.observe.dashboard import Dashboard
+from cbatch.observe.dashboard import REFRESH_PER_SECOND, Dashboard
 from cbatch.observe.progress import NoProgress
 
 
@@ -83,7 +83,7 @@ def main() -> None:
     if frame_ms:
         ms = statistics.median(frame_ms)
         print(f"one frame (render + draw): median {ms:.2f} ms over {len(frame_ms)} frames; "
-              f"at 4 frames/s = {ms * 4 / 10:.2f}% of one core")
+              f"at {REFRESH_PER_SECOND:g} frames/s = {ms * REFRESH_PER_SECOND / 10:.2f}% of one core")
 
 
 def reset(engine) -> None:

@@ -26,10 +26,15 @@ def sparkline(values: list[float], width: int = 40) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int(max(0.0, min(1.0, v)) * (len(SPARK) - 1) + 0.5))] for v in points)
 
 
+# A frame costs ~1-3 ms of Python (holding the GIL the step loop needs); 2 frames a second keeps the
+# dashboard well under 1% of a job's time (benchmarks/dashboard_overhead.py) and still reads as live.
+REFRESH_PER_SECOND = 2.0
+
+
 class Dashboard:
     """`start=False` builds one without a Live display (tests render frames with `render()`)."""
 
-    def __init__(self, metrics: JobMetrics, options, refresh_per_second: float = 4.0, start: bool = True,
+    def __init__(self, metrics: JobMetrics, options, refresh_per_second: float = REFRESH_PER_SECOND, start: bool = True,
                  console=None) -> None:
         self.metrics = metrics
         self.max_num_seqs = options.engine.max_num_seqs
