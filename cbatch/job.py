@@ -186,23 +186,34 @@ def write_report_and_plot(options: JobOptions, report: dict[str, Any]) -> None:
         plot_reports([report], options.plot)
 
 
-def run_job(options: JobOptions, make_engine=None, make_progress=None) -> int:
-    """The whole `cbatch run`. Raises JobError (or a model/config error) for a bad job: exit 2, nothing written.
-
-    Order matters: every check that can refuse the job (paths, input, model config, lock, resume
-    state) runs before the model loads, and nothing is written before all of them passed.
-    """
+def preflight(options: JobOptions) -> tuple[int, EngineConfig, JobState] | None:
+    """Every check that can refuse a job (paths, input, model config, lock, resume state), before any
+    model loads or anything is written: (total rows, resolved engine config, job state), or None when
+    OUTPUT is already complete for this input and these settings. Raises JobError."""
     total_rows = validate_paths(options)
     fingerprint, config = resolve_job(options)
     state = JobState(options.output, fingerprint)
     if not options.overwrite and state.is_complete():
         if not options.quiet:
             print(f"cbatch: {options.output} is already complete for this input and settings; nothing to do", file=sys.stderr)
-        return EXIT_OK
+        return None
     try:
         state.check(options.overwrite)
     except StateError as exc:
         raise JobError(str(exc)) from None
+    return total_rows, config, state
+
+
+def run_job(options: JobOptions, make_engine=None, make_progress=None) -> int:
+    """The whole `cbatch run`. Raises JobError (or a model/config error) for a bad job: exit 2, nothing written.
+
+    Order matters: every check that can refuse the job (paths, input, model config, lock, resume
+    state) runs before the model loads, and nothing is written before all of them passed.
+    """
+    prepared = preflight(options)
+    if prepared is None:
+        return EXIT_OK
+    total_rows, config, state = prepared
     try:
         engine = (make_engine or Engine.from_config)(config)
     except (ModelLoadError, UnsupportedModelError, ConfigError):

@@ -27,7 +27,7 @@ from cbatch.io.reader import RawRow, iter_rows
 from cbatch.io.state import JobState, StateError
 from cbatch.io.writer import output_format, write_output
 from cbatch.job import (
-    EXIT_OK, EXIT_ROW_ERRORS, EXIT_SIGINT, EXIT_SIGTERM, JobError, JobOptions, _Interrupt, resolve_job, validate_paths,
+    EXIT_OK, EXIT_ROW_ERRORS, EXIT_SIGINT, EXIT_SIGTERM, JobError, JobOptions, _Interrupt, preflight,
 )
 from cbatch.observe.metrics import JobMetrics
 from cbatch.observe.report import build_report, summary_line, write_report
@@ -349,19 +349,11 @@ def run_ray_job(options: JobOptions, ray_options: RayOptions, make_progress=None
     state) runs before any replica starts.
     """
     check_ray_options(ray_options)
-    total_rows = validate_paths(options)
-    # the same fingerprint as a local run, so a job may be resumed locally or on Ray
-    fingerprint, config = resolve_job(options)
-    options = replace(options, engine=config)
-    state = JobState(options.output, fingerprint)
-    if not options.overwrite and state.is_complete():
-        if not options.quiet:
-            print(f"cbatch: {options.output} is already complete for this input and settings; nothing to do", file=sys.stderr)
+    prepared = preflight(options)  # the same checks and fingerprint as a local run: resume either way
+    if prepared is None:
         return EXIT_OK
-    try:
-        state.check(options.overwrite)
-    except StateError as exc:
-        raise JobError(str(exc)) from None
+    total_rows, config, state = prepared
+    options = replace(options, engine=config)
     ray = require_ray()
     started_ray = connect(ray, ray_options.address)
     job = RayJob(options, ray_options, ray, on_block)
