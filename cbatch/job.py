@@ -204,6 +204,43 @@ def preflight(options: JobOptions) -> tuple[int, EngineConfig, JobState] | None:
     return total_rows, config, state
 
 
+def conclude_job(options: JobOptions, state: JobState, report: dict[str, Any], code: int | None,
+                 total_rows: int, summary_suffix: str = "") -> int:
+    """The end of a job, local or Ray: report, then either keep the rows for a resume (interrupted:
+    `code` is 130/143) or write OUTPUT atomically; returns the exit code."""
+    # the report's row counts describe OUTPUT: rows finished by an earlier run count too
+    errors = len(state.error_rows)
+    report["requests"].update(ok=state.num_rows - errors, error=errors)
+    if code is not None:
+        state.close()
+        write_report_and_plot(options, report)
+        print(
+            f"cbatch: interrupted; {state.num_rows} of {total_rows} rows are saved. "
+            "Run the same command again to resume.",
+            file=sys.stderr,
+        )
+        return code
+    fmt = output_format(options.output)
+    try:
+        state.finish(
+            lambda tmp: write_output(tmp, fmt, state.records(), options.token_ids),
+            {"rows": state.num_rows, "errors": errors},
+        )
+    except OSError as exc:  # disk full, folder removed: the finished rows stay in the part files
+        state.close()
+        raise JobError(
+            f"could not write {options.output} ({exc.strerror or exc}); all {state.num_rows} finished rows are kept: "
+            "fix the problem and run the same command again"
+        ) from None
+    write_report_and_plot(options, report)
+    print(summary_line(report) + summary_suffix, flush=True)
+    if not options.quiet and sys.stdout.isatty():  # a log file or cron mail gets the one summary line
+        from rich.console import Console
+
+        Console().print(summary_table(report))
+    return EXIT_ROW_ERRORS if errors and not options.allow_errors else EXIT_OK
+
+
 def run_job(options: JobOptions, make_engine=None, make_progress=None) -> int:
     """The whole `cbatch run`. Raises JobError (or a model/config error) for a bad job: exit 2, nothing written.
 
@@ -245,34 +282,4 @@ def run_job(options: JobOptions, make_engine=None, make_progress=None) -> int:
         settings={"engine": asdict(config), "defaults": asdict(options.defaults), "dtype": str(engine.dtype),
                   "device": str(engine.device), "input": str(options.input), "output": str(options.output)},
     )
-    # the report's row counts describe OUTPUT: rows finished by an earlier run count too
-    errors = len(state.error_rows)
-    report["requests"].update(ok=state.num_rows - errors, error=errors)
-    if code is not None:
-        state.close()
-        write_report_and_plot(options, report)
-        print(
-            f"cbatch: interrupted; {state.num_rows} of {total_rows} rows are saved. "
-            "Run the same command again to resume.",
-            file=sys.stderr,
-        )
-        return code
-    fmt = output_format(options.output)
-    try:
-        state.finish(
-            lambda tmp: write_output(tmp, fmt, state.records(), options.token_ids),
-            {"rows": state.num_rows, "errors": errors},
-        )
-    except OSError as exc:  # disk full, folder removed: the finished rows stay in the part files
-        state.close()
-        raise JobError(
-            f"could not write {options.output} ({exc.strerror or exc}); all {state.num_rows} finished rows are kept: "
-            "fix the problem and run the same command again"
-        ) from None
-    write_report_and_plot(options, report)
-    print(summary_line(report), flush=True)
-    if not options.quiet and sys.stdout.isatty():  # a log file or cron mail gets the one summary line
-        from rich.console import Console
-
-        Console().print(summary_table(report))
-    return EXIT_ROW_ERRORS if errors and not options.allow_errors else EXIT_OK
+    return conclude_job(options, state, report, code, total_rows)

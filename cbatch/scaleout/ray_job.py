@@ -25,12 +25,11 @@ from typing import Any, Callable, Iterator
 from cbatch.engine.scheduler import SchedulerStats
 from cbatch.io.reader import RawRow, iter_rows
 from cbatch.io.state import JobState, StateError
-from cbatch.io.writer import output_format, write_output
 from cbatch.job import (
-    EXIT_OK, EXIT_ROW_ERRORS, EXIT_SIGINT, EXIT_SIGTERM, JobError, JobOptions, _Interrupt, preflight,
+    EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, JobError, JobOptions, _Interrupt, conclude_job, preflight,
 )
 from cbatch.observe.metrics import JobMetrics
-from cbatch.observe.report import build_report, summary_line, write_report
+from cbatch.observe.report import build_report
 from cbatch.rowrun import Record, is_ok
 from cbatch.scaleout import require_ray
 from cbatch.scaleout.replica import BlockResult, Replica, ReplicaStats
@@ -383,22 +382,4 @@ def _run(job: RayJob, state: JobState, total_rows: int, options: JobOptions, mak
             raise
     job.progress.close()
     report = job.report(job.metrics.now())
-    errors = len(state.error_rows)  # the report's row counts describe OUTPUT, earlier runs' rows included
-    report["requests"].update(ok=state.num_rows - errors, error=errors)
-    if options.report is not None:
-        write_report(options.report, report)
-    if code is not None:
-        state.close()
-        print(
-            f"cbatch: interrupted; {state.num_rows} of {total_rows} rows are saved. "
-            "Run the same command again to resume.",
-            file=sys.stderr,
-        )
-        return code
-    fmt = output_format(options.output)
-    state.finish(
-        lambda tmp: write_output(tmp, fmt, state.records(), options.token_ids),
-        {"rows": state.num_rows, "errors": errors},
-    )
-    print(summary_line(report) + f" | {job.shape['replicas']} Ray replica(s)")
-    return EXIT_ROW_ERRORS if errors and not options.allow_errors else EXIT_OK
+    return conclude_job(options, state, report, code, total_rows, f" | {job.shape['replicas']} Ray replica(s)")
