@@ -34,23 +34,25 @@ class AttentionMetadata:
 class TorchAttention:
     """Plain-torch paged attention (the CPU path and the reference).
 
-    Cache layout, per layer: K and V each `[Hkv, num_blocks, block_size, D]` (head-major). Gathering a
-    sequence's blocks along dim 1 then yields `[Hkv, L, D]` with L contiguous per head, which is the
-    shape batched matmuls and SDPA take without a further copy.
+    Cache layout, per layer: K and V each `[num_blocks, block_size, Hkv, D]`, the layout of the Triton
+    backend. Gathering blocks along dim 0 copies whole blocks (`block_size * Hkv * D` contiguous
+    elements): measured 60-85 GB/s on the 2-core CPU, against 12-40 GB/s for a head-major layout
+    whose gather copies one head's block at a time.
 
-    Rows with one query token (decodes) are batched in groups of similar context length: each group's
-    blocks are gathered once per layer into `[Hkv * rows, L, D]` through a block index built once per
-    step, and the padding past each row's length is masked by an additive bias (also built once per
-    step). Rows with several query tokens (prefill chunks) run one SDPA each; a fresh prefill needs no
+    Rows with one query token (decodes) are batched in groups of similar context length: each group
+    gathers its blocks once per layer through a block index built once per step, transposes them to
+    `[rows, Hkv, L, D]` (cache-resident, so the second copy is cheap) and runs two batched matmuls;
+    the padding past each row's length is masked by an additive bias, also built once per step. Rows
+    with several query tokens (prefill chunks) run one attention each; a fresh prefill needs no
     gather at all.
     """
 
     name = "torch"
-    cache_block_dim = 1  # where the block index sits in `cache_shape`
+    cache_block_dim = 0  # where the block index sits in `cache_shape`
 
     @staticmethod
     def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (num_kv_heads, num_blocks, block_size, head_dim)
+        return (num_blocks, block_size, num_kv_heads, head_dim)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state = _TorchStepState.build(meta)
@@ -60,7 +62,7 @@ class TorchAttention:
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
@@ -68,34 +70,52 @@ class TorchAttention:
     ) -> torch.Tensor:
         state: _TorchStepState = meta.backend_state
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_slots = k_cache.view(num_kv_heads, -1, head_dim)  # [Hkv, num_slots, D]
-        v_slots = v_cache.view(num_kv_heads, -1, head_dim)
+        k_slots = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+        v_slots = v_cache.view(-1, num_kv_heads, head_dim)
         if state.store_all:
-            k_slots.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-            v_slots.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+            k_slots.index_copy_(0, meta.slot_mapping, k)
+            v_slots.index_copy_(0, meta.slot_mapping, v)
         else:
-            k_slots.index_copy_(1, state.store_slots, k[state.store_rows].transpose(0, 1))
-            v_slots.index_copy_(1, state.store_slots, v[state.store_rows].transpose(0, 1))
+            k_slots.index_copy_(0, state.store_slots, k[state.store_rows])
+            v_slots.index_copy_(0, state.store_slots, v[state.store_rows])
 
         out = torch.empty_like(q)
         for group in state.decode_groups:
             group.attend(q, out, k_cache, v_cache, scale, sliding_window)
-        for start, q_len, ctx, slots in state.prefills:
-            q_seq = q[start : start + q_len].transpose(0, 1)  # [Hq, n, D]
-            if slots is None:  # fresh prefill: the context is exactly this chunk
-                k_seq = k[start : start + q_len].transpose(0, 1)  # [Hkv, n, D]
-                v_seq = v[start : start + q_len].transpose(0, 1)
-            else:
-                k_seq, v_seq = k_slots[:, slots], v_slots[:, slots]  # [Hkv, ctx, D]
-            out[start : start + q_len] = _prefill_attention(q_seq, k_seq, v_seq, ctx, scale, sliding_window)
+        for chunk in state.prefills:
+            chunk.attend(q, k, v, k_slots, v_slots, out, scale, sliding_window)
         return out
 
 
-# Decode rows per group. Measured on the CPU path (64 rows, contexts 20-400, one thread): one group
-# padded to the longest context took 5.7 ms per layer, length-sorted groups of 8 rows 3.4-3.8 ms
-# (less padding, and a group's gathered K/V stays in cache between the gather and the two matmuls);
-# groups of 2-4 rows lose again to per-op overhead.
-DECODE_GROUP_ROWS = 8
+# Decode rows per group. Measured on the CPU path (64 rows, contexts 30-300, 30 layers, 2 threads):
+# groups of 16 rows 32 ms in bfloat16 (8 rows: 41, all 64 in one group padded to the longest: 57);
+# float32 47 ms at 8 rows, 53 at 16. Smaller groups pad less, larger ones issue fewer ops.
+DECODE_GROUP_ROWS = 16
+
+# Prefill chunks up to this many (query x key) pairs use matmuls and an explicit softmax in
+# bfloat16/float16 (2x faster than the fused SDPA kernel at 136-512 tokens); longer ones, and all of
+# float32 (where the two tie), go through SDPA, whose memory does not grow with query x key.
+MATMUL_PREFILL_MAX_PAIRS = 512 * 512
+
+
+class _BiasCache:
+    """Additive masks (0 where attended, -inf elsewhere), built on first use per (dtype, sliding window)
+    and shared by every layer of the step."""
+
+    __slots__ = ("_masks", "_by_key")
+
+    def __init__(self, masked) -> None:
+        self._masks = masked  # callable: sliding_window -> bool mask, True = not attended
+        self._by_key: dict = {}
+
+    def get(self, dtype: torch.dtype, sliding_window: int | None) -> torch.Tensor:
+        key = (dtype, sliding_window)
+        bias = self._by_key.get(key)
+        if bias is None:
+            masked = self._masks(sliding_window)
+            bias = torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill_(masked, float("-inf"))
+            self._by_key[key] = bias
+        return bias
 
 
 @dataclass(slots=True)
@@ -106,40 +126,90 @@ class _DecodeGroup:
     num_rows: int
     blocks: torch.Tensor  # int64 [n * max_blocks]: each row's block ids, padded to the group's longest
     lens: torch.Tensor  # int64 [n]: context length (incl. this token)
-    # additive masks [n, 1, L] (0 where attended, -inf elsewhere), built on first use per
-    # (dtype, sliding window) and shared by every layer of the step
-    biases: dict = field(default_factory=dict)
+    length: int  # L: the group's gathered context, whole blocks of its longest row
+    biases: _BiasCache = field(init=False)  # [n, 1, 1, L]
 
-    def bias(self, length: int, dtype: torch.dtype, sliding_window: int | None) -> torch.Tensor:
-        key = (dtype, sliding_window)
-        bias = self.biases.get(key)
-        if bias is None:
-            pos = torch.arange(length, device=self.lens.device)
-            masked = pos[None, :] >= self.lens[:, None]  # [n, L]
-            if sliding_window is not None:
-                masked |= (self.lens[:, None] - 1 - pos[None, :]) >= sliding_window
-            bias = torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill_(masked, float("-inf"))
-            bias = self.biases[key] = bias.unsqueeze(1)
-        return bias
+    def __post_init__(self) -> None:
+        self.biases = _BiasCache(self._masked)
+
+    def _masked(self, sliding_window: int | None) -> torch.Tensor:
+        pos = torch.arange(self.length, device=self.lens.device)
+        masked = pos[None, :] >= self.lens[:, None]  # [n, L]
+        if sliding_window is not None:
+            masked |= (self.lens[:, None] - 1 - pos[None, :]) >= sliding_window
+        return masked[:, None, None, :]
 
     def attend(self, q, out, k_cache, v_cache, scale: float, sliding_window: int | None) -> None:
         """out[rows] = attention of q[rows] [n, Hq, D] over the rows' gathered contexts."""
         n = self.num_rows
         num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k_cache.shape[0]
-        group = num_heads // num_kv_heads
+        num_kv_heads = k_cache.shape[2]
         # entries past a row's last block are stale or 0: they name zero-initialised or previously
         # written blocks (finite values), and the bias masks them out.
-        keys = k_cache.index_select(1, self.blocks).view(num_kv_heads * n, -1, head_dim)  # [Hkv*n, L, D]
-        values = v_cache.index_select(1, self.blocks).view(num_kv_heads * n, -1, head_dim)
-        length = keys.shape[1]
-        # query heads h*G .. h*G+G-1 share KV head h: batch over (KV head, row), the G heads as matrix rows
-        q_rows = q[self.rows].reshape(n, num_kv_heads, group, head_dim).transpose(0, 1)
-        scores = torch.bmm(q_rows.reshape(num_kv_heads * n, group, head_dim), keys.transpose(1, 2))
-        scores = torch.add(self.bias(length, q.dtype, sliding_window), scores.view(num_kv_heads, n, group, length), alpha=scale)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [Hkv, n, G, L]
-        ctx = torch.bmm(probs.view(num_kv_heads * n, group, length), values)  # [Hkv*n, G, D]
-        out[self.rows] = ctx.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_heads, head_dim)
+        keys = k_cache.index_select(0, self.blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2).contiguous()
+        values = v_cache.index_select(0, self.blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2).contiguous()
+        # query heads h*G .. h*G+G-1 share KV head h: batch over (row, KV head), the G heads as matrix rows
+        q_rows = q[self.rows].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.matmul(q_rows, keys.transpose(2, 3))  # [n, Hkv, G, L]
+        scores = torch.add(self.biases.get(q.dtype, sliding_window), scores, alpha=scale)
+        probs = torch.softmax(scores, dim=-1)  # accumulates in float32 whatever the dtype
+        out[self.rows] = torch.matmul(probs, values).view(n, num_heads, head_dim)  # [n, Hkv, G, D]
+
+
+@dataclass(slots=True)
+class _PrefillChunk:
+    """Several query tokens of one sequence: a fresh prompt, or a chunk after cached context."""
+
+    start: int  # first flat query row
+    q_len: int
+    ctx: int  # context length after this chunk
+    slots: torch.Tensor | None  # int64 [ctx] cache slots of the whole context, None for a fresh prefill
+    device: torch.device
+    biases: _BiasCache = field(init=False)  # [q_len, ctx]
+
+    def __post_init__(self) -> None:
+        self.biases = _BiasCache(self._masked)
+
+    def _masked(self, sliding_window: int | None) -> torch.Tensor:
+        q_pos = torch.arange(self.ctx - self.q_len, self.ctx, device=self.device)[:, None]  # [n, 1]
+        k_pos = torch.arange(self.ctx, device=self.device)[None, :]  # [1, ctx]
+        masked = k_pos > q_pos
+        if sliding_window is not None:
+            masked |= q_pos - k_pos >= sliding_window
+        return masked
+
+    def attend(self, q, k, v, k_slots, v_slots, out, scale: float, sliding_window: int | None) -> None:
+        rows = slice(self.start, self.start + self.q_len)
+        if self.slots is None:  # fresh prefill: the context is exactly this chunk
+            k_seq, v_seq = k[rows], v[rows]  # [ctx, Hkv, D]
+        else:
+            k_seq, v_seq = k_slots.index_select(0, self.slots), v_slots.index_select(0, self.slots)
+        if q.dtype != torch.float32 and self.q_len * self.ctx <= MATMUL_PREFILL_MAX_PAIRS:
+            out[rows] = self._attend_matmul(q[rows], k_seq, v_seq, scale, sliding_window)
+            return
+        mask = None  # a fresh prefill without a window is plainly causal
+        if self.slots is not None or sliding_window is not None:
+            mask = self.biases.get(q.dtype, sliding_window)
+        attended = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1).unsqueeze(0), k_seq.transpose(0, 1).unsqueeze(0), v_seq.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,  # [1, H, n|ctx, D] each
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[rows] = attended.squeeze(0).transpose(0, 1)
+
+    def _attend_matmul(self, q, k, v, scale: float, sliding_window: int | None) -> torch.Tensor:
+        """q [n, Hq, D] against k, v [ctx, Hkv, D]; returns [n, Hq, D]."""
+        n, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        group = num_heads // num_kv_heads
+        q_heads = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
+        scores = torch.bmm(q_heads, k.permute(1, 2, 0)).view(num_kv_heads, group, n, self.ctx)
+        scores = torch.add(self.biases.get(q.dtype, sliding_window), scores, alpha=scale)
+        probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * n, self.ctx)
+        attended = torch.bmm(probs, v.transpose(0, 1))  # [Hkv, G * n, D]
+        return attended.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
 
 
 @dataclass(slots=True)
@@ -148,7 +218,7 @@ class _TorchStepState:
     store_rows: torch.Tensor | None
     store_slots: torch.Tensor | None
     decode_groups: list[_DecodeGroup]
-    prefills: list[tuple[int, int, int, torch.Tensor | None]]  # (first row, q_len, context, slots or None)
+    prefills: list[_PrefillChunk]
 
     @classmethod
     def build(cls, meta: AttentionMetadata) -> "_TorchStepState":
@@ -174,6 +244,7 @@ class _TorchStepState:
                 num_rows=len(members),
                 blocks=meta.block_table[idx, :num_blocks].long().reshape(-1),
                 lens=meta.seq_lens[idx].long(),
+                length=num_blocks * block_size,
             ))
         prefills = []
         for b, q_len in enumerate(meta.query_lens_host):
@@ -185,28 +256,8 @@ class _TorchStepState:
                 pos = torch.arange(ctx, device=device)
                 table = meta.block_table[b, : -(-ctx // block_size)].long()
                 slots = table[pos // block_size] * block_size + pos % block_size
-            prefills.append((starts[b], q_len, ctx, slots))
+            prefills.append(_PrefillChunk(starts[b], q_len, ctx, slots, device))
         return cls(store_all, store_rows, store_slots, groups, prefills)
-
-
-def _prefill_attention(q, k, v, ctx: int, scale: float, sliding_window: int | None):
-    """One sequence's chunk: q [Hq, n, D] against its context k, v [Hkv, ctx, D]; returns [n, Hq, D]."""
-    q_len = q.shape[1]
-    mask = None
-    if ctx != q_len or sliding_window is not None:
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)  # [n, 1]
-        k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)  # [1, ctx]
-        mask = k_pos <= q_pos
-        if sliding_window is not None:
-            mask = mask & (q_pos - k_pos < sliding_window)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),  # [1, H, n|ctx, D]
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.squeeze(0).transpose(0, 1)  # [n, Hq, D]
 
 
 class TritonAttention:

@@ -35,8 +35,17 @@ def _reference(q, keys, values, ctx, window):
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("group_rows", [2, 8])  # decodes split across groups, or one group
-def test_paged_matches_dense(seed: int, window: int | None, group_rows: int, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "dtype, matmul_prefill_pairs",
+    [
+        (torch.float32, 512 * 512),  # prefill chunks through SDPA (float32 always does)
+        (torch.bfloat16, 512 * 512),  # prefill chunks through matmuls and an explicit softmax
+        (torch.bfloat16, 0),  # bfloat16 chunks too long for the matmul path: SDPA
+    ],
+)
+def test_paged_matches_dense(seed: int, window: int | None, group_rows: int, dtype, matmul_prefill_pairs, monkeypatch) -> None:
     monkeypatch.setattr(cbatch.attention, "DECODE_GROUP_ROWS", group_rows)
+    monkeypatch.setattr(cbatch.attention, "MATMUL_PREFILL_MAX_PAIRS", matmul_prefill_pairs)
     gen = torch.Generator().manual_seed(seed)
     # (context after this step, query tokens): decodes first, like the scheduler's plans
     rows = [(13, 1), (1, 1), (30, 1), (17, 1), (9, 9), (21, 6)]
@@ -54,12 +63,14 @@ def test_paged_matches_dense(seed: int, window: int | None, group_rows: int, mon
     def slot(b: int, pos: int) -> int:
         return int(table[b, pos // BS]) * BS + pos % BS
 
-    # the context before this step is already in the cache
+    # the context before this step is already in the cache ([num_blocks, BS, Hkv, D]: slot = block * BS + offset)
     for b, (ctx, n) in enumerate(rows):
         for pos in range(ctx - n):
-            blk, off = divmod(slot(b, pos), BS)
-            k_cache[:, blk, off] = keys[b][pos]
-            v_cache[:, blk, off] = values[b][pos]
+            k_cache.view(-1, HKV, D)[slot(b, pos)] = keys[b][pos]
+            v_cache.view(-1, HKV, D)[slot(b, pos)] = values[b][pos]
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    keys = [x.to(dtype).float() for x in keys]  # the reference sees exactly the values the cache holds
+    values = [x.to(dtype).float() for x in values]
     q = torch.randn(sum(n for _, n in rows), HQ, D, generator=gen)
     k_new = torch.cat([keys[b][ctx - n :] for b, (ctx, n) in enumerate(rows)])
     v_new = torch.cat([values[b][ctx - n :] for b, (ctx, n) in enumerate(rows)])
@@ -80,11 +91,12 @@ def test_paged_matches_dense(seed: int, window: int | None, group_rows: int, mon
         block_size=BS,
     )
     backend.prepare(meta)
+    q, k_new, v_new = q.to(dtype), k_new.to(dtype), v_new.to(dtype)
     out = backend.forward(q, k_new, v_new, k_cache, v_cache, meta, D**-0.5, window)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for b, (ctx, n) in enumerate(rows):
-        want = _reference(q[starts[b] : starts[b + 1]], keys[b], values[b], ctx, window)
-        torch.testing.assert_close(out[starts[b] : starts[b + 1]], want, rtol=1e-4, atol=1e-5)
+        want = _reference(q[starts[b] : starts[b + 1]].float(), keys[b], values[b], ctx, window)
+        torch.testing.assert_close(out[starts[b] : starts[b + 1]].float(), want, **tol)
     # this step's K/V landed in the cache at their slots
     for i, s in enumerate(slots.tolist()):
-        blk, off = divmod(s, BS)
-        torch.testing.assert_close(k_cache[:, blk, off], k_new[i])
+        torch.testing.assert_close(k_cache.view(-1, HKV, D)[s], k_new[i])
