@@ -65,6 +65,8 @@ class Engine:
         else:
             model = build_model(self.spec, self.max_model_len, self.device, self.dtype)
             self.model = init_random_weights(model, random_weights_seed or 0)
+        if self.device.type == "cpu":
+            self.model.prepack_for_cpu()
         self.tokenizer = tokenizer
         self.model_dir = checkpoint.path if checkpoint is not None else None
         self.last_step = StepInfo()

@@ -75,10 +75,58 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def _onednn_prepack_works() -> bool:
+    """oneDNN's weight prepacking (what inductor's CPU backend uses) exists and agrees with F.linear."""
+    if not _ONEDNN_LINEAR:
+        return False
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            x, w = torch.randn(3, 32).to(dtype), torch.randn(8, 32).to(dtype)
+            got = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+            if not torch.allclose(got.float(), F.linear(x, w).float(), atol=0.1 if dtype == torch.bfloat16 else 1e-4):
+                return False
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_ONEDNN_PREPACK = _onednn_prepack_works()
+
+
+def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a CPU float32/bfloat16 [out, in] weight for `packed_linear`, or None where
+    prepacking is unavailable. The copy is opaque: only `packed_linear` can use it (anything else raises).
+
+    Why: unpacked, oneDNN reorders the weight on every call; prepacked, decode-sized matmuls run 1.2-1.9x
+    faster on the 2-core CPU (SmolLM2-135M's linears, 30 layers: bfloat16 10.3 -> 7.0 ms at 1 row,
+    26 -> 22 ms at 64; float32 19.7 -> 10.4 ms at 4 rows) and prefill-sized ones as fast as before.
+    """
+    if not _ONEDNN_PREPACK or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Linear(nn.Linear):
-    """nn.Linear whose forward is `linear` above (same parameters and state-dict names)."""
+    """nn.Linear whose forward is `linear` above (same parameters and state-dict names), or oneDNN's
+    prepacked matmul once `prepack()` has run."""
+
+    packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        """Swaps the weight for its prepacked copy (CPU only; a no-op where unavailable). The plain
+        weight is dropped, so the model holds one copy."""
+        packed = prepack_weight(self.weight)
+        if packed is not None:
+            self.packed = packed
+            self.weight = None  # nothing may use the plain weight from here on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
 
 

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from cbatch.attention import AttentionMetadata
-from cbatch.model.layers import Linear, RMSNorm, linear, apply_rotary, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
+from cbatch.model.layers import (
+    Linear, RMSNorm, apply_rotary, linear, packed_linear, prepack_weight, rope_cos_sin_cache, rope_inv_freq, silu_and_mul,
+)
 from cbatch.model.spec import ModelSpec
 
 
@@ -117,7 +119,21 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm.add_forward(hidden, residual)
         return hidden
 
+    def prepack_for_cpu(self) -> None:
+        """oneDNN-prepacked weights for every linear layer and the logits (see `layers.prepack_weight`).
+        A tied embedding keeps its plain copy for the lookup; the logits get a packed one beside it."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        if self.lm_head is None:
+            self.packed_logits_weight = prepack_weight(self.embed_tokens.weight)
+
+    packed_logits_weight: torch.Tensor | None = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab] (only for the rows that sample)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.packed_logits_weight is not None:
+            return packed_linear(hidden, self.packed_logits_weight).float()
+        return linear(hidden, self.embed_tokens.weight).float()
