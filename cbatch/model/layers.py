@@ -6,6 +6,7 @@ them (GPU path). The torch versions are the reference and the CPU path.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -168,19 +169,35 @@ def rope_cos_sin_cache(max_positions: int, inv_freq: torch.Tensor) -> torch.Tens
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(slots=True)
+class RotaryStep:
+    """The rotary angles of one step's tokens, built once per step and shared by every layer."""
+
+    positions: torch.Tensor  # int64 [T]
+    cos_sin: torch.Tensor  # the model's float32 [max_positions, D] table (what the fused kernel reads)
+    cos: torch.Tensor | None = None  # [T, 1, D] in the activations' dtype (the torch path)
+    sin: torch.Tensor | None = None  # [T, 1, D], rotate_half's sign folded in: (-sin | +sin)
+
+    @classmethod
+    def build(cls, positions: torch.Tensor, cos_sin: torch.Tensor, dtype: torch.dtype) -> "RotaryStep":
+        if _FUSED["on"]:
+            return cls(positions, cos_sin)
+        cos, sin = cos_sin[positions].to(dtype).chunk(2, dim=-1)  # [T, D/2] each
+        return cls(positions, cos_sin, torch.cat([cos, cos], dim=-1).unsqueeze(1), torch.cat([-sin, sin], dim=-1).unsqueeze(1))
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: RotaryStep) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX-style rotary (HF's rotate_half) on q [T, Hq, D] and k [T, Hkv, D]."""
     if _FUSED["on"]:
         from cbatch.kernels import apply_rotary as fused
 
-        fused(q, k, positions, cos_sin)
+        fused(q, k, rope.positions, rope.cos_sin)
         return q, k
-    cos, sin = cos_sin[positions].to(q.dtype).chunk(2, dim=-1)  # [T, D/2] each
-    cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)  # [T, 1, D]
-    sin = torch.cat([sin, sin], dim=-1).unsqueeze(1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return _rotate(q, rope), _rotate(k, rope)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def _rotate(x: torch.Tensor, rope: RotaryStep) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, bit for bit as HF computes it: rotate_half(x) = (-x2 | x1), and
+    (-x2) * sin == x2 * (-sin) exactly, so the halves are swapped (one copy) and the sign rides on sin."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x2 | x1)
+    return (x * rope.cos).add_(swapped.mul_(rope.sin))

@@ -11,7 +11,7 @@ from torch import nn
 
 from cbatch.attention import AttentionMetadata
 from cbatch.model.layers import (
-    Linear, RMSNorm, apply_rotary, linear, packed_linear, prepack_weight, rope_cos_sin_cache, rope_inv_freq, silu_and_mul,
+    Linear, RMSNorm, RotaryStep, apply_rotary, linear, packed_linear, prepack_weight, rope_cos_sin_cache, rope_inv_freq, silu_and_mul,
 )
 from cbatch.model.spec import ModelSpec
 
@@ -39,7 +39,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: RotaryStep, ctx: "ForwardContext") -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, positions, cos_sin)
+        q, k = apply_rotary(q, k, rope)
         out = ctx.backend.forward(
             q, k, v.contiguous(), ctx.kv.k[self.layer_idx], ctx.kv.v[self.layer_idx], ctx.meta, self.scale, self.sliding_window
         )
@@ -73,13 +73,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, hidden, residual, positions, cos_sin, ctx):
+    def forward(self, hidden, residual, rope: RotaryStep, ctx):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_forward(hidden, residual)
-        hidden = self.self_attn(hidden, positions, cos_sin, ctx)
+        hidden = self.self_attn(hidden, rope, ctx)
         hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -113,9 +113,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         hidden = self.embed_tokens(input_ids)
+        rope = RotaryStep.build(positions, self.cos_sin, hidden.dtype)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, positions, self.cos_sin, ctx)
+            hidden, residual = layer(hidden, residual, rope, ctx)
         hidden, _ = self.norm.add_forward(hidden, residual)
         return hidden
 
