@@ -1,4 +1,6 @@
-"""Keeps freed activation memory in the process on Linux/glibc (CPU runs only).
+"""CPU memory for the engine: freed activations kept in the process, and a KV pool that costs nothing until used.
+
+`keep_freed_memory`: keeps freed activation memory in the process on Linux/glibc.
 
 Why: a CPU step allocates and frees many activation tensors of 1-30 MB. glibc serves large requests
 with fresh mmap()s and hands freed heap tops back to the kernel, so every step page-faults its
@@ -11,7 +13,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
+import mmap
 import sys
+
+import torch
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -34,3 +40,22 @@ def keep_freed_memory() -> bool:
     ok = mallopt(_M_TRIM_THRESHOLD, 2**30) == 1 and ok  # 1 GiB: beyond what a step frees
     _done = ok
     return ok
+
+
+def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor whose pages become resident only when first written.
+
+    Anonymous mmap memory reads as zeros and the kernel maps a page on its first write, so a KV pool
+    sized for the whole memory budget costs only what the job's sequences fill, and the attention,
+    which reads whole blocks (padding masked), never meets non-finite garbage. Transparent huge pages
+    are requested where the kernel offers them (fewer page faults as the pool fills).
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # kernels without THP
+            pass
+    # frombuffer keeps `buffer` alive for as long as the tensor (or any view of it) lives
+    return torch.frombuffer(buffer, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)

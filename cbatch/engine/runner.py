@@ -6,14 +6,13 @@ of whole tables in Python). It never decides who runs.
 """
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
 import torch
 
 from cbatch.attention import AttentionMetadata, make_backend
-from cbatch.engine.cpu_memory import keep_freed_memory
+from cbatch.engine.cpu_memory import keep_freed_memory, lazily_zeroed
 from cbatch.engine.sampler import SamplingBatch, sample
 from cbatch.engine.scheduler import StepPlan
 from cbatch.engine.sequence import Sequence
@@ -28,7 +27,6 @@ class BlockTableBuffer:
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._row_of: dict[int, int] = {}  # seq_id -> row
         self._written: dict[int, int] = {}  # seq_id -> blocks already copied into the row
-        self.added: list[int] = []  # block ids copied in since the runner last looked (it clears this)
 
     def sync(self, seq: Sequence) -> int:
         """Copies `seq`'s new blocks into its row (taking a row on first sight); returns the row."""
@@ -41,7 +39,6 @@ class BlockTableBuffer:
         blocks = seq.block_ids
         if len(blocks) > written:
             self.table[row, written : len(blocks)] = blocks[written:]
-            self.added.extend(blocks[written:])
             self._written[seq.seq_id] = len(blocks)
         return row
 
@@ -78,15 +75,11 @@ class ModelRunner:
         shape = (spec.num_layers, 2, *self.backend.cache_shape(num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim))
         self._block_dim = 2 + self.backend.cache_block_dim
         # NOTE: attention reads whole blocks, padding included (masked), so every block a table can name
-        # must hold finite values. On CPU the pool is left unwritten (its pages are not resident until
-        # used, so memory tracks the KV actually used, not the budget) and a block is zeroed the first
-        # time a sequence gets it; block 0, which unused table entries name, is zeroed now.
-        self._untouched: np.ndarray | None = None
+        # must hold finite values: the pool starts zeroed. On CPU its pages become resident only when
+        # written, so memory tracks the KV actually used, not the budget.
         if device.type == "cpu":
             keep_freed_memory()  # activations stay resident between steps (see cpu_memory.py)
-            self.kv_cache = torch.empty(shape, device=device, dtype=dtype)
-            self._untouched = np.ones(num_kv_blocks, dtype=bool)
-            self._zero_fresh_blocks([0])
+            self.kv_cache = lazily_zeroed(shape, dtype)
         else:
             self.kv_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.kv = KVCacheView([self.kv_cache[i, 0] for i in range(spec.num_layers)], [self.kv_cache[i, 1] for i in range(spec.num_layers)])
@@ -107,18 +100,6 @@ class ModelRunner:
 
     def release(self, seq: Sequence) -> None:
         self.block_tables.release(seq)
-
-    def _zero_fresh_blocks(self, blocks: list[int]) -> None:
-        """Zeroes those of `blocks` that were never handed out before (CPU only: see __init__)."""
-        ids = np.asarray(blocks, dtype=np.int64)
-        fresh = ids[self._untouched[ids]]
-        if len(fresh):
-            self._untouched[fresh] = False
-            # as [everything before the block dim, blocks, everything after]: index_put is O(blocks zeroed)
-            # while index_fill_ on the 6-D tensor walks all of it (88 ms a step at 1024 sequences)
-            shape = self.kv_cache.shape
-            by_block = self.kv_cache.view(math.prod(shape[: self._block_dim]), shape[self._block_dim], -1)
-            by_block[:, torch.from_numpy(fresh).to(self.device)] = 0
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> dict[int, int]:
@@ -175,7 +156,7 @@ class ModelRunner:
         logits_idx: list[int] = []
         temps, top_ps, top_ks, seeds, out_pos = [], [], [], [], []
         offset = 0
-        for i, (seq, num_new) in enumerate(plan.scheduled):
+        for i, (seq, num_new) in enumerate(sorted(plan.scheduled, key=_batch_order)):
             rows[i] = self.block_tables.sync(seq)
             starts[i] = seq.num_computed
             q_lens[i] = num_new
@@ -194,10 +175,6 @@ class ModelRunner:
                 seeds.append(p.seed if p.seed is not None else (self.job_seed << 32) ^ seq.seq_id)
                 out_pos.append(len(seq.output_ids))
         num_tokens = offset
-        if self.block_tables.added:
-            if self._untouched is not None:
-                self._zero_fresh_blocks(self.block_tables.added)
-            self.block_tables.added.clear()
         cu_q = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu_q[1:])
         token_seq = np.repeat(np.arange(n), q_lens)  # [T] batch index of each token
@@ -228,6 +205,14 @@ class ModelRunner:
             sampling_seqs=sampling_seqs,
             sampling=SamplingBatch(temps, top_ps, top_ks, seeds, out_pos),
         )
+
+
+def _batch_order(item: tuple[Sequence, int]) -> tuple[int, int]:
+    """Decodes first, shortest context first, then prefill chunks in plan order. TorchAttention attends
+    neighbouring decode rows together, so similar lengths pad less, and its groups become slices of
+    the batch. Otherwise the order is free: sampled tokens go back by sequence id."""
+    seq, num_new = item
+    return (0, seq.num_computed) if num_new == 1 else (1, 0)
 
 
 class _Batch:
