@@ -2,7 +2,6 @@
 write, and the refusals when a partial run or an existing OUTPUT does not match this job."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 
