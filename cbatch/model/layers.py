@@ -138,7 +138,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         return fused(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)  # one [T, intermediate] allocation, not two
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
