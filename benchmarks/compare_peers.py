@@ -335,6 +335,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder (default: the converted SmolLM2-135M-Instruct)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="ENGINE:KEY=VALUE",
                    help="e.g. cbatch:max_num_seqs=128, hf-cb:max_batch_tokens=512, hf-static:batch_size=16")
+    p.add_argument("--cooldown", type=float, default=20.0,
+                   help="seconds of quiet before every run (default 20). On this VM a run started just after a "
+                        "large process exits is slowed while the freed memory goes back to the host: cbatch measured "
+                        "11.6 s normally, 15.3 s right after a 13 GB process, 11.9 s 20 s later")
     p.add_argument("--quick", action="store_true", help="16 requests, prompts 16-64, outputs 8-32, one repeat")
     p.add_argument("--json", default=None, help="also write every run's figures to this file")
     # internal: one engine run inside a subprocess
@@ -363,6 +367,8 @@ def main(argv: list[str] | None = None) -> None:
         mix = ((1.0, out_lo, out_hi),)
     if args.quick:
         args.num_requests, lo, hi, args.repeats, mix = 16, 16, 64, 1, ((1.0, 8, 32),)
+    if args.quick or args.device == "cuda":
+        args.cooldown = 0.0
 
     from cbatch.model.default_model import default_model_dir
 
@@ -382,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         runs: dict[str, list[dict]] = {e: [] for e in engines}
         for r in range(args.repeats):
             for engine in engines:
+                time.sleep(args.cooldown)
                 res = _spawn("worker", engine, args, workload_path, tmp)
                 res["load_1min"] = os.getloadavg()[0]
                 runs[engine].append(res)
