@@ -51,7 +51,8 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     are requested where the kernel offers them (fewer page faults as the pool fills).
     """
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, max(nbytes, 1))
+    # private: a forked child (a Ray or multiprocessing worker) gets its own copy-on-write pages, not shared ones
+    buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buffer.madvise(mmap.MADV_HUGEPAGE)
