@@ -2,6 +2,7 @@
 
     python benchmarks/compare_peers.py                      # 64 requests, float32, 3 interleaved repeats
     python benchmarks/compare_peers.py --dtype bfloat16 --engines cbatch,hf-cb
+    python benchmarks/compare_peers.py --engines cbatch@bfloat16,hf-cb@float32,hf-cb@bfloat16   # each at its best
     python benchmarks/compare_peers.py --quick              # 16 short requests, 1 repeat: a smoke test
     # GPU, the nano-vllm workload on a random-weight Qwen3-0.6B checkpoint (benchmarks/gpu_session.sh makes it):
     python benchmarks/compare_peers.py --device cuda --dtype bfloat16 --model /tmp/qwen3-0.6b-random \
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENGINES = ("cbatch", "hf-cb", "hf-static")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 # ---- the workload ------------------------------------------------------------------------------------
@@ -271,10 +273,10 @@ def gemm_probe(args: argparse.Namespace) -> None:
 
 
 # ---- the driver ------------------------------------------------------------------------------------------
-def _spawn(mode: str, name: str, args: argparse.Namespace, workload_path: Path, tmp: Path) -> dict:
+def _spawn(mode: str, name: str, args: argparse.Namespace, workload_path: Path, tmp: Path, dtype: str) -> dict:
     result_path = tmp / f"{name}-{time.monotonic_ns()}.json"
     cmd = [sys.executable, __file__, f"--{mode}", name, "--workload", str(workload_path), "--result", str(result_path),
-           "--dtype", args.dtype, "--threads", str(args.threads)]
+           "--dtype", dtype, "--threads", str(args.threads)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
                CBATCH_PEERS_DEVICE=args.device)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -323,9 +325,11 @@ def _machine() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
+    p.add_argument("--engines", default=",".join(ENGINES),
+                   help=f"comma-separated, from {','.join(ENGINES)}; ENGINE@DTYPE runs one in its own dtype "
+                        "(cbatch@bfloat16,hf-cb@float32,hf-cb@bfloat16); the first cbatch entry is compared to each peer")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per engine (the table shows medians)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="for every engine not given its own with @")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for every engine")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", default="16,256", help="shortest,longest prompt (tokens)")
@@ -352,10 +356,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.probe:
         return gemm_probe(args)
 
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = [e for e in engines if e not in ENGINES]
-    if unknown or not engines:
-        raise SystemExit(f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}")
+    # entries: "engine" runs in --dtype, "engine@dtype" in its own (e.g. cbatch@bfloat16,hf-cb@float32)
+    entries = [e.strip() for e in args.engines.split(",") if e.strip()]
+    dtype_of = {e: e.partition("@")[2] or args.dtype for e in entries}
+    engine_of = {e: e.partition("@")[0] for e in entries}
+    unknown = [e for e in entries if engine_of[e] not in ENGINES or dtype_of[e] not in DTYPES]
+    if unknown or not entries:
+        raise SystemExit(f"--engines: cannot read {unknown}; engines {', '.join(ENGINES)}, each optionally "
+                         f"@{'|@'.join(DTYPES)}")
+    engines = entries
     extra = _parse_extra(args.engine_arg)
     if args.device == "cpu":  # its best setting on the 2-core CPU (see RESULTS.md); on a GPU, its own defaults
         extra.setdefault("hf-cb", {}).setdefault("max_batch_tokens", 512)
@@ -383,55 +392,56 @@ def main(argv: list[str] | None = None) -> None:
         workload_path.write_text(json.dumps({"model_dir": model_dir, "spec": spec, "extra": extra,
                                              "prompts": wl.prompts, "output_lens": wl.output_lens}))
         load_before = os.getloadavg()
-        probe = _spawn("probe", "gemm", args, workload_path, tmp)
-        gflops = probe["gflops"]
+        probes = {dt: _spawn("probe", "gemm", args, workload_path, tmp, dt) for dt in dict.fromkeys(dtype_of.values())}
         runs: dict[str, list[dict]] = {e: [] for e in engines}
         for r in range(args.repeats):
             for engine in engines:
                 time.sleep(args.cooldown)
-                res = _spawn("worker", engine, args, workload_path, tmp)
+                res = _spawn("worker", engine_of[engine], args, workload_path, tmp, dtype_of[engine])
                 res["load_1min"] = os.getloadavg()[0]
                 runs[engine].append(res)
-                print(f"repeat {r + 1}/{args.repeats} {engine:9s} {res['wall_s']:7.2f} s  "
+                print(f"repeat {r + 1}/{args.repeats} {engine:16s} {res['wall_s']:7.2f} s  "
                       f"{res['output_tok_s']:7.1f} out tok/s  peak RSS {res['peak_rss_mb']:.0f} MB", file=sys.stderr)
         load_after = os.getloadavg()
 
-    floor_s = flops / (gflops * 1e9)
+    floor_s = {dt: flops / (probe["gflops"] * 1e9) for dt, probe in probes.items()}
     print(f"\nmachine: {_machine()}")
     print(f"workload: {len(wl.prompts)} requests, prompts {lo}-{hi} tokens, {wl.output_tokens} output / "
-          f"{wl.total_tokens} total tokens, seed {args.seed}; model {Path(model_dir).name}, {args.dtype}, "
-          f"{args.threads} threads, EOS ignored")
-    paths = ", ".join(f"{k} {v:.0f}" for k, v in probe["by_path"].items())
-    print(f"compute floor: {flops / 1e12:.2f} TFLOP at {gflops:.0f} GFLOP/s (best GEMM at the model's shapes, "
-          f"{args.dtype}, {args.threads} threads; by path: {paths}) = {floor_s:.1f} s")
+          f"{wl.total_tokens} total tokens, seed {args.seed}; model {Path(model_dir).name}, "
+          f"{'/'.join(probes)}, {args.threads} threads, EOS ignored")
+    for dt, probe in probes.items():
+        paths = ", ".join(f"{k} {v:.0f}" for k, v in probe["by_path"].items())
+        print(f"compute floor ({dt}): {flops / 1e12:.2f} TFLOP at {probe['gflops']:.0f} GFLOP/s (best GEMM at the "
+              f"model's shapes, {args.threads} threads; by path: {paths}) = {floor_s[dt]:.1f} s")
     print(f"load average (1/5/15 min): before {'/'.join(f'{x:.2f}' for x in load_before)}, "
           f"after {'/'.join(f'{x:.2f}' for x in load_after)}; medians of {args.repeats} interleaved repeats\n")
-    header = "| engine | output tok/s | total tok/s | wall s | peak RSS MB | peak GPU MB | floor reached |"
-    for peer in engines[1:] if engines[0] == "cbatch" else []:
-        header += f" cbatch / {peer} |"
+    first = engines[0]
+    peers = [e for e in engines[1:] if engine_of[e] != "cbatch"] if engine_of[first] == "cbatch" else []
+    header = "| engine | dtype | output tok/s | total tok/s | wall s | peak RSS MB | peak GPU MB | floor reached |"
+    for peer in peers:
+        header += f" {first} / {peer} |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
-    base = _median(runs[engines[0]], "output_tok_s") if engines[0] == "cbatch" else None
     for engine in engines:
         rows = runs[engine]
         wall = _median(rows, "wall_s")
-        line = (f"| {engine} | {_median(rows, 'output_tok_s'):.1f} | {_median(rows, 'total_tok_s'):.1f} | {wall:.2f} | "
-                f"{_median(rows, 'peak_rss_mb'):.0f} | {rows[0].get('peak_gpu_mb') or 0:.0f} | {floor_s / wall:.0%} |")
-        if base is not None:
-            for peer in engines[1:]:
-                line += f" {base / _median(runs[peer], 'output_tok_s'):.2f}x |" if engine == "cbatch" else " |"
+        line = (f"| {engine_of[engine]} | {dtype_of[engine]} | {_median(rows, 'output_tok_s'):.1f} | "
+                f"{_median(rows, 'total_tok_s'):.1f} | {wall:.2f} | {_median(rows, 'peak_rss_mb'):.0f} | "
+                f"{rows[0].get('peak_gpu_mb') or 0:.0f} | {floor_s[dtype_of[engine]] / wall:.0%} |")
+        for peer in peers:
+            ratio = _median(runs[engine], "output_tok_s") / _median(runs[peer], "output_tok_s")
+            line += f" {ratio:.2f}x |" if engine == first else " |"
         print(line)
-    if "cbatch" in runs:
-        ref = runs["cbatch"][0]["outputs"]
-        for engine in engines:
-            if engine != "cbatch":
-                same = sum(a == b for a, b in zip(ref, runs[engine][0]["outputs"]))
-                print(f"\n{engine}: {same}/{len(ref)} requests token-identical to cbatch (greedy)", end="")
+    if engine_of[first] == "cbatch":
+        ref = runs[first][0]["outputs"]
+        for engine in engines[1:]:
+            same = sum(a == b for a, b in zip(ref, runs[engine][0]["outputs"]))
+            print(f"\n{engine}: {same}/{len(ref)} requests token-identical to {first} (greedy)", end="")
         print()
     if args.json:
         slim = {e: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for e, rs in runs.items()}
-        Path(args.json).write_text(json.dumps({"runs": slim, "gemm_gflops": probe["by_path"], "flops": flops,
-                                               "args": vars(args), "machine": _machine()}, indent=2))
+        Path(args.json).write_text(json.dumps({"runs": slim, "gemm_gflops": {dt: p["by_path"] for dt, p in probes.items()},
+                                               "flops": flops, "args": vars(args), "machine": _machine()}, indent=2))
 
 
 if __name__ == "__main__":
