@@ -149,7 +149,7 @@ class _DecodeGroup:
         keys = k_cache.index_select(0, self.blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2).contiguous()
         values = v_cache.index_select(0, self.blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2).contiguous()
         # query heads h*G .. h*G+G-1 share KV head h: batch over (row, KV head), the G heads as matrix rows
-        q_rows = q[self.rows].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        q_rows = q[self.rows].reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # a view unless q is strided
         scores = torch.matmul(q_rows, keys.transpose(2, 3))  # [n, Hkv, G, L]
         scores = torch.add(self.biases.get(q.dtype, sliding_window), scores, alpha=scale)
         probs = torch.softmax(scores, dim=-1)  # accumulates in float32 whatever the dtype
@@ -204,7 +204,7 @@ class _PrefillChunk:
         n, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads
-        q_heads = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
+        q_heads = q.reshape(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
         scores = torch.bmm(q_heads, k.permute(1, 2, 0)).view(num_kv_heads, group, n, self.ctx)
         scores = torch.add(self.biases.get(q.dtype, sliding_window), scores, alpha=scale)
         probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * n, self.ctx)
