@@ -50,6 +50,8 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     which reads whole blocks (padding masked), never meets non-finite garbage. Transparent huge pages
     are requested where the kernel offers them (fewer page faults as the pool fills).
     """
+    if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no private anonymous mappings; zero it up front
+        return torch.zeros(shape, dtype=dtype)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     # private: a forked child (a Ray or multiprocessing worker) gets its own copy-on-write pages, not shared ones
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
