@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import List, Optional
 
@@ -112,7 +113,7 @@ def run(
     ray_block_rows: int = typer.Option(512, help="Rows per block sent to a replica (each holds two blocks).", rich_help_panel=RAY_HELP),
 ) -> None:
     """Generate a completion for every row of INPUT and write them to OUTPUT."""
-    from cbatch.job import JobError, JobOptions, run_job
+    from cbatch.job import EXIT_INTERNAL, JobError, JobOptions, run_job
     from cbatch.model.loader import ModelLoadError
     from cbatch.model.spec import UnsupportedModelError
 
@@ -155,6 +156,11 @@ def run(
     except KeyboardInterrupt:
         typer.echo("cbatch: interrupted; run the same command again to resume.", err=True)
         raise typer.Exit(130)
+    except Exception:  # a bug, not a user mistake: its traceback belongs in the report; finished rows are on disk
+        traceback.print_exc()
+        typer.echo("cbatch: internal error (a bug in cbatch; the traceback is above). The rows finished so far are "
+                   "kept: run the same command again to resume.", err=True)
+        raise typer.Exit(EXIT_INTERNAL)
     raise typer.Exit(code)
 
 

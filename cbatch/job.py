@@ -25,6 +25,7 @@ from cbatch.observe.roofline import engine_hardware
 from cbatch.rowrun import RowRunner, is_ok
 
 EXIT_OK, EXIT_ROW_ERRORS, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
+EXIT_INTERNAL = 70  # sysexits' EX_SOFTWARE: a bug in cbatch, not in the input or the flags
 
 
 class JobError(ValueError):

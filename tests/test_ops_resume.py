@@ -246,3 +246,36 @@ def test_parquet_job_interrupted_and_resumed_equals_uninterrupted(job, tmp_path,
     sampled = [g for g, r in zip(got, rows) if r.get("temperature")]
     assert sampled and all(g["completion_token_ids"] for g in sampled)
     assert leftovers(out) == set()
+
+
+def test_internal_error_exits_70_keeps_rows_and_resumes(job, tmp_path, monkeypatch):
+    """A bug mid-job (here: the engine's step raising) is exit 70 with its traceback, not exit 1 (which
+    means "some rows are error rows"); the rows finished before it are kept and a rerun completes."""
+    from cbatch.engine.engine import Engine
+
+    source = write_jsonl(tmp_path / "in.jsonl", job["rows"][:120])
+    out = tmp_path / "out.jsonl"
+    real_step = Engine.step
+    calls = {"n": 0}
+
+    def failing_step(self):
+        calls["n"] += 1
+        if calls["n"] > 8:
+            raise RuntimeError("simulated bug in a model step")
+        return real_step(self)
+
+    monkeypatch.setattr(Engine, "step", failing_step)
+    code, _, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"])
+    assert code == 70, err
+    assert "simulated bug in a model step" in err and "Traceback" in err and "internal error" in err
+    assert "run the same command again" in err
+    assert not out.exists()
+    kept = part_lines(out)
+    assert 0 < kept < 120
+
+    monkeypatch.setattr(Engine, "step", real_step)
+    code, _, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"])
+    assert code == 1, err  # the first 120 rows hold bad ones: error rows, exit 1 as uninterrupted
+    assert f"resuming: {kept} of 120 rows" in err, err
+    assert read_jsonl(out) == job["reference"][:120]
+    assert leftovers(out) == set()
