@@ -112,7 +112,7 @@ class RowRunner:
         metrics.prompt_tokens += len(out.prompt_token_ids)
         metrics.output_tokens += len(out.token_ids)
         step_time = metrics.step_time
-        metrics.requests.append(RequestTiming(
+        metrics.add_timing(RequestTiming(
             row_id=request.row_id, queued_s=queued_s,
             scheduled_s=step_time(seq.first_scheduled_step - 1) if seq.first_scheduled_step and seq.first_scheduled_step > 1 else queued_s,
             first_token_s=step_time(seq.first_token_step), finished_s=metrics.now(),

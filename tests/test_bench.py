@@ -101,7 +101,7 @@ def test_cost_model_terms_add_up():
     config = EngineConfig(max_num_seqs=8, policy="fcfs")
     cost = CostModel(per_step=0.5, per_prefill_token=0.01, per_context_token=0.001)
     run = simulate(requests, config, cost, max_model_len=4096)
-    expected = sum(0.5 + 0.01 * s.prefill_tokens + 0.001 * s.context_tokens for s in run.metrics.steps)
+    expected = sum(0.5 * s.steps + 0.01 * s.prefill_tokens + 0.001 * s.context_tokens for s in run.metrics.steps)
     assert run.wall == pytest.approx(expected)
     assert run.stats.steps == sim(requests, "fcfs").stats.steps  # costs never change the schedule
 

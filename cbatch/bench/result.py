@@ -38,7 +38,7 @@ class BenchRun:
         m.prompt_tokens += seq.prompt_len
         m.output_tokens += len(seq.result_ids)
         first = seq.first_scheduled_step
-        m.requests.append(RequestTiming(
+        m.add_timing(RequestTiming(
             row_id=str(seq.seq_id), queued_s=queued_t,
             scheduled_s=max(queued_t, m.step_time(first - 1) or 0.0) if first and first > 1 else queued_t,
             first_token_s=m.step_time(seq.first_token_step), finished_s=left_t,

@@ -1,24 +1,53 @@
 """Per-job counters and a per-step time series, fed once per step (never per token).
 
-The dashboard, the progress lines and the report all read from one `JobMetrics`.
+The dashboard, the progress lines and the report all read from one `JobMetrics`. Memory stays bounded
+however long the job: the whole-job series is folded into at most `MAX_BUCKETS` buckets of consecutive
+steps (sums kept, so rates, means and cost fits over buckets equal those over steps), the dashboard
+reads the last `RECENT_STEPS` raw samples, and latency percentiles come from a uniform sample of at most
+`MAX_TIMINGS` requests.
 """
 from __future__ import annotations
 
+import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
+
+RECENT_STEPS = 2048
+MAX_BUCKETS = 4096  # even: a full series folds pairwise into half as many buckets twice as wide
+MAX_TIMINGS = 100_000
 
 
 @dataclass(slots=True)
 class StepSample:
-    t: float  # seconds since the job started, at the end of the step
+    """One step, or a bucket of `steps` consecutive steps whose counters are summed over them."""
+
+    t: float  # seconds since the job started, at the end of the (last) step
     running: int
-    waiting: int
+    waiting: int  # at the end of the (last) step
     scheduled_tokens: int
     prefill_tokens: int
     output_tokens: int  # tokens sampled this step (finished rows' padding excluded)
     kv_used: int
     context_tokens: int = 0  # KV tokens read this step (sum of scheduled sequences' contexts)
     attention_pairs: int = 0  # (query, key) pairs attended this step
+    steps: int = 1
+
+    def absorb(self, later: "StepSample") -> None:
+        """Adds the steps of `later`, which come right after this sample's."""
+        self.t, self.waiting = later.t, later.waiting
+        self.running += later.running
+        self.scheduled_tokens += later.scheduled_tokens
+        self.prefill_tokens += later.prefill_tokens
+        self.output_tokens += later.output_tokens
+        self.kv_used += later.kv_used
+        self.context_tokens += later.context_tokens
+        self.attention_pairs += later.attention_pairs
+        self.steps += later.steps
+
+
+def _copy(sample: StepSample) -> StepSample:
+    return StepSample(*(getattr(sample, name) for name in StepSample.__slots__))
 
 
 @dataclass(slots=True)
@@ -45,10 +74,16 @@ class JobMetrics:
     prompt_tokens: int = 0
     output_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
-    steps: list[StepSample] = field(default_factory=list)
-    requests: list[RequestTiming] = field(default_factory=list)
+    requests: list[RequestTiming] = field(default_factory=list)  # a uniform sample once past MAX_TIMINGS
+    timings_seen: int = 0  # requests offered to `add_timing`
     forward_seconds: float = 0.0
     keep_series: bool = True  # the per-step series feeds plots and latency in seconds
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # raw StepSamples, newest last
+    steps_recorded: int = 0
+    _buckets: list[StepSample] = field(default_factory=list)  # closed, each `_bucket_width` steps
+    _open: StepSample | None = None  # the bucket being filled (fewer than `_bucket_width` steps)
+    _bucket_width: int = 1
+    _sampler: random.Random = field(default_factory=lambda: random.Random(0))
 
     def now(self) -> float:
         return time.perf_counter() - self.started
@@ -57,15 +92,51 @@ class JobMetrics:
     def done_rows(self) -> int:
         return self.ok_rows + self.error_rows
 
+    @property
+    def steps(self) -> list[StepSample]:
+        """The whole job's series: one sample per step, or per bucket of consecutive steps on long jobs."""
+        return self._buckets + ([self._open] if self._open is not None else [])
+
     def record_step(self, sample: StepSample) -> None:
-        if self.keep_series:
-            self.steps.append(sample)
+        if not self.keep_series:
+            return
+        self.steps_recorded += 1
+        self.recent.append(sample)
+        if self._open is None:
+            self._open = _copy(sample)
+        else:
+            self._open.absorb(sample)
+        if self._open.steps == self._bucket_width:
+            self._buckets.append(self._open)
+            self._open = None
+            if len(self._buckets) == MAX_BUCKETS:  # fold pairwise: half as many buckets, twice as wide
+                for i in range(0, MAX_BUCKETS, 2):
+                    self._buckets[i].absorb(self._buckets[i + 1])
+                self._buckets = self._buckets[::2]
+                self._bucket_width *= 2
 
     def step_time(self, step: int | None) -> float | None:
-        """Wall time at the end of step `step` (1-based, as the scheduler counts)."""
-        if step is None or not self.steps:
+        """Wall time at the end of step `step` (1-based, as the scheduler counts): exact for the last
+        RECENT_STEPS steps, before that the end of its bucket (at most one bucket width later)."""
+        if step is None or self.steps_recorded == 0:
             return None
-        return self.steps[min(max(step, 1), len(self.steps)) - 1].t
+        step = min(max(step, 1), self.steps_recorded)
+        back = self.steps_recorded - step  # 0: the last step
+        if back < len(self.recent):
+            return self.recent[-1 - back].t
+        index = (step - 1) // self._bucket_width
+        return self._buckets[index].t if index < len(self._buckets) else self._open.t
+
+    def add_timing(self, timing: RequestTiming) -> None:
+        """Keeps `timing` for the latency percentiles: all of them up to MAX_TIMINGS, then a uniform
+        sample of that size (reservoir sampling, seeded: the same job keeps the same sample)."""
+        self.timings_seen += 1
+        if len(self.requests) < MAX_TIMINGS:
+            self.requests.append(timing)
+            return
+        slot = self._sampler.randrange(self.timings_seen)
+        if slot < MAX_TIMINGS:
+            self.requests[slot] = timing
 
 
 def engine_step_sample(metrics: JobMetrics, engine) -> StepSample:

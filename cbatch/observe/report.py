@@ -86,6 +86,10 @@ def build_report(
             },
             "oldest_wait_steps": max((max(w) for w in stats.wait_steps_by_priority.values()), default=None),
             "histogram_total_seconds": histogram(total_s),
+            # percentiles and histogram above come from `sampled_requests` of `requests` (all of them
+            # up to cbatch.observe.metrics.MAX_TIMINGS, a uniform sample beyond)
+            "sampled_requests": len(timings),
+            "requests": max(metrics.timings_seen, len(timings)),
         },
         "series": time_series(metrics.steps, max_num_seqs, num_kv_blocks),
     }
@@ -107,7 +111,7 @@ def histogram(values: list[float], bins: int = 30) -> dict[str, list[float]]:
 
 
 def time_series(samples: list[StepSample], max_num_seqs: int, num_kv_blocks: int, points: int = 400) -> dict[str, list]:
-    """The per-step samples folded into at most `points` buckets of consecutive steps.
+    """The per-step samples (or buckets of steps, see JobMetrics) folded into at most `points` buckets.
 
     Sums (steps, tokens, dt) are kept per bucket, so a linear cost model fitted on buckets is the
     same fit as on steps; occupancy and KV usage are bucket means; rates are bucket sums / dt.
@@ -119,7 +123,7 @@ def time_series(samples: list[StepSample], max_num_seqs: int, num_kv_blocks: int
     previous_t = 0.0
     for start in range(0, len(samples), size):
         chunk = samples[start : start + size]
-        n, t_end = len(chunk), chunk[-1].t
+        n, t_end = sum(s.steps for s in chunk), chunk[-1].t
         dt = t_end - previous_t
         previous_t = t_end
         out = sum(s.output_tokens for s in chunk)

@@ -43,7 +43,7 @@ def hardware_estimate(spec: ModelSpec, dtype_bytes: int, samples: list[StepSampl
         sampled = s.output_tokens or 0
         flops += 2.0 * layer_params * s.scheduled_tokens + 2.0 * head_params * sampled
         flops += 4.0 * spec.num_layers * spec.num_heads * spec.head_dim * s.attention_pairs
-        bytes_moved += spec.num_params() * dtype_bytes + kv_per_token * (s.context_tokens + s.scheduled_tokens)
+        bytes_moved += spec.num_params() * dtype_bytes * s.steps + kv_per_token * (s.context_tokens + s.scheduled_tokens)
     seconds = max(forward_seconds, 1e-9)
     out: dict[str, Any] = {
         "device_name": device_name or "cpu",

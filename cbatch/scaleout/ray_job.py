@@ -254,7 +254,8 @@ class RayJob:
             return
         if handle.stats is None or result.stats.blocks > handle.stats.blocks:
             handle.stats = result.stats  # the newest snapshot: a replica's blocks may come back out of order
-        self.metrics.requests.extend(result.timings)
+        for timing in result.timings:
+            self.metrics.add_timing(timing)
         for record in result.records:
             if record["index"] not in self.done:  # exactly once, whatever was retried
                 self._store(record)
