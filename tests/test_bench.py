@@ -183,11 +183,12 @@ def test_real_engine_takes_the_simulators_steps(tiny_engine):
         report = real.build_report(config.max_num_seqs, {}, "s")
         assert report["utilization"]["preemptions"] == tiny_engine.scheduler.stats.preemptions
         reports[policy] = (report, simulated.build_report(config.max_num_seqs, {}, "cost"))
-    # direction: continuous batching well ahead of static in the simulator, and for real (wall time)
+    # direction: continuous batching well ahead of static in the simulator's cost, and in the real engine's
+    # steps (its wall time on this tiny model is ~0.15 s either way: too close for a timed assertion)
     sim_static, sim_fcfs = (reports[p][1]["time"]["wall_seconds"] for p in ("static", "fcfs"))
-    real_static, real_fcfs = (reports[p][0]["time"]["wall_seconds"] for p in ("static", "fcfs"))
     assert sim_static > 1.5 * sim_fcfs
-    assert real_static > real_fcfs
+    real_static, real_fcfs = (reports[p][0]["utilization"]["steps"] for p in ("static", "fcfs"))
+    assert real_static > 1.2 * real_fcfs
     rows = comparison_rows([reports[p][0] for p in reports])
     assert rows[0]["policy"] == "static" and rows[0]["ratio"]["wall_time"] == 1.0
 
