@@ -31,11 +31,15 @@ class AttentionMetadata:
     backend_state: object = None  # what a backend prepared once per step, reused by every layer
 
 
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """One layer's K (or V) cache, for every backend: slot = block * block_size + offset."""
+    return (num_blocks, block_size, num_kv_heads, head_dim)
+
+
 class TorchAttention:
     """Plain-torch paged attention (the CPU path and the reference).
 
-    Cache layout, per layer: K and V each `[num_blocks, block_size, Hkv, D]`, the layout of the Triton
-    backend. Gathering blocks along dim 0 copies whole blocks (`block_size * Hkv * D` contiguous
+    Cache layout: `kv_cache_shape`, the Triton backend's too. Gathering blocks along dim 0 copies whole blocks (`block_size * Hkv * D` contiguous
     elements): measured 60-85 GB/s on the 2-core CPU, against 12-40 GB/s for a head-major layout
     whose gather copies one head's block at a time.
 
@@ -48,11 +52,6 @@ class TorchAttention:
     """
 
     name = "torch"
-    cache_block_dim = 0  # where the block index sits in `cache_shape`
-
-    @staticmethod
-    def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (num_blocks, block_size, num_kv_heads, head_dim)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state = _TorchStepState.build(meta)
@@ -264,11 +263,6 @@ class TritonAttention:
     """Paged attention and KV store through the Triton kernels of `cbatch.kernels` (GPU path)."""
 
     name = "triton"
-    cache_block_dim = 0
-
-    @staticmethod
-    def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (num_blocks, block_size, num_kv_heads, head_dim)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         pass

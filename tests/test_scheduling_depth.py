@@ -139,7 +139,7 @@ def test_runner_swap_copies_blocks_through_a_separate_host_buffer(tiny_checkpoin
     torch.manual_seed(0)
     runner.kv_cache.copy_(torch.randn_like(runner.kv_cache))
     original = runner.kv_cache.clone()
-    dim = runner._block_dim  # the cache's block dimension (layout chosen by the backend)
+    dim = runner._block_dim  # the cache's block dimension
     runner.swap([(3, 0), (5, 7)], [])
     runner.kv_cache.index_fill_(dim, torch.tensor([3, 5]), 0)
     assert runner._host_kv.data_ptr() != runner.kv_cache.data_ptr()

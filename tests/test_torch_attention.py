@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cbatch.attention
-from cbatch.attention import AttentionMetadata, TorchAttention
+from cbatch.attention import AttentionMetadata, TorchAttention, kv_cache_shape
 
 HQ, HKV, D, BS = 6, 2, 16, 4
 
@@ -51,8 +51,8 @@ def test_paged_matches_dense(seed: int, window: int | None, group_rows: int, dty
     rows = [(13, 1), (1, 1), (30, 1), (17, 1), (9, 9), (21, 6)]
     num_blocks = 64
     backend = TorchAttention()
-    k_cache = torch.randn(backend.cache_shape(num_blocks, BS, HKV, D), generator=gen)  # stale, finite data
-    v_cache = torch.randn(backend.cache_shape(num_blocks, BS, HKV, D), generator=gen)
+    k_cache = torch.randn(kv_cache_shape(num_blocks, BS, HKV, D), generator=gen)  # stale, finite data
+    v_cache = torch.randn(kv_cache_shape(num_blocks, BS, HKV, D), generator=gen)
     order = torch.randperm(num_blocks, generator=gen).tolist()
     max_blocks = max(-(-ctx // BS) for ctx, _ in rows) + 1
     table = torch.tensor(order[: len(rows) * max_blocks]).view(len(rows), max_blocks).int()  # stale entries past the end

@@ -52,7 +52,7 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """
     if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no private anonymous mappings; zero it up front
         return torch.zeros(shape, dtype=dtype)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     # private: a forked child (a Ray or multiprocessing worker) gets its own copy-on-write pages, not shared ones
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from cbatch.attention import AttentionMetadata, make_backend
+from cbatch.attention import AttentionMetadata, kv_cache_shape, make_backend
 from cbatch.engine.cpu_memory import keep_freed_memory, lazily_zeroed
 from cbatch.engine.sampler import SamplingBatch, sample
 from cbatch.engine.scheduler import StepPlan
@@ -51,7 +51,7 @@ class BlockTableBuffer:
 
 
 class ModelRunner:
-    _block_dim = 2  # the block dimension of `kv_cache` (a backend may choose another layout)
+    _block_dim = 2  # the block dimension of `kv_cache`: [layers, K|V, *kv_cache_shape(...)]
 
     def __init__(
         self,
@@ -71,9 +71,8 @@ class ModelRunner:
         self.block_size = block_size
         self.job_seed = job_seed
         self.backend = make_backend(attention_backend, device)
-        # One allocation for every layer's K and V: [layers, 2, *backend.cache_shape(...)]
-        shape = (spec.num_layers, 2, *self.backend.cache_shape(num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim))
-        self._block_dim = 2 + self.backend.cache_block_dim
+        # One allocation for every layer's K and V
+        shape = (spec.num_layers, 2, *kv_cache_shape(num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim))
         # NOTE: attention reads whole blocks, padding included (masked), so every block a table can name
         # must hold finite values: the pool starts zeroed. On CPU its pages become resident only when
         # written, so memory tracks the KV actually used, not the budget.

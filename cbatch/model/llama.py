@@ -20,7 +20,7 @@ class KVCacheView:
     """The per-layer K and V caches the attention layers write to and read from."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
-        self.k = k_caches  # one per layer, in the attention backend's `cache_shape` layout
+        self.k = k_caches  # one per layer, `kv_cache_shape`
         self.v = v_caches
 
 

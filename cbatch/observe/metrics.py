@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 RECENT_STEPS = 2048
 MAX_BUCKETS = 4096  # even: a full series folds pairwise into half as many buckets twice as wide
@@ -44,10 +44,6 @@ class StepSample:
         self.context_tokens += later.context_tokens
         self.attention_pairs += later.attention_pairs
         self.steps += later.steps
-
-
-def _copy(sample: StepSample) -> StepSample:
-    return StepSample(*(getattr(sample, name) for name in StepSample.__slots__))
 
 
 @dataclass(slots=True)
@@ -103,7 +99,7 @@ class JobMetrics:
         self.steps_recorded += 1
         self.recent.append(sample)
         if self._open is None:
-            self._open = _copy(sample)
+            self._open = replace(sample)  # a copy: `recent` keeps the raw sample
         else:
             self._open.absorb(sample)
         if self._open.steps == self._bucket_width:
