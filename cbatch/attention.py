@@ -39,9 +39,9 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 class TorchAttention:
     """Plain-torch paged attention (the CPU path and the reference).
 
-    Cache layout: `kv_cache_shape`, the Triton backend's too. Gathering blocks along dim 0 copies whole blocks (`block_size * Hkv * D` contiguous
-    elements): measured 60-85 GB/s on the 2-core CPU, against 12-40 GB/s for a head-major layout
-    whose gather copies one head's block at a time.
+    Cache layout: `kv_cache_shape`, as for the Triton backend. Gathering blocks along dim 0 copies
+    whole blocks (`block_size * Hkv * D` contiguous elements): measured 60-85 GB/s on the 2-core CPU,
+    against 12-40 GB/s for a head-major layout whose gather copies one head's block at a time.
 
     Rows with one query token (decodes) are batched in groups of similar context length: each group
     gathers its blocks once per layer through a block index built once per step, transposes them to

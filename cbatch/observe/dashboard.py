@@ -60,7 +60,8 @@ class Dashboard:
         rate = m.done_rows / elapsed
         remaining = m.total_rows - done
         eta = remaining / rate if rate > 0 else None
-        recent = [s for s in list(m.recent)[-200:] if s.t >= elapsed - 5.0]
+        window = list(m.recent)  # one snapshot: the job thread appends while this frame renders
+        recent = [s for s in window[-200:] if s.t >= elapsed - 5.0]
         span = (recent[-1].t - recent[0].t) if len(recent) > 1 else 0.0
         recent_out = sum(s.output_tokens for s in recent[1:]) / span if span > 0 else 0.0
         recent_prompt = sum(s.prefill_tokens for s in recent[1:]) / span if span > 0 else 0.0
@@ -70,7 +71,7 @@ class Dashboard:
         stats = engine.scheduler.stats if engine else None
         kv_used = engine.pool.num_used if engine else 0
         kv_total = engine.pool.num_blocks if engine else 1
-        last = m.recent[-1] if m.recent else None
+        last = window[-1] if window else None
 
         table = Table.grid(padding=(0, 2))
         table.add_column(style="bold cyan")
@@ -82,7 +83,7 @@ class Dashboard:
         table.add_row("occupancy", f"{running / self.max_num_seqs:.0%} of {self.max_num_seqs} seqs")
         table.add_row("token budget", f"{(last.scheduled_tokens if last else 0) / self.token_budget:.0%} of {self.token_budget} per step")
         table.add_row("KV blocks", f"{kv_used}/{kv_total} ({kv_used / max(kv_total, 1):.0%})")
-        table.add_row("occupancy ▸", sparkline([s.running / self.max_num_seqs for s in list(m.recent)]))
+        table.add_row("occupancy ▸", sparkline([s.running / self.max_num_seqs for s in window]))
         return Group(
             Text("cbatch run", style="bold"),
             ProgressBar(total=total, completed=done, width=60),
