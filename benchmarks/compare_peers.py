@@ -339,8 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder (default: the converted SmolLM2-135M-Instruct)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="ENGINE:KEY=VALUE",
                    help="e.g. cbatch:max_num_seqs=128, hf-cb:max_batch_tokens=512, hf-static:batch_size=16")
-    p.add_argument("--cooldown", type=float, default=20.0,
-                   help="seconds of quiet before every run (default 20). On this VM a run started just after a "
+    p.add_argument("--cooldown", type=float, default=None,
+                   help="seconds of quiet before every run (default 20 on CPU, 0 with --quick or on CUDA). On this VM a run started just after a "
                         "large process exits is slowed while the freed memory goes back to the host: cbatch measured "
                         "11.6 s normally, 15.3 s right after a 13 GB process, 11.9 s 20 s later")
     p.add_argument("--quick", action="store_true", help="16 requests, prompts 16-64, outputs 8-32, one repeat")
@@ -357,14 +357,13 @@ def main(argv: list[str] | None = None) -> None:
         return gemm_probe(args)
 
     # entries: "engine" runs in --dtype, "engine@dtype" in its own (e.g. cbatch@bfloat16,hf-cb@float32)
-    entries = [e.strip() for e in args.engines.split(",") if e.strip()]
-    dtype_of = {e: e.partition("@")[2] or args.dtype for e in entries}
-    engine_of = {e: e.partition("@")[0] for e in entries}
-    unknown = [e for e in entries if engine_of[e] not in ENGINES or dtype_of[e] not in DTYPES]
-    if unknown or not entries:
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    dtype_of = {e: e.partition("@")[2] or args.dtype for e in engines}
+    engine_of = {e: e.partition("@")[0] for e in engines}
+    unknown = [e for e in engines if engine_of[e] not in ENGINES or dtype_of[e] not in DTYPES]
+    if unknown or not engines:
         raise SystemExit(f"--engines: cannot read {unknown}; engines {', '.join(ENGINES)}, each optionally "
                          f"@{'|@'.join(DTYPES)}")
-    engines = entries
     extra = _parse_extra(args.engine_arg)
     if args.device == "cpu":  # its best setting on the 2-core CPU (see RESULTS.md); on a GPU, its own defaults
         extra.setdefault("hf-cb", {}).setdefault("max_batch_tokens", 512)
@@ -376,8 +375,8 @@ def main(argv: list[str] | None = None) -> None:
         mix = ((1.0, out_lo, out_hi),)
     if args.quick:
         args.num_requests, lo, hi, args.repeats, mix = 16, 16, 64, 1, ((1.0, 8, 32),)
-    if args.quick or args.device == "cuda":
-        args.cooldown = 0.0
+    if args.cooldown is None:
+        args.cooldown = 0.0 if args.quick or args.device == "cuda" else 20.0
 
     from cbatch.model.default_model import default_model_dir
 
