@@ -45,7 +45,8 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """One object per "\n"-terminated line (str.splitlines would also split inside strings holding U+2028)."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
 
 
 def run_inprocess(*args: str) -> tuple[int, str, str]:
