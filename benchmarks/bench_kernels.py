@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import math
 import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -38,23 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def import_kernels():
-    """This checkout's kernels/ loaded as `cbatch.kernels` (what the benchmark is for), whether or not a
-    cbatch package is installed, and wherever an installed one points; the installed `cbatch.kernels`
-    only when the script is run outside a checkout."""
-    init = ROOT / "kernels" / "__init__.py"
-    if not init.exists():
-        return importlib.import_module("cbatch.kernels")
-    for name in [m for m in sys.modules if m == "cbatch" or m.startswith("cbatch.")]:
-        del sys.modules[name]
-    pkg = types.ModuleType("cbatch")  # bare parent package: the kernels need nothing else from cbatch
-    pkg.__path__ = [str(ROOT / "cbatch")]
-    sys.modules["cbatch"] = pkg
-    spec = importlib.util.spec_from_file_location("cbatch.kernels", init, submodule_search_locations=[str(init.parent)])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["cbatch.kernels"] = mod
-    spec.loader.exec_module(mod)
-    pkg.kernels = mod
-    return mod
+    """This checkout's `cbatch.kernels` (the script puts the checkout first on sys.path)."""
+    sys.path.insert(0, str(ROOT))
+    return importlib.import_module("cbatch.kernels")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -106,11 +106,10 @@ def _set_threads(threads: int) -> None:
 
 def run_cbatch(model_dir: str, wl: Workload, dtype: str, threads: int, extra: dict) -> list[list[int]]:
     from cbatch.config import EngineConfig, SamplingParams
-    from cbatch.engine.engine import Engine, run_to_completion
-    from cbatch.model.loader import read_checkpoint
+    from cbatch.engine.build import build_engine
+    from cbatch.engine.engine import run_to_completion
 
-    engine = Engine(EngineConfig(model=model_dir, dtype=dtype, num_threads=threads, device=_device(), **extra),
-                    checkpoint=read_checkpoint(Path(model_dir)))
+    engine = build_engine(EngineConfig(model=model_dir, dtype=dtype, num_threads=threads, device=_device(), **extra))
     run_to_completion(engine, [wl.prompts[0][:16]], [SamplingParams(max_tokens=4, ignore_eos=True)])  # warm-up
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     _mark_start()

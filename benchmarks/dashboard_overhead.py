@@ -20,9 +20,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from cbatch.bench.runner import make_bench_engine
+from cbatch.bench.trial import make_bench_engine
 from cbatch.config import EngineConfig, SamplingParams
-from cbatch.job import JobOptions, run_job
+from cbatch.run.job import run_job
+from cbatch.run.preflight import JobOptions
 from cbatch.observe.dashboard import REFRESH_PER_SECOND, Dashboard
 from cbatch.observe.progress import NoProgress
 
@@ -87,9 +88,7 @@ def main() -> None:
 
 
 def reset(engine) -> None:
-    from cbatch.bench.runner import reset_engine
-
-    reset_engine(engine, engine.config.policy)
+    engine.reset()
 
 
 if __name__ == "__main__":

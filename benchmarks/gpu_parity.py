@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import ARCHS, make_checkpoint  # noqa: E402
 
 from cbatch.config import EngineConfig, SamplingParams  # noqa: E402
-from cbatch.engine.engine import Engine, run_to_completion  # noqa: E402
-from cbatch.model.loader import read_checkpoint  # noqa: E402
+from cbatch.engine.build import build_engine  # noqa: E402
+from cbatch.engine.engine import run_to_completion  # noqa: E402
 
 SETTINGS = {
     "triton+graphs": dict(attention_backend="triton"),
@@ -58,8 +58,7 @@ def main() -> int:
             path = make_checkpoint(arch, Path(tmp) / arch)
             reference = hf_greedy(path, prompts, 24)
             for name, settings in SETTINGS.items():
-                engine = Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", max_num_seqs=8, **settings),
-                                checkpoint=read_checkpoint(path))
+                engine = build_engine(EngineConfig(model=str(path), device="cuda", dtype="float32", max_num_seqs=8, **settings))
                 got = [o.token_ids for o in run_to_completion(engine, prompts, [SamplingParams(max_tokens=24)] * len(prompts))]
                 same = sum(a == b for a, b in zip(got, reference))
                 failures += same != len(prompts)

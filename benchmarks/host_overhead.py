@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from cbatch.attention import TorchAttention, TritonAttention
+from cbatch.model.backend import TorchBackend, TritonBackend
 from cbatch.config import EngineConfig, SamplingParams
-from cbatch.engine.engine import Engine
+from cbatch.engine.build import build_engine, resolve_model
 from cbatch.model.spec import parse_spec
 
 # SmolLM2-135M-Instruct's shapes with a single layer: the model is never called, and one layer keeps
@@ -40,14 +40,14 @@ def measure(running: int, steps: int, prompt_len: int, clock) -> dict[str, float
     blocks = running * (-(-(prompt_len + steps + 8) // 16)) + 1
     config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=running,
                           max_num_batched_tokens=max(running, 8192), num_kv_blocks=blocks)
-    engine = Engine(config, spec=spec, random_weights_seed=0)
-    runner, torch_backend, triton_backend = engine.runner, TorchAttention(), TritonAttention()
+    engine = build_engine(config, resolve_model(config, spec))
+    runner, torch_backend, triton_backend = engine.runner, TorchBackend(), TritonBackend()
     runner._untouched = None  # as on a GPU: no first-use zeroing of KV blocks (a CPU-only page-touch cost)
     times: dict[str, list[float]] = {"schedule": [], "build": [], "torch_prepare": [], "update": []}
     timing = {"on": False}
 
     def host_only_execute(plan):
-        for seq in plan.preempted:
+        for seq in plan.preempted + plan.finished:
             runner.block_tables.release(seq)
         t0 = clock()
         batch = runner._build(plan)

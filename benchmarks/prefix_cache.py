@@ -19,6 +19,7 @@ import time
 import torch
 
 from cbatch.config import EngineConfig, SamplingParams
+from cbatch.engine.build import build_engine, resolve_model
 from cbatch.engine.engine import Engine, run_to_completion
 from cbatch.model.spec import parse_spec
 
@@ -33,7 +34,8 @@ SMOLLM2_135M = {
 def run(enable: bool, prompts, params, args) -> tuple[float, list[list[int]], Engine]:
     config = EngineConfig(device="cpu", dtype="float32", enable_prefix_cache=enable, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.budget, num_kv_blocks=args.kv_blocks, num_threads=args.threads)
-    engine = Engine(config, spec=parse_spec({**SMOLLM2_135M, "num_hidden_layers": args.layers}), random_weights_seed=0)
+    spec = parse_spec({**SMOLLM2_135M, "num_hidden_layers": args.layers})
+    engine = build_engine(config, resolve_model(config, spec))
     run_to_completion(engine, prompts[:2], params[:2])  # warm-up (first-call overheads)
     stats_before = engine.scheduler.stats.scheduled_tokens, engine.scheduler.stats.prefix_cache_hit_tokens
     start, cpu_start = time.perf_counter(), time.process_time()

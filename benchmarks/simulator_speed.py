@@ -38,7 +38,7 @@ def main() -> None:
         if profiler:
             profiler.disable()
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-        seq_steps = sum(s.running for s in run.metrics.steps)
+        seq_steps = sum(s.running for s in run.metrics.series)
         print(f"{policy:>14}: {args.num_prompts} requests x {args.max_num_seqs} seqs: {run.stats.steps} steps, "
               f"{seq_steps / 1e6:.1f} M sequence-steps, {cpu:.1f} s CPU ({wall:.1f} s wall), "
               f"{1e6 * cpu / max(seq_steps, 1):.2f} us per sequence-step")

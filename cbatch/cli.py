@@ -5,11 +5,13 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, NoReturn, Optional
 
 import typer
 
-from cbatch.config import ConfigError, EngineConfig, SamplingParams
+from cbatch.config import ConfigError, EngineConfig, SamplingParams, UserError
+from cbatch.io.state import StorageError
+from cbatch.run.exit_codes import EXIT_INTERNAL, EXIT_IO, EXIT_SIGINT, EXIT_USAGE
 
 app = typer.Typer(
     add_completion=False,
@@ -41,11 +43,53 @@ NUM_KV_BLOCKS_OPT = typer.Option(None, help="Force the KV pool size in blocks (d
 ATTENTION_BACKEND_OPT = typer.Option("auto", help="auto | torch | triton (auto: triton on CUDA).", rich_help_panel=ENGINE_HELP)
 MAX_MODEL_LEN_OPT = typer.Option(None, help="Cap on prompt + completion tokens (default: the model's).", rich_help_panel=ENGINE_HELP)
 THREADS_OPT = typer.Option(None, help="CPU threads for torch (default: torch's choice).", rich_help_panel=ENGINE_HELP)
+GPU_MEMORY_OPT = typer.Option(0.9, help="Share of GPU memory for weights + activations + KV cache.", rich_help_panel=ENGINE_HELP)
+ENFORCE_EAGER_OPT = typer.Option(False, help="GPU: no CUDA graphs for decode steps.", rich_help_panel=ENGINE_HELP)
+PREFIX_CACHE_OPT = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Reuse the KV of prompt prefixes shared between rows.", rich_help_panel=ENGINE_HELP)
+PREEMPTION_OPT = typer.Option("recompute", help="When KV runs out: recompute | swap (to host memory) | auto (swap long ones).", rich_help_panel=ENGINE_HELP)
+SWAP_SPACE_OPT = typer.Option(4.0, help="Host memory (GB) for swapped-out KV blocks.", rich_help_panel=ENGINE_HELP)
+ADMISSION_OPT = typer.Option("optimistic", help="optimistic (admit on the prompt) | reserve (prompt + max_tokens must fit; never preempts).", rich_help_panel=ENGINE_HELP)
+AGING_OPT = typer.Option(1000, help="A waiting row gains one priority class per this many steps (0 = no aging).", rich_help_panel=ENGINE_HELP)
 
 
-def fail(message: str, code: int = 2) -> None:
+# EngineConfig / SamplingParams fields whose flag is not the field's name in kebab case
+FLAG_OF_FIELD = {
+    "num_threads": "--threads", "swap_space_gb": "--swap-space", "enable_prefix_cache": "--prefix-cache",
+}
+
+
+def flag_of(field: str) -> str:
+    return FLAG_OF_FIELD.get(field, "--" + field.replace("_", "-"))
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     """One line on stderr, no traceback."""
     typer.echo(f"cbatch: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def exit_for(action: Callable[[], int], resumable: bool = True) -> NoReturn:
+    """Runs a command and maps how it ended to an exit code, in one place: the user's mistake (2, the flag
+    or file named), the environment failing the job's files (74), an interrupt (130), a bug (70, with
+    its traceback)."""
+    kept = " The rows finished so far are kept: run the same command again to resume." if resumable else ""
+    try:
+        code = action()
+    except typer.Exit:
+        raise
+    except ConfigError as exc:
+        fail(f"{flag_of(exc.field)}: {exc.reason}")
+    except UserError as exc:
+        fail(str(exc))
+    except StorageError as exc:
+        fail(f"{exc} (the environment failed, not cbatch); fix that and run the same command again.{kept}", EXIT_IO)
+    except KeyboardInterrupt:
+        typer.echo(f"cbatch: interrupted.{kept}", err=True)
+        raise typer.Exit(EXIT_SIGINT)
+    except Exception:  # a bug, not a user mistake: its traceback belongs in the report
+        traceback.print_exc()
+        typer.echo(f"cbatch: internal error (a bug in cbatch; the traceback is above).{kept}", err=True)
+        raise typer.Exit(EXIT_INTERNAL)
     raise typer.Exit(code)
 
 
@@ -53,7 +97,7 @@ def engine_config(**flags) -> EngineConfig:
     try:
         return EngineConfig(**flags)
     except ConfigError as exc:
-        fail(str(exc))
+        fail(f"{flag_of(exc.field)}: {exc.reason}")
 
 
 def sampling_defaults(max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, priority=0) -> SamplingParams:
@@ -61,10 +105,10 @@ def sampling_defaults(max_tokens, temperature, top_p, top_k, seed, stop, ignore_
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         stop=list(stop or []), ignore_eos=ignore_eos, priority=priority,
     )
-    error = params.validate()
-    if error is not None:
-        flag = "--" + error.split(" ", 1)[0].replace("_", "-")
-        fail(f"{flag}: {error}")
+    problem = params.problem()
+    if problem is not None:
+        field, message = problem
+        fail(f"{flag_of(field)}: {message}")
     return params
 
 
@@ -83,13 +127,13 @@ def run(
     attention_backend: str = ATTENTION_BACKEND_OPT,
     max_model_len: Optional[int] = MAX_MODEL_LEN_OPT,
     threads: Optional[int] = THREADS_OPT,
-    gpu_memory_utilization: float = typer.Option(0.9, help="Share of GPU memory for weights + activations + KV cache.", rich_help_panel=ENGINE_HELP),
-    enforce_eager: bool = typer.Option(False, help="GPU: no CUDA graphs for decode steps.", rich_help_panel=ENGINE_HELP),
-    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Reuse the KV of prompt prefixes shared between rows.", rich_help_panel=ENGINE_HELP),
-    preemption: str = typer.Option("recompute", help="When KV runs out: recompute | swap (to host memory) | auto (swap long ones).", rich_help_panel=ENGINE_HELP),
-    swap_space: float = typer.Option(4.0, help="Host memory (GB) for swapped-out KV blocks.", rich_help_panel=ENGINE_HELP),
-    admission: str = typer.Option("optimistic", help="optimistic (admit on the prompt) | reserve (prompt + max_tokens must fit; never preempts).", rich_help_panel=ENGINE_HELP),
-    priority_aging_steps: int = typer.Option(1000, help="A waiting row gains one priority class per this many steps (0 = no aging).", rich_help_panel=ENGINE_HELP),
+    gpu_memory_utilization: float = GPU_MEMORY_OPT,
+    enforce_eager: bool = ENFORCE_EAGER_OPT,
+    prefix_cache: bool = PREFIX_CACHE_OPT,
+    preemption: str = PREEMPTION_OPT,
+    swap_space: float = SWAP_SPACE_OPT,
+    admission: str = ADMISSION_OPT,
+    priority_aging_steps: int = AGING_OPT,
     max_tokens: int = typer.Option(256, help="Most tokens to generate per row.", rich_help_panel=SAMPLING_HELP),
     temperature: float = typer.Option(0.0, help="0 = greedy.", rich_help_panel=SAMPLING_HELP),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 = off).", rich_help_panel=SAMPLING_HELP),
@@ -113,9 +157,7 @@ def run(
     ray_block_rows: int = typer.Option(512, help="Rows per block sent to a replica (each holds two blocks).", rich_help_panel=RAY_HELP),
 ) -> None:
     """Generate a completion for every row of INPUT and write them to OUTPUT."""
-    from cbatch.job import EXIT_INTERNAL, JobError, JobOptions, run_job
-    from cbatch.model.loader import ModelLoadError
-    from cbatch.model.spec import UnsupportedModelError
+    from cbatch.run.preflight import JobOptions
 
     if lookahead < 1:
         fail("--lookahead: must be at least 1")
@@ -144,24 +186,17 @@ def run(
         allow_errors=allow_errors, report=report, quiet=quiet, lookahead=lookahead, display=display, plot=plot,
         progress_interval=progress_interval,
     )
-    try:
-        if ray is None:
-            code = run_job(options)
-        else:
-            from cbatch.scaleout.cli_entry import run_on_ray
 
-            code = run_on_ray(options, ray, replicas, gpus_per_replica, ray_block_rows)
-    except (JobError, ConfigError, ModelLoadError, UnsupportedModelError) as exc:
-        fail(str(exc))
-    except KeyboardInterrupt:
-        typer.echo("cbatch: interrupted; run the same command again to resume.", err=True)
-        raise typer.Exit(130)
-    except Exception:  # a bug, not a user mistake: its traceback belongs in the report; finished rows are on disk
-        traceback.print_exc()
-        typer.echo("cbatch: internal error (a bug in cbatch; the traceback is above). The rows finished so far are "
-                   "kept: run the same command again to resume.", err=True)
-        raise typer.Exit(EXIT_INTERNAL)
-    raise typer.Exit(code)
+    def job() -> int:
+        if ray is None:
+            from cbatch.run.job import run_job
+
+            return run_job(options)
+        from cbatch.scaleout.cli_entry import run_on_ray
+
+        return run_on_ray(options, ray, replicas, gpus_per_replica, ray_block_rows)
+
+    exit_for(job)
 
 
 BENCH_HELP = "Workload"
@@ -187,6 +222,14 @@ def bench(
     attention_backend: str = ATTENTION_BACKEND_OPT,
     max_model_len: Optional[int] = MAX_MODEL_LEN_OPT,
     threads: Optional[int] = THREADS_OPT,
+    gpu_memory_utilization: float = GPU_MEMORY_OPT,
+    enforce_eager: bool = ENFORCE_EAGER_OPT,
+    prefix_cache: bool = PREFIX_CACHE_OPT,
+    preemption: str = PREEMPTION_OPT,
+    swap_space: float = SWAP_SPACE_OPT,
+    admission: str = ADMISSION_OPT,
+    priority_aging_steps: int = AGING_OPT,
+    shared_prefix: int = typer.Option(0, help="Every prompt starts with the same this many tokens (a system prompt): shows the prefix cache.", rich_help_panel=BENCH_HELP),
     simulate: bool = typer.Option(False, "--simulate", help="Drive the real scheduler and block pool with a cost model instead of the model.", rich_help_panel=SIM_HELP),
     cost_per_step: float = typer.Option(1.0, help="Simulated cost of every step.", rich_help_panel=SIM_HELP),
     cost_per_prefill_token: float = typer.Option(0.0, help="Simulated cost per prefill token.", rich_help_panel=SIM_HELP),
@@ -199,20 +242,22 @@ def bench(
 ) -> None:
     """Benchmark a synthetic workload (or a trace) under each admission policy, for real or simulated."""
     from cbatch.bench.command import BenchOptions, run_bench
-    from cbatch.bench.simulator import CostModel, CostModelError
-    from cbatch.bench.workload import WorkloadError
-    from cbatch.observe.plot import PlotError, check_plot_path
-    from cbatch.model.loader import ModelLoadError
-    from cbatch.model.spec import UnsupportedModelError
+    from cbatch.bench.simulator import CostModel
+    from cbatch.observe.plot import check_plot_path
 
     if model is not None and model_config is not None:
         fail("--model and --model-config: give one (a checkpoint, or a weightless shape)")
+    if shared_prefix < 0:
+        fail("--shared-prefix: must be a non-negative number of tokens")
     config = engine_config(
         model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, num_kv_blocks=num_kv_blocks,
         attention_backend=attention_backend, max_model_len=max_model_len, seed=seed, num_threads=threads,
+        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, enable_prefix_cache=prefix_cache,
+        preemption=preemption, swap_space_gb=swap_space, admission=admission, priority_aging_steps=priority_aging_steps,
     )
-    try:
+
+    def bench_run() -> int:
         cost = CostModel.fit(cost_from) if cost_from else CostModel(cost_per_step, cost_per_prefill_token, cost_per_context_token)
         if min(cost.per_step, cost.per_prefill_token, cost.per_context_token) < 0 or cost.per_step + cost.per_prefill_token + cost.per_context_token <= 0:
             fail("--cost-per-*: costs must be >= 0 and not all 0")
@@ -223,10 +268,11 @@ def bench(
         run_bench(BenchOptions(
             engine=config, model_config=model_config, num_prompts=num_prompts, input_len=input_len,
             output_len=output_len, seed=seed, trace=trace, policy=policy, simulate=simulate, cost=cost,
-            report=report, plot=plot, quiet=quiet, warmup=warmup,
+            report=report, plot=plot, quiet=quiet, warmup=warmup, shared_prefix=shared_prefix,
         ))
-    except (WorkloadError, CostModelError, PlotError, ConfigError, ModelLoadError, UnsupportedModelError) as exc:
-        fail(str(exc))
+        return 0
+
+    exit_for(bench_run, resumable=False)
 
 
 def main() -> None:

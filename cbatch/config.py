@@ -2,15 +2,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-Policy = Literal["longest-first", "fcfs", "static"]
-POLICIES: tuple[str, ...] = ("longest-first", "fcfs", "static")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 ADMISSION_MODES: tuple[str, ...] = ("optimistic", "reserve")
+
+
+class UserError(ValueError):
+    """A user's mistake (exit 2 on the command line): the message names the file, field or flag and the fix."""
+
+
+class ConfigError(UserError):
+    """A bad setting. `field` is the EngineConfig or SamplingParams field at fault (the command line names
+    its flag instead: cbatch/cli.py maps fields to flags); `reason` says what is wrong and the fix."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,59 +49,38 @@ class EngineConfig:
     priority_aging_steps: int | None = 1000  # a waiting request gains one priority class per this many steps
 
     def __post_init__(self) -> None:
-        def check(ok: bool, flag: str, fix: str) -> None:
+        from cbatch.engine.policy import POLICIES
+        from cbatch.model.backend import BACKENDS
+
+        def check(ok: bool, name: str, fix: str) -> None:
             if not ok:
-                raise ConfigError(f"{flag}: {fix}")
+                raise ConfigError(name, fix)
 
-        check(self.device in DEVICES, "--device", f"must be one of {', '.join(DEVICES)}, not {self.device!r}")
-        check(self.dtype in DTYPES, "--dtype", f"must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
-        check(self.policy in POLICIES, "--policy", f"must be one of {', '.join(POLICIES)}, not {self.policy!r}")
-        check(
-            self.attention_backend in ATTENTION_BACKENDS,
-            "--attention-backend",
-            f"must be one of {', '.join(ATTENTION_BACKENDS)}, not {self.attention_backend!r}",
-        )
-        check(self.max_num_seqs >= 1, "--max-num-seqs", "must be at least 1")
-        check(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens", "must be at least 1")
-        check(
-            self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
-            "--block-size",
-            "must be a power of two (e.g. 16)",
-        )
-        check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "--num-kv-blocks", "must be at least 1")
-        check(
-            0.0 < self.gpu_memory_utilization <= 1.0,
-            "--gpu-memory-utilization",
-            "must be in (0, 1], e.g. 0.9",
-        )
-        check(self.max_model_len is None or self.max_model_len >= 1, "--max-model-len", "must be at least 1")
+        def one_of(name: str, choices: tuple[str, ...]) -> None:
+            value = getattr(self, name)
+            check(value in choices, name, f"must be one of {', '.join(choices)}, not {value!r}")
+
+        one_of("device", DEVICES)
+        one_of("dtype", DTYPES)
+        one_of("policy", POLICIES)
+        one_of("attention_backend", BACKENDS)
+        one_of("preemption", PREEMPTION_MODES)
+        one_of("admission", ADMISSION_MODES)
+        check(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
+        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1")
+        check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
+              "must be a power of two (e.g. 16)")
+        check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be at least 1")
+        check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1], e.g. 0.9")
+        check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be at least 1")
         # rows without a seed draw from (job seed << 32) ^ row index, an int64
-        check(-(2**31) <= self.seed < 2**31, "--seed", "must be a 32-bit integer (-2147483648..2147483647)")
-
-        check(
-            self.preemption in PREEMPTION_MODES,
-            "--preemption",
-            f"must be one of {', '.join(PREEMPTION_MODES)}, not {self.preemption!r}",
-        )
-        check(self.swap_space_gb >= 0, "--swap-space", "must be a non-negative number of GB, e.g. 4")
-        check(
-            self.admission in ADMISSION_MODES,
-            "--admission",
-            f"must be one of {', '.join(ADMISSION_MODES)}, not {self.admission!r}",
-        )
-        check(
-            self.priority_aging_steps is None or self.priority_aging_steps >= 0,
-            "--priority-aging-steps",
-            "must be a non-negative number of steps (0 = no aging)",
-        )
+        check(-(2**31) <= self.seed < 2**31, "seed", "must be a 32-bit integer (-2147483648..2147483647)")
+        check(self.swap_space_gb >= 0, "swap_space_gb", "must be a non-negative number of GB, e.g. 4")
+        check(self.priority_aging_steps is None or self.priority_aging_steps >= 0, "priority_aging_steps",
+              "must be a non-negative number of steps (0 = no aging)")
 
 
 _INT64 = 2**63  # sampling settings become int64 tensors
-
-
-class ConfigError(ValueError):
-    """A user's mistake in settings: the message names the flag and the fix."""
-
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -106,28 +95,33 @@ class SamplingParams:
     ignore_eos: bool = False
     priority: int = 0  # scheduling class: lower is admitted sooner (and preempted later)
 
-    def validate(self) -> str | None:
-        """Returns a message naming the bad field, or None when the settings are usable."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            return f"max_tokens must be a positive integer, got {self.max_tokens!r}"
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
-            return f"temperature must be a number, got {self.temperature!r}"
-        if not 0.0 <= float(self.temperature) <= 100.0:
-            return f"temperature must be in [0, 100], got {self.temperature!r}"
-        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0.0 < self.top_p <= 1.0:
-            return f"top_p must be in (0, 1], got {self.top_p!r}"
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < _INT64:
-            return f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}"
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -_INT64 <= self.seed < _INT64):
-            return f"seed must be a 64-bit integer, got {self.seed!r}"
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            return f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
-        if not isinstance(self.ignore_eos, bool):
-            return f"ignore_eos must be true or false, got {self.ignore_eos!r}"
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            return f"priority must be an integer (lower = sooner), got {self.priority!r}"
+    def problem(self) -> tuple[str, str] | None:
+        """(field, a sentence naming it and what is wrong) for the first unusable setting, or None."""
+        def bad_int(value, low: int, high: int) -> bool:
+            return isinstance(value, bool) or not isinstance(value, int) or not low <= value < high
+
+        def bad_number(value) -> bool:
+            return isinstance(value, bool) or not isinstance(value, (int, float))
+
+        checks = (
+            ("max_tokens", bad_int(self.max_tokens, 1, _INT64), "must be a positive integer"),
+            ("temperature", bad_number(self.temperature), "must be a number"),
+            ("temperature", not bad_number(self.temperature) and not 0.0 <= float(self.temperature) <= 100.0,
+             "must be in [0, 100]"),
+            ("top_p", bad_number(self.top_p) or not 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", bad_int(self.top_k, 0, _INT64), "must be a non-negative integer (0 = off)"),
+            ("seed", self.seed is not None and bad_int(self.seed, -_INT64, _INT64), "must be a 64-bit integer"),
+            ("stop", not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop),
+             "must be a string or a list of non-empty strings"),
+            ("ignore_eos", not isinstance(self.ignore_eos, bool), "must be true or false"),
+            ("priority", bad_int(self.priority, -_INT64, _INT64), "must be an integer (lower = sooner)"),
+        )
+        for name, bad, rule in checks:
+            if bad:
+                return name, f"{name} {rule}, got {getattr(self, name)!r}"
         return None
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+    def validate(self) -> str | None:
+        """A message naming the bad field, or None when the settings are usable."""
+        problem = self.problem()
+        return problem[1] if problem else None

@@ -13,7 +13,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import ARCHS, make_checkpoint  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config) -> None:
+    """Before any test module is imported: without a GPU, Triton kernels run under its CPU interpreter
+    (TRITON_INTERPRET must be set before the first import of triton anywhere in the process)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -5,13 +5,13 @@ import random
 from pathlib import Path
 
 from cbatch.config import EngineConfig, SamplingParams
+from cbatch.engine.build import build_engine
 from cbatch.engine.engine import Engine, run_to_completion
-from cbatch.model.loader import read_checkpoint
 
 
 def make_engine(path: Path, **settings) -> Engine:
     settings.setdefault("device", "cpu")
-    return Engine(EngineConfig(model=str(path), **settings), checkpoint=read_checkpoint(path))
+    return build_engine(EngineConfig(model=str(path), **settings))
 
 
 def random_prompts(n: int, vocab: int, seed: int, min_len: int = 1, max_len: int = 60) -> list[list[int]]:

@@ -53,8 +53,8 @@ def test_run_writes_every_row_in_order(tiny_chat_model, tmp_path, src, dst):
 def test_same_outputs_as_the_library(tiny_chat_model, tmp_path):
     """The CLI's greedy tokens equal the engine's on the same rows (chat template applied once)."""
     from cbatch.config import EngineConfig, SamplingParams
-    from cbatch.engine.engine import Engine, run_to_completion
-    from cbatch.model.loader import read_checkpoint
+    from cbatch.engine.build import build_engine
+    from cbatch.engine.engine import run_to_completion
     from cbatch.tokenizer import encode_messages, encode_text, load_tokenizer
 
     out = tmp_path / "o.jsonl"
@@ -65,7 +65,7 @@ def test_same_outputs_as_the_library(tiny_chat_model, tmp_path):
     rows = [json.loads(line) for line in (SAMPLE / "prompts.jsonl").read_text().splitlines()]
     greedy_rows = [r for r in rows if not r.get("temperature") and not r.get("stop")]
     prompts = [encode_messages(tok, r["messages"]) if "messages" in r else encode_text(tok, r["prompt"]) for r in greedy_rows]
-    engine = Engine(EngineConfig(model=str(tiny_chat_model), device="cpu"), checkpoint=read_checkpoint(tiny_chat_model), tokenizer=tok)
+    engine = build_engine(EngineConfig(model=str(tiny_chat_model), device="cpu"))
     expected = run_to_completion(engine, prompts, [SamplingParams(max_tokens=6)] * len(prompts))
     # rows carry their own max_tokens (>= 6); greedy output is a prefix-stable sequence
     got = {r["id"]: r["completion_token_ids"][:6] for r in read_output(out)}

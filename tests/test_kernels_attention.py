@@ -1,7 +1,7 @@
 """Paged attention and KV-cache store kernels against float64 PyTorch references.
 
-Runs on a GPU when one is present; otherwise through Triton's CPU interpreter (TRITON_INTERPRET=1 is set
-below before anything imports triton, so plain `pytest` works). Shapes are kept small on purpose: the
+Runs on a GPU when one is present; otherwise through Triton's CPU interpreter (conftest.py sets
+TRITON_INTERPRET=1 before anything imports triton when there is no GPU). Shapes are kept small on purpose: the
 interpreter executes every program in numpy.
 """
 
@@ -10,8 +10,6 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 import pytest
 

@@ -1,7 +1,7 @@
 """RMSNorm (+ residual), rotary embedding and SwiGLU kernels against float64 references and HF eager math.
 
-Runs on a GPU when one is present; otherwise through Triton's CPU interpreter (TRITON_INTERPRET=1 is set
-below before anything imports triton, so plain `pytest` works).
+Runs on a GPU when one is present; otherwise through Triton's CPU interpreter (conftest.py sets
+TRITON_INTERPRET=1 before anything imports triton when there is no GPU).
 """
 
 import importlib
@@ -9,8 +9,6 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 import pytest
 

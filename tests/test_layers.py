@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from cbatch.model.layers import Linear, RotaryStep, apply_rotary, prepack_weight, rope_cos_sin_cache, rope_inv_freq
+from cbatch.model.backend import TorchBackend
+from cbatch.model.layers import Linear, prepack_weight, rope_cos_sin_cache, rope_inv_freq
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -18,7 +19,8 @@ def test_rotary_is_bitwise_hf(dtype) -> None:
     k = qkv[:, HQ * D : (HQ + HKV) * D].view(T, HKV, D)
     positions = torch.randint(0, 500, (T,), generator=gen)
     table = rope_cos_sin_cache(512, rope_inv_freq(D, 10000.0, None))
-    got_q, got_k = apply_rotary(q, k, RotaryStep.build(positions, table, dtype))
+    backend = TorchBackend()
+    got_q, got_k = backend.apply_rotary(q, k, backend.rotary(positions, table, dtype))
 
     cos, sin = table[positions].chunk(2, dim=-1)  # HF: cos/sin in float32, cast to the activations' dtype
     cos, sin = torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)

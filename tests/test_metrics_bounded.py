@@ -28,7 +28,7 @@ def test_folded_series_keeps_every_sum_and_bounds_its_length(monkeypatch):
     m = JobMetrics()
     for s in samples:
         m.record_step(StepSample(*(getattr(s, f) for f in StepSample.__slots__)))
-    series = m.steps
+    series = m.series
     assert len(series) <= 16 and m.steps_recorded == 1000
     assert sum(b.steps for b in series) == 1000
     for field in ("running", "scheduled_tokens", "prefill_tokens", "output_tokens", "kv_used", "context_tokens",

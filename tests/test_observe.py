@@ -21,15 +21,15 @@ from test_cli_run import SAMPLE, cbatch  # noqa: E402
 @pytest.fixture(scope="module")
 def pressured_run():
     """A real run on the tiny preset with a KV pool small enough to preempt: (engine, run, report)."""
-    from cbatch.bench.runner import make_bench_engine, run_real
+    from cbatch.bench.trial import make_bench_engine, run_trial, workload_prompts
     from cbatch.bench.workload import parse_distribution, synthetic_workload
     from cbatch.observe.roofline import engine_hardware
 
     config = EngineConfig(device="cpu", max_num_seqs=6, num_kv_blocks=24, block_size=8, max_num_batched_tokens=48)
     engine = make_bench_engine(config, "tiny", seed=1)
     requests = synthetic_workload(14, parse_distribution("5:40", "--input-len"), parse_distribution("10:60", "--output-len"), 2)
-    run = run_real(engine, requests, "longest-first", seed=1)
-    report = run.build_report(6, {}, "s", engine_hardware(engine, run.metrics.steps, run.metrics.forward_seconds))
+    run = run_trial(engine, requests, workload_prompts(requests, engine.spec.vocab_size, 1), "longest-first")
+    report = run.build_report(6, {}, "s", engine_hardware(engine, run.metrics.series, run.metrics.forward_seconds))
     return engine, run, report, requests
 
 
@@ -52,12 +52,15 @@ def test_report_utilization_is_consistent_with_the_scheduler(pressured_run):
     u, stats = report["utilization"], engine.scheduler.stats
     assert u["preemptions"] == stats.preemptions > 0  # the pool was small enough to preempt
     assert u["recomputed_tokens"] == stats.recomputed_tokens > 0
-    assert u["steps"] == stats.steps == len(run.metrics.steps)
+    assert u["steps"] == stats.steps == len(run.metrics.series)
     assert 0 < u["mean_batch_occupancy"] <= 1
     assert 0 < u["mean_kv_usage"] <= u["peak_kv_usage"] <= 1
     assert u["mean_tokens_per_step"] * u["steps"] == pytest.approx(stats.scheduled_tokens)
-    # scheduled work = prompts + outputs (the last token of each is never fed back) + recompute
-    assert stats.scheduled_tokens == report["tokens"]["prompt"] + report["tokens"]["output"] - 14 + stats.recomputed_tokens
+    # scheduled work = prompts + outputs (the last token of each is never fed back) + recompute, less what
+    # the prefix cache gave back (preempted rows restart on their own cached blocks)
+    assert stats.prefix_cache_hit_tokens > 0
+    assert stats.scheduled_tokens == (report["tokens"]["prompt"] + report["tokens"]["output"] - 14
+                                      + stats.recomputed_tokens - stats.prefix_cache_hit_tokens)
     assert u["padding_waste"] == 0
 
 
@@ -118,10 +121,10 @@ def test_plot_refuses_unknown_extension(tmp_path):
 def test_dashboard_frame_has_every_field():
     from rich.console import Console
 
-    from cbatch.bench.runner import make_bench_engine
+    from cbatch.bench.trial import make_bench_engine
     from cbatch.config import SamplingParams
     from cbatch.observe.dashboard import Dashboard
-    from cbatch.observe.metrics import JobMetrics, engine_step_sample
+    from cbatch.observe.metrics import JobMetrics, engine_snapshot, engine_step_sample
 
     config = EngineConfig(device="cpu", max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, block_size=8)
     engine = make_bench_engine(config, "tiny", seed=0)
@@ -132,8 +135,9 @@ def test_dashboard_frame_has_every_field():
     for _ in range(6):
         engine.step()
         metrics.record_step(engine_step_sample(metrics, engine))
-    metrics.output_tokens = sum(s.output_tokens for s in metrics.steps)
-    dashboard.update(engine=engine)
+        metrics.engine = engine_snapshot(engine)
+    metrics.output_tokens = sum(s.output_tokens for s in metrics.series)
+    dashboard.update()
     console = Console(record=True, force_terminal=True, width=100)
     console.print(dashboard.render())
     text = console.export_text()
@@ -190,8 +194,9 @@ def test_run_on_a_terminal_shows_the_dashboard(tiny_chat_model, tmp_path):
 
 
 def test_non_terminal_gets_plain_progress_lines(capsys):
+    from cbatch.observe.display import make_display as make_progress
     from cbatch.observe.metrics import JobMetrics
-    from cbatch.observe.progress import NoProgress, PlainProgress, make_progress
+    from cbatch.observe.progress import NoProgress, PlainProgress
 
     options = SimpleNamespace(quiet=False, display="auto", engine=EngineConfig(), progress_interval=10.0)
     assert not sys.stdout.isatty()  # pytest captures stdout

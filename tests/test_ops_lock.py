@@ -56,12 +56,12 @@ def test_lock_is_checked_before_the_model_loads(small_job, monkeypatch):
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        from cbatch.engine.engine import Engine
+        import cbatch.run.job as job_module
 
-        def no_load(config):
+        def no_load(*args, **kwargs):
             raise AssertionError("the model was loaded although the output is locked")
 
-        monkeypatch.setattr(Engine, "from_config", no_load)
+        monkeypatch.setattr(job_module, "build_engine", no_load)
         code, stdout, err = run_inprocess("run", str(source), "--out", str(out), *flags)
         assert code == 2, err
         assert f"already being written by another cbatch job (pid {holder.pid} on elsewhere)" in err

@@ -7,7 +7,8 @@ import re
 import pytest
 
 from cbatch.config import EngineConfig, SamplingParams
-from cbatch.job import JobOptions, run_job
+from cbatch.run.job import run_job
+from cbatch.run.preflight import JobOptions
 from helpers import make_engine
 from ops_jobs import read_jsonl, run_inprocess, token_rows, write_jsonl
 
@@ -62,7 +63,7 @@ def test_default_interval_is_quiet_for_short_jobs(job):
 
 def test_rows_are_streamed_within_the_lookahead(tiny_checkpoints, tmp_path, monkeypatch):
     """However long the input, the job holds at most `lookahead` waiting rows plus the running batch."""
-    import cbatch.job
+    import cbatch.run.job
 
     lookahead, max_seqs, n = 6, 3, 90
     model = tiny_checkpoints["llama"]
@@ -78,14 +79,14 @@ def test_rows_are_streamed_within_the_lookahead(tiny_checkpoints, tmp_path, monk
 
     monkeypatch.setattr(engine, "step", counting_step)
     pulls: list[tuple[int, int, int]] = []  # (rows pulled, waiting in the engine, finished) at each pull
-    real_rows = cbatch.job.iter_rows
+    real_rows = cbatch.run.job.iter_rows
 
     def watched_rows(path):
         for pulled, item in enumerate(real_rows(path), start=1):
             pulls.append((pulled, engine.scheduler.num_waiting, finished[0]))
             yield item
 
-    monkeypatch.setattr(cbatch.job, "iter_rows", watched_rows)
+    monkeypatch.setattr(cbatch.run.job, "iter_rows", watched_rows)
     options = JobOptions(input=source, output=tmp_path / "o.jsonl", defaults=SamplingParams(max_tokens=4),
                          engine=EngineConfig(model=str(model), device="cpu", max_num_seqs=max_seqs),
                          display="none", lookahead=lookahead)

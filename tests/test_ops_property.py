@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine.engine import run_to_completion
-from cbatch.job import EXIT_OK, EXIT_ROW_ERRORS, JobOptions, run_job
+from cbatch.run.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
+from cbatch.run.job import run_job
+from cbatch.run.preflight import JobOptions
 from helpers import make_engine
 from ops_jobs import read_jsonl
 

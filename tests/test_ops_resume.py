@@ -101,13 +101,13 @@ def test_signal_saves_rows_and_rerun_completes(job, tmp_path, signum, code):
 
 def _sigterm_after(monkeypatch, updates: int) -> None:
     """Makes the next in-process job receive a real SIGTERM after `updates` steps."""
-    import cbatch.observe.progress as progress
+    import cbatch.run.job as job_module
 
     class Killer:
         def __init__(self) -> None:
             self.n = 0
 
-        def update(self, **_):
+        def update(self):
             self.n += 1
             if self.n == updates:
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -115,7 +115,7 @@ def _sigterm_after(monkeypatch, updates: int) -> None:
         def close(self):
             pass
 
-    monkeypatch.setattr(progress, "make_progress", lambda metrics, options: Killer())
+    monkeypatch.setattr(job_module, "make_display", lambda metrics, options: Killer())
 
 
 def test_changed_input_or_settings_refuse_a_partial_run(job, tmp_path, monkeypatch):
@@ -155,12 +155,12 @@ def test_complete_output_exits_0_without_loading_the_model(job, tmp_path, monkey
     first = out.read_bytes()
     assert read_jsonl(out) == job["reference"][:20]
 
-    from cbatch.engine.engine import Engine
+    import cbatch.run.job as job_module
 
-    def no_load(config):
+    def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded for a complete output")
 
-    monkeypatch.setattr(Engine, "from_config", no_load)
+    monkeypatch.setattr(job_module, "build_engine", no_load)
     code, stdout, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"])
     assert code == 0 and "already complete" in err, err
     assert out.read_bytes() == first
@@ -197,25 +197,25 @@ def test_output_not_written_by_cbatch_is_refused_then_overwritten(job, tmp_path)
 def test_failed_final_write_keeps_rows_and_leaves_no_output(job, tmp_path, monkeypatch):
     import errno
 
-    import cbatch.job
+    import cbatch.run.job
 
     source = write_jsonl(tmp_path / "in.jsonl", job["rows"][:30])
     out = tmp_path / "out.jsonl"
-    real_write = cbatch.job.write_output
+    real_write = cbatch.run.job.write_output
 
     def disk_full(path, fmt, records, token_ids):
         path.write_text('{"id": "r0", "compl')  # half a file, then the disk fills up
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(cbatch.job, "write_output", disk_full)
+    monkeypatch.setattr(cbatch.run.job, "write_output", disk_full)
     code, _, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"])
-    assert code == 2, err
+    assert code == 74, err  # the environment failed the job's files: sysexits' EX_IOERR, not a usage error
     assert "No space left on device" in err and "run the same command again" in err and "Traceback" not in err
     assert not out.exists()
     assert not list(tmp_path.glob(".out.jsonl.tmp-*")) and not (tmp_path / ".out.jsonl.cbatch.lock").exists()
     assert part_lines(out) == 30
 
-    monkeypatch.setattr(cbatch.job, "write_output", real_write)
+    monkeypatch.setattr(cbatch.run.job, "write_output", real_write)
     code, _, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"])
     assert code == 0 and "resuming: 30 of 30 rows" in err, err  # no bad row among the first 30
     assert read_jsonl(out) == job["reference"][:30]

@@ -3,6 +3,7 @@ through the real engine identical with and without the cache."""
 from __future__ import annotations
 
 import random
+from collections import defaultdict
 
 import pytest
 
@@ -24,11 +25,9 @@ def seq(i, prompt, max_tokens=8):
     return Sequence(seq_id=i, prompt_ids=list(prompt), params=SamplingParams(max_tokens=max_tokens))
 
 
-def advance(plan, token=7):
-    for s, n in plan.scheduled:
-        s.num_computed += n
-        if s.num_computed == s.num_tokens:
-            s.output_ids.append(token)
+def advance(sched, plan, token=7):
+    """The engine's own post-step update, every sampling sequence drawing `token`."""
+    return sched.update(plan, defaultdict(lambda: token))
 
 
 def register(pool, block, tokens, parent=None):
@@ -74,19 +73,19 @@ def test_shared_prefix_hits_and_ref_counts_survive_preemption():
     prefix = [random.Random(0).randrange(3, 300) for _ in range(12)]
     a, b = seq(0, prefix + [100, 101], max_tokens=20), seq(1, prefix + [200, 201, 202], max_tokens=20)
     sched.add(a)
-    advance(sched.schedule())  # A computes its 14-token prompt (3 full blocks + 2 tokens)
+    advance(sched, sched.schedule())  # A computes its 14-token prompt (3 full blocks + 2 tokens)
     sched.add(b)
     plan = sched.schedule()
     assert (b, 3) in plan.scheduled  # only B's 3 own tokens are computed
     shared = a.block_ids[:3]
     assert b.block_ids[:3] == shared and all(pool.ref_count(x) == 2 for x in shared)
     assert sched.stats.prefix_cache_hit_tokens == 12 and sched.stats.prefix_cache_query_tokens == 14 + 15
-    advance(plan)
-    advance(sched.schedule())  # both decode: 5 blocks in use, the pool is full
+    advance(sched, plan)
+    advance(sched, sched.schedule())  # both decode: 5 blocks in use, the pool is full
     plan = sched.schedule()  # A needs a 5th block: B (newest) is preempted
     assert plan.preempted == [b] and b.num_computed == 0 and b.block_ids == []
     assert all(pool.ref_count(x) == 1 for x in shared)  # B's references are gone, A's remain
-    advance(plan)
+    advance(sched, plan)
     sched.finish(a, FinishReason.STOP)
     assert pool.num_free == pool.num_blocks and all(pool.ref_count(x) == 0 for x in shared)
     hits_before = sched.stats.prefix_cache_hit_tokens
@@ -100,7 +99,7 @@ def test_whole_prompt_hit_still_computes_one_token():
     prompt = list(range(10, 18))  # exactly 2 full blocks
     first, second = seq(0, prompt), seq(1, prompt)
     sched.add(first)
-    advance(sched.schedule())
+    advance(sched, sched.schedule())
     sched.add(second)
     plan = sched.schedule()
     assert (second, 4) in plan.scheduled  # block 0 hit, block 1 recomputed: the last token makes the logits
@@ -112,7 +111,7 @@ def test_disabled_cache_never_hits():
     sched = Scheduler(get_policy("fcfs"), pool, 8, 100, 1000)
     a, b = seq(0, range(3, 20)), seq(1, range(3, 20))
     sched.add(a)
-    advance(sched.schedule())
+    advance(sched, sched.schedule())
     sched.add(b)
     assert (b, 17) in sched.schedule().scheduled and pool.num_cached == 0
 
@@ -175,7 +174,7 @@ def test_rows_sharing_a_prefix_wait_one_step_instead_of_computing_it_twice():
     plan = sched.schedule()
     assert [s for s, _ in plan.scheduled] == [rows[0]]  # the others would compute the same 3 blocks
     assert sched.stats.stalled_prefix_pending == 1
-    advance(plan)
+    advance(sched, plan)
     plan = sched.schedule()
     assert [(s, n) for s, n in plan.scheduled if s is not rows[0]] == [(r, 2) for r in rows[1:]] + [(other, 10)]
     assert sched.stats.prefix_cache_hit_tokens == 3 * 12

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from cbatch.config import EngineConfig, SamplingParams
-from cbatch.job import JobOptions, run_job
+from cbatch.run.job import run_job
+from cbatch.run.preflight import JobOptions
 from cbatch.scaleout import normalize_ray_flag
 
 ROWS = 26
@@ -116,25 +117,17 @@ def test_a_killed_replica_has_its_rows_retried_exactly_once(ray_cluster, job_inp
 
     inp, model = job_input
     out, report_path = tmp_path / "out.jsonl", tmp_path / "report.json"
-    killed: list[int] = []
+    killed = [0]
 
-    def kill_one_mid_job(job) -> None:
+    def no_duplicates(job) -> None:
         job.state.sync()
         records = part_lines(job.state.dir)
-        assert len(records) == len({r["index"] for r in records}) == len(job.done)  # never a duplicate
-        if killed:
-            return
-        for victim in (r for r in job.replicas if r.status == "running"):
-            # a block with a long row that is still running: killing now surely loses unfinished work
-            busy = [ref for ref, block in victim.in_flight.items()
-                    if any(isinstance(raw, dict) and raw.get("ignore_eos") for _, raw in block.rows)]
-            if busy and not ray_cluster.wait(busy, timeout=0)[0]:
-                killed.append(victim.number)
-                ray_cluster.kill(victim.actor, no_restart=True)
-                return
+        assert len(records) == len({r["index"] for r in records}) == job.state.num_rows  # never a duplicate
 
-    code = run_ray_job(options(inp, out, model, report=report_path), ray_options(), on_block=kill_one_mid_job)
-    assert code == 1 and killed
+    # fault injection: replica 0's process dies at its engine's 2nd step, in the middle of its first block
+    code = run_ray_job(options(inp, out, model, report=report_path), ray_options(crash=(killed[0], 2)),
+                       on_block=no_duplicates)
+    assert code == 1
     assert out.read_bytes() == local_output  # every row, once, in order, the killed replica's rows included
     check_rows(out.read_bytes())
     report = json.loads(report_path.read_text())
@@ -152,7 +145,7 @@ def test_a_rerun_after_a_crash_skips_rows_already_written(ray_cluster, job_input
     saved: list[int] = []
 
     def crash_after_two_blocks(job) -> None:
-        if len(job.done) >= 6:
+        if job.state.num_rows >= 6:
             job.state.sync()
             saved.extend(r["index"] for r in part_lines(job.state.dir))
             raise KeyboardInterrupt  # the driver dies: its part file stays for the re-run
@@ -183,7 +176,7 @@ def test_cli_joins_a_running_cluster(ray_cluster, job_input, local_output, tmp_p
 
 
 def test_pool_larger_than_the_cluster_is_refused(ray_cluster, job_input, tmp_path):
-    from cbatch.job import JobError
+    from cbatch.run.preflight import JobError
     from cbatch.scaleout.ray_job import run_ray_job
 
     inp, model = job_input
@@ -245,7 +238,7 @@ def test_ray_flag_takes_an_optional_address(argv, expected):
 def test_an_address_nobody_answers_fails_fast():
     import socket
 
-    from cbatch.job import JobError
+    from cbatch.run.preflight import JobError
     from cbatch.scaleout.ray_job import check_reachable
 
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there

@@ -1,6 +1,8 @@
 """Scheduler and block pool on fake requests: no model, no tensors."""
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 
 from cbatch.config import SamplingParams
@@ -20,11 +22,8 @@ def seq(i, prompt_len, max_tokens=8):
 
 
 def advance(sched, plan, token=7):
-    """What the engine does after a step: count computed tokens, append a sample where the chunk ended."""
-    for s, n in plan.scheduled:
-        s.num_computed += n
-        if s.num_computed == s.num_tokens:
-            s.output_ids.append(token)
+    """The engine's own post-step update, every sampling sequence drawing `token`."""
+    return sched.update(plan, defaultdict(lambda: token))
 
 
 def test_block_pool_ref_counts():

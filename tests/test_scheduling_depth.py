@@ -3,6 +3,7 @@ Scheduler rules on fake requests; identical greedy outputs through the real engi
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from cbatch.config import ConfigError, EngineConfig, SamplingParams
 from cbatch.engine.kv_blocks import BlockPool
 from cbatch.engine.policy import PreemptionPolicy, PriorityOrder, get_policy
 from cbatch.engine.scheduler import Scheduler
-from cbatch.engine.sequence import FinishReason, Sequence
+from cbatch.engine.sequence import Sequence
 from cbatch.io.rows import RowError, sampling_from_row
 from helpers import generate, make_engine, random_prompts
 
@@ -27,14 +28,9 @@ def seq(i, prompt_len, max_tokens=8, priority=0):
 
 
 def step(sched, token=7):
-    """One engine step on fake tokens: count computed, sample where a chunk ends, finish at max_tokens."""
+    """One step of the engine's own bookkeeping on fake tokens (finishing at max_tokens)."""
     plan = sched.schedule()
-    for s, n in plan.scheduled:
-        s.num_computed += n
-        if s.num_computed == s.num_tokens:
-            s.output_ids.append(token)
-            if len(s.output_ids) >= s.params.max_tokens:
-                sched.finish(s, FinishReason.LENGTH)
+    sched.update(plan, defaultdict(lambda: token))
     return plan
 
 
@@ -189,12 +185,15 @@ def test_priority_row_field_and_flags_are_validated():
     assert sampling_from_row({"priority": 2.0}, defaults).priority == 2
     with pytest.raises(RowError, match="priority must be an integer"):
         sampling_from_row({"priority": "high"}, defaults)
-    with pytest.raises(ConfigError, match="--preemption"):
-        EngineConfig(preemption="sometimes")
-    with pytest.raises(ConfigError, match="--admission"):
-        EngineConfig(admission="greedy")
-    with pytest.raises(ConfigError, match="--swap-space"):
-        EngineConfig(swap_space_gb=-1)
+    # the library names the field; the command line names its flag (cbatch.cli.flag_of, one table)
+    from cbatch.cli import flag_of
+
+    for settings, field, flag in ((dict(preemption="sometimes"), "preemption", "--preemption"),
+                                  (dict(admission="greedy"), "admission", "--admission"),
+                                  (dict(swap_space_gb=-1), "swap_space_gb", "--swap-space")):
+        with pytest.raises(ConfigError, match=f"^{field}: ") as caught:
+            EngineConfig(**settings)
+        assert caught.value.field == field and flag_of(caught.value.field) == flag
 
 
 # ---- through the engine: identical greedy outputs under heavy KV pressure -------------------------

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from cbatch.config import SamplingParams
-from cbatch.engine.engine import Engine, run_to_completion
-from cbatch.model.loader import read_checkpoint
+from cbatch.engine.build import build_engine
+from cbatch.engine.engine import run_to_completion
 from cbatch.tokenizer import encode_messages, load_tokenizer
 
 CHATS = [
@@ -32,7 +32,7 @@ def test_chat_greedy_matches_hf(smollm2_dir):
         reference.append(out[0, len(ids):].tolist())
     from cbatch.config import EngineConfig
 
-    engine = Engine(EngineConfig(model=str(smollm2_dir), device="cpu"), checkpoint=read_checkpoint(smollm2_dir), tokenizer=tokenizer)
+    engine = build_engine(EngineConfig(model=str(smollm2_dir), device="cpu"))
     outputs = run_to_completion(engine, prompts, [SamplingParams(max_tokens=24)] * len(prompts))
     assert [o.token_ids for o in outputs] == reference
     assert "Paris" in outputs[0].text

@@ -1,4 +1,4 @@
-"""TorchAttention (the CPU path) against a dense per-sequence reference, on a shuffled paged cache.
+"""TorchBackend attention (the CPU path) against a dense per-sequence reference, on a shuffled paged cache.
 
 Mixed steps (decodes, a fresh prefill, a chunk with cached context) with blocks in random order, stale
 table entries past each row's end, and sliding windows: the paged result must match plain causal
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-import cbatch.attention
-from cbatch.attention import AttentionMetadata, TorchAttention, kv_cache_shape
+import cbatch.model.backend.torch_backend as torch_backend
+from cbatch.model.backend import AttentionMetadata, TorchBackend, kv_cache_shape
 
 HQ, HKV, D, BS = 6, 2, 16, 4
 
@@ -44,13 +44,13 @@ def _reference(q, keys, values, ctx, window):
     ],
 )
 def test_paged_matches_dense(seed: int, window: int | None, group_rows: int, dtype, matmul_prefill_pairs, monkeypatch) -> None:
-    monkeypatch.setattr(cbatch.attention, "DECODE_GROUP_ROWS", group_rows)
-    monkeypatch.setattr(cbatch.attention, "MATMUL_PREFILL_MAX_PAIRS", matmul_prefill_pairs)
+    monkeypatch.setattr(torch_backend, "DECODE_GROUP_ROWS", group_rows)
+    monkeypatch.setattr(torch_backend, "MATMUL_PREFILL_MAX_PAIRS", matmul_prefill_pairs)
     gen = torch.Generator().manual_seed(seed)
     # (context after this step, query tokens): decodes first, like the scheduler's plans
     rows = [(13, 1), (1, 1), (30, 1), (17, 1), (9, 9), (21, 6)]
     num_blocks = 64
-    backend = TorchAttention()
+    backend = TorchBackend()
     k_cache = torch.randn(kv_cache_shape(num_blocks, BS, HKV, D), generator=gen)  # stale, finite data
     v_cache = torch.randn(kv_cache_shape(num_blocks, BS, HKV, D), generator=gen)
     order = torch.randperm(num_blocks, generator=gen).tolist()
@@ -92,7 +92,7 @@ def test_paged_matches_dense(seed: int, window: int | None, group_rows: int, dty
     )
     backend.prepare(meta)
     q, k_new, v_new = q.to(dtype), k_new.to(dtype), v_new.to(dtype)
-    out = backend.forward(q, k_new, v_new, k_cache, v_cache, meta, D**-0.5, window)
+    out = backend.attention(q, k_new, v_new, k_cache, v_cache, meta, D**-0.5, window)
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for b, (ctx, n) in enumerate(rows):
         want = _reference(q[starts[b] : starts[b + 1]].float(), keys[b], values[b], ctx, window)

@@ -6,8 +6,6 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere in this process
 
 pytest.importorskip("triton")
 
@@ -24,8 +22,35 @@ def test_triton_backend_matches_torch_backend(arch, tiny_checkpoints):
     settings = dict(device="cpu", max_num_batched_tokens=24, block_size=8)  # chunked prefill + decode mixed
     expected = generate(make_engine(path, attention_backend="torch", **settings), prompts, PARAMS)
     got = generate(make_engine(path, attention_backend="triton", **settings), prompts, PARAMS)
-    make_engine(path, attention_backend="torch")  # leave the process on the torch path for later tests
     assert got == expected
+
+
+def test_engines_with_different_backends_coexist(tiny_checkpoints):
+    """The backend is the engine's own object: building a Triton engine leaves a torch engine's numerics
+    (bit for bit) and its ops untouched, and both run interleaved in one process."""
+    path = tiny_checkpoints["qwen3"]
+    prompt = random_prompts(1, vocab=384, seed=5, min_len=20, max_len=20)[0]
+
+    torch_engine = make_engine(path, attention_backend="torch")
+    alone = _logits(torch_engine, prompt)
+    triton_engine = make_engine(path, attention_backend="triton")
+    beside_triton = _logits(torch_engine, prompt)
+    triton_logits = _logits(triton_engine, prompt)
+    assert torch.equal(alone, beside_triton)
+    assert not torch.equal(alone, triton_logits)  # the Triton kernels round differently...
+    torch.testing.assert_close(triton_logits, alone, rtol=1e-4, atol=1e-4)  # ...but compute the same thing
+    assert {m.backend.name for m in torch_engine.runner.model.modules() if hasattr(m, "backend")} == {"torch"}
+
+
+def _logits(engine, prompt: list[int]) -> torch.Tensor:
+    """The logits of one prefill of `prompt` through the engine's runner."""
+    from cbatch.engine.sequence import Sequence
+
+    engine.reset()
+    seq = Sequence(seq_id=0, prompt_ids=prompt, params=PARAMS)
+    engine.scheduler.add(seq)
+    plan = engine.scheduler.schedule()
+    return engine.runner.forward(plan).logits
 
 
 def test_cli_triton_backend(tiny_checkpoints, tmp_path):

@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from cbatch.bench.result import BenchRun, comparison_rows, comparison_table
-from cbatch.bench.simulator import CostModel, cost_settings, simulate
+from cbatch.bench.simulator import SIMULATED_VOCAB, CostModel, cost_settings, simulated_engine
+from cbatch.bench.trial import make_bench_engine, run_trial, warm_up, workload_prompts
 from cbatch.bench.workload import BenchRequest, WorkloadError, parse_distribution, read_trace, synthetic_workload
 from cbatch.config import EngineConfig
+from cbatch.engine.policy import POLICIES
 
-ALL_POLICIES = ("static", "fcfs", "longest-first")
+ALL_POLICIES = tuple(reversed(POLICIES))  # static first: the baseline of the comparison
 
 
 @dataclass(slots=True)
@@ -30,6 +32,7 @@ class BenchOptions:
     plot: Path | None = None
     quiet: bool = False
     warmup: bool = True
+    shared_prefix: int = 0  # every prompt starts with the same this many tokens
 
 
 def policies_of(name: str) -> list[str]:
@@ -68,40 +71,23 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     """Runs the benchmark, prints the table; returns the whole report (also written to --report)."""
     from rich.console import Console
 
-    console = Console(file=sys.stdout)
     requests, workload = make_workload(options)
     workload["prompt_tokens"] = sum(r.prompt_len for r in requests)
     workload["output_tokens"] = sum(r.output_len for r in requests)
-    policies = policies_of(options.policy)
-    engine_settings = asdict(options.engine)
+    engine, clock = _bench_engine(options, requests)
+    vocab = engine.spec.vocab_size if engine.spec is not None else SIMULATED_VOCAB
+    prompts = workload_prompts(requests, vocab, options.seed, options.shared_prefix)
     runs: list[BenchRun] = []
-    if options.simulate:
-        max_model_len = _sim_max_model_len(options, requests)
-        for policy in policies:
-            run = simulate(requests, options.engine, options.cost, max_model_len, policy)
-            settings = {"engine": {**engine_settings, "policy": policy}, "simulated": True,
-                        "max_model_len": max_model_len, "cost_model": cost_settings(options.cost)}
-            run.build_report(options.engine.max_num_seqs, settings, options.cost.unit)
-            runs.append(run)
-    else:
-        from cbatch.bench.runner import make_bench_engine, run_real, warm_up
-        from cbatch.observe.roofline import engine_hardware
-
-        engine = make_bench_engine(options.engine, options.model_config, options.seed)
-        if options.warmup:
-            warm_up(engine, options.seed)
-        for policy in policies:
-            if not options.quiet:
-                print(f"cbatch bench: running {len(requests)} requests with --policy {policy} ...", file=sys.stderr, flush=True)
-            run = run_real(engine, requests, policy, options.seed)
-            settings = {"engine": {**engine_settings, "policy": policy}, "simulated": False,
-                        "model": options.model_config or options.engine.model or "default",
-                        "device": str(engine.device), "dtype": str(engine.dtype), "max_model_len": engine.max_model_len}
-            hardware = engine_hardware(engine, run.metrics.steps, run.metrics.forward_seconds)
-            run.build_report(options.engine.max_num_seqs, settings, "s", hardware)
-            runs.append(run)
+    for policy in policies_of(options.policy):
+        if not options.quiet and not options.simulate:
+            print(f"cbatch bench: running {len(requests)} requests with --policy {policy} ...", file=sys.stderr, flush=True)
+        run = run_trial(engine, requests, prompts, policy, clock)
+        run.build_report(options.engine.max_num_seqs, _run_settings(options, engine, policy),
+                         options.cost.unit if options.simulate else "s", _hardware(options, engine, run))
+        runs.append(run)
     reports = [run.report for run in runs]
     result = {"workload": workload, "runs": reports, "comparison": comparison_rows(reports)}
+    console = Console(file=sys.stdout)
     if len(reports) > 1:
         console.print(comparison_table(reports))
     else:
@@ -118,3 +104,36 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         plot_reports(reports, options.plot)
     return result
 
+
+def _bench_engine(options: BenchOptions, requests: list[BenchRequest]):
+    """(engine, clock): the real engine (warmed up) on wall time, or the simulator on its cost clock."""
+    if options.simulate:
+        from cbatch.model.presets import preset_spec
+
+        longest = max(r.prompt_len + r.output_len for r in requests)
+        spec = preset_spec(options.model_config) if options.model_config is not None else None
+        engine = simulated_engine(options.engine, options.cost, _sim_max_model_len(options, requests), longest, spec)
+        return engine, lambda: engine.runner.forward_seconds
+    engine = make_bench_engine(options.engine, options.model_config, options.seed)
+    if options.warmup:
+        warm_up(engine, options.seed)
+    return engine, None
+
+
+def _run_settings(options: BenchOptions, engine, policy: str) -> dict[str, Any]:
+    settings: dict[str, Any] = {"engine": {**asdict(engine.config), "policy": policy}, "simulated": options.simulate,
+                                "max_model_len": engine.max_model_len, "shared_prefix": options.shared_prefix}
+    if options.simulate:
+        settings["cost_model"] = cost_settings(options.cost)
+    else:
+        settings.update(model=options.model_config or options.engine.model or "default", device=str(engine.device),
+                        dtype=str(engine.dtype))
+    return settings
+
+
+def _hardware(options: BenchOptions, engine, run: BenchRun) -> dict[str, Any] | None:
+    if options.simulate:
+        return None
+    from cbatch.observe.roofline import engine_hardware
+
+    return engine_hardware(engine, run.metrics.series, run.metrics.forward_seconds)

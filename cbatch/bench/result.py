@@ -5,8 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cbatch.engine.scheduler import SchedulerStats
-from cbatch.engine.sequence import Sequence
-from cbatch.observe.metrics import JobMetrics, RequestTiming
+from cbatch.observe.metrics import JobMetrics
 
 
 @dataclass(slots=True)
@@ -21,31 +20,6 @@ class BenchRun:
     stats: SchedulerStats | None = None  # the scheduler's counters at the end
     num_kv_blocks: int = 0
     wall: float = 0.0  # seconds, or cost units for the simulator
-
-    def record(self, queued: tuple[float, int], seq: Sequence, left_step: int, left_t: float) -> None:
-        """A request left the engine (done): tokens, latency and its finish step.
-
-        `queued` is (time, step) it was added; `left_step` / `left_t` are when its result became
-        available (a static group leaves together).
-        """
-        queued_t, queued_step = queued
-        m = self.metrics
-        self.finish_step[seq.seq_id], self.finish_time[seq.seq_id] = left_step, left_t
-        if seq.error is not None:
-            m.error_rows += 1
-            return
-        m.ok_rows += 1
-        m.prompt_tokens += seq.prompt_len
-        m.output_tokens += len(seq.result_ids)
-        first = seq.first_scheduled_step
-        m.add_timing(RequestTiming(
-            row_id=str(seq.seq_id), queued_s=queued_t,
-            scheduled_s=max(queued_t, m.step_time(first - 1) or 0.0) if first and first > 1 else queued_t,
-            first_token_s=m.step_time(seq.first_token_step), finished_s=left_t,
-            queued_step=queued_step, first_scheduled_step=first, first_token_step=seq.first_token_step,
-            finished_step=left_step, prompt_tokens=seq.prompt_len, output_tokens=len(seq.result_ids),
-        ))
-
 
     def build_report(self, max_num_seqs: int, settings: dict[str, Any], time_unit: str,
                      hardware: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""The simulator: the engine's own `Scheduler`, `BlockPool` and post-step bookkeeping (`commit_step`),
-with a cost model in place of the model. What-if questions at sizes no machine here can run.
+"""The simulator: the engine itself (`Scheduler`, `BlockPool`, `Scheduler.update`) with a cost model in
+place of the model as its runner. What-if questions at sizes no machine here can run.
 
 A step's cost is `per_step + per_prefill_token x prefill tokens + per_context_token x KV tokens read`
 (default: 1 unit per step, so time = steps), or coefficients fitted from a real run's report, in
@@ -10,17 +10,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from cbatch.bench.result import BenchRun
 from cbatch.bench.workload import BenchRequest
-from cbatch.config import EngineConfig, SamplingParams
-from cbatch.engine.kv_blocks import BlockPool
-from cbatch.engine.policy import get_policy
-from cbatch.engine.scheduler import Scheduler
-from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
-from cbatch.engine.step import StepInfo, admission_error, commit_step, length_finish
-from cbatch.observe.metrics import StepSample
+from cbatch.config import EngineConfig, UserError
+from cbatch.engine.engine import Engine, KVPool
+from cbatch.engine.memory import blocks_for_every_slot
+from cbatch.engine.scheduler import StepInfo, StepPlan
+from cbatch.model.spec import ModelSpec
 
 
 class _ZeroTokens(dict):
@@ -33,7 +31,7 @@ class _ZeroTokens(dict):
 _ZERO_TOKENS = _ZeroTokens()
 
 
-class CostModelError(ValueError):
+class CostModelError(UserError):
     """A report that cannot give a cost model: the message names the file and the fix."""
 
 
@@ -76,64 +74,44 @@ class CostModel:
         return cls(float(coef[0]), float(coef[1]), float(coef[2]), unit="s")
 
 
+class SimulatedRunner:
+    """The engine's runner in a simulation: every sampling sequence "samples" token 0, and the clock
+    advances by the cost model's price of the step (an idle step, waiting for arrivals, costs `per_step`)."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self.forward_seconds = 0.0  # the simulated clock: all of it is "model time"
+
+    def reset(self) -> None:
+        self.forward_seconds = 0.0
+
+    def execute(self, plan: StepPlan) -> Mapping[int, int]:
+        self.forward_seconds += self.cost.step_cost(plan.info)
+        return _ZERO_TOKENS
+
+    def idle(self) -> None:
+        self.forward_seconds += self.cost.step_cost(StepInfo())
+
+
+def simulated_engine(config: EngineConfig, cost: CostModel, max_model_len: int, longest_request: int,
+                     spec: ModelSpec | None = None) -> Engine:
+    """An engine whose runner is the cost model: the real Scheduler, BlockPool and update. The pool is
+    `--num-kv-blocks`, else one that never binds (every slot can hold the longest request)."""
+    num_blocks = config.num_kv_blocks or blocks_for_every_slot(config, min(longest_request, max_model_len))
+    return Engine(config, SimulatedRunner(cost), KVPool(num_blocks), max_model_len, spec=spec)
+
+
 def simulate(requests: list[BenchRequest], config: EngineConfig, cost: CostModel, max_model_len: int,
-             policy: str | None = None) -> BenchRun:
-    """Runs `requests` through a Scheduler + BlockPool under `config`; the clock is the cost model's."""
-    policy = policy or config.policy
-    num_blocks = config.num_kv_blocks or useful_blocks(requests, config, max_model_len)
-    pool = BlockPool(num_blocks, config.block_size)
-    scheduler = Scheduler(get_policy(policy), pool, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
-    run = BenchRun(policy)
-    run.finish_step = [None] * len(requests)
-    run.finish_time = [None] * len(requests)
-    metrics = run.metrics
-    metrics.total_rows = len(requests)
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
-    queued: dict[int, tuple[float, int]] = {}
-    clock, next_arrival = 0.0, 0  # `clock` in cost units (or seconds for a fitted model)
-    finish = lambda seq, token: length_finish(seq, token, max_model_len)  # noqa: E731
-    stats = scheduler.stats
-    while next_arrival < len(order) or scheduler.has_work():
-        while next_arrival < len(order) and requests[order[next_arrival]].arrival <= stats.steps:
-            index = order[next_arrival]
-            next_arrival += 1
-            seq = _add(scheduler, index, requests[index], max_model_len)
-            queued[index] = (clock, stats.steps)
-            if seq.is_finished:
-                run.record(queued.pop(index), seq, stats.steps, clock)
-        # NOTE: with nothing to run before the next arrival the plan is empty: an idle step at fixed cost
-        plan = scheduler.schedule()
-        if not plan and scheduler.has_work():  # the engine raises the same way (Engine.step)
-            raise RuntimeError(f"scheduler made no progress with work pending at step {stats.steps} (a bug: please report it)")
-        finished, info = commit_step(scheduler, plan, _ZERO_TOKENS, finish)
-        clock += cost.step_cost(info)
-        metrics.record_step(StepSample(
-            t=clock, running=len(scheduler.running), waiting=scheduler.num_waiting,
-            scheduled_tokens=info.scheduled_tokens, prefill_tokens=info.prefill_tokens,
-            output_tokens=info.sampled_tokens, kv_used=pool.num_used,
-            context_tokens=info.context_tokens, attention_pairs=info.attention_pairs,
-        ))
-        for seq in finished:
-            run.record(queued.pop(seq.seq_id), seq, stats.steps, clock)
-    run.stats, run.num_kv_blocks, run.wall = stats, pool.num_blocks, clock
-    return run
+             policy: str | None = None, spec: ModelSpec | None = None) -> BenchRun:
+    """One simulated trial of `requests` under `policy` (default: the config's)."""
+    from cbatch.bench.trial import run_trial, workload_prompts
+
+    engine = simulated_engine(config, cost, max_model_len, max(r.prompt_len + r.output_len for r in requests), spec)
+    prompts = workload_prompts(requests, spec.vocab_size if spec else SIMULATED_VOCAB, config.seed)
+    return run_trial(engine, requests, prompts, policy or config.policy, lambda: engine.runner.forward_seconds)
 
 
-def _add(scheduler: Scheduler, index: int, request: BenchRequest, max_model_len: int) -> Sequence:
-    params = SamplingParams(max_tokens=request.output_len, ignore_eos=True)
-    seq = Sequence(seq_id=index, prompt_ids=[0] * request.prompt_len, params=params)
-    error = admission_error(request.prompt_len, params, max_model_len, scheduler.pool)
-    if error is not None:
-        seq.finish_reason, seq.error, seq.status = FinishReason.ERROR, error, SequenceStatus.FINISHED
-        return seq
-    scheduler.add(seq)
-    return seq
-
-
-def useful_blocks(requests: list[BenchRequest], config: EngineConfig, max_model_len: int) -> int:
-    """A pool that never binds: every slot can hold the workload's longest request."""
-    longest = min(max(r.prompt_len + r.output_len for r in requests), max_model_len)
-    return config.max_num_seqs * -(-longest // config.block_size) + 1
+SIMULATED_VOCAB = 32000  # token ids for simulated prompts when no model names a vocabulary
 
 
 def cost_settings(cost: CostModel) -> dict[str, Any]:

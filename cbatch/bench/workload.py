@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from cbatch.config import UserError
+
 # (share, low, high) buckets of the `chat` preset; used for prompts and for outputs alike
 CHAT_BUCKETS: tuple[tuple[float, int, int], ...] = ((0.7, 10, 100), (0.2, 100, 500), (0.1, 500, 2000))
 
 
-class WorkloadError(ValueError):
+class WorkloadError(UserError):
     """A bad distribution or trace: the message names the flag or the row and the fix."""
 
 

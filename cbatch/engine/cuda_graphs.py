@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from cbatch.attention import AttentionMetadata
+from cbatch.model.backend import AttentionMetadata
 from cbatch.model.llama import ForwardContext, KVCacheView, LlamaForCausalLM
 
 
@@ -79,7 +79,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self, bs: int) -> None:
         meta = self._meta(bs)
-        ctx = ForwardContext(self.backend, self.kv, meta)
+        ctx = ForwardContext(self.kv, meta)
         self.backend.prepare(meta)
         for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
             self.model(self.input_ids[:bs], self.positions[:bs], ctx)

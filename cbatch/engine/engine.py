@@ -1,25 +1,35 @@
-"""The step loop tying scheduler, runner and model together, and the library API (`LLM.generate`)."""
+"""The step loop tying scheduler and runner together, and the library API (`LLM.generate`).
+
+    Engine.step():  scheduler.schedule() -> StepPlan -> runner.execute(plan) -> sampled tokens
+                    -> scheduler.update(plan, sampled) -> the sequences that finished
+
+The runner is a model (`ModelRunner`) or the simulator's cost model (`cbatch.bench.simulator`): the
+engine, and so every loop that drives it, is the same for both. Engines are built in `build.py`.
+"""
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Iterable, Sequence as Seq
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable, Mapping, Protocol, Sequence as Seq
 
 import torch
 
-from cbatch.config import ConfigError, EngineConfig, SamplingParams
-from cbatch.engine import memory
+from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine.kv_blocks import BlockPool
-from cbatch.engine.policy import PreemptionPolicy, PriorityOrder, get_policy
-from cbatch.engine.runner import ModelRunner
-from cbatch.engine.scheduler import Scheduler
+from cbatch.engine.scheduler import Scheduler, StepInfo, StepPlan
 from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
-from cbatch.engine.step import StepInfo, admission_error, commit_step, length_finish
-from cbatch.model.loader import (
-    Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir,
-)
-from cbatch.model.layers import use_fused_kernels
+from cbatch.engine.stop import StopChecker, find_stop
 from cbatch.model.spec import ModelSpec
+
+
+class Runner(Protocol):
+    """What the engine steps: a model, or the simulator's cost model."""
+
+    forward_seconds: float  # time inside the model call (or the simulated clock), for the report
+
+    def execute(self, plan: StepPlan) -> Mapping[int, int]: ...
+    def idle(self) -> None: ...  # a step with nothing to run (waiting for arrivals)
+    def reset(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -30,120 +40,75 @@ class RequestOutput:
     text: str | None  # None when the engine has no tokenizer (weightless benchmark models)
     finish_reason: str
     error: str | None = None
-    # step counters for latency reports
-    arrival_step: int = 0
-    first_scheduled_step: int | None = None
-    first_token_step: int | None = None
-    finish_step: int | None = None
-    num_preemptions: int = 0
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
-    return torch.device(name)
+@dataclass(frozen=True, slots=True)
+class KVPool:
+    """The KV pool's size, fixed when the engine is built (the runner's tensors have it)."""
+
+    num_blocks: int
+    num_host_blocks: int = 0  # swap space
 
 
 class Engine:
-    """Owns one model and runs requests through it, one step at a time."""
+    """One scheduler and one runner, stepped together. `reset(policy)` starts over with a fresh scheduler
+    (same pool size and settings) on the same runner."""
 
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None, spec: ModelSpec | None = None,
-                 tokenizer=None, random_weights_seed: int | None = None) -> None:
-        """Either a checkpoint (weights and, if present, tokenizer), or a bare spec with random weights."""
+    def __init__(self, config: EngineConfig, runner: Runner, kv: KVPool, max_model_len: int, *,
+                 spec: ModelSpec | None = None, tokenizer=None, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None, model_dir: Path | None = None) -> None:
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
-        self.spec = checkpoint.spec if checkpoint is not None else spec
-        assert self.spec is not None
-        self.dtype = resolve_dtype(config.dtype, self.spec, self.device)
-        self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings)
-        if checkpoint is not None:
-            self.model = load_model(checkpoint, self.max_model_len, self.device, self.dtype)
-        else:
-            model = build_model(self.spec, self.max_model_len, self.device, self.dtype)
-            self.model = init_random_weights(model, random_weights_seed or 0)
-        if self.device.type == "cpu":
-            self.model.prepack_for_cpu()
+        self.runner = runner
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.spec = spec
         self.tokenizer = tokenizer
-        self.model_dir = checkpoint.path if checkpoint is not None else None
-        self.last_step = StepInfo()
-        use_triton = config.attention_backend == "triton" or (config.attention_backend == "auto" and self.device.type == "cuda")
-        if use_triton and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError(
-                "--attention-backend triton: on a CPU it runs only under the Triton interpreter "
-                "(TRITON_INTERPRET=1, for testing); use --attention-backend torch"
-            )
-        # The Triton path also routes RMSNorm, rotary and SiLU-and-mul through cbatch.kernels.
-        use_fused_kernels(use_triton)
-        num_blocks = self._kv_pool_blocks()
-        self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_cache)
-        num_host_blocks = 0
-        if config.preemption != "recompute":  # --swap-space, but never more than 4 pools' worth
-            block_bytes = self.spec.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * config.block_size
-            num_host_blocks = min(int(config.swap_space_gb * 2**30 // block_bytes), 4 * num_blocks)
-        self.scheduler = Scheduler(
-            get_policy(config.policy), self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            priority=PriorityOrder(config.priority_aging_steps), preemption=PreemptionPolicy(config.preemption),
-            reserve=config.admission == "reserve", num_host_blocks=num_host_blocks,
-        )
-        self.runner = self._make_runner(num_blocks)
-        self.runner.num_host_blocks = num_host_blocks
-        if self.device.type == "cuda" and use_triton and not config.enforce_eager:
-            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
-        self._stop_checks: dict[int, list[str]] = {}
+        self.device = device
+        self.dtype = dtype
+        self.model_dir = model_dir
+        self._eos_ids = frozenset(spec.eos_token_ids) if spec is not None else frozenset()
         self._next_id = 0
-
-    def _make_runner(self, num_blocks: int) -> ModelRunner:
-        c = self.config
-        return ModelRunner(
-            self.model, num_blocks, c.block_size, c.max_num_seqs, self.max_model_len,
-            self.device, self.dtype, c.attention_backend, c.seed,
-        )
-
-    def _kv_pool_blocks(self) -> int:
-        """Forced by --num-kv-blocks, else from the memory budget (GPU: after a profiled dummy step)."""
-        c = self.config
-        if c.num_kv_blocks is not None:
-            return c.num_kv_blocks
-        if self.device.type != "cuda":
-            return memory.cpu_kv_blocks(c, self.spec, self.dtype, self.max_model_len)
-        peak = memory.profile_activation_peak(self._make_runner, c, self.max_model_len)
-        return memory.gpu_kv_blocks(c, self.spec, self.dtype, self.max_model_len, peak)
+        self.reset()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
-        from cbatch.model.default_model import default_model_dir
-        from cbatch.tokenizer import load_tokenizer
+        from cbatch.engine.build import build_engine
 
-        model_dir = resolve_model_dir(config.model) if config.model else default_model_dir()
-        checkpoint = read_checkpoint(model_dir)
-        return cls(config, checkpoint=checkpoint, tokenizer=load_tokenizer(model_dir))
+        return build_engine(config)
+
+    def reset(self, policy: str | None = None) -> None:
+        """A fresh scheduler and block pool under `policy` (default: the config's); the runner forgets
+        every sequence but keeps its KV tensors."""
+        if policy is not None:
+            self.config = replace(self.config, policy=policy)
+        self.scheduler = make_scheduler(self.config, self.kv, self.max_model_len)
+        self.runner.reset()
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.scheduler.pool
+
+    @property
+    def last_step(self) -> StepInfo:
+        return self.scheduler.last_step
 
     # ---- requests -------------------------------------------------------------------------------
-    def admission_error(self, prompt_len: int, params: SamplingParams) -> str | None:
-        """Why a request can never run here (too long for the model or for the KV pool), or None."""
-        return admission_error(prompt_len, params, self.max_model_len, self.pool)
-
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> Sequence:
         """Queues a request; a request that cannot run comes back already finished with an error."""
         if seq_id is None:
             seq_id = self._next_id
         self._next_id = max(self._next_id, seq_id + 1)
-        eos = frozenset(self.spec.eos_token_ids)
-        seq = Sequence(seq_id=seq_id, prompt_ids=list(prompt_ids), params=params, eos_ids=eos)
-        error = params.validate() or self.admission_error(len(prompt_ids), params)
-        if error is None and params.stop and self.tokenizer is None:
-            error = "stop strings need a tokenizer; this model has none"
-
+        seq = Sequence(seq_id=seq_id, prompt_ids=list(prompt_ids), params=params, eos_ids=self._eos_ids)
+        error = params.validate() or self.scheduler.admission_error(len(prompt_ids), params)
+        if error is None and params.stop:
+            if self.tokenizer is None:
+                error = "stop strings need a tokenizer; this model has none"
+            else:
+                seq.stop = StopChecker(self.tokenizer, params.stop)
         if error is not None:
             seq.finish_reason, seq.error = FinishReason.ERROR, error
             seq.status = SequenceStatus.FINISHED
             return seq
-        if params.stop:
-            self._stop_checks[seq_id] = params.stop
         self.scheduler.add(seq)
         return seq
 
@@ -152,33 +117,24 @@ class Engine:
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Schedules and runs one model step; returns the sequences that left the batch finished."""
+        """Schedules and runs one step; returns the sequences that left the batch finished. With nothing
+        runnable (waiting for arrivals) the step is idle: counted, nothing computed."""
         plan = self.scheduler.schedule()
         if not plan:
             if self.scheduler.has_work():
                 raise RuntimeError("scheduler made no progress with work pending (a bug: please report it)")
+            self.scheduler.last_step = StepInfo()
+            self.runner.idle()
             return []
         sampled = self.runner.execute(plan)
-        finished, self.last_step = commit_step(self.scheduler, plan, sampled, self._finish_reason, self._release)
-        return finished
-
-    def _release(self, seq: Sequence) -> None:
-        self.runner.release(seq)
-        self._stop_checks.pop(seq.seq_id, None)
-
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        """Stop strings (they need the tokenizer), then EOS / max_tokens / context (shared with the simulator)."""
-        stops = self._stop_checks.get(seq.seq_id)
-        if stops and _find_stop(self.tokenizer.decode(seq.output_ids, skip_special_tokens=True), stops) is not None:
-            return FinishReason.STOP
-        return length_finish(seq, token, self.max_model_len)
+        return self.scheduler.update(plan, sampled)
 
     def output_of(self, seq: Sequence) -> RequestOutput:
         token_ids = seq.result_ids
         text = None
         if self.tokenizer is not None and seq.finish_reason is not FinishReason.ERROR:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-            cut = _find_stop(text, seq.params.stop) if seq.params.stop else None
+            cut = find_stop(text, seq.params.stop) if seq.params.stop else None
             if cut is not None:
                 text = text[:cut]
         return RequestOutput(
@@ -188,18 +144,19 @@ class Engine:
             text=text,
             finish_reason=seq.finish_reason.value if seq.finish_reason else "error",
             error=seq.error,
-            arrival_step=seq.arrival_step,
-            first_scheduled_step=seq.first_scheduled_step,
-            first_token_step=seq.first_token_step,
-            finish_step=seq.finish_step,
-            num_preemptions=seq.num_preemptions,
         )
 
 
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    """Index where the earliest stop string begins in `text`, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+def make_scheduler(config: EngineConfig, kv: KVPool, max_model_len: int) -> Scheduler:
+    """The one way a scheduler is built (engine, bench, simulator): every scheduling setting of `config`."""
+    from cbatch.engine.policy import PreemptionPolicy, PriorityOrder, get_policy
+
+    pool = BlockPool(kv.num_blocks, config.block_size, enable_caching=config.enable_prefix_cache)
+    return Scheduler(
+        get_policy(config.policy), pool, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
+        priority=PriorityOrder(config.priority_aging_steps), preemption=PreemptionPolicy(config.preemption),
+        reserve=config.admission == "reserve", num_host_blocks=kv.num_host_blocks,
+    )
 
 
 class LLM:
@@ -232,11 +189,10 @@ class LLM:
 
 def run_to_completion(engine: Engine, token_lists: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
     """Runs every request through the engine; outputs in input order."""
-    base = engine._next_id
-    seqs = [engine.add_request(ids, p, seq_id=base + i) for i, (ids, p) in enumerate(zip(token_lists, params))]
+    seqs = [engine.add_request(ids, p) for ids, p in zip(token_lists, params)]
     while engine.has_unfinished():
         engine.step()
     return [engine.output_of(s) for s in seqs]
 
 
-__all__ = ["Engine", "LLM", "RequestOutput", "run_to_completion", "resolve_device"]
+__all__ = ["Engine", "KVPool", "LLM", "RequestOutput", "Runner", "make_scheduler", "run_to_completion"]

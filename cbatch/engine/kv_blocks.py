@@ -19,8 +19,6 @@ NOTE (invariants):
 """
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict, deque
 from typing import Iterable
 
@@ -30,11 +28,10 @@ BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, this bloc
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """128-bit chained hash of one full block: depends on every token of the prefix it ends."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(b"root" if parent is None else parent.to_bytes(16, "little"))
-    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    return int.from_bytes(h.digest(), "little")
+    """Chained hash of one full block: depends on every token of the prefix it ends. Python's own tuple
+    hash: the cache lives and dies with its process, and a collision costs a miss, never a wrong KV
+    (`lookup` compares the stored key)."""
+    return hash((parent, tokens))
 
 
 class BlockPool:
@@ -144,17 +141,15 @@ class BlockPool:
 
 
 # ---- a sequence's view of the prefix cache ---------------------------------------------------------
-def _block_key(pool: BlockPool, seq: Sequence, i: int) -> BlockKey:
-    size = pool.block_size
-    return (seq.block_hashes[i - 1] if i else None), tuple(seq.tokens(i * size, (i + 1) * size))
-
-
 def _block_hashes(pool: BlockPool, seq: Sequence, count: int) -> list[int]:
-    """The chained hashes of `seq`'s first `count` full blocks (extended lazily, kept on `seq`)."""
-    hashes = seq.block_hashes
+    """The chained hashes of `seq`'s first `count` full blocks, and their keys in `seq.block_keys`
+    (extended lazily, kept on `seq`: tokens are only ever appended)."""
+    hashes, keys, size = seq.block_hashes, seq.block_keys, pool.block_size
     while len(hashes) < count:
-        parent, tokens = _block_key(pool, seq, len(hashes))
-        hashes.append(block_hash(parent, tokens))
+        i = len(hashes)
+        key = (hashes[i - 1] if i else None), tuple(seq.tokens(i * size, (i + 1) * size))
+        keys.append(key)
+        hashes.append(block_hash(*key))
     return hashes
 
 
@@ -170,7 +165,7 @@ def prefix_hits(pool: BlockPool, seq: Sequence) -> list[int]:
     hashes = _block_hashes(pool, seq, count)
     hits: list[int] = []
     for i in range(count):
-        block = pool.lookup(hashes[i], _block_key(pool, seq, i))
+        block = pool.lookup(hashes[i], seq.block_keys[i])
         if block is None:
             break
         hits.append(block)
@@ -186,7 +181,7 @@ def cache_computed_blocks(pool: BlockPool, seq: Sequence) -> None:
         return
     hashes = _block_hashes(pool, seq, full)
     for i in range(seq.num_registered_blocks, full):
-        pool.register(seq.block_ids[i], hashes[i], _block_key(pool, seq, i))
+        pool.register(seq.block_ids[i], hashes[i], seq.block_keys[i])
     seq.num_registered_blocks = full
 
 

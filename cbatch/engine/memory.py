@@ -19,9 +19,10 @@ def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int) -> int
     return spec.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * block_size
 
 
-def useful_blocks(config: EngineConfig, max_model_len: int) -> int:
-    """More blocks than every slot filled to the model's context can never be used."""
-    return config.max_num_seqs * -(-max_model_len // config.block_size) + 1
+def blocks_for_every_slot(config: EngineConfig, longest_sequence: int) -> int:
+    """A pool that never binds: every slot holding a sequence of `longest_sequence` tokens (more blocks
+    than every slot filled to the model's context can never be used)."""
+    return config.max_num_seqs * -(-longest_sequence // config.block_size) + 1
 
 
 def cpu_kv_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, max_model_len: int) -> int:
@@ -29,7 +30,7 @@ def cpu_kv_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, max
         budget = config.kv_cache_memory_gb * 2**30
     else:
         budget = min(4 * 2**30, 0.25 * available_host_memory())
-    return max(1, min(useful_blocks(config, max_model_len), int(budget // bytes_per_block(spec, dtype, config.block_size))))
+    return max(1, min(blocks_for_every_slot(config, max_model_len), int(budget // bytes_per_block(spec, dtype, config.block_size))))
 
 
 def available_host_memory() -> int:
@@ -55,7 +56,7 @@ def gpu_kv_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, max
             f"no GPU memory left for the KV cache (weights and activations use {in_use / 2**30:.1f} GiB of "
             f"{total / 2**30:.1f} GiB); raise --gpu-memory-utilization or lower --max-num-batched-tokens"
         )
-    return min(useful_blocks(config, max_model_len), blocks)
+    return min(blocks_for_every_slot(config, max_model_len), blocks)
 
 
 def profile_activation_peak(make_runner, config: EngineConfig, max_model_len: int) -> int:

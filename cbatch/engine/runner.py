@@ -2,16 +2,18 @@
 
 The runner owns the KV tensors and a persistent block-table buffer: each running sequence has a
 row in it, and a step only writes the blocks that were added since the last step (no rebuilding
-of whole tables in Python). It never decides who runs.
+of whole tables in Python). It never decides who runs: it frees a sequence's row only when a plan
+names it preempted or finished.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from cbatch.attention import AttentionMetadata, kv_cache_shape, make_backend
+from cbatch.model.backend import AttentionMetadata, Backend, kv_cache_shape
 from cbatch.engine.cpu_memory import keep_freed_memory, lazily_zeroed
 from cbatch.engine.sampler import SamplingBatch, sample
 from cbatch.engine.scheduler import StepPlan
@@ -62,15 +64,15 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         dtype: torch.dtype,
-        attention_backend: str,
         job_seed: int = 0,
+        num_host_blocks: int = 0,
     ) -> None:
         spec = model.spec
         self.model = model
         self.device = device
         self.block_size = block_size
         self.job_seed = job_seed
-        self.backend = make_backend(attention_backend, device)
+        self.backend: Backend = model.backend
         # One allocation for every layer's K and V
         shape = (spec.num_layers, 2, *kv_cache_shape(num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim))
         # NOTE: attention reads whole blocks, padding included (masked), so every block a table can name
@@ -82,12 +84,10 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.kv = KVCacheView([self.kv_cache[i, 0] for i in range(spec.num_layers)], [self.kv_cache[i, 1] for i in range(spec.num_layers)])
-        max_blocks = -(-max_model_len // block_size)
-        # +max_num_seqs rows: static batching keeps finished members in the batch until their group ends
-        self.block_tables = BlockTableBuffer(2 * max_num_seqs, max_blocks)
-        self.forward_seconds = 0.0  # time inside the model call, for the report
+        self._table_shape = (2 * max_num_seqs, -(-max_model_len // block_size))
+        self.reset()
         self.graphs = None  # DecodeGraphs once `capture_decode_graphs` ran (CUDA + Triton backend)
-        self.num_host_blocks = 0  # swap space in blocks (set by the engine); allocated at the first swap
+        self.num_host_blocks = num_host_blocks  # swap space in blocks; allocated at the first swap
         self._host_kv: torch.Tensor | None = None
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
@@ -97,13 +97,30 @@ class ModelRunner:
         graphs.capture_all()
         self.graphs = graphs
 
-    def release(self, seq: Sequence) -> None:
-        self.block_tables.release(seq)
+    def reset(self) -> None:
+        """Forgets every sequence (a new scheduler starts over); the KV tensors are kept."""
+        # rows for 2 x max_num_seqs: static batching keeps finished members in the batch until their group
+        # ends, and a finished sequence's row is freed by the next plan
+        self.block_tables = BlockTableBuffer(*self._table_shape)
+        self.forward_seconds = 0.0  # time inside the model call, for the report
 
-    @torch.inference_mode()
+    def idle(self) -> None:
+        pass  # nothing to compute (a step waiting for arrivals)
+
     def execute(self, plan: StepPlan) -> dict[int, int]:
         """Runs one step; returns {seq_id: sampled token} for the sequences whose chunk reached their end."""
-        for seq in plan.preempted:
+        step = self.forward(plan)
+        if step is None:
+            return {}
+        start = time.perf_counter()
+        tokens = sample(step.logits, step.sampling).tolist()
+        self.forward_seconds += time.perf_counter() - start
+        return {seq.seq_id: tok for seq, tok in zip(step.seqs, tokens)}
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> "StepLogits | None":
+        """Runs the model on the plan's tokens; the logits of the rows that sample (None if none does)."""
+        for seq in plan.preempted + plan.finished:
             self.block_tables.release(seq)
         batch = self._build(plan)
         if plan.swap_out or plan.swap_in:  # NOTE: after _build (nothing there may overwrite a swap_in), before the model
@@ -113,15 +130,13 @@ class ModelRunner:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)  # [T, hidden]
         else:
             self.backend.prepare(batch.meta)
-            ctx = ForwardContext(self.backend, self.kv, batch.meta)
+            ctx = ForwardContext(self.kv, batch.meta)
             hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, hidden]
-        if not batch.sampling_seqs:
-            self.forward_seconds += time.perf_counter() - start
-            return {}
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab]
-        tokens = sample(logits, batch.sampling).tolist()
+        logits = None
+        if batch.sampling_seqs:
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] float32
         self.forward_seconds += time.perf_counter() - start
-        return {seq.seq_id: tok for seq, tok in zip(batch.sampling_seqs, tokens)}
+        return None if logits is None else StepLogits(batch.sampling_seqs, logits, batch.sampling)
 
     @torch.inference_mode()
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
@@ -206,8 +221,15 @@ class ModelRunner:
         )
 
 
+@dataclass(slots=True)
+class StepLogits:
+    seqs: list[Sequence]  # the rows that sample, in the order of `logits`
+    logits: torch.Tensor  # float32 [N, vocab]
+    sampling: SamplingBatch
+
+
 def _batch_order(item: tuple[Sequence, int]) -> tuple[int, int]:
-    """Decodes first, shortest context first, then prefill chunks in plan order. TorchAttention attends
+    """Decodes first, shortest context first, then prefill chunks in plan order. TorchBackend attends
     neighbouring decode rows together, so similar lengths pad less, and its groups become slices of
     the batch. Otherwise the order is free: sampled tokens go back by sequence id."""
     seq, num_new = item

@@ -16,12 +16,20 @@ mode; `reserve` admission admits a request only when its whole prompt + max_toke
 
 The scheduler never touches tensors: swaps are (device block, host block) pairs in the StepPlan,
 which the runner copies before the model call.
+
+One direction per step: `schedule()` -> StepPlan -> the runner computes it -> `update(plan, sampled)`
+applies the sampled tokens, decides who finished (EOS, stop strings, max_tokens, context) and returns
+them. Every change to a sequence's state happens here; the runner frees its per-sequence rows only as
+a plan says (`preempted`, and `finished`: the sequences that left in the previous update).
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
 
+from typing import Mapping
+
+from cbatch.config import SamplingParams
 from cbatch.engine.kv_blocks import BlockPool, cache_computed_blocks, first_missing_hash, hashes_completed, prefix_hits
 from cbatch.engine.policy import AdmissionPolicy, PreemptionPolicy, PriorityOrder
 from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -33,11 +41,38 @@ STALL_REASONS = (
 
 
 @dataclass(slots=True)
+class StepInfo:
+    """What one step did, for per-step metrics and the simulator's cost model."""
+
+    scheduled_tokens: int = 0
+    prefill_tokens: int = 0  # tokens of chunks longer than one (prompt and recompute work)
+    context_tokens: int = 0  # sum over scheduled sequences of their context after the step (KV read)
+    attention_pairs: int = 0  # (query token, key token) pairs attended this step (attention FLOPs)
+    sampled_tokens: int = 0  # new tokens that count as output (static padding excluded); set by `update`
+
+    @classmethod
+    def of(cls, scheduled: list[tuple[Sequence, int]]) -> "StepInfo":
+        """The work of a plan's `scheduled` list, before the step runs."""
+        info = cls()
+        for seq, num_new in scheduled:
+            context = seq.num_computed + num_new
+            info.scheduled_tokens += num_new
+            if num_new > 1:
+                info.prefill_tokens += num_new
+            info.context_tokens += context
+            # query i of the chunk (0-based) sees context - num_new + i + 1 keys (causal)
+            info.attention_pairs += num_new * context - num_new * (num_new - 1) // 2
+        return info
+
+
+@dataclass(slots=True)
 class StepPlan:
     """What one model step computes."""
 
     scheduled: list[tuple[Sequence, int]]  # (sequence, tokens to compute this step), decodes first
     preempted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # left the batch in the previous update
+    info: StepInfo = field(default_factory=StepInfo)  # the step's work (filled when the plan is complete)
     # NOTE: the runner copies swap_out before swap_in, both before the model call. A device block in
     # swap_out may be handed to another sequence in this very step (it is copied out first); a host
     # slot read by swap_in is reused only from the next step on.
@@ -120,7 +155,23 @@ class Scheduler:
         self._num_requeued = 0
         self._host_to_free: list[int] = []  # host slots read by the last step's swap_in
         self._inflight: set[int] = set()  # hashes of the full blocks this step's prefill chunks complete
+        self._left: list[Sequence] = []  # finished since the last plan with work: the next plan tells the runner
         self.stats = SchedulerStats()
+        self.last_step = StepInfo()
+
+    def admission_error(self, prompt_len: int, params: SamplingParams) -> str | None:
+        """Why a request can never run here (too long for the model, or for the KV pool even alone), or None."""
+        if prompt_len == 0:
+            return "the prompt is empty"
+        if prompt_len >= self.max_model_len:
+            return f"the prompt has {prompt_len} tokens; the model's context is {self.max_model_len}"
+        need = self.pool.blocks_for(min(prompt_len + params.max_tokens, self.max_model_len))
+        if need > self.pool.num_blocks:
+            return (
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks "
+                f"but the pool has {self.pool.num_blocks}; lower max_tokens or raise --num-kv-blocks"
+            )
+        return None
 
     # ---- queue ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -154,8 +205,6 @@ class Scheduler:
         self.host.release(self._host_to_free)
         self._host_to_free = []
         self._inflight.clear()
-        for seq in self.running:  # the last step computed these blocks: now others may share them
-            cache_computed_blocks(self.pool, seq)
 
         # Running sequences: decodes first, then chunked prefills continuing, both in admission order.
         # NOTE (speed, the simulator runs this for 1000s of sequences): uncomputed counts are read once,
@@ -192,6 +241,8 @@ class Scheduler:
             budget = self._admit(plan, budget, scheduled_ids)
 
         self._count(plan)
+        if plan.scheduled:  # NOTE: an empty plan never reaches the runner: its news waits for the next one
+            plan.finished, self._left = self._left, []
         return plan
 
     def _padding_blocked(self, seq: Sequence, num_new: int) -> bool:
@@ -391,15 +442,59 @@ class Scheduler:
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def _count(self, plan: StepPlan) -> None:
+        plan.info = StepInfo.of(plan.scheduled)
         stats = self.stats
         stats.steps += 1
-        stats.scheduled_tokens += plan.num_tokens
+        stats.scheduled_tokens += plan.info.scheduled_tokens
         stats.padding_tokens += sum(n for s, n in plan.scheduled if s.num_result_tokens is not None)
         stats.occupancy_sum += len(self.running) / self.max_num_seqs
         stats.kv_usage_sum += self.pool.num_used / self.pool.num_blocks
         stats.peak_kv_blocks = max(stats.peak_kv_blocks, self.pool.num_used)
 
     # ---- after the step ---------------------------------------------------------------------
+    def update(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[Sequence]:
+        """Applies a computed step: returns the sequences that left the batch finished.
+
+        `sampled` maps seq_id -> token for every sequence whose chunk reached its last token (those
+        sample; the others computed part of a prompt). The step's counters go to `last_step`.
+        """
+        info = plan.info
+        finished: list[Sequence] = []
+        step = self.stats.steps
+        caching, block_size = self.pool.enable_caching, self.pool.block_size
+        for seq, num_new in plan.scheduled:
+            seq.num_computed += num_new
+            if caching and seq.num_computed // block_size > seq.num_registered_blocks:
+                cache_computed_blocks(self.pool, seq)  # computed now: from the next step on, others may share them
+            if seq.num_computed < seq.num_tokens:
+                continue  # a prompt chunk short of the end: nothing sampled
+            token = sampled[seq.seq_id]
+            seq.output_ids.append(token)
+            if seq.first_token_step is None:
+                seq.first_token_step = step
+            if seq.num_result_tokens is not None:
+                continue  # static batching: a finished member computing padding
+            info.sampled_tokens += 1
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                finished.extend(self.finish(seq, reason))
+        if plan.preempted:  # a static group may have lost its last unfinished members
+            finished.extend(self._release_stranded_group())
+        self.last_step = info
+        self._left.extend(finished)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """A stop string (checked incrementally on the new text), EOS unless ignored, max_tokens or the
+        model's context."""
+        if seq.stop is not None and seq.stop.append(token):
+            return FinishReason.STOP
+        if token in seq.eos_ids and not seq.params.ignore_eos:
+            return FinishReason.STOP
+        if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
     def finish(self, seq: Sequence, reason: FinishReason) -> list[Sequence]:
         """Marks `seq` done; returns the sequences that now leave the batch (static groups leave together)."""
         seq.finish_reason = reason
@@ -415,10 +510,10 @@ class Scheduler:
             self._release(member)
         return group
 
-    def release_stranded_group(self) -> list[Sequence]:
+    def _release_stranded_group(self) -> list[Sequence]:
         """Static batching: when preemption took a group's last unfinished members, the finished ones
-        leave now (returned, like `finish`'s). Otherwise they would pad forever, holding the blocks the
-        preempted members wait for: a deadlock. Called after the step ran (their KV writes are done)."""
+        leave now. Otherwise they would pad forever, holding the blocks the preempted members wait for:
+        a deadlock. Runs after the step (their KV writes are done)."""
         if not self.policy.group or not self.running or any(s.num_result_tokens is None for s in self.running):
             return []
         group = list(self.running)

@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 
 from cbatch.config import SamplingParams
+from cbatch.engine.stop import StopChecker
 
 
 class SequenceStatus(enum.Enum):
@@ -50,9 +51,11 @@ class Sequence:
     # prefix cache: chained hashes of the full blocks of `token_ids` (computed lazily, only ever
     # extended: tokens are only appended), and how many of `block_ids` were offered to the cache
     block_hashes: list[int] = field(default_factory=list)
+    block_keys: list[tuple] = field(default_factory=list)  # (parent hash, the block's tokens) of each hash
     num_registered_blocks: int = 0
     # swap preemption: host slots holding the KV of `token_ids[:num_computed]` while preempted
     host_block_ids: list[int] = field(default_factory=list)
+    stop: StopChecker | None = None  # the request's stop strings (needs the tokenizer)
 
     @property
     def prompt_len(self) -> int:
@@ -65,11 +68,6 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
-
-    @property
-    def is_prefill(self) -> bool:
-        """True while the prompt (or a preempted sequence's recompute) is not fully computed."""
-        return self.num_uncomputed > 1 or not self.output_ids
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_ids)

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from cbatch.config import UserError
+
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids", "body")
@@ -16,7 +18,7 @@ PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids", "body")
 RawRow = tuple[int, "dict[str, Any] | str"]
 
 
-class InputError(ValueError):
+class InputError(UserError):
     """The input file as a whole cannot be used; the message names the file and the fix."""
 
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cbatch.config import SamplingParams
+from cbatch.config import SamplingParams, UserError
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "priority")
 _INT_FIELDS = ("max_tokens", "top_k", "seed", "priority")
@@ -27,7 +27,7 @@ class RowRequest:
     params: SamplingParams | None = None
 
 
-class RowError(ValueError):
+class RowError(UserError):
     """A bad row: the message names the field and the problem."""
 
 

@@ -28,8 +28,22 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 
-class StateError(ValueError):
+from cbatch.config import UserError
+
+
+class StateError(UserError):
     """The job cannot start with this output (locked, or from other input/settings)."""
+
+
+class StorageError(Exception):
+    """The environment failed one of the job's own files (no space, quota, read-only, permission): not a
+    bug in cbatch and not the user's input. The finished rows already on disk are kept."""
+
+    def __init__(self, path: Path, cause: OSError, what: str = "the job's files") -> None:
+        reason = cause.strerror or str(cause)
+        super().__init__(f"cannot write {what} at {path}: {reason}")
+        self.path = path
+        self.cause = cause
 
 
 def file_digest(path: Path) -> str:
@@ -158,7 +172,10 @@ class JobState:
     # ---- start -----------------------------------------------------------------------------------
     def open(self, overwrite: bool) -> dict[int, dict[str, Any]]:
         """Takes the lock and loads the rows finished by earlier runs: {index: {"finish_reason", ...}}."""
-        self._take_lock()
+        try:
+            self._take_lock()
+        except OSError as exc:
+            raise StorageError(self.lock_path, exc, "the job's lock file") from None
         try:
             self._check_output(overwrite)  # again, now under the lock
             if overwrite:
@@ -174,6 +191,9 @@ class JobState:
             self._part_no = 1 + max((int(p.stem.split("-")[1]) for p in self.dir.glob("part-*.jsonl")), default=0)
             self._part = open(self.dir / f"part-{self._part_no:04d}.jsonl", "ab")
             _fsync_dir(self.dir)  # the new part file's name survives a power loss too
+        except OSError as exc:
+            self._drop_lock()
+            raise StorageError(self.dir, exc, "the job's state") from None
         except BaseException:
             self._drop_lock()
             raise
@@ -245,10 +265,20 @@ class JobState:
     def num_rows(self) -> int:
         return len(self._places)
 
+    def __contains__(self, index: int) -> bool:
+        """The job has a record for row `index` (this run's or an earlier one's)."""
+        return index in self._places
+
+    def _part_path(self) -> Path:
+        return self.dir / f"part-{self._part_no:04d}.jsonl"
+
     def append(self, record: dict[str, Any], sync_every: int = 64, sync_seconds: float = 2.0) -> None:
         """Persists one finished row; fsync in batches (a crash loses at most the unsynced tail)."""
-        offset = self._part.tell()
-        self._part.write((json.dumps(record) + "\n").encode("ascii"))  # escaped: any str round-trips
+        try:
+            offset = self._part.tell()
+            self._part.write((json.dumps(record) + "\n").encode("ascii"))  # escaped: any str round-trips
+        except OSError as exc:
+            raise StorageError(self._part_path(), exc) from None
         self._remember(record["index"], self._part_no, offset, record["finish_reason"] == "error")
         self._unsynced += 1
         if self._unsynced >= sync_every or time.monotonic() - self._last_sync > sync_seconds:
@@ -257,17 +287,28 @@ class JobState:
     def sync(self) -> None:
         if self._part is None or self._unsynced == 0:
             return
-        self._part.flush()
-        os.fsync(self._part.fileno())
+        try:
+            self._part.flush()
+            os.fsync(self._part.fileno())
+        except OSError as exc:
+            raise StorageError(self._part_path(), exc) from None
         self._unsynced = 0
         self._last_sync = time.monotonic()
 
     def close(self) -> None:
-        """Leaves the partial state for a later resume (after an interrupt or error)."""
+        """Leaves the partial state for a later resume (after an interrupt or error). Best effort when
+        the disk itself failed: rows that did not reach it run again on resume."""
         if self._part is not None:
-            self.sync()
-            self._part.close()
-            self._part = None
+            part, self._part = self._part, None
+            try:
+                part.flush()
+                os.fsync(part.fileno())
+            except OSError:
+                pass
+            try:
+                part.close()
+            except OSError:
+                pass
         self._drop_lock()
 
     def records(self) -> Iterator[dict[str, Any]]:
@@ -297,11 +338,18 @@ class JobState:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, self.output)
+        except OSError as exc:  # disk full, folder removed: the finished rows stay in the part files
+            self.close()
+            raise StorageError(self.output, exc, "OUTPUT") from None
         finally:
             tmp.unlink(missing_ok=True)
-        _write_atomic(self.done_record, json.dumps(
-            {"fingerprint": self.fingerprint, "bytes": self.output.stat().st_size, **summary}
-        ))
+        try:
+            _write_atomic(self.done_record, json.dumps(
+                {"fingerprint": self.fingerprint, "bytes": self.output.stat().st_size, **summary}
+            ))
+        except OSError as exc:  # OUTPUT is whole; without its record a rerun refuses to touch it, so say so
+            self.close()
+            raise StorageError(self.done_record, exc, "the completion record (OUTPUT itself is complete)") from None
         _fsync_dir(self.output.parent)
         if self._part is not None:
             self._part.close()

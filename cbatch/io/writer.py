@@ -5,11 +5,13 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
+from cbatch.config import UserError
+
 OUTPUT_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 COLUMNS = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 
 
-class OutputError(ValueError):
+class OutputError(UserError):
     """OUTPUT cannot be written; the message names the path and the fix."""
 
 

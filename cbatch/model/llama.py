@@ -1,7 +1,8 @@
 """One decoder for the Llama family: Llama 2/3 (SmolLM2, TinyLlama), Mistral, Qwen2, Qwen3.
 
 The switches come from `ModelSpec` (q/k/v bias, Qwen3's q/k norm, sliding window, tied embeddings).
-The model sees a flat batch of tokens and an `AttentionMetadata`; it knows nothing of requests.
+The model sees a flat batch of tokens and an `AttentionMetadata`; it knows nothing of requests. It is
+built with one compute backend (cbatch.model.backend) that every layer calls.
 q/k/v and gate/up projections are packed into one matmul each (the loader packs the weights).
 """
 from __future__ import annotations
@@ -9,10 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cbatch.attention import AttentionMetadata
-from cbatch.model.layers import (
-    Linear, RMSNorm, RotaryStep, apply_rotary, linear, packed_linear, prepack_weight, rope_cos_sin_cache, rope_inv_freq, silu_and_mul,
-)
+from cbatch.model.backend import AttentionMetadata, Backend, RotaryStep
+from cbatch.model.layers import Linear, RMSNorm, linear, packed_linear, prepack_weight, rope_cos_sin_cache, rope_inv_freq
 from cbatch.model.spec import ModelSpec
 
 
@@ -25,8 +24,9 @@ class KVCacheView:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int, backend: Backend) -> None:
         super().__init__()
+        self.backend = backend
         self.layer_idx = layer_idx
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
@@ -36,8 +36,8 @@ class Attention(nn.Module):
         self.sliding_window = spec.sliding_window
         self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
         self.o_proj = Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
 
     def forward(self, hidden: torch.Tensor, rope: RotaryStep, ctx: "ForwardContext") -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -48,30 +48,31 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, rope)
-        out = ctx.backend.forward(
+        q, k = self.backend.apply_rotary(q, k, rope)
+        out = self.backend.attention(
             q, k, v.contiguous(), ctx.kv.k[self.layer_idx], ctx.kv.v[self.layer_idx], ctx.meta, self.scale, self.sliding_window
-        )
+        )  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, backend: Backend) -> None:
         super().__init__()
+        self.backend = backend
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int, backend: Backend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, layer_idx)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        self.self_attn = Attention(spec, layer_idx, backend)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        self.mlp = MLP(spec, backend)
 
     def forward(self, hidden, residual, rope: RotaryStep, ctx):
         if residual is None:
@@ -87,19 +88,19 @@ class DecoderLayer(nn.Module):
 class ForwardContext:
     """What every layer of one step needs besides activations."""
 
-    def __init__(self, backend, kv: KVCacheView, meta: AttentionMetadata) -> None:
-        self.backend = backend
+    def __init__(self, kv: KVCacheView, meta: AttentionMetadata) -> None:
         self.kv = kv
         self.meta = meta
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+    def __init__(self, spec: ModelSpec, max_positions: int, backend: Backend) -> None:
         super().__init__()
         self.spec = spec
+        self.backend = backend
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, backend) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.max_positions = max_positions
         self.cos_sin: torch.Tensor | None = None  # set by `build_rope_cache` once the device is known
@@ -113,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         hidden = self.embed_tokens(input_ids)
-        rope = RotaryStep.build(positions, self.cos_sin, hidden.dtype)
+        rope = self.backend.rotary(positions, self.cos_sin, hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, ctx)

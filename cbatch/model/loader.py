@@ -11,6 +11,8 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
+from cbatch.config import UserError
+from cbatch.model.backend import Backend
 from cbatch.model.llama import LlamaForCausalLM
 from cbatch.model.spec import ModelSpec, UnsupportedModelError, parse_spec, read_config
 
@@ -18,7 +20,7 @@ DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError):
     """The model could not be found or read; the message says where and what to do."""
 
 
@@ -76,17 +78,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def build_model(spec: ModelSpec, max_positions: int, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """An empty (uninitialised) model in place on `device`."""
+def build_model(spec: ModelSpec, max_positions: int, device: torch.device, dtype: torch.dtype,
+                backend: Backend) -> LlamaForCausalLM:
+    """An empty (uninitialised) model in place on `device`, computing through `backend`."""
     with _default_dtype(dtype), torch.device("meta"):
-        model = LlamaForCausalLM(spec, max_positions)
+        model = LlamaForCausalLM(spec, max_positions, backend)
     model = model.to_empty(device=device)
     model.build_rope_cache(device)
     return model.eval().requires_grad_(False)
 
 
-def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    model = build_model(ckpt.spec, max_positions, device, dtype)
+def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype: torch.dtype,
+               backend: Backend) -> LlamaForCausalLM:
+    model = build_model(ckpt.spec, max_positions, device, dtype, backend)
     files = sorted(ckpt.path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{ckpt.path} has no *.safetensors weights; cbatch reads safetensors checkpoints")

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cbatch.config import UserError
+
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # architecture name -> model family switch
     "LlamaForCausalLM": "llama",
@@ -21,7 +23,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError):
     """The checkpoint is not one cbatch can run correctly; the message names what is supported."""
 
 

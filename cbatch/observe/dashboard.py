@@ -1,7 +1,7 @@
 """The live dashboard (rich `Live`) shown when stdout is a terminal.
 
-It reads counters a few times a second from a background refresh; the step loop only hands it the
-engine (an attribute store), so it costs nothing per token.
+It reads `JobMetrics` a few times a second from rich's background refresh; the step loop does nothing
+for it, so it costs nothing per token.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cbatch.observe.metrics import JobMetrics
-from cbatch.observe.progress import format_eta
+from cbatch.observe.progress import eta_seconds, format_eta
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -32,21 +32,21 @@ REFRESH_PER_SECOND = 2.0
 
 
 class Dashboard:
-    """`start=False` builds one without a Live display (tests render frames with `render()`)."""
+    """The live view: reads `JobMetrics` only, from rich's refresh thread. `start=False` builds one without
+    a Live display (tests render frames with `render()`)."""
 
     def __init__(self, metrics: JobMetrics, options, refresh_per_second: float = REFRESH_PER_SECOND, start: bool = True,
                  console=None) -> None:
         self.metrics = metrics
         self.max_num_seqs = options.engine.max_num_seqs
         self.token_budget = options.engine.max_num_batched_tokens
-        self.engine = None
         self._live = Live(get_renderable=self.render, refresh_per_second=refresh_per_second, transient=False,
                           console=console)
         if start:
             self._live.start()
 
-    def update(self, engine=None, **_: object) -> None:
-        self.engine = engine
+    def update(self) -> None:
+        pass  # the Live display redraws on its own timer, from the metrics
 
     def close(self) -> None:
         if self._live.is_started:
@@ -55,38 +55,31 @@ class Dashboard:
     def render(self) -> Group:
         m = self.metrics
         elapsed = max(m.now(), 1e-9)
-        total = max(m.total_rows, 1)
         done = m.done_rows + m.skipped_rows
-        rate = m.done_rows / elapsed
-        remaining = m.total_rows - done
-        eta = remaining / rate if rate > 0 else None
         window = list(m.recent)  # one snapshot: the job thread appends while this frame renders
+        engine = m.engine  # likewise one snapshot (an immutable object, replaced each step)
         recent = [s for s in window[-200:] if s.t >= elapsed - 5.0]
         span = (recent[-1].t - recent[0].t) if len(recent) > 1 else 0.0
         recent_out = sum(s.output_tokens for s in recent[1:]) / span if span > 0 else 0.0
         recent_prompt = sum(s.prefill_tokens for s in recent[1:]) / span if span > 0 else 0.0
-        engine = self.engine
-        running = len(engine.scheduler.running) if engine else 0
-        waiting = engine.scheduler.num_waiting if engine else 0
-        stats = engine.scheduler.stats if engine else None
-        kv_used = engine.pool.num_used if engine else 0
-        kv_total = engine.pool.num_blocks if engine else 1
         last = window[-1] if window else None
+        kv_total = max(engine.kv_total, 1)
 
-        table = Table.grid(padding=(0, 2))
-        table.add_column(style="bold cyan")
+        progress = Table.grid(padding=(0, 1))
+        progress.add_column(style="bold cyan", min_width=12)
+        progress.add_column()
+        progress.add_column(no_wrap=True)
+        progress.add_row("rows", ProgressBar(total=max(m.total_rows, 1), completed=done, width=40),
+                         f"{done}/{m.total_rows} ({done / max(m.total_rows, 1):.0%})  errors {m.error_rows}  "
+                         f"ETA {format_eta(eta_seconds(m))}")
+        table = Table.grid(padding=(0, 1))
+        table.add_column(style="bold cyan", min_width=12)
         table.add_column()
-        table.add_row("rows", f"{done}/{m.total_rows}  errors {m.error_rows}  ETA {format_eta(eta)}")
         table.add_row("output tok/s", f"{recent_out:,.1f} recent  {m.output_tokens / elapsed:,.1f} overall")
         table.add_row("prompt tok/s", f"{recent_prompt:,.1f} recent  {m.prompt_tokens / elapsed:,.1f} overall")
-        table.add_row("batch", f"running {running}  waiting {waiting}  preempted {stats.preemptions if stats else 0}")
-        table.add_row("occupancy", f"{running / self.max_num_seqs:.0%} of {self.max_num_seqs} seqs")
+        table.add_row("batch", f"running {engine.running}  waiting {engine.waiting}  preempted {engine.preemptions}")
+        table.add_row("occupancy", f"{engine.running / self.max_num_seqs:.0%} of {self.max_num_seqs} seqs")
         table.add_row("token budget", f"{(last.scheduled_tokens if last else 0) / self.token_budget:.0%} of {self.token_budget} per step")
-        table.add_row("KV blocks", f"{kv_used}/{kv_total} ({kv_used / max(kv_total, 1):.0%})")
+        table.add_row("KV blocks", f"{engine.kv_used}/{engine.kv_total} ({engine.kv_used / kv_total:.0%})")
         table.add_row("occupancy ▸", sparkline([s.running / self.max_num_seqs for s in window]))
-        return Group(
-            Text("cbatch run", style="bold"),
-            ProgressBar(total=total, completed=done, width=60),
-            table,
-        )
-
+        return Group(Text("cbatch run", style="bold"), progress, table)

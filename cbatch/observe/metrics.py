@@ -1,6 +1,7 @@
 """Per-job counters and a per-step time series, fed once per step (never per token).
 
-The dashboard, the progress lines and the report all read from one `JobMetrics`. Memory stays bounded
+The dashboard, the progress lines and the report all read from one `JobMetrics` (displays read nothing
+else: the executor leaves an `EngineSnapshot` of its counters here once per step). Memory stays bounded
 however long the job: the whole-job series is folded into at most `MAX_BUCKETS` buckets of consecutive
 steps (sums kept, so rates, means and cost fits over buckets equal those over steps), the dashboard
 reads the last `RECENT_STEPS` raw samples, and latency percentiles come from a uniform sample of at most
@@ -12,6 +13,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 RECENT_STEPS = 2048
 MAX_BUCKETS = 4096  # even: a full series folds pairwise into half as many buckets twice as wide
@@ -46,6 +48,17 @@ class StepSample:
         self.steps += later.steps
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The executor's live counters, taken once per step: what the dashboard shows besides rows and tokens."""
+
+    running: int = 0
+    waiting: int = 0
+    preemptions: int = 0
+    kv_used: int = 0
+    kv_total: int = 0
+
+
 @dataclass(slots=True)
 class RequestTiming:
     row_id: str
@@ -69,11 +82,15 @@ class JobMetrics:
     error_rows: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
-    started: float = field(default_factory=time.perf_counter)
+    # the job's clock: seconds since `started` (the simulator passes its cost-model clock instead)
+    clock: Callable[[], float] = time.perf_counter
+    started: float = 0.0
     requests: list[RequestTiming] = field(default_factory=list)  # a uniform sample once past MAX_TIMINGS
     timings_seen: int = 0  # requests offered to `add_timing`
     forward_seconds: float = 0.0
-    keep_series: bool = True  # the per-step series feeds plots and latency in seconds
+    engine: EngineSnapshot = field(default_factory=EngineSnapshot)
+    submitted_rows: int = 0  # rows handed to an engine, and their max_tokens: the ETA before any row is done
+    submitted_max_tokens: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # raw StepSamples, newest last
     steps_recorded: int = 0
     _buckets: list[StepSample] = field(default_factory=list)  # closed, each `_bucket_width` steps
@@ -81,21 +98,26 @@ class JobMetrics:
     _bucket_width: int = 1
     _sampler: random.Random = field(default_factory=lambda: random.Random(0))
 
+    def __post_init__(self) -> None:
+        self.started = self.clock()
+
+    def restart_clock(self) -> None:
+        """The job's time starts now (e.g. once the models are loaded)."""
+        self.started = self.clock()
+
     def now(self) -> float:
-        return time.perf_counter() - self.started
+        return self.clock() - self.started
 
     @property
     def done_rows(self) -> int:
         return self.ok_rows + self.error_rows
 
     @property
-    def steps(self) -> list[StepSample]:
+    def series(self) -> list[StepSample]:
         """The whole job's series: one sample per step, or per bucket of consecutive steps on long jobs."""
         return self._buckets + ([self._open] if self._open is not None else [])
 
     def record_step(self, sample: StepSample) -> None:
-        if not self.keep_series:
-            return
         self.steps_recorded += 1
         self.recent.append(sample)
         if self._open is None:
@@ -144,3 +166,10 @@ def engine_step_sample(metrics: JobMetrics, engine) -> StepSample:
         output_tokens=info.sampled_tokens, kv_used=engine.pool.num_used,
         context_tokens=info.context_tokens, attention_pairs=info.attention_pairs,
     )
+
+
+def engine_snapshot(engine) -> EngineSnapshot:
+    scheduler = engine.scheduler
+    return EngineSnapshot(running=len(scheduler.running), waiting=scheduler.num_waiting,
+                          preemptions=scheduler.stats.preemptions, kv_used=engine.pool.num_used,
+                          kv_total=engine.pool.num_blocks)

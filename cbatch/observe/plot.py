@@ -10,10 +10,12 @@ import io
 from pathlib import Path
 from typing import Any
 
+from cbatch.config import UserError
+
 INSTALL_HINT = "--plot needs matplotlib: pip install 'cbatch[plot]' (or pip install matplotlib)"
 
 
-class PlotError(ValueError):
+class PlotError(UserError):
     """--plot cannot be drawn (matplotlib missing, unknown extension): one line naming the fix."""
 
 

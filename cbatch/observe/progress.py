@@ -1,4 +1,4 @@
-"""Progress for people and for cron logs: a live view on a terminal, plain lines otherwise."""
+"""Progress for cron logs: a plain line every few seconds (the live view is dashboard.py; display.py picks)."""
 from __future__ import annotations
 
 import sys
@@ -15,12 +15,25 @@ def format_eta(seconds: float | None) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+def eta_seconds(metrics: JobMetrics) -> float | None:
+    """Seconds left at this run's pace in rows/s; before the first row finishes, an upper bound from the
+    output token rate and the submitted rows' mean max_tokens (rows that stop early finish sooner)."""
+    elapsed = max(metrics.now(), 1e-9)
+    done, todo = metrics.done_rows, metrics.total_rows - metrics.skipped_rows
+    if done:
+        return (todo - done) / (done / elapsed)
+    generated = sum(s.output_tokens for s in metrics.series)  # rows count their tokens only when done
+    if generated and metrics.submitted_rows:
+        mean_max_tokens = metrics.submitted_max_tokens / metrics.submitted_rows
+        return max(0.0, todo * mean_max_tokens - generated) / (generated / elapsed)
+    return None
+
+
 def progress_text(metrics: JobMetrics) -> str:
     """rows done/total, tokens/s, ETA: one line."""
     elapsed = max(metrics.now(), 1e-9)
-    done, total = metrics.done_rows, metrics.total_rows - metrics.skipped_rows
-    rate = done / elapsed
-    eta = (total - done) / rate if rate > 0 and total else None
+    done = metrics.done_rows
+    eta = eta_seconds(metrics)
     return (
         f"rows {done + metrics.skipped_rows}/{metrics.total_rows} | "
         f"{metrics.output_tokens / elapsed:.1f} output tok/s | "
@@ -38,7 +51,7 @@ class PlainProgress:
         self.stream = stream  # None: sys.stderr as it is when a line is printed
         self._last = time.monotonic()
 
-    def update(self, **_: object) -> None:
+    def update(self) -> None:
         now = time.monotonic()
         if now - self._last >= self.interval:
             self._last = now
@@ -49,19 +62,8 @@ class PlainProgress:
 
 
 class NoProgress:
-    def update(self, **_: object) -> None:
+    def update(self) -> None:
         pass
 
     def close(self) -> None:
         pass
-
-
-def make_progress(metrics: JobMetrics, options) -> "PlainProgress | NoProgress":
-    """--quiet: nothing; a terminal: the live view; otherwise (cron, logs): plain lines."""
-    if options.quiet or options.display == "none":
-        return NoProgress()
-    if options.display == "dashboard" or (options.display == "auto" and sys.stdout.isatty()):
-        from cbatch.observe.dashboard import Dashboard
-
-        return Dashboard(metrics, options)
-    return PlainProgress(metrics, interval=options.progress_interval)

@@ -91,7 +91,7 @@ def build_report(
             "sampled_requests": len(timings),
             "requests": max(metrics.timings_seen, len(timings)),
         },
-        "series": time_series(metrics.steps, max_num_seqs, num_kv_blocks),
+        "series": time_series(metrics.series, max_num_seqs, num_kv_blocks),
     }
     if hardware is not None:
         report["hardware"] = hardware

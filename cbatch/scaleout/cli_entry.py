@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import sys
 
-from cbatch.job import JobError, JobOptions
+from cbatch.run.exit_codes import EXIT_ROW_ERRORS
+from cbatch.run.preflight import JobError, JobOptions
 from cbatch.scaleout import LOCAL, RayMissingError
-
-EXIT_REPLICAS_FAILED = 1
 
 
 def run_on_ray(options: JobOptions, address: str, replicas: int | None, gpus_per_replica: int | None,
@@ -24,4 +23,4 @@ def run_on_ray(options: JobOptions, address: str, replicas: int | None, gpus_per
         raise JobError(f"--ray: {exc}") from None
     except ReplicaFailure as exc:
         print(f"cbatch: error: {exc}; finished rows are saved, run the same command again to resume", file=sys.stderr)
-        return EXIT_REPLICAS_FAILED
+        return EXIT_ROW_ERRORS  # the job did not finish; its rows are kept

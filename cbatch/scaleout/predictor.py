@@ -67,7 +67,7 @@ class CbatchPredictor:
 
         rows = batch_rows(batch)
         indexed = [(next(self._indices), row) for row in rows]
-        records = self.replica.run_block(indexed).records
+        records = [result.record() for result in self.replica.run_block(indexed).results]
         added = [f for f in self.schema if f.name != "id"]
         columns = {f.name: pa.array([r.get(f.name) for r in records], type=f.type) for f in added}
         if isinstance(batch, pa.Table):

@@ -4,9 +4,10 @@ The driver owns everything a local run owns: it streams the input with cbatch's 
 same row errors), owns the crash-safe `JobState` (lock, part files, manifest, atomic OUTPUT),
 and writes the report. Replicas only turn blocks of rows into records.
 
-    driver: rows -> blocks of `block_rows` -> queue (retried blocks first)
+    the driver loop (cbatch/run/driver.py) with a `RayExecutor`:
+        rows -> blocks of `block_rows` -> queue (retried blocks first)
         each live replica holds `blocks_in_flight` blocks (so its engine never drains between blocks)
-        a block's records come back whole -> records new to the job are appended to the part file
+        a block's results come back whole -> rows new to the job are appended to the part file
         a replica that dies (or fails a block): replaced; its unfinished blocks go back to the queue
 
 Exactly once: a row enters the part file only when its whole block came back, and only if the job
@@ -14,23 +15,22 @@ has no record for it yet, so a retried block never duplicates a row, and a re-ru
 """
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
-from itertools import islice
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from cbatch.engine.scheduler import SchedulerStats
-from cbatch.io.reader import RawRow, iter_rows
-from cbatch.io.state import JobState, StateError
-from cbatch.job import (
-    EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, JobError, JobOptions, _Interrupt, conclude_job, preflight,
-)
-from cbatch.observe.metrics import JobMetrics
+from cbatch.io.reader import RawRow
+from cbatch.io.state import JobState
+from cbatch.observe.display import make_display
+from cbatch.observe.metrics import EngineSnapshot, JobMetrics
 from cbatch.observe.report import build_report
-from cbatch.rowrun import Record, is_ok
+from cbatch.run.exit_codes import EXIT_OK
+from cbatch.run.job import conclude_job, run_rows
+from cbatch.run.preflight import JobError, JobOptions, preflight
+from cbatch.run.results import RowResult
 from cbatch.scaleout import require_ray
 from cbatch.scaleout.replica import BlockResult, Replica, ReplicaStats
 
@@ -48,6 +48,7 @@ class RayOptions:
     blocks_in_flight: int = 2  # blocks held by each replica: the next is queued in its engine already
     max_block_attempts: int = 3  # a block that fails this often stops the job (a row that kills replicas)
     max_replacements: int | None = None  # replicas started to replace failed ones; None: 2 x replicas
+    crash: tuple[int, int] | None = None  # fault injection (tests): (replica, step): that replica's process dies there
 
 
 def check_ray_options(ray_options: RayOptions) -> None:
@@ -135,25 +136,30 @@ def pool_shape(ray, options: JobOptions, ray_options: RayOptions) -> tuple[int, 
     return replicas, gpus, cpus
 
 
-class RayJob:
-    """The driver loop; `on_block` (tests, monitoring) is called after each block comes back."""
+class RayExecutor:
+    """The driver's executor over a pool of replicas (Ray actors): rows are cut into blocks, each live
+    replica holds `blocks_in_flight` of them (its engine never drains between blocks), and a block's
+    results come back whole. A replica that dies (or fails a block) is replaced and its blocks go back to
+    the queue; the job's store keeps each row once, whatever was retried."""
 
-    def __init__(self, options: JobOptions, ray_options: RayOptions, ray, on_block: Callable[["RayJob"], None] | None = None) -> None:
+    def __init__(self, options: JobOptions, ray_options: RayOptions, ray, metrics: JobMetrics,
+                 on_block: Callable[["RayExecutor"], None] | None = None, state: JobState | None = None) -> None:
+        """`on_block(executor)` (tests, monitoring) runs once the rows of each block that came back are
+        stored (at the start of the next poll); it may read the job's `state`."""
         self.options = options
+        self.state = state
         self.ray_options = ray_options
         self.ray = ray
+        self.metrics = metrics
         self.on_block = on_block
-        self.metrics = JobMetrics()
-        self.done: set[int] = set()  # rows with a record in the job state: each is written exactly once
         self.replicas: list[ReplicaHandle] = []
         self.queue: deque[Block] = deque()  # blocks to (re)send, retried ones first
         self.retried_blocks = 0
         self.replacements = 0
         self.startup_seconds = 0.0
+        self._pending: list[RawRow] = []  # rows of the block being filled
         self._blocks_made = 0
-        self.state: JobState | None = None
-        self.progress = None
-        self.interrupt: _Interrupt | None = None
+        self._blocks_back = 0  # blocks returned since `on_block` last ran
 
     # ---- replicas --------------------------------------------------------------------------------
     def start_replicas(self) -> dict[str, Any]:
@@ -170,15 +176,17 @@ class RayJob:
         self._config = config
         for _ in range(replicas):
             self._spawn()
+        started = time.perf_counter()
         identities = self._get([r.actor.start.remote() for r in self.replicas])
-        # like a local run, the job's clock starts once the models are loaded; start-up is reported apart
-        self.startup_seconds = self.metrics.now()
-        self.metrics.started = time.perf_counter()
+        self.startup_seconds = time.perf_counter() - started  # reported apart, like a local run's model load
         return identities[0]
 
     def _spawn(self) -> ReplicaHandle:
         handle = ReplicaHandle(number=len(self.replicas), actor=None)
-        handle.actor = self._actor_class.remote(self._config, self.options.defaults, handle.number)
+        crash = self.ray_options.crash
+        crash_at_step = crash[1] if crash is not None and crash[0] == handle.number else None
+        handle.actor = self._actor_class.remote(self._config, self.options.defaults, handle.number,
+                                                crash_at_step=crash_at_step)
         self.replicas.append(handle)
         return handle
 
@@ -201,77 +209,78 @@ class RayJob:
             except Exception:  # already gone
                 pass
 
-    # ---- the loop --------------------------------------------------------------------------------
-    def run(self, state: JobState, done: set[int], total_rows: int, interrupt: _Interrupt) -> int | None:
-        """Runs every row not in `done`; returns an exit code if interrupted, else None."""
-        self.state = state
-        self.interrupt = interrupt
-        self.done = set(done)
-        self.metrics.total_rows = total_rows
-        self.metrics.skipped_rows = len(done)
-        rows = (item for item in iter_rows(self.options.input) if item[0] not in done)
-        ray = self.ray
-        while True:
-            if interrupt.signum is not None:
-                return EXIT_SIGINT if interrupt.signum == signal.SIGINT else EXIT_SIGTERM
-            self._feed(rows)
-            refs = [ref for r in self.replicas if r.status == "running" for ref in r.in_flight]
-            if not refs:
-                if self.queue:  # cannot happen while a replica runs; never end with rows missing
-                    raise ReplicaFailure("no replica is left to run the remaining rows")
-                return None
-            ready, _ = ray.wait(refs, num_returns=1, timeout=1.0)
-            for ref in ready:
-                self._collect(ref)
-            self.progress.update(engine=None)
+    def _live(self) -> list[ReplicaHandle]:
+        return [r for r in self.replicas if r.status == "running"]
 
-    def _feed(self, rows: Iterator[RawRow]) -> None:
-        """Tops every live replica up to `blocks_in_flight` blocks: retried blocks first, then new rows."""
-        for handle in self.replicas:
-            while handle.status == "running" and len(handle.in_flight) < self.ray_options.blocks_in_flight:
-                block = self.queue.popleft() if self.queue else self._next_block(rows)
-                if block is None:
-                    return
+    # ---- the executor protocol -------------------------------------------------------------------
+    def wants_rows(self) -> bool:
+        """Room for another block on some live replica, and none queued for it already."""
+        free = sum(self.ray_options.blocks_in_flight - len(r.in_flight) for r in self._live())
+        return free > len(self.queue)
+
+    def submit(self, index: int, raw: dict[str, Any] | str) -> None:
+        self._pending.append((index, raw))
+        if len(self._pending) >= self.ray_options.block_rows:
+            self._cut_block()
+
+    def end_of_input(self) -> None:
+        if self._pending:
+            self._cut_block()
+
+    def _cut_block(self) -> None:
+        self._blocks_made += 1
+        self.queue.append(Block(self._blocks_made, self._pending))
+        self._pending = []
+        self._dispatch()
+
+    def busy(self) -> bool:
+        return bool(self.queue or self._pending or any(r.in_flight for r in self._live()))
+
+    def poll(self) -> list[RowResult]:
+        """Waits (at most a second) for a block to come back; its results, or none."""
+        for _ in range(self._blocks_back):
+            self.on_block(self)
+        self._blocks_back = 0
+        self._dispatch()
+        refs = [ref for r in self._live() for ref in r.in_flight]
+        if not refs:
+            if self.queue:  # cannot happen while a replica runs; never end with rows missing
+                raise ReplicaFailure("no replica is left to run the remaining rows")
+            return []
+        ready, _ = self.ray.wait(refs, num_returns=1, timeout=1.0)
+        results = [result for ref in ready for result in self._collect(ref)]
+        self.metrics.engine = self._snapshot()
+        return results
+
+    def _dispatch(self) -> None:
+        """Tops every live replica up to `blocks_in_flight` blocks from the queue (retried blocks first)."""
+        for handle in self._live():
+            while self.queue and len(handle.in_flight) < self.ray_options.blocks_in_flight:
+                block = self.queue.popleft()
                 block.attempts += 1
                 handle.in_flight[handle.actor.run_block.remote(block.rows)] = block
 
-    def _next_block(self, rows: Iterator[RawRow]) -> Block | None:
-        chunk = list(islice(rows, self.ray_options.block_rows))
-        if not chunk:
-            return None
-        self._blocks_made += 1
-        return Block(self._blocks_made, chunk)
-
-    def _collect(self, ref: Any) -> None:
+    def _collect(self, ref: Any) -> list[RowResult]:
         handle = next((r for r in self.replicas if ref in r.in_flight), None)
         if handle is None:  # its replica failed meanwhile; the block is queued again already
-            return
+            return []
         block = handle.in_flight.pop(ref)
         try:
             result: BlockResult = self.ray.get(ref)
         except self.ray.exceptions.RayError as exc:
             self._replica_failed(handle, block, exc)
-            return
+            return []
         if handle.stats is None or result.stats.blocks > handle.stats.blocks:
             handle.stats = result.stats  # the newest snapshot: a replica's blocks may come back out of order
-        for timing in result.timings:
-            self.metrics.add_timing(timing)
-        for record in result.records:
-            if record["index"] not in self.done:  # exactly once, whatever was retried
-                self._store(record)
         if self.on_block is not None:
-            self.on_block(self)
+            self._blocks_back += 1
+        return result.results
 
-    def _store(self, record: Record) -> None:
-        metrics = self.metrics
-        if is_ok(record):
-            metrics.ok_rows += 1
-            metrics.prompt_tokens += record["prompt_tokens"]
-            metrics.output_tokens += record["completion_tokens"]
-        else:
-            metrics.error_rows += 1
-        self.done.add(record["index"])
-        self.state.append(record)
+    def _snapshot(self) -> EngineSnapshot:
+        """The replicas' live counters, summed (each as of its last block)."""
+        snaps = [r.stats.engine for r in self.replicas if r.stats is not None and r.status == "running"]
+        return EngineSnapshot(*(sum(getattr(s, f) for s in snaps) for f in
+                                ("running", "waiting", "preemptions", "kv_used", "kv_total")))
 
     def _replica_failed(self, handle: ReplicaHandle, block: Block, exc: Exception) -> None:
         """Requeues the block (and, once per replica, all its other unfinished blocks) and replaces the replica."""
@@ -296,10 +305,10 @@ class RayJob:
             pass
         limit = self.ray_options.max_replacements
         limit = 2 * self.shape["replicas"] if limit is None else limit
-        if self.replacements < limit and (self.interrupt is None or self.interrupt.signum is None):
+        if self.replacements < limit:
             self.replacements += 1
             self._spawn()
-        elif not any(r.status == "running" for r in self.replicas):
+        elif not self._live():
             raise ReplicaFailure(f"every replica failed (last: {handle.error})")
         print(f"cbatch: replica {handle.number} failed ({handle.error}); its rows are retried", file=sys.stderr)
 
@@ -307,17 +316,7 @@ class RayJob:
     def report(self, wall_seconds: float) -> dict[str, Any]:
         """The local report over all replicas, plus a `replicas` list and a `ray` section."""
         snapshots = [r.stats for r in self.replicas if r.stats is not None]
-        total = SchedulerStats()
-        for s in snapshots:
-            for name, value in asdict(s.scheduler).items():
-                if name == "peak_kv_blocks":
-                    total.peak_kv_blocks = max(total.peak_kv_blocks, value)
-                elif isinstance(value, dict):  # e.g. queue waits per priority class: {class: [waits]}
-                    merged = getattr(total, name)
-                    for key, items in value.items():
-                        merged.setdefault(key, []).extend(items)
-                else:
-                    setattr(total, name, getattr(total, name) + value)
+        total = merge_scheduler_stats([s.scheduler for s in snapshots])
         self.metrics.forward_seconds = sum(s.forward_seconds for s in snapshots)
         options = self.options
         report = build_report(
@@ -341,8 +340,24 @@ class RayJob:
         return report
 
 
+def merge_scheduler_stats(parts: list[SchedulerStats]) -> SchedulerStats:
+    """Several engines' counters as one: sums, the largest peak, and the wait lists joined."""
+    total = SchedulerStats()
+    for part in parts:
+        for name, value in asdict(part).items():
+            if name == "peak_kv_blocks":
+                total.peak_kv_blocks = max(total.peak_kv_blocks, value)
+            elif isinstance(value, dict):  # e.g. queue waits per priority class: {class: [waits]}
+                merged = getattr(total, name)
+                for key, items in value.items():
+                    merged.setdefault(key, []).extend(items)
+            else:
+                setattr(total, name, getattr(total, name) + value)
+    return total
+
+
 def run_ray_job(options: JobOptions, ray_options: RayOptions, make_progress=None,
-                on_block: Callable[[RayJob], None] | None = None) -> int:
+                on_block: Callable[[RayExecutor], None] | None = None) -> int:
     """`cbatch run --ray`: same OUTPUT, report and exit codes as `run_job`. Raises JobError for a bad job.
 
     Like a local run, every check that can refuse the job (paths, input, model config, lock, resume
@@ -352,35 +367,18 @@ def run_ray_job(options: JobOptions, ray_options: RayOptions, make_progress=None
     prepared = preflight(options)  # the same checks and fingerprint as a local run: resume either way
     if prepared is None:
         return EXIT_OK
-    total_rows, config, state = prepared
-    options = replace(options, engine=config)
+    options = replace(options, engine=prepared.config)
     ray = require_ray()
     started_ray = connect(ray, ray_options.address)
-    job = RayJob(options, ray_options, ray, on_block)
+    metrics = JobMetrics(total_rows=prepared.total_rows)
+    executor = RayExecutor(options, ray_options, ray, metrics, on_block, prepared.state)
     try:
-        return _run(job, state, total_rows, options, make_progress)
+        executor.start_replicas()
+        code = run_rows(options, prepared, executor, metrics, make_progress or make_display)
+        report = executor.report(metrics.now())
     finally:
-        job.stop_replicas()
+        executor.stop_replicas()
         if started_ray:
             ray.shutdown()
-
-
-def _run(job: RayJob, state: JobState, total_rows: int, options: JobOptions, make_progress) -> int:
-    job.start_replicas()
-    try:
-        done = set(state.open(options.overwrite))
-    except StateError as exc:
-        raise JobError(str(exc)) from None
-    from cbatch.observe.progress import make_progress as default_progress
-
-    job.progress = (make_progress or default_progress)(job.metrics, options)
-    with _Interrupt() as interrupt:
-        try:
-            code = job.run(state, done, total_rows, interrupt)
-        except BaseException:
-            job.progress.close()
-            state.close()
-            raise
-    job.progress.close()
-    report = job.report(job.metrics.now())
-    return conclude_job(options, state, report, code, total_rows, f" | {job.shape['replicas']} Ray replica(s)")
+    return conclude_job(options, prepared.state, report, code, prepared.total_rows,
+                        f" | {executor.shape['replicas']} Ray replica(s)")

@@ -8,6 +8,7 @@ each block. A call returns when all of its own rows are finished.
 """
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -15,11 +16,13 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from cbatch.config import EngineConfig, SamplingParams
+from cbatch.engine.build import build_engine
 from cbatch.engine.engine import Engine
 from cbatch.engine.scheduler import SchedulerStats
 from cbatch.io.reader import RawRow
-from cbatch.observe.metrics import JobMetrics, RequestTiming
-from cbatch.rowrun import Record, RowRunner, is_ok
+from cbatch.observe.metrics import EngineSnapshot, JobMetrics
+from cbatch.run.executor import LocalExecutor
+from cbatch.run.results import RowResult
 
 
 @dataclass(slots=True)
@@ -41,6 +44,7 @@ class ReplicaStats:
     num_kv_blocks: int = 0
     max_num_seqs: int = 0
     scheduler: SchedulerStats = field(default_factory=SchedulerStats)
+    engine: EngineSnapshot = field(default_factory=EngineSnapshot)  # live counters at the last block
 
     def as_report(self) -> dict[str, Any]:
         steps = max(self.scheduler.steps, 1)
@@ -60,30 +64,31 @@ class ReplicaStats:
 
 @dataclass(slots=True)
 class BlockResult:
-    records: list[Record]  # one per row of the block, in the block's order
-    timings: list[RequestTiming]  # of every row this replica finished since the last BlockResult
+    results: list[RowResult]  # one per row of the block, in the block's order
     stats: ReplicaStats
 
 
 class Replica:
     def __init__(self, config: EngineConfig, defaults: SamplingParams, replica: int = 0,
-                 make_engine: Callable[[EngineConfig], Engine] = Engine.from_config) -> None:
+                 make_engine: Callable[[EngineConfig], Engine] = build_engine, crash_at_step: int | None = None) -> None:
+        """`crash_at_step` (fault injection, for tests): the process dies once its engine has taken that
+        many steps, in the middle of a block, as an OOM-killed worker would."""
         self.config = config
+        self.crash_at_step = crash_at_step
         self.defaults = defaults
         self.replica = replica
         self._make_engine = make_engine
         self._engine: Engine | None = None
-        self._lock = threading.Lock()  # guards the engine, the runner and the records below
-        self._done: dict[int, Record] = {}  # finished rows not yet returned, by row index
+        self._lock = threading.Lock()  # guards the engine, the executor and the results below
+        self._done: dict[int, RowResult] = {}  # finished rows not yet returned, by row index
 
     # ---- start -----------------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
-        """Loads the model (once); returns what the job's fingerprint needs, as `fingerprint()` reads it."""
+        """Loads the model (once); returns what the driver reports of this replica's engine."""
         with self._lock:
             if self._engine is None:
                 engine = self._make_engine(self.config)
-                self.metrics = JobMetrics()
-                self.rows = RowRunner(engine, self.defaults, self.metrics)
+                self.executor = LocalExecutor(engine, self.defaults, JobMetrics())
                 self.stats = ReplicaStats(
                     replica=self.replica, host=socket.gethostname(), device=str(engine.device),
                     num_kv_blocks=engine.pool.num_blocks, max_num_seqs=self.config.max_num_seqs,
@@ -104,38 +109,38 @@ class Replica:
         indices = [index for index, _ in rows]
         with self._lock:
             for index, raw in rows:
-                if index in self._done or self.rows.is_pending(index):  # one sequence per row id, always
+                if index in self._done or self.executor.is_pending(index):  # one sequence per row id, always
                     raise ValueError(f"row {index} is already running in replica {self.replica}")
-                record = self.rows.admit(index, raw)
-                if record is not None:
-                    self._finish(record)
+                self.executor.submit(index, raw)
         while True:
             with self._lock:
                 if all(i in self._done for i in indices):
                     return self._result(indices)
                 started = time.perf_counter()
-                for record in self.rows.step():
-                    self._finish(record)
+                for result in self.executor.poll():
+                    self._finish(result)
                 self.stats.busy_seconds += time.perf_counter() - started
+                if self.crash_at_step is not None and self._engine.scheduler.stats.steps >= self.crash_at_step:
+                    os._exit(1)
 
-    def _finish(self, record: Record) -> None:
-        self._done[record["index"]] = record
+    def _finish(self, result: RowResult) -> None:
+        self._done[result.index] = result
         stats = self.stats
         stats.rows += 1
-        if is_ok(record):
+        if result.ok:
             stats.ok_rows += 1
+            stats.prompt_tokens += result.prompt_tokens
+            stats.output_tokens += result.completion_tokens
         else:
             stats.error_rows += 1
 
     def _result(self, indices: list[int]) -> BlockResult:
-        records = [self._done.pop(i) for i in indices]
-        timings, self.metrics.requests = self.metrics.requests, []  # handed to the driver, not kept here
+        results = [self._done.pop(i) for i in indices]
         engine, stats = self._engine, self.stats
         stats.blocks += 1
-        stats.prompt_tokens, stats.output_tokens = self.metrics.prompt_tokens, self.metrics.output_tokens
         stats.forward_seconds = engine.runner.forward_seconds
         stats.alive_seconds = time.perf_counter() - self._ready
         stats.scheduler = SchedulerStats(**asdict(engine.scheduler.stats))
+        stats.engine = self.executor.metrics.engine
         # a detached copy: the live stats keep changing while the result travels
-        return BlockResult(records=records, timings=timings, stats=replace(stats, scheduler=stats.scheduler))
-
+        return BlockResult(results=results, stats=replace(stats, scheduler=stats.scheduler))

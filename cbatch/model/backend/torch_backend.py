@@ -1,12 +1,7 @@
-"""Attention over the paged KV cache: the metadata one step shares across layers, and the backends.
+"""The plain-torch backend: the CPU path and the reference the Triton kernels are tested against.
 
-The model sees a flat, unpadded batch of T tokens from B sequences; sequence b owns query rows
-`query_start_loc[b]:query_start_loc[b+1]` and, after this step's K/V are stored, `seq_lens[b]`
-tokens of context. Query row i of sequence b sits at position `seq_lens[b] - q_len_b + i` and
-attends causally to every cached token up to it.
-
-Backends: `TorchAttention` (plain torch, the CPU path and the reference) and `TritonAttention`
-(`cbatch.kernels`, the GPU path). Both store K/V through `slot_mapping` first.
+Attention over the paged cache (`TorchBackend.attention`) plus the small ops the model routes through its
+backend (RMSNorm, rotary, SiLU-and-mul) with HF transformers' numerics.
 """
 from __future__ import annotations
 
@@ -15,33 +10,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    query_start_loc: torch.Tensor  # int32 [B + 1]
-    seq_lens: torch.Tensor  # int32 [B]
-    block_table: torch.Tensor  # int32 [B, max_blocks]
-    slot_mapping: torch.Tensor  # int64 [T]; -1 = do not store
-    max_query_len: int
-    max_seq_len: int
-    # host copies for backends that loop over sequences (never synchronise with the device)
-    query_lens_host: list[int] = field(default_factory=list)
-    seq_lens_host: list[int] = field(default_factory=list)
-    block_size: int = 16
-    backend_state: object = None  # what a backend prepared once per step, reused by every layer
+from cbatch.model.backend.metadata import AttentionMetadata
+from cbatch.model.backend.rotary import RotaryStep
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """One layer's K (or V) cache, for every backend: slot = block * block_size + offset."""
-    return (num_blocks, block_size, num_kv_heads, head_dim)
-
-
-class TorchAttention:
-    """Plain-torch paged attention (the CPU path and the reference).
+class TorchBackend:
+    """Plain-torch paged attention and model ops (the CPU path and the reference).
 
     Cache layout: `kv_cache_shape`, as for the Triton backend. Gathering blocks along dim 0 copies
-    whole blocks (`block_size * Hkv * D` contiguous elements): measured 60-85 GB/s on the 2-core CPU,
-    against 12-40 GB/s for a head-major layout whose gather copies one head's block at a time.
+    whole blocks (`block_size * Hkv * D` contiguous elements), several times the rate of a head-major
+    layout whose gather copies one head's block at a time (benchmarks/NOTES.md, session 2).
 
     Rows with one query token (decodes) are batched in groups of similar context length: each group
     gathers its blocks once per layer through a block index built once per step, transposes them to
@@ -52,11 +30,12 @@ class TorchAttention:
     """
 
     name = "torch"
+    supports_cuda_graphs = False  # `prepare` builds per-step host state that a graph cannot capture
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state = _TorchStepState.build(meta)
 
-    def forward(
+    def attention(
         self,
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hkv, D]
@@ -67,6 +46,7 @@ class TorchAttention:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
+        """Stores this step's k/v at `slot_mapping`, then attends; returns [T, Hq, D]."""
         state: _TorchStepState = meta.backend_state
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_slots = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
@@ -85,14 +65,49 @@ class TorchAttention:
             chunk.attend(q, k, v, k_slots, v_slots, out, scale, sliding_window)
         return out
 
+    # ---- the model's small ops, with HF transformers' numerics ----------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """HF's LlamaRMSNorm: variance in float32, normalised value cast back before the weight multiply."""
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(dtype)
 
-# Decode rows per group. Measured on the CPU path (64 rows, contexts 30-300, 30 layers, 2 threads):
-# groups of 16 rows 32 ms in bfloat16 (8 rows: 41, all 64 in one group padded to the longest: 57);
-# float32 47 ms at 8 rows, 53 at 16. Smaller groups pad less, larger ones issue fewer ops.
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rotary(self, positions: torch.Tensor, cos_sin: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
+        """This step's angles in the activations' dtype, rotate_half's sign folded into sin: [T, 1, D] each."""
+        cos, sin = cos_sin[positions].to(dtype).chunk(2, dim=-1)  # [T, D/2] each
+        return RotaryStep(positions, cos_sin, torch.cat([cos, cos], dim=-1).unsqueeze(1),
+                          torch.cat([-sin, sin], dim=-1).unsqueeze(1))
+
+    def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, rope: RotaryStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """NeoX-style rotary (HF's rotate_half) on q [T, Hq, D] and k [T, Hkv, D]."""
+        return _rotate(q, rope), _rotate(k, rope)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2 * intermediate] (gate | up) -> [T, intermediate]"""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)  # one [T, intermediate] allocation, not two
+
+
+def _rotate(x: torch.Tensor, rope: RotaryStep) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, bit for bit as HF computes it: rotate_half(x) = (-x2 | x1), and
+    (-x2) * sin == x2 * (-sin) exactly, so the halves are swapped (one copy) and the sign rides on sin."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x2 | x1)
+    return (x * rope.cos).add_(swapped.mul_(rope.sin))
+
+
+# Decode rows per group: smaller groups pad less, larger ones issue fewer ops (16 measured best on the
+# CPU path in both dtypes: benchmarks/NOTES.md, session 2).
 DECODE_GROUP_ROWS = 16
 
 # Prefill chunks up to this many (query x key) pairs use matmuls and an explicit softmax in
-# bfloat16/float16 (2x faster than the fused SDPA kernel at 136-512 tokens); longer ones, and all of
+# bfloat16/float16 (faster than the fused SDPA kernel at a few hundred tokens); longer ones, and all of
 # float32 (where the two tie), go through SDPA, whose memory does not grow with query x key.
 MATMUL_PREFILL_MAX_PAIRS = 512 * 512
 
@@ -257,30 +272,3 @@ class _TorchStepState:
                 slots = table[pos // block_size] * block_size + pos % block_size
             prefills.append(_PrefillChunk(starts[b], q_len, ctx, slots, device))
         return cls(store_all, store_rows, store_slots, groups, prefills)
-
-
-class TritonAttention:
-    """Paged attention and KV store through the Triton kernels of `cbatch.kernels` (GPU path)."""
-
-    name = "triton"
-
-    def prepare(self, meta: AttentionMetadata) -> None:
-        pass
-
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
-        from cbatch.kernels import paged_attention, store_kv
-
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        return paged_attention(
-            q, k_cache, v_cache, out,
-            meta.query_start_loc, meta.seq_lens, meta.block_table,
-            scale, meta.max_query_len, meta.max_seq_len, sliding_window=sliding_window,
-        )
-
-
-def make_backend(name: str, device: torch.device):
-    """`auto` picks triton on CUDA and torch elsewhere."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    return TritonAttention() if name == "triton" else TorchAttention()

@@ -1,0 +1,105 @@
+"""Building an engine: resolve the model (folder, config, device, dtype: no weights), then load it,
+size the KV pool and put scheduler and runner together.
+
+`resolve_model` is what a job's preflight checks and fingerprints before anything loads; `build_engine`
+consumes its result, so nothing is resolved twice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cbatch.config import ConfigError, EngineConfig
+from cbatch.engine import memory
+from cbatch.engine.engine import Engine, KVPool
+from cbatch.engine.runner import ModelRunner
+from cbatch.model.backend import BackendUnavailable, make_backend
+from cbatch.model.loader import Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir
+from cbatch.model.spec import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    """A model as an engine will run it, known before its weights load."""
+
+    spec: ModelSpec
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    checkpoint: Checkpoint | None = None  # None: a weightless shape with random weights (benchmarks)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "cuda: no CUDA device is available here; use cpu")
+    return torch.device(name)
+
+
+def resolve_model(config: EngineConfig, spec: ModelSpec | None = None) -> ResolvedModel:
+    """`config.model` (or the default model) read up to its config.json; or a bare `spec` (random weights)."""
+    checkpoint = None
+    if spec is None:
+        from cbatch.model.default_model import default_model_dir
+
+        checkpoint = read_checkpoint(resolve_model_dir(config.model) if config.model else default_model_dir())
+        spec = checkpoint.spec
+    device = resolve_device(config.device)
+    max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    return ResolvedModel(spec, device, resolve_dtype(config.dtype, spec, device), max_model_len, checkpoint)
+
+
+def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *, random_weights_seed: int = 0) -> Engine:
+    """Loads the model (random weights for a weightless `resolved`), sizes the KV pool, builds the engine."""
+    resolved = resolved or resolve_model(config)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device, dtype, spec = resolved.device, resolved.dtype, resolved.spec
+    try:
+        backend = make_backend(config.attention_backend, device)
+    except BackendUnavailable as exc:
+        raise ConfigError("attention_backend", f"{config.attention_backend}: {exc}") from None
+    if resolved.checkpoint is not None:
+        model = load_model(resolved.checkpoint, resolved.max_model_len, device, dtype, backend)
+    else:
+        model = init_random_weights(build_model(spec, resolved.max_model_len, device, dtype, backend), random_weights_seed)
+    if device.type == "cpu":
+        model.prepack_for_cpu()
+
+    def make_runner(num_blocks: int, num_host_blocks: int = 0) -> ModelRunner:
+        return ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, resolved.max_model_len,
+                           device, dtype, config.seed, num_host_blocks)
+
+    kv = _kv_pool(config, resolved, make_runner)
+    runner = make_runner(kv.num_blocks, kv.num_host_blocks)
+    if device.type == "cuda" and backend.supports_cuda_graphs and not config.enforce_eager:
+        runner.capture_decode_graphs(config.max_num_seqs, resolved.max_model_len)
+    tokenizer = None
+    model_dir = resolved.checkpoint.path if resolved.checkpoint is not None else None
+    if model_dir is not None:
+        from cbatch.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(model_dir)
+    return Engine(config, runner, kv, resolved.max_model_len, spec=spec, tokenizer=tokenizer, device=device,
+                  dtype=dtype, model_dir=model_dir)
+
+
+def _kv_pool(config: EngineConfig, resolved: ResolvedModel, make_runner) -> KVPool:
+    """Forced by --num-kv-blocks, else from the memory budget (GPU: after a profiled dummy step); the host
+    swap space from --swap-space, never more than 4 pools' worth."""
+    spec, dtype = resolved.spec, resolved.dtype
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    elif resolved.device.type != "cuda":
+        num_blocks = memory.cpu_kv_blocks(config, spec, dtype, resolved.max_model_len)
+    else:
+        peak = memory.profile_activation_peak(make_runner, config, resolved.max_model_len)
+        num_blocks = memory.gpu_kv_blocks(config, spec, dtype, resolved.max_model_len, peak)
+    num_host_blocks = 0
+    if config.preemption != "recompute":
+        block_bytes = memory.bytes_per_block(spec, dtype, config.block_size)
+        num_host_blocks = min(int(config.swap_space_gb * 2**30 // block_bytes), 4 * num_blocks)
+    return KVPool(num_blocks, num_host_blocks)
+

@@ -1,0 +1,63 @@
+"""Compute backends: the attention over the paged KV cache and the model's small ops, as one object.
+
+An engine picks its backend once (`make_backend`) and builds its model with it; nothing is global, so
+engines with different backends coexist in one process.
+
+    TorchBackend   plain torch: the CPU path and the reference
+    TritonBackend  `cbatch.kernels`: the GPU path (CPU tensors only under TRITON_INTERPRET=1)
+"""
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import torch
+
+from cbatch.model.backend.metadata import AttentionMetadata, kv_cache_shape
+from cbatch.model.backend.rotary import RotaryStep
+from cbatch.model.backend.torch_backend import TorchBackend
+from cbatch.model.backend.triton_backend import TritonBackend
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+class Backend(Protocol):
+    name: str
+    supports_cuda_graphs: bool
+
+    def prepare(self, meta: AttentionMetadata) -> None: ...
+    def attention(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                  sliding_window: int | None) -> torch.Tensor: ...
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+    def add_rms_norm(self, x, residual, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def rotary(self, positions: torch.Tensor, cos_sin: torch.Tensor, dtype: torch.dtype) -> RotaryStep: ...
+    def apply_rotary(self, q, k, rope: RotaryStep) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
+class BackendUnavailable(ValueError):
+    """The backend cannot run on this device; the message says what to use instead."""
+
+
+def backend_name(name: str, device: torch.device) -> str:
+    """`auto` is triton on CUDA and torch elsewhere."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name
+
+
+def make_backend(name: str, device: torch.device) -> Backend:
+    name = backend_name(name, device)
+    if name == "torch":
+        return TorchBackend()
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise BackendUnavailable(
+            "triton runs on a CPU only under the Triton interpreter (TRITON_INTERPRET=1, for testing); use torch"
+        )
+    return TritonBackend()
+
+
+__all__ = [
+    "AttentionMetadata", "BACKENDS", "Backend", "BackendUnavailable", "RotaryStep", "TorchBackend", "TritonBackend",
+    "backend_name", "kv_cache_shape", "make_backend",
+]

@@ -1,0 +1,32 @@
+"""What one step's attention needs besides activations, shared by every layer and every backend.
+
+The model sees a flat, unpadded batch of T tokens from B sequences; sequence b owns query rows
+`query_start_loc[b]:query_start_loc[b+1]` and, after this step's K/V are stored, `seq_lens[b]`
+tokens of context. Query row i of sequence b sits at position `seq_lens[b] - q_len_b + i` and
+attends causally to every cached token up to it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B]
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [T]; -1 = do not store
+    max_query_len: int
+    max_seq_len: int
+    # host copies for backends that loop over sequences (never synchronise with the device)
+    query_lens_host: list[int] = field(default_factory=list)
+    seq_lens_host: list[int] = field(default_factory=list)
+    block_size: int = 16
+    backend_state: object = None  # what a backend prepared once per step, reused by every layer
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """One layer's K (or V) cache, for every backend: slot = block * block_size + offset."""
+    return (num_blocks, block_size, num_kv_heads, head_dim)

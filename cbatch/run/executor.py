@@ -1,0 +1,130 @@
+"""Executors turn rows into results. `LocalExecutor`: rows through one engine (a model or the simulator).
+
+A row's life: parse (validation, sampling settings) -> tokenize (chat template) -> queue in the engine
+-> steps -> a `RowResult`. The same code serves `cbatch run`, each Ray replica and `cbatch bench`, so a
+row gets exactly the same validation, tokenization, seed (its input index is its seq_id) and result
+wherever it runs.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from cbatch.config import SamplingParams
+from cbatch.engine.engine import Engine
+from cbatch.engine.sequence import Sequence
+from cbatch.io.reader import RawRow
+from cbatch.io.rows import RowError, RowRequest, parse_row, row_id_of
+from cbatch.observe.metrics import JobMetrics, RequestTiming, engine_snapshot, engine_step_sample
+from cbatch.run.results import RowResult
+from cbatch.tokenizer import encode_messages, encode_text
+
+
+class Executor(Protocol):
+    """What the driver feeds rows to and polls for results."""
+
+    def wants_rows(self) -> bool: ...  # room for more rows now
+    def submit(self, index: int, raw: dict[str, Any] | str) -> None: ...
+    def end_of_input(self) -> None: ...  # no more rows will come
+    def busy(self) -> bool: ...  # rows submitted and not yet returned
+    def poll(self) -> list[RowResult]: ...  # advance (one engine step, or wait for a block); finished rows
+
+
+def tokenize_request(engine: Engine, request: RowRequest) -> list[int]:
+    """The prompt's token ids; raises RowError naming what is wrong."""
+    tokenizer = engine.tokenizer
+    if request.prompt_token_ids is not None:
+        ids = request.prompt_token_ids
+    elif tokenizer is None:
+        raise RowError("this model has no tokenizer; give `prompt_token_ids` instead of text")
+    else:
+        try:
+            if request.messages is not None:
+                ids = encode_messages(tokenizer, request.messages)
+            else:
+                ids = encode_text(tokenizer, request.prompt)
+        except Exception as exc:  # a chat template raising on odd roles, a tokenizer edge case
+            raise RowError(f"could not tokenize the prompt ({type(exc).__name__}: {exc})") from None
+    vocab = engine.spec.vocab_size if engine.spec is not None else None
+    outside = next((t for t in ids if t >= vocab), None) if vocab else None
+    if outside is not None:
+        raise RowError(f"the prompt has token id {outside}, outside the model's vocabulary (ids 0..{vocab - 1})")
+    return ids
+
+
+class LocalExecutor:
+    """Rows through one engine. `lookahead` bounds the rows waiting in the engine (longest-first orders
+    within that window); each `poll` is one engine step, recorded in `metrics`."""
+
+    def __init__(self, engine: Engine, defaults: SamplingParams, metrics: JobMetrics, lookahead: int = 16384) -> None:
+        self.engine = engine
+        self.defaults = defaults
+        self.metrics = metrics
+        self.lookahead = lookahead
+        self._rows: dict[int, tuple[str, float, int]] = {}  # seq_id -> (row id, queued at s, queued at step)
+        self._ready: list[RowResult] = []  # rows that failed before reaching the engine
+
+    def wants_rows(self) -> bool:
+        return self.engine.scheduler.num_waiting < self.lookahead
+
+    def is_pending(self, index: int) -> bool:
+        """The row is queued or running in the engine."""
+        return index in self._rows
+
+    def submit(self, index: int, raw: dict[str, Any] | str) -> None:
+        """Queues the row; anything wrong with this row alone (its fields, its tokenization, its size)
+        makes it an error result and never stops the job."""
+        try:
+            request = parse_row(index, raw, self.defaults)
+            prompt_ids = tokenize_request(self.engine, request)
+            seq = self.engine.add_request(prompt_ids, request.params, seq_id=index)
+        except Exception as exc:  # RowError, or a tokenizer / engine check on this row alone: never the job
+            message = str(exc) if isinstance(exc, ValueError) else f"could not prepare this row ({type(exc).__name__}: {exc})"
+            self._ready.append(RowResult.failed(index, row_id_of(index, raw), message))
+            return
+        self._rows[index] = (request.row_id, self.metrics.now(), self.engine.scheduler.stats.steps)
+        self.metrics.submitted_rows += 1
+        self.metrics.submitted_max_tokens += request.params.max_tokens
+        if seq.is_finished:  # could never run (too long for the model or the KV pool)
+            self._ready.append(self._result(seq))
+
+    def end_of_input(self) -> None:
+        pass
+
+    def busy(self) -> bool:
+        return bool(self._ready) or self.engine.has_unfinished()
+
+    def poll(self) -> list[RowResult]:
+        """The rows that failed on arrival, else one engine step (an idle one while waiting for arrivals)
+        and the rows it finished."""
+        if self._ready:
+            ready, self._ready = self._ready, []
+            return ready
+        engine, metrics = self.engine, self.metrics
+        finished = engine.step()
+        metrics.record_step(engine_step_sample(metrics, engine))
+        metrics.engine = engine_snapshot(engine)
+        metrics.forward_seconds = engine.runner.forward_seconds
+        return [self._result(seq) for seq in finished]
+
+    def _result(self, seq: Sequence) -> RowResult:
+        row_id, queued_s, queued_step = self._rows.pop(seq.seq_id)
+        out = self.engine.output_of(seq)
+        if out.finish_reason == "error":
+            return RowResult.failed(seq.seq_id, row_id, out.error or "failed", len(out.prompt_token_ids))
+        metrics = self.metrics
+        step_time, first = metrics.step_time, seq.first_scheduled_step
+        timing = RequestTiming(
+            row_id=row_id, queued_s=queued_s,
+            scheduled_s=max(queued_s, step_time(first - 1)) if first and first > 1 else queued_s,
+            first_token_s=step_time(seq.first_token_step), finished_s=metrics.now(),
+            queued_step=queued_step, first_scheduled_step=first, first_token_step=seq.first_token_step,
+            finished_step=self.engine.scheduler.stats.steps,  # when the result left the engine
+            prompt_tokens=len(out.prompt_token_ids), output_tokens=len(out.token_ids),
+        )
+        return RowResult(
+            seq.seq_id, row_id, out.finish_reason, completion=out.text, prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=len(out.token_ids), completion_token_ids=out.token_ids, timing=timing,
+        )
+
+
+__all__ = ["Executor", "LocalExecutor", "RawRow", "tokenize_request"]

@@ -1,0 +1,133 @@
+"""`cbatch run`: preflight -> engine -> the driver over rows -> report and OUTPUT (exit codes: exit_codes.py).
+
+The Ray path (cbatch/scaleout/ray_job.py) shares everything here but the executor: `run_rows` (the
+driver loop with the job's state, display and interrupts) and `conclude_job` (report, OUTPUT, exit code).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from typing import Any, Callable
+
+from cbatch.config import EngineConfig, UserError
+from cbatch.engine.build import build_engine
+from cbatch.engine.engine import Engine
+from cbatch.io.reader import iter_rows
+from cbatch.io.state import JobState, StateError, StorageError
+from cbatch.io.writer import output_format, write_output
+from cbatch.observe.metrics import JobMetrics
+from cbatch.observe.display import Display, make_display
+from cbatch.observe.report import build_report, summary_line, summary_table, write_report
+from cbatch.observe.roofline import engine_hardware
+from cbatch.run.driver import RowFeed, drive
+from cbatch.run.executor import Executor, LocalExecutor
+from cbatch.run.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
+from cbatch.run.interrupt import Interrupt
+from cbatch.run.preflight import JobError, JobOptions, PreparedJob, preflight
+from cbatch.run.results import RowResult
+
+DisplayFactory = Callable[[JobMetrics, JobOptions], Display]
+
+
+def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] | None = None,
+            make_progress: DisplayFactory | None = None) -> int:
+    """The whole `cbatch run`. Raises JobError (a UserError) for a bad job: exit 2, nothing written.
+
+    Order matters: every check that can refuse the job runs before the model loads, and nothing is
+    written before all of them passed.
+    """
+    prepared = preflight(options)
+    if prepared is None:
+        return EXIT_OK
+    engine = load_engine(prepared, make_engine)
+    metrics = JobMetrics(total_rows=prepared.total_rows)
+    executor = LocalExecutor(engine, options.defaults, metrics, options.lookahead)
+    code = run_rows(options, prepared, executor, metrics, make_progress or make_display)
+    report = build_report(
+        metrics, engine.scheduler.stats, wall_seconds=metrics.now(), max_num_seqs=prepared.config.max_num_seqs,
+        num_kv_blocks=engine.pool.num_blocks, hardware=engine_hardware(engine, metrics.series, metrics.forward_seconds),
+        settings={"engine": asdict(prepared.config), "defaults": asdict(options.defaults), "dtype": str(engine.dtype),
+                  "device": str(engine.device), "input": str(options.input), "output": str(options.output)},
+    )
+    return conclude_job(options, prepared.state, report, code, prepared.total_rows)
+
+
+def load_engine(prepared: PreparedJob, make_engine: Callable[[EngineConfig], Engine] | None = None) -> Engine:
+    """The job's engine; a checkpoint that fails to load (damaged weights and the like) is one line."""
+    try:
+        if make_engine is not None:
+            return make_engine(prepared.config)
+        return build_engine(prepared.config, prepared.model)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise JobError(f"--model {prepared.config.model}: cannot load the checkpoint ({type(exc).__name__}: {exc})") from None
+
+
+def run_rows(options: JobOptions, prepared: PreparedJob, executor: Executor, metrics: JobMetrics,
+             make_progress: DisplayFactory) -> int | None:
+    """Opens the job's state (lock, resume) and drives every row not yet done through `executor`; returns
+    an exit code if interrupted, else None. The rows stay in the part files either way."""
+    state = prepared.state
+    with Interrupt() as interrupt:
+        try:
+            done = state.open(options.overwrite)
+        except StateError as exc:
+            raise JobError(str(exc)) from None
+        metrics.skipped_rows = len(done)
+        metrics.restart_clock()  # the job's time starts with its rows (model loading is not in it)
+        if done and not options.quiet:
+            print(f"cbatch: resuming: {len(done)} of {prepared.total_rows} rows were finished by an earlier run",
+                  file=sys.stderr)
+        display = make_progress(metrics, options)
+
+        def store(result: RowResult) -> bool:
+            if result.index in state:  # exactly once: a retried Ray block may bring a row again
+                return False
+            state.append(result.record())
+            return True
+
+        try:
+            return drive(RowFeed(iter_rows(options.input), set(done)), executor, store, metrics, display, interrupt)
+        except BaseException:
+            state.close()
+            raise
+        finally:
+            display.close()
+
+
+def write_report_and_plot(options: JobOptions, report: dict[str, Any]) -> None:
+    if options.report is not None:
+        try:
+            write_report(options.report, report)
+        except OSError as exc:
+            raise StorageError(options.report, exc, "the report") from None
+    if options.plot is not None:
+        from cbatch.observe.plot import plot_reports
+
+        plot_reports([report], options.plot)
+
+
+def conclude_job(options: JobOptions, state: JobState, report: dict[str, Any], code: int | None,
+                 total_rows: int, summary_suffix: str = "") -> int:
+    """The end of a job, local or Ray: report, then either keep the rows for a resume (interrupted:
+    `code` is 130/143) or write OUTPUT atomically; returns the exit code."""
+    # the report's row counts describe OUTPUT: rows finished by an earlier run count too
+    errors = len(state.error_rows)
+    report["requests"].update(ok=state.num_rows - errors, error=errors)
+    if code is not None:
+        state.close()
+        write_report_and_plot(options, report)
+        print(f"cbatch: interrupted; {state.num_rows} of {total_rows} rows are saved. "
+              "Run the same command again to resume.", file=sys.stderr)
+        return code
+    fmt = output_format(options.output)
+    state.finish(lambda tmp: write_output(tmp, fmt, state.records(), options.token_ids),
+                 {"rows": state.num_rows, "errors": errors})
+    write_report_and_plot(options, report)
+    print(summary_line(report) + summary_suffix, flush=True)
+    if not options.quiet and sys.stdout.isatty():  # a log file or cron mail gets the one summary line
+        from rich.console import Console
+
+        Console().print(summary_table(report))
+    return EXIT_ROW_ERRORS if errors and not options.allow_errors else EXIT_OK

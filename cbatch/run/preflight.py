@@ -1,0 +1,114 @@
+"""Every check that can refuse a job, before any model loads and before anything is written.
+
+`preflight` checks the paths and the input, resolves the model (folder, config, device, dtype: no
+weights), fingerprints the job and checks the lock and resume state; it returns a `PreparedJob` that
+the engine builder and the driver consume, so nothing is resolved twice.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from cbatch.config import EngineConfig, SamplingParams, UserError
+from cbatch.engine.build import ResolvedModel, resolve_model
+from cbatch.io.reader import inspect_input
+from cbatch.io.state import JobState, StateError, file_digest, settings_digest
+from cbatch.io.writer import check_writable, output_format
+from cbatch.model.loader import ModelLoadError
+from cbatch.model.spec import UnsupportedModelError
+
+
+class JobError(UserError):
+    """A bad job (exit 2): the message is one line naming the file or flag and the fix."""
+
+
+@dataclass(slots=True)
+class JobOptions:
+    input: Path
+    output: Path
+    engine: EngineConfig
+    defaults: SamplingParams
+    token_ids: bool = False
+    overwrite: bool = False
+    allow_errors: bool = False
+    report: Path | None = None
+    quiet: bool = False
+    lookahead: int = 16384  # rows queued in the engine at once: longest-first sorts inside this window
+    display: str = "auto"  # auto | dashboard | plain | none
+    progress_interval: float = 10.0  # seconds between plain progress lines (logs, cron)
+    plot: Path | None = None  # --plot: report.png / .html
+
+
+@dataclass(slots=True)
+class PreparedJob:
+    total_rows: int
+    config: EngineConfig  # with `model` resolved to the checkpoint folder
+    model: ResolvedModel
+    fingerprint: dict[str, str]
+    state: JobState
+
+
+def validate_paths(options: JobOptions) -> int:
+    """Checks input and output before any work (raises JobError); returns the number of input rows."""
+    try:
+        output_format(options.output)
+        check_writable(options.output)
+        if options.report is not None:
+            check_writable(options.report, flag="--report")
+        if options.input.exists() and options.output.exists() and options.input.samefile(options.output):
+            raise JobError(f"--out {options.output} is the input file; choose another --out")
+        return inspect_input(options.input)
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+
+
+def resolve_or_fail(config: EngineConfig) -> ResolvedModel:
+    """The model as the engine will run it (no weights); a bad folder is a JobError whose message names it."""
+    try:
+        return resolve_model(config)
+    except (ModelLoadError, UnsupportedModelError) as exc:
+        message, folder = str(exc), config.model or "the default model"
+        raise JobError(message if folder in message or "--model" in message else f"--model {folder}: {message}") from None
+    except (OSError, ValueError) as exc:  # e.g. a damaged generation_config.json
+        if isinstance(exc, UserError):
+            raise
+        raise JobError(f"--model {config.model}: cannot read the checkpoint ({exc}); it looks damaged") from None
+
+
+def job_fingerprint(options: JobOptions, model: ResolvedModel) -> dict[str, str]:
+    """What makes a partial run's rows valid for this run: the input bytes, and every setting that changes
+    a completion (model, dtype, device, seed, sampling defaults). Batch shape settings (--max-num-seqs,
+    --policy, ...) are left out: completions do not depend on them."""
+    checkpoint = model.checkpoint
+    settings = {
+        "model": str(checkpoint.path.resolve()),
+        "model_config": checkpoint.raw_config,
+        "weights": sorted((p.name, p.stat().st_size) for p in checkpoint.path.glob("*.safetensors")),
+        "device": model.device.type,
+        "dtype": str(model.dtype),
+        "attention_backend": options.engine.attention_backend,
+        "max_model_len": options.engine.max_model_len,
+        "seed": options.engine.seed,
+        "defaults": asdict(options.defaults),
+    }
+    return {"input": file_digest(options.input), "settings": settings_digest(settings)}
+
+
+def preflight(options: JobOptions) -> PreparedJob | None:
+    """Every check that can refuse the job (raises JobError); None when OUTPUT is already complete for
+    this input and these settings (nothing to do)."""
+    total_rows = validate_paths(options)
+    model = resolve_or_fail(options.engine)
+    fingerprint = job_fingerprint(options, model)
+    state = JobState(options.output, fingerprint)
+    if not options.overwrite and state.is_complete():
+        if not options.quiet:
+            print(f"cbatch: {options.output} is already complete for this input and settings; nothing to do", file=sys.stderr)
+        return None
+    try:
+        state.check(options.overwrite)
+    except StateError as exc:
+        raise JobError(str(exc)) from None
+    config = replace(options.engine, model=str(model.checkpoint.path))
+    return PreparedJob(total_rows, config, model, fingerprint, state)
