@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Mapping, Protocol, Sequence as Seq
+from typing import Any, Iterable, Mapping, Protocol, Sequence as Seq
 
 import torch
 
@@ -50,23 +50,23 @@ class KVPool:
     num_host_blocks: int = 0  # swap space
 
 
+@dataclass(eq=False)
 class Engine:
     """One scheduler and one runner, stepped together. `reset(policy)` starts over with a fresh scheduler
-    (same pool size and settings) on the same runner."""
+    (same pool size and settings) on the same runner. Built by `cbatch.engine.build`."""
 
-    def __init__(self, config: EngineConfig, runner: Runner, kv: KVPool, max_model_len: int, *,
-                 spec: ModelSpec | None = None, tokenizer=None, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None, model_dir: Path | None = None) -> None:
-        self.config = config
-        self.runner = runner
-        self.kv = kv
-        self.max_model_len = max_model_len
-        self.spec = spec
-        self.tokenizer = tokenizer
-        self.device = device
-        self.dtype = dtype
-        self.model_dir = model_dir
-        self._eos_ids = frozenset(spec.eos_token_ids) if spec is not None else frozenset()
+    config: EngineConfig
+    runner: Runner
+    kv: KVPool
+    max_model_len: int
+    spec: ModelSpec | None = None  # None: a simulation with no model named
+    tokenizer: Any = None  # None: token-id prompts only
+    device: torch.device | None = None
+    dtype: torch.dtype | None = None
+    model_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        self._eos_ids = frozenset(self.spec.eos_token_ids) if self.spec is not None else frozenset()
         self._next_id = 0
         self.reset()
 

@@ -7,6 +7,8 @@ q/k/v and gate/up projections are packed into one matmul each (the loader packs 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -15,12 +17,12 @@ from cbatch.model.layers import Linear, RMSNorm, linear, packed_linear, prepack_
 from cbatch.model.spec import ModelSpec
 
 
+@dataclass(slots=True)
 class KVCacheView:
     """The per-layer K and V caches the attention layers write to and read from."""
 
-    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
-        self.k = k_caches  # one per layer, `kv_cache_shape`
-        self.v = v_caches
+    k: list[torch.Tensor]  # one per layer, `kv_cache_shape`
+    v: list[torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -85,12 +87,12 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+@dataclass(slots=True)
 class ForwardContext:
     """What every layer of one step needs besides activations."""
 
-    def __init__(self, kv: KVCacheView, meta: AttentionMetadata) -> None:
-        self.kv = kv
-        self.meta = meta
+    kv: KVCacheView
+    meta: AttentionMetadata
 
 
 class LlamaForCausalLM(nn.Module):

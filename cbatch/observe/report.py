@@ -30,15 +30,7 @@ def build_report(
     time_unit: str = "s",
 ) -> dict[str, Any]:
     """The report. `time_unit` is "s", or "cost" for the simulator (its clock counts cost-model units)."""
-    steps = max(stats.steps, 1)
     wall = max(wall_seconds, 1e-9)
-    timings = metrics.requests
-    queue_s = [r.scheduled_s - r.queued_s for r in timings if r.scheduled_s is not None]
-    ttft_s = [r.first_token_s - r.queued_s for r in timings if r.first_token_s is not None]
-    total_s = [r.finished_s - r.queued_s for r in timings]
-    queue_steps = [(r.first_scheduled_step or r.finished_step) - r.queued_step for r in timings]
-    ttft_steps = [r.first_token_step - r.queued_step for r in timings if r.first_token_step is not None]
-    total_steps = [r.finished_step - r.queued_step for r in timings]
     report = {
         "settings": settings,
         "time_unit": time_unit,
@@ -56,46 +48,66 @@ def build_report(
             "output_tokens_per_s": metrics.output_tokens / wall,
             "total_tokens_per_s": (metrics.prompt_tokens + metrics.output_tokens) / wall,
         },
-        "utilization": {
-            "steps": stats.steps,
-            "mean_batch_occupancy": stats.occupancy_sum / steps,
-            "mean_tokens_per_step": stats.scheduled_tokens / steps,
-            "mean_kv_usage": stats.kv_usage_sum / steps,
-            "peak_kv_usage": stats.peak_kv_blocks / max(num_kv_blocks, 1),
-            "kv_blocks_total": num_kv_blocks,
-            "kv_blocks_peak": stats.peak_kv_blocks,
-            "max_num_seqs": max_num_seqs,
-            "preemptions": stats.preemptions,
-            "recomputed_tokens": stats.recomputed_tokens,
-            "padding_waste": stats.padding_tokens / max(stats.scheduled_tokens, 1),
-            "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
-            "prefix_cache_saved_tokens": stats.prefix_cache_hit_tokens,
-            "swap_preemptions": stats.swap_preemptions,
-            "swapped_out_blocks": stats.swapped_out_blocks,
-            "swapped_in_blocks": stats.swapped_in_blocks,
-            "admission_stalls": stats.admission_stalls,
-        },
-        "latency": {
-            "seconds": {"queue_wait": percentiles(queue_s), "total": percentiles(total_s),
-                        "time_to_first_token": percentiles(ttft_s)},
-            "steps": {"queue_wait": percentiles(queue_steps), "time_to_first_token": percentiles(ttft_steps),
-                      "total": percentiles(total_steps)},
-            "queue_wait_steps_by_priority": {
-                str(p): {**percentiles(w), "max": max(w), "requests": len(w)}
-                for p, w in sorted(stats.wait_steps_by_priority.items())
-            },
-            "oldest_wait_steps": max((max(w) for w in stats.wait_steps_by_priority.values()), default=None),
-            "histogram_total_seconds": histogram(total_s),
-            # percentiles and histogram above come from `sampled_requests` of `requests` (all of them
-            # up to cbatch.observe.metrics.MAX_TIMINGS, a uniform sample beyond)
-            "sampled_requests": len(timings),
-            "requests": max(metrics.timings_seen, len(timings)),
-        },
+        "utilization": utilization(stats, max_num_seqs, num_kv_blocks),
+        "latency": latency(metrics, stats),
         "series": time_series(metrics.series, max_num_seqs, num_kv_blocks),
     }
     if hardware is not None:
         report["hardware"] = hardware
     return report
+
+
+def utilization(stats: SchedulerStats, max_num_seqs: int, num_kv_blocks: int) -> dict[str, Any]:
+    steps = max(stats.steps, 1)
+    return {
+        "steps": stats.steps,
+        "mean_batch_occupancy": stats.occupancy_sum / steps,
+        "mean_tokens_per_step": stats.scheduled_tokens / steps,
+        "mean_kv_usage": stats.kv_usage_sum / steps,
+        "peak_kv_usage": stats.peak_kv_blocks / max(num_kv_blocks, 1),
+        "kv_blocks_total": num_kv_blocks,
+        "kv_blocks_peak": stats.peak_kv_blocks,
+        "max_num_seqs": max_num_seqs,
+        "preemptions": stats.preemptions,
+        "recomputed_tokens": stats.recomputed_tokens,
+        "padding_waste": stats.padding_tokens / max(stats.scheduled_tokens, 1),
+        "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+        "prefix_cache_saved_tokens": stats.prefix_cache_hit_tokens,
+        "swap_preemptions": stats.swap_preemptions,
+        "swapped_out_blocks": stats.swapped_out_blocks,
+        "swapped_in_blocks": stats.swapped_in_blocks,
+        "admission_stalls": stats.admission_stalls,
+    }
+
+
+def latency(metrics: JobMetrics, stats: SchedulerStats) -> dict[str, Any]:
+    """Percentiles in seconds and in steps, per priority class waits, and a histogram of total latency.
+
+    They come from `sampled_requests` of `requests`: all of them up to cbatch.observe.metrics.MAX_TIMINGS,
+    a uniform sample beyond."""
+    timings = metrics.requests
+    total_s = [r.finished_s - r.queued_s for r in timings]
+    return {
+        "seconds": {
+            "queue_wait": percentiles([r.scheduled_s - r.queued_s for r in timings if r.scheduled_s is not None]),
+            "total": percentiles(total_s),
+            "time_to_first_token": percentiles([r.first_token_s - r.queued_s for r in timings if r.first_token_s is not None]),
+        },
+        "steps": {
+            "queue_wait": percentiles([(r.first_scheduled_step or r.finished_step) - r.queued_step for r in timings]),
+            "time_to_first_token": percentiles([r.first_token_step - r.queued_step for r in timings
+                                                if r.first_token_step is not None]),
+            "total": percentiles([r.finished_step - r.queued_step for r in timings]),
+        },
+        "queue_wait_steps_by_priority": {
+            str(p): {**percentiles(w), "max": max(w), "requests": len(w)}
+            for p, w in sorted(stats.wait_steps_by_priority.items())
+        },
+        "oldest_wait_steps": max((max(w) for w in stats.wait_steps_by_priority.values()), default=None),
+        "histogram_total_seconds": histogram(total_s),
+        "sampled_requests": len(timings),
+        "requests": max(metrics.timings_seen, len(timings)),
+    }
 
 
 def histogram(values: list[float], bins: int = 30) -> dict[str, list[float]]:

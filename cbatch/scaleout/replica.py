@@ -21,6 +21,7 @@ from cbatch.engine.engine import Engine
 from cbatch.engine.scheduler import SchedulerStats
 from cbatch.io.reader import RawRow
 from cbatch.observe.metrics import EngineSnapshot, JobMetrics
+from cbatch.run.driver import count
 from cbatch.run.executor import LocalExecutor
 from cbatch.run.results import RowResult
 
@@ -125,19 +126,15 @@ class Replica:
 
     def _finish(self, result: RowResult) -> None:
         self._done[result.index] = result
-        stats = self.stats
-        stats.rows += 1
-        if result.ok:
-            stats.ok_rows += 1
-            stats.prompt_tokens += result.prompt_tokens
-            stats.output_tokens += result.completion_tokens
-        else:
-            stats.error_rows += 1
+        count(self.executor.metrics, result)
 
     def _result(self, indices: list[int]) -> BlockResult:
         results = [self._done.pop(i) for i in indices]
-        engine, stats = self._engine, self.stats
+        engine, stats, metrics = self._engine, self.stats, self.executor.metrics
         stats.blocks += 1
+        stats.ok_rows, stats.error_rows = metrics.ok_rows, metrics.error_rows
+        stats.rows = metrics.done_rows
+        stats.prompt_tokens, stats.output_tokens = metrics.prompt_tokens, metrics.output_tokens
         stats.forward_seconds = engine.runner.forward_seconds
         stats.alive_seconds = time.perf_counter() - self._ready
         stats.scheduler = SchedulerStats(**asdict(engine.scheduler.stats))

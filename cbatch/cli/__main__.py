@@ -1,0 +1,3 @@
+from cbatch.cli.app import main
+
+main()

@@ -1,0 +1,190 @@
+"""`cbatch run` and `cbatch bench`: flags (flags.py) become configs; how a command ends becomes its exit code."""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Callable, NoReturn
+
+import typer
+
+from cbatch.cli.flags import BENCH_COMMAND_FLAGS, RUN_FLAGS, SAMPLING_FLAGS, Flag, command, fields_of, flag_of
+from cbatch.config import ConfigError, EngineConfig, SamplingParams, UserError
+from cbatch.io.state import StorageError
+from cbatch.run.exit_codes import EXIT_INTERNAL, EXIT_IO, EXIT_SIGINT, EXIT_USAGE
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Offline LLM batch inference: continuous batching over a paged KV cache.",
+)
+
+
+
+ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig))
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+@app.callback()
+def _group() -> None:
+    """Offline LLM batch inference: continuous batching over a paged KV cache."""
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    """One line on stderr, no traceback."""
+    typer.echo(f"cbatch: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def exit_for(action: Callable[[], int], resumable: bool = True) -> NoReturn:
+    """Runs a command and maps how it ended to an exit code, in one place: the user's mistake (2, the flag
+    or file named), the environment failing the job's files (74), an interrupt (130), a bug (70, with
+    its traceback)."""
+    kept = " The rows finished so far are kept: run the same command again to resume." if resumable else ""
+    try:
+        code = action()
+    except typer.Exit:
+        raise
+    except ConfigError as exc:
+        fail(f"{flag_of(exc.field)}: {exc.reason}")
+    except UserError as exc:
+        fail(str(exc))
+    except StorageError as exc:
+        fail(f"{exc} (the environment failed, not cbatch); fix that and run the same command again.{kept}", EXIT_IO)
+    except KeyboardInterrupt:
+        typer.echo(f"cbatch: interrupted.{kept}", err=True)
+        raise typer.Exit(EXIT_SIGINT)
+    except Exception:  # a bug, not a user mistake: its traceback belongs in the report
+        traceback.print_exc()
+        typer.echo(f"cbatch: internal error (a bug in cbatch; the traceback is above).{kept}", err=True)
+        raise typer.Exit(EXIT_INTERNAL)
+    raise typer.Exit(code)
+
+
+def engine_config(values: dict[str, Any], flags: list[Flag], **overrides: Any) -> EngineConfig:
+    try:
+        return EngineConfig(**{**fields_of(flags, values, ENGINE_FIELDS), **overrides})
+    except ConfigError as exc:
+        fail(f"{flag_of(exc.field)}: {exc.reason}")
+
+
+def sampling_defaults(values: dict[str, Any]) -> SamplingParams:
+    params = SamplingParams(**fields_of(SAMPLING_FLAGS, values, SAMPLING_FIELDS))
+    params.stop = list(params.stop or [])
+    problem = params.problem()
+    if problem is not None:
+        field, message = problem
+        fail(f"{flag_of(field)}: {message}")
+    return params
+
+
+def check_plot(path: Path | None) -> None:
+    if path is not None:
+        from cbatch.observe.plot import check_plot_path
+
+        check_plot_path(path)
+
+
+@command(app, "run", RUN_FLAGS)
+def run(**values: Any) -> None:
+    """Generate a completion for every row of INPUT and write them to OUTPUT."""
+    from cbatch.run.preflight import JobOptions
+
+    if values["lookahead"] < 1:
+        fail("--lookahead: must be at least 1")
+    if not values["progress_interval"] > 0:
+        fail("--progress-interval: must be a positive number of seconds, e.g. 10")
+    if values["display"] not in ("auto", "dashboard", "plain", "none"):
+        fail(f"--display: must be one of auto, dashboard, plain, none, not {values['display']!r}")
+    config = engine_config(values, RUN_FLAGS, seed=values["seed"] if values["seed"] is not None else 0)
+    defaults = sampling_defaults(values)
+    options = JobOptions(
+        input=values["input"], output=values["out"], engine=config, defaults=defaults,
+        **{name: values[name] for name in ("token_ids", "overwrite", "allow_errors", "report", "quiet", "lookahead",
+                                           "display", "plot", "progress_interval")},
+    )
+
+    def job() -> int:
+        check_plot(options.plot)
+        if values["ray"] is None:
+            from cbatch.run.job import run_job
+
+            return run_job(options)
+        from cbatch.scaleout.cli_entry import run_on_ray
+
+        return run_on_ray(options, values["ray"], values["replicas"], values["gpus_per_replica"], values["ray_block_rows"])
+
+    exit_for(job)
+
+
+@command(app, "bench", BENCH_COMMAND_FLAGS)
+def bench(**values: Any) -> None:
+    """Benchmark a synthetic workload (or a trace) under each admission policy, for real or simulated."""
+    from cbatch.bench.command import BenchOptions, run_bench
+    from cbatch.bench.simulator import CostModel
+
+    if values["model"] is not None and values["model_config"] is not None:
+        fail("--model and --model-config: give one (a checkpoint, or a weightless shape)")
+    if values["shared_prefix"] < 0:
+        fail("--shared-prefix: must be a non-negative number of tokens")
+    config = engine_config(values, BENCH_COMMAND_FLAGS)
+    report = values["report"]
+
+    def bench_run() -> int:
+        cost = (CostModel.fit(values["cost_from"]) if values["cost_from"] else
+                CostModel(values["cost_per_step"], values["cost_per_prefill_token"], values["cost_per_context_token"]))
+        if min(cost.per_step, cost.per_prefill_token, cost.per_context_token) < 0 or cost.per_step + cost.per_prefill_token + cost.per_context_token <= 0:
+            fail("--cost-per-*: costs must be >= 0 and not all 0")
+        if report is not None and not (report.parent if str(report.parent) else Path(".")).is_dir():
+            fail(f"--report {report}: the folder {report.parent} does not exist; create it first")
+        check_plot(values["plot"])
+        run_bench(BenchOptions(
+            engine=config, cost=cost,
+            **{name: values[name] for name in ("model_config", "num_prompts", "input_len", "output_len", "seed", "trace",
+                                               "policy", "simulate", "report", "plot", "quiet", "warmup", "shared_prefix")},
+        ))
+        return 0
+
+    exit_for(bench_run, resumable=False)
+
+
+def main() -> None:
+    """The entry point. Click's usage errors (a bad flag value, a missing argument) become one line, exit 2."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from cbatch.scaleout import normalize_ray_flag
+
+    sys.argv[1:] = normalize_ray_flag(sys.argv[1:])  # `--ray` takes an optional ADDRESS
+    try:
+        code = app(standalone_mode=False)
+    except BrokenPipeError:
+        code = 1
+    except Exception as exc:
+        code = _click_error(exc)
+    sys.exit(code or 0)
+
+
+def _click_error(exc: Exception) -> int:
+    """Reports click's own exceptions (typer vendors click, so they are matched by class name)."""
+    kinds = {cls.__name__ for cls in type(exc).__mro__}
+    if "NoArgsIsHelpError" in kinds:  # bare `cbatch`: the help text
+        exc.show()
+        return exc.exit_code
+    if "UsageError" in kinds:
+        ctx = getattr(exc, "ctx", None)
+        command = ctx.command_path if ctx is not None else "cbatch"
+        message = " ".join(exc.format_message().split())
+        typer.echo(f"cbatch: error: {message} (see `{command} --help`)", err=True)
+        return 2
+    if "ClickException" in kinds:
+        exc.show()
+        return exc.exit_code
+    if "Abort" in kinds:
+        return 1
+    raise exc
+
+
+if __name__ == "__main__":
+    main()
