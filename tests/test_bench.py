@@ -222,3 +222,25 @@ def test_preset_from_a_config_json_and_unknown_names(tmp_path):
     assert preset_spec(str(tmp_path)) == preset_spec(str(tmp_path / "config.json")) == preset_spec("llama-3.2-1b")
     with pytest.raises(UnsupportedModelError, match="not a preset"):
         preset_spec("gpt-9")
+
+
+def test_shared_prefix_bench_shows_the_prefix_cache_hits_and_speed_up(capsys):
+    """`cbatch bench --shared-prefix N`: every prompt opens with the same N tokens; the run with the prefix
+    cache hits them and costs less than the added run without it (a prefill-priced cost model)."""
+    from cbatch.bench.command import BenchOptions, run_bench
+
+    options = BenchOptions(
+        engine=EngineConfig(max_num_seqs=8, max_num_batched_tokens=256), num_prompts=40, input_len="80:120",
+        output_len="4:16", policy="longest-first", simulate=True, shared_prefix=64,
+        cost=CostModel(per_step=1.0, per_prefill_token=0.05),
+    )
+    result = run_bench(options)
+    cached, uncached = result["runs"]
+    assert uncached["label"] == "longest-first, no prefix cache" and uncached["settings"]["engine"]["enable_prefix_cache"] is False
+    hits = cached["utilization"]["prefix_cache_saved_tokens"]
+    assert hits >= 39 * 48  # every prompt after the first reuses at least the prefix's 3 full 16-token blocks
+    assert uncached["utilization"]["prefix_cache_hit_rate"] == 0
+    assert cached["time"]["wall_seconds"] < uncached["time"]["wall_seconds"]
+    assert cached["tokens"] == uncached["tokens"]  # the same work delivered
+    table = capsys.readouterr().out
+    assert "prefix cache hits" in table and "no prefix cache" in table

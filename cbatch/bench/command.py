@@ -43,6 +43,17 @@ def policies_of(name: str) -> list[str]:
     return [name]
 
 
+def trials_of(options: BenchOptions) -> list[tuple[str, str, dict[str, Any]]]:
+    """(label, policy, scheduling settings) of each run: every asked policy; with --shared-prefix (and the
+    prefix cache on) also the last continuous policy without the cache, to show what the cache saves."""
+    cache = {"enable_prefix_cache": options.engine.enable_prefix_cache}
+    trials = [(policy, policy, cache) for policy in policies_of(options.policy)]
+    continuous = [policy for policy in policies_of(options.policy) if policy != "static"]
+    if options.shared_prefix and options.engine.enable_prefix_cache and continuous:
+        trials.append((f"{continuous[-1]}, no prefix cache", continuous[-1], {"enable_prefix_cache": False}))
+    return trials
+
+
 def make_workload(options: BenchOptions) -> tuple[list[BenchRequest], dict[str, Any]]:
     if options.trace is not None:
         requests = read_trace(options.trace)
@@ -78,10 +89,10 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     vocab = engine.spec.vocab_size if engine.spec is not None else SIMULATED_VOCAB
     prompts = workload_prompts(requests, vocab, options.seed, options.shared_prefix)
     runs: list[BenchRun] = []
-    for policy in policies_of(options.policy):
+    for label, policy, settings in trials_of(options):
         if not options.quiet and not options.simulate:
-            print(f"cbatch bench: running {len(requests)} requests with --policy {policy} ...", file=sys.stderr, flush=True)
-        run = run_trial(engine, requests, prompts, policy, clock)
+            print(f"cbatch bench: running {len(requests)} requests: {label} ...", file=sys.stderr, flush=True)
+        run = run_trial(engine, requests, prompts, policy, clock, label, **settings)
         run.build_report(options.engine.max_num_seqs, _run_settings(options, engine, policy),
                          options.cost.unit if options.simulate else "s", _hardware(options, engine, run))
         runs.append(run)

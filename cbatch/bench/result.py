@@ -13,6 +13,7 @@ class BenchRun:
     """One policy's run: the metrics the report is built from, and each request's finish step and time."""
 
     policy: str
+    label: str = ""  # the column it gets in the comparison (the policy, or e.g. "longest-first, no prefix cache")
     metrics: JobMetrics = field(default_factory=JobMetrics)
     finish_step: list[int | None] = field(default_factory=list)  # by request index; None for error rows
     finish_time: list[float | None] = field(default_factory=list)
@@ -31,6 +32,7 @@ class BenchRun:
                               num_kv_blocks=self.num_kv_blocks, settings=settings, hardware=hardware,
                               time_unit=time_unit)
         report["policy"] = self.policy
+        report["label"] = self.label or self.policy
         report["per_request"] = {"finish_step": self.finish_step, "finish_time": self.finish_time}
         self.report = report
         return report
@@ -49,6 +51,7 @@ def comparison_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "padding_waste": r["utilization"]["padding_waste"],
             "latency_p50": lat["p50"],
             "latency_p99": lat["p99"],
+            "prefix_cache_hit_rate": r["utilization"]["prefix_cache_hit_rate"],
         }
 
     b = figures(base)
@@ -56,7 +59,8 @@ def comparison_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in runs:
         f = figures(r)
         ratios = {k: (v / b[k] if v is not None and b[k] else None) for k, v in f.items()}
-        rows.append({"policy": r["policy"], "baseline": base["policy"], **f, "ratio": ratios})
+        rows.append({"policy": r["policy"], "label": r.get("label", r["policy"]), "baseline": base.get("label", base["policy"]),
+                     **f, "ratio": ratios})
     return rows
 
 
@@ -69,7 +73,7 @@ def comparison_table(runs: list[dict[str, Any]]):
     table = Table(title=f"cbatch bench (ratios against {rows[0]['baseline']})", title_justify="left")
     table.add_column("")
     for row in rows:
-        table.add_column(row["policy"], justify="right")
+        table.add_column(row["label"], justify="right")
     for key, label, fmt in (
         ("output_tokens_per_s", f"output tok/{unit}", "{:,.1f}"),
         ("wall_time", f"wall time ({unit})", "{:,.2f}"),
@@ -77,12 +81,13 @@ def comparison_table(runs: list[dict[str, Any]]):
         ("padding_waste", "padding waste", "{:.1%}"),
         ("latency_p50", f"latency p50 ({unit})", "{:,.2f}"),
         ("latency_p99", f"latency p99 ({unit})", "{:,.2f}"),
+        ("prefix_cache_hit_rate", "prefix cache hits", "{:.1%}"),
     ):
         cells = []
         for row in rows:
             value, ratio = row[key], row["ratio"][key]
             cell = "-" if value is None else fmt.format(value)
-            if ratio is not None and row["policy"] != row["baseline"] and key != "padding_waste":
+            if ratio is not None and row["label"] != row["baseline"] and key not in ("padding_waste", "prefix_cache_hit_rate"):
                 cell += f" ({ratio:.2f}x)"
             cells.append(cell)
         table.add_row(label, *cells)

@@ -9,7 +9,7 @@ their scheduling.
 from __future__ import annotations
 
 import random
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -76,11 +76,11 @@ class WorkloadFeed:
 
 
 def run_trial(engine: Engine, requests: list[BenchRequest], prompts: list[list[int]], policy: str,
-              clock: Callable[[], float] | None = None) -> BenchRun:
-    """Runs the workload under `policy` on `engine` (reset first); time from the first step, on `clock`
-    (wall time, or the simulator's cost clock)."""
-    engine.reset(policy)
-    run = BenchRun(policy)
+              clock: Callable[[], float] | None = None, label: str | None = None, **settings: Any) -> BenchRun:
+    """Runs the workload under `policy` (and other scheduling `settings`, e.g. enable_prefix_cache) on
+    `engine` (reset first); time from the first step, on `clock` (wall time, or the simulator's cost clock)."""
+    engine.reset(policy, **settings)
+    run = BenchRun(policy, label=label or policy)
     run.finish_step, run.finish_time = [None] * len(requests), [None] * len(requests)
     metrics = run.metrics = JobMetrics(total_rows=len(requests), **({"clock": clock} if clock else {}))
     executor = LocalExecutor(engine, GREEDY, metrics)

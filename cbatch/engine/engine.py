@@ -76,11 +76,14 @@ class Engine:
 
         return build_engine(config)
 
-    def reset(self, policy: str | None = None) -> None:
-        """A fresh scheduler and block pool under `policy` (default: the config's); the runner forgets
-        every sequence but keeps its KV tensors."""
+    def reset(self, policy: str | None = None, **settings: Any) -> None:
+        """A fresh scheduler and block pool under `policy` (default: the config's) and any other scheduling
+        `settings` (EngineConfig fields, e.g. enable_prefix_cache); the runner forgets every sequence but
+        keeps its KV tensors."""
         if policy is not None:
-            self.config = replace(self.config, policy=policy)
+            settings["policy"] = policy
+        if settings:
+            self.config = replace(self.config, **settings)
         self.scheduler = make_scheduler(self.config, self.kv, self.max_model_len)
         self.runner.reset()
 
