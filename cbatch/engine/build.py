@@ -51,8 +51,10 @@ def resolve_model(config: EngineConfig, spec: ModelSpec | None = None) -> Resolv
     return ResolvedModel(spec, device, resolve_dtype(config.dtype, spec, device), max_model_len, checkpoint)
 
 
-def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *, random_weights_seed: int = 0) -> Engine:
-    """Loads the model (random weights for a weightless `resolved`), sizes the KV pool, builds the engine."""
+def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *, random_weights_seed: int = 0,
+                 show_progress: bool = False) -> Engine:
+    """Loads the model (random weights for a weightless `resolved`), sizes the KV pool, builds the engine.
+    `show_progress`: a tqdm bar over the checkpoint's tensors while they load (the library's default)."""
     resolved = resolved or resolve_model(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -62,7 +64,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
     except BackendUnavailable as exc:
         raise ConfigError("attention_backend", f"{config.attention_backend}: {exc}") from None
     if resolved.checkpoint is not None:
-        model = load_model(resolved.checkpoint, resolved.max_model_len, device, dtype, backend)
+        model = load_model(resolved.checkpoint, resolved.max_model_len, device, dtype, backend, show_progress)
     else:
         model = init_random_weights(build_model(spec, resolved.max_model_len, device, dtype, backend), random_weights_seed)
     if device.type == "cpu":

@@ -163,10 +163,13 @@ def make_scheduler(config: EngineConfig, kv: KVPool, max_model_len: int) -> Sche
 
 
 class LLM:
-    """Library API: `LLM(model=...).generate(prompts, params)` returns outputs in input order."""
+    """Library API: `LLM(model=...).generate(prompts, params)` returns outputs in input order. Loading and
+    generation show tqdm progress bars (in a notebook too) unless `use_tqdm=False`."""
 
-    def __init__(self, model: str | None = None, **engine_settings) -> None:
-        self.engine = Engine.from_config(EngineConfig(model=model, **engine_settings))
+    def __init__(self, model: str | None = None, use_tqdm: bool = True, **engine_settings) -> None:
+        from cbatch.engine.build import build_engine
+
+        self.engine = build_engine(EngineConfig(model=model, **engine_settings), show_progress=use_tqdm)
 
     @property
     def tokenizer(self):
@@ -177,6 +180,7 @@ class LLM:
         prompts: Iterable[str] | None = None,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         prompt_token_ids: Iterable[list[int]] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give either prompts or prompt_token_ids")
@@ -187,15 +191,31 @@ class LLM:
         )
         params = sampling_params or SamplingParams()
         per_row = list(params) if isinstance(params, (list, tuple)) else [params] * len(token_lists)
-        return run_to_completion(self.engine, token_lists, per_row)
+        return run_to_completion(self.engine, token_lists, per_row, use_tqdm)
 
 
-def run_to_completion(engine: Engine, token_lists: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
-    """Runs every request through the engine; outputs in input order."""
+def run_to_completion(engine: Engine, token_lists: list[list[int]], params: list[SamplingParams],
+                      use_tqdm: bool = False) -> list[RequestOutput]:
+    """Runs every request through the engine; outputs in input order. `use_tqdm`: a bar over finished
+    requests with the output token rate (tqdm.auto: a widget in notebooks)."""
     seqs = [engine.add_request(ids, p) for ids, p in zip(token_lists, params)]
+    bar = _progress_bar(len(seqs), "generating") if use_tqdm else None
+    finished_tokens = 0
     while engine.has_unfinished():
-        engine.step()
+        finished = engine.step()
+        if bar is not None and finished:
+            finished_tokens += sum(len(s.result_ids) for s in finished)
+            bar.update(len(finished))
+            bar.set_postfix_str(f"{finished_tokens / max(bar.format_dict['elapsed'], 1e-9):,.1f} output tok/s", refresh=False)
+    if bar is not None:
+        bar.close()
     return [engine.output_of(s) for s in seqs]
+
+
+def _progress_bar(total: int, what: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=f"cbatch: {what}", unit="req", dynamic_ncols=True)
 
 
 __all__ = ["Engine", "KVPool", "LLM", "RequestOutput", "Runner", "make_scheduler", "run_to_completion"]

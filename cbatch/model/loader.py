@@ -89,14 +89,21 @@ def build_model(spec: ModelSpec, max_positions: int, device: torch.device, dtype
 
 
 def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype: torch.dtype,
-               backend: Backend) -> LlamaForCausalLM:
+               backend: Backend, show_progress: bool = False) -> LlamaForCausalLM:
     model = build_model(ckpt.spec, max_positions, device, dtype, backend)
     files = sorted(ckpt.path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{ckpt.path} has no *.safetensors weights; cbatch reads safetensors checkpoints")
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    bar = None
+    if show_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(files), desc="cbatch: loading weights", unit="file", dynamic_ncols=True)
     for file in files:
+        if bar is not None:
+            bar.update(1)
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 target = _target(name, ckpt.spec)
@@ -114,6 +121,8 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
                     )
                 dest.copy_(tensor)
                 loaded.add(param_name if rows is None else f"{param_name}[{rows.start}]")
+    if bar is not None:
+        bar.close()
     missing = [n for n in _expected(params, ckpt.spec) if n not in loaded]
     if missing:
         raise ModelLoadError(f"{ckpt.path}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
