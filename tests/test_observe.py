@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from cbatch.config import EngineConfig
+from cbatch.observe.metrics import EngineSnapshot, JobMetrics, StepSample
 from ops_jobs import SAMPLE, cbatch_env, run_inprocess
 
 
@@ -123,7 +124,7 @@ def test_dashboard_frame_has_every_field():
     from cbatch.bench.trial import make_bench_engine
     from cbatch.config import SamplingParams
     from cbatch.observe.dashboard import Dashboard
-    from cbatch.observe.metrics import JobMetrics, engine_snapshot, engine_step_sample
+    from cbatch.observe.metrics import engine_snapshot, engine_step_sample
 
     config = EngineConfig(device="cpu", max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, block_size=8)
     engine = make_bench_engine(config, "tiny", seed=0)
@@ -149,11 +150,9 @@ def test_dashboard_frame_has_every_field():
     assert any(ch in text for ch in "▁▂▃▄▅▆▇█")  # the occupancy sparkline
 
 
-def job_metrics(total: int, ok: int, errors: int, elapsed: float) -> "JobMetrics":
+def job_metrics(total: int, ok: int, errors: int, elapsed: float) -> JobMetrics:
     """A job's metrics `elapsed` seconds in (on a fake clock): its last 30 steps half a second apart, each
     sampling 8 tokens and prefilling 12 (16 and 24 tokens/s), 2 output and 3 prompt tokens/s overall."""
-    from cbatch.observe.metrics import EngineSnapshot, JobMetrics, StepSample
-
     now = [0.0]
     metrics = JobMetrics(total_rows=total, ok_rows=ok, error_rows=errors, clock=lambda: now[0])
     for i in range(30):
@@ -165,7 +164,7 @@ def job_metrics(total: int, ok: int, errors: int, elapsed: float) -> "JobMetrics
     return metrics
 
 
-def frame(metrics, width: int) -> list[str]:
+def frame(metrics: JobMetrics, width: int) -> list[str]:
     """The dashboard's frame as a terminal `width` columns wide shows it, line by line."""
     from rich.console import Console
 
@@ -205,7 +204,6 @@ def test_dashboard_layout_at_common_widths(width, total, ok, counts, eta):
 def test_eta_is_a_number_before_the_first_row_finishes():
     """Once tokens are generated the ETA is an estimate (from the token rate and the rows' max_tokens),
     not "?", though no row has finished yet."""
-    from cbatch.observe.metrics import JobMetrics, StepSample
     from cbatch.observe.progress import eta_seconds, progress_text
 
     now = [0.0]
@@ -266,7 +264,6 @@ def test_run_on_a_terminal_shows_the_dashboard(tiny_chat_model, tmp_path):
 
 def test_non_terminal_gets_plain_progress_lines(capsys):
     from cbatch.observe.display import make_display as make_progress
-    from cbatch.observe.metrics import JobMetrics
     from cbatch.observe.progress import NoProgress, PlainProgress
 
     options = SimpleNamespace(quiet=False, display="auto", engine=EngineConfig(), progress_interval=10.0)
