@@ -244,3 +244,73 @@ def test_shared_prefix_bench_shows_the_prefix_cache_hits_and_speed_up(capsys):
     assert cached["tokens"] == uncached["tokens"]  # the same work delivered
     table = capsys.readouterr().out
     assert "prefix cache hits" in table and "no prefix cache" in table
+
+
+# ---- a real bench run honours every engine flag its report names --------------------------------------
+BENCH = ["bench", "--model-config", "tiny", "--device", "cpu", "--no-warmup", "--policy", "fcfs", "--num-prompts", "8",
+         "--input-len", "18:40", "--output-len", "6:12", "--shared-prefix", "16", "-q"]
+# every other engine flag away from its default too: (flag, value, EngineConfig field, value there)
+OTHER_FLAGS = [("--dtype", "float32", "dtype", "float32"), ("--max-num-seqs", "6", "max_num_seqs", 6),
+               ("--max-num-batched-tokens", "96", "max_num_batched_tokens", 96), ("--block-size", "8", "block_size", 8),
+               ("--attention-backend", "torch", "attention_backend", "torch"), ("--max-model-len", "512", "max_model_len", 512),
+               ("--gpu-memory-utilization", "0.5", "gpu_memory_utilization", 0.5), ("--enforce-eager", None, "enforce_eager", True),
+               ("--priority-aging-steps", "7", "priority_aging_steps", 7)]
+SMALL_POOL = ["--num-kv-blocks", "12"]  # 12 blocks of 8 tokens for 6 rows of up to 56: preemption or stalls
+
+
+@pytest.mark.parametrize("flags,asked,shows", [
+    pytest.param(["--prefix-cache"], dict(enable_prefix_cache=True),
+                 lambda u: u["prefix_cache_hit_rate"] > 0 and u["prefix_cache_saved_tokens"] > 0, id="prefix-cache"),
+    pytest.param(["--no-prefix-cache"], dict(enable_prefix_cache=False),
+                 lambda u: u["prefix_cache_hit_rate"] == u["prefix_cache_saved_tokens"] == 0, id="no-prefix-cache"),
+    pytest.param([*SMALL_POOL, "--preemption", "swap", "--swap-space", "0.0001"],
+                 dict(num_kv_blocks=12, preemption="swap", swap_space_gb=0.0001),
+                 lambda u: u["swap_preemptions"] == u["preemptions"] > 0 and u["swapped_out_blocks"] > 0
+                 and u["recomputed_tokens"] == 0, id="swap"),
+    pytest.param([*SMALL_POOL, "--preemption", "swap", "--swap-space", "0"],
+                 dict(num_kv_blocks=12, preemption="swap", swap_space_gb=0.0),  # no room on the host: recompute
+                 lambda u: u["preemptions"] > 0 and u["recomputed_tokens"] > 0 and u["swapped_out_blocks"] == 0,
+                 id="swap-space-0"),
+    # the same pool preempts with optimistic admission (above); reserve admission never does
+    pytest.param([*SMALL_POOL, "--admission", "reserve"], dict(num_kv_blocks=12, admission="reserve"),
+                 lambda u: u["preemptions"] == 0 and u["admission_stalls"]["reserved"] > 0, id="reserve"),
+])
+def test_a_bench_run_honours_every_engine_flag_its_report_names(tmp_path, monkeypatch, flags, asked, shows):
+    """The report's `settings.engine` is what was asked, the scheduler each trial ran was built with it,
+    and the counters show it (a bench run once rebuilt its scheduler without these settings)."""
+    from dataclasses import asdict
+
+    import cbatch.bench.command
+    from ops_jobs import run_inprocess
+
+    schedulers = []
+    real_trial = cbatch.bench.command.run_trial
+
+    def watched_trial(engine, *args, **kwargs):
+        run = real_trial(engine, *args, **kwargs)
+        schedulers.append(engine.scheduler)
+        return run
+
+    monkeypatch.setattr(cbatch.bench.command, "run_trial", watched_trial)
+    other = [arg for flag, value, _, _ in OTHER_FLAGS for arg in (flag, value) if arg is not None]
+    report = tmp_path / "r.json"
+    code, _, err = run_inprocess(*BENCH, *other, *flags, "--report", str(report))
+    assert code == 0, err
+    runs = json.loads(report.read_text())["runs"]
+    run = runs[0]
+    wanted = EngineConfig(device="cpu", policy="fcfs", **{field: value for _, _, field, value in OTHER_FLAGS}, **asked)
+    assert run["settings"]["engine"] == asdict(wanted)
+    # --shared-prefix adds a run of the same policy without the prefix cache, when the cache is on
+    assert len(runs) == len(schedulers) == (2 if wanted.enable_prefix_cache else 1)
+
+    scheduler = schedulers[0]
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens, scheduler.pool.block_size) == (6, 96, 8)
+    assert scheduler.policy.name == "fcfs" and scheduler.priority.aging_steps == 7
+    assert scheduler.pool.enable_caching == wanted.enable_prefix_cache
+    assert scheduler.pool.num_blocks == (12 if wanted.num_kv_blocks else run["utilization"]["kv_blocks_total"])
+    assert scheduler.preemption.mode == wanted.preemption and scheduler.reserve == (wanted.admission == "reserve")
+    if wanted.preemption == "recompute" or wanted.swap_space_gb == 0:
+        assert scheduler.host.num_blocks == 0
+    else:  # from --swap-space, below the cap of 4 pools' worth
+        assert 0 < scheduler.host.num_blocks < 4 * scheduler.pool.num_blocks
+    assert shows(run["utilization"]), run["utilization"]

@@ -2,32 +2,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ROOT / "sample_data"
-
-
-def cbatch(*args: str, env_extra: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    import os
-
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "cbatch.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def read_output(path: Path) -> list[dict]:
-    if path.suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
-    return [json.loads(line) for line in path.read_text().splitlines()]
+from ops_jobs import SAMPLE, cbatch, read_jsonl, read_output
 
 
 def sample_ids() -> list[str]:
-    return [json.loads(line)["id"] for line in (SAMPLE / "prompts.jsonl").read_text().splitlines()]
+    return [row["id"] for row in read_jsonl(SAMPLE / "prompts.jsonl")]
 
 
 @pytest.mark.parametrize("src,dst", [("prompts.parquet", "out.parquet"), ("prompts.jsonl", "out.jsonl")])
@@ -62,7 +44,7 @@ def test_same_outputs_as_the_library(tiny_chat_model, tmp_path):
                   "--max-tokens", "6", "--token-ids", "--temperature", "0")
     assert proc.returncode == 0, proc.stderr
     tok = load_tokenizer(tiny_chat_model)
-    rows = [json.loads(line) for line in (SAMPLE / "prompts.jsonl").read_text().splitlines()]
+    rows = read_jsonl(SAMPLE / "prompts.jsonl")
     greedy_rows = [r for r in rows if not r.get("temperature") and not r.get("stop")]
     prompts = [encode_messages(tok, r["messages"]) if "messages" in r else encode_text(tok, r["prompt"]) for r in greedy_rows]
     engine = build_engine(EngineConfig(model=str(tiny_chat_model), device="cpu"))

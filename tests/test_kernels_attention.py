@@ -6,28 +6,18 @@ interpreter executes every program in numpy.
 """
 
 import importlib
-import os
-
-import torch
-
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
 from cbatch.kernels import paged_attention, store_kv  # noqa: E402
+from helpers import kernel_device  # noqa: E402
+
 # the submodule, not the function of the same name that the package exports
 pa_mod = importlib.import_module("cbatch.kernels.paged_attention")
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRET else "cuda"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("no CUDA device and TRITON_INTERPRET is off", allow_module_level=True)
-if INTERPRET and type(pa_mod._paged_attention_kernel).__name__ != "InterpretedFunction":
-    pytest.skip(
-        "cbatch.kernels was imported before TRITON_INTERPRET=1 was set; run with TRITON_INTERPRET=1",
-        allow_module_level=True,
-    )
+DEVICE = kernel_device()
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 

@@ -5,28 +5,17 @@ TRITON_INTERPRET=1 before anything imports triton when there is no GPU).
 """
 
 import importlib
-import os
-
-import torch
-
+import pkgutil
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
-import cbatch.kernels as kernels  # noqa: E402
 from cbatch.kernels import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul  # noqa: E402
+from helpers import TRITON_INTERPRET, kernel_device  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRET else "cuda"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("no CUDA device and TRITON_INTERPRET is off", allow_module_level=True)
-if INTERPRET and type(importlib.import_module("cbatch.kernels.rmsnorm")._rms_norm_kernel).__name__ != "InterpretedFunction":
-    pytest.skip(
-        "cbatch.kernels was imported before TRITON_INTERPRET=1 was set; run with TRITON_INTERPRET=1",
-        allow_module_level=True,
-    )
-
+DEVICE = kernel_device()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -49,7 +38,7 @@ def assert_close_to_eager(out, eager):
     The kernels round every intermediate where eager torch does, so on a GPU they match eager to the last
     bit or two. Triton's interpreter (3.9) converts fp32 -> bf16 by truncation, not round-to-nearest-even
     as the GPU does, so under the interpreter the bf16 comparison is skipped (the float64 check stays)."""
-    if INTERPRET and eager.dtype == torch.bfloat16:
+    if TRITON_INTERPRET and eager.dtype == torch.bfloat16:
         return
     # 16-bit: two rounding steps of the dtype. fp32: 1e-5, since there the GPU may contract a multiply and
     # an add into one FMA and its rsqrt/exp differ from torch's by an ulp or two (accuracy is covered by
@@ -59,10 +48,22 @@ def assert_close_to_eager(out, eager):
     assert (diff <= rtol * eager.cpu().double().abs() + 1e-6).all(), f"max diff {diff.max().item():.3e}"
 
 
-def test_exports():
-    for name in ("store_kv", "paged_attention", "rms_norm", "fused_add_rms_norm", "apply_rotary", "silu_and_mul"):
-        assert callable(getattr(kernels, name))
-    assert kernels.HAS_TRITON
+def test_kernels_are_interpreted_exactly_when_triton_interpret_is_set():
+    """conftest.py sets TRITON_INTERPRET=1 before triton's first import in a process without a GPU, so
+    every kernel is an interpreted function there (one compiled for the absent GPU fails at launch);
+    with TRITON_INTERPRET unset they are compiled ones."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    import cbatch.kernels
+
+    names = [m.name for m in pkgutil.iter_modules(cbatch.kernels.__path__) if not m.name.startswith("_")]
+    kernels = {f"{name}.{attr}": value for name in names
+               for attr, value in vars(importlib.import_module(f"cbatch.kernels.{name}")).items()
+               if isinstance(value, (InterpretedFunction, JITFunction))}
+    assert {"rmsnorm._rms_norm_kernel", "paged_attention._paged_attention_kernel"} <= set(kernels)
+    kind = InterpretedFunction if TRITON_INTERPRET else JITFunction
+    assert [name for name, value in kernels.items() if not isinstance(value, kind)] == []
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -106,7 +107,7 @@ def test_fused_add_rms_norm(dtype, hidden):
     out, new_residual = fused_add_rms_norm(x, residual, weight, eps)
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before), "inputs were modified"
     summed = x + residual  # eager: the sum is rounded to the activation dtype
-    if INTERPRET and dtype == torch.bfloat16:  # interpreter truncates fp32 -> bf16: within one ulp
+    if TRITON_INTERPRET and dtype == torch.bfloat16:  # interpreter truncates fp32 -> bf16: within one ulp
         diff = (new_residual.double() - summed.double()).abs()
         assert (diff <= torch.finfo(dtype).eps * summed.double().abs()).all()
     else:

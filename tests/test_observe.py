@@ -1,21 +1,21 @@
 """Observability: the live dashboard's frames, the report's consistency, the plot, `cbatch bench` end to end."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import pty
+import re
 import select
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from cbatch.config import EngineConfig
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_cli_run import SAMPLE, cbatch  # noqa: E402
+from cbatch.observe.metrics import EngineSnapshot, JobMetrics, StepSample
+from ops_jobs import SAMPLE, cbatch_env, run_inprocess
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_dashboard_frame_has_every_field():
     from cbatch.bench.trial import make_bench_engine
     from cbatch.config import SamplingParams
     from cbatch.observe.dashboard import Dashboard
-    from cbatch.observe.metrics import JobMetrics, engine_snapshot, engine_step_sample
+    from cbatch.observe.metrics import engine_snapshot, engine_step_sample
 
     config = EngineConfig(device="cpu", max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, block_size=8)
     engine = make_bench_engine(config, "tiny", seed=0)
@@ -150,6 +150,75 @@ def test_dashboard_frame_has_every_field():
     assert any(ch in text for ch in "▁▂▃▄▅▆▇█")  # the occupancy sparkline
 
 
+def job_metrics(total: int, ok: int, errors: int, elapsed: float) -> JobMetrics:
+    """A job's metrics `elapsed` seconds in (on a fake clock): its last 30 steps half a second apart, each
+    sampling 8 tokens and prefilling 12 (16 and 24 tokens/s), 2 output and 3 prompt tokens/s overall."""
+    now = [0.0]
+    metrics = JobMetrics(total_rows=total, ok_rows=ok, error_rows=errors, clock=lambda: now[0])
+    for i in range(30):
+        metrics.record_step(StepSample(t=elapsed - 0.5 * (29 - i), running=5 + i % 3, waiting=3, scheduled_tokens=20,
+                                       prefill_tokens=12, output_tokens=8, kv_used=40))
+    metrics.output_tokens, metrics.prompt_tokens = int(2 * elapsed), int(3 * elapsed)
+    metrics.engine = EngineSnapshot(running=5, waiting=3, preemptions=2, kv_used=40, kv_total=128)
+    now[0] = elapsed
+    return metrics
+
+
+def frame(metrics: JobMetrics, width: int) -> list[str]:
+    """The dashboard's frame as a terminal `width` columns wide shows it, line by line."""
+    from rich.console import Console
+
+    from cbatch.observe.dashboard import Dashboard
+
+    dashboard = Dashboard(metrics, SimpleNamespace(engine=EngineConfig(max_num_seqs=8, max_num_batched_tokens=64)),
+                          start=False)
+    console = Console(record=True, force_terminal=True, width=width, file=io.StringIO())
+    console.print(dashboard.render())
+    return console.export_text().splitlines()
+
+
+@pytest.mark.parametrize("width", [60, 80, 110, 160])
+@pytest.mark.parametrize("total,ok,counts,eta", [
+    pytest.param(64, 58, "59/64 (92%)  errors 1", "0m05s", id="64-rows"),  # 59 rows in 59 s: 5 s left
+    pytest.param(10_000_000, 1_234_566, "1234567/10000000 (12%)  errors 1", "1h58m", id="10M-rows"),  # 7100 s left
+])
+def test_dashboard_layout_at_common_widths(width, total, ok, counts, eta):
+    from rich.cells import cell_len
+
+    lines = frame(job_metrics(total, ok, errors=1, elapsed=59.0 if total == 64 else 1000.0), width)
+    assert all(cell_len(line) <= width for line in lines), lines  # nothing runs past the edge ...
+    assert len(lines) == 10, lines  # ... or wraps onto a line of its own
+    bar = re.fullmatch(r"rows {9}([━╸╺]+) (.*?) *", lines[1])
+    assert bar and bar.group(2) == counts, lines[1]  # the bar, one space, then the counts: never run together
+    label_and_spaces = 12 + 1 + 1  # the label column, a space either side of the bar
+    assert len(bar.group(1)) == min(40, width - label_and_spaces - len(counts))  # the bar gives way, not the counts
+    assert re.fullmatch(rf"ETA {{10}}{eta} *", lines[2]), lines[2]
+    body = "\n".join(lines)
+    for field in ("output tok/s 16.0 recent  2.0 overall", "prompt tok/s 24.0 recent  3.0 overall",
+                  "batch        running 5  waiting 3  preempted 2",
+                  "occupancy    62% of 8 seqs", "token budget 31% of 64 per step", "KV blocks    40/128 (31%)"):
+        assert field in body, field
+    assert re.search(r"occupancy ▸ +[▁▂▃▄▅▆▇█]{30}", body)  # one sparkline point per step
+
+
+def test_eta_is_a_number_before_the_first_row_finishes():
+    """Once tokens are generated the ETA is an estimate (from the token rate and the rows' max_tokens),
+    not "?", though no row has finished yet."""
+    from cbatch.observe.progress import eta_seconds, progress_text
+
+    now = [0.0]
+    metrics = JobMetrics(total_rows=10, clock=lambda: now[0])
+    metrics.submitted_rows, metrics.submitted_max_tokens = 10, 10 * 20
+    now[0] = 2.0
+    assert eta_seconds(metrics) is None and progress_text(metrics).endswith("ETA ?")  # nothing to go by yet
+    metrics.record_step(StepSample(t=2.0, running=10, waiting=0, scheduled_tokens=100, prefill_tokens=90,
+                                   output_tokens=40, kv_used=20))
+    assert metrics.done_rows == 0
+    assert eta_seconds(metrics) == (10 * 20 - 40) / (40 / 2.0)  # 8 s: the tokens left at 20 tokens/s
+    assert progress_text(metrics).endswith("ETA 0m08s")
+    assert any(re.fullmatch(r"ETA {10}0m08s *", line) for line in frame(metrics, 80))
+
+
 def test_sparkline_scales_to_width():
     from cbatch.observe.dashboard import sparkline
 
@@ -162,7 +231,7 @@ def test_run_on_a_terminal_shows_the_dashboard(tiny_chat_model, tmp_path):
     """`cbatch run` with stdout a pseudo-terminal: the live dashboard is drawn (auto), then the summary
     line and table; --plot writes the figure."""
     master, slave = pty.openpty()
-    env = {**os.environ, "COLUMNS": "120", "TERM": "xterm"}
+    env = cbatch_env(COLUMNS="120", TERM="xterm")
     plot = tmp_path / "r.png"
     proc = subprocess.Popen(
         [sys.executable, "-m", "cbatch.cli", "run", str(SAMPLE / "prompts.jsonl"), "--out", str(tmp_path / "o.jsonl"),
@@ -195,7 +264,6 @@ def test_run_on_a_terminal_shows_the_dashboard(tiny_chat_model, tmp_path):
 
 def test_non_terminal_gets_plain_progress_lines(capsys):
     from cbatch.observe.display import make_display as make_progress
-    from cbatch.observe.metrics import JobMetrics
     from cbatch.observe.progress import NoProgress, PlainProgress
 
     options = SimpleNamespace(quiet=False, display="auto", engine=EngineConfig(), progress_interval=10.0)
@@ -212,11 +280,11 @@ def test_non_terminal_gets_plain_progress_lines(capsys):
 # ---- cbatch bench end to end --------------------------------------------------------------------
 def test_bench_simulate_cli(tmp_path):
     report, plot = tmp_path / "bench.json", tmp_path / "bench.png"
-    proc = cbatch("bench", "--simulate", "--num-prompts", "300", "--input-len", "chat", "--output-len", "chat",
-                  "--max-num-seqs", "8", "--report", str(report), "--plot", str(plot))
-    assert proc.returncode == 0, proc.stderr
+    code, stdout, err = run_inprocess("bench", "--simulate", "--num-prompts", "300", "--input-len", "chat", "--output-len",
+                                      "chat", "--max-num-seqs", "8", "--report", str(report), "--plot", str(plot))
+    assert code == 0, err
     for word in ("static", "fcfs", "longest-first", "output tok/cost", "wall time", "mean occupancy", "latency p99"):
-        assert word in proc.stdout, word
+        assert word in stdout, word
     data = json.loads(report.read_text())
     assert [r["policy"] for r in data["runs"]] == ["static", "fcfs", "longest-first"]
     assert data["workload"]["num_prompts"] == 300
@@ -232,10 +300,10 @@ def test_bench_real_tiny_model_single_policy(tmp_path):
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"prompt_len": 8 + i, "output_len": 5 + 2 * i}) + "\n" for i in range(6)))
     report = tmp_path / "r.json"
-    proc = cbatch("bench", "--model-config", "tiny", "--device", "cpu", "--trace", str(trace), "--policy", "fcfs",
-                  "--max-num-seqs", "3", "--report", str(report))
-    assert proc.returncode == 0, proc.stderr
-    assert "cbatch report" in proc.stdout
+    code, stdout, err = run_inprocess("bench", "--model-config", "tiny", "--device", "cpu", "--trace", str(trace), "--policy",
+                                      "fcfs", "--max-num-seqs", "3", "--report", str(report))
+    assert code == 0, err
+    assert "cbatch report" in stdout
     run = json.loads(report.read_text())["runs"][0]
     assert run["tokens"] == {"prompt": sum(8 + i for i in range(6)), "output": sum(5 + 2 * i for i in range(6))}
     assert run["settings"]["simulated"] is False and run["time_unit"] == "s"
@@ -249,10 +317,10 @@ def test_bench_real_tiny_model_single_policy(tmp_path):
 ])
 def test_bench_mistakes_are_one_line(args, message):
     simulate = [] if "--model-config" in args else ["--simulate"]
-    proc = cbatch("bench", *simulate, "--num-prompts", "5", *args)
-    assert proc.returncode == 2
-    assert message in proc.stderr and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    code, stdout, err = run_inprocess("bench", *simulate, "--num-prompts", "5", *args)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ops_jobs import listing, read_jsonl, run_inprocess, write_jsonl
+from ops_jobs import cbatch, listing, read_jsonl, run_inprocess, write_jsonl
 
 GOOD = [
     {"id": "good-prompt", "prompt": "The capital of France is"},
@@ -213,12 +213,7 @@ def test_unreadable_input(tiny_checkpoints, tmp_path):
 
 def test_usage_errors_through_the_real_entry_point(tmp_path):
     """What a shell sees from the installed entry point for a typo'd number: one line, exit 2."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "cbatch.cli", "run", "x.jsonl", "--out", "o.jsonl", "--max-num-seqs", "abc"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(__import__("ops_jobs").ROOT)})
+    proc = cbatch("run", "x.jsonl", "--out", "o.jsonl", "--max-num-seqs", "abc", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.startswith("cbatch: error: Invalid value for '--max-num-seqs'")
     assert proc.stderr.endswith("(see `python -m cbatch.cli run --help`)\n") and proc.stderr.count("\n") == 1

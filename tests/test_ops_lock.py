@@ -9,7 +9,9 @@ import textwrap
 
 import pytest
 
-from ops_jobs import cbatch_process, leftovers, part_lines, read_jsonl, run_inprocess, token_rows, wait_for, write_jsonl
+from ops_jobs import (
+    cbatch_process, leftovers, read_jsonl, run_inprocess, signal_and_continue, token_rows, wait_until_stopped, write_jsonl,
+)
 
 
 @pytest.fixture()
@@ -19,41 +21,38 @@ def small_job(tiny_checkpoints, tmp_path):
     return source, tmp_path / "out.jsonl", flags
 
 
-def test_second_concurrent_run_refuses(tiny_checkpoints, tmp_path):
-    # thousands of one-at-a-time rows: the first job must outlive the second's start even on a fast machine
-    source = write_jsonl(tmp_path / "in.jsonl", token_rows(3000, vocab=384, seed=3))
-    out = tmp_path / "out.jsonl"
-    flags = ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu", "--max-num-seqs", "1"]
-    first = cbatch_process("run", str(source), "--out", str(out), *flags)
+def test_second_concurrent_run_refuses(small_job):
+    source, out, flags = small_job
+    first = cbatch_process("run", str(source), "--out", str(out), *flags, stop_after_rows=1)
     try:
-        wait_for(lambda: part_lines(out) > 0, proc=first)
-        second = cbatch_process("run", str(source), "--out", str(out), *flags)
-        stdout, stderr = second.communicate(timeout=240)
-        assert second.returncode == 2, stderr
+        wait_until_stopped(first)  # it holds the lock (taken before its first row was saved) and cannot finish
+        code, stdout, stderr = run_inprocess("run", str(source), "--out", str(out), *flags)
+        assert code == 2, stderr
         assert stderr.startswith(f"cbatch: error: {out} is already being written by another cbatch job (pid {first.pid} on ")
         assert stderr.count("\n") == 1 and stdout == ""
         assert first.poll() is None  # the first job was not disturbed
-        assert json.loads((tmp_path / ".out.jsonl.cbatch.lock").read_text())["pid"] == first.pid
+        assert json.loads((out.parent / ".out.jsonl.cbatch.lock").read_text())["pid"] == first.pid
     finally:
-        first.send_signal(signal.SIGTERM)
+        signal_and_continue(first, signal.SIGTERM)
         first.communicate(timeout=120)
     assert first.returncode == 143
 
 
+# holds the lock as a live job on another host would, until the test closes its stdin (or kills it)
 HOLD_LOCK = textwrap.dedent("""
-    import fcntl, json, os, sys, time
+    import fcntl, json, os, sys
     fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.write(fd, json.dumps({"pid": os.getpid(), "host": "elsewhere"}).encode())
     print("locked", flush=True)
-    time.sleep(600)
+    sys.stdin.read()
 """)
 
 
 def test_lock_is_checked_before_the_model_loads(small_job, monkeypatch):
     source, out, flags = small_job
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out.parent / ".out.jsonl.cbatch.lock")],
-                              stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         import cbatch.run.job as job_module

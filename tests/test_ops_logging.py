@@ -2,11 +2,14 @@
 pulls more rows from the input than `lookahead` waiting plus the running batch."""
 from __future__ import annotations
 
+import io
 import re
 
 import pytest
 
 from cbatch.config import EngineConfig, SamplingParams
+from cbatch.observe.metrics import JobMetrics
+from cbatch.observe.progress import PlainProgress
 from cbatch.run.job import run_job
 from cbatch.run.preflight import JobOptions
 from helpers import make_engine
@@ -25,18 +28,46 @@ def job(tiny_checkpoints, tmp_path):
     return source, tmp_path, ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu", "--max-num-seqs", "8"]
 
 
-def test_plain_progress_lines_and_summary_when_not_a_terminal(job):
+class FakeClock:
+    """Seconds that advance by `tick` at each reading: progress lines timed by the job's own steps."""
+
+    def __init__(self, tick: float) -> None:
+        self.tick, self.readings = tick, 0
+
+    def __call__(self) -> float:
+        self.readings += 1
+        return (self.readings - 1) * self.tick
+
+
+def plain_progress_on(monkeypatch, clock) -> list[PlainProgress]:
+    """Jobs run after this get their plain progress lines timed by `clock`; returns the displays they made."""
+    import cbatch.observe.display
+
+    made: list[PlainProgress] = []
+
+    def make(metrics, **settings):
+        made.append(PlainProgress(metrics, clock=clock, **settings))
+        return made[-1]
+
+    monkeypatch.setattr(cbatch.observe.display, "PlainProgress", make)
+    return made
+
+
+def test_plain_progress_lines_and_summary_when_not_a_terminal(job, monkeypatch):
     source, tmp, flags = job
-    code, stdout, err = run_inprocess("run", str(source), "--out", str(tmp / "o.jsonl"), *flags, "--progress-interval", "0.001")
+    clock = FakeClock(tick=1.0)  # one second per update: a line every second update
+    made = plain_progress_on(monkeypatch, clock)
+    code, stdout, err = run_inprocess("run", str(source), "--out", str(tmp / "o.jsonl"), *flags, "--progress-interval", "2")
     assert code == 1, err  # two bad rows
+    assert len(made) == 1 and made[0].interval == 2.0
     assert "\x1b" not in err + stdout  # no live display, no colour codes in a log file
     lines = err.splitlines()
-    assert len(lines) >= 2, err
+    assert len(lines) == (clock.readings - 1) // 2 >= 2, err  # the first reading starts the clock
     parsed = [PROGRESS.match(line) for line in lines]
     assert all(parsed), [line for line, m in zip(lines, parsed) if not m]
     done = [int(m.group(1)) for m in parsed]
     assert done == sorted(done) and all(int(m.group(2)) == 40 for m in parsed)
-    assert any(re.fullmatch(r"\d+m\d\ds", m.group(6)) for m in parsed)  # an ETA once rows finish
+    assert all(re.fullmatch(r"\d+m\d\ds", m.group(6)) for m in parsed[1:])  # an ETA once tokens are generated
     assert any(float(m.group(3)) > 0 for m in parsed)
     summary = stdout.splitlines()
     assert len(summary) == 1 and SUMMARY.match(summary[0]), stdout
@@ -46,19 +77,35 @@ def test_plain_progress_lines_and_summary_when_not_a_terminal(job):
     assert tokens == sum(r["completion_tokens"] for r in rows)
 
 
-def test_quiet_prints_only_the_summary(job):
+def test_plain_progress_prints_a_line_per_interval():
+    stream = io.StringIO()
+    times = iter([0.0, 3.0, 9.99, 10.0, 15.0, 19.9, 20.5, 21.0])
+    progress = PlainProgress(JobMetrics(total_rows=5, ok_rows=2, output_tokens=40), interval=10.0, stream=stream,
+                             clock=lambda: next(times))
+    printed = []
+    for _ in range(7):
+        progress.update()
+        printed.append(stream.getvalue().count("\n"))
+    assert printed == [0, 0, 1, 1, 1, 2, 2]  # at 10.0 and 20.5: each line 10 s after the one before
+    assert all(PROGRESS.match(line) for line in stream.getvalue().splitlines())
+
+
+def test_quiet_prints_only_the_summary(job, monkeypatch):
     source, tmp, flags = job
-    code, stdout, err = run_inprocess("run", str(source), "--out", str(tmp / "o.jsonl"), *flags, "--progress-interval", "0.05", "-q")
+    made = plain_progress_on(monkeypatch, FakeClock(tick=1.0))  # without -q: a line at every update
+    code, stdout, err = run_inprocess("run", str(source), "--out", str(tmp / "o.jsonl"), *flags, "--progress-interval", "1", "-q")
     assert code == 1
-    assert err == ""
+    assert made == [] and err == ""
     assert len(stdout.splitlines()) == 1 and SUMMARY.match(stdout.strip())
 
 
-def test_default_interval_is_quiet_for_short_jobs(job):
+def test_default_interval_is_quiet_for_short_jobs(job, monkeypatch):
     source, tmp, flags = job
+    made = plain_progress_on(monkeypatch, FakeClock(tick=0.0))  # the whole job within its first 10 s
     code, stdout, err = run_inprocess("run", str(source), "--out", str(tmp / "o.jsonl"), *flags, "--allow-errors")
     assert code == 0 and len(stdout.splitlines()) == 1
-    assert all(PROGRESS.match(line) for line in err.splitlines())  # at most a line per 10 s, nothing else
+    assert len(made) == 1 and made[0].interval == 10.0  # plain lines, at most one per 10 s ...
+    assert err == ""  # ... so none at all for a job shorter than that
 
 
 def test_rows_are_streamed_within_the_lookahead(tiny_checkpoints, tmp_path, monkeypatch):

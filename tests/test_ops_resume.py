@@ -8,7 +8,8 @@ import signal
 import pytest
 
 from ops_jobs import (
-    cbatch_process, leftovers, listing, part_lines, read_jsonl, run_inprocess, token_rows, wait_for, write_jsonl,
+    cbatch_process, leftovers, listing, part_lines, read_jsonl, run_inprocess, signal_and_continue, token_rows,
+    wait_until_stopped, write_jsonl,
 )
 
 N_ROWS = 300
@@ -35,15 +36,18 @@ def job(tiny_checkpoints, tmp_path_factory):
     return {"rows": rows, "input": source, "flags": flags, "reference": ref}
 
 
-def _start(job, out):
-    return cbatch_process("run", str(job["input"]), "--out", str(out), *job["flags"])
+def _start_stopping_at(job, out, rows: int):
+    """The job as a real process that stops itself (SIGSTOP) once `rows` more rows are on disk."""
+    proc = cbatch_process("run", str(job["input"]), "--out", str(out), *job["flags"], stop_after_rows=rows)
+    wait_until_stopped(proc)
+    return proc
 
 
-def _kill_after_new_lines(job, out) -> int:
-    """Starts a run, SIGKILLs it as soon as it has put new rows on disk; returns the lines on disk."""
+def _sigkill_at(job, out, rows: int) -> int:
+    """Runs the job until `rows` more rows are on disk, SIGKILLs it there (mid-run: the rest of its batch
+    is in flight); returns the lines on disk."""
     before = part_lines(out)
-    proc = _start(job, out)
-    wait_for(lambda: part_lines(out) > before, proc=proc)
+    proc = _start_stopping_at(job, out, rows)
     proc.kill()
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
@@ -53,22 +57,21 @@ def _kill_after_new_lines(job, out) -> int:
 
 def test_sigkill_at_three_points_then_resume_equals_uninterrupted(job, tmp_path):
     out = tmp_path / "out.jsonl"
-    seen = [_kill_after_new_lines(job, out)]
+    seen = [_sigkill_at(job, out, 40)]
     # a torn last line, as a power loss mid-write leaves it: ignored, that row runs again
     state = tmp_path / ".out.jsonl.cbatch"
     with open(sorted(state.glob("part-*.jsonl"))[-1], "ab") as f:
         f.write(b'{"index": 299, "id": "r299", "compl')
-    seen.append(_kill_after_new_lines(job, out))
-    seen.append(_kill_after_new_lines(job, out))
-    assert seen == sorted(seen) and seen[-1] < N_ROWS, seen  # three distinct points, job unfinished
-    assert len(set(seen)) == 3
+    seen.append(_sigkill_at(job, out, 60))
+    seen.append(_sigkill_at(job, out, 50))
+    assert seen == [40, 100, 150], seen  # three distinct points, job unfinished, each run's rows kept
+
     # a temp file as a kill during the final write leaves it
     (tmp_path / f".out.jsonl.tmp-{2**22 + 17}").write_text("partial")
 
-    proc = _start(job, out)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 1, stderr  # finished; the bad rows are errors
-    assert "resuming:" in stderr
+    code, stdout, stderr = run_inprocess("run", str(job["input"]), "--out", str(out), *job["flags"])
+    assert code == 1, stderr  # finished; the bad rows are errors
+    assert "resuming: 150 of 300 rows" in stderr
     got = read_jsonl(out)
     assert [r["id"] for r in got] == [r["id"] for r in job["reference"]]  # every row once, in input order
     assert got == job["reference"]  # identical completions, sampled rows included
@@ -79,16 +82,15 @@ def test_sigkill_at_three_points_then_resume_equals_uninterrupted(job, tmp_path)
 @pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_saves_rows_and_rerun_completes(job, tmp_path, signum, code):
     out = tmp_path / "out.jsonl"
-    proc = _start(job, out)
-    wait_for(lambda: part_lines(out) > 0, proc=proc)
-    proc.send_signal(signum)
+    proc = _start_stopping_at(job, out, 20)  # mid-run: 20 rows saved, the rest of the batch in flight
+    signal_and_continue(proc, signum)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == code, stderr
     assert "Run the same command again to resume" in stderr
     assert "Traceback" not in stderr
     assert not out.exists()
     saved = part_lines(out)
-    assert 0 < saved < N_ROWS
+    assert 20 <= saved < N_ROWS  # the rows of the step under way when the signal came are kept too
     assert f"{saved} of {N_ROWS} rows are saved" in stderr  # what finished is on disk, all of it
     assert not (tmp_path / ".out.jsonl.cbatch.lock").exists()  # an orderly exit drops its lock
 
@@ -230,8 +232,8 @@ def test_parquet_job_interrupted_and_resumed_equals_uninterrupted(job, tmp_path,
     source = tmp_path / "in.parquet"
     pq.write_table(pa.Table.from_pylist(rows), source)  # missing temperature / seed become nulls
     reference, out = tmp_path / "ref.parquet", tmp_path / "out.parquet"
-    code, _, err = run_inprocess("run", str(source), "--out", str(reference), *job["flags"])
-    assert code in (0, 1), err
+    reference_code, _, err = run_inprocess("run", str(source), "--out", str(reference), *job["flags"])
+    assert reference_code in (0, 1), err  # 1 if a bad row is among them
     _sigterm_after(monkeypatch, 4)
     code, _, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"])
     assert code == 143 and not out.exists(), err
@@ -239,7 +241,7 @@ def test_parquet_job_interrupted_and_resumed_equals_uninterrupted(job, tmp_path,
     saved = part_lines(out)
     assert 0 < saved < len(rows)
     code, _, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"])
-    assert code in (0, 1) and f"resuming: {saved} of {len(rows)} rows" in err, err
+    assert code == reference_code and f"resuming: {saved} of {len(rows)} rows" in err, err
     got, want = pq.read_table(out).to_pylist(), pq.read_table(reference).to_pylist()
     assert [r["id"] for r in got] == [r["id"] for r in rows]
     assert got == want

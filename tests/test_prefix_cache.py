@@ -3,31 +3,18 @@ through the real engine identical with and without the cache."""
 from __future__ import annotations
 
 import random
-from collections import defaultdict
+from functools import partial
 
 import pytest
 
 from cbatch.config import SamplingParams
 from cbatch.engine import kv_blocks
 from cbatch.engine.kv_blocks import BlockPool, block_hash
-from cbatch.engine.policy import get_policy
-from cbatch.engine.scheduler import Scheduler
-from cbatch.engine.sequence import FinishReason, Sequence
-from helpers import generate, make_engine
+from cbatch.engine.sequence import FinishReason
+from helpers import advance, fake_scheduler, generate, make_engine
+from helpers import fake_seq as seq
 
-
-def make(blocks=40, block_size=4, budget=100, max_seqs=8, policy="fcfs"):
-    pool = BlockPool(blocks, block_size, enable_caching=True)
-    return Scheduler(get_policy(policy), pool, max_seqs, budget, 1000), pool
-
-
-def seq(i, prompt, max_tokens=8):
-    return Sequence(seq_id=i, prompt_ids=list(prompt), params=SamplingParams(max_tokens=max_tokens))
-
-
-def advance(sched, plan, token=7):
-    """The engine's own post-step update, every sampling sequence drawing `token`."""
-    return sched.update(plan, defaultdict(lambda: token))
+make = partial(fake_scheduler, blocks=40, budget=100, caching=True)
 
 
 def register(pool, block, tokens, parent=None):
@@ -107,8 +94,7 @@ def test_whole_prompt_hit_still_computes_one_token():
 
 
 def test_disabled_cache_never_hits():
-    pool = BlockPool(40, 4)
-    sched = Scheduler(get_policy("fcfs"), pool, 8, 100, 1000)
+    sched, pool = fake_scheduler(blocks=40, budget=100)
     a, b = seq(0, range(3, 20)), seq(1, range(3, 20))
     sched.add(a)
     advance(sched, sched.schedule())

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from cbatch.config import EngineConfig, SamplingParams
 from cbatch.run.job import run_job
 from cbatch.run.preflight import JobOptions
 from cbatch.scaleout import normalize_ray_flag
+from ops_jobs import ROOT, cbatch, jsonl_records, part_records
 
 ROWS = 26
 LONG_ROWS = (4, 17)
@@ -34,7 +33,7 @@ def ray_cluster():
 @pytest.fixture(scope="module")
 def job_input(tmp_path_factory, tiny_checkpoints) -> tuple[Path, Path]:
     """Random token-id rows (greedy and sampled without their own seed, random lengths), one bad line, one bad row,
-    and two long rows (ignore_eos, many tokens) that keep a block busy long enough to kill its replica mid-block."""
+    and two long rows (ignore_eos, many tokens): blocks of very unequal length."""
     rng = random.Random(1234)
     path = tmp_path_factory.mktemp("rayin") / "in.jsonl"
     lines = []
@@ -75,14 +74,10 @@ def ray_options(**settings):
 
 
 def check_rows(data: bytes) -> list[dict]:
-    rows = [json.loads(line) for line in data.decode().splitlines()]
+    rows = jsonl_records(data.decode())
     assert len(rows) == ROWS + 2
     assert len({r["id"] for r in rows}) == len(rows)  # every row exactly once
     return rows
-
-
-def part_lines(state_dir: Path) -> list[dict]:
-    return [json.loads(line) for part in sorted(state_dir.glob("part-*.jsonl")) for line in part.read_text().splitlines()]
 
 
 def test_two_replicas_match_the_single_process_run(ray_cluster, job_input, local_output, tmp_path):
@@ -121,7 +116,7 @@ def test_a_killed_replica_has_its_rows_retried_exactly_once(ray_cluster, job_inp
 
     def no_duplicates(job) -> None:
         job.state.sync()
-        records = part_lines(job.state.dir)
+        records = part_records(job.state.output)
         assert len(records) == len({r["index"] for r in records}) == job.state.num_rows  # never a duplicate
 
     # fault injection: replica 0's process dies at its engine's 2nd step, in the middle of its first block
@@ -147,7 +142,7 @@ def test_a_rerun_after_a_crash_skips_rows_already_written(ray_cluster, job_input
     def crash_after_two_blocks(job) -> None:
         if job.state.num_rows >= 6:
             job.state.sync()
-            saved.extend(r["index"] for r in part_lines(job.state.dir))
+            saved.extend(r["index"] for r in part_records(job.state.output))
             raise KeyboardInterrupt  # the driver dies: its part file stays for the re-run
 
     with pytest.raises(KeyboardInterrupt):
@@ -164,12 +159,9 @@ def test_cli_joins_a_running_cluster(ray_cluster, job_input, local_output, tmp_p
     inp, model = job_input
     out = tmp_path / "out.jsonl"
     address = ray_cluster.get_runtime_context().gcs_address
-    proc = subprocess.run(
-        [sys.executable, "-m", "cbatch.cli", "run", str(inp), "--out", str(out), "--model", str(model),
-         "--device", "cpu", "--max-num-seqs", "4", "--seed", "7", "--max-tokens", "8", "--token-ids",
-         "--display", "none", "--ray", address, "--replicas", "1", "--gpus-per-replica", "0", "--ray-block-rows", "4"],
-        capture_output=True, text=True, timeout=300,
-    )
+    proc = cbatch("run", str(inp), "--out", str(out), "--model", str(model), "--device", "cpu", "--max-num-seqs", "4",
+                  "--seed", "7", "--max-tokens", "8", "--token-ids", "--display", "none", "--ray", address,
+                  "--replicas", "1", "--gpus-per-replica", "0", "--ray-block-rows", "4")
     assert proc.returncode == 1, proc.stderr  # row errors, as locally
     assert out.read_bytes() == local_output
     assert f"cbatch: {ROWS}/{ROWS + 2} rows ok, 2 errors" in proc.stdout and "1 Ray replica(s)" in proc.stdout
@@ -192,7 +184,7 @@ def test_map_batches_callable(ray_cluster, job_input, local_output):
 
     inp, model = job_input
     rows = [json.loads(line) for line in inp.read_text().splitlines() if line.startswith("{\"")]
-    expected = {r["id"]: r for r in map(json.loads, local_output.decode().splitlines())}
+    expected = {r["id"]: r for r in jsonl_records(local_output.decode())}
     greedy = [r for r in rows if "temperature" not in r]  # sampled rows need their own seed outside a job
     ds = ray_cluster.data.from_items(greedy)
     out = ds.map_batches(
@@ -214,10 +206,9 @@ def test_ray_flag_without_ray_says_how_to_install(tmp_path, job_input):
     fake = tmp_path / "noray" / "ray"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'ray'\", name='ray')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])}
     inp, model = job_input
-    proc = subprocess.run([sys.executable, "-m", "cbatch.cli", "run", str(inp), "--out", str(tmp_path / "o.jsonl"),
-                           "--model", str(model), "--ray"], capture_output=True, text=True, env=env, timeout=120)
+    proc = cbatch("run", str(inp), "--out", str(tmp_path / "o.jsonl"), "--model", str(model), "--ray", timeout=120,
+                  PYTHONPATH=os.pathsep.join([str(fake.parent), str(ROOT)]))
     assert proc.returncode == 2
     assert 'pip install "cbatch[ray]"' in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "o.jsonl").exists()

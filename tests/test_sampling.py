@@ -31,13 +31,13 @@ def test_different_seeds_differ(tiny_checkpoints):
 
 
 def test_top_k_one_is_greedy():
-    logits = torch.randn(5, 50)
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1))
     batch = SamplingBatch([1.0] * 5, [1.0] * 5, [1] * 5, list(range(5)), [0] * 5)
     assert sample(logits, batch).tolist() == logits.argmax(-1).tolist()
 
 
 def test_tiny_top_p_is_greedy():
-    logits = torch.randn(5, 50) * 3
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(2)) * 3
     batch = SamplingBatch([0.7] * 5, [1e-6] * 5, [0] * 5, list(range(5)), [3] * 5)
     assert sample(logits, batch).tolist() == logits.argmax(-1).tolist()
 

@@ -1,29 +1,13 @@
 """Scheduler and block pool on fake requests: no model, no tensors."""
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 
-from cbatch.config import SamplingParams
 from cbatch.engine.kv_blocks import BlockPool
-from cbatch.engine.policy import get_policy
-from cbatch.engine.scheduler import Scheduler
-from cbatch.engine.sequence import FinishReason, Sequence
-
-
-def make(policy="fcfs", blocks=100, block_size=4, max_seqs=8, budget=32, max_len=1000):
-    pool = BlockPool(blocks, block_size)
-    return Scheduler(get_policy(policy), pool, max_seqs, budget, max_len), pool
-
-
-def seq(i, prompt_len, max_tokens=8):
-    return Sequence(seq_id=i, prompt_ids=list(range(1, prompt_len + 1)), params=SamplingParams(max_tokens=max_tokens))
-
-
-def advance(sched, plan, token=7):
-    """The engine's own post-step update, every sampling sequence drawing `token`."""
-    return sched.update(plan, defaultdict(lambda: token))
+from cbatch.engine.sequence import FinishReason
+from helpers import advance
+from helpers import fake_scheduler as make
+from helpers import fake_seq as seq
 
 
 def test_block_pool_ref_counts():

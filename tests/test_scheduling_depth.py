@@ -1,37 +1,21 @@
-"""Issue 7: priorities with aging, swap/auto preemption, reserve admission, admission stall reasons.
-Scheduler rules on fake requests; identical greedy outputs through the real engine under KV pressure."""
+"""Scheduling beyond the admission order: priorities with aging, swap/auto preemption, reserve admission,
+admission stall reasons. Scheduler rules on fake requests; identical greedy outputs through the real
+engine under KV pressure."""
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
+from functools import partial
 
 import pytest
 import torch
 
 from cbatch.config import ConfigError, EngineConfig, SamplingParams
-from cbatch.engine.kv_blocks import BlockPool
-from cbatch.engine.policy import PreemptionPolicy, PriorityOrder, get_policy
-from cbatch.engine.scheduler import Scheduler
-from cbatch.engine.sequence import Sequence
+from cbatch.engine.policy import PreemptionPolicy, PriorityOrder
 from cbatch.io.rows import RowError, sampling_from_row
-from helpers import generate, make_engine, random_prompts
+from helpers import fake_scheduler, generate, make_engine, random_prompts, step
+from helpers import fake_seq as seq
 
-
-def make(policy="fcfs", blocks=100, block_size=4, max_seqs=8, budget=64, **kw):
-    pool = BlockPool(blocks, block_size)
-    return Scheduler(get_policy(policy), pool, max_seqs, budget, 1000, **kw), pool
-
-
-def seq(i, prompt_len, max_tokens=8, priority=0):
-    params = SamplingParams(max_tokens=max_tokens, priority=priority)
-    return Sequence(seq_id=i, prompt_ids=list(range(3, prompt_len + 3)), params=params)
-
-
-def step(sched, token=7):
-    """One step of the engine's own bookkeeping on fake tokens (finishing at max_tokens)."""
-    plan = sched.schedule()
-    sched.update(plan, defaultdict(lambda: token))
-    return plan
+make = partial(fake_scheduler, budget=64)
 
 
 # ---- priorities and aging -----------------------------------------------------------------------
@@ -245,15 +229,15 @@ def test_mixed_priorities_identical(pressure_workload):
 def test_cli_run_with_priorities_reports_waits_per_class(tiny_chat_model, tmp_path):
     import json
 
-    from test_cli_run import cbatch, read_output
+    from ops_jobs import read_output, run_inprocess, write_jsonl
 
-    src, out, report = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "report.json"
+    out, report = tmp_path / "out.jsonl", tmp_path / "report.json"
     rows = [{"prompt": f"Tell me about number {i}", "priority": i % 2} for i in range(6)] + [{"prompt": "x", "priority": "high"}]
-    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = cbatch("run", str(src), "--out", str(out), "--model", str(tiny_chat_model), "--max-tokens", "4",
-                  "--report", str(report), "--preemption", "auto", "--admission", "reserve", "--priority", "1",
-                  "--max-num-seqs", "2", "--allow-errors", "--display", "none")
-    assert proc.returncode == 0, proc.stderr
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    code, _, err = run_inprocess("run", str(src), "--out", str(out), "--model", str(tiny_chat_model), "--max-tokens", "4",
+                                 "--report", str(report), "--preemption", "auto", "--admission", "reserve", "--priority", "1",
+                                 "--max-num-seqs", "2", "--allow-errors", "--display", "none")
+    assert code == 0, err
     results = read_output(out)
     assert [r["finish_reason"] for r in results[:6]] == ["length"] * 6
     assert results[6]["finish_reason"] == "error" and "priority must be an integer" in results[6]["error"]
@@ -263,5 +247,6 @@ def test_cli_run_with_priorities_reports_waits_per_class(tiny_chat_model, tmp_pa
     assert waits["0"]["max"] <= waits["1"]["max"]  # the urgent class went first
     assert data["latency"]["oldest_wait_steps"] == waits["1"]["max"]
     assert {"prefix_cache_hit_rate", "prefix_cache_saved_tokens", "admission_stalls"} <= set(data["utilization"])
-    bad = cbatch("run", str(src), "--out", str(tmp_path / "o2.jsonl"), "--model", str(tiny_chat_model), "--preemption", "sometimes")
-    assert bad.returncode == 2 and "--preemption" in bad.stderr and "Traceback" not in bad.stderr
+    code, _, err = run_inprocess("run", str(src), "--out", str(tmp_path / "o2.jsonl"), "--model", str(tiny_chat_model),
+                                 "--preemption", "sometimes")
+    assert code == 2 and "--preemption" in err and "Traceback" not in err

@@ -1,7 +1,6 @@
 """End to end through the Triton backend under the interpreter: the same greedy tokens as the torch backend."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -55,21 +54,19 @@ def _logits(engine, prompt: list[int]) -> torch.Tensor:
 
 def test_cli_triton_backend(tiny_checkpoints, tmp_path):
     """`TRITON_INTERPRET=1 cbatch run ... --device cpu --attention-backend triton` equals --attention-backend torch."""
-    import json
-
-    from test_cli_run import cbatch
+    from ops_jobs import cbatch, read_jsonl, write_jsonl
 
     rows = tmp_path / "rows.jsonl"
     prompts = random_prompts(3, vocab=384, seed=22, max_len=30)
-    rows.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    write_jsonl(rows, [{"prompt_token_ids": p} for p in prompts])
     outs = {}
     for backend in ("torch", "triton"):
         out = tmp_path / f"{backend}.jsonl"
         proc = cbatch("run", str(rows), "--out", str(out), "--model", str(tiny_checkpoints["llama"]), "--device", "cpu",
                       "--attention-backend", backend, "--max-tokens", "5", "--ignore-eos", "--token-ids",
-                      env_extra={"TRITON_INTERPRET": "1"})
+                      TRITON_INTERPRET="1")
         assert proc.returncode == 0, proc.stderr
-        outs[backend] = [json.loads(line)["completion_token_ids"] for line in out.read_text().splitlines()]
+        outs[backend] = [row["completion_token_ids"] for row in read_jsonl(out)]
     assert outs["triton"] == outs["torch"]
     assert all(len(t) == 5 for t in outs["torch"])
 

@@ -66,15 +66,15 @@ class Dashboard:
         kv_total = max(engine.kv_total, 1)
 
         progress = Table.grid(padding=(0, 1))
-        progress.add_column(style="bold cyan", min_width=12)
-        progress.add_column()
-        progress.add_column(no_wrap=True)
-        progress.add_row("rows", ProgressBar(total=max(m.total_rows, 1), completed=done, width=40),
-                         f"{done}/{m.total_rows} ({done / max(m.total_rows, 1):.0%})  errors {m.error_rows}  "
-                         f"ETA {format_eta(eta_seconds(m))}")
+        progress.add_column(style="bold cyan", min_width=12, no_wrap=True)
+        progress.add_column(max_width=40)  # the bar: the one column that gives way on a narrow terminal ...
+        progress.add_column(no_wrap=True)  # ... the counts beside it (and the ETA below) are never cut
+        progress.add_row("rows", ProgressBar(total=max(m.total_rows, 1), completed=done),
+                         f"{done}/{m.total_rows} ({done / max(m.total_rows, 1):.0%})  errors {m.error_rows}")
         table = Table.grid(padding=(0, 1))
-        table.add_column(style="bold cyan", min_width=12)
+        table.add_column(style="bold cyan", min_width=12, no_wrap=True)
         table.add_column()
+        table.add_row("ETA", format_eta(eta_seconds(m)))
         table.add_row("output tok/s", f"{recent_out:,.1f} recent  {m.output_tokens / elapsed:,.1f} overall")
         table.add_row("prompt tok/s", f"{recent_prompt:,.1f} recent  {m.prompt_tokens / elapsed:,.1f} overall")
         table.add_row("batch", f"running {engine.running}  waiting {engine.waiting}  preempted {engine.preemptions}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import Callable, TextIO
 
 from cbatch.observe.metrics import JobMetrics
 
@@ -43,16 +43,18 @@ def progress_text(metrics: JobMetrics) -> str:
 
 
 class PlainProgress:
-    """A line every `interval` seconds (for logs and cron mail), never per token."""
+    """A line every `interval` seconds of `clock` (for logs and cron mail), never per token."""
 
-    def __init__(self, metrics: JobMetrics, interval: float = 10.0, stream: TextIO | None = None) -> None:
+    def __init__(self, metrics: JobMetrics, interval: float = 10.0, stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.metrics = metrics
         self.interval = interval
         self.stream = stream  # None: sys.stderr as it is when a line is printed
-        self._last = time.monotonic()
+        self.clock = clock
+        self._last = clock()
 
     def update(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if now - self._last >= self.interval:
             self._last = now
             print(f"cbatch: {progress_text(self.metrics)}", file=self.stream or sys.stderr, flush=True)
