@@ -261,7 +261,10 @@ def run_llama_cpp(job: Job) -> EngineRun:
         clock.start()
         outs = engine.generate(job.prompts, job.output_lens)
         clock.end()
-        return EngineRun(outs, engine.about(), engine.weights, dense=engine.ftype is not None)
+        about = engine.about()
+        if emulating_avx2() and "AVX512 = 1" in about:  # llama.cpp's kernels are chosen when it is compiled
+            about += " -- NOT an AVX2 measurement: this build uses AVX-512 (docs/peers.md: LLAMA_ISA=avx2)"
+        return EngineRun(outs, about, engine.weights, dense=engine.ftype is not None)
     finally:
         engine.close()
 
