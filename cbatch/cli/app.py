@@ -135,8 +135,10 @@ def bench(**values: Any) -> None:
 
     def bench_run() -> int:
         cost = (CostModel.fit(values["cost_from"]) if values["cost_from"] else
-                CostModel(values["cost_per_step"], values["cost_per_prefill_token"], values["cost_per_context_token"]))
-        if min(cost.per_step, cost.per_prefill_token, cost.per_context_token) < 0 or cost.per_step + cost.per_prefill_token + cost.per_context_token <= 0:
+                CostModel(values["cost_per_step"], values["cost_per_prefill_token"], values["cost_per_context_token"],
+                          per_decode_token=values["cost_per_decode_token"]))
+        terms = (cost.per_step, cost.per_prefill_token, cost.per_context_token, cost.per_decode_token)
+        if min(terms) < 0 or sum(terms) <= 0:
             fail("--cost-per-*: costs must be >= 0 and not all 0")
         if report is not None and not (report.parent if str(report.parent) else Path(".")).is_dir():
             fail(f"--report {report}: the folder {report.parent} does not exist; create it first")

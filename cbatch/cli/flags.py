@@ -136,6 +136,7 @@ BENCH_FLAGS = [
     Flag("cost_per_step", float, 1.0, "Simulated cost of every step.", SIMULATOR),
     Flag("cost_per_prefill_token", float, 0.0, "Simulated cost per prefill token.", SIMULATOR),
     Flag("cost_per_context_token", float, 0.0, "Simulated cost per KV token read.", SIMULATOR),
+    Flag("cost_per_decode_token", float, 0.0, "Simulated cost per decode token (a one-token chunk).", SIMULATOR),
     Flag("cost_from", Optional[Path], None, "Fit the cost model (in seconds) to a real run's --report.", SIMULATOR),
     Flag("report", Optional[Path], None, "Write every run's JSON report here.", JOB),
     Flag("plot", Optional[Path], None, "Draw occupancy, KV usage, tokens/s and latency (.png or .html).", JOB),
