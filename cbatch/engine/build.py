@@ -38,15 +38,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_model(config: EngineConfig, spec: ModelSpec | None = None) -> ResolvedModel:
-    """`config.model` (or the default model) read up to its config.json; or a bare `spec` (random weights)."""
+def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: torch.device | None = None) -> ResolvedModel:
+    """`config.model` (or the default model) read up to its config.json; or a bare `spec` (random weights).
+    `device`: the one a planned run will use (`cbatch plan`), instead of `config.device` here."""
     checkpoint = None
     if spec is None:
         from cbatch.model.default_model import default_model_dir
 
         checkpoint = read_checkpoint(resolve_model_dir(config.model) if config.model else default_model_dir())
         spec = checkpoint.spec
-    device = resolve_device(config.device)
+    device = device if device is not None else resolve_device(config.device)
     max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     return ResolvedModel(spec, device, resolve_dtype(config.dtype, spec, device), max_model_len, checkpoint)
 
@@ -97,9 +98,5 @@ def _kv_pool(config: EngineConfig, resolved: ResolvedModel, make_runner) -> KVPo
     else:
         peak = memory.profile_activation_peak(make_runner, config, resolved.max_model_len)
         num_blocks = memory.gpu_kv_blocks(config, spec, dtype, resolved.max_model_len, peak)
-    num_host_blocks = 0
-    if config.preemption != "recompute":
-        block_bytes = memory.bytes_per_block(spec, dtype, config.block_size)
-        num_host_blocks = min(int(config.swap_space_gb * 2**30 // block_bytes), 4 * num_blocks)
-    return KVPool(num_blocks, num_host_blocks)
+    return KVPool(num_blocks, memory.host_kv_blocks(config, spec, dtype, num_blocks))
 
