@@ -273,3 +273,17 @@ def test_cost_fit_recovers_the_decode_term(tmp_path):
     expected = {"per_step": 0.02, "per_prefill_token": 1e-4, "per_decode_token": 3e-4, "per_context_token": 2e-6}
     for name, value in expected.items():
         assert getattr(cost, name) == pytest.approx(value, rel=1e-6), name
+
+
+def test_plan_accuracy_script_runs(tiny_chat_model, tmp_path):
+    """benchmarks/plan_accuracy.py (the figure for RESULTS.md) in its --quick mode: chat rows, calibration on
+    another input, plan, run. The plan's steps are the run's; the timing itself is for a quiet machine."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_accuracy.py"
+    spec = importlib.util.spec_from_file_location("plan_accuracy", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    result = script.main(["--quick", "--model", str(tiny_chat_model), "--workdir", str(tmp_path)])
+    assert result["predicted_steps"] == result["measured_steps"] > 0
+    assert result["predicted_wall_s"] > 0 and result["measured_wall_s"] > 0
