@@ -10,6 +10,7 @@ lengths. The search replays the accepted rows (their token ids) under other batc
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping
 
@@ -61,14 +62,14 @@ class PlannedEngine(Engine):
     No text is generated, so stop strings are not checked: the planned length stands for them."""
 
     lengths: OutputLengths = field(default_factory=OutputLengths)
-    accepted: dict[int, tuple[list[int], SamplingParams]] = field(default_factory=dict)  # for the search
+    accepted: dict[int, tuple[array, SamplingParams]] = field(default_factory=dict)  # for the search: 4 B a token
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> Sequence:
         seq = super().add_request(prompt_ids, params, seq_id)
         if not seq.is_finished:
             seq.stop = None
             self.runner.targets[seq.seq_id] = self.lengths.of(seq.seq_id, params, bool(self.spec.eos_token_ids))
-            self.accepted[seq.seq_id] = (list(prompt_ids), params)
+            self.accepted[seq.seq_id] = (array("i", prompt_ids), params)
         return seq
 
 
@@ -91,7 +92,7 @@ class Simulation:
     errors: list[RowResult]  # in the order they came (rows that fail on arrival first)
     cached: int
     report: dict[str, Any]  # the simulated run's report (build_report), in the cost model's time
-    accepted: dict[int, tuple[list[int], SamplingParams]]
+    accepted: dict[int, tuple[array, SamplingParams]]
 
     @property
     def wall(self) -> float:
@@ -137,12 +138,12 @@ def simulate_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup
     return Simulation(config, errors, metrics.cached_rows, report, engine.accepted)
 
 
-def replay(accepted: dict[int, tuple[list[int], SamplingParams]]) -> Callable[[], Iterator[RawRow]]:
+def replay(accepted: dict[int, tuple[array, SamplingParams]]) -> Callable[[], Iterator[RawRow]]:
     """The accepted rows again, as token-id rows with their settings (each simulation re-reads them)."""
     def rows() -> Iterator[RawRow]:
         for index, (prompt_ids, params) in sorted(accepted.items()):
             settings = {k: v for k, v in asdict(params).items() if k in SAMPLING_FIELDS and v is not None}
-            yield index, {"prompt_token_ids": prompt_ids, **settings}
+            yield index, {"prompt_token_ids": list(prompt_ids), **settings}
 
     return rows
 

@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -266,7 +267,7 @@ class RowCache:
         except OSError as exc:  # a full disk costs the cache, never the job
             self._write_failed = True
             print(f"cbatch: warning: --result-cache: cannot write to {self.cache.root} ({exc.strerror}); "
-                  "this job stops adding to the cache", flush=True)
+                  "this job stops adding to the cache", file=sys.stderr, flush=True)
 
 
 def open_row_cache(folder: Path | None, limit: CacheLimit, model: ResolvedModel, config: EngineConfig,
