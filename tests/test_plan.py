@@ -243,7 +243,7 @@ def test_plan_consults_the_result_cache_without_writing_it(tiny_checkpoints, tmp
     assert {p: p.stat().st_mtime_ns for p in (cache / "v1" / "entries").glob("*/*.json")} == before
 
 
-def test_plan_exit_codes_and_one_line_errors(tiny_checkpoints, tmp_path):
+def test_plan_exit_codes_and_one_line_errors(tiny_checkpoints, tmp_path, monkeypatch):
     source = write_jsonl(tmp_path / "job.jsonl", token_rows(4, seed=8) + [{"id": "bad", "prompt_token_ids": []}])
     model = ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu", "--no-search"]
     assert plan(str(source), *model)[0] == 1
@@ -255,6 +255,9 @@ def test_plan_exit_codes_and_one_line_errors(tiny_checkpoints, tmp_path):
                            ([str(source), "--max-num-seqs", "0"], "--max-num-seqs")):
         code, _, err = plan(*args, *model)
         assert code == 2 and expected in err and err.count("\n") == 1, (args, err)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a backend the run could not use on this CPU
+    code, _, err = plan(str(source), *model, "--attention-backend", "triton")
+    assert code == 2 and "--attention-backend" in err and err.count("\n") == 1, err
 
 
 def test_cost_fit_recovers_the_decode_term(tmp_path):

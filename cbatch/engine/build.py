@@ -14,7 +14,7 @@ from cbatch.config import ConfigError, EngineConfig
 from cbatch.engine import memory
 from cbatch.engine.engine import Engine, KVPool
 from cbatch.engine.runner import ModelRunner
-from cbatch.model.backend import BackendUnavailable, make_backend
+from cbatch.model.backend import Backend, BackendUnavailable, make_backend
 from cbatch.model.loader import Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir
 from cbatch.model.spec import ModelSpec
 
@@ -52,16 +52,21 @@ def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: t
     return ResolvedModel(spec, device, resolve_dtype(config.dtype, spec, device), max_model_len, checkpoint)
 
 
+def engine_backend(config: EngineConfig, device: torch.device) -> Backend:
+    """The compute backend --attention-backend names for `device` (a ConfigError when it cannot run there)."""
+    try:
+        return make_backend(config.attention_backend, device)
+    except BackendUnavailable as exc:
+        raise ConfigError("attention_backend", f"{config.attention_backend}: {exc}") from None
+
+
 def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *, random_weights_seed: int = 0) -> Engine:
     """Loads the model (random weights for a weightless `resolved`), sizes the KV pool, builds the engine."""
     resolved = resolved or resolve_model(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device, dtype, spec = resolved.device, resolved.dtype, resolved.spec
-    try:
-        backend = make_backend(config.attention_backend, device)
-    except BackendUnavailable as exc:
-        raise ConfigError("attention_backend", f"{config.attention_backend}: {exc}") from None
+    backend = engine_backend(config, device)
     if resolved.checkpoint is not None:
         model = load_model(resolved.checkpoint, resolved.max_model_len, device, dtype, backend)
     else:

@@ -10,7 +10,7 @@ from typing import Any
 
 from cbatch.bench.simulator import CostModel, cost_settings
 from cbatch.config import EngineConfig, SamplingParams
-from cbatch.engine.build import ResolvedModel
+from cbatch.engine.build import ResolvedModel, engine_backend
 from cbatch.io.reader import inspect_input, iter_rows
 from cbatch.io.state import StorageError
 from cbatch.io.writer import check_writable
@@ -46,6 +46,7 @@ def run_plan(options: PlanOptions) -> int:
     total_rows = check_paths(options)
     kind = device_kind(options.device_kind, options.engine)
     model = resolve_or_fail(options.engine, device=kind.device)
+    engine_backend(options.engine, kind.device)  # a backend the run could not use fails here, as there
     config = replace(options.engine, model=str(model.checkpoint.path))
     cost, cost_source = cost_model(options, kind, model)
     lengths = (OutputLengths.from_report(options.lengths_from, config.seed) if options.lengths_from is not None
