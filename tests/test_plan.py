@@ -136,7 +136,8 @@ def test_plan_takes_the_runs_schedule_and_prices_it_with_the_fitted_costs(calibr
     assert (p["prompt_tokens"], p["output_tokens"]) == (run["tokens"]["prompt"], run["tokens"]["output"])
     assert p["peak_kv_usage"] == u["peak_kv_usage"] and p["num_kv_blocks"] == 20
     cost = CostModel.fit(calibration["report"])
-    assert predicted["cost_model"]["per_step"] == cost.per_step and cost.per_step + cost.per_decode_token > 0
+    for term in ("per_step", "per_prefill_token", "per_decode_token", "per_context_token"):
+        assert predicted["cost_model"][term] == getattr(cost, term), term
     s = run["series"]
     priced = (cost.per_step * sum(s["steps"]) + cost.per_prefill_token * sum(s["prefill_tokens"])
               + cost.per_context_token * sum(s["context_tokens"])
