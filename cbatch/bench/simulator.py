@@ -1,9 +1,9 @@
 """The simulator: the engine itself (`Scheduler`, `BlockPool`, `Scheduler.update`) with a cost model in
 place of the model as its runner. What-if questions at sizes no machine here can run.
 
-A step's cost is `per_step + per_prefill_token x prefill tokens + per_context_token x KV tokens read`
-(default: 1 unit per step, so time = steps), or coefficients fitted from a real run's report, in
-seconds. Sampled tokens are made up (token 0, EOS ignored): lengths are exactly the workload's.
+A step's cost is `per_step + per_prefill_token x prefill tokens + per_decode_token x decode tokens +
+per_context_token x KV tokens read` (default: 1 unit per step, so time = steps), or coefficients fitted
+from a real run's report, in seconds. Sampled tokens are made up (token 0, EOS ignored): lengths are exactly the workload's.
 """
 from __future__ import annotations
 
@@ -41,13 +41,17 @@ class CostModel:
     per_prefill_token: float = 0.0
     per_context_token: float = 0.0
     unit: str = "cost"  # "cost" units, or "s" when fitted from a real run
+    per_decode_token: float = 0.0  # a token of a one-token chunk (a decode), which also samples
 
     def step_cost(self, info: StepInfo) -> float:
-        return self.per_step + self.per_prefill_token * info.prefill_tokens + self.per_context_token * info.context_tokens
+        decode_tokens = info.scheduled_tokens - info.prefill_tokens
+        return (self.per_step + self.per_prefill_token * info.prefill_tokens + self.per_decode_token * decode_tokens
+                + self.per_context_token * info.context_tokens)
 
     @classmethod
     def fit(cls, path: Path) -> "CostModel":
-        """Least squares on a real report's time series: dt = a x steps + b x prefill + c x context (a, b, c >= 0)."""
+        """Least squares on a real report's time series: dt = a x steps + b x prefill + c x context
+        + d x decode tokens (all >= 0; d only when the series has `scheduled_tokens`)."""
         import numpy as np
 
         try:
@@ -61,17 +65,20 @@ class CostModel:
             raise CostModelError(
                 f"--cost-from {path}: needs the report of a real run (cbatch run/bench --report) with at least 3 steps"
             )
-        x = np.array([series["steps"], series["prefill_tokens"], series["context_tokens"]], dtype=float).T
+        columns = [series["steps"], series["prefill_tokens"], series["context_tokens"]]
+        if "scheduled_tokens" in series:
+            columns.append([s - p for s, p in zip(series["scheduled_tokens"], series["prefill_tokens"])])
+        x = np.array(columns, dtype=float).T
         y = np.array(series["dt"], dtype=float)
-        active = [0, 1, 2]
-        coef = np.zeros(3)
+        active = list(range(len(columns)))
+        coef = np.zeros(4)
         while active:  # drop a column whose fit is negative, refit the rest (a tiny NNLS)
             sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
             if (sol >= 0).all():
                 coef[active] = sol
                 break
             active.pop(int(np.argmin(sol)))
-        return cls(float(coef[0]), float(coef[1]), float(coef[2]), unit="s")
+        return cls(float(coef[0]), float(coef[1]), float(coef[2]), unit="s", per_decode_token=float(coef[3]))
 
 
 class SimulatedRunner:
@@ -116,4 +123,4 @@ SIMULATED_VOCAB = 32000  # token ids for simulated prompts when no model names a
 
 def cost_settings(cost: CostModel) -> dict[str, Any]:
     return {"per_step": cost.per_step, "per_prefill_token": cost.per_prefill_token,
-            "per_context_token": cost.per_context_token, "unit": cost.unit}
+            "per_context_token": cost.per_context_token, "per_decode_token": cost.per_decode_token, "unit": cost.unit}

@@ -10,7 +10,7 @@ from typing import Any, Callable, NoReturn
 
 import typer
 
-from cbatch.cli.flags import BENCH_COMMAND_FLAGS, RUN_FLAGS, SAMPLING_FLAGS, Flag, command, fields_of, flag_of
+from cbatch.cli.flags import BENCH_COMMAND_FLAGS, PLAN_FLAGS, RUN_FLAGS, SAMPLING_FLAGS, Flag, command, fields_of, flag_of
 from cbatch.config import ConfigError, EngineConfig, SamplingParams, UserError
 from cbatch.io.state import StorageError
 from cbatch.run.exit_codes import EXIT_INTERNAL, EXIT_IO, EXIT_SIGINT, EXIT_USAGE
@@ -88,23 +88,38 @@ def check_plot(path: Path | None) -> None:
         check_plot_path(path)
 
 
+def check_lookahead(values: dict[str, Any]) -> None:
+    if values["lookahead"] < 1:
+        fail("--lookahead: must be at least 1")
+
+
+def job_seed(values: dict[str, Any]) -> int:
+    return values["seed"] if values["seed"] is not None else 0
+
+
 @command(app, "run", RUN_FLAGS)
 def run(**values: Any) -> None:
     """Generate a completion for every row of INPUT and write them to OUTPUT."""
     from cbatch.run.preflight import JobOptions
+    from cbatch.run.result_cache import CacheLimit
 
-    if values["lookahead"] < 1:
-        fail("--lookahead: must be at least 1")
+    check_lookahead(values)
+    if values["ray"] is not None and values["result_cache"] is not None:
+        fail("--result-cache: not supported with --ray yet; run without one of them")
     if not values["progress_interval"] > 0:
         fail("--progress-interval: must be a positive number of seconds, e.g. 10")
     if values["display"] not in ("auto", "dashboard", "plain", "none"):
         fail(f"--display: must be one of auto, dashboard, plain, none, not {values['display']!r}")
-    config = engine_config(values, RUN_FLAGS, seed=values["seed"] if values["seed"] is not None else 0)
+    config = engine_config(values, RUN_FLAGS, seed=job_seed(values))
     defaults = sampling_defaults(values)
+    try:
+        cache_limit = CacheLimit.parse(values["result_cache_size"])
+    except UserError as exc:
+        fail(str(exc))
     options = JobOptions(
-        input=values["input"], output=values["out"], engine=config, defaults=defaults,
+        input=values["input"], output=values["out"], engine=config, defaults=defaults, result_cache_limit=cache_limit,
         **{name: values[name] for name in ("token_ids", "overwrite", "allow_errors", "report", "quiet", "lookahead",
-                                           "display", "plot", "progress_interval")},
+                                           "display", "plot", "progress_interval", "result_cache", "retry_errors")},
     )
 
     def job() -> int:
@@ -135,8 +150,10 @@ def bench(**values: Any) -> None:
 
     def bench_run() -> int:
         cost = (CostModel.fit(values["cost_from"]) if values["cost_from"] else
-                CostModel(values["cost_per_step"], values["cost_per_prefill_token"], values["cost_per_context_token"]))
-        if min(cost.per_step, cost.per_prefill_token, cost.per_context_token) < 0 or cost.per_step + cost.per_prefill_token + cost.per_context_token <= 0:
+                CostModel(values["cost_per_step"], values["cost_per_prefill_token"], values["cost_per_context_token"],
+                          per_decode_token=values["cost_per_decode_token"]))
+        terms = (cost.per_step, cost.per_prefill_token, cost.per_context_token, cost.per_decode_token)
+        if min(terms) < 0 or sum(terms) <= 0:
             fail("--cost-per-*: costs must be >= 0 and not all 0")
         if report is not None and not (report.parent if str(report.parent) else Path(".")).is_dir():
             fail(f"--report {report}: the folder {report.parent} does not exist; create it first")
@@ -149,6 +166,22 @@ def bench(**values: Any) -> None:
         return 0
 
     exit_for(bench_run, resumable=False)
+
+
+@command(app, "plan", PLAN_FLAGS)
+def plan(**values: Any) -> None:
+    """Check every row of INPUT as `run` would and predict the run (time, KV use, best batch settings), without
+    loading the model's weights."""
+    from cbatch.plan.command import PlanOptions, run_plan
+
+    check_lookahead(values)
+    options = PlanOptions(
+        input=values["input"], engine=engine_config(values, PLAN_FLAGS, seed=job_seed(values)),
+        defaults=sampling_defaults(values),
+        **{name: values[name] for name in ("cost_from", "lengths_from", "device_kind", "report", "search",
+                                           "allow_errors", "quiet", "lookahead", "result_cache")},
+    )
+    exit_for(lambda: run_plan(options), resumable=False)
 
 
 def main() -> None:

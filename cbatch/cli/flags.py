@@ -10,9 +10,9 @@ from typing import Any, Callable, List, Optional
 
 import typer
 
-ENGINE, SAMPLING, JOB, RAY, WORKLOAD, SIMULATOR = (
+ENGINE, SAMPLING, JOB, RAY, WORKLOAD, SIMULATOR, ACROSS_JOBS, PLAN = (
     "Engine", "Sampling defaults (a row's own fields win)", "Job", "Scale-out on Ray (needs the ray extra)",
-    "Workload", "Simulator (--simulate)",
+    "Workload", "Simulator (--simulate)", "Across jobs (docs/nightly.md)", "Plan",
 )
 
 
@@ -136,6 +136,7 @@ BENCH_FLAGS = [
     Flag("cost_per_step", float, 1.0, "Simulated cost of every step.", SIMULATOR),
     Flag("cost_per_prefill_token", float, 0.0, "Simulated cost per prefill token.", SIMULATOR),
     Flag("cost_per_context_token", float, 0.0, "Simulated cost per KV token read.", SIMULATOR),
+    Flag("cost_per_decode_token", float, 0.0, "Simulated cost per decode token (a one-token chunk).", SIMULATOR),
     Flag("cost_from", Optional[Path], None, "Fit the cost model (in seconds) to a real run's --report.", SIMULATOR),
     Flag("report", Optional[Path], None, "Write every run's JSON report here.", JOB),
     Flag("plot", Optional[Path], None, "Draw occupancy, KV usage, tokens/s and latency (.png or .html).", JOB),
@@ -143,9 +144,38 @@ BENCH_FLAGS = [
     Flag("quiet", bool, False, "Print only the table.", JOB, decls=("--quiet", "-q")),
 ]
 
-RUN_FLAGS = JOB_FLAGS[:2] + engine_flags("longest-first") + SAMPLING_FLAGS + JOB_FLAGS[2:] + RAY_FLAGS
+ACROSS_JOBS_FLAGS = [
+    Flag("result_cache", Optional[Path], None, "Folder of finished rows shared by jobs: a row generated before with "
+         "the same model, dtype, device, prompt, sampling settings and seed is copied, not generated.", ACROSS_JOBS),
+    Flag("result_cache_size", str, "10GB", "Bound of --result-cache: bytes (10GB, 512MiB) or entries (50000entries); "
+         "least recently used rows go first.", ACROSS_JOBS),
+    Flag("retry_errors", bool, False, "Run only the error rows of a complete OUTPUT again (after fixing a flag or "
+         "the model); its other rows stay as they are.", ACROSS_JOBS),
+]
+
+PLAN_OWN_FLAGS = [
+    Flag("cost_from", Optional[Path], None, "Fit the step cost to a real run's --report on the kind of machine the "
+         "run will use (default: a rough estimate from the model's FLOPs and bytes).", PLAN),
+    Flag("lengths_from", Optional[Path], None, "Draw output lengths from an earlier run's --report of this job "
+         "(default: every row generates max_tokens, an upper bound).", PLAN),
+    Flag("device_kind", Optional[str], None, "The machine the run will use: cpu, h200, h100, h100-pcie, a100, l40s, "
+         "l4, a10 (default: this one).", PLAN),
+    Flag("search", bool, True, "Also try other --max-num-seqs / --max-num-batched-tokens and name the fastest.", PLAN,
+         decls=("--search/--no-search",)),
+    Flag("report", Optional[Path], None, "Write the plan (error rows, prediction, search) as JSON here.", PLAN),
+]
+
+
+def flags_named(flags: list[Flag], *names: str) -> list[Flag]:
+    by_name = {f.name: f for f in flags}
+    return [by_name[name] for name in names]
+
+
+RUN_FLAGS = JOB_FLAGS[:2] + engine_flags("longest-first") + SAMPLING_FLAGS + JOB_FLAGS[2:] + ACROSS_JOBS_FLAGS + RAY_FLAGS
 BENCH_COMMAND_FLAGS = BENCH_FLAGS[:7] + engine_flags(None) + BENCH_FLAGS[7:]
-ALL_FLAGS = RUN_FLAGS + BENCH_COMMAND_FLAGS
+PLAN_FLAGS = (JOB_FLAGS[:1] + engine_flags("longest-first") + SAMPLING_FLAGS + PLAN_OWN_FLAGS
+              + flags_named(JOB_FLAGS, "allow_errors", "quiet", "lookahead") + ACROSS_JOBS_FLAGS[:1])
+ALL_FLAGS = RUN_FLAGS + BENCH_COMMAND_FLAGS + PLAN_FLAGS
 
 
 def flag_of(field: str) -> str:

@@ -54,7 +54,7 @@ def render() -> str:
 
     group = typer.main.get_command(app)
     lines = [HEADER]
-    for name in ("run", "bench"):
+    for name in ("run", "plan", "bench"):
         command = group.commands[name]
         lines += [f"## `cbatch {name}`", "", (command.help or "").strip().splitlines()[0], ""]
         lines += command_table(command)

@@ -15,7 +15,7 @@ from cbatch.config import ConfigError, EngineConfig
 from cbatch.engine import memory
 from cbatch.engine.engine import Engine, KVPool
 from cbatch.engine.runner import ModelRunner
-from cbatch.model.backend import BackendUnavailable, make_backend
+from cbatch.model.backend import Backend, BackendUnavailable, make_backend
 from cbatch.model.cpu_features import bf16_speed_warning
 from cbatch.model.loader import Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir
 from cbatch.model.spec import ModelSpec
@@ -40,21 +40,30 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_model(config: EngineConfig, spec: ModelSpec | None = None) -> ResolvedModel:
+def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: torch.device | None = None) -> ResolvedModel:
     """`config.model` (or the default model) read up to its config.json; or a bare `spec` (random weights).
-    Warns (one stderr line) when the dtype is bfloat16 on a CPU without native bfloat16."""
+    `device`: the one a planned run will use (`cbatch plan`), instead of `config.device` here. Warns (one
+    stderr line) when the dtype is bfloat16 on a CPU without native bfloat16."""
     checkpoint = None
     if spec is None:
         from cbatch.model.default_model import default_model_dir
 
         checkpoint = read_checkpoint(resolve_model_dir(config.model) if config.model else default_model_dir())
         spec = checkpoint.spec
-    device = resolve_device(config.device)
+    device = device if device is not None else resolve_device(config.device)
     max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     dtype = resolve_dtype(config.dtype, spec, device)
     if (warning := bf16_speed_warning(dtype, device)) is not None:
         print(f"cbatch: warning: {warning}", file=sys.stderr)
     return ResolvedModel(spec, device, dtype, max_model_len, checkpoint)
+
+
+def engine_backend(config: EngineConfig, device: torch.device) -> Backend:
+    """The compute backend --attention-backend names for `device` (a ConfigError when it cannot run there)."""
+    try:
+        return make_backend(config.attention_backend, device)
+    except BackendUnavailable as exc:
+        raise ConfigError("attention_backend", f"{config.attention_backend}: {exc}") from None
 
 
 def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *, random_weights_seed: int = 0,
@@ -65,10 +74,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device, dtype, spec = resolved.device, resolved.dtype, resolved.spec
-    try:
-        backend = make_backend(config.attention_backend, device)
-    except BackendUnavailable as exc:
-        raise ConfigError("attention_backend", f"{config.attention_backend}: {exc}") from None
+    backend = engine_backend(config, device)
     if resolved.checkpoint is not None:
         model = load_model(resolved.checkpoint, resolved.max_model_len, device, dtype, backend, show_progress)
     else:
@@ -105,9 +111,5 @@ def _kv_pool(config: EngineConfig, resolved: ResolvedModel, make_runner) -> KVPo
     else:
         peak = memory.profile_activation_peak(make_runner, config, resolved.max_model_len)
         num_blocks = memory.gpu_kv_blocks(config, spec, dtype, resolved.max_model_len, peak)
-    num_host_blocks = 0
-    if config.preemption != "recompute":
-        block_bytes = memory.bytes_per_block(spec, dtype, config.block_size)
-        num_host_blocks = min(int(config.swap_space_gb * 2**30 // block_bytes), 4 * num_blocks)
-    return KVPool(num_blocks, num_host_blocks)
+    return KVPool(num_blocks, memory.host_kv_blocks(config, spec, dtype, num_blocks))
 

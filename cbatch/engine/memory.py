@@ -47,7 +47,13 @@ def available_host_memory() -> int:
 def gpu_kv_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, max_model_len: int, activation_peak: int) -> int:
     device = torch.cuda.current_device()
     free, total = torch.cuda.mem_get_info(device)
-    in_use = total - free
+    return kv_blocks_in_gpu_memory(config, spec, dtype, max_model_len, total, total - free, activation_peak)
+
+
+def kv_blocks_in_gpu_memory(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, max_model_len: int,
+                            total: float, in_use: float, activation_peak: float) -> int:
+    """The GPU pool from `total` bytes of device memory, `in_use` of them already taken (weights), and the
+    largest step's activations (measured by `profile_activation_peak`, or estimated by `cbatch plan`)."""
     reserve = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE
     budget = total * config.gpu_memory_utilization - in_use - activation_peak - reserve
     blocks = int(budget // bytes_per_block(spec, dtype, config.block_size))
@@ -57,6 +63,13 @@ def gpu_kv_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, max
             f"{total / 2**30:.1f} GiB); raise --gpu-memory-utilization or lower --max-num-batched-tokens"
         )
     return min(blocks_for_every_slot(config, max_model_len), blocks)
+
+
+def host_kv_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, num_blocks: int) -> int:
+    """Host slots for swapped-out blocks: --swap-space, never more than 4 pools' worth (none under recompute)."""
+    if config.preemption == "recompute":
+        return 0
+    return min(int(config.swap_space_gb * 2**30 // bytes_per_block(spec, dtype, config.block_size)), 4 * num_blocks)
 
 
 def profile_activation_peak(make_runner, config: EngineConfig, max_model_len: int) -> int:

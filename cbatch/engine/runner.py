@@ -15,7 +15,7 @@ import torch
 
 from cbatch.model.backend import AttentionMetadata, Backend, kv_cache_shape
 from cbatch.engine.cpu_memory import keep_freed_memory, lazily_zeroed
-from cbatch.engine.sampler import SamplingBatch, sample
+from cbatch.engine.sampler import SamplingBatch, effective_seed, sample
 from cbatch.engine.scheduler import StepPlan
 from cbatch.engine.sequence import Sequence
 from cbatch.model.llama import ForwardContext, KVCacheView, LlamaForCausalLM
@@ -186,7 +186,7 @@ class ModelRunner:
                 temps.append(float(p.temperature))
                 top_ps.append(float(p.top_p))
                 top_ks.append(int(p.top_k))
-                seeds.append(p.seed if p.seed is not None else (self.job_seed << 32) ^ seq.seq_id)
+                seeds.append(effective_seed(p.seed, self.job_seed, seq.seq_id))
                 out_pos.append(len(seq.output_ids))
         num_tokens = offset
         cu_q = np.zeros(n + 1, dtype=np.int64)

@@ -28,6 +28,12 @@ class SamplingBatch:
         return all(t == 0.0 for t in self.temperatures)
 
 
+def effective_seed(request_seed: int | None, job_seed: int, seq_id: int) -> int:
+    """The seed a sampled row draws from: its own, else one from (job seed, row index), so reruns of a
+    job reproduce it (the result cache keys sampled rows by it)."""
+    return request_seed if request_seed is not None else (job_seed << 32) ^ seq_id
+
+
 def _hash32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer mixer on int64 tensors holding values < 2**32 (products stay below 2**59)."""
     x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32

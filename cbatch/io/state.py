@@ -7,6 +7,9 @@ Layout for OUTPUT = dir/results.parquet:
         part-0001.jsonl, part-0002...  finished rows, one JSON object a line, one file per run
     dir/.results.parquet.cbatch.json    after success: the fingerprint (and size) of the complete OUTPUT
 
+`--retry-errors` starts a partial state from a complete OUTPUT: its ok rows become the first part file
+(built aside, renamed into place whole), so only its error rows run again, under this job's settings.
+
 Invariants: OUTPUT only ever appears whole (temp file + fsync + rename); a part line is either
 complete JSON or the torn tail of a killed run, which is ignored (that row is generated again).
 The lock is an flock() on the lock file, so the kernel drops it when its owner dies in any way
@@ -29,6 +32,7 @@ from typing import Any, Callable, Iterator
 
 
 from cbatch.config import UserError
+from cbatch.io.writer import output_format, read_output
 
 
 class StateError(UserError):
@@ -103,6 +107,7 @@ class JobState:
         self._last_sync = time.monotonic()
         self._places: dict[int, int] = {}  # row index -> where its record is (see _PART_SHIFT)
         self.error_rows: set[int] = set()
+        self._retry_of: Any = None  # --retry-errors: the fingerprint of the job whose ok rows were kept
 
     # ---- read-only checks (before the model loads) ------------------------------------------------
     def is_complete(self) -> bool:
@@ -127,12 +132,12 @@ class JobState:
         finally:
             os.close(fd)  # also drops our shared lock
 
-    def check(self, overwrite: bool) -> None:
+    def check(self, overwrite: bool, retry_errors: bool = False) -> None:
         """Why this job may not start on OUTPUT (raises StateError); reads, never writes."""
         owner = self.lock_owner()
         if owner is not None:
             raise self._locked_error(owner)
-        self._check_output(overwrite)
+        self._check_output(overwrite, retry_errors)
 
     def _locked_error(self, owner: dict[str, Any]) -> StateError:
         return StateError(
@@ -141,7 +146,7 @@ class JobState:
             "or stop it and run again to resume"
         )
 
-    def _check_output(self, overwrite: bool) -> None:
+    def _check_output(self, overwrite: bool, retry_errors: bool = False) -> None:
         if overwrite:
             return
         if self.output.exists() and not self.dir.exists():
@@ -151,14 +156,35 @@ class JobState:
                     f"--out {self.output} already exists and was not written by cbatch; "
                     "pass --overwrite to replace it, or choose another --out"
                 )
+            if retry_errors:  # other settings are the point of a retry: only the error rows run under them
+                return self._check_retry(record)
             what = self._difference(record) or "the same input and settings, but the file has been changed since"
             raise StateError(f"--out {self.output} was written by an earlier cbatch job from {what}; pass --overwrite to replace it")
         manifest = _read_json(self.dir / "manifest.json") if self.dir.exists() else None
+        if retry_errors and (manifest is None or "retry_of" not in manifest):
+            raise StateError(f"--retry-errors: {self.output} is not complete yet; " + (
+                "run the same command without --retry-errors to finish it first" if manifest is not None
+                else "run without --retry-errors first"))
         if manifest is not None and manifest.get("fingerprint") != self.fingerprint:
             raise StateError(
                 f"a partial run for {self.output} used {self._difference(manifest)}; run the same command as before "
                 "to resume it, or pass --overwrite to start over"
             )
+
+    def _check_retry(self, record: dict[str, Any]) -> None:
+        """A complete OUTPUT may have its error rows run again: it must be from this input, and unchanged."""
+        previous = record.get("fingerprint")
+        if not isinstance(previous, dict) or previous.get("input") != self.fingerprint["input"]:
+            raise StateError(f"--retry-errors: {self.output} was written from a different input file; "
+                             "give the input it was made from")
+        if record.get("bytes") != self.output.stat().st_size:
+            raise StateError(f"--retry-errors: {self.output} has been changed since cbatch wrote it; "
+                             "pass --overwrite to generate every row again")
+
+    def recorded_errors(self) -> int | None:
+        """The error rows the completion record of OUTPUT counts (None: no record)."""
+        errors = (_read_json(self.done_record) or {}).get("errors")
+        return errors if isinstance(errors, int) else None
 
     def _difference(self, record: dict[str, Any]) -> str | None:
         """What differs between this job and the one that wrote `record` (a manifest or a completion record)."""
@@ -170,23 +196,27 @@ class JobState:
         return None
 
     # ---- start -----------------------------------------------------------------------------------
-    def open(self, overwrite: bool) -> dict[int, dict[str, Any]]:
-        """Takes the lock and loads the rows finished by earlier runs: {index: {"finish_reason", ...}}."""
+    def open(self, overwrite: bool, retry_errors: bool = False) -> dict[int, dict[str, Any]]:
+        """Takes the lock and loads the rows finished by earlier runs: {index: {"finish_reason", ...}}.
+        `retry_errors`: a complete OUTPUT's ok rows become the finished rows (see `_keep_ok_rows`)."""
         try:
             self._take_lock()
         except OSError as exc:
             raise StorageError(self.lock_path, exc, "the job's lock file") from None
         try:
-            self._check_output(overwrite)  # again, now under the lock
+            self._check_output(overwrite, retry_errors)  # again, now under the lock
             if overwrite:
                 shutil.rmtree(self.dir, ignore_errors=True)
                 self.done_record.unlink(missing_ok=True)
             self._remove_temp_files()
+            if retry_errors and not self.dir.exists():
+                self._keep_ok_rows()
             self.dir.mkdir(parents=True, exist_ok=True)
             manifest = self.dir / "manifest.json"
             if not manifest.exists():
                 _write_atomic(manifest, json.dumps({"fingerprint": self.fingerprint}))
                 _fsync_dir(self.output.parent)
+            self._retry_of = (_read_json(manifest) or {}).get("retry_of")
             done = self._load_parts()
             self._part_no = 1 + max((int(p.stem.split("-")[1]) for p in self.dir.glob("part-*.jsonl")), default=0)
             self._part = open(self.dir / f"part-{self._part_no:04d}.jsonl", "ab")
@@ -198,6 +228,27 @@ class JobState:
             self._drop_lock()
             raise
         return done
+
+    def _keep_ok_rows(self) -> None:
+        """--retry-errors: a partial state whose finished rows are OUTPUT's ok rows, as they are. Built in
+        a side folder and renamed into place whole, so a crash never leaves some of them out (they would
+        be generated again, under the new settings)."""
+        seeding = self._seeding_dir()
+        seeding.mkdir()
+        with open(seeding / "part-0001.jsonl", "wb") as f:
+            for index, row in enumerate(read_output(self.output, output_format(self.output))):
+                if row.get("finish_reason") != "error":
+                    f.write((json.dumps({"index": index, **row}) + "\n").encode("ascii"))
+            f.flush()
+            os.fsync(f.fileno())
+        previous = (_read_json(self.done_record) or {}).get("fingerprint")
+        _write_atomic(seeding / "manifest.json", json.dumps({"fingerprint": self.fingerprint, "retry_of": previous}))
+        _fsync_dir(seeding)
+        os.replace(seeding, self.dir)
+        _fsync_dir(self.output.parent)
+
+    def _seeding_dir(self) -> Path:
+        return self.dir.with_name(self.dir.name + ".seeding")
 
     def _take_lock(self, tries: int = 20) -> None:
         """flock()s the lock file; a file left by a dead job is free (the kernel dropped its lock)."""
@@ -234,6 +285,7 @@ class JobState:
         for tmp in self.output.parent.glob(glob.escape(f".{self.output.name}") + ".tmp-*"):
             tmp.unlink(missing_ok=True)
         self.done_record.with_name(self.done_record.name + ".tmp").unlink(missing_ok=True)
+        shutil.rmtree(self._seeding_dir(), ignore_errors=True)  # a --retry-errors start cut short
 
     def _load_parts(self) -> dict[int, dict[str, Any]]:
         done: dict[int, dict[str, Any]] = {}
@@ -344,8 +396,9 @@ class JobState:
         finally:
             tmp.unlink(missing_ok=True)
         try:
+            retry = {} if self._retry_of is None else {"retry_of": self._retry_of}
             _write_atomic(self.done_record, json.dumps(
-                {"fingerprint": self.fingerprint, "bytes": self.output.stat().st_size, **summary}
+                {"fingerprint": self.fingerprint, "bytes": self.output.stat().st_size, **summary, **retry}
             ))
         except OSError as exc:  # OUTPUT is whole; without its record a rerun refuses to touch it, so say so
             self.close()

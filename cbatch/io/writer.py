@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from cbatch.config import UserError
 
@@ -57,8 +57,36 @@ def output_schema(token_ids: bool):
     return pa.schema(fields)
 
 
+def output_columns(token_ids: bool) -> tuple[str, ...]:
+    return COLUMNS + (("completion_token_ids",) if token_ids else ())
+
+
+def written_columns(path: Path, fmt: str) -> tuple[str, ...]:
+    """The columns of an OUTPUT cbatch wrote (JSONL: its first row's keys)."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return tuple(pq.ParquetFile(path).schema_arrow.names)
+    with open(path, "rb") as f:
+        first = f.readline()
+    return tuple(json.loads(first)) if first.strip() else ()
+
+
+def read_output(path: Path, fmt: str) -> Iterator[dict[str, Any]]:
+    """OUTPUT's rows in input order, as the records they were written from (`--retry-errors` keeps them)."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+            yield from batch.to_pylist()
+        return
+    with open(path, "rb") as f:
+        for line in f:  # split on b"\n" only: a JSON string may hold U+2028, which str.splitlines splits on
+            yield json.loads(line)
+
+
 def write_output(path: Path, fmt: str, records: Iterable[dict[str, Any]], token_ids: bool, chunk_rows: int = 4096) -> None:
-    columns = COLUMNS + (("completion_token_ids",) if token_ids else ())
+    columns = output_columns(token_ids)
     if fmt == "jsonl":
         with open(path, "w", encoding="utf-8") as f:
             for record in records:

@@ -78,6 +78,7 @@ class RequestTiming:
 class JobMetrics:
     total_rows: int = 0
     skipped_rows: int = 0  # finished by an earlier run (resume)
+    cached_rows: int = 0  # copied from the result cache (counted in ok_rows too)
     ok_rows: int = 0
     error_rows: int = 0
     prompt_tokens: int = 0

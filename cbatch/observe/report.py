@@ -39,6 +39,7 @@ def build_report(
             "ok": metrics.ok_rows,
             "error": metrics.error_rows,
             "resumed": metrics.skipped_rows,
+            "cached": metrics.cached_rows,
         },
         "tokens": {"prompt": metrics.prompt_tokens, "output": metrics.output_tokens},
         "time": {"wall_seconds": wall_seconds, "model_forward_seconds": metrics.forward_seconds},
@@ -50,6 +51,7 @@ def build_report(
         },
         "utilization": utilization(stats, max_num_seqs, num_kv_blocks),
         "latency": latency(metrics, stats),
+        "lengths": length_quantiles(metrics),
         "series": time_series(metrics.series, max_num_seqs, num_kv_blocks),
     }
     if hardware is not None:
@@ -110,6 +112,16 @@ def latency(metrics: JobMetrics, stats: SchedulerStats) -> dict[str, Any]:
     }
 
 
+def length_quantiles(metrics: JobMetrics, points: int = 101) -> dict[str, list[int]]:
+    """Prompt and output lengths of the (sampled) requests at 0, 1, ..., 100%: `cbatch plan --lengths-from`
+    draws a later run's output lengths from them."""
+    out: dict[str, list[int]] = {}
+    for name in ("prompt_tokens", "output_tokens"):
+        values = sorted(getattr(r, name) for r in metrics.requests)
+        out[name] = [values[round(i * (len(values) - 1) / (points - 1))] for i in range(points)] if values else []
+    return out
+
+
 def histogram(values: list[float], bins: int = 30) -> dict[str, list[float]]:
     """Equal-width bins over [min, max]: `edges` (bins + 1) and `counts` (bins)."""
     if not values:
@@ -165,6 +177,7 @@ def summary_line(report: dict[str, Any]) -> str:
     return (
         f"cbatch: {r['ok']}/{r['total']} rows ok, {r['error']} errors"
         + (f" ({r['resumed']} from an earlier run)" if r.get("resumed") else "")
+        + (f" ({r['cached']} from the result cache)" if r.get("cached") else "")
         + f" | {report['tokens']['output']} output tokens in {report['time']['wall_seconds']:.1f}s"
         f" = {t['output_tokens_per_s']:.1f} tok/s ({t['total_tokens_per_s']:.1f} total)"
         f" | occupancy {u['mean_batch_occupancy']:.0%}, peak KV {u['peak_kv_usage']:.0%}, preemptions {u['preemptions']}"

@@ -6,6 +6,7 @@ head_dim per attended (query, key) pair per layer; bytes = the weights once per 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from cbatch.model.spec import ModelSpec
@@ -31,19 +32,38 @@ def device_peak(name: str) -> tuple[float, float] | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class ModelWork:
+    """What one unit of work costs a model, in FLOPs and bytes (the counting above): shared by the
+    achieved-rate estimate here and the default cost model of `cbatch plan` (cbatch/plan/devices.py)."""
+
+    layer_flops_per_token: float  # 2 x the weights a token passes through in the layers
+    head_flops_per_token: float  # 2 x the lm_head weights, for tokens that sample
+    flops_per_attention_pair: float  # 4 x layers x heads x head_dim per (query, key) pair
+    weight_bytes: float  # every weight, read once per step
+    kv_bytes_per_token: float  # one token's K and V over all layers
+
+    @classmethod
+    def of(cls, spec: ModelSpec, dtype_bytes: int) -> "ModelWork":
+        head_params = spec.vocab_size * spec.hidden_size
+        return cls(
+            layer_flops_per_token=2.0 * (spec.num_params() - head_params),
+            head_flops_per_token=2.0 * head_params,
+            flops_per_attention_pair=4.0 * spec.num_layers * spec.num_heads * spec.head_dim,
+            weight_bytes=float(spec.num_params() * dtype_bytes),
+            kv_bytes_per_token=float(spec.kv_bytes_per_token(dtype_bytes)),
+        )
+
+
 def hardware_estimate(spec: ModelSpec, dtype_bytes: int, samples: list[StepSample], forward_seconds: float,
                       device_name: str | None, half_precision: bool) -> dict[str, Any]:
-    h = spec.hidden_size
-    layer_params = spec.num_params() - spec.vocab_size * h  # per token through every layer
-    head_params = spec.vocab_size * h  # lm_head: only for tokens that sample
-    kv_per_token = spec.kv_bytes_per_token(dtype_bytes)
+    work = ModelWork.of(spec, dtype_bytes)
     flops = 0.0
     bytes_moved = 0.0
     for s in samples:
-        sampled = s.output_tokens or 0
-        flops += 2.0 * layer_params * s.scheduled_tokens + 2.0 * head_params * sampled
-        flops += 4.0 * spec.num_layers * spec.num_heads * spec.head_dim * s.attention_pairs
-        bytes_moved += spec.num_params() * dtype_bytes * s.steps + kv_per_token * (s.context_tokens + s.scheduled_tokens)
+        flops += work.layer_flops_per_token * s.scheduled_tokens + work.head_flops_per_token * (s.output_tokens or 0)
+        flops += work.flops_per_attention_pair * s.attention_pairs
+        bytes_moved += work.weight_bytes * s.steps + work.kv_bytes_per_token * (s.context_tokens + s.scheduled_tokens)
     seconds = max(forward_seconds, 1e-9)
     out: dict[str, Any] = {
         "device_name": device_name or "cpu",

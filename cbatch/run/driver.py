@@ -44,10 +44,15 @@ class RowFeed:
 
 
 def count(metrics: JobMetrics, result: RowResult) -> None:
+    """A row towards the job's counts. Token counts are the work done: a row copied from the result
+    cache counts as ok and as cached, not as tokens."""
+    if result.cached:
+        metrics.cached_rows += 1
     if result.ok:
         metrics.ok_rows += 1
-        metrics.prompt_tokens += result.prompt_tokens
-        metrics.output_tokens += result.completion_tokens
+        if not result.cached:
+            metrics.prompt_tokens += result.prompt_tokens
+            metrics.output_tokens += result.completion_tokens
     else:
         metrics.error_rows += 1
     if result.timing is not None:

@@ -15,6 +15,7 @@ from cbatch.engine.sequence import Sequence
 from cbatch.io.reader import RawRow
 from cbatch.io.rows import RowError, RowRequest, parse_row, row_id_of
 from cbatch.observe.metrics import JobMetrics, RequestTiming, engine_snapshot, engine_step_sample
+from cbatch.run.result_cache import RowCache
 from cbatch.run.results import RowResult
 from cbatch.tokenizer import encode_messages, encode_text
 
@@ -53,13 +54,16 @@ def tokenize_request(engine: Engine, request: RowRequest) -> list[int]:
 
 class LocalExecutor:
     """Rows through one engine. `lookahead` bounds the rows waiting in the engine (longest-first orders
-    within that window); each `poll` is one engine step, recorded in `metrics`."""
+    within that window); each `poll` is one engine step, recorded in `metrics`. With a result `cache`, a
+    row found there is copied (it never reaches the engine) and every finished row is stored in it."""
 
-    def __init__(self, engine: Engine, defaults: SamplingParams, metrics: JobMetrics, lookahead: int = 16384) -> None:
+    def __init__(self, engine: Engine, defaults: SamplingParams, metrics: JobMetrics, lookahead: int = 16384,
+                 cache: RowCache | None = None) -> None:
         self.engine = engine
         self.defaults = defaults
         self.metrics = metrics
         self.lookahead = lookahead
+        self.cache = cache
         self._rows: dict[int, tuple[str, float, int]] = {}  # seq_id -> (row id, queued at s, queued at step)
         self._ready: list[RowResult] = []  # rows that failed before reaching the engine
 
@@ -76,10 +80,15 @@ class LocalExecutor:
         try:
             request = parse_row(index, raw, self.defaults)
             prompt_ids = tokenize_request(self.engine, request)
-            seq = self.engine.add_request(prompt_ids, request.params, seq_id=index)
+            hit = self.cache.lookup(index, request.row_id, prompt_ids, request.params) if self.cache else None
+            if hit is None:
+                seq = self.engine.add_request(prompt_ids, request.params, seq_id=index)
         except Exception as exc:  # RowError, or a tokenizer / engine check on this row alone: never the job
             message = str(exc) if isinstance(exc, ValueError) else f"could not prepare this row ({type(exc).__name__}: {exc})"
             self._ready.append(RowResult.failed(index, row_id_of(index, raw), message))
+            return
+        if hit is not None:
+            self._ready.append(hit)
             return
         self._rows[index] = (request.row_id, self.metrics.now(), self.engine.scheduler.stats.steps)
         self.metrics.submitted_rows += 1
@@ -107,6 +116,12 @@ class LocalExecutor:
         return [self._result(seq) for seq in finished]
 
     def _result(self, seq: Sequence) -> RowResult:
+        result = self._engine_result(seq)
+        if self.cache is not None:
+            self.cache.store(result)  # an ok row is stored; an error row only drops its key
+        return result
+
+    def _engine_result(self, seq: Sequence) -> RowResult:
         row_id, queued_s, queued_step = self._rows.pop(seq.seq_id)
         out = self.engine.output_of(seq)
         if out.finish_reason == "error":

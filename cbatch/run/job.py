@@ -24,6 +24,7 @@ from cbatch.run.executor import Executor, LocalExecutor
 from cbatch.run.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
 from cbatch.run.interrupt import Interrupt
 from cbatch.run.preflight import JobError, JobOptions, PreparedJob, preflight
+from cbatch.run.result_cache import open_row_cache
 from cbatch.run.results import RowResult
 
 DisplayFactory = Callable[[JobMetrics, JobOptions], Display]
@@ -39,9 +40,10 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
     prepared = preflight(options)
     if prepared is None:
         return EXIT_OK
+    cache = open_row_cache(options.result_cache, options.result_cache_limit, prepared.model, prepared.config)
     engine = load_engine(prepared, make_engine)
     metrics = JobMetrics(total_rows=prepared.total_rows)
-    executor = LocalExecutor(engine, options.defaults, metrics, options.lookahead)
+    executor = LocalExecutor(engine, options.defaults, metrics, options.lookahead, cache)
     code = run_rows(options, prepared, executor, metrics, make_progress or make_display)
     report = build_report(
         metrics, engine.scheduler.stats, wall_seconds=metrics.now(), max_num_seqs=prepared.config.max_num_seqs,
@@ -71,13 +73,15 @@ def run_rows(options: JobOptions, prepared: PreparedJob, executor: Executor, met
     state = prepared.state
     with Interrupt() as interrupt:
         try:
-            done = state.open(options.overwrite)
+            done = state.open(options.overwrite, options.retry_errors)
         except StateError as exc:
             raise JobError(str(exc)) from None
         metrics.skipped_rows = len(done)
         metrics.restart_clock()  # the job's time starts with its rows (model loading is not in it)
         if done and not options.quiet:
-            print(f"cbatch: resuming: {len(done)} of {prepared.total_rows} rows were finished by an earlier run",
+            print(f"cbatch: --retry-errors: running {prepared.total_rows - len(done)} rows again; the other {len(done)} "
+                  "rows of OUTPUT are kept as they are" if options.retry_errors else
+                  f"cbatch: resuming: {len(done)} of {prepared.total_rows} rows were finished by an earlier run",
                   file=sys.stderr)
         display = make_progress(metrics, options)
 

@@ -10,13 +10,16 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import torch
+
 from cbatch.config import EngineConfig, SamplingParams, UserError
 from cbatch.engine.build import ResolvedModel, resolve_model
 from cbatch.io.reader import inspect_input
 from cbatch.io.state import JobState, StateError, file_digest, settings_digest
-from cbatch.io.writer import check_writable, output_format
+from cbatch.io.writer import check_writable, output_columns, output_format, written_columns
 from cbatch.model.loader import ModelLoadError
 from cbatch.model.spec import UnsupportedModelError
+from cbatch.run.result_cache import DEFAULT_CACHE_LIMIT, CacheLimit
 
 
 class JobError(UserError):
@@ -38,6 +41,9 @@ class JobOptions:
     display: str = "auto"  # auto | dashboard | plain | none
     progress_interval: float = 10.0  # seconds between plain progress lines (logs, cron)
     plot: Path | None = None  # --plot: report.png / .html
+    result_cache: Path | None = None  # --result-cache: rows finished by earlier jobs are copied (result_cache.py)
+    result_cache_limit: CacheLimit = DEFAULT_CACHE_LIMIT
+    retry_errors: bool = False  # run only the error rows of a complete OUTPUT again, keep the others
 
 
 @dataclass(slots=True)
@@ -63,10 +69,11 @@ def validate_paths(options: JobOptions) -> int:
         raise JobError(str(exc)) from None
 
 
-def resolve_or_fail(config: EngineConfig) -> ResolvedModel:
-    """The model as the engine will run it (no weights); a bad folder is a JobError whose message names it."""
+def resolve_or_fail(config: EngineConfig, device: torch.device | None = None) -> ResolvedModel:
+    """The model as the engine will run it (no weights); a bad folder is a JobError whose message names it.
+    `device`: the one a planned run will use (`cbatch plan`), instead of --device here."""
     try:
-        return resolve_model(config)
+        return resolve_model(config, device=device)
     except (ModelLoadError, UnsupportedModelError) as exc:
         message, folder = str(exc), config.model or "the default model"
         raise JobError(message if folder in message or "--model" in message else f"--model {folder}: {message}") from None
@@ -95,6 +102,27 @@ def job_fingerprint(options: JobOptions, model: ResolvedModel) -> dict[str, str]
     return {"input": file_digest(options.input), "settings": settings_digest(settings)}
 
 
+def nothing_to_retry(options: JobOptions, state: JobState) -> bool:
+    """--retry-errors: checks that OUTPUT may be retried (raises JobError); True when it has no error rows.
+
+    A retry runs the error rows under this job's settings, which may differ from those OUTPUT was made
+    with (that is its point: a fixed --max-model-len, another model); the other rows are kept as they
+    are, so OUTPUT's columns must be the ones this job writes."""
+    if options.overwrite:
+        raise JobError("--retry-errors keeps OUTPUT's ok rows and --overwrite discards them: give one of the two")
+    try:
+        state.check(False, retry_errors=True)
+    except StateError as exc:
+        raise JobError(str(exc)) from None
+    if state.dir.exists():  # a retry that was interrupted: resume it
+        return False
+    columns, expected = written_columns(options.output, output_format(options.output)), output_columns(options.token_ids)
+    if columns != expected:
+        raise JobError(f"--retry-errors: {options.output} has the columns {', '.join(columns)}, this job writes "
+                       f"{', '.join(expected)}; give the same --token-ids as the job that wrote it")
+    return state.recorded_errors() == 0
+
+
 def preflight(options: JobOptions) -> PreparedJob | None:
     """Every check that can refuse the job (raises JobError); None when OUTPUT is already complete for
     this input and these settings (nothing to do)."""
@@ -102,12 +130,14 @@ def preflight(options: JobOptions) -> PreparedJob | None:
     model = resolve_or_fail(options.engine)
     fingerprint = job_fingerprint(options, model)
     state = JobState(options.output, fingerprint)
-    if not options.overwrite and state.is_complete():
+    done = nothing_to_retry(options, state) if options.retry_errors else not options.overwrite and state.is_complete()
+    if done:
         if not options.quiet:
-            print(f"cbatch: {options.output} is already complete for this input and settings; nothing to do", file=sys.stderr)
+            what = "has no error rows to retry" if options.retry_errors else "is already complete for this input and settings"
+            print(f"cbatch: {options.output} {what}; nothing to do", file=sys.stderr)
         return None
     try:
-        state.check(options.overwrite)
+        state.check(options.overwrite, options.retry_errors)
     except StateError as exc:
         raise JobError(str(exc)) from None
     config = replace(options.engine, model=str(model.checkpoint.path))

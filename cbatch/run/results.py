@@ -29,6 +29,7 @@ class RowResult:
     error: str | None = None
     completion_token_ids: list[int] = field(default_factory=list)
     timing: RequestTiming | None = None  # for the latency report; not kept in the record
+    cached: bool = False  # copied from the result cache (cbatch/run/result_cache.py), not generated
 
     @property
     def ok(self) -> bool:
@@ -37,6 +38,13 @@ class RowResult:
     @classmethod
     def failed(cls, index: int, row_id: str, error: str, prompt_tokens: int = 0) -> "RowResult":
         return cls(index, row_id, "error", prompt_tokens=prompt_tokens, error=error)
+
+    @classmethod
+    def from_record(cls, record: Record, index: int, row_id: str, cached: bool = False) -> "RowResult":
+        """The result `record` describes, as row `index` (the inverse of `record`, row fields aside)."""
+        return cls(index, row_id, record["finish_reason"], completion=record["completion"],
+                   prompt_tokens=record["prompt_tokens"], completion_tokens=record["completion_tokens"],
+                   error=record["error"], completion_token_ids=list(record["completion_token_ids"]), cached=cached)
 
     def record(self) -> Record:
         return {

@@ -1,0 +1,150 @@
+"""`cbatch plan`: options, the printed plan, the --report JSON, and the exit code (as `cbatch run`'s:
+0, or 1 when some rows would be error rows unless --allow-errors; 2 for a bad plan; 74 for an unwritable
+report). Never loads weights: the config, the tokenizer and the cost model are all it reads."""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from cbatch.bench.simulator import CostModel, cost_settings
+from cbatch.config import EngineConfig, SamplingParams
+from cbatch.engine.build import ResolvedModel, engine_backend
+from cbatch.io.reader import inspect_input, iter_rows
+from cbatch.io.state import StorageError
+from cbatch.io.writer import check_writable
+from cbatch.observe.report import write_report
+from cbatch.plan.devices import DeviceKind, device_kind
+from cbatch.plan.lengths import OutputLengths
+from cbatch.plan.simulate import PlanSetup, Simulation, fastest, search, simulate_rows
+from cbatch.run.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
+from cbatch.run.preflight import JobError, resolve_or_fail
+from cbatch.run.result_cache import DEFAULT_CACHE_LIMIT, RowCache, open_row_cache
+
+MAX_ERRORS_SHOWN = 50  # printed; --report lists every one
+
+
+@dataclass(slots=True)
+class PlanOptions:
+    input: Path
+    engine: EngineConfig
+    defaults: SamplingParams
+    cost_from: Path | None = None  # a real run's --report: the cost model is fitted to it
+    lengths_from: Path | None = None  # an earlier run's --report of this job: output lengths drawn from it
+    device_kind: str | None = None  # the machine the run will use (default: this one)
+    report: Path | None = None
+    search: bool = True
+    allow_errors: bool = False
+    quiet: bool = False
+    lookahead: int = 16384
+    result_cache: Path | None = None  # rows found there are not simulated (the run would copy them)
+
+
+def run_plan(options: PlanOptions) -> int:
+    """The whole `cbatch plan`. Raises a UserError (exit 2) for a plan that cannot be made."""
+    total_rows = check_paths(options)
+    kind = device_kind(options.device_kind, options.engine)
+    model = resolve_or_fail(options.engine, device=kind.device)
+    engine_backend(options.engine, kind.device)  # a backend the run could not use fails here, as there
+    config = replace(options.engine, model=str(model.checkpoint.path))
+    cost, cost_source = cost_model(options, kind, model)
+    lengths = (OutputLengths.from_report(options.lengths_from, config.seed) if options.lengths_from is not None
+               else OutputLengths(source="max_tokens, an upper bound"))
+    setup = PlanSetup(model, kind, plan_tokenizer(model), cost, lengths, options.defaults, options.lookahead)
+    first = simulate_rows(iter_rows(options.input), config, setup, total_rows, plan_cache(options, kind, model, config))
+    simulations = search(first, setup) if options.search and first.accepted else [first]
+    plan = plan_report(options, setup, cost_source, simulations)
+    print_plan(plan, options.quiet)
+    if options.report is not None:
+        try:
+            write_report(options.report, plan)
+        except OSError as exc:
+            raise StorageError(options.report, exc, "the plan") from None
+    return EXIT_ROW_ERRORS if first.errors and not options.allow_errors else EXIT_OK
+
+
+def check_paths(options: PlanOptions) -> int:
+    """The input is a usable prompts file and --report can be written (raises JobError); its row count."""
+    try:
+        if options.report is not None:
+            check_writable(options.report, flag="--report")
+        return inspect_input(options.input)
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+
+
+def plan_tokenizer(model: ResolvedModel) -> Any:
+    """The checkpoint's tokenizer, as a run loads it (no weights)."""
+    from cbatch.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(model.checkpoint.path)
+    except Exception as exc:  # a damaged tokenizer file: the run would fail to load too
+        raise JobError(f"--model {model.checkpoint.path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
+
+
+def cost_model(options: PlanOptions, kind: DeviceKind, model: ResolvedModel) -> tuple[CostModel, str]:
+    if options.cost_from is not None:
+        return CostModel.fit(options.cost_from), f"fitted to {options.cost_from}"
+    return kind.default_cost(model), (f"the default for {kind.name} from the model's FLOPs and bytes: rough; "
+                                      "--cost-from a real run's report makes it accurate")
+
+
+def plan_cache(options: PlanOptions, kind: DeviceKind, model: ResolvedModel, config: EngineConfig) -> RowCache | None:
+    """--result-cache, for lookups only; consulted only for a plan of this machine (the key names the device)."""
+    if options.result_cache is None:
+        return None
+    if not kind.is_this_machine:
+        print(f"cbatch plan: --result-cache is not consulted: the plan is for {kind.name}, not this machine, and "
+              "cached rows are keyed by their device", file=sys.stderr)
+        return None
+    return open_row_cache(options.result_cache, DEFAULT_CACHE_LIMIT, model, config, writable=False)
+
+
+def plan_report(options: PlanOptions, setup: PlanSetup, cost_source: str, simulations: list[Simulation]) -> dict[str, Any]:
+    """The plan as JSON: what was assumed, the error rows, the prediction, and the search."""
+    first, best = simulations[0], fastest(simulations)
+    errors = sorted(first.errors, key=lambda r: r.index)
+    total = first.report["requests"]["total"]
+    return {
+        "input": str(options.input), "model": str(setup.model.checkpoint.path), "device_kind": setup.kind.name,
+        "dtype": str(setup.model.dtype), "max_model_len": setup.model.max_model_len,
+        "settings": {"engine": asdict(first.config), "defaults": asdict(options.defaults)},
+        "cost_model": {**cost_settings(setup.cost), "source": cost_source},
+        "output_lengths": setup.lengths.source,
+        "requests": {"total": total, "ok": total - len(errors), "error": len(errors), "cached": first.cached},
+        "errors": [{"index": r.index, "id": r.row_id, "error": r.error} for r in errors],
+        "predicted": first.predicted(),
+        "search": {
+            "best": best.predicted(),
+            "tried": [{"max_num_seqs": s.config.max_num_seqs, "max_num_batched_tokens": s.config.max_num_batched_tokens,
+                       "wall_seconds": s.wall, "error_rows": len(s.errors)} for s in simulations],
+        },
+    }
+
+
+def print_plan(plan: dict[str, Any], quiet: bool) -> None:
+    r, p = plan["requests"], plan["predicted"]
+    cached = f" ({r['cached']} from the result cache)" if r["cached"] else ""
+    print(f"cbatch plan: {plan['input']}: {r['total']} rows: {r['ok']} would run{cached}, {r['error']} error rows")
+    if plan["errors"] and not quiet:
+        print("error rows (id: what OUTPUT's `error` column will say):")
+        for row in plan["errors"][:MAX_ERRORS_SHOWN]:
+            print(f"  {row['id']}: {row['error']}")
+        if len(plan["errors"]) > MAX_ERRORS_SHOWN:
+            print(f"  ... and {len(plan['errors']) - MAX_ERRORS_SHOWN} more (every one is in --report)")
+    print(f"predicted on {plan['device_kind']}, {plan['dtype'].removeprefix('torch.')} (costs: "
+          f"{plan['cost_model']['source']}; output lengths: {plan['output_lengths']}):")
+    print(f"  wall {p['wall_seconds']:,.1f} s, {p['output_tokens_per_s']:,.1f} output tok/s "
+          f"({p['total_tokens_per_s']:,.1f} total), {p['steps']:,} steps, occupancy {p['mean_batch_occupancy']:.0%}, "
+          f"peak KV {p['peak_kv_usage']:.0%} of {p['num_kv_blocks']:,} blocks, {p['preemptions']} preemptions")
+    best = plan["search"]["best"]
+    if len(plan["search"]["tried"]) > 1:
+        same = (best["max_num_seqs"], best["max_num_batched_tokens"]) == (p["max_num_seqs"], p["max_num_batched_tokens"])
+        if same:
+            print(f"search: these settings are the fastest of {len(plan['search']['tried'])} tried")
+        else:
+            print(f"search: fastest of {len(plan['search']['tried'])} tried: --max-num-seqs {best['max_num_seqs']} "
+                  f"--max-num-batched-tokens {best['max_num_batched_tokens']}: wall {best['wall_seconds']:,.1f} s "
+                  f"({1 - best['wall_seconds'] / max(p['wall_seconds'], 1e-12):.0%} less)")

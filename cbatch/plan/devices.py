@@ -1,0 +1,142 @@
+"""The machine a planned run will use (`--device-kind`, default this one), and its default cost model.
+
+The device decides what `auto` settings become (dtype), the KV pool, and, without --cost-from, what a
+step costs. The KV pool: on a CPU exactly as `cbatch run` sizes it (cbatch/engine/memory.py); on a GPU
+from the preset's memory with the same formula as a run, the weights and activations estimated instead
+of measured (a run measures them after loading); --num-kv-blocks makes it exact either way.
+
+Default cost model (no --cost-from): the roofline counting of cbatch/observe/roofline.py (`ModelWork`)
+over the device's peaks, at fixed efficiencies (assumptions, not measurements):
+
+    per_step          = weight bytes / (bandwidth x BANDWIDTH_EFFICIENCY) + step_overhead_s
+    per_prefill_token = layer FLOPs per token / (peak FLOP/s x flop_efficiency)
+    per_decode_token  = (layer + lm_head FLOPs per token) / (peak FLOP/s x flop_efficiency)
+    per_context_token = KV bytes per token / (bandwidth x BANDWIDTH_EFFICIENCY)
+                        + attention FLOPs per (query, key) pair / (peak FLOP/s x flop_efficiency)
+
+GPU peaks are the datasheets' dense bf16/fp16 figures (roofline.DEVICE_PEAKS); float32 runs without
+tensor cores at about 1/16 of them. A CPU's peak is estimated from its threads and vector ISA at an
+assumed 2.5 GHz and 20 GB/s. Expect this to be off by a factor of 2 or more: a cost model fitted to a
+real run's report on the same kind of machine (--cost-from) is what makes a prediction accurate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cbatch.bench.simulator import CostModel
+from cbatch.config import EngineConfig, UserError
+from cbatch.engine import memory
+from cbatch.engine.build import ResolvedModel, resolve_device
+from cbatch.engine.engine import KVPool
+from cbatch.observe.roofline import DEVICE_PEAKS, ModelWork
+
+GPU_MEMORY_GIB = {"H200": 141, "H100 PCIe": 80, "H100": 80, "A100": 80, "L40S": 48, "L4": 24, "A10": 24}
+FP32_SHARE_OF_PEAK = 1 / 16  # float32 on a GPU: CUDA cores, not tensor cores
+BANDWIDTH_EFFICIENCY = 0.7
+CPU_CLOCK_HZ = 2.5e9
+CPU_BANDWIDTH_TB_S = 0.02
+CPU_FP32_FLOPS_PER_CYCLE = {"AVX512": 64, "AVX2": 32}  # per core: 2 FMA units x lanes x 2
+CUDA_CONTEXT_BYTES = 2**29  # the CUDA context and allocator slack next to the weights
+
+
+class PlanError(UserError):
+    """A plan that cannot be made as asked: the message names the flag and the fix."""
+
+
+def preset_names() -> dict[str, str]:
+    """--device-kind spelling -> DEVICE_PEAKS name ("h100-pcie" -> "H100 PCIe")."""
+    return {name.lower().replace(" ", "-"): name for name, _, _ in DEVICE_PEAKS}
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceKind:
+    name: str  # "cpu", or a GPU's name
+    device: torch.device  # where the planned run computes
+    peak_tflops: float | None  # dense bf16 (GPU) / fp32 vector (CPU) peak; None: an unknown GPU
+    peak_tb_per_s: float | None
+    memory_gib: float | None  # GPU memory; None on a CPU (the pool comes from host memory)
+    flop_efficiency: float
+    step_overhead_s: float  # scheduling and launches around each model call
+
+    @property
+    def is_this_machine(self) -> bool:
+        """This process can run on it (so a result cache's device kind can be named)."""
+        return self.device.type == "cpu" or (torch.cuda.is_available() and self.name == torch.cuda.get_device_name())
+
+    def kv_pool(self, config: EngineConfig, model: ResolvedModel) -> KVPool:
+        """The KV pool a run of `config` would get here (see the module docstring)."""
+        spec, dtype, max_model_len = model.spec, model.dtype, model.max_model_len
+        if config.num_kv_blocks is not None:
+            blocks = config.num_kv_blocks
+        elif self.memory_gib is None:
+            blocks = memory.cpu_kv_blocks(config, spec, dtype, max_model_len)
+        else:
+            dtype_bytes = torch.finfo(dtype).bits // 8
+            weights = (spec.num_params() + spec.vocab_size * spec.hidden_size) * dtype_bytes + CUDA_CONTEXT_BYTES
+            try:
+                blocks = memory.kv_blocks_in_gpu_memory(config, spec, dtype, max_model_len, self.memory_gib * 2**30,
+                                                        weights, activation_estimate(config, model))
+            except MemoryError as exc:
+                raise PlanError(f"--device-kind {self.name}: {exc}") from None
+        return KVPool(blocks, memory.host_kv_blocks(config, spec, dtype, blocks))
+
+    def default_cost(self, model: ResolvedModel) -> CostModel:
+        if self.peak_tflops is None or self.peak_tb_per_s is None:
+            raise PlanError(f"no peak figures for {self.name}: give --cost-from a real run's report on it, "
+                            f"or --device-kind one of cpu, {', '.join(preset_names())}")
+        dtype_bytes = torch.finfo(model.dtype).bits // 8
+        work = ModelWork.of(model.spec, dtype_bytes)
+        peak = self.peak_tflops * (FP32_SHARE_OF_PEAK if dtype_bytes == 4 and self.memory_gib else 1.0)
+        flops = peak * 1e12 * self.flop_efficiency
+        bandwidth = self.peak_tb_per_s * 1e12 * BANDWIDTH_EFFICIENCY
+        return CostModel(
+            per_step=work.weight_bytes / bandwidth + self.step_overhead_s,
+            per_prefill_token=work.layer_flops_per_token / flops,
+            per_context_token=work.kv_bytes_per_token / bandwidth + work.flops_per_attention_pair / flops,
+            unit="s",
+            per_decode_token=(work.layer_flops_per_token + work.head_flops_per_token) / flops,
+        )
+
+
+def activation_estimate(config: EngineConfig, model: ResolvedModel) -> float:
+    """Bytes of the largest step's activations: every projection's output for a full token budget, and
+    float32 logits for every sequence (a run measures this instead: memory.profile_activation_peak)."""
+    spec = model.spec
+    dtype_bytes = torch.finfo(model.dtype).bits // 8
+    per_token = spec.q_size + 2 * spec.kv_size + 2 * spec.intermediate_size + 4 * spec.hidden_size
+    return config.max_num_batched_tokens * per_token * dtype_bytes + config.max_num_seqs * spec.vocab_size * 4
+
+
+def cpu_kind() -> DeviceKind:
+    """This machine's CPU: torch's threads x its vector ISA's FLOPs per cycle at an assumed clock."""
+    per_cycle = CPU_FP32_FLOPS_PER_CYCLE.get(torch.backends.cpu.get_cpu_capability(), 16)
+    peak = torch.get_num_threads() * per_cycle * CPU_CLOCK_HZ / 1e12
+    return DeviceKind("cpu", torch.device("cpu"), peak, CPU_BANDWIDTH_TB_S, None, flop_efficiency=0.35,
+                      step_overhead_s=0.002)
+
+
+def gpu_kind(name: str, memory_gib: float | None = None) -> DeviceKind:
+    """A GPU by its name: a preset's, or this machine's (its full CUDA name, matched as roofline matches
+    it; `memory_gib` read from the device)."""
+    key = next((k for k, _, _ in DEVICE_PEAKS if k.lower() in name.lower()), None)
+    peaks = next(((t, b) for k, t, b in DEVICE_PEAKS if k == key), (None, None))
+    return DeviceKind(name, torch.device("cuda"), peaks[0], peaks[1], memory_gib or GPU_MEMORY_GIB[key],
+                      flop_efficiency=0.5, step_overhead_s=0.004)
+
+
+def device_kind(name: str | None, config: EngineConfig) -> DeviceKind:
+    """--device-kind NAME, or the machine --device names here (default: this one)."""
+    if name is not None:
+        spelling = name.strip().lower()
+        if spelling == "cpu":
+            return cpu_kind()
+        if spelling not in preset_names():
+            raise PlanError(f"--device-kind: must be one of cpu, {', '.join(preset_names())}, not {name!r}")
+        return gpu_kind(preset_names()[spelling])
+    device = resolve_device(config.device)
+    if device.type != "cuda":
+        return cpu_kind()
+    properties = torch.cuda.get_device_properties(device)
+    return gpu_kind(properties.name, properties.total_memory / 2**30)

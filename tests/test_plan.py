@@ -1,0 +1,293 @@
+"""`cbatch plan`: the error rows are exactly `run`'s, no weights are loaded, the simulated schedule is the
+run's and its time is the fitted cost model priced over it, the search, output lengths, device presets,
+the result cache, exit codes."""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from cbatch.bench.simulator import CostModel
+from cbatch.config import SamplingParams
+from cbatch.engine.memory import blocks_for_every_slot
+from cbatch.plan.lengths import OutputLengths
+from ops_jobs import read_jsonl, run_inprocess, write_jsonl
+
+WORDS = "the of a batch cache model token row plan night job queue steady river stone light".split()
+
+
+def text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def mixed_rows(seed: int) -> list:
+    """Text, chat and token-id rows, and every kind of bad row `run` turns into an error row."""
+    rng = random.Random(seed)
+    rows: list = []
+    for i in range(24):
+        kind = i % 3
+        row = {"id": f"r{i}", "max_tokens": rng.randint(2, 6)}
+        if kind == 0:
+            row["prompt"] = text(rng, rng.randint(2, 20))
+        elif kind == 1:
+            row["messages"] = [{"role": "user", "content": text(rng, rng.randint(2, 12))}]
+        else:
+            row["prompt_token_ids"] = [rng.randrange(3, 49152) for _ in range(rng.randint(1, 20))]
+        if i % 4 == 1:
+            row.update(temperature=0.8, stop=["river"])
+        rows.append(row)
+    rows += [
+        '{"id": "x1", "prompt": "unterminated',  # not JSON
+        "[1, 2]",  # not an object
+        {"id": "x3", "max_tokens": 4},  # no prompt
+        {"id": "x4", "prompt": "a", "messages": [{"role": "user", "content": "b"}]},  # two prompts
+        {"id": "x5", "prompt": "fine", "max_tokens": -1},
+        {"id": "x6", "prompt": "fine", "temperature": "hot"},
+        {"id": "x7", "messages": [{"content": "no role"}]},
+        {"id": "x8", "prompt": "   "},
+        {"id": "x9", "prompt_token_ids": [5, 49152 + 3]},  # outside the vocabulary
+        {"id": "x10", "prompt": text(rng, 120)},  # longer than --max-model-len
+        {"id": "x11", "prompt": text(rng, 10), "max_tokens": 80},  # prompt + max_tokens: more blocks than the pool
+        {"id": "x12", "prompt": "fine", "stop": [""]},
+    ]
+    rng.shuffle(rows)
+    return rows
+
+
+CHAT_FLAGS = ["--device", "cpu", "--max-model-len", "96", "--num-kv-blocks", "5", "--block-size", "16", "--seed", "2"]
+
+
+def plan(*args: str) -> tuple[int, str, str]:
+    return run_inprocess("plan", *args)
+
+
+def test_plan_lists_exactly_the_error_rows_run_produces(tiny_chat_model, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", mixed_rows(7))
+    flags = ["--model", str(tiny_chat_model), *CHAT_FLAGS]
+    code, stdout, err = plan(str(source), *flags, "--report", str(tmp_path / "plan.json"), "--no-search")
+    assert code == 1, err  # like run: error rows make exit 1
+    planned = json.loads((tmp_path / "plan.json").read_text())
+    code, _, err = run_inprocess("run", str(source), "--out", str(tmp_path / "out.jsonl"), *flags)
+    assert code == 1, err
+    produced = [(r["id"], r["error"]) for r in read_jsonl(tmp_path / "out.jsonl") if r["error"] is not None]
+    assert [(e["id"], e["error"]) for e in planned["errors"]] == produced
+    assert len(produced) == 12  # every kind of bad row above, the context and pool checks included
+    assert any("context is 96" in e for _, e in produced) and any("KV blocks" in e for _, e in produced)
+    for row_id, error in produced:
+        assert f"  {row_id}: {error}" in stdout
+    assert planned["requests"] == {"total": 36, "ok": 24, "error": 12, "cached": 0}
+    assert f"{planned['requests']['total']} rows: 24 would run, 12 error rows" in stdout
+
+
+def test_plan_never_loads_weights(tiny_chat_model, tmp_path, monkeypatch):
+    import cbatch.engine.build as build
+    import cbatch.model.loader as loader
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("cbatch plan loaded weights")
+
+    for module, name in ((loader, "load_model"), (loader, "safe_open"), (build, "load_model"), (build, "build_engine")):
+        monkeypatch.setattr(module, name, refuse)
+    source = write_jsonl(tmp_path / "in.jsonl", [r for r in mixed_rows(3) if isinstance(r, dict) and "id" in r][:20])
+    code, stdout, err = plan(str(source), "--model", str(tiny_chat_model), *CHAT_FLAGS, "--allow-errors")
+    assert code == 0, err
+    assert "predicted on cpu" in stdout and "wall" in stdout
+
+
+def token_rows(n: int, seed: int) -> list[dict]:
+    """Mixed lengths, EOS ignored: the run generates exactly max_tokens, as the plan assumes."""
+    rng = random.Random(seed)
+    return [{"id": f"t{i}", "prompt_token_ids": [rng.randrange(3, 384) for _ in range(rng.randint(2, 60))],
+             "max_tokens": rng.choice([2, 4, 8, 16, 24]), "ignore_eos": True} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def calibration(tiny_checkpoints, tmp_path_factory):
+    """A real run's report on one input: what --cost-from fits a cost model to."""
+    root = tmp_path_factory.mktemp("plan-calibration")
+    source = write_jsonl(root / "calibration.jsonl", token_rows(40, seed=1))
+    flags = ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu", "--max-num-seqs", "8",
+             "--num-kv-blocks", "20", "--block-size", "8"]
+    code, _, err = run_inprocess("run", str(source), "--out", str(root / "out.jsonl"), *flags,
+                                 "--report", str(root / "report.json"))
+    assert code == 0, err
+    return {"flags": flags, "report": root / "report.json"}
+
+
+def test_plan_takes_the_runs_schedule_and_prices_it_with_the_fitted_costs(calibration, tmp_path):
+    """Fitted on another input, the plan of a job steps exactly as its run does (the same scheduler over the
+    same prompts and lengths, preemptions included), and its wall time is the fitted cost model priced over
+    that schedule. How close that time is to the run's: benchmarks/plan_accuracy.py."""
+    source = write_jsonl(tmp_path / "job.jsonl", token_rows(60, seed=2))
+    code, _, err = plan(str(source), *calibration["flags"], "--cost-from", str(calibration["report"]),
+                        "--report", str(tmp_path / "plan.json"), "--no-search")
+    assert code == 0, err
+    predicted = json.loads((tmp_path / "plan.json").read_text())
+    code, _, err = run_inprocess("run", str(source), "--out", str(tmp_path / "out.jsonl"), *calibration["flags"],
+                                 "--report", str(tmp_path / "run.json"))
+    assert code == 0, err
+    run = json.loads((tmp_path / "run.json").read_text())
+    p, u = predicted["predicted"], run["utilization"]
+    assert (p["steps"], p["preemptions"], p["recomputed_tokens"]) == (u["steps"], u["preemptions"], u["recomputed_tokens"])
+    assert p["preemptions"] > 0  # the small pool makes the schedule non-trivial
+    assert (p["prompt_tokens"], p["output_tokens"]) == (run["tokens"]["prompt"], run["tokens"]["output"])
+    assert p["peak_kv_usage"] == u["peak_kv_usage"] and p["num_kv_blocks"] == 20
+    cost = CostModel.fit(calibration["report"])
+    for term in ("per_step", "per_prefill_token", "per_decode_token", "per_context_token"):
+        assert predicted["cost_model"][term] == getattr(cost, term), term
+    s = run["series"]
+    priced = (cost.per_step * sum(s["steps"]) + cost.per_prefill_token * sum(s["prefill_tokens"])
+              + cost.per_context_token * sum(s["context_tokens"])
+              + cost.per_decode_token * (sum(s["scheduled_tokens"]) - sum(s["prefill_tokens"])))
+    assert p["wall_seconds"] == pytest.approx(priced, rel=1e-9)
+
+
+def test_search_finds_faster_settings_and_they_replay_alike(tiny_checkpoints, tmp_path):
+    source = write_jsonl(tmp_path / "job.jsonl", token_rows(48, seed=4))
+    flags = ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu", "--max-num-seqs", "2"]
+    code, stdout, err = plan(str(source), *flags, "--report", str(tmp_path / "plan.json"))
+    assert code == 0, err
+    result = json.loads((tmp_path / "plan.json").read_text())
+    best, tried = result["search"]["best"], result["search"]["tried"]
+    assert best["max_num_seqs"] > 2 and best["wall_seconds"] < result["predicted"]["wall_seconds"]
+    assert best["wall_seconds"] == min(t["wall_seconds"] for t in tried) and len(tried) >= 8
+    assert f"--max-num-seqs {best['max_num_seqs']} --max-num-batched-tokens {best['max_num_batched_tokens']}" in stdout
+    # the search's replay of the rows predicts what a plan with those settings predicts
+    code, _, err = plan(str(source), *flags, "--max-num-seqs", str(best["max_num_seqs"]), "--max-num-batched-tokens",
+                        str(best["max_num_batched_tokens"]), "--no-search", "--report", str(tmp_path / "best.json"))
+    assert code == 0, err
+    assert json.loads((tmp_path / "best.json").read_text())["predicted"] == best
+
+
+def test_output_lengths_from_an_earlier_report(tiny_chat_model, tmp_path):
+    rows = [r for r in mixed_rows(5) if isinstance(r, dict) and "x" not in r.get("id", "x")]
+    rows = [dict(r, max_tokens=40, stop=["e"] if i % 2 else []) for i, r in enumerate(rows)]  # lengths that vary
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    flags = ["--model", str(tiny_chat_model), "--device", "cpu"]
+    code, _, err = run_inprocess("run", str(source), "--out", str(tmp_path / "out.jsonl"), *flags,
+                                 "--report", str(tmp_path / "run.json"))
+    assert code == 0, err
+    lengths = sorted(r["completion_tokens"] for r in read_jsonl(tmp_path / "out.jsonl"))
+    quantiles = json.loads((tmp_path / "run.json").read_text())["lengths"]["output_tokens"]
+    assert len(quantiles) == 101 and quantiles[0] == lengths[0] and quantiles[-1] == lengths[-1]
+    assert quantiles[50] == lengths[round(50 * (len(lengths) - 1) / 100)]
+    code, _, err = plan(str(source), *flags, "--lengths-from", str(tmp_path / "run.json"), "--no-search",
+                        "--report", str(tmp_path / "plan.json"))
+    assert code == 0, err
+    predicted = json.loads((tmp_path / "plan.json").read_text())["predicted"]["output_tokens"]
+    assert len(rows) * lengths[0] <= predicted <= len(rows) * lengths[-1] and predicted < 40 * len(rows)
+    code, _, err = plan(str(source), *flags, "--lengths-from", str(source))
+    assert code == 2 and "--lengths-from" in err and err.count("\n") == 1, err
+
+
+def test_planned_length_of_a_row():
+    lengths = OutputLengths([3] * 101, "test", seed=0)
+    assert lengths.of(0, SamplingParams(max_tokens=10), stops_at_eos=True) == 3
+    assert lengths.of(1, SamplingParams(max_tokens=2), stops_at_eos=True) == 2  # capped at max_tokens
+    assert lengths.of(2, SamplingParams(max_tokens=10, ignore_eos=True), stops_at_eos=True) == 10
+    assert lengths.of(3, SamplingParams(max_tokens=10), stops_at_eos=False) == 10  # a model without EOS
+    spread = OutputLengths(list(range(1, 102)), "test", seed=0)
+    draws = [spread.of(i, SamplingParams(max_tokens=500), True) for i in range(400)]
+    assert draws == [spread.of(i, SamplingParams(max_tokens=500), True) for i in range(400)]  # a pure function
+    assert min(draws) < 15 and max(draws) > 85 and 40 < sum(draws) / len(draws) < 62
+    assert OutputLengths().of(0, SamplingParams(max_tokens=7), True) == 7
+
+
+def test_gpu_preset_sizes_the_pool_from_its_memory(tiny_checkpoints, tmp_path):
+    source = write_jsonl(tmp_path / "job.jsonl", token_rows(10, seed=5))
+    code, stdout, err = plan(str(source), "--model", str(tiny_checkpoints["llama"]), "--device-kind", "h100",
+                             "--report", str(tmp_path / "plan.json"), "--no-search")
+    assert code == 0, err
+    result = json.loads((tmp_path / "plan.json").read_text())
+    assert result["device_kind"] == "H100" and "predicted on H100" in stdout
+    from cbatch.config import EngineConfig
+
+    # 80 GiB holds every slot at the full context: the pool is capped there, as a run's is
+    assert result["predicted"]["num_kv_blocks"] == blocks_for_every_slot(EngineConfig(), result["max_model_len"])
+    code, _, err = plan(str(source), "--model", str(tiny_checkpoints["llama"]), "--device-kind", "tpu-v9")
+    assert code == 2 and "--device-kind" in err and "h100" in err and err.count("\n") == 1, err
+
+
+def test_default_costs_follow_the_model_and_the_device(tiny_checkpoints):
+    from cbatch.config import EngineConfig
+    from cbatch.engine.build import resolve_model
+    from cbatch.plan.devices import device_kind
+
+    config = EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="bfloat16")
+    h100, a100 = (device_kind(name, config) for name in ("h100", "a100"))
+    model = resolve_model(config, device=h100.device)
+    fast, slow = h100.default_cost(model), a100.default_cost(model)
+    for term in ("per_step", "per_prefill_token", "per_decode_token", "per_context_token"):
+        assert 0 < getattr(fast, term) < getattr(slow, term), term
+    assert fast.per_decode_token > fast.per_prefill_token  # a decode token also pays for the lm_head
+    fp32 = h100.default_cost(replace(model, dtype=__import__("torch").float32))
+    assert fp32.per_prefill_token > 8 * fast.per_prefill_token  # no tensor cores in float32
+
+
+def test_plan_consults_the_result_cache_without_writing_it(tiny_checkpoints, tmp_path):
+    source = write_jsonl(tmp_path / "job.jsonl", token_rows(12, seed=6))
+    flags = ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu"]
+    cache = tmp_path / "cache"
+    code, _, err = run_inprocess("run", str(source), "--out", str(tmp_path / "out.jsonl"), *flags,
+                                 "--result-cache", str(cache))
+    assert code == 0, err
+    before = {p: p.stat().st_mtime_ns for p in (cache / "v1" / "entries").glob("*/*.json")}
+    more = write_jsonl(tmp_path / "more.jsonl", token_rows(12, seed=6) + token_rows(15, seed=7)[12:])
+    code, stdout, err = plan(str(more), *flags, "--result-cache", str(cache), "--report", str(tmp_path / "plan.json"))
+    assert code == 0, err
+    result = json.loads((tmp_path / "plan.json").read_text())
+    assert result["requests"]["cached"] == 12 and "(12 from the result cache)" in stdout
+    assert result["predicted"]["output_tokens"] == sum(r["max_tokens"] for r in token_rows(15, seed=7)[12:])
+    assert {p: p.stat().st_mtime_ns for p in (cache / "v1" / "entries").glob("*/*.json")} == before
+
+
+def test_plan_exit_codes_and_one_line_errors(tiny_checkpoints, tmp_path, monkeypatch):
+    source = write_jsonl(tmp_path / "job.jsonl", token_rows(4, seed=8) + [{"id": "bad", "prompt_token_ids": []}])
+    model = ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu", "--no-search"]
+    assert plan(str(source), *model)[0] == 1
+    assert plan(str(source), *model, "--allow-errors")[0] == 0
+    not_a_report = write_jsonl(tmp_path / "x.jsonl", [{"a": 1}])
+    for args, expected in (([str(tmp_path / "missing.jsonl")], "no such input file"),
+                           ([str(source), "--cost-from", str(not_a_report)], "--cost-from"),
+                           ([str(source), "--report", str(tmp_path / "no" / "plan.json")], "--report"),
+                           ([str(source), "--max-num-seqs", "0"], "--max-num-seqs")):
+        code, _, err = plan(*args, *model)
+        assert code == 2 and expected in err and err.count("\n") == 1, (args, err)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a backend the run could not use on this CPU
+    code, _, err = plan(str(source), *model, "--attention-backend", "triton")
+    assert code == 2 and "--attention-backend" in err and err.count("\n") == 1, err
+
+
+def test_cost_fit_recovers_the_decode_term(tmp_path):
+    rng = random.Random(0)
+    n = 60
+    steps = [rng.randint(1, 5) for _ in range(n)]
+    prefill = [rng.randint(0, 500) for _ in range(n)]
+    decode = [rng.randint(0, 64) for _ in range(n)]
+    context = [rng.randint(100, 5000) for _ in range(n)]
+    dt = [0.02 * s + 1e-4 * p + 3e-4 * d + 2e-6 * c for s, p, d, c in zip(steps, prefill, decode, context)]
+    series = {"steps": steps, "prefill_tokens": prefill, "context_tokens": context, "dt": dt,
+              "scheduled_tokens": [p + d for p, d in zip(prefill, decode)]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"time_unit": "s", "series": series}))
+    cost = CostModel.fit(path)
+    expected = {"per_step": 0.02, "per_prefill_token": 1e-4, "per_decode_token": 3e-4, "per_context_token": 2e-6}
+    for name, value in expected.items():
+        assert getattr(cost, name) == pytest.approx(value, rel=1e-6), name
+
+
+def test_plan_accuracy_script_runs(tiny_chat_model, tmp_path):
+    """benchmarks/plan_accuracy.py (the figure for RESULTS.md) in its --quick mode: chat rows, calibration on
+    another input, plan, run. The plan's steps are the run's; the timing itself is for a quiet machine."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_accuracy.py"
+    spec = importlib.util.spec_from_file_location("plan_accuracy", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    result = script.main(["--quick", "--model", str(tiny_chat_model), "--workdir", str(tmp_path)])
+    assert result["predicted_steps"] == result["measured_steps"] > 0
+    assert result["predicted_wall_s"] > 0 and result["measured_wall_s"] > 0
