@@ -9,7 +9,10 @@
         --num-requests 256 --prompt-len 100,1024 --output-len 100,1024 --engines cbatch,hf-cb --repeats 1
 
 Every run of every engine happens in a fresh subprocess (so peak RSS is that engine's alone), with the
-same model files, dtype and thread count. Runs are interleaved (cbatch, hf-cb, hf-static, cbatch, ...)
+same model files, dtype and thread count. A run that fails or outlasts --run-timeout is reported as
+failed and the others go on; each run's figures are printed (and written to --json) as soon as it ends,
+so a failing peer never costs cbatch's figures. cbatch runs also report its steps, mean batch occupancy
+and the Triton kernels compiled inside the timed window (0 after the engine's warm-up). Runs are interleaved (cbatch, hf-cb, hf-static, cbatch, ...)
 so that load from other processes hits every engine alike; the table shows medians over repeats.
 Timing covers generation only: model load and one short warm-up request are excluded for every engine.
 EOS is ignored everywhere: each request produces exactly its own number of output tokens.
@@ -111,11 +114,35 @@ def run_cbatch(model_dir: str, wl: Workload, dtype: str, threads: int, extra: di
 
     engine = build_engine(EngineConfig(model=model_dir, dtype=dtype, num_threads=threads, device=_device(), **extra))
     run_to_completion(engine, [wl.prompts[0][:16]], [SamplingParams(max_tokens=4, ignore_eos=True)])  # warm-up
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    engine.reset()  # fresh step counters for the timed run
+    temperature = _temperature()
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=temperature, seed=i if temperature else None)
+              for i, n in enumerate(wl.output_lens)]
+    compiles = _compiled_variants()
     _mark_start()
     outs = run_to_completion(engine, wl.prompts, params)
     _mark_end()
+    stats = engine.scheduler.stats
+    _CLOCK["details"] = {
+        "kernel_compiles_in_window": None if compiles is None else _compiled_variants() - compiles,
+        "steps": stats.steps, "mean_occupancy": stats.occupancy_sum / max(1, stats.steps),
+        "max_num_seqs": engine.config.max_num_seqs, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "num_kv_blocks": engine.pool.num_blocks, "kv_cache_dtype": engine.config.kv_cache_dtype,
+    }
     return [o.token_ids for o in outs]
+
+
+def _compiled_variants() -> int | None:
+    """Triton kernel variants compiled so far (None without triton)."""
+    try:
+        from cbatch.kernels.jit_stats import compiled_variants
+    except ImportError:
+        return None
+    return compiled_variants()
+
+
+def _temperature() -> float:
+    return float(os.environ.get("CBATCH_PEERS_TEMPERATURE", "0"))
 
 
 def _load_hf(model_dir: str, dtype: str):
@@ -164,7 +191,9 @@ def run_hf_cb(model_dir: str, wl: Workload, dtype: str, threads: int, extra: dic
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     model = _load_hf(model_dir, dtype)
-    gen = GenerationConfig(do_sample=False, max_new_tokens=max(wl.output_lens), eos_token_id=-1, pad_token_id=0)
+    temperature = _temperature()
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
+    gen = GenerationConfig(max_new_tokens=max(wl.output_lens), eos_token_id=-1, pad_token_id=0, **sampling)
     cb = ContinuousBatchingConfig(**{k: int(v) for k, v in extra.items()})
     hints = WorkloadHints(max_prompt_length=max(map(len, wl.prompts)), max_generated_length=max(wl.output_lens),
                           num_requests=len(wl.prompts))
@@ -228,6 +257,7 @@ def worker(args: argparse.Namespace) -> None:
         "total_tok_s": wl.total_tokens / wall,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
         "peak_gpu_mb": _peak_gpu_mb(),
+        **_CLOCK.get("details", {}),
         "outputs": outs,
     }
     Path(args.result).write_text(json.dumps(result))
@@ -278,9 +308,14 @@ def _spawn(mode: str, name: str, args: argparse.Namespace, workload_path: Path, 
            "--dtype", dtype, "--threads", str(args.threads)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
                CBATCH_PEERS_DEVICE=args.device)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if args.temperature:
+        env["CBATCH_PEERS_TEMPERATURE"] = str(args.temperature)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.run_timeout)
+    except subprocess.TimeoutExpired as exc:
+        return {"engine": name, "error": f"timed out after {args.run_timeout:.0f} s", "log": str(exc.stderr or "")[-3000:]}
     if proc.returncode != 0:
-        raise SystemExit(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return {"engine": name, "error": f"exit {proc.returncode}", "log": proc.stderr[-3000:]}
     return json.loads(result_path.read_text())
 
 
@@ -343,7 +378,9 @@ def main(argv: list[str] | None = None) -> None:
                         "large process exits is slowed while the freed memory goes back to the host: cbatch measured "
                         "11.6 s normally, 15.3 s right after a 13 GB process, 11.9 s 20 s later")
     p.add_argument("--quick", action="store_true", help="16 requests, prompts 16-64, outputs 8-32, one repeat")
-    p.add_argument("--json", default=None, help="also write every run's figures to this file")
+    p.add_argument("--json", default=None, help="also write every run's figures to this file (after every run)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (seeded rows; 0 = greedy)")
+    p.add_argument("--run-timeout", type=float, default=None, help="seconds before one run is killed and reported failed")
     # internal: one engine run inside a subprocess
     p.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     p.add_argument("--probe", choices=("gemm",), help=argparse.SUPPRESS)
@@ -383,36 +420,72 @@ def main(argv: list[str] | None = None) -> None:
     spec = json.loads((Path(model_dir) / "config.json").read_text())
     wl = make_workload(args.num_requests, args.seed, (lo, hi), spec["vocab_size"], mix)
     flops = workload_flops(spec, wl)
-
     with tempfile.TemporaryDirectory(prefix="cbatch-peers-") as tmp_name:
         tmp = Path(tmp_name)
         workload_path = tmp / "workload.json"
         workload_path.write_text(json.dumps({"model_dir": model_dir, "spec": spec, "extra": extra,
                                              "prompts": wl.prompts, "output_lens": wl.output_lens}))
         load_before = os.getloadavg()
-        probes = {dt: _spawn("probe", "gemm", args, workload_path, tmp, dt) for dt in dict.fromkeys(dtype_of.values())}
         runs: dict[str, list[dict]] = {e: [] for e in engines}
-        for r in range(args.repeats):
+        probes: dict[str, dict] = {}
+        for r in range(args.repeats):  # engines first, the GEMM probe last: a probe that fails costs no figures
             for engine in engines:
                 time.sleep(args.cooldown)
                 res = _spawn("worker", engine_of[engine], args, workload_path, tmp, dtype_of[engine])
                 res["load_1min"] = os.getloadavg()[0]
                 runs[engine].append(res)
-                print(f"repeat {r + 1}/{args.repeats} {engine:16s} {res['wall_s']:7.2f} s  "
-                      f"{res['output_tok_s']:7.1f} out tok/s  peak RSS {res['peak_rss_mb']:.0f} MB", file=sys.stderr)
+                print(f"run {r + 1}/{args.repeats} {engine}: {_run_line(res)}", flush=True)
+                _write_json(args, runs, probes, flops)
+        for dt in dict.fromkeys(dtype_of.values()):
+            probes[dt] = _spawn("probe", "gemm", args, workload_path, tmp, dt)
         load_after = os.getloadavg()
-
-    floor_s = {dt: flops / (probe["gflops"] * 1e9) for dt, probe in probes.items()}
+    _write_json(args, runs, probes, flops)
+    floor_s = {dt: flops / (probe["gflops"] * 1e9) for dt, probe in probes.items() if "gflops" in probe}
     print(f"\nmachine: {_machine()}")
     print(f"workload: {len(wl.prompts)} requests, prompts {lo}-{hi} tokens, {wl.output_tokens} output / "
           f"{wl.total_tokens} total tokens, seed {args.seed}; model {Path(model_dir).name}, "
-          f"{'/'.join(probes)}, {args.threads} threads, EOS ignored")
+          f"{'/'.join(dict.fromkeys(dtype_of.values()))}, {args.threads} threads, EOS ignored, "
+          f"{f'temperature {args.temperature} (seeded)' if args.temperature else 'greedy'}")
     for dt, probe in probes.items():
+        if dt not in floor_s:
+            print(f"compute floor ({dt}): GEMM probe failed ({probe.get('error')})")
+            continue
         paths = ", ".join(f"{k} {v:.0f}" for k, v in probe["by_path"].items())
         print(f"compute floor ({dt}): {flops / 1e12:.2f} TFLOP at {probe['gflops']:.0f} GFLOP/s (best GEMM at the "
               f"model's shapes, {args.threads} threads; by path: {paths}) = {floor_s[dt]:.1f} s")
     print(f"load average (1/5/15 min): before {'/'.join(f'{x:.2f}' for x in load_before)}, "
           f"after {'/'.join(f'{x:.2f}' for x in load_after)}; medians of {args.repeats} interleaved repeats\n")
+    _print_table(engines, engine_of, dtype_of, runs, floor_s, greedy=not args.temperature)
+
+
+def _ok(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "error" not in r]
+
+
+def _run_line(res: dict) -> str:
+    """One run's figures, printed as soon as it ends."""
+    if "error" in res:
+        return f"FAILED ({res['error']}): {res.get('log', '')[-600:]}"
+    line = (f"{res['wall_s']:.2f} s, {res['output_tok_s']:.1f} output tok/s, {res['total_tok_s']:.1f} total tok/s, "
+            f"peak RSS {res['peak_rss_mb']:.0f} MB")
+    if res.get("peak_gpu_mb"):
+        line += f", peak GPU {res['peak_gpu_mb']:.0f} MB"
+    if "steps" in res:
+        line += (f", {res['steps']} steps, occupancy {res['mean_occupancy']:.0%} of {res['max_num_seqs']} seqs "
+                 f"(budget {res['max_num_batched_tokens']} tokens, {res['num_kv_blocks']} KV blocks, "
+                 f"KV {res['kv_cache_dtype']}), kernel compiles in the timed window: {res['kernel_compiles_in_window']}")
+    return line
+
+
+def _write_json(args: argparse.Namespace, runs: dict, probes: dict, flops: float) -> None:
+    if not args.json:
+        return
+    slim = {e: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for e, rs in runs.items()}
+    Path(args.json).write_text(json.dumps({"runs": slim, "gemm_gflops": {dt: p.get("by_path") for dt, p in probes.items()},
+                                           "flops": flops, "args": vars(args), "machine": _machine()}, indent=2))
+
+
+def _print_table(engines, engine_of, dtype_of, runs, floor_s, greedy: bool) -> None:
     first = engines[0]
     peers = [e for e in engines[1:] if engine_of[e] != "cbatch"] if engine_of[first] == "cbatch" else []
     header = "| engine | dtype | output tok/s | total tok/s | wall s | peak RSS MB | peak GPU MB | floor reached |"
@@ -421,25 +494,27 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for engine in engines:
-        rows = runs[engine]
+        rows = _ok(runs[engine])
+        if not rows:
+            print(f"| {engine_of[engine]} | {dtype_of[engine]} | failed: {runs[engine][0]['error']} |")
+            continue
         wall = _median(rows, "wall_s")
+        floor = f"{floor_s[dtype_of[engine]] / wall:.0%}" if dtype_of[engine] in floor_s else "-"
         line = (f"| {engine_of[engine]} | {dtype_of[engine]} | {_median(rows, 'output_tok_s'):.1f} | "
                 f"{_median(rows, 'total_tok_s'):.1f} | {wall:.2f} | {_median(rows, 'peak_rss_mb'):.0f} | "
-                f"{rows[0].get('peak_gpu_mb') or 0:.0f} | {floor_s[dtype_of[engine]] / wall:.0%} |")
+                f"{rows[0].get('peak_gpu_mb') or 0:.0f} | {floor} |")
         for peer in peers:
-            ratio = _median(runs[engine], "output_tok_s") / _median(runs[peer], "output_tok_s")
-            line += f" {ratio:.2f}x |" if engine == first else " |"
+            ok = _ok(runs[engine]) and _ok(runs[peer])
+            ratio = f"{_median(_ok(runs[engine]), 'output_tok_s') / _median(_ok(runs[peer]), 'output_tok_s'):.2f}x" if ok else "-"
+            line += f" {ratio} |" if engine == first else " |"
         print(line)
-    if engine_of[first] == "cbatch":
-        ref = runs[first][0]["outputs"]
+    if engine_of[first] == "cbatch" and greedy and _ok(runs[first]):
+        ref = _ok(runs[first])[0]["outputs"]
         for engine in engines[1:]:
-            same = sum(a == b for a, b in zip(ref, runs[engine][0]["outputs"]))
-            print(f"\n{engine}: {same}/{len(ref)} requests token-identical to {first} (greedy)", end="")
+            if _ok(runs[engine]):
+                same = sum(a == b for a, b in zip(ref, _ok(runs[engine])[0]["outputs"]))
+                print(f"\n{engine}: {same}/{len(ref)} requests token-identical to {first} (greedy)", end="")
         print()
-    if args.json:
-        slim = {e: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for e, rs in runs.items()}
-        Path(args.json).write_text(json.dumps({"runs": slim, "gemm_gflops": {dt: p["by_path"] for dt, p in probes.items()},
-                                               "flops": flops, "args": vars(args), "machine": _machine()}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Small helpers shared by the engine tests."""
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -9,8 +10,14 @@ from cbatch.engine.build import build_engine
 from cbatch.engine.engine import Engine, run_to_completion
 
 
+def triton_device() -> str:
+    """Where Triton-backend engines run in tests: the CPU under the interpreter (no GPU), else the GPU."""
+    return "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
+
+
 def make_engine(path: Path, **settings) -> Engine:
-    settings.setdefault("device", "cpu")
+    """An engine on the CPU; Triton-backend engines on `triton_device()`."""
+    settings.setdefault("device", triton_device() if settings.get("attention_backend") == "triton" else "cpu")
     return build_engine(EngineConfig(model=str(path), **settings))
 
 

@@ -15,9 +15,9 @@ from cbatch.config import SamplingParams  # noqa: E402
 from cbatch.engine.warmup import warm_up  # noqa: E402
 from cbatch.kernels import paged_attention  # noqa: E402
 from cbatch.kernels.jit_stats import compiled_variants  # noqa: E402
-from helpers import generate, make_engine, random_prompts  # noqa: E402
+from helpers import generate, make_engine, random_prompts, triton_device  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = triton_device()
 
 
 def _decode(batch: int, cols: int, dtype=torch.float32, q_offset: int = 0, max_query_len: int = 1) -> None:
