@@ -69,6 +69,7 @@ def compare(model: str, args: argparse.Namespace) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", action="append", default=[], help="checkpoint folder (repeatable); default: the tiny ones")
+    p.add_argument("--arch", action="append", default=[], choices=list(ARCHS), help="tiny architectures (default: all)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
@@ -79,7 +80,7 @@ def main() -> int:
     print(f"| model | device | dtype | KV bytes/elem | greedy tokens agreeing | requests identical | max logit error | relative |")
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        models = args.model or [str(make_checkpoint(arch, Path(tmp) / arch)) for arch in ARCHS]
+        models = args.model or [str(make_checkpoint(arch, Path(tmp) / arch)) for arch in args.arch or ARCHS]
         for model in models:
             r = compare(model, args)
             print(f"| {Path(model).name} | {args.device} | {args.dtype} | {r['kv_bytes'][0]} -> {r['kv_bytes'][1]} | "
