@@ -48,7 +48,7 @@ def step_logits(engine, prompts: list[list[int]]) -> torch.Tensor:
 
 def compare(model: str, args: argparse.Namespace) -> dict:
     settings = dict(model=model, device=args.device, dtype=args.dtype, attention_backend=args.backend,
-                    max_num_seqs=args.num_prompts)
+                    max_num_seqs=args.num_prompts, enforce_eager=True)  # eager: every step returns its logits
     ref_engine = build_engine(EngineConfig(**settings))
     fp8_engine = build_engine(EngineConfig(kv_cache_dtype="fp8", **settings))
     vocab = ref_engine.spec.vocab_size

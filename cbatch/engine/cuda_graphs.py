@@ -3,9 +3,11 @@
 A decode-only step of T sequences (every row one query token) runs the graph of the smallest bucket
 >= T; rows T..bucket are padding (slot -1: nothing stored; context length 1: attention stays finite;
 outputs discarded). Steps with prefill chunks, or larger than the biggest bucket, run eagerly.
-In a decode step every row samples, so the graph also holds the lm_head and (`sample_in_graph`) the
-one-pass sampler over static per-row temperatures, seeds and positions: a replay returns the logits
-and the tokens (the runner uses the tokens when the kernel covers the batch, else samples the logits).
+In a decode step every row samples, so the graph also holds (`sample_in_graph`) the lm_head and the
+one-pass sampler over static per-row temperatures, seeds and positions: a replay leaves the hidden states
+and the tokens in static buffers (the runner uses the tokens when the kernel covers the batch, else
+computes the logits from the hidden states and samples them eagerly). The logits stay inside the graph's
+pool, which every bucket shares: one bucket's worth ([bucket, vocab] float32) at a time, never one per bucket.
 
 Requires the Triton attention backend: the torch backend prepares per-step host state, which a
 graph cannot capture. Graphs share one memory pool; the biggest bucket is captured first so the
@@ -58,8 +60,10 @@ class DecodeGraphs:
         self.temperatures = torch.zeros(max_bs, dtype=torch.float32, device=device)  # padding rows: greedy
         self.seeds = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.out_positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        # bucket -> (graph, logits [bs, vocab], tokens [bs] or None)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        # Static outputs, outside the graphs' pool: what a replay leaves for the runner
+        self.hidden = torch.zeros(max_bs, model.spec.hidden_size, dtype=model.embed_tokens.weight.dtype, device=device)
+        self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
     @property
@@ -97,18 +101,18 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits, tokens = self._step(bs, ctx)
-        self.graphs[bs] = (graph, logits, tokens)
+            self._step(bs, ctx)
+        self.graphs[bs] = graph
 
-    def _step(self, bs: int, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What a graph holds: the forward, the logits of every row, and the sampled tokens."""
+    def _step(self, bs: int, ctx: ForwardContext) -> None:
+        """What a graph holds: the forward into `hidden`, then the logits and the sampled `tokens`."""
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)  # [bs, hidden]
-        logits = self.model.compute_logits(hidden)  # [bs, vocab] float32
-        if not self.sample_in_graph:
-            return logits, None
-        from cbatch.kernels import fused_sample
+        self.hidden[:bs].copy_(hidden)
+        if self.sample_in_graph:
+            from cbatch.kernels import fused_sample
 
-        return logits, fused_sample(logits, self.temperatures[:bs], self.seeds[:bs], self.out_positions[:bs])
+            logits = self.model.compute_logits(hidden)  # [bs, vocab] float32, freed into the pool
+            fused_sample(logits, self.temperatures[:bs], self.seeds[:bs], self.out_positions[:bs], out=self.tokens[:bs])
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return meta.max_query_len == 1 and num_tokens <= self.max_batch and bool(self.graphs)
@@ -116,8 +120,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replays the smallest fitting graph; returns (logits [T, vocab], tokens [T] or None), views of its
-        outputs (valid until the next replay)."""
+        """Replays the smallest fitting graph; returns (hidden states [T, hidden], tokens [T] or None), views of
+        the static outputs (valid until the next replay)."""
         num = input_ids.shape[0]
         if self.sample_in_graph:
             temperatures, seeds, out_positions = kernel_inputs(sampling, input_ids.device)
@@ -133,6 +137,5 @@ class DecodeGraphs:
         self.seq_lens[num:bs].fill_(1)
         cols = meta.block_table.shape[1]
         self.block_table[:num, :cols].copy_(meta.block_table)
-        graph, logits, tokens = self.graphs[bs]
-        graph.replay()
-        return logits[:num], None if tokens is None else tokens[:num]
+        self.graphs[bs].replay()
+        return self.hidden[:num], self.tokens[:num] if self.sample_in_graph else None

@@ -143,9 +143,11 @@ class ModelRunner:
         tokens = None
         if self.graphs is not None and self.graphs.can_run(batch.meta, batch.input_ids.shape[0]):
             # a decode step: every row samples, in batch order; the graph holds the lm_head and the sampler
-            logits, tokens = self.graphs.run(batch.input_ids, batch.positions, batch.meta, batch.sampling)
+            hidden, tokens = self.graphs.run(batch.input_ids, batch.positions, batch.meta, batch.sampling)
+            logits = None
             if not (self.fused_sampling and fused_covers(batch.sampling)):
                 tokens = None
+                logits = self.model.compute_logits(hidden)  # [T, vocab] float32 for the torch sampler
         else:
             self.backend.prepare(batch.meta)
             ctx = ForwardContext(self.kv, batch.meta)
@@ -243,7 +245,7 @@ class ModelRunner:
 @dataclass(slots=True)
 class StepLogits:
     seqs: list[Sequence]  # the rows that sample, in the order of `logits`
-    logits: torch.Tensor  # float32 [N, vocab]
+    logits: torch.Tensor | None  # float32 [N, vocab]; None when a decode graph already sampled `tokens`
     sampling: SamplingBatch
     tokens: torch.Tensor | None = None  # int64 [N] when already sampled (inside a decode graph)
 

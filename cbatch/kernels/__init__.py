@@ -46,9 +46,12 @@ else:
     from .rope_store import norm_rope_store
     from .rotary import apply_rotary
     from .sampler import fused_sample
+    from ._utils import interpreting, patch_interpreter_scalars
     from .jit_stats import count_interpreted_launches
 
-    count_interpreted_launches()  # only under TRITON_INTERPRET (see jit_stats)
+    if interpreting():
+        patch_interpreter_scalars()  # triton 3.6 + NumPy >= 2.4 (see _utils)
+        count_interpreted_launches()  # see jit_stats
     HAS_TRITON = True
 
 __all__ = [

@@ -15,6 +15,26 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def patch_interpreter_scalars() -> None:
+    """Under TRITON_INTERPRET with triton 3.6 (the GPU image's): its interpreter holds scalar kernel arguments as
+    1-element arrays and turns them into loop bounds with int(array), an error from NumPy 2.4 on; triton 3.9
+    squeezes first. This makes 3.6 do the same (a no-op change on 3.9). Only the interpreter is touched."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "squeezes_scalars", False):
+        return
+
+    def patch_lang_tensor(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor.squeezes_scalars = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

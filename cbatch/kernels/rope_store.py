@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ._utils import check_kv_cache_dtype, check_launchable, next_pow2, on_device
 from .kv_store import quantize_kv
+from .rotary import rotate_halves
 
 
 @triton.jit
@@ -32,16 +33,6 @@ def _norm_halves(x1, x2, w_ptr, eps, dt, HALF: tl.constexpr, HALF_PAD: tl.conste
     y1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     y2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     return y1, y2
-
-
-@triton.jit
-def _rotate(x1, x2, c, s, dt):
-    """NeoX rotary on halves with every product and sum rounded to `dt`, as eager torch does."""
-    a1 = (x1 * c[None, :]).to(dt).to(tl.float32)
-    b1 = (-x2 * s[None, :]).to(dt).to(tl.float32)
-    a2 = (x2 * c[None, :]).to(dt).to(tl.float32)
-    b2 = (x1 * s[None, :]).to(dt).to(tl.float32)
-    return (a1 + b1).to(dt), (a2 + b2).to(dt)
 
 
 @triton.jit
@@ -90,7 +81,7 @@ def _norm_rope_store_kernel(
     q2 = tl.load(q_ptr1 + HALF, mask=q_mask, other=0.0).to(tl.float32)
     if QK_NORM:
         q1, q2 = _norm_halves(q1, q2, q_norm_ptr, eps, dt, HALF, HALF_PAD)
-    q1, q2 = _rotate(q1, q2, c, s, dt)
+    q1, q2 = rotate_halves(q1, q2, c, s, dt)
     tl.store(q_ptr1, q1, mask=q_mask)
     tl.store(q_ptr1 + HALF, q2, mask=q_mask)
 
@@ -106,7 +97,7 @@ def _norm_rope_store_kernel(
     k2 = tl.load(k_ptr1 + HALF, mask=kv_mask, other=0.0).to(tl.float32)
     if QK_NORM:
         k1, k2 = _norm_halves(k1, k2, k_norm_ptr, eps, dt, HALF, HALF_PAD)
-    k1, k2 = _rotate(k1, k2, c, s, dt)
+    k1, k2 = rotate_halves(k1, k2, c, s, dt)
     v1 = tl.load(v_ptr1, mask=kv_mask, other=0.0)
     v2 = tl.load(v_ptr1 + HALF, mask=kv_mask, other=0.0)
     if KV_SCALED:
