@@ -435,7 +435,7 @@ def format_table(title, header, rows):
     return "\n".join([title, line(header), line(["-" * w for w in widths]), *map(line, rows), ""])
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="also write the tables to this file")
     parser.add_argument("--quick", action="store_true", help="fewer configurations (smoke run)")
@@ -445,7 +445,11 @@ def main() -> int:
                         help="run tiny shapes on the CPU through the Triton interpreter (checks the script only)")
     parser.add_argument("--sweep-decode-tiles", action="store_true",
                         help="also time decode at batch 256 / ctx 2048 for other TILE_N / num_warps")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = _parser().parse_args()
 
     global DEVICE, USE_GRAPHS
     USE_GRAPHS = not args.no_graphs

@@ -357,7 +357,7 @@ def _machine() -> str:
             f"Python {platform.python_version()}, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})")
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"comma-separated, from {','.join(ENGINES)}; ENGINE@DTYPE runs one in its own dtype "
@@ -386,7 +386,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--probe", choices=("gemm",), help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     if args.worker:
         return worker(args)
     if args.probe:

@@ -75,3 +75,20 @@ def test_spec_kv_bytes_follow_the_dtype():
     object.__setattr__(spec, "num_kv_heads", 3)
     object.__setattr__(spec, "head_dim", 8)
     assert memory.bytes_per_block(spec, FP8_KV_DTYPE, 4) == 2 * 2 * 3 * 8 * 4
+
+
+def test_fp8_is_part_of_the_resume_fingerprint(tiny_checkpoints, tmp_path):
+    """Rows computed with an fp8 cache never mix with rows computed without one on resume."""
+    from cbatch.engine.build import resolve_model
+    from cbatch.run.preflight import JobOptions, job_fingerprint
+
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"prompt_token_ids": [5, 6]}\n')
+
+    def fingerprint(**engine):
+        config = EngineConfig(model=str(tiny_checkpoints["llama"]), device="cpu", **engine)
+        options = JobOptions(input=source, output=tmp_path / "out.jsonl", engine=config, defaults=PARAMS)
+        return job_fingerprint(options, resolve_model(config))
+
+    assert fingerprint(kv_cache_dtype="fp8") != fingerprint()
+    assert fingerprint(kv_cache_dtype="auto") == fingerprint(max_num_seqs=3)  # batch shape stays out of it

@@ -321,6 +321,22 @@ def _auto_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_s
     return splits if splits >= 2 else 1
 
 
+def _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale) -> bool:
+    """Shapes, dtypes and strides of a launch; True for an fp8 cache (with its scales)."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, kv_head_dim = k_cache.shape[2], k_cache.shape[3]
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    if kv_head_dim != head_dim or out.shape != q.shape:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, out {tuple(out.shape)}, cache {tuple(k_cache.shape)}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    return check_kv_cache_dtype(q.dtype, k_cache, v_cache, k_scale, v_scale)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -347,16 +363,7 @@ def paged_attention(
     """
     num_tokens, num_q_heads, head_dim = q.shape  # q: [num_tokens, num_q_heads, head_dim]
     num_blocks, block_size, num_kv_heads, kv_head_dim = k_cache.shape
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    if kv_head_dim != head_dim or out.shape != q.shape:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, out {tuple(out.shape)}, cache {tuple(k_cache.shape)}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    kv_scaled = check_kv_cache_dtype(q.dtype, k_cache, v_cache, k_scale, v_scale)
-    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension")
+    kv_scaled = _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale)
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
     device = check_launchable(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table)
