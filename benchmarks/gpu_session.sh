@@ -188,7 +188,7 @@ main() {
       echo "dry run: $total part(s) failed to run; $files file(s) in $OUT (limit 8)" | tee -a "$SUMMARY"
       [ "$total" -eq 0 ] && [ "$files" -le 8 ] && ! grep -q -E "FAILED|TIMED OUT" "$SUMMARY" ;;
     "") echo "usage: $0 PART | --list | --cpu-dry-run   (parts: $PARTS)" >&2; return 2 ;;
-    *) run_part "$1"; echo; cat "$SUMMARY" ;;
+    *) run_part "$1" || return $?; echo; cat "$SUMMARY" ;;
   esac
 }
 

@@ -44,8 +44,9 @@ def warm_up(runner, config: EngineConfig, max_model_len: int) -> int:
     ran = 0
     for shape in warm_up_shapes(config, max_model_len):
         needed = sum(pool.blocks_for(context) for context, _ in shape)
-        if needed > pool.num_free or len(shape) > config.max_num_seqs:
-            continue  # this pool or step limit never produces such a step
+        too_long = any(context > max_model_len for context, _ in shape)
+        if too_long or needed > pool.num_free or len(shape) > config.max_num_seqs:
+            continue  # this model, pool or step limit never produces such a step
         plan = StepPlan(scheduled=[])
         for i, (context, q_len) in enumerate(shape):
             seq = Sequence(seq_id=-1 - i, prompt_ids=[1] * context, params=ROW_PARAMS[i % len(ROW_PARAMS)])
