@@ -51,7 +51,10 @@ def test_gpu_sizing_halves_until_the_pool_holds_enough(monkeypatch, free_gib, ex
 
     def blocks(config, spec_, kv_dtype, max_model_len, peak):
         budget = free_gib * 2**30 - peak - memory.cuda_graph_reserve(config, spec_)
-        return max(0, int(budget // memory.bytes_per_block(spec_, kv_dtype, config.block_size)))
+        num = int(budget // memory.bytes_per_block(spec_, kv_dtype, config.block_size))
+        if num < 1:
+            raise MemoryError("no GPU memory left for the KV cache")  # as the real one does
+        return num
 
     monkeypatch.setattr(memory, "profile_activation_peak", profile)
     monkeypatch.setattr(memory, "gpu_kv_blocks", blocks)
@@ -59,3 +62,23 @@ def test_gpu_sizing_halves_until_the_pool_holds_enough(monkeypatch, free_gib, ex
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (expect_seqs, expect_tokens)
     assert seen[0] == (1024, 8192) and seen[-1] == (config.max_num_seqs, config.max_num_batched_tokens)
     assert config.max_num_seqs <= max(1, num_blocks)
+
+
+def test_gpu_sizing_gives_up_only_at_the_smallest_step(monkeypatch):
+    """No room for KV even at 64 sequences / 2048 tokens: the memory error reaches the user."""
+    from cbatch.model.presets import preset_spec
+
+    tried = []
+
+    def profile(make_runner, config, max_model_len):
+        tried.append((config.max_num_seqs, config.max_num_batched_tokens))
+        return 0
+
+    def no_room(*args):
+        raise MemoryError("no GPU memory left for the KV cache")
+
+    monkeypatch.setattr(memory, "profile_activation_peak", profile)
+    monkeypatch.setattr(memory, "gpu_kv_blocks", no_room)
+    with pytest.raises(MemoryError):
+        memory.gpu_step_and_pool(EngineConfig(), preset_spec("qwen3-0.6b"), torch.bfloat16, 2048, make_runner=None)
+    assert tried == [(1024, 8192), (512, 4096), (256, 2048), (128, 2048), (64, 2048)]

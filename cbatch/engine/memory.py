@@ -97,8 +97,14 @@ def gpu_step_and_pool(config: EngineConfig, spec: ModelSpec, kv_dtype: torch.dty
     block_tokens_wanted = MIN_POOL_SEQUENCES * max_model_len
     while True:
         sized = with_step_limits(config, torch.device("cuda"), seqs, tokens)
-        blocks = gpu_kv_blocks(sized, spec, kv_dtype, max_model_len, profile_activation_peak(make_runner, sized, max_model_len))
         at_floor = (seqs, tokens) <= GPU_MIN_STEP or (config.max_num_seqs and config.max_num_batched_tokens)
+        peak = profile_activation_peak(make_runner, sized, max_model_len)
+        try:
+            blocks = gpu_kv_blocks(sized, spec, kv_dtype, max_model_len, peak)
+        except MemoryError:  # no room for any KV at this step size: smaller steps, unless already smallest
+            if at_floor:
+                raise
+            blocks = 0
         if blocks * config.block_size >= block_tokens_wanted or at_floor:
             break
         seqs, tokens = max(GPU_MIN_STEP[0], seqs // 2), max(GPU_MIN_STEP[1], tokens // 2)
