@@ -8,9 +8,13 @@ Prints (and with --out writes) tables of
       bytes read + written); batch 64/256 x context 512/2048/8192, bf16, Qwen3-0.6B attention shape
       (16 q heads, 8 kv heads, head_dim 128), block size 16, randomly permuted block tables;
       plus a few small-batch long-context rows where split-KV applies (auto vs forced off);
+      the same with an fp8 (e4m3) KV cache (half the bytes; per-head scales);
   (b) each fused kernel against the eager PyTorch code it replaces (HF Llama's RMSNorm with residual add,
-      rotary embedding, SwiGLU), T = 256 / 4096 tokens, hidden 1024 (Qwen3-0.6B shapes) / 4096
-      (Llama-3-8B shapes), with the speedup.
+      rotary embedding, SwiGLU, and the attention prologue: Qwen3's per-head q/k RMSNorm + rotary + KV store
+      against both eager torch and the unfused kernels), T = 256 / 4096 tokens, hidden 1024 (Qwen3-0.6B
+      shapes) / 4096 (Llama-3-8B shapes), with the speedup;
+  (c) sampling 256 rows x 151,936 vocab (Qwen3): the one-pass kernel against the torch sampler, greedy and
+      temperature 0.6.
 Timing: CUDA events around replays of a CUDA graph holding `inner` back-to-back calls (GPU time, no launch
 overhead; --no-graphs times plain launches), after warm-up; the median over repeats, per call.
 Before timing, decode attention is checked against a float32 PyTorch reference (a wrong kernel is not timed).
@@ -137,8 +141,15 @@ def make_decode_batch(batch: int, ctx: int, dtype=torch.bfloat16, seed: int = 0)
     )
 
 
-def decode_bytes(batch: int, ctx: int, elem: int = 2) -> int:
-    kv = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * elem  # every K and V element read once
+def to_fp8(b) -> dict:
+    """The batch with its caches in e4m3 and per-head scales (1 byte per K/V element)."""
+    scale = (torch.rand(NUM_KV_HEADS, device=DEVICE) + 0.5)
+    return dict(b, k_cache=(b["k_cache"].float() / scale[:, None]).to(torch.float8_e4m3fn),
+                v_cache=(b["v_cache"].float() / scale[:, None]).to(torch.float8_e4m3fn), k_scale=scale, v_scale=scale)
+
+
+def decode_bytes(batch: int, ctx: int, elem: int = 2, kv_elem: int | None = None) -> int:
+    kv = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * (kv_elem or elem)  # every K and V element read once
     q_out = 2 * batch * NUM_Q_HEADS * HEAD_DIM * elem
     meta = batch * (-(-ctx // BLOCK_SIZE)) * 4 + batch * 4 * 2  # block table, seq_lens, query_start_loc
     return kv + q_out + meta
@@ -152,8 +163,10 @@ def reference_decode(b) -> torch.Tensor:
     for i in range(batch):
         ctx = int(b["seq_lens"][i])
         blocks = b["block_table"][i, : -(-ctx // BLOCK_SIZE)].long()
-        k = b["k_cache"][blocks].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:ctx].float().repeat_interleave(group, 1)
-        v = b["v_cache"][blocks].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:ctx].float().repeat_interleave(group, 1)
+        k_scale = b.get("k_scale", torch.ones(NUM_KV_HEADS, device=DEVICE))[:, None]
+        v_scale = b.get("v_scale", torch.ones(NUM_KV_HEADS, device=DEVICE))[:, None]
+        k = (b["k_cache"][blocks].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:ctx].float() * k_scale).repeat_interleave(group, 1)
+        v = (b["v_cache"][blocks].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:ctx].float() * v_scale).repeat_interleave(group, 1)
         s = torch.einsum("hd,khd->hk", b["q"][i].float(), k) * b["scale"]
         out[i] = torch.einsum("hk,khd->hd", s.softmax(-1), v)
     return out
@@ -163,32 +176,38 @@ def run_attention(kernels, b, num_splits=None):
     return kernels.paged_attention(
         b["q"], b["k_cache"], b["v_cache"], b["out"], b["query_start_loc"], b["seq_lens"], b["block_table"],
         b["scale"], b["max_query_len"], b["max_seq_len"], num_splits=num_splits,
+        k_scale=b.get("k_scale"), v_scale=b.get("v_scale"),
     )
 
 
 def check_decode(kernels):
-    for batch, ctx, splits in ((4, 1000, None), (4, 1000, 1), (4, 1000, 3), (3, 37, None))[: 2 if DEVICE == "cpu" else 4]:
+    cases = ((4, 1000, None, False), (4, 1000, 1, True), (4, 1000, 3, False), (3, 37, None, True), (4, 1000, 3, True))
+    for batch, ctx, splits, fp8 in cases[: 2 if DEVICE == "cpu" else len(cases)]:
         b = make_decode_batch(batch, ctx, seed=batch + ctx)
+        if fp8:
+            b = to_fp8(b)
         b["seq_lens"] = torch.randint(1, ctx + 1, (batch,), device=DEVICE, dtype=torch.int32)
         b["out"].fill_(float("nan"))
         out = run_attention(kernels, b, splits).float()
         ref = reference_decode(b)
         err = ((out - ref).norm() / ref.norm()).item()
         if not torch.isfinite(out).all() or err > 1e-2:
-            raise SystemExit(f"decode attention is wrong (batch {batch}, ctx {ctx}, splits {splits}): "
+            raise SystemExit(f"decode attention is wrong (batch {batch}, ctx {ctx}, splits {splits}, fp8 {fp8}): "
                              f"rel err {err:.3e}; not timing it")
 
 
-def bench_decode(kernels, copy_bw, configs, rows):
+def bench_decode(kernels, copy_bw, configs, rows, kv_elem: int = 2):
     pa_mod = importlib.import_module("cbatch.kernels.paged_attention")
     dev = torch.device(DEVICE)
 
     def timed(batch, ctx, splits):  # own scope, so each configuration's cache is freed before the next
         b = make_decode_batch(batch, ctx)
+        if kv_elem == 1:
+            b = to_fp8(b)
         return time_ms(lambda: run_attention(kernels, b, splits), inner=inner_for(decode_bytes(batch, ctx), copy_bw))
 
     for batch, ctx, splits in configs:
-        nbytes = decode_bytes(batch, ctx)
+        nbytes = decode_bytes(batch, ctx, kv_elem=kv_elem)
         ms = timed(batch, ctx, splits)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
@@ -300,6 +319,98 @@ def bench_fused(kernels, copy_bw, token_counts, hiddens, rows):
                     lambda: kernels.silu_and_mul(xg), lambda: eager_silu_and_mul(xg))
 
 
+def eager_prologue(qkv, heads, q_w, k_w, cos, sin, k_cache, v_cache, slots, eps):
+    """The attention prologue as eager torch runs it: split, per-head RMSNorm on q and k (Qwen3), rotary,
+    the K/V store (index_copy_ into the paged cache)."""
+    num_q_heads, num_kv_heads, head_dim = heads
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q = eager_add_rms_norm(q.reshape(-1, num_q_heads, head_dim), 0, q_w, eps)[0]
+    k = eager_add_rms_norm(k.reshape(-1, num_kv_heads, head_dim), 0, k_w, eps)[0]
+    q, k = eager_rotary(q, k, cos, sin)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.reshape(-1, num_kv_heads, head_dim))
+    return q
+
+
+def unfused_prologue(kernels, qkv, heads, q_w, k_w, positions, cos_sin, k_cache, v_cache, slots, eps):
+    """The same through the unfused kernels: rms_norm on q, on k (copies: strided heads), rotary, store_kv."""
+    num_q_heads, num_kv_heads, head_dim = heads
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q = kernels.rms_norm(q.reshape(-1, head_dim), q_w, eps).view(-1, num_q_heads, head_dim)
+    k = kernels.rms_norm(k.reshape(-1, head_dim), k_w, eps).view(-1, num_kv_heads, head_dim)
+    kernels.apply_rotary(q, k, positions, cos_sin)
+    kernels.store_kv(k, v.view(-1, num_kv_heads, head_dim), k_cache, v_cache, slots)
+    return q
+
+
+def bench_prologue(kernels, copy_bw, token_counts, rows):
+    """Qwen3-0.6B's attention prologue: fused kernel vs the unfused kernels vs eager torch."""
+    dtype, eps = torch.bfloat16, 1e-6
+    num_q_heads, num_kv_heads, head_dim, _ = MODEL_SHAPES[1024]
+    heads = (num_q_heads, num_kv_heads, head_dim)
+    for tokens in token_counts:
+        g = torch.Generator(device=DEVICE).manual_seed(tokens)
+        qkv = torch.randn(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, device=DEVICE, dtype=dtype, generator=g)
+        q_w, k_w = (torch.rand(head_dim, device=DEVICE, generator=g).to(dtype) + 0.5 for _ in range(2))
+        cache_blocks = -(-tokens // BLOCK_SIZE) + 1
+        k_cache = torch.zeros(cache_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=DEVICE, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        slots = torch.randperm(cache_blocks * BLOCK_SIZE, device=DEVICE, generator=g)[:tokens]
+        positions = torch.randint(0, 8192, (tokens,), device=DEVICE, generator=g)
+        inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim))
+        freqs = torch.outer(torch.arange(8192, device=DEVICE).float(), inv_freq)
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
+        half = head_dim // 2
+        cos = cos_sin[positions, :half].repeat(1, 2).to(dtype)[:, None, :]
+        sin = cos_sin[positions, half:].repeat(1, 2).to(dtype)[:, None, :]
+        fused = lambda: kernels.norm_rope_store(qkv, num_q_heads, num_kv_heads, positions,  # noqa: E731
+                                                cos_sin, k_cache, v_cache, slots, q_w, k_w, eps)
+        check_close("norm_rope_store q", kernels.norm_rope_store(qkv.clone(), num_q_heads, num_kv_heads, positions,
+                                                                 cos_sin, k_cache, v_cache, slots, q_w, k_w, eps),
+                    eager_prologue(qkv.clone(), heads, q_w, k_w, cos, sin, k_cache.clone(), v_cache.clone(), slots, eps),
+                    tol=3e-2)  # three bf16 roundings in series (norm, weight, rotary); ~1e-3 on a GPU
+        # reads qkv once, writes q back and k, v into the cache
+        nbytes = tokens * ((num_q_heads + 2 * num_kv_heads) * head_dim * 2 + (num_q_heads + 2 * num_kv_heads) * head_dim * 2)
+        unfused = lambda: unfused_prologue(kernels, qkv, heads, q_w, k_w, positions, cos_sin, k_cache, v_cache, slots, eps)  # noqa: E731
+        eager = lambda: eager_prologue(qkv, heads, q_w, k_w, cos, sin, k_cache, v_cache, slots, eps)  # noqa: E731
+        add_row(rows, "q/k norm+rotary+store vs eager", tokens, 1024, nbytes, copy_bw, fused, eager)
+        add_row(rows, "  ... vs unfused kernels", tokens, 1024, nbytes, copy_bw, fused, unfused)
+
+
+def bench_sampling(kernels, rows, num_rows: int, vocab: int):
+    """One-pass sampling kernel vs the torch sampler (greedy argmax / temperature 0.6 with the seeded noise)."""
+    from cbatch.engine.sampler import SamplingBatch, sample
+
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    logits = torch.randn(num_rows, vocab, device=DEVICE, generator=g) * 3
+    for label, temp in (("greedy", 0.0), ("temperature 0.6", 0.6)):
+        batch = SamplingBatch([temp] * num_rows, [1.0] * num_rows, [0] * num_rows, list(range(num_rows)), [5] * num_rows)
+        temps = torch.full((num_rows,), temp, device=DEVICE)
+        seeds = torch.arange(num_rows, device=DEVICE)
+        positions = torch.full((num_rows,), 5, device=DEVICE, dtype=torch.int64)
+        got = kernels.fused_sample(logits, temps, seeds, positions)
+        want = sample(logits, batch)
+        same = (got == want).float().mean().item()
+        if same < 0.99:
+            raise SystemExit(f"fused sampler ({label}) agrees with the torch sampler on only {same:.1%} of rows")
+        t_fused = time_ms(lambda: kernels.fused_sample(logits, temps, seeds, positions))
+        t_torch = time_ms(lambda: sample(logits, batch)) if temp == 0 or DEVICE == "cpu" else _time_eager(lambda: sample(logits, batch))
+        nbytes = num_rows * vocab * 4
+        rows.append([label, f"{num_rows}", f"{vocab}", f"{nbytes / 1e6:.1f}", f"{t_torch * 1e3:.1f}",
+                     f"{t_fused * 1e3:.1f}", f"{t_torch / t_fused:.2f}x", f"{same:.1%}"])
+
+
+def _time_eager(fn, repeats: int = 10) -> float:
+    """ms per call of code that cannot be graph-captured (the torch sampler builds tensors from host lists)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
 def check_close(what, out, ref, tol=1e-2):
     """Refuse to time a kernel whose output is not the eager one (relative L2 error, no NaN)."""
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -324,7 +435,7 @@ def format_table(title, header, rows):
     return "\n".join([title, line(header), line(["-" * w for w in widths]), *map(line, rows), ""])
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="also write the tables to this file")
     parser.add_argument("--quick", action="store_true", help="fewer configurations (smoke run)")
@@ -334,7 +445,11 @@ def main() -> int:
                         help="run tiny shapes on the CPU through the Triton interpreter (checks the script only)")
     parser.add_argument("--sweep-decode-tiles", action="store_true",
                         help="also time decode at batch 256 / ctx 2048 for other TILE_N / num_warps")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = _parser().parse_args()
 
     global DEVICE, USE_GRAPHS
     USE_GRAPHS = not args.no_graphs
@@ -383,6 +498,12 @@ def main() -> int:
         f"(a) decode paged attention, bf16, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads x {HEAD_DIM}, block {BLOCK_SIZE}",
         ["batch", "ctx", "splits", "MB moved", "time us", "floor us", "TB/s", "of copy BW"], rows))
     print(out[-1], flush=True)
+    rows = []
+    fp8_configs = configs[:2] if args.cpu_smoke else [(256, 2048, None), (64, 8192, None), (256, 8192, None)]
+    bench_decode(kernels, copy_bw, fp8_configs, rows, kv_elem=1)
+    out.append(format_table("(a') decode paged attention, bf16 q, fp8 (e4m3) KV cache with per-head scales",
+                            ["batch", "ctx", "splits", "MB moved", "time us", "floor us", "TB/s", "of copy BW"], rows))
+    print(out[-1], flush=True)
 
     if args.sweep_decode_tiles:
         rows = []
@@ -396,9 +517,15 @@ def main() -> int:
         bench_fused(kernels, copy_bw, (3,), (1024,), rows)
     else:
         bench_fused(kernels, copy_bw, (256,) if args.quick else (256, 4096), (1024, 4096), rows)
+    bench_prologue(kernels, copy_bw, (3,) if args.cpu_smoke else (256, 1024, 4096), rows)
     out.append(format_table(
         "(b) fused kernels vs eager PyTorch, bf16 (MB = minimal bytes the fused kernel must move)",
         ["kernel", "tokens", "hidden", "MB", "eager us", "fused us", "speedup", "fused of copy BW"], rows))
+    print(out[-1], flush=True)
+    rows = []
+    bench_sampling(kernels, rows, *((4, 3000) if args.cpu_smoke else (256, 151936)))
+    out.append(format_table("(c) sampling: one-pass kernel vs the torch sampler (float32 logits)",
+                            ["mode", "rows", "vocab", "MB logits", "torch us", "fused us", "speedup", "same tokens"], rows))
     print(out[-1], flush=True)
 
     if args.out:

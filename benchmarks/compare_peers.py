@@ -18,7 +18,10 @@ dtype and thread count. Runs are interleaved (cbatch, hf-cb, hf-static, cbatch, 
 other processes hits every engine alike; the table shows medians over repeats. `wall s` covers generation
 only (model load, compilation and one short warm-up request are excluded for every engine); `process s` is
 the whole subprocess, start-up, load and vLLM's torch.compile included. EOS is ignored everywhere: each
-request produces exactly its own number of output tokens.
+request produces exactly its own number of output tokens. A run that fails or outlasts --run-timeout is
+reported as failed and the others go on; each run's figures are printed (and --json rewritten) as soon as
+it ends, so a failing peer never costs cbatch's figures. cbatch's runs also report its steps, mean batch
+occupancy and the Triton kernels compiled inside the timed window (0 after a GPU engine's warm-up).
 
 The compute floor is the workload's FLOPs (2 x linear-layer parameters x tokens, plus causal attention,
 plus logits only for sampled tokens) over the best GEMM rate measured here at the model's shapes.
@@ -176,7 +179,8 @@ def python_for(engine: str, args: argparse.Namespace) -> str:
 def spawn(what: list[str], python: str, args: argparse.Namespace, workload_path: Path, dtype: str,
           log: Path | None = None) -> dict:
     """Runs peer_engines.py (`--engine NAME` or `--probe gemm`) in a fresh process; its result plus `process_s`
-    (the whole process's wall time). Its stderr goes to `log` if given."""
+    (the whole process's wall time), or {"error", "log"} when it fails or outlasts --run-timeout (the other
+    runs go on). Its stderr goes to `log` if given."""
     result_path = workload_path.parent / f"{what[1]}-{time.monotonic_ns()}.json"
     cmd = [python, str(WORKER), *what, "--workload", str(workload_path), "--result", str(result_path),
            "--dtype", dtype, "--threads", str(args.threads)]
@@ -185,13 +189,17 @@ def spawn(what: list[str], python: str, args: argparse.Namespace, workload_path:
     project = str(Path(__file__).resolve().parent.parent)  # the checkout's cbatch for the project's engines
     env["PYTHONPATH"] = os.pathsep.join(p for p in (project, env.get("PYTHONPATH")) if p)
     started = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.run_timeout)
+    except subprocess.TimeoutExpired as exc:
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        return {"error": f"timed out after {args.run_timeout:.0f} s", "log": stderr[-3000:]}
     process_s = time.perf_counter() - started
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(proc.stderr)
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(what)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return {"error": f"exit {proc.returncode}", "log": proc.stderr[-3000:]}
     return dict(json.loads(result_path.read_text()), process_s=process_s)
 
 
@@ -227,7 +235,34 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[int, 
     return same, agreed / max(1, sum(map(len, reference)))
 
 
-def print_table(entries: list[Entry], runs: dict[str, list[dict]], floor_s: dict[str, float]) -> None:
+def succeeded(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "error" not in r]
+
+
+def run_line(res: dict) -> str:
+    """One run's figures, printed as soon as it ends (cbatch's also its steps, occupancy and compiles)."""
+    if "error" in res:
+        return f"FAILED ({res['error']}): {res.get('log', '')[-600:]}"
+    line = (f"{res['wall_s']:.2f} s, {res['output_tok_s']:.1f} output tok/s, {res['total_tok_s']:.1f} total tok/s, "
+            f"process {res['process_s']:.1f} s, peak RSS {res['peak_rss_mb']:.0f} MB")
+    if res.get("peak_gpu_mb"):
+        line += f", peak GPU {res['peak_gpu_mb']:.0f} MB"
+    if "steps" in res:
+        line += (f", {res['steps']} steps, occupancy {res['mean_occupancy']:.0%} of {res['max_num_seqs']} seqs "
+                 f"(budget {res['max_num_batched_tokens']} tokens, {res['num_kv_blocks']} KV blocks, "
+                 f"KV {res['kv_cache_dtype']}), kernel compiles in the timed window: {res['kernel_compiles_in_window']}")
+    return line
+
+
+def print_table(entries: list[Entry], all_runs: dict[str, list[dict]], floor_s: dict[str, float], greedy: bool) -> None:
+    runs = {label: succeeded(rows) for label, rows in all_runs.items()}
+    failed = [e for e in entries if not runs[e.label]]
+    entries = [e for e in entries if runs[e.label]]
+    for entry in failed:
+        print(f"{entry.label}: every run failed ({all_runs[entry.label][0]['error']})")
+    if not entries:
+        return
+
     def med(entry: Entry, key: str) -> float:
         return statistics.median(r[key] for r in runs[entry.label])
 
@@ -242,7 +277,7 @@ def print_table(entries: list[Entry], runs: dict[str, list[dict]], floor_s: dict
         weights = first_run["weights"]
         wall = med(entry, "wall_s")
         # the floor is the rate of dense GEMMs in the entry's dtype: it says nothing of quantized weights
-        floor = f"{floor_s[entry.dtype] / wall:.0%}" if first_run["dense"] else "n/a"
+        floor = f"{floor_s[entry.dtype] / wall:.0%}" if first_run["dense"] and entry.dtype in floor_s else "n/a"
         line = (f"| {entry.engine} | {weights or entry.dtype} | {med(entry, 'output_tok_s'):.1f} | "
                 f"{med(entry, 'total_tok_s'):.1f} | {wall:.2f} | {med(entry, 'process_s'):.1f} | "
                 f"{med(entry, 'peak_rss_mb'):.0f} | {first_run['peak_gpu_mb'] or 0:.0f} | {floor} |")
@@ -252,7 +287,7 @@ def print_table(entries: list[Entry], runs: dict[str, list[dict]], floor_s: dict
         print(line)
     print()
     ref = runs[first.label][0]["outputs"]
-    for entry in entries[1:]:
+    for entry in entries[1:] if greedy else []:  # sampled outputs differ between engines by design
         same, share = agreement(ref, runs[entry.label][0]["outputs"])
         print(f"{entry.label}: {same}/{len(ref)} requests token-identical to {first.label} (greedy); "
               f"{share:.1%} of output tokens agree before the first difference")
@@ -291,7 +326,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "large process exits is slowed while the freed memory goes back to the host: cbatch measured "
                         "11.6 s normally, 15.3 s right after a 13 GB process, 11.9 s 20 s later")
     p.add_argument("--quick", action="store_true", help="16 requests, prompts 16-64, outputs 8-32, one repeat")
-    p.add_argument("--json", default=None, help="also write every run's figures to this file")
+    p.add_argument("--json", default=None, help="also write every run's figures to this file (after every run)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request samples at this temperature, seeded by its index (default 0: greedy)")
+    p.add_argument("--run-timeout", type=float, default=None, metavar="S",
+                   help="seconds before one run is killed and reported failed (the others go on)")
     p.add_argument("--keep-logs", default=None, metavar="DIR",
                    help="write each run's stderr (vLLM's and llama.cpp's own logs) to DIR/ENTRY-REPEAT.log")
     args = p.parse_args(argv)
@@ -326,12 +365,12 @@ def default_gguf() -> Path:
     return f32 if f32.is_file() else default_gguf_file()
 
 
-def run_all(args: argparse.Namespace, entries: list[Entry], workload_path: Path) -> tuple[dict, dict]:
-    """The GEMM probe per dtype, then every entry `--repeats` times, interleaved."""
+def run_all(args: argparse.Namespace, entries: list[Entry], workload_path: Path, flops: float) -> tuple[dict, dict]:
+    """Every entry `--repeats` times, interleaved, then the GEMM probe per dtype (last: a probe that fails
+    costs no engine's figures). Each run's line is printed, and --json rewritten, as soon as it ends."""
     pythons = {e.engine: python_for(e.engine, args) for e in entries}
-    probes = {dt: spawn(["--probe", "gemm"], sys.executable, args, workload_path, dt)
-              for dt in dict.fromkeys(e.dtype for e in entries)}
     runs: dict[str, list[dict]] = {e.label: [] for e in entries}
+    probes: dict[str, dict] = {}
     for r in range(args.repeats):
         for entry in entries:
             time.sleep(args.cooldown)
@@ -339,10 +378,21 @@ def run_all(args: argparse.Namespace, entries: list[Entry], workload_path: Path)
             res = spawn(["--engine", entry.engine], pythons[entry.engine], args, workload_path, entry.dtype, log)
             res["load_1min"] = os.getloadavg()[0]
             runs[entry.label].append(res)
-            print(f"repeat {r + 1}/{args.repeats} {entry.label:16s} {res['wall_s']:7.2f} s  "
-                  f"{res['output_tok_s']:7.1f} out tok/s  process {res['process_s']:6.1f} s  "
-                  f"peak RSS {res['peak_rss_mb']:.0f} MB", file=sys.stderr)
+            print(f"run {r + 1}/{args.repeats} {entry.label}: {run_line(res)}", flush=True)
+            write_json(args, runs, probes, flops)
+    for dt in dict.fromkeys(e.dtype for e in entries):
+        probes[dt] = spawn(["--probe", "gemm"], sys.executable, args, workload_path, dt)
+    write_json(args, runs, probes, flops)
     return probes, runs
+
+
+def write_json(args: argparse.Namespace, runs: dict[str, list[dict]], probes: dict[str, dict], flops: float) -> None:
+    if not args.json:
+        return
+    slim = {label: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for label, rs in runs.items()}
+    Path(args.json).write_text(json.dumps({"runs": slim, "gemm_gflops": {dt: p.get("by_path") for dt, p in probes.items()},
+                                           "flops": flops, "args": vars(args), "machine": machine_lines(args.isa, "")},
+                                          indent=2, default=str))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -357,31 +407,31 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="cbatch-peers-") as tmp:
         workload_path = Path(tmp) / "workload.json"
         workload_path.write_text(json.dumps({"model_dir": model_dir, "spec": spec, "prompts": wl.prompts,
-                                             "output_lens": wl.output_lens, "extra": default_extra(args)}))
+                                             "output_lens": wl.output_lens, "extra": default_extra(args),
+                                             "temperature": args.temperature}))
         load_before = os.getloadavg()
-        probes, runs = run_all(args, entries, workload_path)
+        probes, runs = run_all(args, entries, workload_path, flops)
         load_after = os.getloadavg()
 
-    floor_s = {dt: flops / (probe["gflops"] * 1e9) for dt, probe in probes.items()}
+    floor_s = {dt: flops / (probe["gflops"] * 1e9) for dt, probe in probes.items() if "gflops" in probe}
+    about = next((p["about"] for p in probes.values() if "about" in p), "GEMM probe failed")
     print()
-    print("\n".join(machine_lines(args.isa, next(iter(probes.values()))["about"])))
+    print("\n".join(machine_lines(args.isa, about)))
     lo, hi = args.prompt_range
+    sampling = f"temperature {args.temperature} (seeded)" if args.temperature else "greedy"
     print(f"workload: {len(wl.prompts)} requests, prompts {lo}-{hi} tokens, {wl.output_tokens} output / "
           f"{wl.total_tokens} total tokens, seed {args.seed}; model {Path(model_dir).name}, "
-          f"{args.threads} threads, EOS ignored")
+          f"{args.threads} threads, EOS ignored, {sampling}")
     for dt, probe in probes.items():
+        if dt not in floor_s:
+            print(f"compute floor ({dt}): GEMM probe failed ({probe.get('error')})")
+            continue
         paths = ", ".join(f"{k} {v:.0f}" for k, v in probe["by_path"].items())
         print(f"compute floor ({dt}): {flops / 1e12:.2f} TFLOP at {probe['gflops']:.0f} GFLOP/s (best GEMM at the "
               f"model's shapes, {args.threads} threads; by path: {paths}) = {floor_s[dt]:.1f} s")
     print(f"load average (1/5/15 min): before {'/'.join(f'{x:.2f}' for x in load_before)}, "
           f"after {'/'.join(f'{x:.2f}' for x in load_after)}; medians of {args.repeats} interleaved repeats\n")
-    print_table(entries, runs, floor_s)
-    if args.json:
-        slim = {label: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for label, rs in runs.items()}
-        Path(args.json).write_text(json.dumps({"runs": slim, "gemm_gflops": {dt: p["by_path"] for dt, p in probes.items()},
-                                               "flops": flops, "args": vars(args),
-                                               "machine": machine_lines(args.isa, next(iter(probes.values()))["about"])},
-                                              indent=2, default=str))
+    print_table(entries, runs, floor_s, greedy=not args.temperature)
 
 
 if __name__ == "__main__":

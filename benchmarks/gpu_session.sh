@@ -1,46 +1,195 @@
 #!/usr/bin/env bash
-# Everything the GPU issue needs proven on a lent H100/H200, in one device call (about 15 minutes):
-#   run from the repo root on the device machine:  bash benchmarks/gpu_session.sh
-# Logs go to $OUT (or ./gpu-logs); the last lines printed are the summary table.
+# The GPU kit: what the GPU issue needs proven and measured on a lent H100/H200, in parts that each fit one
+# device call (the device kills a command after 600 s: every part plans <= 540 s, every step runs under its
+# own `timeout`, and each part installs what it needs, so parts run in any order on a fresh or warm machine).
+#
+#   bash benchmarks/gpu_session.sh PART        PART: kernels | suite | parity | bench | e2e | e2e-more
+#   bash benchmarks/gpu_session.sh --list      the parts, their steps and time budgets
+#   bash benchmarks/gpu_session.sh --cpu-dry-run   every part on this CPU (Triton interpreter, tiny shapes,
+#                                              a few requests): the same files and summary, to catch shell
+#                                              and plumbing mistakes before a lease is spent on them
+#
+# What comes back ($OUT, or ./gpu-logs): summary.txt (each part appends its section: the machine, the stack,
+# every step's exit code, time and last lines) and PART-logs.tgz (that part's full logs and JSON); at most
+# 1 + 6 files, two folders deep at most. cbatch's figures are printed and written before any peer runs.
+#
+# Expected device time per part (budgets are the timeouts): kernels ~4 min, suite ~4, parity ~3, bench ~3,
+# e2e ~5, e2e-more ~5. The GPU issue's order: kernels, suite, parity, e2e, bench, e2e-more.
+#
+# Carry (device tool `carry`): .carry (SmolLM2's tokenizer for the CLI tests; `python benchmarks/make_carry.py`
+# builds it) and .whl (wheels of anything the image lacks; none needed today). No package registry is used.
 set -u
-OUT=${OUT:-./gpu-logs}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-py=python3
-step() { echo; echo "=== $1"; }
+set -o pipefail
 
-step "machine" | tee "$OUT/summary.txt"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/summary.txt"
-$py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/summary.txt"
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/gpu-logs}
+DRY=0
+PART_LIMIT_S=540
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-step "install (no registry there: no build isolation, no deps)"
-$py -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { echo "install failed"; tail "$OUT/install.log"; exit 1; }
+# ---- the plan: PART -> "step:budget_s ..." --------------------------------------------------------------
+declare -A PLAN=(
+  [kernels]="compile_check:120 kernel_tests:390"
+  [suite]="suite_tests:510"
+  [parity]="gpu_parity:330 fp8_accuracy:180"
+  [bench]="bench_kernels:480"
+  [e2e]="make_model:90 greedy_vs_hf:420"
+  [e2e-more]="make_model:90 cbatch_temp06:210 cbatch_fp8:210"
+)
+PARTS="kernels suite parity bench e2e e2e-more"
+KERNEL_TESTS="tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_kernels_compile.py tests/test_compile_count.py tests/test_triton_e2e.py tests/test_fp8_kv.py"
+MODEL=/tmp/qwen3-0.6b-random
 
-step "kernel tests compiled on the GPU" | tee -a "$OUT/summary.txt"
-$py -m pytest tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_kernels_compile.py -q -p no:cacheprovider \
-    > "$OUT/kernel_tests.log" 2>&1; tail -1 "$OUT/kernel_tests.log" | tee -a "$OUT/summary.txt"
+plan_of() { echo "${PLAN[$1]}"; }
+budget_total() { local t=0 s; for s in $(plan_of "$1"); do t=$((t + ${s#*:})); done; echo $t; }
 
-step "greedy float32 parity with HF on the GPU" | tee -a "$OUT/summary.txt"
-timeout 300 $py benchmarks/gpu_parity.py > "$OUT/parity.log" 2>&1; tail -1 "$OUT/parity.log" | tee -a "$OUT/summary.txt"
+print_plan() {
+  local part=$1 s
+  echo "part $part: $(for s in $(plan_of "$part"); do printf '%s %ss, ' "${s%%:*}" "${s#*:}"; done)total $(budget_total "$part") s (limit $PART_LIMIT_S s)"
+}
 
-step "kernel benchmarks (decode attention vs copy bandwidth; fused kernels vs eager)" | tee -a "$OUT/summary.txt"
-timeout 240 $py benchmarks/bench_kernels.py --out "$OUT/kernels.txt" > "$OUT/bench_kernels.log" 2>&1; tail -25 "$OUT/bench_kernels.log" | tee -a "$OUT/summary.txt"
+# ---- one step: its own timeout, its own log, a line in the summary ---------------------------------------
+step() {  # step NAME CMD...   (budget from the plan; dry runs get the same budget)
+  local name=$1; shift
+  local budget
+  budget=$(for s in $(plan_of "$PART"); do [ "${s%%:*}" = "$name" ] && echo "${s#*:}"; done)
+  [ -n "$budget" ] || { echo "BUG: step $name is not in part $PART's plan" | tee -a "$SUMMARY"; return 1; }
+  echo; echo "=== $PART/$name (budget ${budget} s): $*"
+  local t0=$SECONDS rc
+  timeout --kill-after=10 "$budget" "$@" > "$LOGS/$name.log" 2>&1
+  rc=$?
+  local took=$((SECONDS - t0)) verdict=ok
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && verdict="TIMED OUT"
+  [ $rc -ne 0 ] && [ "$verdict" = ok ] && verdict="FAILED (exit $rc)"
+  {
+    echo "--- $PART/$name: $verdict in ${took} s of ${budget} s"
+    grep -E '^run [0-9]+/' "$LOGS/$name.log" | cut -c1-400  # compare_peers: each engine's figures, cbatch first
+    tail -n "${TAIL_LINES:-12}" "$LOGS/$name.log" | cut -c1-220
+  } | tee -a "$SUMMARY"
+  FAILED=$((FAILED + (rc != 0)))
+  return 0
+}
 
-step "end to end: nano-vllm workload, Qwen3-0.6B shape (random weights), bf16, vs HF continuous batching" | tee -a "$OUT/summary.txt"
-$py - <<'PY' > "$OUT/make_model.log" 2>&1
-import torch, transformers
-from cbatch.model.presets import preset_config
-cfg = preset_config("qwen3-0.6b")
-cfg.pop("architectures"); cfg.pop("torch_dtype", None)
-config = transformers.Qwen3Config(**cfg)
-torch.manual_seed(0)
-model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-model.save_pretrained("/tmp/qwen3-0.6b-random")
-print("saved")
-PY
-timeout 900 $py benchmarks/compare_peers.py --device cuda --dtype bfloat16 --model /tmp/qwen3-0.6b-random \
-    --num-requests 256 --prompt-len 100,1024 --output-len 100,1024 --engines cbatch,hf-cb --repeats 1 \
-    --engine-arg cbatch:max_num_seqs=256 --engine-arg cbatch:max_num_batched_tokens=8192 --engine-arg cbatch:max_model_len=2048 \
-    --json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1; tail -12 "$OUT/e2e.log" | tee -a "$OUT/summary.txt"
+setup() {  # the stack, the carried wheels and tokenizer; nothing comes from a registry
+  {
+    echo; echo "##### part $PART $( [ $DRY = 1 ] && echo '(CPU dry run: interpreter, tiny shapes)')  $(date -u +%FT%TZ)"
+    print_plan "$PART"
+    if command -v nvidia-smi >/dev/null && [ $DRY = 0 ]; then
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    fi
+    $py -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available())"
+  } 2>&1 | tee -a "$SUMMARY"
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
+  [ -f .carry/smollm2-tokenizer/tokenizer.json ] && export CBATCH_TEST_TOKENIZER_DIR="$ROOT/.carry/smollm2-tokenizer"
+  local missing
+  missing=$($py -c "
+import importlib.util as u
+need = ['torch', 'triton', 'transformers', 'safetensors', 'typer', 'pyarrow', 'rich', 'tqdm', 'numpy', 'pytest', 'hypothesis']
+print(' '.join(n for n in need if u.find_spec(n) is None))")
+  [ -n "$missing" ] && echo "missing packages (carry them as wheels in .whl): $missing" | tee -a "$SUMMARY"
+  return 0
+}
 
-step "summary"; cat "$OUT/summary.txt"
+finish() {
+  tar czf "$OUT/$PART-logs.tgz" -C "$LOGS" . 2>/dev/null
+  echo "--- part $PART: $FAILED step(s) failed; logs in $PART-logs.tgz" | tee -a "$SUMMARY"
+  rm -rf "$LOGS"
+}
+
+model_dir() { [ $DRY = 1 ] && echo /tmp/cbatch-dry-model || echo "$MODEL"; }
+model_preset() { [ $DRY = 1 ] && echo tiny || echo qwen3-0.6b; }
+
+e2e_args() {  # the nano-vllm workload (dry: a handful of short requests on the tiny model, CPU)
+  if [ $DRY = 1 ]; then
+    echo "--device cpu --dtype float32 --model $(model_dir) --num-requests 4 --prompt-len 8,24 --output-len 4,8 --repeats 1 --threads 2 --engine-arg cbatch:attention_backend=triton"
+  else
+    echo "--device cuda --dtype bfloat16 --model $MODEL --num-requests 256 --prompt-len 100,1024 --output-len 100,1024 --repeats 1 --engine-arg cbatch:max_model_len=2048"
+  fi
+}
+
+# ---- the parts ---------------------------------------------------------------------------------------------
+part_kernels() {
+  if [ $DRY = 1 ]; then
+    step compile_check $py -c "print('offline sm_90 compile: tests/test_kernels_compile.py runs it in the suite')"
+    step kernel_tests $py -m pytest -q -p no:cacheprovider tests/test_kernels_fused.py -k "norm_rope_store and dtype0 or fused_sample" tests/test_compile_count.py
+  else
+    step compile_check $py -m cbatch.kernels._compile_check 90
+    step kernel_tests $py -m pytest -q -p no:cacheprovider $KERNEL_TESTS
+  fi
+}
+
+part_suite() {
+  local ignore="" f
+  for f in $KERNEL_TESTS; do ignore="$ignore --ignore=$f"; done
+  if [ $DRY = 1 ]; then
+    step suite_tests $py -m pytest -q -p no:cacheprovider tests/test_gpu_defaults.py tests/test_cli_run.py -k "limits or same_outputs"
+  else
+    step suite_tests $py -m pytest -q -p no:cacheprovider tests $ignore
+  fi
+}
+
+part_parity() {
+  if [ $DRY = 1 ]; then
+    step gpu_parity $py benchmarks/gpu_parity.py --cpu-dry-run
+    step fp8_accuracy $py benchmarks/fp8_kv_accuracy.py --arch qwen3 --num-prompts 2 --max-tokens 4 --max-prompt 12 --dtype float32
+  else
+    step gpu_parity $py benchmarks/gpu_parity.py
+    step fp8_accuracy $py benchmarks/fp8_kv_accuracy.py --device cuda --backend triton --dtype bfloat16
+  fi
+}
+
+part_bench() {
+  if [ $DRY = 1 ]; then
+    step bench_kernels $py benchmarks/bench_kernels.py --cpu-smoke --out "$LOGS/kernels.txt"
+  else
+    step bench_kernels $py benchmarks/bench_kernels.py --out "$LOGS/kernels.txt"
+  fi
+}
+
+part_e2e() {  # cbatch first (its figures printed and in e2e.json the moment it ends), then the peer, guarded
+  step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
+  step greedy_vs_hf $py benchmarks/compare_peers.py $(e2e_args) --engines cbatch,hf-cb --run-timeout 200 --json "$LOGS/e2e.json"
+}
+
+part_e2e_more() {
+  step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
+  step cbatch_temp06 $py benchmarks/compare_peers.py $(e2e_args) --engines cbatch --temperature 0.6 --run-timeout 200 --json "$LOGS/e2e_temp06.json"
+  step cbatch_fp8 $py benchmarks/compare_peers.py $(e2e_args) --engines cbatch --engine-arg cbatch:kv_cache_dtype=fp8 --run-timeout 200 --json "$LOGS/e2e_fp8.json"
+}
+
+run_part() {
+  PART=$1
+  [ -n "${PLAN[$PART]:-}" ] || { echo "unknown part '$PART'; parts: $PARTS" >&2; return 2; }
+  [ "$(budget_total "$PART")" -le $PART_LIMIT_S ] || { echo "BUG: part $PART plans $(budget_total "$PART") s > $PART_LIMIT_S s" >&2; return 2; }
+  LOGS=$(mktemp -d "${TMPDIR:-/tmp}/cbatch-$PART-XXXX")
+  FAILED=0
+  setup
+  "part_${PART//-/_}"
+  finish
+}
+
+main() {
+  mkdir -p "$OUT"
+  SUMMARY=$OUT/summary.txt
+  case "${1:-}" in
+    --list) for p in $PARTS; do print_plan "$p"; done ;;
+    --cpu-dry-run)
+      DRY=1
+      export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=""
+      local p total=0
+      for p in $PARTS; do run_part "$p" || total=$((total + 1)); done
+      local files
+      files=$(find "$OUT" -type f | wc -l)
+      echo "dry run: $total part(s) failed to run; $files file(s) in $OUT (limit 8)" | tee -a "$SUMMARY"
+      [ "$total" -eq 0 ] && [ "$files" -le 8 ] && ! grep -q -E "FAILED|TIMED OUT" "$SUMMARY" ;;
+    "") echo "usage: $0 PART | --list | --cpu-dry-run   (parts: $PARTS)" >&2; return 2 ;;
+    *) run_part "$1" || return $?; echo; cat "$SUMMARY" ;;
+  esac
+}
+
+main "$@"

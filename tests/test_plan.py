@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from cbatch.bench.simulator import CostModel
 from cbatch.config import SamplingParams
@@ -204,9 +205,13 @@ def test_gpu_preset_sizes_the_pool_from_its_memory(tiny_checkpoints, tmp_path):
     result = json.loads((tmp_path / "plan.json").read_text())
     assert result["device_kind"] == "H100" and "predicted on H100" in stdout
     from cbatch.config import EngineConfig
+    from cbatch.engine.memory import GPU_MAX_NUM_SEQS, with_step_limits
 
-    # 80 GiB holds every slot at the full context: the pool is capped there, as a run's is
-    assert result["predicted"]["num_kv_blocks"] == blocks_for_every_slot(EngineConfig(), result["max_model_len"])
+    # 80 GiB holds every slot (the GPU's default step, 1024 sequences) at the full context: the pool is capped
+    # there, as a run's is
+    gpu_config = with_step_limits(EngineConfig(), torch.device("cuda"))
+    assert gpu_config.max_num_seqs == GPU_MAX_NUM_SEQS
+    assert result["predicted"]["num_kv_blocks"] == blocks_for_every_slot(gpu_config, result["max_model_len"])
     code, _, err = plan(str(source), "--model", str(tiny_checkpoints["llama"]), "--device-kind", "tpu-v9")
     assert code == 2 and "--device-kind" in err and "h100" in err and err.count("\n") == 1, err
 

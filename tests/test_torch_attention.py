@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cbatch.model.backend.torch_backend as torch_backend
-from cbatch.model.backend import AttentionMetadata, TorchBackend, kv_cache_shape
+from cbatch.model.backend import FP8_KV_DTYPE, AttentionMetadata, KVLayer, TorchBackend, kv_cache_shape
 
 HQ, HKV, D, BS = 6, 2, 16, 4
 
@@ -41,9 +41,14 @@ def _reference(q, keys, values, ctx, window):
         (torch.float32, 512 * 512),  # prefill chunks through SDPA (float32 always does)
         (torch.bfloat16, 512 * 512),  # prefill chunks through matmuls and an explicit softmax
         (torch.bfloat16, 0),  # bfloat16 chunks too long for the matmul path: SDPA
+        (torch.float32, "fp8"),  # an fp8 cache with per-head scales, read back in float32
+        (torch.bfloat16, "fp8"),
     ],
 )
 def test_paged_matches_dense(seed: int, window: int | None, group_rows: int, dtype, matmul_prefill_pairs, monkeypatch) -> None:
+    fp8 = matmul_prefill_pairs == "fp8"
+    if fp8:
+        matmul_prefill_pairs = 512 * 512
     monkeypatch.setattr(torch_backend, "DECODE_GROUP_ROWS", group_rows)
     monkeypatch.setattr(torch_backend, "MATMUL_PREFILL_MAX_PAIRS", matmul_prefill_pairs)
     gen = torch.Generator().manual_seed(seed)
@@ -68,9 +73,19 @@ def test_paged_matches_dense(seed: int, window: int | None, group_rows: int, dty
         for pos in range(ctx - n):
             k_cache.view(-1, HKV, D)[slot(b, pos)] = keys[b][pos]
             v_cache.view(-1, HKV, D)[slot(b, pos)] = values[b][pos]
-    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
-    keys = [x.to(dtype).float() for x in keys]  # the reference sees exactly the values the cache holds
-    values = [x.to(dtype).float() for x in values]
+    if fp8:  # the cache holds x / scale in e4m3 (one scale per kv head); the reference sees the stored values
+        k_scale = torch.rand(HKV, generator=gen) + 0.5
+        v_scale = torch.rand(HKV, generator=gen) + 0.5
+        k_cache = (k_cache / k_scale[:, None]).to(FP8_KV_DTYPE)
+        v_cache = (v_cache / v_scale[:, None]).to(FP8_KV_DTYPE)
+        keys = [((x / k_scale[:, None]).to(FP8_KV_DTYPE).float() * k_scale[:, None]).to(dtype).float() for x in keys]
+        values = [((x / v_scale[:, None]).to(FP8_KV_DTYPE).float() * v_scale[:, None]).to(dtype).float() for x in values]
+        kv = KVLayer(k_cache, v_cache, k_scale, v_scale)
+    else:
+        k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+        keys = [x.to(dtype).float() for x in keys]  # the reference sees exactly the values the cache holds
+        values = [x.to(dtype).float() for x in values]
+        kv = KVLayer(k_cache, v_cache)
     q = torch.randn(sum(n for _, n in rows), HQ, D, generator=gen)
     k_new = torch.cat([keys[b][ctx - n :] for b, (ctx, n) in enumerate(rows)])
     v_new = torch.cat([values[b][ctx - n :] for b, (ctx, n) in enumerate(rows)])
@@ -92,11 +107,14 @@ def test_paged_matches_dense(seed: int, window: int | None, group_rows: int, dty
     )
     backend.prepare(meta)
     q, k_new, v_new = q.to(dtype), k_new.to(dtype), v_new.to(dtype)
-    out = backend.attention(q, k_new, v_new, k_cache, v_cache, meta, D**-0.5, window)
+    out = backend.attend(q, k_new, v_new, kv, meta, D**-0.5, window)
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for b, (ctx, n) in enumerate(rows):
         want = _reference(q[starts[b] : starts[b + 1]].float(), keys[b], values[b], ctx, window)
         torch.testing.assert_close(out[starts[b] : starts[b + 1]].float(), want, **tol)
     # this step's K/V landed in the cache at their slots
     for i, s in enumerate(slots.tolist()):
-        torch.testing.assert_close(k_cache.view(-1, HKV, D)[s], k_new[i])
+        stored = k_cache.view(-1, HKV, D)[s]
+        if fp8:
+            stored = (stored.float() * kv.k_scale[:, None]).to(dtype)
+        torch.testing.assert_close(stored.float(), k_new[i].float(), **({} if not fp8 else dict(rtol=0, atol=0)))

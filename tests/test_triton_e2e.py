@@ -1,4 +1,5 @@
-"""End to end through the Triton backend under the interpreter: the same greedy tokens as the torch backend."""
+"""End to end through the Triton backend (under the interpreter on a CPU, compiled on a GPU): the same greedy
+tokens as the torch backend on the same device."""
 from __future__ import annotations
 
 
@@ -9,7 +10,9 @@ import torch
 pytest.importorskip("triton")
 
 from cbatch.config import SamplingParams  # noqa: E402
-from helpers import generate, make_engine, random_prompts  # noqa: E402
+from helpers import generate, make_engine, random_prompts, triton_device  # noqa: E402
+
+DEVICE = triton_device()
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -18,7 +21,7 @@ PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 def test_triton_backend_matches_torch_backend(arch, tiny_checkpoints):
     path = tiny_checkpoints[arch]
     prompts = random_prompts(4, vocab=384, seed=21, max_len=40)  # mistral: crosses its 24-token window
-    settings = dict(device="cpu", max_num_batched_tokens=24, block_size=8)  # chunked prefill + decode mixed
+    settings = dict(device=DEVICE, max_num_batched_tokens=24, block_size=8)  # chunked prefill + decode mixed
     expected = generate(make_engine(path, attention_backend="torch", **settings), prompts, PARAMS)
     got = generate(make_engine(path, attention_backend="triton", **settings), prompts, PARAMS)
     assert got == expected
@@ -30,7 +33,7 @@ def test_engines_with_different_backends_coexist(tiny_checkpoints):
     path = tiny_checkpoints["qwen3"]
     prompt = random_prompts(1, vocab=384, seed=5, min_len=20, max_len=20)[0]
 
-    torch_engine = make_engine(path, attention_backend="torch")
+    torch_engine = make_engine(path, attention_backend="torch", device=DEVICE)
     alone = _logits(torch_engine, prompt)
     triton_engine = make_engine(path, attention_backend="triton")
     beside_triton = _logits(torch_engine, prompt)
@@ -76,7 +79,7 @@ def test_triton_backend_on_cpu_needs_the_interpreter(tiny_checkpoints, monkeypat
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
-        make_engine(tiny_checkpoints["llama"], attention_backend="triton")
+        make_engine(tiny_checkpoints["llama"], attention_backend="triton", device="cpu")
 
 
 def test_overestimated_bounds_and_forced_splits_are_exact():
@@ -85,12 +88,12 @@ def test_overestimated_bounds_and_forced_splits_are_exact():
 
     torch.manual_seed(0)
     block, kv_heads, heads, dim = 8, 2, 4, 64
-    k_cache = torch.randn(32, block, kv_heads, dim)
-    v_cache = torch.randn(32, block, kv_heads, dim)
-    lens = torch.tensor([5, 19, 40], dtype=torch.int32)
-    table = torch.randperm(32)[:15].view(3, 5).to(torch.int32)
-    q = torch.randn(3, heads, dim)
-    qsl = torch.arange(4, dtype=torch.int32)
+    k_cache = torch.randn(32, block, kv_heads, dim).to(DEVICE)
+    v_cache = torch.randn(32, block, kv_heads, dim).to(DEVICE)
+    lens = torch.tensor([5, 19, 40], dtype=torch.int32).to(DEVICE)
+    table = torch.randperm(32)[:15].view(3, 5).to(torch.int32).to(DEVICE)
+    q = torch.randn(3, heads, dim).to(DEVICE)
+    qsl = torch.arange(4, dtype=torch.int32).to(DEVICE)
     tight = paged_attention(q, k_cache, v_cache, torch.empty_like(q), qsl, lens, table, 0.125, 1, 40, num_splits=1)
     loose = paged_attention(q, k_cache, v_cache, torch.empty_like(q), qsl, lens, table, 0.125, 1, 4096, num_splits=8)
     assert torch.isfinite(loose).all()

@@ -93,7 +93,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         if not options.quiet and not options.simulate:
             print(f"cbatch bench: running {len(requests)} requests: {label} ...", file=sys.stderr, flush=True)
         run = run_trial(engine, requests, prompts, policy, clock, label, **settings)
-        run.build_report(options.engine.max_num_seqs, _run_settings(options, engine, policy),
+        run.build_report(engine.config.max_num_seqs, _run_settings(options, engine, policy),
                          options.cost.unit if options.simulate else "s", _hardware(options, engine, run))
         runs.append(run)
     reports = [run.report for run in runs]

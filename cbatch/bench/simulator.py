@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+
 from cbatch.bench.result import BenchRun
 from cbatch.bench.workload import BenchRequest
 from cbatch.config import EngineConfig, UserError
 from cbatch.engine.engine import Engine, KVPool
-from cbatch.engine.memory import blocks_for_every_slot
+from cbatch.engine.memory import blocks_for_every_slot, with_step_limits
 from cbatch.engine.scheduler import StepInfo, StepPlan
 from cbatch.model.spec import ModelSpec
 
@@ -104,6 +106,7 @@ def simulated_engine(config: EngineConfig, cost: CostModel, max_model_len: int, 
                      spec: ModelSpec | None = None) -> Engine:
     """An engine whose runner is the cost model: the real Scheduler, BlockPool and update. The pool is
     `--num-kv-blocks`, else one that never binds (every slot can hold the longest request)."""
+    config = with_step_limits(config, torch.device("cpu"))  # the simulated step: the CPU's defaults unless given
     num_blocks = config.num_kv_blocks or blocks_for_every_slot(config, min(longest_request, max_model_len))
     return Engine(config, SimulatedRunner(cost), KVPool(num_blocks), max_model_len, spec=spec)
 

@@ -48,10 +48,13 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
         Flag("device", str, "auto", "auto | cpu | cuda.", ENGINE, field="device"),
         Flag("dtype", str, "auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's on GPU).",
              ENGINE, field="dtype"),
-        Flag("max_num_seqs", int, 64, "Most sequences in one step.", ENGINE, field="max_num_seqs"),
-        Flag("max_num_batched_tokens", int, 2048, "Token budget of one step (decodes + prefill chunks).", ENGINE,
-             field="max_num_batched_tokens"),
+        Flag("max_num_seqs", Optional[int], None, "Most sequences in one step (default: 64 on CPU; on a GPU what "
+             "its memory holds, up to 1024).", ENGINE, field="max_num_seqs"),
+        Flag("max_num_batched_tokens", Optional[int], None, "Token budget of one step, decodes + prefill chunks "
+             "(default: 2048 on CPU; on a GPU up to 8192, sized from memory).", ENGINE, field="max_num_batched_tokens"),
         Flag("block_size", int, 16, "Tokens per KV-cache block.", ENGINE, field="block_size"),
+        Flag("kv_cache_dtype", str, "auto", "auto (the model's dtype) | fp8 (e4m3: half the KV memory and reads; "
+             "slightly less exact).", ENGINE, field="kv_cache_dtype"),
         Flag("num_kv_blocks", Optional[int], None, "Force the KV pool size in blocks (default: from memory).", ENGINE,
              field="num_kv_blocks"),
         Flag("attention_backend", str, "auto", "auto | torch | triton (auto: triton on CUDA).", ENGINE,
@@ -74,7 +77,7 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
              ENGINE, field="priority_aging_steps"),
     ]
     if policy_default is not None:
-        flags.insert(7, Flag("policy", str, policy_default, "Admission: longest-first | fcfs | static.", ENGINE, field="policy"))
+        flags.insert(8, Flag("policy", str, policy_default, "Admission: longest-first | fcfs | static.", ENGINE, field="policy"))
     return flags
 
 

@@ -15,6 +15,7 @@ from cbatch.config import ConfigError, EngineConfig
 from cbatch.engine import memory
 from cbatch.engine.engine import Engine, KVPool
 from cbatch.engine.runner import ModelRunner
+from cbatch.engine.warmup import warm_up
 from cbatch.model.backend import Backend, BackendUnavailable, make_backend
 from cbatch.model.cpu_features import bf16_speed_warning
 from cbatch.model.loader import Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir
@@ -68,7 +69,8 @@ def engine_backend(config: EngineConfig, device: torch.device) -> Backend:
 
 def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *, random_weights_seed: int = 0,
                  show_progress: bool = False) -> Engine:
-    """Loads the model (random weights for a weightless `resolved`), sizes the KV pool, builds the engine.
+    """Loads the model (random weights for a weightless `resolved`), sizes the KV pool and the step (on a GPU,
+    from memory), builds the engine. The engine's config has the step limits it runs with.
     `show_progress`: a tqdm bar over the checkpoint's tensors while they load (the library's default)."""
     resolved = resolved or resolve_model(config)
     if config.num_threads:
@@ -81,15 +83,18 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
         model = init_random_weights(build_model(spec, resolved.max_model_len, device, dtype, backend), random_weights_seed)
     if device.type == "cpu":
         model.prepack_for_cpu()
+    kv_dtype = memory.kv_cache_dtype(config, dtype)
 
-    def make_runner(num_blocks: int, num_host_blocks: int = 0) -> ModelRunner:
-        return ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, resolved.max_model_len,
-                           device, dtype, config.seed, num_host_blocks)
+    def make_runner(sized: EngineConfig, num_blocks: int, num_host_blocks: int = 0) -> ModelRunner:
+        return ModelRunner(model, num_blocks, sized.block_size, sized.max_num_seqs, resolved.max_model_len,
+                           device, dtype, sized.seed, num_host_blocks, kv_dtype)
 
-    kv = _kv_pool(config, resolved, make_runner)
-    runner = make_runner(kv.num_blocks, kv.num_host_blocks)
+    config, kv = _kv_pool(config, resolved, kv_dtype, make_runner)
+    runner = make_runner(config, kv.num_blocks, kv.num_host_blocks)
     if device.type == "cuda" and backend.supports_cuda_graphs and not config.enforce_eager:
         runner.capture_decode_graphs(config.max_num_seqs, resolved.max_model_len)
+    if device.type == "cuda" and backend.name == "triton":
+        warm_up(runner, config, resolved.max_model_len)  # every kernel variant compiles now, not mid-run
     tokenizer = None
     model_dir = resolved.checkpoint.path if resolved.checkpoint is not None else None
     if model_dir is not None:
@@ -100,16 +105,14 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
                   dtype=dtype, model_dir=model_dir)
 
 
-def _kv_pool(config: EngineConfig, resolved: ResolvedModel, make_runner) -> KVPool:
-    """Forced by --num-kv-blocks, else from the memory budget (GPU: after a profiled dummy step); the host
-    swap space from --swap-space, never more than 4 pools' worth."""
-    spec, dtype = resolved.spec, resolved.dtype
-    if config.num_kv_blocks is not None:
-        num_blocks = config.num_kv_blocks
-    elif resolved.device.type != "cuda":
-        num_blocks = memory.cpu_kv_blocks(config, spec, dtype, resolved.max_model_len)
+def _kv_pool(config: EngineConfig, resolved: ResolvedModel, kv_dtype: torch.dtype, make_runner) -> tuple[EngineConfig, KVPool]:
+    """(config with its step limits, pool): the pool forced by --num-kv-blocks, else from the memory budget
+    (GPU: after profiled dummy steps, which also size the step); the host swap space from --swap-space,
+    never more than 4 pools' worth."""
+    spec, device = resolved.spec, resolved.device
+    if device.type == "cuda" and config.num_kv_blocks is None:
+        config, num_blocks = memory.gpu_step_and_pool(config, spec, kv_dtype, resolved.max_model_len, make_runner)
     else:
-        peak = memory.profile_activation_peak(make_runner, config, resolved.max_model_len)
-        num_blocks = memory.gpu_kv_blocks(config, spec, dtype, resolved.max_model_len, peak)
-    return KVPool(num_blocks, memory.host_kv_blocks(config, spec, dtype, num_blocks))
-
+        config = memory.with_step_limits(config, device)
+        num_blocks = config.num_kv_blocks or memory.cpu_kv_blocks(config, spec, kv_dtype, resolved.max_model_len)
+    return config, KVPool(num_blocks, memory.host_kv_blocks(config, spec, kv_dtype, num_blocks))

@@ -3,6 +3,11 @@
 A decode-only step of T sequences (every row one query token) runs the graph of the smallest bucket
 >= T; rows T..bucket are padding (slot -1: nothing stored; context length 1: attention stays finite;
 outputs discarded). Steps with prefill chunks, or larger than the biggest bucket, run eagerly.
+In a decode step every row samples, so the graph also holds (`sample_in_graph`) the lm_head and the
+one-pass sampler over static per-row temperatures, seeds and positions: a replay leaves the hidden states
+and the tokens in static buffers (the runner uses the tokens when the kernel covers the batch, else
+computes the logits from the hidden states and samples them eagerly). The logits stay inside the graph's
+pool, which every bucket shares: one bucket's worth ([bucket, vocab] float32) at a time, never one per bucket.
 
 Requires the Triton attention backend: the torch backend prepares per-step host state, which a
 graph cannot capture. Graphs share one memory pool; the biggest bucket is captured first so the
@@ -12,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from cbatch.engine.fast_sampling import kernel_inputs
+from cbatch.engine.sampler import SamplingBatch
 from cbatch.model.backend import AttentionMetadata
 from cbatch.model.llama import ForwardContext, KVCacheView, LlamaForCausalLM
 
@@ -32,6 +39,7 @@ class DecodeGraphs:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        sample_in_graph: bool = True,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -48,7 +56,14 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.sample_in_graph = sample_in_graph
+        self.temperatures = torch.zeros(max_bs, dtype=torch.float32, device=device)  # padding rows: greedy
+        self.seeds = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.out_positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        # Static outputs, outside the graphs' pool: what a replay leaves for the runner
+        self.hidden = torch.zeros(max_bs, model.spec.hidden_size, dtype=model.embed_tokens.weight.dtype, device=device)
+        self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
     @property
@@ -82,20 +97,37 @@ class DecodeGraphs:
         ctx = ForwardContext(self.kv, meta)
         self.backend.prepare(meta)
         for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
-            self.model(self.input_ids[:bs], self.positions[:bs], ctx)
+            self._step(bs, ctx)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
-        self.graphs[bs] = (graph, out)
+            self._step(bs, ctx)
+        self.graphs[bs] = graph
+
+    def _step(self, bs: int, ctx: ForwardContext) -> None:
+        """What a graph holds: the forward into `hidden`, then the logits and the sampled `tokens`."""
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)  # [bs, hidden]
+        self.hidden[:bs].copy_(hidden)
+        if self.sample_in_graph:
+            from cbatch.kernels import fused_sample
+
+            logits = self.model.compute_logits(hidden)  # [bs, vocab] float32, freed into the pool
+            fused_sample(logits, self.temperatures[:bs], self.seeds[:bs], self.out_positions[:bs], out=self.tokens[:bs])
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return meta.max_query_len == 1 and num_tokens <= self.max_batch and bool(self.graphs)
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Replays the smallest fitting graph; returns hidden states [T, hidden] (a view of its output)."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replays the smallest fitting graph; returns (hidden states [T, hidden], tokens [T] or None), views of
+        the static outputs (valid until the next replay)."""
         num = input_ids.shape[0]
+        if self.sample_in_graph:
+            temperatures, seeds, out_positions = kernel_inputs(sampling, input_ids.device)
+            self.temperatures[:num].copy_(temperatures)
+            self.seeds[:num].copy_(seeds)
+            self.out_positions[:num].copy_(out_positions)
         bs = next(b for b in self.buckets if b >= num)
         self.input_ids[:num].copy_(input_ids)
         self.positions[:num].copy_(positions)
@@ -105,6 +137,5 @@ class DecodeGraphs:
         self.seq_lens[num:bs].fill_(1)
         cols = meta.block_table.shape[1]
         self.block_table[:num, :cols].copy_(meta.block_table)
-        graph, out = self.graphs[bs]
-        graph.replay()
-        return out[:num]
+        self.graphs[bs].replay()
+        return self.hidden[:num], self.tokens[:num] if self.sample_in_graph else None

@@ -15,7 +15,8 @@ import torch
 
 from cbatch.model.backend import AttentionMetadata, Backend, kv_cache_shape
 from cbatch.engine.cpu_memory import keep_freed_memory, lazily_zeroed
-from cbatch.engine.sampler import SamplingBatch, effective_seed, sample
+from cbatch.engine.fast_sampling import fused_covers, sample_tokens
+from cbatch.engine.sampler import SamplingBatch, effective_seed
 from cbatch.engine.scheduler import StepPlan
 from cbatch.engine.sequence import Sequence
 from cbatch.model.llama import ForwardContext, KVCacheView, LlamaForCausalLM
@@ -66,6 +67,7 @@ class ModelRunner:
         dtype: torch.dtype,
         job_seed: int = 0,
         num_host_blocks: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         spec = model.spec
         self.model = model
@@ -73,17 +75,25 @@ class ModelRunner:
         self.block_size = block_size
         self.job_seed = job_seed
         self.backend: Backend = model.backend
+        # the GPU path samples with the one-pass kernel where it covers the batch (cbatch/engine/fast_sampling.py)
+        self.fused_sampling = self.backend.name == "triton"
         # One allocation for every layer's K and V
+        kv_dtype = kv_dtype or dtype
         shape = (spec.num_layers, 2, *kv_cache_shape(num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim))
         # NOTE: attention reads whole blocks, padding included (masked), so every block a table can name
         # must hold finite values: the pool starts zeroed. On CPU its pages become resident only when
         # written, so memory tracks the KV actually used, not the budget.
         if device.type == "cpu":
             keep_freed_memory()  # activations stay resident between steps (see cpu_memory.py)
-            self.kv_cache = lazily_zeroed(shape, dtype)
+            self.kv_cache = lazily_zeroed(shape, kv_dtype)
         else:
-            self.kv_cache = torch.zeros(shape, device=device, dtype=dtype)
-        self.kv = KVCacheView([self.kv_cache[i, 0] for i in range(spec.num_layers)], [self.kv_cache[i, 1] for i in range(spec.num_layers)])
+            self.kv_cache = torch.zeros(shape, device=device, dtype=kv_dtype)
+        # fp8: one scale per (layer, K|V, kv head); 1.0 = the values as they are (saturated at +-448)
+        scales = None
+        if kv_dtype != dtype:
+            scales = torch.ones(spec.num_layers, 2, spec.num_kv_heads, dtype=torch.float32, device=device)
+        self.kv = KVCacheView([self.kv_cache[i, 0] for i in range(spec.num_layers)],
+                              [self.kv_cache[i, 1] for i in range(spec.num_layers)], scales)
         self._table_shape = (2 * max_num_seqs, -(-max_model_len // block_size))
         self.reset()
         self.graphs = None  # DecodeGraphs once `capture_decode_graphs` ran (CUDA + Triton backend)
@@ -93,7 +103,8 @@ class ModelRunner:
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         from cbatch.engine.cuda_graphs import DecodeGraphs
 
-        graphs = DecodeGraphs(self.model, self.backend, self.kv, max_num_seqs, max_model_len, self.block_size, self.device)
+        graphs = DecodeGraphs(self.model, self.backend, self.kv, max_num_seqs, max_model_len, self.block_size, self.device,
+                              sample_in_graph=self.fused_sampling)
         graphs.capture_all()
         self.graphs = graphs
 
@@ -113,7 +124,10 @@ class ModelRunner:
         if step is None:
             return {}
         start = time.perf_counter()
-        tokens = sample(step.logits, step.sampling).tolist()
+        tokens = step.tokens  # sampled inside a decode graph, if the graph's sampler covers the batch
+        if tokens is None:
+            tokens = sample_tokens(step.logits, step.sampling, self.fused_sampling)
+        tokens = tokens.tolist()
         self.forward_seconds += time.perf_counter() - start
         return {seq.seq_id: tok for seq, tok in zip(step.seqs, tokens)}
 
@@ -126,17 +140,23 @@ class ModelRunner:
         if plan.swap_out or plan.swap_in:  # NOTE: after _build (nothing there may overwrite a swap_in), before the model
             self.swap(plan.swap_out, plan.swap_in)
         start = time.perf_counter()
+        tokens = None
         if self.graphs is not None and self.graphs.can_run(batch.meta, batch.input_ids.shape[0]):
-            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)  # [T, hidden]
+            # a decode step: every row samples, in batch order; the graph holds the lm_head and the sampler
+            hidden, tokens = self.graphs.run(batch.input_ids, batch.positions, batch.meta, batch.sampling)
+            logits = None
+            if not (self.fused_sampling and fused_covers(batch.sampling)):
+                tokens = None
+                logits = self.model.compute_logits(hidden)  # [T, vocab] float32 for the torch sampler
         else:
             self.backend.prepare(batch.meta)
             ctx = ForwardContext(self.kv, batch.meta)
             hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, hidden]
-        logits = None
-        if batch.sampling_seqs:
-            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] float32
+            logits = None
+            if batch.sampling_seqs:
+                logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] float32
         self.forward_seconds += time.perf_counter() - start
-        return None if logits is None else StepLogits(batch.sampling_seqs, logits, batch.sampling)
+        return None if not batch.sampling_seqs else StepLogits(batch.sampling_seqs, logits, batch.sampling, tokens)
 
     @torch.inference_mode()
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
@@ -148,17 +168,18 @@ class ModelRunner:
         swapped out this step may be the target of a swap_in or of this step's new tokens.
         """
         dim = self._block_dim
+        cache = self.kv_cache.view(torch.uint8)  # byte copies: index ops do not take every dtype (fp8)
         if self._host_kv is None:
-            shape = list(self.kv_cache.shape)
+            shape = list(cache.shape)
             shape[dim] = self.num_host_blocks
-            self._host_kv = torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda")
+            self._host_kv = torch.empty(shape, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         if swap_out:
             dev, host = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*swap_out))
-            self._host_kv.index_copy_(dim, host, self.kv_cache.index_select(dim, dev.to(self.device)).cpu())
+            self._host_kv.index_copy_(dim, host, cache.index_select(dim, dev.to(self.device)).cpu())
         if swap_in:
             host, dev = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*swap_in))
             blocks = self._host_kv.index_select(dim, host).to(self.device, non_blocking=True)
-            self.kv_cache.index_copy_(dim, dev.to(self.device), blocks)
+            cache.index_copy_(dim, dev.to(self.device), blocks)
 
     def _build(self, plan: StepPlan) -> "_Batch":
         n = len(plan.scheduled)
@@ -224,8 +245,9 @@ class ModelRunner:
 @dataclass(slots=True)
 class StepLogits:
     seqs: list[Sequence]  # the rows that sample, in the order of `logits`
-    logits: torch.Tensor  # float32 [N, vocab]
+    logits: torch.Tensor | None  # float32 [N, vocab]; None when a decode graph already sampled `tokens`
     sampling: SamplingBatch
+    tokens: torch.Tensor | None = None  # int64 [N] when already sampled (inside a decode graph)
 
 
 def _batch_order(item: tuple[Sequence, int]) -> tuple[int, int]:

@@ -1,6 +1,8 @@
 """Triton kernels for the GPU path, imported as `cbatch.kernels`.
 
-    store_kv            write this step's K/V into the paged cache
+    store_kv            write this step's K/V into the paged cache (fp8 caches: scaled, saturated)
+    norm_rope_store     per-head q/k RMSNorm + rotary + K/V store in one launch, on the packed qkv in place
+    fused_sample        greedy / temperature sampling in one pass over the logits
     paged_attention     decode + chunked-prefill attention over the paged cache (optional split-KV)
     rms_norm            HF-Llama RMSNorm
     fused_add_rms_norm  residual add + RMSNorm in one pass
@@ -33,20 +35,31 @@ except ImportError as _err:  # pragma: no cover - exercised only where triton is
     fused_add_rms_norm = _missing("fused_add_rms_norm")
     apply_rotary = _missing("apply_rotary")
     silu_and_mul = _missing("silu_and_mul")
+    norm_rope_store = _missing("norm_rope_store")
+    fused_sample = _missing("fused_sample")
     HAS_TRITON = False
 else:
     from .activation import silu_and_mul
     from .kv_store import store_kv
     from .paged_attention import paged_attention
     from .rmsnorm import fused_add_rms_norm, rms_norm
+    from .rope_store import norm_rope_store
     from .rotary import apply_rotary
+    from .sampler import fused_sample
+    from ._utils import interpreting, patch_interpreter_scalars
+    from .jit_stats import count_interpreted_launches
 
+    if interpreting():
+        patch_interpreter_scalars()  # triton 3.6 + NumPy >= 2.4 (see _utils)
+        count_interpreted_launches()  # see jit_stats
     HAS_TRITON = True
 
 __all__ = [
     "HAS_TRITON",
     "apply_rotary",
     "fused_add_rms_norm",
+    "fused_sample",
+    "norm_rope_store",
     "paged_attention",
     "rms_norm",
     "silu_and_mul",

@@ -31,9 +31,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 _TL_TYPE = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-    torch.int32: "i32", torch.int64: "i64",
+    torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
 }
-_MODULES = ("paged_attention", "kv_store", "rmsnorm", "rotary", "activation")
+_MODULES = ("paged_attention", "kv_store", "rmsnorm", "rotary", "activation", "rope_store", "sampler")
 
 
 class _Recorder:
@@ -95,19 +95,24 @@ def compile_call(jit_fn, args, kwargs, arch: int = 90):
 
 def _drive():
     """Call every wrapper on the shapes the engine will use (bf16 mostly; fp32/fp16 for the tests)."""
-    from cbatch.kernels import apply_rotary, fused_add_rms_norm, paged_attention, rms_norm, silu_and_mul, store_kv
+    from cbatch.kernels import (apply_rotary, fused_add_rms_norm, fused_sample, norm_rope_store, paged_attention,
+                                rms_norm, silu_and_mul, store_kv)
+
+    fp8 = torch.float8_e4m3fn
 
     def attention(label, dtype, num_q_heads, num_kv_heads, head_dim, q_lens, seq_len, block_size=16,
-                  sliding_window=None, num_splits=None):
+                  sliding_window=None, num_splits=None, cache_dtype=None):
         num_seqs = len(q_lens)
         blocks = -(-seq_len // block_size)
         q = torch.empty(sum(q_lens), num_q_heads, head_dim, dtype=dtype)
-        cache = torch.empty(blocks * num_seqs, block_size, num_kv_heads, head_dim, dtype=dtype)
+        cache = torch.empty(blocks * num_seqs, block_size, num_kv_heads, head_dim, dtype=cache_dtype or dtype)
+        scales = torch.ones(num_kv_heads) if cache_dtype is not None else None
         qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
         paged_attention(q, cache, cache, torch.empty_like(q), qsl,
                         torch.full((num_seqs,), seq_len, dtype=torch.int32),
                         torch.zeros(num_seqs, blocks, dtype=torch.int32), head_dim ** -0.5,
-                        max(q_lens), seq_len, sliding_window=sliding_window, num_splits=num_splits)
+                        max(q_lens), seq_len, sliding_window=sliding_window, num_splits=num_splits,
+                        k_scale=scales, v_scale=scales)
         return label
 
     yield attention("decode Qwen3-0.6B B64 ctx2048", torch.bfloat16, 16, 8, 128, [1] * 64, 2048)
@@ -121,6 +126,9 @@ def _drive():
     yield attention("mixed bf16 hd96 G4", torch.bfloat16, 16, 4, 96, [64, 1], 256)
     yield attention("mixed bf16 hd256 G8", torch.bfloat16, 16, 2, 256, [64, 1], 256)
     yield attention("mixed fp32 hd128 G4 (tests only)", torch.float32, 8, 2, 128, [64, 1], 256)
+    yield attention("decode Qwen3-0.6B B256 fp8 KV", torch.bfloat16, 16, 8, 128, [1] * 256, 2048, cache_dtype=fp8)
+    yield attention("decode Qwen3-0.6B B4 fp8 KV split", torch.bfloat16, 16, 8, 128, [1] * 4, 8192, cache_dtype=fp8)
+    yield attention("mixed Qwen3-0.6B fp8 KV", torch.bfloat16, 16, 8, 128, [512, 1, 1], 1024, cache_dtype=fp8)
 
     qkv = torch.empty(256, (16 + 2 * 8) * 128, dtype=torch.bfloat16)
     k = qkv[:, 16 * 128 : 24 * 128].view(256, 8, 128)
@@ -140,6 +148,21 @@ def _drive():
         yield f"fused_add_rms_norm bf16 hidden {hidden}"
     silu_and_mul(torch.empty(256, 2 * 3072, dtype=torch.bfloat16))
     yield "silu_and_mul bf16 I=3072"
+    positions, cos_sin = torch.zeros(256, dtype=torch.int64), torch.empty(4096, 128)
+    for label, cache_dtype, norms in (("Qwen3 bf16 KV", torch.bfloat16, True), ("Qwen3 fp8 KV", fp8, True),
+                                      ("Llama bf16 KV (no q/k norm)", torch.bfloat16, False)):
+        kv_cache = torch.empty(32, 16, 8, 128, dtype=cache_dtype)
+        weight = torch.empty(128, dtype=torch.bfloat16) if norms else None
+        scales = torch.ones(8) if cache_dtype == fp8 else None
+        norm_rope_store(qkv, 16, 8, positions, cos_sin, kv_cache, kv_cache, torch.zeros(256, dtype=torch.int64),
+                        weight, weight, 1e-6, scales, scales)
+        yield f"norm_rope_store {label}"
+    store_kv(k, v, torch.empty(32, 16, 8, 128, dtype=fp8), torch.empty(32, 16, 8, 128, dtype=fp8),
+             torch.zeros(256, dtype=torch.int64), torch.ones(8), torch.ones(8))
+    yield "store_kv fp8"
+    fused_sample(torch.empty(256, 151936), torch.empty(256), torch.empty(256, dtype=torch.int64),
+                 torch.empty(256, dtype=torch.int64))
+    yield "fused_sample vocab 151936"
 
 
 def main(arch: int = 90) -> int:

@@ -23,7 +23,7 @@ Work decomposition (ideas after vLLM's unified Triton attention; this is an inde
     L1), so any block size works and tiles may straddle blocks.
   * Online softmax in fp32 in the log2 domain (scores pre-multiplied by scale * log2(e), exp2).
   * Split-KV (flash-decoding): with few (sequence x kv head) programs and long contexts, a third grid
-    axis cuts each sequence's key tiles into NUM_SPLITS segments; each writes its normalised partial
+    axis cuts each sequence's key tiles into num_splits segments; each writes its normalised partial
     output and log2-sum-exp, and a second small kernel merges them.
 """
 
@@ -36,11 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_launchable, interpreting, next_pow2, on_device
+from ._utils import check_kv_cache_dtype, check_launchable, interpreting, next_pow2, on_device
 
 # Split-KV policy (decode-only batches). See _auto_num_splits.
 _MIN_KEYS_PER_SPLIT = 512  # below this a segment's fixed cost (q load, partial write, merge) starts to show
-_MAX_SPLITS = 16
+_MAX_SPLITS = 16  # a power of 2 (the merge kernel's tile)
 _DEFAULT_NUM_SMS = 132  # H100 SXM; used only when the inputs are not on a CUDA device (interpreter)
 
 
@@ -73,19 +73,24 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
-@triton.jit
+# Runtime sizes that change from step to step are never specialised on (Triton would otherwise compile a new
+# variant whenever one happens to be 1 or a multiple of 16): see cbatch/kernels/jit_stats.py.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    out_ptr,  # NUM_SPLITS == 1: out [num_tokens, num_q_heads, head_dim]
-    #           NUM_SPLITS > 1:  partial out, fp32 [num_tokens, num_q_heads, NUM_SPLITS, HEAD_DIM_PAD]
-    lse_ptr,  # NUM_SPLITS > 1: fp32 [num_tokens, num_q_heads, NUM_SPLITS] (log2-sum-exp); unused otherwise
+    out_ptr,  # not SPLIT: out [num_tokens, num_q_heads, head_dim]
+    #           SPLIT:     partial out, fp32 [num_tokens, num_q_heads, num_splits, HEAD_DIM_PAD]
+    lse_ptr,  # SPLIT: fp32 [num_tokens, num_q_heads, num_splits] (log2-sum-exp); unused otherwise
     query_start_loc_ptr,  # [B + 1]
     seq_lens_ptr,  # [B]
     block_table_ptr,  # [B, max_blocks_per_seq]
+    k_scale_ptr,  # KV_SCALED: fp32 [num_kv_heads], cache value x scale = key; unused otherwise
+    v_scale_ptr,  # KV_SCALED: fp32 [num_kv_heads]
     scale_log2,  # softmax scale * log2(e)
     num_seqs,
+    num_splits,  # key segments per (sequence, kv head); 1 unless SPLIT
     num_q_heads,
     sliding_window,  # only read when USE_WINDOW
     stride_qt, stride_qh,
@@ -100,9 +105,10 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # tile rows = (query token, group head) pairs
     BLOCK_Q: tl.constexpr,  # query tokens per program = BLOCK_M // GROUP
     TILE_N: tl.constexpr,  # keys per inner iteration
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # split-KV: a third grid axis of num_splits key segments, merged by _merge_splits_kernel
     DECODE_ONLY: tl.constexpr,  # every sequence has q_len <= 1: program_id(0) is the sequence
     USE_WINDOW: tl.constexpr,
+    KV_SCALED: tl.constexpr,  # the cache holds scaled low-precision values (fp8): dequantise with k/v_scale
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (tf32 would cost ~1e-3 accuracy), else "tf32" (ignored for 16-bit)
     DOT_UPCAST: tl.constexpr,  # interpreter only: do bf16 dots in fp32 (see _dot)
 ):
@@ -148,15 +154,18 @@ def _paged_attention_kernel(
         first_pos = ctx_len + q_block_local * BLOCK_Q
         tile_lo = tl.maximum(first_pos - sliding_window + 1, 0) // TILE_N
     tile_hi = tl.cdiv(key_hi, TILE_N)
-    if NUM_SPLITS > 1:
+    if SPLIT:
         # Segments cut the sequence's whole key range, so every query block of a sequence sees the same cuts.
-        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), NUM_SPLITS)
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), num_splits)
         tile_lo = tl.maximum(tile_lo, split * tiles_per_split)
         tile_hi = tl.minimum(tile_hi, (split + 1) * tiles_per_split)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)  # running unnormalised output
+    score_scale = scale_log2
+    if KV_SCALED:  # q.(k_scale * k) = k_scale * (q.k): one multiply per score, none per key element
+        score_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
     block_table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_head_ptr = k_cache_ptr + kv_head * stride_kh
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
@@ -176,9 +185,9 @@ def _paged_attention_kernel(
             v_head_ptr + phys[:, None] * stride_vb + in_block[:, None] * stride_vt + offs_d[None, :],
             mask=key_ok[:, None] & d_ok[None, :],
             other=0.0,
-        )  # [TILE_N, HEAD_DIM_PAD]
+        ).to(q.dtype)  # [TILE_N, HEAD_DIM_PAD]; fp8 -> q's dtype is exact
 
-        s = _dot(q, k, None, DOT_PRECISION, DOT_UPCAST) * scale_log2  # [BLOCK_M, TILE_N]
+        s = _dot(q, k.to(q.dtype), None, DOT_PRECISION, DOT_UPCAST) * score_scale  # [BLOCK_M, TILE_N]
         visible = key_ok[None, :] & (key[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (q_pos[:, None] - key[None, :] < sliding_window)
@@ -197,32 +206,34 @@ def _paged_attention_kernel(
     # (and, with splits, segments that hold no visible key).
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM_PAD]
-    if NUM_SPLITS == 1:
+    if KV_SCALED:  # P.(v_scale * v) = v_scale * (P.v)
+        o = o * tl.load(v_scale_ptr + kv_head)
+    if not SPLIT:
         tl.store(
             out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
     else:
-        part = (row * num_q_heads + head) * NUM_SPLITS + split  # [BLOCK_M] index into [T, Hq, NUM_SPLITS]
+        part = (row * num_q_heads + head) * num_splits + split  # [BLOCK_M] index into [T, Hq, num_splits]
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(lse_ptr + part, lse, mask=row_ok)
         tl.store(out_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], o, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _merge_splits_kernel(
-    part_out_ptr,  # fp32 [num_tokens, num_q_heads, NUM_SPLITS, HEAD_DIM_PAD]
-    lse_ptr,  # fp32 [num_tokens, num_q_heads, NUM_SPLITS]
+    part_out_ptr,  # fp32 [num_tokens, num_q_heads, num_splits, HEAD_DIM_PAD]
+    lse_ptr,  # fp32 [num_tokens, num_q_heads, num_splits]
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     query_start_loc_ptr,  # [B + 1]; rows at or past query_start_loc[B] are padding nobody wrote
     num_seqs,
+    num_splits,
     num_q_heads,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # a power of 2 >= num_splits (one value for every launch: no recompiles)
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -230,8 +241,8 @@ def _merge_splits_kernel(
         return
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    s_ok = offs_s < NUM_SPLITS
-    base = (row * num_q_heads + head) * NUM_SPLITS
+    s_ok = offs_s < num_splits
+    base = (row * num_q_heads + head) * num_splits
     lse = tl.load(lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))  # [SPLITS_PAD]
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # cannot happen for a real row; keeps the guard NaN-free
@@ -310,6 +321,22 @@ def _auto_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_s
     return splits if splits >= 2 else 1
 
 
+def _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale) -> bool:
+    """Shapes, dtypes and strides of a launch; True for an fp8 cache (with its scales)."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, kv_head_dim = k_cache.shape[2], k_cache.shape[3]
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    if kv_head_dim != head_dim or out.shape != q.shape:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, out {tuple(out.shape)}, cache {tuple(k_cache.shape)}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    return check_kv_cache_dtype(q.dtype, k_cache, v_cache, k_scale, v_scale)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -323,27 +350,20 @@ def paged_attention(
     max_seq_len: int,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the flat batch `q` against the paged KV cache; writes and returns `out`.
 
     max_query_len / max_seq_len are host-side upper bounds of the per-sequence q_len / seq_len (they pick
     tile shapes and the split count; nothing is read back from the device). num_splits forces the
     split-KV factor (1 = no split); None chooses automatically.
+    An fp8 cache (float8_e4m3fn) needs k_scale / v_scale, fp32 [num_kv_heads]: key = cache value x k_scale.
     Rows of `out` past query_start_loc[-1] (padding) are left untouched.
     """
     num_tokens, num_q_heads, head_dim = q.shape  # q: [num_tokens, num_q_heads, head_dim]
     num_blocks, block_size, num_kv_heads, kv_head_dim = k_cache.shape
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    if kv_head_dim != head_dim or out.shape != q.shape:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, out {tuple(out.shape)}, cache {tuple(k_cache.shape)}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
-    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension")
+    kv_scaled = _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale)
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
     device = check_launchable(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table)
@@ -356,20 +376,20 @@ def paged_attention(
     block_m, tile_n, num_warps = _select_tiles(head_dim_pad, group, max_query_len, q.dtype == torch.float32)
     block_q = block_m // group
     decode_only = max_query_len <= 1
-    # A window at least as long as any context masks nothing: drop it at compile time.
-    use_window = sliding_window is not None and sliding_window < max_seq_len
+    # Not `sliding_window < max_seq_len`: that would flip as contexts grow and compile a new variant mid-run.
+    use_window = sliding_window is not None
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if num_splits is None:
         num_splits = _auto_num_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len, device)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{_MAX_SPLITS}, got {num_splits}")
 
     dot_upcast = interpreting() and q.dtype == torch.bfloat16
     num_q_blocks = num_seqs if decode_only else num_tokens // block_q + num_seqs
     grid = (num_q_blocks, num_kv_heads, num_splits)
     if num_splits == 1:
-        target, lse = out, out  # lse_ptr is never read when NUM_SPLITS == 1
+        target, lse = out, out  # lse_ptr is never read without SPLIT
     else:
         target = torch.empty((num_tokens, num_q_heads, num_splits, head_dim_pad), dtype=torch.float32, device=device)
         lse = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=device)
@@ -378,8 +398,10 @@ def paged_attention(
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, target, lse,
             query_start_loc, seq_lens, block_table,
+            k_scale if kv_scaled else seq_lens, v_scale if kv_scaled else seq_lens,  # never read unless KV_SCALED
             float(scale) * math.log2(math.e),
             num_seqs,
+            num_splits,
             num_q_heads,
             int(sliding_window) if use_window else 0,
             q.stride(0), q.stride(1),
@@ -394,9 +416,10 @@ def paged_attention(
             BLOCK_M=block_m,
             BLOCK_Q=block_q,
             TILE_N=tile_n,
-            NUM_SPLITS=num_splits,
+            SPLIT=num_splits > 1,
             DECODE_ONLY=decode_only,
             USE_WINDOW=use_window,
+            KV_SCALED=kv_scaled,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=dot_upcast,
             num_warps=num_warps,
@@ -405,12 +428,12 @@ def paged_attention(
             _merge_splits_kernel[(num_tokens, num_q_heads)](
                 target, lse, out, query_start_loc,
                 num_seqs,
+                num_splits,
                 num_q_heads,
                 out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim,
                 HEAD_DIM_PAD=head_dim_pad,
-                NUM_SPLITS=num_splits,
-                SPLITS_PAD=next_pow2(num_splits),
+                SPLITS_PAD=_MAX_SPLITS,
                 num_warps=4,
             )
     return out

@@ -36,16 +36,20 @@ def _rotate_heads(
     ptr2 = ptr1 + HALF
     x1 = tl.load(ptr1, mask=mask, other=0.0)
     x2 = tl.load(ptr2, mask=mask, other=0.0)
-    dt = x1.dtype
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
-    # every intermediate rounded to the activation dtype, as eager torch does
-    a1 = (x1f * c[None, :]).to(dt).to(tl.float32)
-    b1 = (-x2f * s[None, :]).to(dt).to(tl.float32)
-    a2 = (x2f * c[None, :]).to(dt).to(tl.float32)
-    b2 = (x1f * s[None, :]).to(dt).to(tl.float32)
-    tl.store(ptr1, (a1 + b1).to(dt), mask=mask)
-    tl.store(ptr2, (a2 + b2).to(dt), mask=mask)
+    out1, out2 = rotate_halves(x1.to(tl.float32), x2.to(tl.float32), c, s, x1.dtype)
+    tl.store(ptr1, out1, mask=mask)
+    tl.store(ptr2, out2, mask=mask)
+
+
+@triton.jit
+def rotate_halves(x1, x2, c, s, dt):
+    """NeoX rotary of heads given as halves [HEADS, HALF] (fp32 values of dtype `dt`), c/s [HALF]: every
+    product and the sum rounded to `dt`, as eager torch does. Returns the rotated halves in `dt`."""
+    a1 = (x1 * c[None, :]).to(dt).to(tl.float32)
+    b1 = (-x2 * s[None, :]).to(dt).to(tl.float32)
+    a2 = (x2 * c[None, :]).to(dt).to(tl.float32)
+    b2 = (x1 * s[None, :]).to(dt).to(tl.float32)
+    return (a1 + b1).to(dt), (a2 + b2).to(dt)
 
 
 @triton.jit

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cbatch.model.backend import AttentionMetadata, Backend, RotaryStep
+from cbatch.model.backend import AttentionMetadata, Backend, KVLayer, RotaryStep
 from cbatch.model.layers import Linear, RMSNorm, linear, packed_linear, prepack_weight, rope_cos_sin_cache, rope_inv_freq
 from cbatch.model.spec import ModelSpec
 
@@ -23,6 +23,12 @@ class KVCacheView:
 
     k: list[torch.Tensor]  # one per layer, `kv_cache_shape`
     v: list[torch.Tensor]
+    scales: torch.Tensor | None = None  # fp8 caches: float32 [layers, 2 (K|V), num_kv_heads]
+
+    def layer(self, i: int) -> KVLayer:
+        if self.scales is None:
+            return KVLayer(self.k[i], self.v[i])
+        return KVLayer(self.k[i], self.v[i], self.scales[i, 0], self.scales[i, 1])
 
 
 class Attention(nn.Module):
@@ -44,16 +50,8 @@ class Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, rope: RotaryStep, ctx: "ForwardContext") -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.backend.apply_rotary(q, k, rope)
-        out = self.backend.attention(
-            q, k, v.contiguous(), ctx.kv.k[self.layer_idx], ctx.kv.v[self.layer_idx], ctx.meta, self.scale, self.sliding_window
-        )  # [T, Hq, D]
+        # the backend splits heads, applies q/k norms and rotary, stores k/v and attends
+        out = self.backend.attention(qkv, self, rope, ctx.kv.layer(self.layer_idx), ctx.meta)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

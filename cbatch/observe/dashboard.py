@@ -38,8 +38,9 @@ class Dashboard:
     def __init__(self, metrics: JobMetrics, options, refresh_per_second: float = REFRESH_PER_SECOND, start: bool = True,
                  console=None) -> None:
         self.metrics = metrics
-        self.max_num_seqs = options.engine.max_num_seqs
-        self.token_budget = options.engine.max_num_batched_tokens
+        # a local job passes its engine's limits; Ray replicas size their own on GPUs (None: shares not shown)
+        self.max_num_seqs = options.engine.max_num_seqs or 0
+        self.token_budget = options.engine.max_num_batched_tokens or 0
         self._live = Live(get_renderable=self.render, refresh_per_second=refresh_per_second, transient=False,
                           console=console)
         if start:
@@ -78,8 +79,11 @@ class Dashboard:
         table.add_row("output tok/s", f"{recent_out:,.1f} recent  {m.output_tokens / elapsed:,.1f} overall")
         table.add_row("prompt tok/s", f"{recent_prompt:,.1f} recent  {m.prompt_tokens / elapsed:,.1f} overall")
         table.add_row("batch", f"running {engine.running}  waiting {engine.waiting}  preempted {engine.preemptions}")
-        table.add_row("occupancy", f"{engine.running / self.max_num_seqs:.0%} of {self.max_num_seqs} seqs")
-        table.add_row("token budget", f"{(last.scheduled_tokens if last else 0) / self.token_budget:.0%} of {self.token_budget} per step")
+        step_tokens = last.scheduled_tokens if last else 0
+        if self.max_num_seqs and self.token_budget:
+            table.add_row("occupancy", f"{engine.running / self.max_num_seqs:.0%} of {self.max_num_seqs} seqs")
+            table.add_row("token budget", f"{step_tokens / self.token_budget:.0%} of {self.token_budget} per step")
         table.add_row("KV blocks", f"{engine.kv_used}/{engine.kv_total} ({engine.kv_used / kv_total:.0%})")
-        table.add_row("occupancy ▸", sparkline([s.running / self.max_num_seqs for s in window]))
+        if self.max_num_seqs:
+            table.add_row("occupancy ▸", sparkline([s.running / self.max_num_seqs for s in window]))
         return Group(Text("cbatch run", style="bold"), progress, table)

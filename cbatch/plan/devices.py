@@ -68,19 +68,20 @@ class DeviceKind:
     def kv_pool(self, config: EngineConfig, model: ResolvedModel) -> KVPool:
         """The KV pool a run of `config` would get here (see the module docstring)."""
         spec, dtype, max_model_len = model.spec, model.dtype, model.max_model_len
+        kv_dtype = memory.kv_cache_dtype(config, dtype)
         if config.num_kv_blocks is not None:
             blocks = config.num_kv_blocks
         elif self.memory_gib is None:
-            blocks = memory.cpu_kv_blocks(config, spec, dtype, max_model_len)
+            blocks = memory.cpu_kv_blocks(config, spec, kv_dtype, max_model_len)
         else:
             dtype_bytes = torch.finfo(dtype).bits // 8
             weights = (spec.num_params() + spec.vocab_size * spec.hidden_size) * dtype_bytes + CUDA_CONTEXT_BYTES
             try:
-                blocks = memory.kv_blocks_in_gpu_memory(config, spec, dtype, max_model_len, self.memory_gib * 2**30,
+                blocks = memory.kv_blocks_in_gpu_memory(config, spec, kv_dtype, max_model_len, self.memory_gib * 2**30,
                                                         weights, activation_estimate(config, model))
             except MemoryError as exc:
                 raise PlanError(f"--device-kind {self.name}: {exc}") from None
-        return KVPool(blocks, memory.host_kv_blocks(config, spec, dtype, blocks))
+        return KVPool(blocks, memory.host_kv_blocks(config, spec, kv_dtype, blocks))
 
     def default_cost(self, model: ResolvedModel) -> CostModel:
         if self.peak_tflops is None or self.peak_tb_per_s is None:

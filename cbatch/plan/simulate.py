@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from cbatch.bench.simulator import CostModel, SimulatedRunner
 from cbatch.config import EngineConfig, SamplingParams
+from cbatch.engine import memory
 from cbatch.engine.build import ResolvedModel
 from cbatch.engine.engine import Engine
 from cbatch.engine.scheduler import StepPlan
@@ -116,8 +117,10 @@ class Simulation:
 def simulate_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, total_rows: int,
                   cache: RowCache | None = None) -> Simulation:
     """Every row through LocalExecutor and the planned engine, driven by the job's own loop. A row found
-    in `cache` (opened for lookups only) is not simulated: the run would copy it."""
+    in `cache` (opened for lookups only) is not simulated: the run would copy it. The step limits the run
+    would get on the planned device fill in what `config` leaves unset."""
     spec = setup.model.spec
+    config = memory.with_step_limits(config, setup.kind.device)
     engine = PlannedEngine(
         config, PlannedRunner(setup.cost, spec.eos_token_ids, spec.vocab_size), setup.kind.kv_pool(config, setup.model),
         setup.model.max_model_len, spec=spec, tokenizer=setup.tokenizer, device=setup.model.device,

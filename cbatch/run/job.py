@@ -6,7 +6,7 @@ driver loop with the job's state, display and interrupts) and `conclude_job` (re
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Callable
 
 from cbatch.config import EngineConfig, UserError
@@ -42,6 +42,10 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
         return EXIT_OK
     cache = open_row_cache(options.result_cache, options.result_cache_limit, prepared.model, prepared.config)
     engine = load_engine(prepared, make_engine)
+    # the engine's config has the step limits it runs with (a GPU sizes them from memory): displays and
+    # the report show those
+    options = replace(options, engine=engine.config)
+    prepared = replace(prepared, config=engine.config)
     metrics = JobMetrics(total_rows=prepared.total_rows)
     executor = LocalExecutor(engine, options.defaults, metrics, options.lookahead, cache)
     code = run_rows(options, prepared, executor, metrics, make_progress or make_display)

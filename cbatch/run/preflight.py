@@ -99,6 +99,8 @@ def job_fingerprint(options: JobOptions, model: ResolvedModel) -> dict[str, str]
         "seed": options.engine.seed,
         "defaults": asdict(options.defaults),
     }
+    if options.engine.kv_cache_dtype != "auto":  # fp8 KV changes completions (absent for auto: old digests hold)
+        settings["kv_cache_dtype"] = options.engine.kv_cache_dtype
     return {"input": file_digest(options.input), "settings": settings_digest(settings)}
 
 

@@ -320,7 +320,8 @@ class RayExecutor:
         self.metrics.forward_seconds = sum(s.forward_seconds for s in snapshots)
         options = self.options
         report = build_report(
-            self.metrics, total, wall_seconds=wall_seconds, max_num_seqs=options.engine.max_num_seqs,
+            self.metrics, total, wall_seconds=wall_seconds,
+            max_num_seqs=max((s.max_num_seqs for s in snapshots), default=0),  # what the replicas ran with
             num_kv_blocks=max((s.num_kv_blocks for s in snapshots), default=0),
             settings={"engine": asdict(options.engine), "defaults": asdict(options.defaults),
                       "device": ", ".join(sorted({s.device for s in snapshots})),

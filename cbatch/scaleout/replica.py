@@ -92,7 +92,7 @@ class Replica:
                 self.executor = LocalExecutor(engine, self.defaults, JobMetrics())
                 self.stats = ReplicaStats(
                     replica=self.replica, host=socket.gethostname(), device=str(engine.device),
-                    num_kv_blocks=engine.pool.num_blocks, max_num_seqs=self.config.max_num_seqs,
+                    num_kv_blocks=engine.pool.num_blocks, max_num_seqs=engine.config.max_num_seqs,
                 )
                 self._ready = time.perf_counter()
                 self._engine = engine

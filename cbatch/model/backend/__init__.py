@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from cbatch.model.backend.metadata import AttentionMetadata, kv_cache_shape
+from cbatch.model.backend.metadata import FP8_KV_DTYPE, AttentionLayer, AttentionMetadata, KVLayer, kv_cache_shape
 from cbatch.model.backend.rotary import RotaryStep
 from cbatch.model.backend.torch_backend import TorchBackend
 from cbatch.model.backend.triton_backend import TritonBackend
@@ -26,12 +26,11 @@ class Backend(Protocol):
     supports_cuda_graphs: bool
 
     def prepare(self, meta: AttentionMetadata) -> None: ...
-    def attention(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                  sliding_window: int | None) -> torch.Tensor: ...
+    def attention(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
+                  meta: AttentionMetadata) -> torch.Tensor: ...  # norms, rotary, KV store, attention
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
     def add_rms_norm(self, x, residual, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
     def rotary(self, positions: torch.Tensor, cos_sin: torch.Tensor, dtype: torch.dtype) -> RotaryStep: ...
-    def apply_rotary(self, q, k, rope: RotaryStep) -> tuple[torch.Tensor, torch.Tensor]: ...
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -58,6 +57,6 @@ def make_backend(name: str, device: torch.device) -> Backend:
 
 
 __all__ = [
-    "AttentionMetadata", "BACKENDS", "Backend", "BackendUnavailable", "RotaryStep", "TorchBackend", "TritonBackend",
-    "backend_name", "kv_cache_shape", "make_backend",
+    "AttentionLayer", "AttentionMetadata", "BACKENDS", "Backend", "BackendUnavailable", "FP8_KV_DTYPE", "KVLayer",
+    "RotaryStep", "TorchBackend", "TritonBackend", "backend_name", "kv_cache_shape", "make_backend",
 ]

@@ -8,6 +8,7 @@ attends causally to every cached token up to it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -30,3 +31,37 @@ class AttentionMetadata:
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """One layer's K (or V) cache, for every backend: slot = block * block_size + offset."""
     return (num_blocks, block_size, num_kv_heads, head_dim)
+
+
+# The fp8 KV cache (--kv-cache-dtype fp8): e4m3 with finite values only, the format Hopper's tensor cores read.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = 448.0  # its largest finite value: stores saturate here (a plain cast of a larger value is NaN)
+
+
+@dataclass(slots=True)
+class KVLayer:
+    """One layer's paged K and V caches (`kv_cache_shape` each). An fp8 cache (--kv-cache-dtype fp8) holds
+    key / k_scale per kv head: k_scale, v_scale are float32 [num_kv_heads]; None for a cache in the
+    activations' dtype."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+class NormWeight(Protocol):
+    weight: torch.Tensor
+    eps: float
+
+
+class AttentionLayer(Protocol):
+    """What a backend needs to know of an attention layer (the model's `Attention` module is one)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None
+    q_norm: NormWeight | None  # Qwen3's per-head RMSNorm on q and k, before rotary
+    k_norm: NormWeight | None

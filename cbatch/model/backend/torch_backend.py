@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from cbatch.model.backend.metadata import AttentionMetadata
+from cbatch.model.backend.metadata import FP8_KV_MAX, AttentionLayer, AttentionMetadata, KVLayer
 from cbatch.model.backend.rotary import RotaryStep
 
 
@@ -35,34 +35,44 @@ class TorchBackend:
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state = _TorchStepState.build(meta)
 
-    def attention(
-        self,
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        """Stores this step's k/v at `slot_mapping`, then attends; returns [T, Hq, D]."""
+    def attention(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """The attention block on the packed projection qkv [T, (Hq + 2 Hkv) * D]: q/k norms (Qwen3), rotary,
+        this step's k/v stored at `slot_mapping`, then attention over the cache; returns [T, Hq, D]."""
+        num_tokens, heads, kv_heads, head_dim = qkv.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q = q.view(num_tokens, heads, head_dim)
+        k = k.view(num_tokens, kv_heads, head_dim)
+        v = v.contiguous().view(num_tokens, kv_heads, head_dim)
+        if layer.q_norm is not None:
+            q = self.rms_norm(q, layer.q_norm.weight, layer.q_norm.eps)
+            k = self.rms_norm(k, layer.k_norm.weight, layer.k_norm.eps)
+        q, k = _rotate(q, rope), _rotate(k, rope)
+        return self.attend(q, k, v, kv, meta, layer.scale, layer.sliding_window)
+
+    def attend(self, q, k, v, kv: KVLayer, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None) -> torch.Tensor:
+        """Stores this step's k/v [T, Hkv, D] at `slot_mapping`, then attends; returns [T, Hq, D]."""
         state: _TorchStepState = meta.backend_state
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_slots = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
-        v_slots = v_cache.view(-1, num_kv_heads, head_dim)
+        cache = _CacheReader(kv, q.dtype)
+        stored_k, stored_v = cache.stored(k, kv.k_scale), cache.stored(v, kv.v_scale)  # what the cache will hold
+        k_slots = cache.raw(kv.k).view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+        v_slots = cache.raw(kv.v).view(-1, num_kv_heads, head_dim)
         if state.store_all:
-            k_slots.index_copy_(0, meta.slot_mapping, k)
-            v_slots.index_copy_(0, meta.slot_mapping, v)
+            k_slots.index_copy_(0, meta.slot_mapping, cache.raw(stored_k))
+            v_slots.index_copy_(0, meta.slot_mapping, cache.raw(stored_v))
         else:
-            k_slots.index_copy_(0, state.store_slots, k[state.store_rows])
-            v_slots.index_copy_(0, state.store_slots, v[state.store_rows])
+            k_slots.index_copy_(0, state.store_slots, cache.raw(stored_k)[state.store_rows])
+            v_slots.index_copy_(0, state.store_slots, cache.raw(stored_v)[state.store_rows])
+        if cache.scaled:  # attend to what the cache holds, whether read back or fresh: chunking changes nothing
+            k, v = cache.dequantize(stored_k, kv.k_scale), cache.dequantize(stored_v, kv.v_scale)
 
         out = torch.empty_like(q)
         for group in state.decode_groups:
-            group.attend(q, out, k_cache, v_cache, scale, sliding_window)
+            group.attend(q, out, cache, scale, sliding_window)
         for chunk in state.prefills:
-            chunk.attend(q, k, v, k_slots, v_slots, out, scale, sliding_window)
+            chunk.attend(q, k, v, cache, out, scale, sliding_window)
         return out
 
     # ---- the model's small ops, with HF transformers' numerics ----------------------------------
@@ -85,14 +95,43 @@ class TorchBackend:
         return RotaryStep(positions, cos_sin, torch.cat([cos, cos], dim=-1).unsqueeze(1),
                           torch.cat([-sin, sin], dim=-1).unsqueeze(1))
 
-    def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, rope: RotaryStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """NeoX-style rotary (HF's rotate_half) on q [T, Hq, D] and k [T, Hkv, D]."""
-        return _rotate(q, rope), _rotate(k, rope)
-
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2 * intermediate] (gate | up) -> [T, intermediate]"""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # one [T, intermediate] allocation, not two
+
+
+class _CacheReader:
+    """Reads and writes one layer's cache in the activations' dtype. An fp8 cache stores
+    (x / scale).clamp(+-448).to(float8_e4m3fn) per kv head (the Triton store's value) and reads back
+    fp8 x scale; its copies go through uint8 views (CPU index ops do not take float8)."""
+
+    __slots__ = ("kv", "dtype", "scaled")
+
+    def __init__(self, kv: KVLayer, dtype: torch.dtype) -> None:
+        self.kv, self.dtype = kv, dtype
+        self.scaled = kv.k_scale is not None
+
+    def raw(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8) if self.scaled else t
+
+    def stored(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """x [T, Hkv, D] as the cache will hold it."""
+        if not self.scaled:
+            return x
+        return (x.float() / scale[:, None]).clamp_(-FP8_KV_MAX, FP8_KV_MAX).to(self.kv.k.dtype)
+
+    def dequantize(self, stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """[..., Hkv, D] cache values -> the activations' dtype."""
+        if not self.scaled:
+            return stored
+        return (stored.float() * scale[:, None]).to(self.dtype)
+
+    def gather(self, cache: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """cache[index] along dim 0, in the activations' dtype."""
+        if not self.scaled:
+            return cache.index_select(0, index)
+        return self.dequantize(cache.view(torch.uint8).index_select(0, index).view(cache.dtype), scale)
 
 
 def _rotate(x: torch.Tensor, rope: RotaryStep) -> torch.Tensor:
@@ -153,15 +192,16 @@ class _DecodeGroup:
             masked |= (self.lens[:, None] - 1 - pos[None, :]) >= sliding_window
         return masked[:, None, None, :]
 
-    def attend(self, q, out, k_cache, v_cache, scale: float, sliding_window: int | None) -> None:
+    def attend(self, q, out, cache: _CacheReader, scale: float, sliding_window: int | None) -> None:
         """out[rows] = attention of q[rows] [n, Hq, D] over the rows' gathered contexts."""
         n = self.num_rows
         num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k_cache.shape[2]
+        kv = cache.kv
+        num_kv_heads = kv.k.shape[2]
         # entries past a row's last block are stale or 0: they name zero-initialised or previously
         # written blocks (finite values), and the bias masks them out.
-        keys = k_cache.index_select(0, self.blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2).contiguous()
-        values = v_cache.index_select(0, self.blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2).contiguous()
+        keys = cache.gather(kv.k, self.blocks, kv.k_scale).view(n, -1, num_kv_heads, head_dim).transpose(1, 2).contiguous()
+        values = cache.gather(kv.v, self.blocks, kv.v_scale).view(n, -1, num_kv_heads, head_dim).transpose(1, 2).contiguous()
         # query heads h*G .. h*G+G-1 share KV head h: batch over (row, KV head), the G heads as matrix rows
         q_rows = q[self.rows].reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # a view unless q is strided
         scores = torch.matmul(q_rows, keys.transpose(2, 3))  # [n, Hkv, G, L]
@@ -192,12 +232,15 @@ class _PrefillChunk:
             masked |= q_pos - k_pos >= sliding_window
         return masked
 
-    def attend(self, q, k, v, k_slots, v_slots, out, scale: float, sliding_window: int | None) -> None:
+    def attend(self, q, k, v, cache: _CacheReader, out, scale: float, sliding_window: int | None) -> None:
         rows = slice(self.start, self.start + self.q_len)
         if self.slots is None:  # fresh prefill: the context is exactly this chunk
             k_seq, v_seq = k[rows], v[rows]  # [ctx, Hkv, D]
         else:
-            k_seq, v_seq = k_slots.index_select(0, self.slots), v_slots.index_select(0, self.slots)
+            kv = cache.kv
+            num_kv_heads, head_dim = kv.k.shape[2], kv.k.shape[3]
+            k_seq = cache.gather(kv.k.view(-1, num_kv_heads, head_dim), self.slots, kv.k_scale)
+            v_seq = cache.gather(kv.v.view(-1, num_kv_heads, head_dim), self.slots, kv.v_scale)
         if q.dtype != torch.float32 and self.q_len * self.ctx <= MATMUL_PREFILL_MAX_PAIRS:
             out[rows] = self._attend_matmul(q[rows], k_seq, v_seq, scale, sliding_window)
             return

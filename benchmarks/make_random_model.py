@@ -1,0 +1,34 @@
+"""A random-weight checkpoint of a preset shape, written by HF transformers (benchmarks; no download).
+
+    python benchmarks/make_random_model.py qwen3-0.6b /tmp/qwen3-0.6b-random   # the nano-vllm workload's model
+
+bfloat16, seed 0; does nothing when the folder already holds a config.json (a warm GPU machine keeps it).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+from cbatch.model.presets import preset_config
+
+
+def main(preset: str, folder: str) -> int:
+    if (Path(folder) / "config.json").is_file():
+        print(f"{folder} exists")
+        return 0
+    config = preset_config(preset)
+    architecture = config.pop("architectures")[0]
+    config.pop("torch_dtype", None)
+    hf_config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(**config)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    print(f"saved {folder}: {preset}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters, bfloat16")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))

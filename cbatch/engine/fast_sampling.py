@@ -1,0 +1,47 @@
+"""Where the GPU path samples: the one-pass kernel (`cbatch.kernels.fused_sample`: greedy and temperature
+with the torch sampler's counter-based noise) for batches it covers, `cbatch.engine.sampler.sample` otherwise.
+
+The kernel reads only temperatures, seeds and positions. Every other field of `SamplingBatch` must hold
+its neutral value for the kernel to take the batch; a field this module does not know (a sampling option
+added later) sends the batch to the torch sampler, so a new option is never silently ignored here.
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+
+import torch
+
+from cbatch.engine.sampler import SamplingBatch, sample
+
+KERNEL_FIELDS = frozenset({"temperatures", "seeds", "positions"})
+NEUTRAL = {  # field -> "every row leaves this option off"
+    "top_ps": lambda values: all(p >= 1.0 for p in values),
+    "top_ks": lambda values: all(k == 0 for k in values),
+}
+
+
+def fused_covers(batch: SamplingBatch) -> bool:
+    """True when the kernel computes exactly what `sample` would for every row of `batch`."""
+    for f in fields(batch):
+        if f.name in KERNEL_FIELDS:
+            continue
+        neutral = NEUTRAL.get(f.name)
+        if neutral is None or not neutral(getattr(batch, f.name)):
+            return False
+    return True
+
+
+def kernel_inputs(batch: SamplingBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(temperatures float32, seeds int64, positions int64), each [N], on `device`."""
+    return (torch.tensor(batch.temperatures, dtype=torch.float32, device=device),
+            torch.tensor(batch.seeds, dtype=torch.int64, device=device),
+            torch.tensor(batch.positions, dtype=torch.int64, device=device))
+
+
+def sample_tokens(logits: torch.Tensor, batch: SamplingBatch, fused: bool) -> torch.Tensor:
+    """Token ids int64 [N] for float32 logits [N, vocab]: the kernel when `fused` and it covers the batch."""
+    if fused and fused_covers(batch):
+        from cbatch.kernels import fused_sample
+
+        return fused_sample(logits, *kernel_inputs(batch, logits.device))
+    return sample(logits, batch)
