@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import ARCHS, make_checkpoint  # noqa: E402
+from tiny_models import ARCHS, make_checkpoint, make_family_checkpoint  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -27,6 +27,20 @@ def pytest_configure(config) -> None:
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {arch: make_checkpoint(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory):
+    """name -> the tiny checkpoint of tiny_models.FAMILIES[name], written on first use."""
+    root = tmp_path_factory.mktemp("families")
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = make_family_checkpoint(name, root / name)
+        return made[name]
+
+    return get
 
 
 @pytest.fixture(scope="session")
