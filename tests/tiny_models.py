@@ -70,23 +70,23 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 
 
 # The families added with issue 17, built on demand (`family_checkpoint` fixture) so sessions that do not
-# test them do not pay for them. Small head_dim, two or three layers, windows shorter than the prompts.
+# test them do not pay for them. Small head_dim, two or three layers, windows (8) shorter than the prompts.
 _LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.9, 2.6], "long_factor": [1.1, 2.0, 3.9, 7.5]}
 FAMILIES: dict[str, dict] = {
     # Gemma scales embeddings by sqrt(hidden): shrunk (`embed_gain`) so that attention, not the current
     # token alone, decides the argmax (else a wrong window or soft-cap would still give the same tokens)
-    "gemma2": dict(cls="Gemma2Config", head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
-                   attn_logit_softcapping=20.0, final_logit_softcapping=30.0, embed_gain=0.1),
-    "gemma3": dict(cls="Gemma3TextConfig", head_dim=16, query_pre_attn_scalar=24, sliding_window=24, embed_gain=0.1,
+    "gemma2": dict(cls="Gemma2Config", head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                   attn_logit_softcapping=20.0, final_logit_softcapping=2.0, embed_gain=0.1),
+    "gemma3": dict(cls="Gemma3TextConfig", head_dim=16, query_pre_attn_scalar=24, sliding_window=8, embed_gain=0.1,
                    num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
-    "phi3": dict(cls="Phi3Config", tie_word_embeddings=False, sliding_window=24),
-    # partial rotary (8 of 16 dimensions) with longrope past an original context of 32
+    "phi3": dict(cls="Phi3Config", tie_word_embeddings=False, sliding_window=8),
+    # partial rotary (8 of 16 dimensions) with longrope past an original context of 16
     "phi3-longrope": dict(cls="Phi3Config", tie_word_embeddings=False, num_attention_heads=4, head_dim=16,
-                          partial_rotary_factor=0.5, original_max_position_embeddings=32, rope_scaling=_LONGROPE),
+                          partial_rotary_factor=0.5, original_max_position_embeddings=16, rope_scaling=_LONGROPE),
     "mixtral": dict(cls="MixtralConfig", num_local_experts=8, num_experts_per_tok=2, intermediate_size=48,
-                    sliding_window=24, tie_word_embeddings=False),
+                    sliding_window=8, tie_word_embeddings=False),
     "qwen2_moe": dict(cls="Qwen2MoeConfig", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
                       tie_word_embeddings=False),
