@@ -117,6 +117,17 @@ class ModelSpec:
         its top-k experts only. The FLOPs per token are twice this."""
         return self._layer_params(self.moe.top_k if self.moe else None) + self.vocab_size * self.hidden_size
 
+    def params_read(self, tokens: float) -> float:
+        """Parameters a step of `tokens` tokens reads from memory (lm_head included): every dense weight,
+        and of each MoE layer's experts the expected number that at least one token picks,
+        E * (1 - (1 - k / E) ** tokens) with uniform routing (all of them once tokens >> E / k)."""
+        if self.moe is None:
+            return float(self.num_params())
+        moe = self.moe
+        touched = moe.num_experts * (1.0 - (1.0 - moe.top_k / moe.num_experts) ** max(tokens, 0.0))
+        untouched_params = (moe.num_experts - touched) * 3 * self.hidden_size * moe.intermediate_size
+        return self.num_params() - sum(moe.sparse_layers) * untouched_params
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
@@ -247,8 +258,9 @@ def _gemma_switches(cfg: dict[str, Any], family: str, hidden: int) -> dict[str, 
 
 
 def _activation(cfg: dict[str, Any], family: str) -> str:
-    name = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
-    if family in ("gemma2", "gemma3") and name == "gelu":
+    gemma = family in ("gemma2", "gemma3")
+    name = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    if gemma and name == "gelu":
         name = "gelu_pytorch_tanh"  # early Gemma configs say gelu; HF runs the tanh approximation
     if name not in _ACTIVATIONS:
         raise UnsupportedModelError(f"activation {name!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
