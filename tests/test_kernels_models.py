@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from cbatch.kernels import apply_rotary, fp8_linear, fused_add_rms_norm, fused_moe, gelu_tanh_and_mul, rms_norm  # noqa: E402
-from cbatch.kernels.grouped_gemm import _sort_by_expert  # noqa: E402
+from cbatch.kernels.grouped_gemm import sort_by_expert  # noqa: E402
 from cbatch.model.backend import TorchBackend  # noqa: E402
 from cbatch.model.quant import FP8_DTYPE, dequantize  # noqa: E402
 
@@ -104,7 +104,7 @@ def test_fused_moe_fp8_experts(block):
 
 def test_sort_by_expert_groups_every_assignment_once():
     ids = torch.tensor([[5, 0], [5, 2], [0, 5], [7, 2]], device=DEVICE)
-    sorted_ids, block_expert, used = _sort_by_expert(ids, num_experts=8, block_m=4)
+    sorted_ids, block_expert, used = sort_by_expert(ids, num_experts=8, block_m=4)
     flat = ids.flatten().cpu()
     sorted_ids, block_expert = sorted_ids.cpu(), block_expert.cpu()
     assert int(used) == 16  # experts 0, 2, 5, 7: one padded block of 4 rows each

@@ -1,4 +1,4 @@
-"""Gemma 2/3, Phi-3 and the mixtures of experts against HF transformers (float32, tiny random checkpoints):
+"""Gemma 2/3 (text-only and multimodal checkpoints), Phi-3 and the mixtures of experts against HF transformers (float32, tiny random checkpoints):
 greedy tokens identical under chunked prefill and preemption with both attention backends, and the
 prefill logits close (soft-capping keeps the argmax, so only the logits show it)."""
 from __future__ import annotations
@@ -11,8 +11,9 @@ from cbatch.engine.sequence import Sequence
 from helpers import generate, make_engine, random_prompts
 from tiny_models import FAMILIES, hf_greedy, hf_model
 
-# prompts longer than the sliding windows (8) and than phi3-longrope's original context (16)
-PROMPTS = random_prompts(3, vocab=384, seed=1, min_len=18, max_len=30)
+# prompts longer than the sliding windows (8) and than phi3-longrope's original context (16); ids below
+# 380 (gemma3-multimodal's image tokens are 381-383)
+PROMPTS = random_prompts(3, vocab=380, seed=1, min_len=18, max_len=30)
 # chunked prefill (24-token budget) and a pool of 14 blocks of 4 tokens: the three rows cannot all fit
 PRESSURE = dict(max_num_batched_tokens=24, block_size=4, num_kv_blocks=14)
 

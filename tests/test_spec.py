@@ -2,6 +2,8 @@
 MoE layouts, and refusals that name what is supported."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cbatch.model.spec import UnsupportedModelError, parse_spec
@@ -69,3 +71,16 @@ def test_gemma_switches():
 def test_refusals_name_the_problem(arch, cfg, message):
     with pytest.raises(UnsupportedModelError, match=message):
         spec(arch, **cfg)
+
+
+def test_multimodal_gemma3_runs_its_text_decoder_with_hf_defaults():
+    """gemma-3-4b-it's config.json: a text_config stating only what differs from Gemma3TextConfig's defaults."""
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "torch_dtype": "bfloat16",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"model_type": "siglip_vision_model"}}
+    from cbatch.model.presets import preset_spec
+
+    got = parse_spec(hub)
+    assert got == dataclasses.replace(preset_spec("gemma-3-4b"), architecture="Gemma3ForConditionalGeneration")

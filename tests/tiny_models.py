@@ -81,6 +81,13 @@ FAMILIES: dict[str, dict] = {
                    num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
+    # gemma-3-4b and up are published text + vision: the same text decoder inside a Gemma3Config
+    "gemma3-multimodal": dict(cls="Gemma3Config", embed_gain=0.1, mm_tokens_per_image=4, image_token_index=383,
+                              boi_token_index=381, eoi_token_index=382,
+                              text_config=dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                               layer_types=["sliding_attention", "full_attention"]),
+                              vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14)),
     "phi3": dict(cls="Phi3Config", tie_word_embeddings=False, sliding_window=8),
     # partial rotary (8 of 16 dimensions) with longrope past an original context of 16
     "phi3-longrope": dict(cls="Phi3Config", tie_word_embeddings=False, num_attention_heads=4, head_dim=16,
@@ -103,7 +110,11 @@ def make_family_checkpoint(name: str, path: Path, seed: int = 0, **overrides) ->
     spec = dict(FAMILIES[name])
     cls = getattr(transformers, spec.pop("cls"))
     embed_gain = spec.pop("embed_gain", 1.0)
-    config = cls(**{**BASE, **spec, **overrides})
+    if "text_config" in spec:  # a multimodal config: the shapes go to its text decoder
+        text = {**BASE, **spec.pop("text_config")}
+        config = cls(text_config=text, initializer_range=text.pop("initializer_range"), **spec, **overrides)
+    else:
+        config = cls(**{**BASE, **spec, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

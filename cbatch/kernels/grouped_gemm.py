@@ -11,7 +11,7 @@ Layout:
 
 fused_moe, after vLLM's fused-MoE design (an independent implementation):
   * The T * k (token, expert) assignments are sorted by expert and each expert's run is padded to a
-    multiple of BLOCK_M (`_sort_by_expert`, device ops only: no host sync, CUDA-graph safe). A block of
+    multiple of BLOCK_M (`sort_by_expert`, device ops only: no host sync, CUDA-graph safe). A block of
     BLOCK_M sorted rows therefore belongs to one expert; padding rows hold the id T * k and are masked.
   * Projection 1: one launch over the sorted blocks, row r = assignment a reads x[a // k] and writes
     inter[a] = x[a // k] @ w13[e].T. The gated activation runs on inter ([T * k, 2I] -> [T * k, I]).
@@ -113,7 +113,7 @@ def _grouped_gemm_kernel(
              mask=row_ok[:, None] & n_ok[None, :])
 
 
-def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_ids int32 [padded rows], block_expert int32 [row blocks], used_rows int32 [1]).
 
@@ -121,7 +121,8 @@ def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     id T * k to a multiple of block_m; block_expert names the expert of each block of block_m rows."""
     flat = topk_ids.reshape(-1).long()  # [A]
     assignments, device = flat.numel(), flat.device
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # [E]; not torch.bincount, which reads its input's max back to the host (no CUDA-graph capture)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert, in order within each
@@ -147,7 +148,7 @@ def _tiles(rows: int, n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int
 
 def _launch(a, b, c, rows, *, scale=None, block=None, bias=None, sorted_rows=None, a_row_div=1,
             route_weights=None, block_m=None) -> None:
-    """c[rows, N] = a @ b[e].T per row block (`sorted_rows`: the output of `_sort_by_expert`)."""
+    """c[rows, N] = a @ b[e].T per row block (`sorted_rows`: the output of `sort_by_expert`)."""
     num_experts, n, k = b.shape
     bm, bn, bk = _tiles(rows, n, k, a.dtype)
     bm = block_m or bm
@@ -211,7 +212,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     weights = topk_weights.gather(1, perm).reshape(-1).contiguous()  # [T * k]
     assignments = num_tokens * top_k
     block_m = 16 if assignments <= 64 * w13.shape[0] else 64  # rows per expert on average: few in decode steps
-    sorted_rows = _sort_by_expert(ids, w13.shape[0], block_m)
+    sorted_rows = sort_by_expert(ids, w13.shape[0], block_m)
     inter = torch.empty((assignments, w13.shape[1]), dtype=x.dtype, device=x.device)  # [T * k, 2I]
     _launch(x, w13, inter, assignments, scale=w13_scale, block=block, sorted_rows=sorted_rows,
             a_row_div=top_k, block_m=block_m)

@@ -24,12 +24,21 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text decoder; images are not supported
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF name -> backend activation
+# transformers' Gemma3TextConfig defaults: hub configs of Gemma3ForConditionalGeneration state only the
+# text_config values that differ from them (gemma-3-4b-it omits the vocabulary, head_dim, rope_theta...)
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072, rms_norm_eps=1e-6,
+    query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +289,10 @@ def _architecture(cfg: dict[str, Any]) -> tuple[str, str]:
 
 def parse_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None) -> ModelSpec:
     arch, family = _architecture(cfg)
+    if arch == "Gemma3ForConditionalGeneration":  # text + vision: the text decoder's config
+        text = {**_GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {})}
+        cfg = {**text, "eos_token_id": cfg.get("eos_token_id", text.get("eos_token_id")),
+               "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype") or text.get("torch_dtype")}
     try:
         return _parse(cfg, arch, family, generation_cfg or {})
     except KeyError as exc:

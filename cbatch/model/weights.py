@@ -4,7 +4,9 @@ checkpoint's tensors across its safetensors files (`TensorIndex`).
 Our model packs what HF keeps apart: q/k/v into `qkv_proj`, gate/up into `gate_up_proj`, and every
 expert of a MoE layer into two stacked tensors (`experts.w13` [E, 2I, H], `experts.w2` [E, H, I]).
 Checkpoints that already fuse them (Phi-3's qkv_proj and gate_up_proj, transformers 5's stacked
-experts) map one to one. Mixtral's `block_sparse_moe` and w1/w3/w2 expert names are read too.
+experts) map one to one. Mixtral's `block_sparse_moe` and w1/w3/w2 expert names are read too, and a
+multimodal Gemma 3's text decoder (`language_model.model.*` or `model.language_model.*`; the vision
+tower is not used).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1, "w1": 0, "w3": 1}  # w1/w3: Mixtral's expert gate/up
 _DOWN = ("down_proj", "w2")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)$")
+_TEXT_DECODER = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")  # multimodal Gemma 3
 FP8_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts")  # kept in FP8 on the GPU path
 
 
@@ -98,6 +101,7 @@ def _layer_place(prefix: str, rest: str, spec: ModelSpec) -> Placement | None:
 
 def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
     """HF tensor name -> (where it goes, its kind: weight | bias | scale), or None for tensors we do not use."""
+    name = _TEXT_DECODER.sub("model.", name).replace("language_model.lm_head.", "lm_head.", 1)
     module, _, kind = name.rpartition(".")
     if kind in UNUSED_QUANT_TENSORS or "rotary_emb" in name:
         return None
