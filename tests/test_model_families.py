@@ -69,3 +69,14 @@ def test_prefill_logits_match_hf(name, family_checkpoint):
     engine.scheduler.add(Sequence(seq_id=0, prompt_ids=prompt, params=SamplingParams(max_tokens=1)))
     got = engine.runner.forward(engine.scheduler.schedule()).logits[0]
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_longrope_short_factors_within_the_original_context(family_checkpoint):
+    """With --max-model-len at the original context (16) every sequence uses the short factors, as HF does
+    for sequences that never pass it (docs/models.md: longrope)."""
+    path = family_checkpoint("phi3-longrope")
+    prompts = random_prompts(3, vocab=380, seed=2, min_len=6, max_len=10)
+    model = hf_model(path)
+    expected = [hf_greedy(model, p, 5) for p in prompts]
+    assert generate(make_engine(path, max_model_len=16), prompts, SamplingParams(max_tokens=5)) == expected
+    assert generate(make_engine(path), prompts, SamplingParams(max_tokens=5)) != expected  # long factors differ
