@@ -84,3 +84,16 @@ def test_multimodal_gemma3_runs_its_text_decoder_with_hf_defaults():
 
     got = parse_spec(hub)
     assert got == dataclasses.replace(preset_spec("gemma-3-4b"), architecture="Gemma3ForConditionalGeneration")
+
+
+def test_roofline_counts_active_experts_and_fp8_bytes():
+    from cbatch.observe.metrics import StepSample
+    from cbatch.observe.roofline import hardware_estimate
+
+    mixtral = spec("MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2)
+    decode = [StepSample(t=1.0, running=1, waiting=0, scheduled_tokens=1, prefill_tokens=0, output_tokens=1, kv_used=0)]
+    bf16 = hardware_estimate(mixtral, 2, decode, 1.0, None, True)
+    fp8 = hardware_estimate(mixtral, 2, decode, 1.0, None, True, weight_bytes=1.0)
+    assert bf16["model_flops"] == pytest.approx(2 * mixtral.active_params())  # not 2 x every expert
+    assert bf16["bytes_moved"] == pytest.approx(2 * mixtral.active_params() + mixtral.kv_bytes_per_token(2))
+    assert fp8["bytes_moved"] == pytest.approx(mixtral.active_params() + mixtral.kv_bytes_per_token(2))

@@ -31,9 +31,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 _TL_TYPE = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-    torch.int32: "i32", torch.int64: "i64",
+    torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
 }
-_MODULES = ("paged_attention", "kv_store", "rmsnorm", "rotary", "activation")
+_MODULES = ("paged_attention", "kv_store", "rmsnorm", "rotary", "activation", "grouped_gemm")
 
 
 class _Recorder:
@@ -98,7 +98,7 @@ def _drive():
     from cbatch.kernels import apply_rotary, fused_add_rms_norm, paged_attention, rms_norm, silu_and_mul, store_kv
 
     def attention(label, dtype, num_q_heads, num_kv_heads, head_dim, q_lens, seq_len, block_size=16,
-                  sliding_window=None, num_splits=None):
+                  sliding_window=None, num_splits=None, softcap=None):
         num_seqs = len(q_lens)
         blocks = -(-seq_len // block_size)
         q = torch.empty(sum(q_lens), num_q_heads, head_dim, dtype=dtype)
@@ -107,7 +107,7 @@ def _drive():
         paged_attention(q, cache, cache, torch.empty_like(q), qsl,
                         torch.full((num_seqs,), seq_len, dtype=torch.int32),
                         torch.zeros(num_seqs, blocks, dtype=torch.int32), head_dim ** -0.5,
-                        max(q_lens), seq_len, sliding_window=sliding_window, num_splits=num_splits)
+                        max(q_lens), seq_len, sliding_window=sliding_window, num_splits=num_splits, softcap=softcap)
         return label
 
     yield attention("decode Qwen3-0.6B B64 ctx2048", torch.bfloat16, 16, 8, 128, [1] * 64, 2048)
@@ -121,6 +121,9 @@ def _drive():
     yield attention("mixed bf16 hd96 G4", torch.bfloat16, 16, 4, 96, [64, 1], 256)
     yield attention("mixed bf16 hd256 G8", torch.bfloat16, 16, 2, 256, [64, 1], 256)
     yield attention("mixed fp32 hd128 G4 (tests only)", torch.float32, 8, 2, 128, [64, 1], 256)
+    yield attention("mixed Gemma-2 softcap + window hd256 G2", torch.bfloat16, 8, 4, 256, [64, 1], 8192,
+                    sliding_window=4096, softcap=50.0)
+    yield attention("decode Gemma-2 softcap B32", torch.bfloat16, 8, 4, 256, [1] * 32, 4096, softcap=50.0)
 
     qkv = torch.empty(256, (16 + 2 * 8) * 128, dtype=torch.bfloat16)
     k = qkv[:, 16 * 128 : 24 * 128].view(256, 8, 128)
@@ -140,6 +143,39 @@ def _drive():
         yield f"fused_add_rms_norm bf16 hidden {hidden}"
     silu_and_mul(torch.empty(256, 2 * 3072, dtype=torch.bfloat16))
     yield "silu_and_mul bf16 I=3072"
+    yield from _drive_models()
+
+
+def _drive_models():
+    """The newer families' variants: Gemma's norm and activation, partial rotary, fused MoE, FP8 weights."""
+    from cbatch.kernels import apply_rotary, fp8_linear, fused_add_rms_norm, fused_moe, gelu_tanh_and_mul
+
+    x = torch.empty(256, 2560, dtype=torch.bfloat16)
+    fused_add_rms_norm(x, x, torch.empty(2560, dtype=torch.bfloat16), 1e-6, unit_offset=True)
+    yield "fused_add_rms_norm (1 + w) bf16 hidden 2560"
+    gelu_tanh_and_mul(torch.empty(256, 2 * 10240, dtype=torch.bfloat16))
+    yield "gelu_tanh_and_mul bf16 I=10240"
+    qkv = torch.empty(64, (24 + 2 * 8) * 128, dtype=torch.bfloat16)  # Phi-4-mini: 96 of 128 dims rotate
+    apply_rotary(qkv[:, : 24 * 128].view(64, 24, 128), qkv[:, 24 * 128 : 32 * 128].view(64, 8, 128),
+                 torch.zeros(64, dtype=torch.int64), torch.empty(4096, 96))
+    yield "rotary partial 96 of 128"
+    for tokens in (8, 2048):  # decode-sized (16-row blocks) and prefill-sized (64-row blocks)
+        x = torch.empty(tokens, 2048, dtype=torch.bfloat16)
+        weights, ids = torch.rand(tokens, 8).to(torch.bfloat16), torch.randint(0, 128, (tokens, 8))
+        w13, w2 = torch.empty(128, 2 * 768, 2048, dtype=torch.bfloat16), torch.empty(128, 2048, 768, dtype=torch.bfloat16)
+        fused_moe(x, w13, w2, weights, ids)
+        yield f"fused_moe Qwen3-30B-A3B bf16 T={tokens}"
+        f13, f2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+        fused_moe(x, f13, f2, weights, ids, "silu", torch.empty(128, 12, 16), torch.empty(128, 16, 6), (128, 128))
+        yield f"fused_moe Qwen3-30B-A3B fp8 block 128 T={tokens}"
+        w = torch.empty(4096, 2048, dtype=torch.float8_e4m3fn)
+        fp8_linear(x, w, torch.empty(4096), None)
+        yield f"fp8_linear per channel 4096x2048 T={tokens}"
+        fp8_linear(x, w, torch.empty(32, 16), (128, 128), torch.empty(4096, dtype=torch.bfloat16))
+        yield f"fp8_linear block 128 + bias 4096x2048 T={tokens}"
+    x = torch.empty(64, 256)
+    fused_moe(x, torch.empty(8, 96, 256), torch.empty(8, 256, 48), torch.rand(64, 2), torch.randint(0, 8, (64, 2)), "gelu_tanh")
+    yield "fused_moe fp32 (tests only)"
 
 
 def main(arch: int = 90) -> int:

@@ -55,10 +55,16 @@ def resolve_model_dir(model: str) -> Path:
 
 
 def read_checkpoint(model_dir: Path) -> Checkpoint:
+    """The checkpoint's config, and its weights' FP8 layout checked from the safetensors headers: anything
+    cbatch cannot run is refused here, before any weight loads."""
     raw = read_config(model_dir)
     gen_path = model_dir / "generation_config.json"
     generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-    return Checkpoint(model_dir, parse_spec(raw, generation), raw)
+    spec = parse_spec(raw, generation)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        _check_fp8(TensorIndex(files), spec, model_dir)
+    return Checkpoint(model_dir, spec, raw)
 
 
 def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
@@ -114,7 +120,6 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
         raise ModelLoadError(f"{ckpt.path} has no *.safetensors weights; cbatch reads safetensors checkpoints")
     index = TensorIndex(files)
     spec = ckpt.spec
-    _check_fp8(index, spec, ckpt.path)
     keep = kept_fp8_modules(index, spec) if backend.name == "triton" else set()
     model = build_model(spec, max_positions, device, dtype, backend, keep)
     params = dict(model.named_parameters())

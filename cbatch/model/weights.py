@@ -41,7 +41,8 @@ class Placement:
 
     def param(self, kind: str) -> str:
         """Our parameter for a tensor of this `kind` (weight | bias | scale); scales are `<slot>_scale`."""
-        return f"{self.module}.{ {'weight': self.slot, 'bias': 'bias', 'scale': self.slot + '_scale'}[kind] }"
+        leaf = {"weight": self.slot, "bias": "bias", "scale": f"{self.slot}_scale"}[kind]
+        return f"{self.module}.{leaf}"
 
     def block_rows(self, rows_per_block: int) -> Placement:
         """The same place in a per-block scale grid, whose rows count blocks of weight rows."""
@@ -57,7 +58,7 @@ class Placement:
 
 
 class TensorIndex:
-    """Every tensor of a checkpoint folder: its file, dtype and shape, read from the safetensors headers."""
+    """Every tensor of a checkpoint folder: its file and dtype, read from the safetensors headers."""
 
     def __init__(self, files: list[Path]) -> None:
         self.file_of: dict[str, Path] = {}
@@ -75,9 +76,10 @@ class TensorIndex:
         return [n for n, d in self.dtype_of.items() if d.startswith("F8")]
 
 
-def _packed(start_sizes: list[int], part: int) -> slice:
-    start = sum(start_sizes[:part])
-    return slice(start, start + start_sizes[part])
+def _packed(sizes: list[int], part: int) -> slice:
+    """The rows of part `part` when parts of `sizes` rows are stacked in order."""
+    start = sum(sizes[:part])
+    return slice(start, start + sizes[part])
 
 
 def _layer_place(prefix: str, rest: str, spec: ModelSpec) -> Placement | None:
