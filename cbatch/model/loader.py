@@ -194,15 +194,18 @@ def _scale_rows(scale: torch.Tensor, placement: Placement, dest: torch.Tensor, b
 
 
 def init_random_weights(model: LlamaForCausalLM, seed: int, std: float = 0.02) -> LlamaForCausalLM:
-    """Weightless benchmark models: normal(0, std) matrices, unit norms, zero biases."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Weightless benchmark models: normal(0, std) matrices, unit norms, zero biases. Drawn on the model's
+    device (drawing a large MoE on the CPU and copying it over is slow), so the same seed gives the same
+    weights on the same kind of device."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight") or "layernorm" in name:
             param.data.fill_(0.0 if model.spec.norm_unit_offset else 1.0)  # a unit scale either way
         elif name.endswith("bias"):
             param.data.zero_()
         else:
-            param.data.copy_(torch.randn(param.shape, generator=gen) * std)
+            param.data.copy_(torch.randn(param.shape, generator=gen, device=device) * std)
     return model
 
 
