@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import ARCHS, make_checkpoint  # pytest (prepend import mode) puts this folder on sys.path
+from tiny_models import ARCHS, make_checkpoint, make_family_checkpoint  # pytest (prepend import mode) puts this folder on sys.path
 
 
 def pytest_configure(config) -> None:
@@ -26,6 +26,20 @@ def pytest_configure(config) -> None:
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {arch: make_checkpoint(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory):
+    """name -> the tiny checkpoint of tiny_models.FAMILIES[name], written on first use."""
+    root = tmp_path_factory.mktemp("families")
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = make_family_checkpoint(name, root / name)
+        return made[name]
+
+    return get
 
 
 @pytest.fixture(scope="session")

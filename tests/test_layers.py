@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from cbatch.model.backend import TorchBackend
-from cbatch.model.layers import Linear, prepack_weight, rope_cos_sin_cache, rope_inv_freq
+from cbatch.model.layers import Linear, prepack_weight
+from cbatch.model.rope import RopeSpec, rope_table
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -18,7 +19,7 @@ def test_rotary_is_bitwise_hf(dtype) -> None:
     q = qkv[:, : HQ * D].view(T, HQ, D)  # strided views of one projection, as in the model
     k = qkv[:, HQ * D : (HQ + HKV) * D].view(T, HKV, D)
     positions = torch.randint(0, 500, (T,), generator=gen)
-    table = rope_cos_sin_cache(512, rope_inv_freq(D, 10000.0, None))
+    table = rope_table(RopeSpec(10000.0, D, None), 512)
     backend = TorchBackend()
     got_q, got_k = backend.apply_rotary(q, k, backend.rotary(positions, table, dtype))
 

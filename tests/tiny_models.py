@@ -67,3 +67,60 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt_ids):].tolist()
+
+
+# The families added with issue 17, built on demand (`family_checkpoint` fixture) so sessions that do not
+# test them do not pay for them. Small head_dim, two or three layers, windows (8) shorter than the prompts.
+_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.9, 2.6], "long_factor": [1.1, 2.0, 3.9, 7.5]}
+FAMILIES: dict[str, dict] = {
+    # Gemma scales embeddings by sqrt(hidden): shrunk (`embed_gain`) so that attention, not the current
+    # token alone, decides the argmax (else a wrong window or soft-cap would still give the same tokens)
+    "gemma2": dict(cls="Gemma2Config", head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                   attn_logit_softcapping=20.0, final_logit_softcapping=2.0, embed_gain=0.1),
+    "gemma3": dict(cls="Gemma3TextConfig", head_dim=16, query_pre_attn_scalar=24, sliding_window=8, embed_gain=0.1,
+                   num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
+    # gemma-3-4b and up are published text + vision: the same text decoder inside a Gemma3Config
+    "gemma3-multimodal": dict(cls="Gemma3Config", embed_gain=0.1, mm_tokens_per_image=4, image_token_index=383,
+                              boi_token_index=381, eoi_token_index=382,
+                              text_config=dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                               layer_types=["sliding_attention", "full_attention"]),
+                              vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14)),
+    "phi3": dict(cls="Phi3Config", tie_word_embeddings=False, sliding_window=8),
+    # partial rotary (8 of 16 dimensions) with longrope past an original context of 16
+    "phi3-longrope": dict(cls="Phi3Config", tie_word_embeddings=False, num_attention_heads=4, head_dim=16,
+                          partial_rotary_factor=0.5, original_max_position_embeddings=16, rope_scaling=_LONGROPE),
+    "mixtral": dict(cls="MixtralConfig", num_local_experts=8, num_experts_per_tok=2, intermediate_size=48,
+                    sliding_window=8, tie_word_embeddings=False),
+    "qwen2_moe": dict(cls="Qwen2MoeConfig", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
+                      tie_word_embeddings=False),
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, head_dim=16, tie_word_embeddings=False),
+}
+
+
+def make_family_checkpoint(name: str, path: Path, seed: int = 0, **overrides) -> Path:
+    """Like `make_checkpoint`, for FAMILIES; RMSNorm weights are randomised too (HF initialises Gemma's to
+    0 and the others' to 1, which would hide a wrong norm formula)."""
+    import transformers
+
+    spec = dict(FAMILIES[name])
+    cls = getattr(transformers, spec.pop("cls"))
+    embed_gain = spec.pop("embed_gain", 1.0)
+    if "text_config" in spec:  # a multimodal config: the shapes go to its text decoder
+        text = {**BASE, **spec.pop("text_config")}
+        config = cls(text_config=text, initializer_range=text.pop("initializer_range"), **spec, **overrides)
+    else:
+        config = cls(**{**BASE, **spec, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.add_(torch.randn_like(param) * 0.2)
+        model.get_input_embeddings().weight.mul_(embed_gain)
+    model.save_pretrained(path)
+    return path

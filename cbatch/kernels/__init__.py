@@ -8,6 +8,9 @@
     fused_add_rms_norm  residual add + RMSNorm in one pass
     apply_rotary        NeoX/HF rotary embedding, in place
     silu_and_mul        SwiGLU activation
+    gelu_tanh_and_mul   GELU-tanh gated activation (Gemma)
+    fused_moe           mixture-of-experts MLP: tokens sorted by expert, one grouped GEMM per projection
+    fp8_linear          x @ W.T with W stored in FP8 and dequantized per tile (per-channel or block scales)
 
 Importing this package never needs a GPU (Triton imports on CPU). Where Triton itself is missing
 (e.g. macOS), the names still import and raise ImportError when called, so the engine's CPU path keeps
@@ -37,9 +40,13 @@ except ImportError as _err:  # pragma: no cover - exercised only where triton is
     silu_and_mul = _missing("silu_and_mul")
     norm_rope_store = _missing("norm_rope_store")
     fused_sample = _missing("fused_sample")
+    gelu_tanh_and_mul = _missing("gelu_tanh_and_mul")
+    fused_moe = _missing("fused_moe")
+    fp8_linear = _missing("fp8_linear")
     HAS_TRITON = False
 else:
-    from .activation import silu_and_mul
+    from .activation import gelu_tanh_and_mul, silu_and_mul
+    from .grouped_gemm import fp8_linear, fused_moe
     from .kv_store import store_kv
     from .paged_attention import paged_attention
     from .rmsnorm import fused_add_rms_norm, rms_norm
@@ -57,6 +64,9 @@ else:
 __all__ = [
     "HAS_TRITON",
     "apply_rotary",
+    "fp8_linear",
+    "fused_moe",
+    "gelu_tanh_and_mul",
     "fused_add_rms_norm",
     "fused_sample",
     "norm_rope_store",

@@ -33,7 +33,7 @@ _TL_TYPE = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
     torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
 }
-_MODULES = ("paged_attention", "kv_store", "rmsnorm", "rotary", "activation", "rope_store", "sampler")
+_MODULES = ("paged_attention", "kv_store", "rmsnorm", "rotary", "activation", "rope_store", "sampler", "grouped_gemm")
 
 
 class _Recorder:
@@ -101,7 +101,7 @@ def _drive():
     fp8 = torch.float8_e4m3fn
 
     def attention(label, dtype, num_q_heads, num_kv_heads, head_dim, q_lens, seq_len, block_size=16,
-                  sliding_window=None, num_splits=None, cache_dtype=None):
+                  sliding_window=None, num_splits=None, cache_dtype=None, softcap=None):
         num_seqs = len(q_lens)
         blocks = -(-seq_len // block_size)
         q = torch.empty(sum(q_lens), num_q_heads, head_dim, dtype=dtype)
@@ -112,7 +112,7 @@ def _drive():
                         torch.full((num_seqs,), seq_len, dtype=torch.int32),
                         torch.zeros(num_seqs, blocks, dtype=torch.int32), head_dim ** -0.5,
                         max(q_lens), seq_len, sliding_window=sliding_window, num_splits=num_splits,
-                        k_scale=scales, v_scale=scales)
+                        k_scale=scales, v_scale=scales, softcap=softcap)
         return label
 
     yield attention("decode Qwen3-0.6B B64 ctx2048", torch.bfloat16, 16, 8, 128, [1] * 64, 2048)
@@ -129,6 +129,9 @@ def _drive():
     yield attention("decode Qwen3-0.6B B256 fp8 KV", torch.bfloat16, 16, 8, 128, [1] * 256, 2048, cache_dtype=fp8)
     yield attention("decode Qwen3-0.6B B4 fp8 KV split", torch.bfloat16, 16, 8, 128, [1] * 4, 8192, cache_dtype=fp8)
     yield attention("mixed Qwen3-0.6B fp8 KV", torch.bfloat16, 16, 8, 128, [512, 1, 1], 1024, cache_dtype=fp8)
+    yield attention("mixed Gemma-2 softcap + window hd256 G2", torch.bfloat16, 8, 4, 256, [64, 1], 8192,
+                    sliding_window=4096, softcap=50.0)
+    yield attention("decode Gemma-2 softcap B32", torch.bfloat16, 8, 4, 256, [1] * 32, 4096, softcap=50.0)
 
     qkv = torch.empty(256, (16 + 2 * 8) * 128, dtype=torch.bfloat16)
     k = qkv[:, 16 * 128 : 24 * 128].view(256, 8, 128)
@@ -163,6 +166,39 @@ def _drive():
     fused_sample(torch.empty(256, 151936), torch.empty(256), torch.empty(256, dtype=torch.int64),
                  torch.empty(256, dtype=torch.int64))
     yield "fused_sample vocab 151936"
+    yield from _drive_models()
+
+
+def _drive_models():
+    """The newer families' variants: Gemma's norm and activation, partial rotary, fused MoE, FP8 weights."""
+    from cbatch.kernels import apply_rotary, fp8_linear, fused_add_rms_norm, fused_moe, gelu_tanh_and_mul
+
+    x = torch.empty(256, 2560, dtype=torch.bfloat16)
+    fused_add_rms_norm(x, x, torch.empty(2560, dtype=torch.bfloat16), 1e-6, unit_offset=True)
+    yield "fused_add_rms_norm (1 + w) bf16 hidden 2560"
+    gelu_tanh_and_mul(torch.empty(256, 2 * 10240, dtype=torch.bfloat16))
+    yield "gelu_tanh_and_mul bf16 I=10240"
+    qkv = torch.empty(64, (24 + 2 * 8) * 128, dtype=torch.bfloat16)  # Phi-4-mini: 96 of 128 dims rotate
+    apply_rotary(qkv[:, : 24 * 128].view(64, 24, 128), qkv[:, 24 * 128 : 32 * 128].view(64, 8, 128),
+                 torch.zeros(64, dtype=torch.int64), torch.empty(4096, 96))
+    yield "rotary partial 96 of 128"
+    for tokens in (8, 2048):  # decode-sized (16-row blocks) and prefill-sized (64-row blocks)
+        x = torch.empty(tokens, 2048, dtype=torch.bfloat16)
+        weights, ids = torch.rand(tokens, 8).to(torch.bfloat16), torch.randint(0, 128, (tokens, 8))
+        w13, w2 = torch.empty(128, 2 * 768, 2048, dtype=torch.bfloat16), torch.empty(128, 2048, 768, dtype=torch.bfloat16)
+        fused_moe(x, w13, w2, weights, ids)
+        yield f"fused_moe Qwen3-30B-A3B bf16 T={tokens}"
+        f13, f2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+        fused_moe(x, f13, f2, weights, ids, "silu", torch.empty(128, 12, 16), torch.empty(128, 16, 6), (128, 128))
+        yield f"fused_moe Qwen3-30B-A3B fp8 block 128 T={tokens}"
+        w = torch.empty(4096, 2048, dtype=torch.float8_e4m3fn)
+        fp8_linear(x, w, torch.empty(4096), None)
+        yield f"fp8_linear per channel 4096x2048 T={tokens}"
+        fp8_linear(x, w, torch.empty(32, 16), (128, 128), torch.empty(4096, dtype=torch.bfloat16))
+        yield f"fp8_linear block 128 + bias 4096x2048 T={tokens}"
+    x = torch.empty(64, 256)
+    fused_moe(x, torch.empty(8, 96, 256), torch.empty(8, 256, 48), torch.rand(64, 2), torch.randint(0, 8, (64, 2)), "gelu_tanh")
+    yield "fused_moe fp32 (tests only)"
 
 
 def main(arch: int = 90) -> int:

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ._utils import check_kv_cache_dtype, check_launchable, interpreting, next_pow2, on_device
+from .activation import tanh
 
 # Split-KV policy (decode-only batches). See _auto_num_splits.
 _MIN_KEYS_PER_SPLIT = 512  # below this a segment's fixed cost (q load, partial write, merge) starts to show
@@ -93,6 +94,7 @@ def _paged_attention_kernel(
     num_splits,  # key segments per (sequence, kv head); 1 unless SPLIT
     num_q_heads,
     sliding_window,  # only read when USE_WINDOW
+    softcap_log2,  # only read when SOFTCAP: attention-logit soft-cap * log2(e)
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh,
@@ -109,6 +111,7 @@ def _paged_attention_kernel(
     DECODE_ONLY: tl.constexpr,  # every sequence has q_len <= 1: program_id(0) is the sequence
     USE_WINDOW: tl.constexpr,
     KV_SCALED: tl.constexpr,  # the cache holds scaled low-precision values (fp8): dequantise with k/v_scale
+    SOFTCAP: tl.constexpr,  # Gemma 2: score = cap * tanh(score / cap), here in the log2 domain
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (tf32 would cost ~1e-3 accuracy), else "tf32" (ignored for 16-bit)
     DOT_UPCAST: tl.constexpr,  # interpreter only: do bf16 dots in fp32 (see _dot)
 ):
@@ -188,6 +191,8 @@ def _paged_attention_kernel(
         ).to(q.dtype)  # [TILE_N, HEAD_DIM_PAD]; fp8 -> q's dtype is exact
 
         s = _dot(q, k.to(q.dtype), None, DOT_PRECISION, DOT_UPCAST) * score_scale  # [BLOCK_M, TILE_N]
+        if SOFTCAP:
+            s = softcap_log2 * tanh(s / softcap_log2)
         visible = key_ok[None, :] & (key[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (q_pos[:, None] - key[None, :] < sliding_window)
@@ -352,6 +357,7 @@ def paged_attention(
     num_splits: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the flat batch `q` against the paged KV cache; writes and returns `out`.
 
@@ -359,6 +365,7 @@ def paged_attention(
     tile shapes and the split count; nothing is read back from the device). num_splits forces the
     split-KV factor (1 = no split); None chooses automatically.
     An fp8 cache (float8_e4m3fn) needs k_scale / v_scale, fp32 [num_kv_heads]: key = cache value x k_scale.
+    softcap (Gemma 2): scores are soft-capped, cap * tanh(scale * q.k / cap), before the mask.
     Rows of `out` past query_start_loc[-1] (padding) are left untouched.
     """
     num_tokens, num_q_heads, head_dim = q.shape  # q: [num_tokens, num_q_heads, head_dim]
@@ -404,6 +411,7 @@ def paged_attention(
             num_splits,
             num_q_heads,
             int(sliding_window) if use_window else 0,
+            float(softcap or 1.0) * math.log2(math.e),
             q.stride(0), q.stride(1),
             out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -420,6 +428,7 @@ def paged_attention(
             DECODE_ONLY=decode_only,
             USE_WINDOW=use_window,
             KV_SCALED=kv_scaled,
+            SOFTCAP=softcap is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=dot_upcast,
             num_warps=num_warps,

@@ -7,6 +7,8 @@ With x = [x1, x2] (halves) and c, s the half-width cos/sin of position * inv_fre
 Eager torch rounds every product and the sum to x's dtype; the kernel does the same (a no-op for fp32),
 so bf16/fp16 results match eager HF bit for bit up to the cos/sin values themselves.
 One program handles one token: all its q heads and all its k heads.
+Partial rotary (Phi-3): a table narrower than the head rotates the head's first `table width` dimensions
+and leaves the rest as they are.
 """
 
 from __future__ import annotations
@@ -84,15 +86,17 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     """Rotate q [T, num_q_heads, head_dim] and k [T, num_kv_heads, head_dim] in place at `positions` [T].
 
     q and k may be strided views (e.g. of a packed qkv projection) as long as the last dim is contiguous.
-    cos_sin_cache: fp32 [max_pos, head_dim], cos in the first head_dim/2 columns, sin in the rest.
+    cos_sin_cache: fp32 [max_pos, R], cos in the first R/2 columns, sin in the rest; R <= head_dim
+    dimensions of each head rotate (R < head_dim: partial rotary).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     if k.dim() != 3 or k.shape[0] != num_tokens or k.shape[2] != head_dim:
         raise ValueError(f"k {tuple(k.shape)} does not fit q {tuple(q.shape)}")
     if q.dtype != k.dtype:
         raise ValueError(f"q ({q.dtype}) and k ({k.dtype}) must share a dtype")
-    if head_dim % 2 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
-        raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}], got {tuple(cos_sin_cache.shape)}")
+    rotary_dim = cos_sin_cache.shape[-1]
+    if cos_sin_cache.dim() != 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"cos_sin_cache must be [max_pos, R] with R even and <= {head_dim}, got {tuple(cos_sin_cache.shape)}")
     if positions.shape != (num_tokens,):
         raise ValueError(f"positions must be [{num_tokens}], got {tuple(positions.shape)}")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
@@ -103,7 +107,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     if num_tokens == 0:
         return
     num_kv_heads = k.shape[1]
-    half = head_dim // 2
+    half = rotary_dim // 2
     with on_device(device):
         _rotary_kernel[(num_tokens,)](
             q, k, positions, cos_sin_cache,

@@ -1,34 +1,38 @@
-"""Building blocks of the Llama family: the modules hold parameters, the backend (cbatch.model.backend)
-computes. RMSNorm and the activation call the backend the model was built with; linear layers run on
-oneDNN on CPU (`Linear`).
+"""Building blocks shared by every family: the modules hold parameters, the backend (cbatch.model.backend)
+computes. RMSNorm, the gated MLP's activation and FP8 matmuls call the backend the model was built with;
+plain linear layers run on oneDNN on CPU (`Linear`).
 """
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cbatch.model.backend import Backend
+from cbatch.model.quant import FP8_DTYPE
+
+if TYPE_CHECKING:  # the backends import `linear` from here
+    from cbatch.model.backend import Backend
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with HF's numerics (the backend's `rms_norm`)."""
+    """RMSNorm with HF's numerics (the backend's `rms_norm`). `unit_offset` (Gemma): the scale is
+    (1 + weight), applied in float32 before the cast back (Llama casts first, then multiplies by weight)."""
 
-    def __init__(self, size: int, eps: float, backend: Backend) -> None:
+    def __init__(self, size: int, eps: float, backend: Backend, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.unit_offset = unit_offset
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.rms_norm(x, self.weight, self.eps)
+        return self.backend.rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): the residual add fused with the norm."""
-        return self.backend.add_rms_norm(x, residual, self.weight, self.eps)
+        return self.backend.add_rms_norm(x, residual, self.weight, self.eps, unit_offset=self.unit_offset)
 
 
 def _onednn_linear_works() -> bool:
@@ -110,29 +114,37 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in float32, with linear or llama3 scaling folded in."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return inv_freq
-    if scaling["rope_type"] == "linear":
-        return inv_freq / float(scaling["factor"])
-    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    factor = float(scaling["factor"])
-    low_freq_factor = float(scaling["low_freq_factor"])
-    high_freq_factor = float(scaling["high_freq_factor"])
-    old_context = float(scaling["original_max_position_embeddings"])
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+class Fp8Linear(nn.Module):
+    """A linear layer whose weight stays in FP8 with its scales (the GPU path: half the bytes of bf16); the
+    backend's `fp8_linear` dequantizes inside the matmul. Scales: float32 [out] per channel, or
+    [ceil(out / bn), ceil(in / bk)] per `block`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int] | None,
+                 backend: Backend) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
+        scale_shape = (out_features,) if block is None else (-(-out_features // block[0]), -(-in_features // block[1]))
+        self.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.block = block
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
 
 
-def rope_cos_sin_cache(max_positions: int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos of position x inv_freq in the first half, sin in the second."""
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+class MLP(nn.Module):
+    """The gated MLP: down(act(gate(x)) * up(x)), gate and up packed into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, activation: str, backend: Backend) -> None:
+        super().__init__()
+        self.backend = backend
+        self.activation = activation  # silu | gelu_tanh
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if self.activation == "gelu_tanh":
+            return self.down_proj(self.backend.gelu_tanh_and_mul(gate_up))
+        return self.down_proj(self.backend.silu_and_mul(gate_up))

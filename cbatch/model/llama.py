@@ -1,9 +1,11 @@
-"""One decoder for the Llama family: Llama 2/3 (SmolLM2, TinyLlama), Mistral, Qwen2, Qwen3.
+"""One decoder for every supported family: Llama 2/3 (SmolLM2, TinyLlama), Mistral, Qwen2, Qwen3, Phi-3,
+and through the spec's switches Gemma 2/3 (their layer: gemma.py) and the mixtures of experts Mixtral,
+Qwen2-MoE and Qwen3-MoE (their MLP: moe.py).
 
-The switches come from `ModelSpec` (q/k/v bias, Qwen3's q/k norm, sliding window, tied embeddings).
-The model sees a flat batch of tokens and an `AttentionMetadata`; it knows nothing of requests. It is
-built with one compute backend (cbatch.model.backend) that every layer calls.
-q/k/v and gate/up projections are packed into one matmul each (the loader packs the weights).
+The switches come from `ModelSpec` (q/k/v bias, q/k norm, per-layer sliding window and RoPE table,
+soft-capping, tied embeddings...). The model sees a flat batch of tokens and an `AttentionMetadata`; it
+knows nothing of requests. It is built with one compute backend (cbatch.model.backend) that every layer
+calls. q/k/v and gate/up projections are packed into one matmul each (the loader packs the weights).
 """
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ import torch
 from torch import nn
 
 from cbatch.model.backend import AttentionMetadata, Backend, KVLayer, RotaryStep
-from cbatch.model.layers import Linear, RMSNorm, linear, packed_linear, prepack_weight, rope_cos_sin_cache, rope_inv_freq
+from cbatch.model.gemma import GemmaDecoderLayer
+from cbatch.model.layers import Linear, RMSNorm, linear, packed_linear, prepack_weight
+from cbatch.model.moe import feed_forward
+from cbatch.model.rope import rope_table
 from cbatch.model.spec import ModelSpec
 
 
@@ -40,49 +45,51 @@ class Attention(nn.Module):
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
-        self.scale = spec.head_dim**-0.5
-        self.sliding_window = spec.sliding_window
+        self.scale = spec.softmax_scale
+        self.softcap = spec.attn_softcap
+        self.sliding_window = spec.layer_windows[layer_idx]
+        self.rope_index = spec.layer_rope[layer_idx]  # which of the model's RoPE tables this layer uses
         self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
         self.o_proj = Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend, unit_offset=spec.norm_unit_offset)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend, unit_offset=spec.norm_unit_offset)
 
-    def forward(self, hidden: torch.Tensor, rope: RotaryStep, ctx: "ForwardContext") -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, ropes: list[RotaryStep], ctx: "ForwardContext") -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
         # the backend splits heads, applies q/k norms and rotary, stores k/v and attends
+        rope = ropes[self.rope_index]
         out = self.backend.attention(qkv, self, rope, ctx.kv.layer(self.layer_idx), ctx.meta)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
-class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: Backend) -> None:
-        super().__init__()
-        self.backend = backend
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, backend: Backend) -> None:
+    """Llama's pre-norm layer: h = x + attention(norm(x)); out = h + mlp(norm(h))."""
+
+    def __init__(self, spec: ModelSpec, self_attn: nn.Module, mlp: nn.Module, backend: Backend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
-        self.self_attn = Attention(spec, layer_idx, backend)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
-        self.mlp = MLP(spec, backend)
+        self.mlp = mlp
 
-    def forward(self, hidden, residual, rope: RotaryStep, ctx):
+    def forward(self, hidden, residual, ropes: list[RotaryStep], ctx):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_forward(hidden, residual)
-        hidden = self.self_attn(hidden, rope, ctx)
+        hidden = self.self_attn(hidden, ropes, ctx)
         hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
         return self.mlp(hidden), residual
+
+
+def decoder_layer(spec: ModelSpec, layer_idx: int, backend: Backend) -> nn.Module:
+    """Attention and MLP (dense or experts) arranged as the family does: Llama's or Gemma's norms."""
+    layer_cls = GemmaDecoderLayer if spec.sandwich_norms else DecoderLayer
+    return layer_cls(spec, Attention(spec, layer_idx, backend), feed_forward(spec, layer_idx, backend), backend)
 
 
 @dataclass(slots=True)
@@ -99,25 +106,26 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.backend = backend
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, backend) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        self.layers = nn.ModuleList(decoder_layer(spec, i, backend) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend, unit_offset=spec.norm_unit_offset)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.max_positions = max_positions
-        self.cos_sin: torch.Tensor | None = None  # set by `build_rope_cache` once the device is known
+        self.rope_tables: list[torch.Tensor] = []  # set by `build_rope_cache` once the device is known
 
     def build_rope_cache(self, device: torch.device) -> None:
         # float32 on purpose, whatever the model's dtype (HF computes RoPE angles in float32);
-        # a plain attribute, not a buffer, so `.to(dtype)` leaves it alone.
-        inv_freq = rope_inv_freq(self.spec.head_dim, self.spec.rope_theta, self.spec.rope_scaling)
-        self.cos_sin = rope_cos_sin_cache(self.max_positions, inv_freq).to(device)  # [max_positions, head_dim]
+        # plain attributes, not buffers, so `.to(dtype)` leaves them alone.
+        self.rope_tables = [rope_table(r, self.max_positions).to(device) for r in self.spec.rope]  # [max_positions, R] each
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         hidden = self.embed_tokens(input_ids)
-        rope = self.backend.rotary(positions, self.cos_sin, hidden.dtype)
+        if self.spec.embed_scale is not None:  # Gemma: HF rounds the scale to the activations' dtype first
+            hidden = hidden * torch.tensor(self.spec.embed_scale, dtype=hidden.dtype)
+        ropes = [self.backend.rotary(positions, table, hidden.dtype) for table in self.rope_tables]
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rope, ctx)
+            hidden, residual = layer(hidden, residual, ropes, ctx)
         hidden, _ = self.norm.add_forward(hidden, residual)
         return hidden
 
@@ -135,7 +143,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab] (only for the rows that sample)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.packed_logits_weight is not None:
-            return packed_linear(hidden, self.packed_logits_weight).float()
-        return linear(hidden, self.embed_tokens.weight).float()
+            logits = self.lm_head(hidden)
+        elif self.packed_logits_weight is not None:
+            logits = packed_linear(hidden, self.packed_logits_weight)
+        else:
+            logits = linear(hidden, self.embed_tokens.weight)
+        cap = self.spec.final_softcap
+        if cap is not None:  # Gemma 2, in the activations' dtype as HF
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

@@ -9,12 +9,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors import safe_open
 
 from cbatch.config import UserError
 from cbatch.model.backend import Backend
+from cbatch.model.layers import Fp8Linear
 from cbatch.model.llama import LlamaForCausalLM
+from cbatch.model.moe import Experts
+from cbatch.model.quant import FP8_DTYPE, channel_scales, dequantize
 from cbatch.model.spec import ModelSpec, UnsupportedModelError, parse_spec, read_config
+from cbatch.model.weights import Placement, TensorIndex, kept_fp8_modules, place
 
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
@@ -52,10 +55,16 @@ def resolve_model_dir(model: str) -> Path:
 
 
 def read_checkpoint(model_dir: Path) -> Checkpoint:
+    """The checkpoint's config, and its weights' FP8 layout checked from the safetensors headers: anything
+    cbatch cannot run is refused here, before any weight loads."""
     raw = read_config(model_dir)
     gen_path = model_dir / "generation_config.json"
     generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-    return Checkpoint(model_dir, parse_spec(raw, generation), raw)
+    spec = parse_spec(raw, generation)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        _check_fp8(TensorIndex(files), spec, model_dir)
+    return Checkpoint(model_dir, spec, raw)
 
 
 def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
@@ -79,112 +88,131 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(spec: ModelSpec, max_positions: int, device: torch.device, dtype: torch.dtype,
-                backend: Backend) -> LlamaForCausalLM:
-    """An empty (uninitialised) model in place on `device`, computing through `backend`."""
+                backend: Backend, fp8_modules: set[str] = frozenset()) -> LlamaForCausalLM:
+    """An empty (uninitialised) model in place on `device`, computing through `backend`; the modules named
+    in `fp8_modules` hold FP8 weights and scales (`Fp8Linear`, `Experts.keep_fp8`)."""
     with _default_dtype(dtype), torch.device("meta"):
         model = LlamaForCausalLM(spec, max_positions, backend)
+        for name in sorted(fp8_modules):
+            _keep_fp8(model, name, spec, backend)
     model = model.to_empty(device=device)
     model.build_rope_cache(device)
     return model.eval().requires_grad_(False)
 
 
+def _keep_fp8(model: LlamaForCausalLM, name: str, spec: ModelSpec, backend: Backend) -> None:
+    module = model.get_submodule(name)
+    block = spec.quant.block
+    if isinstance(module, Experts):
+        module.keep_fp8(block)
+        return
+    parent, _, leaf = name.rpartition(".")
+    fp8 = Fp8Linear(module.in_features, module.out_features, module.bias is not None, block, backend)
+    setattr(model.get_submodule(parent), leaf, fp8)
+
+
 def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype: torch.dtype,
                backend: Backend, show_progress: bool = False) -> LlamaForCausalLM:
-    model = build_model(ckpt.spec, max_positions, device, dtype, backend)
+    """The checkpoint's model on `device`. FP8 weights stay FP8 with the Triton backend (the kernels
+    dequantize tile by tile); the torch backend dequantizes them here, once. `show_progress`: a tqdm bar
+    over the checkpoint's tensors."""
     files = sorted(ckpt.path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{ckpt.path} has no *.safetensors weights; cbatch reads safetensors checkpoints")
+    index = TensorIndex(files)
+    spec = ckpt.spec
+    keep = kept_fp8_modules(index, spec) if backend.name == "triton" else set()
+    model = build_model(spec, max_positions, device, dtype, backend, keep)
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    bar = None
+    filled = {name: 0 for name in params}  # elements written per parameter
+    names = list(index.file_of)
     if show_progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(files), desc="cbatch: loading weights", unit="file", dynamic_ncols=True)
-    for file in files:
-        if bar is not None:
-            bar.update(1)
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                target = _target(name, ckpt.spec)
-                if target is None:
-                    continue
-                param_name, rows = target
-                if param_name not in params:
-                    raise ModelLoadError(f"{file.name}: tensor {name} has no place in a {ckpt.spec.architecture}")
-                param = params[param_name]
-                dest = param.data if rows is None else param.data[rows]
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ModelLoadError(
-                        f"{file.name}: {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-                    )
-                dest.copy_(tensor)
-                loaded.add(param_name if rows is None else f"{param_name}[{rows.start}]")
-    if bar is not None:
-        bar.close()
-    missing = [n for n in _expected(params, ckpt.spec) if n not in loaded]
+        names = tqdm(names, desc="cbatch: loading weights", unit="tensor", dynamic_ncols=True)
+    for name in names:
+        placed = place(name, spec)
+        if placed is None or (placed[1] == "scale" and not _kept(placed[0], keep)):
+            continue  # unused, or the scale of a weight dequantized below
+        placement, kind = placed
+        target = placement.param(kind)
+        if target not in params:
+            raise ModelLoadError(f"{index.file_of[name].name}: tensor {name} has no place in a {spec.architecture}")
+        block = spec.quant.block if spec.quant is not None else None
+        where = placement.block_rows(block[0]) if kind == "scale" and block is not None else placement
+        dest = where.select(params[target].data)
+        tensor = _read(index, name, placement, kind, dest, spec)
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise ModelLoadError(
+                f"{index.file_of[name].name}: {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        filled[target] += dest.numel()
+    missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
         raise ModelLoadError(f"{ckpt.path}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
     return model
 
 
+def _kept(placement: Placement, keep: set[str]) -> bool:
+    return placement.module in keep
+
+
+def _check_fp8(index: TensorIndex, spec: ModelSpec, path: Path) -> None:
+    names = index.fp8_names()
+    if not names:
+        return
+    if spec.quant is None:
+        raise ModelLoadError(f"{path}: {names[0]} is FP8 but config.json has no quantization_config")
+    other = next((n for n in names if index.dtype_of[n] != "F8_E4M3"), None)
+    if other is not None:
+        raise UnsupportedModelError(f"{path}: {other} is {index.dtype_of[other]}; cbatch reads float8_e4m3fn (F8_E4M3) weights")
+
+
+def _read(index: TensorIndex, name: str, placement: Placement, kind: str, dest: torch.Tensor,
+          spec: ModelSpec) -> torch.Tensor:
+    """The checkpoint tensor as `dest` takes it: FP8 dequantized for a float parameter, a scale reshaped
+    to our layout (per channel [rows], or the block rows of a packed part)."""
+    tensor = index.get(name)
+    block = spec.quant.block if spec.quant is not None else None
+    if kind == "scale":
+        return _scale_rows(tensor, placement, dest, block, name)
+    if tensor.dtype == FP8_DTYPE and dest.dtype != FP8_DTYPE:
+        scale_name = f"{name.rpartition('.')[0]}.{spec.quant.scale_suffix}"
+        if scale_name not in index.file_of:
+            raise ModelLoadError(f"{index.file_of[name].name}: FP8 tensor {name} has no {spec.quant.scale_suffix}")
+        scale = index.get(scale_name)
+        scale = channel_scales(scale, tensor.shape[0]) if block is None else scale
+        return dequantize(tensor, scale, block, dest.dtype)
+    return tensor
+
+
+def _scale_rows(scale: torch.Tensor, placement: Placement, dest: torch.Tensor, block: tuple[int, int] | None,
+                name: str) -> torch.Tensor:
+    """A part's scales for the rows `placement` packs it into: per channel, or per block of rows."""
+    rows = placement.rows
+    if block is None:
+        return channel_scales(scale, dest.shape[0])
+    if rows is not None and (rows.start % block[0] or (rows.stop - rows.start) % block[0]):
+        raise ModelLoadError(f"{name}: a block-quantized part of {rows.stop - rows.start} rows at row {rows.start} "
+                             f"cannot pack with {block[0]}-row blocks")
+    return scale
+
+
 def init_random_weights(model: LlamaForCausalLM, seed: int, std: float = 0.02) -> LlamaForCausalLM:
-    """Weightless benchmark models: normal(0, std) matrices, unit norms, zero biases."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Weightless benchmark models: normal(0, std) matrices, unit norms, zero biases. Drawn on the model's
+    device (drawing a large MoE on the CPU and copying it over is slow), so the same seed gives the same
+    weights on the same kind of device."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight") or "layernorm" in name:
-            param.data.fill_(1.0)
+            param.data.fill_(0.0 if model.spec.norm_unit_offset else 1.0)  # a unit scale either way
         elif name.endswith("bias"):
             param.data.zero_()
         else:
-            param.data.copy_(torch.randn(param.shape, generator=gen) * std)
+            param.data.copy_(torch.randn(param.shape, generator=gen, device=device) * std)
     return model
-
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
-_GATE_UP = {"gate_proj": 0, "up_proj": 1}
-
-
-def _target(name: str, spec: ModelSpec) -> tuple[str, slice | None] | None:
-    """HF tensor name -> (our parameter, rows of it) or None for tensors we do not use."""
-    if name == "model.embed_tokens.weight":
-        return "embed_tokens.weight", None
-    if name == "model.norm.weight":
-        return "norm.weight", None
-    if name == "lm_head.weight":
-        return None if spec.tie_word_embeddings else ("lm_head.weight", None)
-    match = _LAYER.match(name)
-    if match is None:
-        return None
-    layer, rest = match.groups()
-    prefix = f"layers.{layer}."
-    module, _, kind = rest.rpartition(".")  # e.g. "self_attn.q_proj", "weight"
-    parent, _, leaf = module.rpartition(".")
-    if parent == "self_attn" and leaf in _QKV:
-        sizes = [spec.q_size, spec.kv_size, spec.kv_size]
-        start = sum(sizes[: _QKV[leaf]])
-        return f"{prefix}self_attn.qkv_proj.{kind}", slice(start, start + sizes[_QKV[leaf]])
-    if parent == "mlp" and leaf in _GATE_UP:
-        start = _GATE_UP[leaf] * spec.intermediate_size
-        return f"{prefix}mlp.gate_up_proj.{kind}", slice(start, start + spec.intermediate_size)
-    if "rotary_emb" in rest:
-        return None
-    return prefix + rest, None
-
-
-def _expected(params: dict[str, torch.nn.Parameter], spec: ModelSpec) -> list[str]:
-    """Every load target the model needs: packed parameters count once per packed part."""
-    names = []
-    for name in params:
-        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-            names += [f"{name}[{s}]" for s in (0, spec.q_size, spec.q_size + spec.kv_size)]
-        elif name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
-            names += [f"{name}[{s}]" for s in (0, spec.intermediate_size)]
-        else:
-            names.append(name)
-    return names
 
 
 __all__ = [

@@ -40,6 +40,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=131072, rope_theta=500000.0, rope_scaling={**_LLAMA3_ROPE, "factor": 8.0},
         rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=128001,
     ),
+    # mixtures of experts: FLOPs and bytes per step count the active experts (ModelSpec.active_params)
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=151645,
+    ),
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5,
+        sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=2,
+    ),
+    # the text decoder of gemma-3-4b-it: five 1024-token sliding-window layers per global one
+    "gemma-3-4b": dict(
+        architectures=["Gemma3ForCausalLM"], vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+        num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+        query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6, max_position_embeddings=131072,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        torch_dtype="bfloat16", eos_token_id=[1, 106],
+    ),
     # A CPU-sized Llama: fast enough for tests and laptop benchmarks, long enough context for `chat`.
     "tiny": dict(
         architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,

@@ -1,8 +1,9 @@
-"""What a checkpoint's config.json says, reduced to the switches our Llama-family model reads.
+"""What a checkpoint's config.json says, reduced to the switches our decoder reads.
 
 Parsed from the raw JSON (not transformers' config classes) so it reads the same under every
-transformers version; both the old (`rope_theta`, `rope_scaling`) and the new (`rope_parameters`)
-spellings are understood.
+transformers version; both the old (`rope_theta`, `rope_scaling`) and the new (`rope_parameters`,
+`layer_types`) spellings are understood. The architecture picks a family here, and only here; the model
+code reads the switches, never the family name.
 """
 from __future__ import annotations
 
@@ -11,45 +12,78 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cbatch.config import UserError
+from cbatch.model.errors import UnsupportedModelError
+from cbatch.model.quant import QuantSpec, parse_quantization
+from cbatch.model.rope import RopeSpec, rope_spec
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    # architecture name -> model family switch
+    # architecture name -> model family
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text decoder; images are not supported
+    "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF name -> backend activation
+# transformers' Gemma3TextConfig defaults: hub configs of Gemma3ForConditionalGeneration state only the
+# text_config values that differ from them (gemma-3-4b-it omits the vocabulary, head_dim, rope_theta...)
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072, rms_norm_eps=1e-6,
+    query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+)
 
 
-class UnsupportedModelError(UserError):
-    """The checkpoint is not one cbatch can run correctly; the message names what is supported."""
+@dataclass(frozen=True, slots=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    renormalize: bool  # the top-k routing weights are divided by their sum
+    weights_in_model_dtype: bool  # Qwen casts the routing weights to the activations' dtype; Mixtral keeps float32
+    shared_expert_size: int  # Qwen2-MoE: a shared MLP scaled by sigmoid(shared_expert_gate(x)); 0: none
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of `intermediate_size`
 
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     architecture: str
-    family: str  # llama | mistral | qwen2 | qwen3
+    family: str  # a SUPPORTED_ARCHITECTURES value
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # of the dense MLP
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None  # the rope_type and its parameters, None for plain RoPE
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before RoPE
-    sliding_window: int | None
+    qk_norm: bool  # Qwen3, Gemma 3: RMSNorm over each head of q and k before RoPE
     torch_dtype: str | None  # the checkpoint's dtype as config.json states it
     eos_token_ids: tuple[int, ...]
+    rope: tuple[RopeSpec, ...]  # one table per distinct RoPE (Gemma 3: local and global)
+    layer_rope: tuple[int, ...]  # per layer: index into `rope`
+    layer_windows: tuple[int | None, ...]  # per layer: sliding window (keys within this distance), None = full
+    hidden_act: str = "silu"  # gated MLP activation: silu | gelu_tanh
+    attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+    embed_scale: float | None = None  # Gemma: embeddings multiplied by sqrt(hidden_size)
+    norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + weight), in float32
+    sandwich_norms: bool = False  # Gemma: RMSNorm after attention and after the MLP too, before the residual add
+    moe: MoESpec | None = None
+    quant: QuantSpec | None = None
 
     @property
     def q_size(self) -> int:
@@ -59,12 +93,49 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def num_params(self) -> int:
-        """Parameters that take part in a token's forward pass (embedding lookup excluded, lm_head included)."""
-        h, i = self.hidden_size, self.intermediate_size
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.sparse_layers[layer]
+
+    def _layer_params(self, experts_per_token: int | None) -> int:
+        """Matrix parameters of every layer; `experts_per_token` None counts every expert."""
+        h = self.hidden_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        mlp = 3 * h * i
-        return self.num_layers * (attn + mlp) + self.vocab_size * h
+        total = 0
+        for layer in range(self.num_layers):
+            total += attn
+            if not self.is_sparse(layer):
+                total += 3 * h * self.intermediate_size
+                continue
+            moe = self.moe
+            experts = moe.num_experts if experts_per_token is None else experts_per_token
+            total += h * moe.num_experts + experts * 3 * h * moe.intermediate_size  # router + experts
+            total += 3 * h * moe.shared_expert_size + (h if moe.shared_expert_size else 0)
+        return total
+
+    def num_params(self) -> int:
+        """Every parameter a forward pass may use (embedding lookup excluded, lm_head included): the published
+        size of a dense model; for a mixture of experts every expert counts."""
+        return self._layer_params(None) + self.vocab_size * self.hidden_size
+
+    def active_params(self) -> int:
+        """Parameters one token's forward pass multiplies (lm_head included): a mixture of experts counts
+        its top-k experts only. The FLOPs per token are twice this."""
+        return self._layer_params(self.moe.top_k if self.moe else None) + self.vocab_size * self.hidden_size
+
+    def params_read(self, tokens: float) -> float:
+        """Parameters a step of `tokens` tokens reads from memory (lm_head included): every dense weight,
+        and of each MoE layer's experts the expected number that at least one token picks,
+        E * (1 - (1 - k / E) ** tokens) with uniform routing (all of them once tokens >> E / k)."""
+        if self.moe is None:
+            return float(self.num_params())
+        moe = self.moe
+        touched = moe.num_experts * (1.0 - (1.0 - moe.top_k / moe.num_experts) ** max(tokens, 0.0))
+        untouched_params = (moe.num_experts - touched) * 3 * self.hidden_size * moe.intermediate_size
+        return self.num_params() - sum(moe.sparse_layers) * untouched_params
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -80,23 +151,70 @@ def read_config(model_dir: Path) -> dict[str, Any]:
         raise UnsupportedModelError(f"{path} is not readable JSON ({exc}); the checkpoint looks damaged") from None
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope_params(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """One standardised rope dict from either spelling (`rope_parameters`, or `rope_theta` + `rope_scaling`)."""
     params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta = float(params["rope_theta"])
-        scaling = dict(params)
+    if isinstance(params, dict) and ("rope_theta" in params or "rope_type" in params):
+        params = dict(params)
     else:
-        theta = float(cfg.get("rope_theta", 10000.0))
-        scaling = dict(cfg["rope_scaling"]) if isinstance(cfg.get("rope_scaling"), dict) else {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+        params = dict(cfg["rope_scaling"]) if isinstance(cfg.get("rope_scaling"), dict) else {}
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    params.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    rope_type = params.pop("type", None) or params.get("rope_type", "default")
+    if family == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # HF's Phi3Config reads these legacy names as longrope
+    params["rope_type"] = rope_type
+    if family == "phi3" and "original_max_position_embeddings" in cfg:
+        params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]  # HF: the top level wins
+    return params
+
+
+def _gemma3_rope_params(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Gemma 3: {"sliding_attention": local rope, "full_attention": global rope}. Old configs give
+    `rope_theta` (global), `rope_local_base_freq` and a `rope_scaling` of the global layers."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        out = {kind: dict(params.get(kind) or {"rope_type": "default"}) for kind in ("sliding_attention", "full_attention")}
+    else:
+        out = {"sliding_attention": {"rope_type": "default"}, "full_attention": {"rope_type": "default"}}
+        if isinstance(cfg.get("rope_scaling"), dict):
+            out["full_attention"].update(cfg["rope_scaling"])
+    out["full_attention"].setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    out["sliding_attention"].setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    return out
+
+
+def _layer_types(cfg: dict[str, Any], family: str, num_layers: int) -> list[str]:
+    """Per layer: "sliding_attention" or "full_attention", as each family's HF config derives it."""
+    window = cfg.get("sliding_window") or None
+    if family in ("mistral", "mixtral", "phi3", "qwen3_moe"):  # HF applies the window to every layer
+        if family == "qwen3_moe" and not cfg.get("use_sliding_window", False):
+            window = None
+        return ["sliding_attention" if window else "full_attention"] * num_layers
+    if family == "llama" or not window:
+        return ["full_attention"] * num_layers
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    if family == "gemma2":
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if family == "gemma3":
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    use, first = cfg.get("use_sliding_window", False), int(cfg.get("max_window_layers", 0))
+    if family == "qwen2_moe":
+        return ["sliding_attention" if use and (i + 1) % 2 and i < first else "full_attention" for i in range(num_layers)]
+    return ["sliding_attention" if use and i >= first else "full_attention" for i in range(num_layers)]  # qwen2, qwen3
+
+
+def _layer_windows(cfg: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:
+    types = _layer_types(cfg, family, num_layers)
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown or len(types) != num_layers:
         raise UnsupportedModelError(
-            f"RoPE scaling {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"layer_types {sorted(unknown) or types} is not supported; cbatch runs sliding_attention and full_attention layers"
         )
-    if rope_type == "default":
-        return theta, None
-    scaling["rope_type"] = rope_type
-    return theta, scaling
+    window = cfg.get("sliding_window") or None
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 def _eos_ids(cfg: dict[str, Any], generation_cfg: dict[str, Any]) -> tuple[int, ...]:
@@ -107,7 +225,58 @@ def _eos_ids(cfg: dict[str, Any], generation_cfg: dict[str, Any]) -> tuple[int, 
     return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
 
 
-def parse_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None) -> ModelSpec:
+def _moe_spec(cfg: dict[str, Any], family: str, num_layers: int) -> MoESpec | None:
+    if family == "mixtral":
+        return MoESpec(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]), int(cfg["intermediate_size"]),
+                       renormalize=True, weights_in_model_dtype=False, shared_expert_size=0,
+                       sparse_layers=(True,) * num_layers)
+    if family not in ("qwen2_moe", "qwen3_moe"):
+        return None
+    num_experts = int(cfg.get("num_experts") or cfg["num_local_experts"])
+    dense_layers = set(cfg.get("mlp_only_layers") or [])
+    step = int(cfg.get("decoder_sparse_step", 1))
+    sparse = tuple(i not in dense_layers and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    return MoESpec(num_experts, int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"]),
+                   renormalize=bool(cfg.get("norm_topk_prob", False)), weights_in_model_dtype=True,
+                   shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0,
+                   sparse_layers=sparse)
+
+
+def _rope_specs(cfg: dict[str, Any], family: str, head_dim: int, windows: tuple[int | None, ...],
+                max_pos: int) -> tuple[tuple[RopeSpec, ...], tuple[int, ...]]:
+    if family != "gemma3":
+        return (rope_spec(_rope_params(cfg, family), head_dim, max_pos),), (0,) * len(windows)
+    params = _gemma3_rope_params(cfg)
+    local, full = (rope_spec(params[k], head_dim, max_pos) for k in ("sliding_attention", "full_attention"))
+    return (local, full), tuple(0 if w is not None else 1 for w in windows)
+
+
+def _gemma_switches(cfg: dict[str, Any], family: str, hidden: int) -> dict[str, Any]:
+    if family not in ("gemma2", "gemma3"):
+        return {}
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("use_bidirectional_attention (an embedding model) is not supported; cbatch runs causal decoders")
+    return dict(
+        attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        attn_softcap=cfg.get("attn_logit_softcapping") or None,
+        final_softcap=cfg.get("final_logit_softcapping") or None,
+        embed_scale=hidden**0.5,
+        norm_unit_offset=True,
+        sandwich_norms=True,
+    )
+
+
+def _activation(cfg: dict[str, Any], family: str) -> str:
+    gemma = family in ("gemma2", "gemma3")
+    name = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    if gemma and name == "gelu":
+        name = "gelu_pytorch_tanh"  # early Gemma configs say gelu; HF runs the tanh approximation
+    if name not in _ACTIVATIONS:
+        raise UnsupportedModelError(f"activation {name!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+def _architecture(cfg: dict[str, Any]) -> tuple[str, str]:
     architectures = cfg.get("architectures") or []
     arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
@@ -115,40 +284,55 @@ def parse_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None
         raise UnsupportedModelError(
             f"unsupported architecture ({named}); cbatch runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    family = SUPPORTED_ARCHITECTURES[arch]
+    return arch, SUPPORTED_ARCHITECTURES[arch]
+
+
+def parse_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None) -> ModelSpec:
+    arch, family = _architecture(cfg)
+    if arch == "Gemma3ForConditionalGeneration":  # text + vision: the text decoder's config
+        text = {**_GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {})}
+        cfg = {**text, "eos_token_id": cfg.get("eos_token_id", text.get("eos_token_id")),
+               "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype") or text.get("torch_dtype")}
+    try:
+        return _parse(cfg, arch, family, generation_cfg or {})
+    except KeyError as exc:
+        raise UnsupportedModelError(f"config.json of a {arch} lacks {exc.args[0]!r}; the checkpoint looks incomplete") from None
+
+
+def _parse(cfg: dict[str, Any], arch: str, family: str, generation_cfg: dict[str, Any]) -> ModelSpec:
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    head_dim = cfg.get("head_dim") or hidden // num_heads
-    theta, scaling = _rope(cfg)
+    head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+    num_layers = int(cfg["num_hidden_layers"])
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    windows = _layer_windows(cfg, family, num_layers)
+    rope, layer_rope = _rope_specs(cfg, family, head_dim, windows, max_pos)
     attention_bias = bool(cfg.get("attention_bias", False))
-    sliding = cfg.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-        sliding = None  # Qwen configs carry a window size even when it is off
-    layer_types = set(cfg.get("layer_types") or [])
-    if layer_types == {"full_attention"}:
-        sliding = None
-    elif layer_types and (len(layer_types) > 1 or sliding is None):
-        raise UnsupportedModelError("mixed full/sliding-window attention layers are not supported")
+    qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True))) or attention_bias
     return ModelSpec(
         architecture=arch,
         family=family,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        head_dim=int(head_dim),
+        head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or attention_bias,
-        o_bias=family != "qwen2" and attention_bias,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family in ("gemma2", "gemma3"))),
+        qkv_bias=qkv_bias,
+        o_bias=family not in ("qwen2", "qwen2_moe") and attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
-        sliding_window=int(sliding) if sliding else None,
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-        eos_token_ids=_eos_ids(cfg, generation_cfg or {}),
+        eos_token_ids=_eos_ids(cfg, generation_cfg),
+        rope=rope,
+        layer_rope=layer_rope,
+        layer_windows=windows,
+        hidden_act=_activation(cfg, family),
+        moe=_moe_spec(cfg, family, num_layers),
+        quant=parse_quantization(cfg.get("quantization_config")),
+        **_gemma_switches(cfg, family, hidden),
     )

@@ -1,8 +1,10 @@
 """An estimate of the FLOP/s and memory bandwidth a job achieved, against the device's peak.
 
-Counted from per-step counters, not measured: FLOPs = 2 x (weights touched) per token + 4 x heads x
-head_dim per attended (query, key) pair per layer; bytes = the weights once per step + the KV read
-(each scheduled sequence's context) + the KV written. Divided by the time inside the model call.
+Counted from per-step counters, not measured: FLOPs = 2 x (active weights: a mixture of experts counts
+its top-k experts) per token + 4 x heads x head_dim per attended (query, key) pair per layer; bytes = the
+weights a step reads (every dense weight, and the experts its tokens pick: `ModelSpec.params_read`) at
+their stored size (1 byte for FP8 weights) + the KV read (each scheduled sequence's context) + the KV
+written. Divided by the time inside the model call.
 """
 from __future__ import annotations
 
@@ -35,35 +37,45 @@ def device_peak(name: str) -> tuple[float, float] | None:
 @dataclass(frozen=True, slots=True)
 class ModelWork:
     """What one unit of work costs a model, in FLOPs and bytes (the counting above): shared by the
-    achieved-rate estimate here and the default cost model of `cbatch plan` (cbatch/plan/devices.py)."""
+    achieved-rate estimate here and the default cost model of `cbatch plan` (cbatch/plan/devices.py).
+    A mixture of experts computes with its top-k experts per token and reads the experts a step's tokens pick."""
 
-    layer_flops_per_token: float  # 2 x the weights a token passes through in the layers
+    spec: ModelSpec
+    bytes_per_weight: float  # the weights' stored size (1 for FP8 weights kept FP8)
+    layer_flops_per_token: float  # 2 x the weights a token passes through in the layers (active experts only)
     head_flops_per_token: float  # 2 x the lm_head weights, for tokens that sample
     flops_per_attention_pair: float  # 4 x layers x heads x head_dim per (query, key) pair
-    weight_bytes: float  # every weight, read once per step
     kv_bytes_per_token: float  # one token's K and V over all layers
 
     @classmethod
-    def of(cls, spec: ModelSpec, dtype_bytes: int) -> "ModelWork":
+    def of(cls, spec: ModelSpec, dtype_bytes: int, bytes_per_weight: float | None = None) -> "ModelWork":
         head_params = spec.vocab_size * spec.hidden_size
         return cls(
-            layer_flops_per_token=2.0 * (spec.num_params() - head_params),
+            spec=spec,
+            bytes_per_weight=float(dtype_bytes if bytes_per_weight is None else bytes_per_weight),
+            layer_flops_per_token=2.0 * (spec.active_params() - head_params),
             head_flops_per_token=2.0 * head_params,
             flops_per_attention_pair=4.0 * spec.num_layers * spec.num_heads * spec.head_dim,
-            weight_bytes=float(spec.num_params() * dtype_bytes),
             kv_bytes_per_token=float(spec.kv_bytes_per_token(dtype_bytes)),
         )
 
+    def weight_bytes(self, tokens: float = float("inf")) -> float:
+        """Bytes of weights a step of `tokens` tokens reads (default: a large step, every expert)."""
+        return self.spec.params_read(tokens) * self.bytes_per_weight
+
 
 def hardware_estimate(spec: ModelSpec, dtype_bytes: int, samples: list[StepSample], forward_seconds: float,
-                      device_name: str | None, half_precision: bool) -> dict[str, Any]:
-    work = ModelWork.of(spec, dtype_bytes)
+                      device_name: str | None, half_precision: bool, weight_bytes: float | None = None) -> dict[str, Any]:
+    """`weight_bytes`: bytes per stored weight (less than dtype_bytes when FP8 weights stay FP8)."""
+    work = ModelWork.of(spec, dtype_bytes, weight_bytes)
     flops = 0.0
     bytes_moved = 0.0
     for s in samples:
         flops += work.layer_flops_per_token * s.scheduled_tokens + work.head_flops_per_token * (s.output_tokens or 0)
         flops += work.flops_per_attention_pair * s.attention_pairs
-        bytes_moved += work.weight_bytes * s.steps + work.kv_bytes_per_token * (s.context_tokens + s.scheduled_tokens)
+        # a bucket of several steps: the experts touched by its average step, `steps` times
+        bytes_moved += work.weight_bytes(s.scheduled_tokens / max(s.steps, 1)) * s.steps
+        bytes_moved += work.kv_bytes_per_token * (s.context_tokens + s.scheduled_tokens)
     seconds = max(forward_seconds, 1e-9)
     out: dict[str, Any] = {
         "device_name": device_name or "cpu",
@@ -90,4 +102,7 @@ def engine_hardware(engine, samples: list[StepSample], forward_seconds: float) -
 
     name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None
     dtype_bytes = torch.finfo(engine.dtype).bits // 8
-    return hardware_estimate(engine.spec, dtype_bytes, samples, forward_seconds, name, dtype_bytes == 2)
+    params = [p for p in engine.runner.model.parameters() if p.dim() >= 2]  # the matrices (FP8 ones included)
+    weight_bytes = sum(p.numel() * p.element_size() for p in params) / max(1, sum(p.numel() for p in params))
+    return hardware_estimate(engine.spec, dtype_bytes, samples, forward_seconds, name, dtype_bytes == 2,
+                             weight_bytes=weight_bytes or dtype_bytes)

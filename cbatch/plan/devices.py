@@ -93,7 +93,7 @@ class DeviceKind:
         flops = peak * 1e12 * self.flop_efficiency
         bandwidth = self.peak_tb_per_s * 1e12 * BANDWIDTH_EFFICIENCY
         return CostModel(
-            per_step=work.weight_bytes / bandwidth + self.step_overhead_s,
+            per_step=work.weight_bytes() / bandwidth + self.step_overhead_s,
             per_prefill_token=work.layer_flops_per_token / flops,
             per_context_token=work.kv_bytes_per_token / bandwidth + work.flops_per_attention_pair / flops,
             unit="s",

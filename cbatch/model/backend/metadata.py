@@ -53,6 +53,7 @@ class KVLayer:
 class NormWeight(Protocol):
     weight: torch.Tensor
     eps: float
+    unit_offset: bool  # Gemma: the scale is (1 + weight)
 
 
 class AttentionLayer(Protocol):
@@ -62,6 +63,7 @@ class AttentionLayer(Protocol):
     num_kv_heads: int
     head_dim: int
     scale: float
+    softcap: float | None  # Gemma 2: scores = softcap * tanh(scale * q.k / softcap) before the mask
     sliding_window: int | None
-    q_norm: NormWeight | None  # Qwen3's per-head RMSNorm on q and k, before rotary
+    q_norm: NormWeight | None  # per-head RMSNorm on q and k, before rotary (Qwen3, Gemma 3)
     k_norm: NormWeight | None

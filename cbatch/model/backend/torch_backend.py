@@ -1,7 +1,7 @@
 """The plain-torch backend: the CPU path and the reference the Triton kernels are tested against.
 
-Attention over the paged cache (`TorchBackend.attention`) plus the small ops the model routes through its
-backend (RMSNorm, rotary, SiLU-and-mul) with HF transformers' numerics.
+Attention over the paged cache (`TorchBackend.attention`) plus the ops the model routes through its
+backend (RMSNorm, rotary, gated activations, mixture-of-experts, FP8 matmul) with HF transformers' numerics.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from cbatch.model.backend.metadata import FP8_KV_MAX, AttentionLayer, AttentionMetadata, KVLayer
 from cbatch.model.backend.rotary import RotaryStep
+from cbatch.model.layers import linear
+from cbatch.model.quant import dequantize
 
 
 class TorchBackend:
@@ -37,22 +39,24 @@ class TorchBackend:
 
     def attention(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
                   meta: AttentionMetadata) -> torch.Tensor:
-        """The attention block on the packed projection qkv [T, (Hq + 2 Hkv) * D]: q/k norms (Qwen3), rotary,
-        this step's k/v stored at `slot_mapping`, then attention over the cache; returns [T, Hq, D]."""
+        """The attention block on the packed projection qkv [T, (Hq + 2 Hkv) * D]: q/k norms (Qwen3, Gemma 3),
+        rotary (partial where the model says), this step's k/v stored at `slot_mapping`, then attention over
+        the cache (soft-capped for Gemma 2); returns [T, Hq, D]."""
         num_tokens, heads, kv_heads, head_dim = qkv.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q = q.view(num_tokens, heads, head_dim)
         k = k.view(num_tokens, kv_heads, head_dim)
         v = v.contiguous().view(num_tokens, kv_heads, head_dim)
         if layer.q_norm is not None:
-            q = self.rms_norm(q, layer.q_norm.weight, layer.q_norm.eps)
-            k = self.rms_norm(k, layer.k_norm.weight, layer.k_norm.eps)
-        q, k = _rotate(q, rope), _rotate(k, rope)
-        return self.attend(q, k, v, kv, meta, layer.scale, layer.sliding_window)
+            q = self.rms_norm(q, layer.q_norm.weight, layer.q_norm.eps, layer.q_norm.unit_offset)
+            k = self.rms_norm(k, layer.k_norm.weight, layer.k_norm.eps, layer.k_norm.unit_offset)
+        q, k = self.apply_rotary(q, k, rope)
+        return self.attend(q, k, v, kv, meta, layer.scale, layer.sliding_window, layer.softcap)
 
-    def attend(self, q, k, v, kv: KVLayer, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
-        """Stores this step's k/v [T, Hkv, D] at `slot_mapping`, then attends; returns [T, Hq, D]."""
+    def attend(self, q, k, v, kv: KVLayer, meta: AttentionMetadata, scale: float, sliding_window: int | None,
+               softcap: float | None = None) -> torch.Tensor:
+        """Stores this step's k/v [T, Hkv, D] at `slot_mapping`, then attends; returns [T, Hq, D]. `softcap`
+        (Gemma 2): scores = softcap * tanh(scale * q.k / softcap) before the mask."""
         state: _TorchStepState = meta.backend_state
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         cache = _CacheReader(kv, q.dtype)
@@ -69,36 +73,90 @@ class TorchBackend:
             k, v = cache.dequantize(stored_k, kv.k_scale), cache.dequantize(stored_v, kv.v_scale)
 
         out = torch.empty_like(q)
+        scoring = _Scoring(scale, sliding_window, softcap)
         for group in state.decode_groups:
-            group.attend(q, out, cache, scale, sliding_window)
+            group.attend(q, out, cache, scoring)
         for chunk in state.prefills:
-            chunk.attend(q, k, v, cache, out, scale, sliding_window)
+            chunk.attend(q, k, v, cache, out, scoring)
         return out
 
     # ---- the model's small ops, with HF transformers' numerics ----------------------------------
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """HF's LlamaRMSNorm: variance in float32, normalised value cast back before the weight multiply."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+        """HF's LlamaRMSNorm: variance in float32, normalised value cast back before the weight multiply.
+        unit_offset (HF's Gemma RMSNorm): times (1 + weight) in float32, then cast back."""
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        if unit_offset:
+            return (h * (1.0 + weight.float())).to(dtype)
         return weight * h.to(dtype)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual)."""
         residual = x + residual
-        return self.rms_norm(residual, weight, eps), residual
+        return self.rms_norm(residual, weight, eps, unit_offset), residual
 
     def rotary(self, positions: torch.Tensor, cos_sin: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
-        """This step's angles in the activations' dtype, rotate_half's sign folded into sin: [T, 1, D] each."""
-        cos, sin = cos_sin[positions].to(dtype).chunk(2, dim=-1)  # [T, D/2] each
+        """This step's angles in the activations' dtype, rotate_half's sign folded into sin: [T, 1, R] each
+        (R = the rotary dimensions: the head dimension unless partial)."""
+        cos, sin = cos_sin[positions].to(dtype).chunk(2, dim=-1)  # [T, R/2] each
         return RotaryStep(positions, cos_sin, torch.cat([cos, cos], dim=-1).unsqueeze(1),
                           torch.cat([-sin, sin], dim=-1).unsqueeze(1))
+
+    def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, rope: RotaryStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """NeoX-style rotary (HF's rotate_half) on q [T, Hq, D] and k [T, Hkv, D]; with partial rotary only
+        the first R dimensions turn, as HF's Phi-3 does."""
+        rotary_dim = rope.cos.shape[-1]
+        if rotary_dim == q.shape[-1]:
+            return _rotate(q, rope), _rotate(k, rope)
+        return (torch.cat([_rotate(q[..., :rotary_dim], rope), q[..., rotary_dim:]], dim=-1),
+                torch.cat([_rotate(k[..., :rotary_dim], rope), k[..., rotary_dim:]], dim=-1))
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2 * intermediate] (gate | up) -> [T, intermediate]"""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # one [T, intermediate] allocation, not two
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Gemma's MLP activation: gelu(gate, approximate="tanh") * up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
+
+    def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ dequantize(weight).T (+ bias): the reference for the Triton kernel (the CPU path dequantizes at load)."""
+        return linear(x, dequantize(weight, scale, block, x.dtype), bias)
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: str, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+        """Experts on their own tokens only: x [T, H], w13 [E, 2I, H] (gate | up), w2 [E, H, I],
+        topk_weights/ids [T, k] -> [T, H] = sum_j w_j * expert_j(x). Each expert runs once on its tokens
+        gathered; a token's k contributions are then summed in ascending expert order, as HF's eager loop
+        adds them (and as the Triton kernels do)."""
+        num_tokens, top_k = topk_ids.shape
+        ids, perm = topk_ids.sort(dim=1)
+        weights = topk_weights.gather(1, perm).reshape(-1, 1)  # [T * k, 1]
+        flat_ids = ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)  # assignments (token * k + j) grouped by expert
+        counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+        contributions = torch.empty((num_tokens * top_k, x.shape[1]), dtype=x.dtype, device=x.device)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            assignments = order[start : start + n]
+            start += n
+            gate_up = linear(x[assignments // top_k], _expert_weight(w13, w13_scale, block, expert, x.dtype))  # [n, 2I]
+            act = self.gelu_tanh_and_mul(gate_up) if activation == "gelu_tanh" else self.silu_and_mul(gate_up)
+            down = linear(act, _expert_weight(w2, w2_scale, block, expert, x.dtype))  # [n, H]
+            contributions[assignments] = (down * weights[assignments]).to(x.dtype)
+        return contributions.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, block, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    return w[expert] if scale is None else dequantize(w[expert], scale[expert], block, dtype)
 
 
 class _CacheReader:
@@ -151,6 +209,21 @@ DECODE_GROUP_ROWS = 16
 MATMUL_PREFILL_MAX_PAIRS = 512 * 512
 
 
+@dataclass(frozen=True, slots=True)
+class _Scoring:
+    """How one layer turns q.k into pre-softmax scores."""
+
+    scale: float
+    sliding_window: int | None
+    softcap: float | None
+
+    def scores(self, qk: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """bias + scale * qk, or with soft-capping bias + softcap * tanh(scale * qk / softcap) (HF's order)."""
+        if self.softcap is None:
+            return torch.add(bias, qk, alpha=self.scale)
+        return qk.mul_(self.scale).div_(self.softcap).tanh_().mul_(self.softcap).add_(bias)
+
+
 class _BiasCache:
     """Additive masks (0 where attended, -inf elsewhere), built on first use per (dtype, sliding window)
     and shared by every layer of the step."""
@@ -192,7 +265,7 @@ class _DecodeGroup:
             masked |= (self.lens[:, None] - 1 - pos[None, :]) >= sliding_window
         return masked[:, None, None, :]
 
-    def attend(self, q, out, cache: _CacheReader, scale: float, sliding_window: int | None) -> None:
+    def attend(self, q, out, cache: _CacheReader, scoring: _Scoring) -> None:
         """out[rows] = attention of q[rows] [n, Hq, D] over the rows' gathered contexts."""
         n = self.num_rows
         num_heads, head_dim = q.shape[1], q.shape[2]
@@ -205,7 +278,7 @@ class _DecodeGroup:
         # query heads h*G .. h*G+G-1 share KV head h: batch over (row, KV head), the G heads as matrix rows
         q_rows = q[self.rows].reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # a view unless q is strided
         scores = torch.matmul(q_rows, keys.transpose(2, 3))  # [n, Hkv, G, L]
-        scores = torch.add(self.biases.get(q.dtype, sliding_window), scores, alpha=scale)
+        scores = scoring.scores(scores, self.biases.get(q.dtype, scoring.sliding_window))
         probs = torch.softmax(scores, dim=-1)  # accumulates in float32 whatever the dtype
         out[self.rows] = torch.matmul(probs, values).view(n, num_heads, head_dim)  # [n, Hkv, G, D]
 
@@ -232,7 +305,7 @@ class _PrefillChunk:
             masked |= q_pos - k_pos >= sliding_window
         return masked
 
-    def attend(self, q, k, v, cache: _CacheReader, out, scale: float, sliding_window: int | None) -> None:
+    def attend(self, q, k, v, cache: _CacheReader, out, scoring: _Scoring) -> None:
         rows = slice(self.start, self.start + self.q_len)
         if self.slots is None:  # fresh prefill: the context is exactly this chunk
             k_seq, v_seq = k[rows], v[rows]  # [ctx, Hkv, D]
@@ -241,9 +314,11 @@ class _PrefillChunk:
             num_kv_heads, head_dim = kv.k.shape[2], kv.k.shape[3]
             k_seq = cache.gather(kv.k.view(-1, num_kv_heads, head_dim), self.slots, kv.k_scale)
             v_seq = cache.gather(kv.v.view(-1, num_kv_heads, head_dim), self.slots, kv.v_scale)
-        if q.dtype != torch.float32 and self.q_len * self.ctx <= MATMUL_PREFILL_MAX_PAIRS:
-            out[rows] = self._attend_matmul(q[rows], k_seq, v_seq, scale, sliding_window)
+        small = q.dtype != torch.float32 and self.q_len * self.ctx <= MATMUL_PREFILL_MAX_PAIRS
+        if small or scoring.softcap is not None:  # SDPA cannot soft-cap
+            out[rows] = self._attend_matmul(q[rows], k_seq, v_seq, scoring)
             return
+        sliding_window, scale = scoring.sliding_window, scoring.scale
         mask = None  # a fresh prefill without a window is plainly causal
         if self.slots is not None or sliding_window is not None:
             mask = self.biases.get(q.dtype, sliding_window)
@@ -256,14 +331,14 @@ class _PrefillChunk:
         )
         out[rows] = attended.squeeze(0).transpose(0, 1)
 
-    def _attend_matmul(self, q, k, v, scale: float, sliding_window: int | None) -> torch.Tensor:
+    def _attend_matmul(self, q, k, v, scoring: _Scoring) -> torch.Tensor:
         """q [n, Hq, D] against k, v [ctx, Hkv, D]; returns [n, Hq, D]."""
         n, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads
         q_heads = q.reshape(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
         scores = torch.bmm(q_heads, k.permute(1, 2, 0)).view(num_kv_heads, group, n, self.ctx)
-        scores = torch.add(self.biases.get(q.dtype, sliding_window), scores, alpha=scale)
+        scores = scoring.scores(scores, self.biases.get(q.dtype, scoring.sliding_window))
         probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * n, self.ctx)
         attended = torch.bmm(probs, v.transpose(0, 1))  # [Hkv, G * n, D]
         return attended.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)

@@ -1,11 +1,18 @@
-"""The Triton backend: paged attention, the fused attention prologue (q/k norm + rotary + KV store), RMSNorm
-and SiLU-and-mul through `cbatch.kernels` (the GPU path; on CPU tensors only under TRITON_INTERPRET=1, for tests)."""
+"""The Triton backend: paged attention, the fused attention prologue (q/k norm + rotary + KV store), RMSNorm,
+gated activations, fused MoE and FP8 matmuls through `cbatch.kernels` (the GPU path; on CPU tensors only
+under TRITON_INTERPRET=1, for tests)."""
 from __future__ import annotations
 
 import torch
 
 from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVLayer
 from cbatch.model.backend.rotary import RotaryStep
+
+
+def _fused_prologue_covers(layer: AttentionLayer, rope: RotaryStep) -> bool:
+    """norm_rope_store rotates whole heads and applies HF Llama/Qwen3 RMSNorm weights (not Gemma's 1 + w)."""
+    full_rotary = rope.cos_sin.shape[-1] == layer.head_dim
+    return full_rotary and (layer.q_norm is None or not layer.q_norm.unit_offset)
 
 
 class TritonBackend:
@@ -18,32 +25,58 @@ class TritonBackend:
     def attention(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
                   meta: AttentionMetadata) -> torch.Tensor:
         """Two launches per layer: `norm_rope_store` (q rotated in place inside qkv, k/v into the cache) and
-        `paged_attention` (reading q strided out of qkv). Returns [T, Hq, D]."""
-        from cbatch.kernels import norm_rope_store, paged_attention
+        `paged_attention` (reading q strided out of qkv, soft-capped for Gemma 2). Layers the fused prologue
+        does not cover (partial rotary, Gemma's (1 + w) q/k norms) take the separate kernels. Returns [T, Hq, D]."""
+        from cbatch.kernels import paged_attention
 
-        q_norm, k_norm = layer.q_norm, layer.k_norm
-        q = norm_rope_store(
-            qkv, layer.num_heads, layer.num_kv_heads, rope.positions, rope.cos_sin, kv.k, kv.v, meta.slot_mapping,
-            q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
-            q_norm.eps if q_norm is not None else 0.0, kv.k_scale, kv.v_scale,
-        )  # [T, Hq, D], a view of qkv
+        q = self._prologue(qkv, layer, rope, kv, meta) if _fused_prologue_covers(layer, rope) else \
+            self._unfused_prologue(qkv, layer, rope, kv, meta)
         out = torch.empty((qkv.shape[0], layer.num_heads, layer.head_dim), dtype=qkv.dtype, device=qkv.device)
         return paged_attention(
             q, kv.k, kv.v, out,
             meta.query_start_loc, meta.seq_lens, meta.block_table,
             layer.scale, meta.max_query_len, meta.max_seq_len, sliding_window=layer.sliding_window,
-            k_scale=kv.k_scale, v_scale=kv.v_scale,
+            softcap=layer.softcap, k_scale=kv.k_scale, v_scale=kv.v_scale,
         )
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def _prologue(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """q/k norm + rotary + KV store in one launch; q [T, Hq, D] as a view of qkv."""
+        from cbatch.kernels import norm_rope_store
+
+        q_norm, k_norm = layer.q_norm, layer.k_norm
+        return norm_rope_store(
+            qkv, layer.num_heads, layer.num_kv_heads, rope.positions, rope.cos_sin, kv.k, kv.v, meta.slot_mapping,
+            q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 0.0, kv.k_scale, kv.v_scale,
+        )
+
+    def _unfused_prologue(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        """The same steps as separate kernels: q/k norms, rotary (in place), store_kv; q [T, Hq, D]."""
+        from cbatch.kernels import apply_rotary, store_kv
+
+        num_tokens, heads, kv_heads, head_dim = qkv.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q = q.view(num_tokens, heads, head_dim)
+        k = k.view(num_tokens, kv_heads, head_dim)
+        if layer.q_norm is not None:
+            q = self.rms_norm(q, layer.q_norm.weight, layer.q_norm.eps, layer.q_norm.unit_offset)
+            k = self.rms_norm(k, layer.k_norm.weight, layer.k_norm.eps, layer.k_norm.unit_offset)
+        apply_rotary(q, k, rope.positions, rope.cos_sin)  # in place
+        store_kv(k, v.view(num_tokens, kv_heads, head_dim), kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
+        return q
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
         from cbatch.kernels import rms_norm
 
-        return rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+        # the kernel takes [rows, hidden]; per-head q/k norms come as [T, heads, head_dim]
+        return rms_norm(x.reshape(-1, x.shape[-1]), weight, eps, unit_offset=unit_offset).view(x.shape)
 
-    def add_rms_norm(self, x, residual, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(self, x, residual, weight, eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         from cbatch.kernels import fused_add_rms_norm
 
-        return fused_add_rms_norm(x, residual, weight, eps)
+        return fused_add_rms_norm(x, residual, weight, eps, unit_offset=unit_offset)
 
     def rotary(self, positions: torch.Tensor, cos_sin: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
         return RotaryStep(positions, cos_sin)  # the kernel reads the float32 table at each position
@@ -52,3 +85,19 @@ class TritonBackend:
         from cbatch.kernels import silu_and_mul
 
         return silu_and_mul(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        from cbatch.kernels import gelu_tanh_and_mul
+
+        return gelu_tanh_and_mul(gate_up)
+
+    def fp8_linear(self, x, weight, scale, block: tuple[int, int] | None, bias) -> torch.Tensor:
+        from cbatch.kernels import fp8_linear
+
+        return fp8_linear(x, weight, scale, block, bias)
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, activation: str, w13_scale=None, w2_scale=None,
+                  block: tuple[int, int] | None = None) -> torch.Tensor:
+        from cbatch.kernels import fused_moe
+
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block)

@@ -1,0 +1,84 @@
+"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top-k experts, and
+each expert's gated MLP runs on its own tokens only (the backend's `fused_moe`: a grouped torch loop on
+CPU, the Triton fused-MoE kernels on GPU).
+
+Routing, as each family's HF code defines it: softmax over the router logits in float32, top-k, then
+    Mixtral     weights renormalised to sum to 1, kept in float32
+    Qwen*-MoE   renormalised only with norm_topk_prob, then cast to the activations' dtype
+Qwen2-MoE adds a shared expert (a dense MLP) scaled by sigmoid(shared_expert_gate(x)) to every token.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cbatch.model.backend import Backend
+from cbatch.model.layers import MLP, Linear
+from cbatch.model.quant import FP8_DTYPE
+from cbatch.model.spec import ModelSpec
+
+
+class Experts(nn.Module):
+    """Every expert's weights stacked: w13 [E, 2I, H] (gate | up, as HF packs gate_up_proj), w2 [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13_scale: nn.Parameter | None = None  # FP8 only: [E, 2I] per channel or [E, 2I/bn, H/bk] per block
+        self.w2_scale: nn.Parameter | None = None
+        self.block: tuple[int, int] | None = None
+
+    def keep_fp8(self, block: tuple[int, int] | None) -> None:
+        """Holds the weights in FP8 with their scales (the GPU path). Called before the weights exist (meta device)."""
+        self.block = block
+        for name in ("w13", "w2"):
+            weight = getattr(self, name)
+            experts, rows, cols = weight.shape
+            setattr(self, name, nn.Parameter(torch.empty(weight.shape, dtype=FP8_DTYPE), requires_grad=False))
+            shape = (experts, rows) if block is None else (experts, -(-rows // block[0]), -(-cols // block[1]))
+            setattr(self, f"{name}_scale", nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: Backend) -> None:
+        super().__init__()
+        moe = spec.moe
+        self.backend = backend
+        self.top_k = moe.top_k
+        self.renormalize = moe.renormalize
+        self.weights_in_model_dtype = moe.weights_in_model_dtype
+        self.activation = spec.hidden_act
+        self.gate = Linear(spec.hidden_size, moe.num_experts, bias=False)  # the router
+        self.experts = Experts(moe.num_experts, spec.hidden_size, moe.intermediate_size)
+        self.shared_expert = None
+        self.shared_expert_gate = None
+        if moe.shared_expert_size:
+            self.shared_expert = MLP(spec.hidden_size, moe.shared_expert_size, False, spec.hidden_act, backend)
+            self.shared_expert_gate = Linear(spec.hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (routing weights [T, k], expert ids [T, k])."""
+        logits = self.gate(x)  # [T, E] in the activations' dtype
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        if self.weights_in_model_dtype:
+            weights = weights.to(logits.dtype)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        e = self.experts
+        out = self.backend.fused_moe(x, e.w13, e.w2, weights, ids, self.activation, e.w13_scale, e.w2_scale, e.block)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def feed_forward(spec: ModelSpec, layer: int, backend: Backend) -> nn.Module:
+    """Layer `layer`'s MLP: the experts where the spec makes it sparse, the dense gated MLP otherwise."""
+    if spec.is_sparse(layer):
+        return SparseMoeBlock(spec, backend)
+    return MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.hidden_act, backend)

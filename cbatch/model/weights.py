@@ -1,0 +1,136 @@
+"""Where each tensor of a Hugging Face checkpoint goes in our model (`place`), and an index of the
+checkpoint's tensors across its safetensors files (`TensorIndex`).
+
+Our model packs what HF keeps apart: q/k/v into `qkv_proj`, gate/up into `gate_up_proj`, and every
+expert of a MoE layer into two stacked tensors (`experts.w13` [E, 2I, H], `experts.w2` [E, H, I]).
+Checkpoints that already fuse them (Phi-3's qkv_proj and gate_up_proj, transformers 5's stacked
+experts) map one to one. Mixtral's `block_sparse_moe` and w1/w3/w2 expert names are read too, and a
+multimodal Gemma 3's text decoder (`language_model.model.*` or `model.language_model.*`; the vision
+tower is not used).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from cbatch.model.quant import UNUSED_QUANT_TENSORS
+from cbatch.model.spec import ModelSpec
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_GATE_UP = {"gate_proj": 0, "up_proj": 1, "w1": 0, "w3": 1}  # w1/w3: Mixtral's expert gate/up
+_DOWN = ("down_proj", "w2")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)$")
+_TEXT_DECODER = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")  # multimodal Gemma 3
+FP8_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts")  # kept in FP8 on the GPU path
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A checkpoint tensor's place: `<module>.<slot>` (or the module's bias or scales), at [expert][rows]
+    (None: the whole dimension). `slot` is "weight", or an expert stack's "w13" / "w2"."""
+
+    module: str
+    slot: str = "weight"
+    expert: int | None = None
+    rows: slice | None = None
+
+    def param(self, kind: str) -> str:
+        """Our parameter for a tensor of this `kind` (weight | bias | scale); scales are `<slot>_scale`."""
+        leaf = {"weight": self.slot, "bias": "bias", "scale": f"{self.slot}_scale"}[kind]
+        return f"{self.module}.{leaf}"
+
+    def block_rows(self, rows_per_block: int) -> Placement:
+        """The same place in a per-block scale grid, whose rows count blocks of weight rows."""
+        if self.rows is None:
+            return self
+        rows = slice(self.rows.start // rows_per_block, -(-self.rows.stop // rows_per_block))
+        return Placement(self.module, self.slot, self.expert, rows)
+
+    def select(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.expert is not None:
+            tensor = tensor[self.expert]
+        return tensor if self.rows is None else tensor[self.rows]
+
+
+class TensorIndex:
+    """Every tensor of a checkpoint folder: its file and dtype, read from the safetensors headers."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.file_of: dict[str, Path] = {}
+        self.dtype_of: dict[str, str] = {}  # safetensors dtype names: F32, BF16, F8_E4M3, ...
+        self._open = {file: safe_open(str(file), framework="pt") for file in files}  # memory-mapped, closed with the index
+        for file, f in self._open.items():
+            for name in f.keys():
+                self.file_of[name] = file
+                self.dtype_of[name] = f.get_slice(name).get_dtype()
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._open[self.file_of[name]].get_tensor(name)
+
+    def fp8_names(self) -> list[str]:
+        return [n for n, d in self.dtype_of.items() if d.startswith("F8")]
+
+
+def _packed(sizes: list[int], part: int) -> slice:
+    """The rows of part `part` when parts of `sizes` rows are stacked in order."""
+    start = sum(sizes[:part])
+    return slice(start, start + sizes[part])
+
+
+def _layer_place(prefix: str, rest: str, spec: ModelSpec) -> Placement | None:
+    """`rest`: the module path inside `model.layers.N.` (the tensor name without its last component)."""
+    rest = rest.replace("block_sparse_moe.", "mlp.", 1)
+    parent, _, leaf = rest.rpartition(".")
+    if parent == "self_attn" and leaf in _QKV:
+        return Placement(f"{prefix}self_attn.qkv_proj", rows=_packed([spec.q_size, spec.kv_size, spec.kv_size], _QKV[leaf]))
+    expert = _EXPERT.match(rest)
+    if expert is not None:
+        index, leaf = int(expert.group(1)), expert.group(2)
+        size = spec.moe.intermediate_size
+        if leaf in _GATE_UP:
+            return Placement(f"{prefix}mlp.experts", "w13", index, _packed([size, size], _GATE_UP[leaf]))
+        return Placement(f"{prefix}mlp.experts", "w2", index) if leaf in _DOWN else None
+    if leaf in ("gate_proj", "up_proj"):  # the dense MLP or Qwen2-MoE's shared expert
+        size = spec.moe.shared_expert_size if parent == "mlp.shared_expert" else spec.intermediate_size
+        return Placement(f"{prefix}{parent}.gate_up_proj", rows=_packed([size, size], _GATE_UP[leaf]))
+    return Placement(f"{prefix}{rest}")
+
+
+def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
+    """HF tensor name -> (where it goes, its kind: weight | bias | scale), or None for tensors we do not use."""
+    name = _TEXT_DECODER.sub("model.", name).replace("language_model.lm_head.", "lm_head.", 1)
+    module, _, kind = name.rpartition(".")
+    if kind in UNUSED_QUANT_TENSORS or "rotary_emb" in name:
+        return None
+    if spec.quant is not None and kind == spec.quant.scale_suffix:
+        kind = "scale"
+    if name in ("model.embed_tokens.weight", "model.norm.weight"):
+        return Placement(module.removeprefix("model.")), kind
+    if name == "lm_head.weight":
+        return None if spec.tie_word_embeddings else (Placement("lm_head"), kind)
+    match = _LAYER.match(module)
+    if match is None:
+        return None
+    layer, rest = match.groups()
+    if rest.endswith(".experts") and kind in ("gate_up_proj", "down_proj"):  # transformers 5's stacked experts
+        return Placement(f"layers.{layer}.mlp.experts", "w13" if kind == "gate_up_proj" else "w2"), "weight"
+    if kind not in ("weight", "bias", "scale"):
+        return None
+    placement = _layer_place(f"layers.{layer}.", rest, spec)
+    return None if placement is None else (placement, kind)
+
+
+def kept_fp8_modules(index: TensorIndex, spec: ModelSpec) -> set[str]:
+    """Our modules whose checkpoint weights are FP8 and which the GPU path keeps in FP8: the decoder layers'
+    matmuls (anything else FP8, e.g. a router, is dequantized at load)."""
+    modules = set()
+    for name in index.fp8_names():
+        placed = place(name, spec)
+        if placed is not None and placed[1] == "weight" and placed[0].module.rpartition(".")[2] in FP8_MODULES:
+            modules.add(placed[0].module)
+    return modules
