@@ -1,4 +1,5 @@
-"""Turns a StepPlan into one model call: builds the flat batch, runs the model, samples.
+"""Turns a StepPlan into one model call: builds the flat batch, runs the model, samples (and computes the
+log-probabilities rows ask for: of sampled tokens, and of prompt tokens chunk by chunk).
 
 The runner owns the KV tensors and a persistent block-table buffer: each running sequence has a
 row in it, and a step only writes the blocks that were added since the last step (no rebuilding
@@ -15,8 +16,10 @@ import torch
 
 from cbatch.model.backend import AttentionMetadata, Backend, kv_cache_shape
 from cbatch.engine.cpu_memory import keep_freed_memory, lazily_zeroed
-from cbatch.engine.sampler import SamplingBatch, sample
-from cbatch.engine.scheduler import StepPlan
+from cbatch.engine.logprobs import prompt_logprobs
+from cbatch.engine.sampler import sample_step
+from cbatch.engine.sampling_inputs import SamplingInputs
+from cbatch.engine.scheduler import StepLogprobs, StepOutput, StepPlan
 from cbatch.engine.sequence import Sequence
 from cbatch.model.llama import ForwardContext, KVCacheView, LlamaForCausalLM
 
@@ -102,27 +105,37 @@ class ModelRunner:
         # rows for 2 x max_num_seqs: static batching keeps finished members in the batch until their group
         # ends, and a finished sequence's row is freed by the next plan
         self.block_tables = BlockTableBuffer(*self._table_shape)
+        self.sampling = SamplingInputs(self.model.spec.vocab_size, self.device, self.job_seed)
         self.forward_seconds = 0.0  # time inside the model call, for the report
 
     def idle(self) -> None:
         pass  # nothing to compute (a step waiting for arrivals)
 
-    def execute(self, plan: StepPlan) -> dict[int, int]:
-        """Runs one step; returns {seq_id: sampled token} for the sequences whose chunk reached their end."""
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Runs one step; returns the sampled token of every sequence whose chunk reached its end (and of
+        the samples such a sequence forks), with the log-probabilities asked for."""
         step = self.forward(plan)
-        if step is None:
-            return {}
-        start = time.perf_counter()
-        tokens = sample(step.logits, step.sampling).tolist()
-        self.forward_seconds += time.perf_counter() - start
-        return {seq.seq_id: tok for seq, tok in zip(step.seqs, tokens)}
+        tokens: dict[int, int] = {}
+        if step.logits is not None:
+            start = time.perf_counter()
+            out = sample_step(step.logits, self.sampling.build(step.seqs))
+            tokens = dict(zip((seq.seq_id for seq in step.seqs), out.tokens.tolist()))
+            self.forward_seconds += time.perf_counter() - start
+            step.logprobs.sampled.update((seq.seq_id, lp) for seq, lp in zip(step.seqs, out.logprobs) if lp is not None)
+        has_logprobs = step.logprobs.sampled or step.logprobs.prompt
+        return StepOutput(tokens, step.logprobs if has_logprobs else None)
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> "StepLogits | None":
-        """Runs the model on the plan's tokens; the logits of the rows that sample (None if none does)."""
+    def forward(self, plan: StepPlan) -> "StepLogits":
+        """Runs the model on the plan's tokens; the logits of the rows that sample (None if none does), and
+        the prompt log-probabilities of this step's chunks for the sequences that ask."""
         for seq in plan.preempted + plan.finished:
             self.block_tables.release(seq)
+            self.sampling.release(seq)
         batch = self._build(plan)
+        if plan.copies:  # NOTE: first: a forked sample's copy of its parent's partial block, before any write
+            self.copy_blocks(plan.copies)
         if plan.swap_out or plan.swap_in:  # NOTE: after _build (nothing there may overwrite a swap_in), before the model
             self.swap(plan.swap_out, plan.swap_in)
         start = time.perf_counter()
@@ -132,11 +145,22 @@ class ModelRunner:
             self.backend.prepare(batch.meta)
             ctx = ForwardContext(self.kv, batch.meta)
             hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, hidden]
+        logprobs = StepLogprobs()
+        for seq, first_row, targets in batch.prompt_logprobs:
+            rows = hidden[first_row : first_row + len(targets)]  # [M, hidden]
+            logprobs.prompt[seq.seq_id] = prompt_logprobs(self.model.compute_logits, rows, targets,
+                                                          seq.params.prompt_logprobs, self.model.spec.vocab_size)
         logits = None
         if batch.sampling_seqs:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] float32
         self.forward_seconds += time.perf_counter() - start
-        return None if logits is None else StepLogits(batch.sampling_seqs, logits, batch.sampling)
+        return StepLogits(batch.sampling_seqs, logits, logprobs)
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copies whole KV blocks (every layer, K and V): (source, destination) pairs."""
+        src, dst = (torch.tensor(ids, dtype=torch.int64, device=self.device) for ids in zip(*copies))
+        self.kv_cache.index_copy_(self._block_dim, dst, self.kv_cache.index_select(self._block_dim, src))
 
     @torch.inference_mode()
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
@@ -168,7 +192,7 @@ class ModelRunner:
         token_ids: list[int] = []
         sampling_seqs: list[Sequence] = []
         logits_idx: list[int] = []
-        temps, top_ps, top_ks, seeds, out_pos = [], [], [], [], []
+        prompt_rows: list[tuple[Sequence, int, list[int]]] = []
         offset = 0
         for i, (seq, num_new) in enumerate(sorted(plan.scheduled, key=_batch_order)):
             rows[i] = self.block_tables.sync(seq)
@@ -178,16 +202,14 @@ class ModelRunner:
                 token_ids.append(seq.token_at(seq.num_computed))
             else:
                 token_ids.extend(seq.tokens(seq.num_computed, seq.num_computed + num_new))
+            if seq.prompt_logprobs_missing:
+                prompt_rows.extend(_prompt_logprob_rows(seq, num_new, offset))
             offset += num_new
             if seq.num_computed + num_new == seq.num_tokens:  # this chunk reaches the end: sample
-                sampling_seqs.append(seq)
-                logits_idx.append(offset - 1)
-                p = seq.params
-                temps.append(float(p.temperature))
-                top_ps.append(float(p.top_p))
-                top_ks.append(int(p.top_k))
-                seeds.append(p.seed if p.seed is not None else (self.job_seed << 32) ^ seq.seq_id)
-                out_pos.append(len(seq.output_ids))
+                # the samples it forks draw their first token from the same logits row
+                samples = seq.samples if seq.pending_children else [seq]
+                sampling_seqs.extend(samples)
+                logits_idx.extend([offset - 1] * len(samples))
         num_tokens = offset
         cu_q = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu_q[1:])
@@ -217,15 +239,28 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
             sampling_seqs=sampling_seqs,
-            sampling=SamplingBatch(temps, top_ps, top_ks, seeds, out_pos),
+            prompt_logprobs=prompt_rows,
         )
 
 
 @dataclass(slots=True)
 class StepLogits:
     seqs: list[Sequence]  # the rows that sample, in the order of `logits`
-    logits: torch.Tensor  # float32 [N, vocab]
-    sampling: SamplingBatch
+    logits: torch.Tensor | None  # float32 [N, vocab]; None when no row samples
+    logprobs: StepLogprobs  # this step's prompt log-probabilities (`execute` adds the sampled tokens')
+
+
+def _prompt_logprob_rows(seq: Sequence, num_new: int, first_row: int) -> list[tuple[Sequence, int, list[int]]]:
+    """[(seq, flat row of the first position, the prompt tokens those positions predict)] for the prompt
+    positions of this chunk whose log-probabilities `seq` still lacks, or [].
+
+    NOTE: position q predicts prompt token q + 1; `seq.prompt_logprobs` holds positions 0..m-1, and
+    m >= num_computed (no prefix-cache hits for such a sequence), so the positions are [m, end)."""
+    start = len(seq.prompt_logprobs)
+    end = min(seq.num_computed + num_new, seq.prompt_len - 1)
+    if start >= end:
+        return []
+    return [(seq, first_row + start - seq.num_computed, seq.prompt_ids[start + 1 : end + 1])]
 
 
 def _batch_order(item: tuple[Sequence, int]) -> tuple[int, int]:
@@ -237,12 +272,12 @@ def _batch_order(item: tuple[Sequence, int]) -> tuple[int, int]:
 
 
 class _Batch:
-    __slots__ = ("input_ids", "positions", "meta", "logits_indices", "sampling_seqs", "sampling")
+    __slots__ = ("input_ids", "positions", "meta", "logits_indices", "sampling_seqs", "prompt_logprobs")
 
-    def __init__(self, input_ids, positions, meta, logits_indices, sampling_seqs, sampling) -> None:
+    def __init__(self, input_ids, positions, meta, logits_indices, sampling_seqs, prompt_logprobs) -> None:
         self.input_ids = input_ids  # int64 [T]
         self.positions = positions  # int64 [T]
         self.meta = meta
         self.logits_indices = logits_indices  # int64 [N]: rows of the hidden states that sample
         self.sampling_seqs = sampling_seqs
-        self.sampling = sampling
+        self.prompt_logprobs = prompt_logprobs  # [(seq, first flat row, target prompt tokens)]
