@@ -76,9 +76,9 @@ class RequestTiming:
 
 @dataclass
 class JobMetrics:
-    total_rows: int = 0
-    skipped_rows: int = 0  # finished by an earlier run (resume)
-    ok_rows: int = 0
+    total_rows: int = 0  # input rows
+    skipped_rows: int = 0  # input rows finished by an earlier run (resume)
+    ok_rows: int = 0  # input rows finished (a row with n samples: once all n are)
     error_rows: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0

@@ -19,6 +19,10 @@ from cbatch.model.loader import ModelLoadError
 from cbatch.model.spec import UnsupportedModelError
 
 
+# the sampling fields a job's fingerprint has always held in full
+_FINGERPRINTED_ALWAYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "priority")
+
+
 class JobError(UserError):
     """A bad job (exit 2): the message is one line naming the file or flag and the fix."""
 
@@ -38,6 +42,7 @@ class JobOptions:
     display: str = "auto"  # auto | dashboard | plain | none
     progress_interval: float = 10.0  # seconds between plain progress lines (logs, cron)
     plot: Path | None = None  # --plot: report.png / .html
+    reasoning_split: bool = True  # a thinking model's <think>...</think> goes to a `reasoning` column
 
 
 @dataclass(slots=True)
@@ -78,8 +83,10 @@ def resolve_or_fail(config: EngineConfig) -> ResolvedModel:
 
 def job_fingerprint(options: JobOptions, model: ResolvedModel) -> dict[str, str]:
     """What makes a partial run's rows valid for this run: the input bytes, and every setting that changes
-    a completion (model, dtype, device, seed, sampling defaults). Batch shape settings (--max-num-seqs,
-    --policy, ...) are left out: completions do not depend on them."""
+    a completion (model, dtype, device, seed, sampling defaults, the reasoning split). Batch shape settings
+    (--max-num-seqs, --policy, ...) are left out: completions do not depend on them. NOTE: of the sampling
+    fields added with n and logprobs, only those set away from their defaults count, so jobs that use none
+    keep the fingerprints they had (a resume across the upgrade still works)."""
     checkpoint = model.checkpoint
     settings = {
         "model": str(checkpoint.path.resolve()),
@@ -90,8 +97,11 @@ def job_fingerprint(options: JobOptions, model: ResolvedModel) -> dict[str, str]
         "attention_backend": options.engine.attention_backend,
         "max_model_len": options.engine.max_model_len,
         "seed": options.engine.seed,
-        "defaults": asdict(options.defaults),
+        "defaults": {**{k: v for k, v in asdict(options.defaults).items() if k in _FINGERPRINTED_ALWAYS},
+                     **options.defaults.changed_fields()},
     }
+    if not options.reasoning_split:
+        settings["reasoning_split"] = False
     return {"input": file_digest(options.input), "settings": settings_digest(settings)}
 
 

@@ -186,7 +186,7 @@ class RayExecutor:
         crash = self.ray_options.crash
         crash_at_step = crash[1] if crash is not None and crash[0] == handle.number else None
         handle.actor = self._actor_class.remote(self._config, self.options.defaults, handle.number,
-                                                crash_at_step=crash_at_step)
+                                                crash_at_step=crash_at_step, reasoning_split=self.options.reasoning_split)
         self.replicas.append(handle)
         return handle
 
@@ -218,7 +218,8 @@ class RayExecutor:
         free = sum(self.ray_options.blocks_in_flight - len(r.in_flight) for r in self._live())
         return free > len(self.queue)
 
-    def submit(self, index: int, raw: dict[str, Any] | str) -> None:
+    def submit(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int] = frozenset()) -> None:
+        """NOTE: a resumed row with some samples recorded runs whole: the job's store keeps the new ones."""
         self._pending.append((index, raw))
         if len(self._pending) >= self.ray_options.block_rows:
             self._cut_block()
