@@ -7,7 +7,6 @@ import io
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -102,22 +101,3 @@ def leftovers(output: Path) -> set[str]:
     """Files a job keeps next to OUTPUT besides OUTPUT itself and its completion record."""
     keep = {output.name, f".{output.name}.cbatch.json"}
     return {p.name for p in output.parent.iterdir() if p.name.startswith(f".{output.name}") and p.name not in keep}
-
-
-def sigterm_after(monkeypatch, updates: int) -> None:
-    """Makes the next in-process job receive a real SIGTERM after `updates` steps."""
-    import cbatch.run.job as job_module
-
-    class Killer:
-        def __init__(self) -> None:
-            self.n = 0
-
-        def update(self):
-            self.n += 1
-            if self.n == updates:
-                os.kill(os.getpid(), signal.SIGTERM)
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(job_module, "make_display", lambda metrics, options: Killer())

@@ -8,8 +8,7 @@ import signal
 import pytest
 
 from ops_jobs import (
-    cbatch_process, leftovers, listing, part_lines, read_jsonl, run_inprocess, sigterm_after, token_rows, wait_for,
-    write_jsonl,
+    cbatch_process, leftovers, listing, part_lines, read_jsonl, run_inprocess, token_rows, wait_for, write_jsonl,
 )
 
 N_ROWS = 300
@@ -100,10 +99,29 @@ def test_signal_saves_rows_and_rerun_completes(job, tmp_path, signum, code):
     assert leftovers(out) == set()
 
 
+def _sigterm_after(monkeypatch, updates: int) -> None:
+    """Makes the next in-process job receive a real SIGTERM after `updates` steps."""
+    import cbatch.run.job as job_module
+
+    class Killer:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def update(self):
+            self.n += 1
+            if self.n == updates:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(job_module, "make_display", lambda metrics, options: Killer())
+
+
 def test_changed_input_or_settings_refuse_a_partial_run(job, tmp_path, monkeypatch):
     source = write_jsonl(tmp_path / "in.jsonl", job["rows"][:80])
     out = tmp_path / "out.jsonl"
-    sigterm_after(monkeypatch, 3)
+    _sigterm_after(monkeypatch, 3)
     code, _, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"])
     assert code == 143, err
     monkeypatch.undo()
@@ -214,7 +232,7 @@ def test_parquet_job_interrupted_and_resumed_equals_uninterrupted(job, tmp_path,
     reference, out = tmp_path / "ref.parquet", tmp_path / "out.parquet"
     code, _, err = run_inprocess("run", str(source), "--out", str(reference), *job["flags"])
     assert code in (0, 1), err
-    sigterm_after(monkeypatch, 4)
+    _sigterm_after(monkeypatch, 4)
     code, _, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"])
     assert code == 143 and not out.exists(), err
     monkeypatch.undo()

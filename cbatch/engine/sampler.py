@@ -51,17 +51,19 @@ class Penalties:
     presence: torch.Tensor  # float32 [P]
     output_counts: torch.Tensor  # int32 [P, vocab]: occurrences of each token in the row's output
     prompt_mask: torch.Tensor  # bool [P, vocab]: tokens of the row's prompt
+    used: tuple[bool, bool, bool] = (True, True, True)  # (repetition, frequency, presence): some row uses it
 
     def apply(self, logits: torch.Tensor) -> None:
         rows = logits.index_select(0, self.rows)  # [P, vocab]
         in_output = self.output_counts > 0
-        if bool((self.repetition != 1.0).any()):
+        repetition, frequency, presence = self.used
+        if repetition:
             seen = self.prompt_mask | in_output
             penalty = self.repetition[:, None]
             rows = torch.where(seen, torch.where(rows > 0, rows / penalty, rows * penalty), rows)
-        if bool((self.frequency != 0.0).any()):
+        if frequency:
             rows -= self.frequency[:, None] * self.output_counts
-        if bool((self.presence != 0.0).any()):
+        if presence:
             rows -= self.presence[:, None] * in_output
         logits.index_copy_(0, self.rows, rows)
 

@@ -124,14 +124,13 @@ class SamplingInputs:
         rows = self.token_counts.rows([seqs[r] for r in picked])
         counts, mask = self.token_counts.counts, self.token_counts.prompt_mask
 
-        def setting(name: str) -> torch.Tensor:
-            return torch.tensor([float(getattr(seqs[r].params, name)) for r in picked], dtype=torch.float32, device=self.device)
-
+        names = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+        values = {name: [float(getattr(seqs[r].params, name)) for r in picked] for name in names}
+        repetition, frequency, presence = (torch.tensor(values[name], dtype=torch.float32, device=self.device) for name in names)
         return Penalties(
-            rows=torch.tensor(picked, dtype=torch.int64, device=self.device),
-            repetition=setting("repetition_penalty"), frequency=setting("frequency_penalty"),
-            presence=setting("presence_penalty"), output_counts=counts.index_select(0, rows),
-            prompt_mask=mask.index_select(0, rows),
+            rows=torch.tensor(picked, dtype=torch.int64, device=self.device), repetition=repetition, frequency=frequency,
+            presence=presence, output_counts=counts.index_select(0, rows), prompt_mask=mask.index_select(0, rows),
+            used=(any(v != 1.0 for v in values[names[0]]), any(values[names[1]]), any(values[names[2]])),
         )
 
 
