@@ -69,3 +69,25 @@ def test_logprob_columns_only_when_asked(tiny_checkpoints, tmp_path):
     code, _, err = run_inprocess("run", str(source), "--out", str(tmp_path / "out.jsonl"), *flags, "--logprobs", "1")
     got = read_jsonl(tmp_path / "out.jsonl")
     assert len(got[1]["top_logprobs"]) == 4 and len(got[0]["top_logprobs"][0]) == 2  # the row's own k wins
+
+
+def test_new_settings_enter_the_job_fingerprint(tiny_checkpoints, tmp_path):
+    """A resume with another --n, --logprobs, ... (or without the reasoning split) is refused as other settings;
+    jobs that set none of the new fields keep the fingerprint they had (only fields set away from their
+    defaults are added), so their partial runs still resume after an upgrade."""
+    from dataclasses import replace
+
+    from cbatch.config import EngineConfig
+    from cbatch.run.preflight import JobOptions, job_fingerprint, resolve_or_fail
+
+    config = EngineConfig(model=str(tiny_checkpoints["llama"]), device="cpu")
+    source = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": [5]}])
+    options = JobOptions(input=source, output=tmp_path / "o.jsonl", engine=config, defaults=SamplingParams(max_tokens=9))
+    model = resolve_or_fail(config)
+    base = job_fingerprint(options, model)
+    changed = [replace(options, defaults=replace(options.defaults, **change)) for change in
+               ({"n": 2}, {"logprobs": 0}, {"logit_bias": {3: 1.0}}, {"chat_template_kwargs": {"enable_thinking": False}})]
+    changed.append(replace(options, reasoning_split=False))
+    prints = [job_fingerprint(o, model)["settings"] for o in changed]
+    assert base["settings"] not in prints and len(set(prints)) == len(prints)
+    assert job_fingerprint(replace(options, defaults=SamplingParams(max_tokens=9)), model) == base

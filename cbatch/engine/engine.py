@@ -114,16 +114,17 @@ class Engine:
         if seq_id is None:
             seq_id = self._next_id
         self._next_id = max(self._next_id, seq_id + 1)
-        samples = list(range(params.n)) if samples is None else sorted(samples)
         prompt_ids = list(prompt_ids)
-        seq = self._sequence(seq_id, seq_id, samples[0] if samples else 0, prompt_ids, params)
         error = params.validate() or self.scheduler.admission_error(len(prompt_ids), params) or self._token_error(params)
         if error is None and params.stop and self.tokenizer is None:
             error = "stop strings need a tokenizer; this model has none"
         if error is not None:
-            seq.finish_reason, seq.error = FinishReason.ERROR, error
-            seq.status = SequenceStatus.FINISHED
-            return seq
+            return Sequence(seq_id=seq_id, prompt_ids=prompt_ids, params=params, eos_ids=self._eos_ids,
+                            status=SequenceStatus.FINISHED, finish_reason=FinishReason.ERROR, error=error)
+        samples = list(range(params.n)) if samples is None else sorted(samples)
+        if not samples or samples[0] < 0 or samples[-1] >= params.n:
+            raise ValueError(f"samples must be some of 0..{params.n - 1}, got {samples}")
+        seq = self._sequence(seq_id, seq_id, samples[0], prompt_ids, params)
         seq.children = [self._sequence(next(self._child_ids), seq_id, i, prompt_ids, params) for i in samples[1:]]
         self.scheduler.add(seq)
         return seq
