@@ -69,6 +69,7 @@ class Block:
     number: int
     rows: list[RawRow]
     attempts: int = 0
+    done_samples: dict[int, frozenset[int]] = field(default_factory=dict)  # resumed rows: samples already stored
 
 
 @dataclass(slots=True)
@@ -158,6 +159,7 @@ class RayExecutor:
         self.replacements = 0
         self.startup_seconds = 0.0
         self._pending: list[RawRow] = []  # rows of the block being filled
+        self._pending_done: dict[int, frozenset[int]] = {}  # their samples stored by an earlier run
         self._blocks_made = 0
         self._blocks_back = 0  # blocks returned since `on_block` last ran
 
@@ -219,8 +221,9 @@ class RayExecutor:
         return free > len(self.queue)
 
     def submit(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int] = frozenset()) -> None:
-        """NOTE: a resumed row with some samples recorded runs whole: the job's store keeps the new ones."""
         self._pending.append((index, raw))
+        if done_samples:
+            self._pending_done[index] = done_samples
         if len(self._pending) >= self.ray_options.block_rows:
             self._cut_block()
 
@@ -230,8 +233,8 @@ class RayExecutor:
 
     def _cut_block(self) -> None:
         self._blocks_made += 1
-        self.queue.append(Block(self._blocks_made, self._pending))
-        self._pending = []
+        self.queue.append(Block(self._blocks_made, self._pending, done_samples=self._pending_done))
+        self._pending, self._pending_done = [], {}
         self._dispatch()
 
     def busy(self) -> bool:
@@ -259,7 +262,7 @@ class RayExecutor:
             while self.queue and len(handle.in_flight) < self.ray_options.blocks_in_flight:
                 block = self.queue.popleft()
                 block.attempts += 1
-                handle.in_flight[handle.actor.run_block.remote(block.rows)] = block
+                handle.in_flight[handle.actor.run_block.remote(block.rows, block.done_samples)] = block
 
     def _collect(self, ref: Any) -> list[RowResult]:
         handle = next((r for r in self.replicas if ref in r.in_flight), None)

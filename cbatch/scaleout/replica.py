@@ -106,16 +106,18 @@ class Replica:
         }
 
     # ---- work ------------------------------------------------------------------------------------
-    def run_block(self, rows: list[RawRow]) -> BlockResult:
-        """Runs the rows (index, raw row) to completion; other blocks may share the engine meanwhile. The
-        results come in the block's order, a row's samples in the order they finished."""
+    def run_block(self, rows: list[RawRow], done_samples: dict[int, frozenset[int]] | None = None) -> BlockResult:
+        """Runs the rows (index, raw row) to completion, but the samples `done_samples` names (a resumed row's
+        stored ones); other blocks may share the engine meanwhile. The results come in the block's order,
+        a row's samples in the order they finished."""
         self.start()
         indices = [index for index, _ in rows]
+        done_samples = done_samples or {}
         with self._lock:
             for index, raw in rows:
                 if index in self._done or self.executor.is_pending(index):  # one sequence per row id, always
                     raise ValueError(f"row {index} is already running in replica {self.replica}")
-                self.executor.submit(index, raw)
+                self.executor.submit(index, raw, done_samples.get(index, frozenset()))
         while True:
             with self._lock:
                 if all(i in self._done and not self.executor.is_pending(i) for i in indices):
