@@ -53,7 +53,7 @@ def test_processors_match_hf_generate_on_tiny_checkpoints(tiny_checkpoints, arch
     ]
     for params in cases:
         got = run_to_completion(engine, prompts, [params] * 3)
-        for prompt, out, base in zip(prompts, got, plain):
+        for prompt, out in zip(prompts, got):
             assert out.token_ids == hf_generate(model, prompt, 20, params, [EOS]), params
         assert [o.token_ids for o in got] != [o.token_ids for o in plain], params  # each case changes the output
     stopped = run_to_completion(engine, prompts[:1], [cases[1]])[0]

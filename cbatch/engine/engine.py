@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol, Sequence as Seq
+from typing import Any, Iterable, Protocol, Sequence as Seq
 
 import torch
 
