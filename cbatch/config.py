@@ -1,7 +1,9 @@
 """Every engine knob in one place (`EngineConfig`), and per-request sampling settings (`SamplingParams`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterator
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
@@ -87,10 +89,22 @@ class EngineConfig:
 
 
 _INT64 = 2**63  # sampling settings become int64 tensors
+MAX_LOGPROBS = 20  # most `logprobs` / `prompt_logprobs` per token (vLLM's default max_logprobs)
+MAX_SAMPLES = 4096  # most samples (`n`) per row
+MAX_LOGIT_BIAS = 100.0  # |bias| limit, as OpenAI's and vLLM's logit_bias
+# keys of apply_chat_template that cbatch sets itself: a row may not override them
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
+                            "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs")
+
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to generate one completion. temperature 0 means greedy."""
+    """How to generate one completion, with vLLM's names and meanings. temperature 0 means greedy.
+
+    Order in which they act on the logits (cbatch/engine/sampler.py): logit_bias -> min_tokens (EOS and
+    stop_token_ids banned) -> repetition / frequency / presence penalties -> temperature -> min_p ->
+    top-k / top-p -> the seeded draw. Log-probabilities are of the raw logits (vLLM v1's default).
+    """
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -100,34 +114,82 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     priority: int = 0  # scheduling class: lower is admitted sooner (and preempted later)
+    n: int = 1  # samples per row: the prompt is computed once, sample i draws from (seed, i)
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and the output (HF / vLLM / CTRL)
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many tokens
+    stop_token_ids: list[int] = field(default_factory=list)  # finish (reason "stop") on any of these tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    logprobs: int | None = None  # k: each generated token's log-probability and the k most likely
+    prompt_logprobs: int | None = None  # k: the same for the prompt's tokens
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra chat template variables
 
     def problem(self) -> tuple[str, str] | None:
         """(field, a sentence naming it and what is wrong) for the first unusable setting, or None."""
-        def bad_int(value, low: int, high: int) -> bool:
-            return isinstance(value, bool) or not isinstance(value, int) or not low <= value < high
-
-        def bad_number(value) -> bool:
-            return isinstance(value, bool) or not isinstance(value, (int, float))
-
-        checks = (
-            ("max_tokens", bad_int(self.max_tokens, 1, _INT64), "must be a positive integer"),
-            ("temperature", bad_number(self.temperature), "must be a number"),
-            ("temperature", not bad_number(self.temperature) and not 0.0 <= float(self.temperature) <= 100.0,
-             "must be in [0, 100]"),
-            ("top_p", bad_number(self.top_p) or not 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", bad_int(self.top_k, 0, _INT64), "must be a non-negative integer (0 = off)"),
-            ("seed", self.seed is not None and bad_int(self.seed, -_INT64, _INT64), "must be a 64-bit integer"),
-            ("stop", not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop),
-             "must be a string or a list of non-empty strings"),
-            ("ignore_eos", not isinstance(self.ignore_eos, bool), "must be true or false"),
-            ("priority", bad_int(self.priority, -_INT64, _INT64), "must be an integer (lower = sooner)"),
-        )
-        for name, bad, rule in checks:
+        for name, bad, rule in self._checks():
             if bad:
                 return name, f"{name} {rule}, got {getattr(self, name)!r}"
         return None
+
+    def _checks(self) -> Iterator[tuple[str, bool, str]]:
+        def bad_int(value, low: int, high: int) -> bool:
+            return isinstance(value, bool) or not isinstance(value, int) or not low <= value < high
+
+        def not_number(value) -> bool:
+            return isinstance(value, bool) or not isinstance(value, (int, float))
+
+        def bad_number(value, low: float = -math.inf, high: float = math.inf) -> bool:
+            """Not a finite number in [low, high]."""
+            return not_number(value) or not math.isfinite(value) or not low <= value <= high
+
+        def bad_k(value) -> bool:
+            return value is not None and bad_int(value, 0, MAX_LOGPROBS + 1)
+
+        yield "max_tokens", bad_int(self.max_tokens, 1, _INT64), "must be a positive integer"
+        yield "temperature", not_number(self.temperature), "must be a number"
+        yield "temperature", bad_number(self.temperature, 0.0, 100.0), "must be in [0, 100]"
+        yield "top_p", not_number(self.top_p) or not 0.0 < self.top_p <= 1.0, "must be in (0, 1]"
+        yield "top_k", bad_int(self.top_k, 0, _INT64), "must be a non-negative integer (0 = off)"
+        yield "seed", self.seed is not None and bad_int(self.seed, -_INT64, _INT64), "must be a 64-bit integer"
+        yield "stop", not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop), \
+            "must be a string or a list of non-empty strings"
+        yield "ignore_eos", not isinstance(self.ignore_eos, bool), "must be true or false"
+        yield "priority", bad_int(self.priority, -_INT64, _INT64), "must be an integer (lower = sooner)"
+        yield "n", bad_int(self.n, 1, MAX_SAMPLES + 1), f"must be an integer from 1 to {MAX_SAMPLES}"
+        yield "repetition_penalty", bad_number(self.repetition_penalty) or not self.repetition_penalty > 0, \
+            "must be a positive number (1 = off)"
+        yield "presence_penalty", bad_number(self.presence_penalty, -2.0, 2.0), "must be in [-2, 2] (0 = off)"
+        yield "frequency_penalty", bad_number(self.frequency_penalty, -2.0, 2.0), "must be in [-2, 2] (0 = off)"
+        yield "min_p", bad_number(self.min_p, 0.0, 1.0), "must be in [0, 1] (0 = off)"
+        yield "min_tokens", bad_int(self.min_tokens, 0, _INT64), "must be a non-negative integer"
+        yield "min_tokens", not bad_int(self.min_tokens, 0, _INT64) and not bad_int(self.max_tokens, 1, _INT64) \
+            and self.min_tokens > self.max_tokens, f"must not exceed max_tokens ({self.max_tokens})"
+        yield "stop_token_ids", not isinstance(self.stop_token_ids, list) or any(
+            bad_int(t, 0, 2**31) for t in self.stop_token_ids), "must be a list of token ids (non-negative integers)"
+        yield "logit_bias", not isinstance(self.logit_bias, dict) or any(
+            bad_int(t, 0, 2**31) or bad_number(b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for t, b in self.logit_bias.items()), \
+            f"must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], e.g. {{\"1234\": -100}}"
+        yield "logprobs", bad_k(self.logprobs), f"must be an integer from 0 to {MAX_LOGPROBS} (or null = off)"
+        yield "prompt_logprobs", bad_k(self.prompt_logprobs), f"must be an integer from 0 to {MAX_LOGPROBS} (or null = off)"
+        kwargs = self.chat_template_kwargs
+        yield "chat_template_kwargs", not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs), \
+            "must be an object of template variables, e.g. {\"enable_thinking\": false}"
+        yield "chat_template_kwargs", isinstance(kwargs, dict) and any(k in RESERVED_TEMPLATE_KWARGS for k in kwargs), \
+            f"may not set {', '.join(k for k in RESERVED_TEMPLATE_KWARGS if isinstance(kwargs, dict) and k in kwargs)} (cbatch sets it)"
 
     def validate(self) -> str | None:
         """A message naming the bad field, or None when the settings are usable."""
         problem = self.problem()
         return problem[1] if problem else None
+
+    @property
+    def penalized(self) -> bool:
+        """Uses a penalty that needs the row's token counts."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def changed_fields(self) -> dict[str, Any]:
+        """The fields set away from their defaults (what a job's fingerprint keeps of the newer ones)."""
+        default = SamplingParams()
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}

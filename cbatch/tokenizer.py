@@ -1,4 +1,5 @@
-"""Tokenizers and chat templates (transformers), and turning an input row's prompt into token ids."""
+"""Tokenizers and chat templates (transformers), turning an input row's prompt into token ids, and splitting
+a thinking model's `<think>...</think>` off its answer."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,11 +23,36 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text))
 
 
-def encode_messages(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
-    """A chat rendered with the model's chat template, the assistant's turn opened."""
+def encode_messages(tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """A chat rendered with the model's chat template, the assistant's turn opened; `template_kwargs` are
+    extra template variables (e.g. {"enable_thinking": False} for Qwen3)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; give `prompt` text instead of `messages`")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def template_thinks(tokenizer) -> bool:
+    """The model's chat template knows `<think>...</think>` (Qwen3, DeepSeek-R1 and the like)."""
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    texts = template.values() if isinstance(template, dict) else [template] if isinstance(template, str) else []
+    return any(THINK_START in t and THINK_END in t for t in texts)
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """(reasoning, answer) of a thinking model's completion, both stripped of surrounding whitespace.
+
+    `<think>R</think>A` -> (R, A); `R</think>A` (the template opened the thinking in the prompt) -> (R, A);
+    `<think>R` (cut off while thinking, e.g. by max_tokens) -> (R, ""); no tags -> (None, text).
+    """
+    before, end, after = text.partition(THINK_END)
+    if end:
+        return before.strip().removeprefix(THINK_START).strip(), after.strip()
+    if text.lstrip().startswith(THINK_START):
+        return text.lstrip().removeprefix(THINK_START).strip(), ""
+    return None, text

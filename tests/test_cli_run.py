@@ -25,7 +25,7 @@ def test_run_writes_every_row_in_order(tiny_chat_model, tmp_path, src, dst):
         assert r["completion_tokens"] == len(r["completion_token_ids"]) >= 1
         assert r["prompt_tokens"] > 0 and isinstance(r["completion"], str)
     data = json.loads(report.read_text())
-    assert data["requests"] == {"total": 12, "ok": 12, "error": 0, "resumed": 0, "cached": 0}
+    assert data["requests"] == {"total": 12, "ok": 12, "error": 0, "resumed": 0, "cached": 0, "output_rows": 12}
     assert data["tokens"]["output"] == sum(r["completion_tokens"] for r in rows)
     assert 0 < data["utilization"]["mean_batch_occupancy"] <= 1
     assert "cbatch: 12/12 rows ok" in proc.stdout

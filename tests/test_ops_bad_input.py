@@ -111,10 +111,10 @@ def test_exceptions_while_preparing_a_row_become_error_rows(tiny_checkpoints, ti
 
     real = cbatch.run.executor.encode_messages
 
-    def fussy_template(tokenizer, messages):
+    def fussy_template(tokenizer, messages, *template_kwargs):
         if messages[0]["role"] == "narrator":
             raise TypeError("unknown role 'narrator'")
-        return real(tokenizer, messages)
+        return real(tokenizer, messages, *template_kwargs)
 
     monkeypatch.setattr(cbatch.run.executor, "encode_messages", fussy_template)
     rows = [{"id": "a", "messages": [{"role": "narrator", "content": "x"}]}, GOOD[1],

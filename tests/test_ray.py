@@ -91,7 +91,8 @@ def test_two_replicas_match_the_single_process_run(ray_cluster, job_input, local
     rows = check_rows(out.read_bytes())
     assert sum(r["finish_reason"] == "error" for r in rows) == 2
     report = json.loads(report_path.read_text())
-    assert report["requests"] == {"total": ROWS + 2, "ok": ROWS, "error": 2, "resumed": 0, "cached": 0}
+    assert report["requests"] == {"total": ROWS + 2, "ok": ROWS, "error": 2, "resumed": 0, "cached": 0,
+                                  "output_rows": ROWS + 2}
     assert report["tokens"]["output"] == sum(r["completion_tokens"] for r in rows) > ROWS
     replicas = report["replicas"]
     assert len(replicas) == 2 and all(r["status"] == "ok" and r["rows"] > 0 for r in replicas)

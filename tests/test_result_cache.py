@@ -137,7 +137,10 @@ def test_key_covers_the_identity_and_every_sampling_field():
         assert _row_cache(**{name: f"other {value}"}).row_key(0, ids, params) != base, name
     assert _row_cache().row_key(0, [5, 6, 8], params) != base
     other_values = {"max_tokens": 9, "temperature": 0.8, "top_p": 0.8, "top_k": 6, "seed": 12, "stop": ["y"],
-                    "ignore_eos": True, "priority": 1}
+                    "ignore_eos": True, "priority": 1, "n": 2, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+                    "frequency_penalty": 0.5, "min_p": 0.1, "min_tokens": 2, "stop_token_ids": [7],
+                    "logit_bias": {3: 1.0}, "logprobs": 2, "prompt_logprobs": 1,
+                    "chat_template_kwargs": {"enable_thinking": False}}
     for f in fields(SamplingParams):
         changed = _row_cache().row_key(0, ids, replace(params, **{f.name: other_values[f.name]}))
         assert (changed == base) == (f.name in SCHEDULING_ONLY), f.name

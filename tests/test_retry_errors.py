@@ -187,3 +187,25 @@ def test_a_crash_while_keeping_rows_leaves_no_half_state(job, tmp_path, monkeypa
     assert code == 1 and "the other 24 rows of OUTPUT are kept" in err, err
     assert not (tmp_path / ".out.jsonl.cbatch.seeding").exists()
     assert_ok_rows_kept(before, out.read_bytes())
+
+
+def test_retry_with_samples_keeps_whole_rows(job, tmp_path):
+    """Rows with n = 3 samples are three OUTPUT lines each: a retry keeps every line of an ok row, byte for
+    byte, and runs the error rows (one line each before) again into three lines."""
+    rows = [dict(r, n=3, temperature=0.8) for r in job["rows"][:10] if isinstance(r, dict)]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    code, _, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"], "--max-model-len", str(CONTEXT))
+    assert code == 1, err
+    before = read_jsonl(out)
+    errors = [r["id"] for r in before if r["error"]]
+    assert len(errors) == 2 and len(before) == 3 * 8 + 2
+    code, _, err = run_inprocess("run", str(source), "--out", str(out), *job["flags"], "--max-model-len", "128",
+                                 "--retry-errors")
+    assert code == 0 and "running 2 rows again; the other 8 rows" in err, err
+    after = read_jsonl(out)
+    assert len(after) == 30 and [r["id"] for r in after] == [r["id"] for r in rows for _ in range(3)]
+    assert [r["sample_index"] for r in after] == [0, 1, 2] * 10
+    kept = [r for r in before if not r["error"]]
+    assert [r for r in after if r["id"] not in errors] == kept
+    assert all(r["error"] is None and r["completion_token_ids"] for r in after)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -19,7 +19,7 @@ from cbatch.bench.workload import BenchRequest
 from cbatch.config import EngineConfig, UserError
 from cbatch.engine.engine import Engine, KVPool
 from cbatch.engine.memory import blocks_for_every_slot, with_step_limits
-from cbatch.engine.scheduler import StepInfo, StepPlan
+from cbatch.engine.scheduler import StepInfo, StepOutput, StepPlan
 from cbatch.model.spec import ModelSpec
 
 
@@ -94,9 +94,9 @@ class SimulatedRunner:
     def reset(self) -> None:
         self.forward_seconds = 0.0
 
-    def execute(self, plan: StepPlan) -> Mapping[int, int]:
+    def execute(self, plan: StepPlan) -> StepOutput:
         self.forward_seconds += self.cost.step_cost(plan.info)
-        return _ZERO_TOKENS
+        return StepOutput(_ZERO_TOKENS)
 
     def idle(self) -> None:
         self.forward_seconds += self.cost.step_cost(StepInfo())

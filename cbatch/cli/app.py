@@ -1,6 +1,7 @@
 """`cbatch run` and `cbatch bench`: flags (flags.py) become configs; how a command ends becomes its exit code."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -72,8 +73,19 @@ def engine_config(values: dict[str, Any], flags: list[Flag], **overrides: Any) -
 
 
 def sampling_defaults(values: dict[str, Any]) -> SamplingParams:
-    params = SamplingParams(**fields_of(SAMPLING_FLAGS, values, SAMPLING_FIELDS))
-    params.stop = list(params.stop or [])
+    """The sampling flags as a row's defaults: JSON flags decoded, values coerced as a row's are."""
+    from cbatch.io.rows import sampling_value
+
+    settings: dict[str, Any] = {}
+    for flag in SAMPLING_FLAGS:
+        value = values[flag.name]
+        if flag.field not in SAMPLING_FIELDS or value is None:
+            continue  # None: the field's default
+        try:
+            settings[flag.field] = sampling_value(flag.field, json.loads(value) if flag.json else value)
+        except ValueError as exc:  # bad JSON, or a value no row could carry either (RowError)
+            fail(f"{flag.spelling}: {exc if isinstance(exc, UserError) else f'not valid JSON ({exc})'}")
+    params = SamplingParams(**settings)
     problem = params.problem()
     if problem is not None:
         field, message = problem
@@ -119,7 +131,8 @@ def run(**values: Any) -> None:
     options = JobOptions(
         input=values["input"], output=values["out"], engine=config, defaults=defaults, result_cache_limit=cache_limit,
         **{name: values[name] for name in ("token_ids", "overwrite", "allow_errors", "report", "quiet", "lookahead",
-                                           "display", "plot", "progress_interval", "result_cache", "retry_errors")},
+                                           "display", "plot", "progress_interval", "result_cache", "retry_errors",
+                                           "reasoning_split")},
     )
 
     def job() -> int:

@@ -27,6 +27,7 @@ class Flag:
     field: str | None = None  # the EngineConfig / SamplingParams field it sets
     metavar: str | None = None
     argument: bool = False  # a positional argument
+    json: bool = False  # the value is a JSON text (decoded before it reaches the field)
 
     def parameter(self) -> inspect.Parameter:
         if self.argument:
@@ -93,6 +94,27 @@ SAMPLING_FLAGS = [
     Flag("ignore_eos", bool, False, "Keep generating past EOS (benchmarks).", SAMPLING, field="ignore_eos"),
     Flag("priority", int, 0, "Scheduling priority of rows without their own `priority` (lower = sooner).", SAMPLING,
          field="priority"),
+    Flag("n", int, 1, "Samples per row: one output row each (`sample_index`); the prompt is computed once.", SAMPLING,
+         field="n"),
+    Flag("logprobs", Optional[int], None, "Log-probability of each generated token and its K most likely tokens "
+         "(columns token_logprobs, top_logprobs).", SAMPLING, field="logprobs", metavar="K"),
+    Flag("prompt_logprobs", Optional[int], None, "The same for the prompt's tokens (columns prompt_token_ids, "
+         "prompt_token_logprobs, prompt_top_logprobs).", SAMPLING, field="prompt_logprobs", metavar="K"),
+    Flag("repetition_penalty", float, 1.0, "Divide positive (multiply negative) logits of tokens in the prompt or "
+         "output by this (1 = off).", SAMPLING, field="repetition_penalty"),
+    Flag("presence_penalty", float, 0.0, "Subtract this from the logits of tokens already generated (-2..2).", SAMPLING,
+         field="presence_penalty"),
+    Flag("frequency_penalty", float, 0.0, "Subtract this times each token's count so far (-2..2).", SAMPLING,
+         field="frequency_penalty"),
+    Flag("min_p", float, 0.0, "Drop tokens less likely than this times the most likely one (0 = off).", SAMPLING,
+         field="min_p"),
+    Flag("min_tokens", int, 0, "No EOS, stop token or stop string before this many tokens.", SAMPLING, field="min_tokens"),
+    Flag("stop_token_id", Optional[List[int]], None, "Stop on this token id (repeatable).", SAMPLING,
+         field="stop_token_ids", metavar="ID"),
+    Flag("logit_bias", Optional[str], None, 'Token id -> bias added to its logit, JSON: \'{"1234": -100}\'.', SAMPLING,
+         field="logit_bias", metavar="JSON", json=True),
+    Flag("chat_template_kwargs", Optional[str], None, 'Chat template variables, JSON: \'{"enable_thinking": false}\'.',
+         SAMPLING, field="chat_template_kwargs", metavar="JSON", json=True),
 ]
 
 JOB_FLAGS = [
@@ -101,6 +123,9 @@ JOB_FLAGS = [
     Flag("out", Path, ..., "Results: .parquet or .jsonl, one row per input row, in input order.", JOB,
          decls=("--out", "-o")),
     Flag("token_ids", bool, False, "Add a completion_token_ids column.", JOB, decls=("--token-ids",)),
+    Flag("reasoning_split", bool, True, "Models that think (<think>...</think>): the thinking goes to a `reasoning` "
+         "column; --no-reasoning-split keeps the raw text in `completion`.", JOB,
+         decls=("--reasoning-split/--no-reasoning-split",)),
     Flag("report", Optional[Path], None, "Write the JSON report (throughput, utilization, latency) here.", JOB),
     Flag("plot", Optional[Path], None, "Draw occupancy, KV usage, tokens/s and latency (.png or .html; needs matplotlib).",
          JOB),

@@ -1,22 +1,27 @@
 """The step loop tying scheduler and runner together, and the library API (`LLM.generate`).
 
-    Engine.step():  scheduler.schedule() -> StepPlan -> runner.execute(plan) -> sampled tokens
-                    -> scheduler.update(plan, sampled) -> the sequences that finished
+    Engine.step():  scheduler.schedule() -> StepPlan -> runner.execute(plan) -> StepOutput (sampled tokens,
+                    log-probabilities) -> scheduler.update(plan, ...) -> the sequences that finished
+
+A request with `n` samples is one parent sequence (the row's seq_id) and n - 1 children (negative
+seq_ids, never a row's), forked onto the parent's prompt KV by the scheduler; each finishes on its own.
 
 The runner is a model (`ModelRunner`) or the simulator's cost model (`cbatch.bench.simulator`): the
 engine, and so every loop that drives it, is the same for both. Engines are built in `build.py`.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol, Sequence as Seq
+from typing import Any, Iterable, Protocol, Sequence as Seq
 
 import torch
 
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine.kv_blocks import BlockPool
-from cbatch.engine.scheduler import Scheduler, StepInfo, StepPlan
+from cbatch.engine.logprobs import Logprobs
+from cbatch.engine.scheduler import Scheduler, StepInfo, StepOutput, StepPlan
 from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
 from cbatch.engine.stop import StopChecker, find_stop
 from cbatch.model.spec import ModelSpec
@@ -27,19 +32,25 @@ class Runner(Protocol):
 
     forward_seconds: float  # time inside the model call (or the simulated clock), for the report
 
-    def execute(self, plan: StepPlan) -> Mapping[int, int]: ...
+    def execute(self, plan: StepPlan) -> StepOutput: ...
     def idle(self) -> None: ...  # a step with nothing to run (waiting for arrivals)
     def reset(self) -> None: ...
 
 
 @dataclass(slots=True)
 class RequestOutput:
+    """One sample of one request (a request with n samples has n outputs)."""
+
     seq_id: int
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None  # None when the engine has no tokenizer (weightless benchmark models)
     finish_reason: str
     error: str | None = None
+    row_index: int = 0  # the request's seq_id (its row): the same for all its samples
+    sample_index: int = 0
+    logprobs: Logprobs | None = None  # of `token_ids`, when asked
+    prompt_logprobs: Logprobs | None = None  # of prompt tokens 1.., when asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +79,7 @@ class Engine:
     def __post_init__(self) -> None:
         self._eos_ids = frozenset(self.spec.eos_token_ids) if self.spec is not None else frozenset()
         self._next_id = 0
+        self._child_ids = itertools.count(-1, -1)  # seq_ids of forked samples: negative, never a row's
         self.reset()
 
     @classmethod
@@ -96,24 +108,45 @@ class Engine:
         return self.scheduler.last_step
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> Sequence:
-        """Queues a request; a request that cannot run comes back already finished with an error."""
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None,
+                    samples: Seq[int] | None = None) -> Sequence:
+        """Queues a request; a request that cannot run comes back already finished with an error.
+
+        `samples`: which of its `params.n` samples to run (default all; a resumed row may need only some):
+        the first is the returned parent, the others its `children`."""
         if seq_id is None:
             seq_id = self._next_id
         self._next_id = max(self._next_id, seq_id + 1)
-        seq = Sequence(seq_id=seq_id, prompt_ids=list(prompt_ids), params=params, eos_ids=self._eos_ids)
-        error = params.validate() or self.scheduler.admission_error(len(prompt_ids), params)
-        if error is None and params.stop:
-            if self.tokenizer is None:
-                error = "stop strings need a tokenizer; this model has none"
-            else:
-                seq.stop = StopChecker(self.tokenizer, params.stop)
+        prompt_ids = list(prompt_ids)
+        error = params.validate() or self.scheduler.admission_error(len(prompt_ids), params) or self._token_error(params)
+        if error is None and params.stop and self.tokenizer is None:
+            error = "stop strings need a tokenizer; this model has none"
         if error is not None:
-            seq.finish_reason, seq.error = FinishReason.ERROR, error
-            seq.status = SequenceStatus.FINISHED
-            return seq
+            return Sequence(seq_id=seq_id, prompt_ids=prompt_ids, params=params, eos_ids=self._eos_ids,
+                            status=SequenceStatus.FINISHED, finish_reason=FinishReason.ERROR, error=error)
+        samples = list(range(params.n)) if samples is None else sorted(samples)
+        if not samples or samples[0] < 0 or samples[-1] >= params.n:
+            raise ValueError(f"samples must be some of 0..{params.n - 1}, got {samples}")
+        seq = self._sequence(seq_id, seq_id, samples[0], prompt_ids, params)
+        seq.children = [self._sequence(next(self._child_ids), seq_id, i, prompt_ids, params) for i in samples[1:]]
         self.scheduler.add(seq)
         return seq
+
+    def _sequence(self, seq_id: int, row_index: int, sample_index: int, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        seq = Sequence(seq_id=seq_id, prompt_ids=prompt_ids, params=params, eos_ids=self._eos_ids, row_index=row_index,
+                       sample_index=sample_index)
+        if params.stop and self.tokenizer is not None:
+            seq.stop = StopChecker(self.tokenizer, params.stop)
+        return seq
+
+    def _token_error(self, params: SamplingParams) -> str | None:
+        """A stop_token_ids or logit_bias token outside the model's vocabulary."""
+        vocab = self.spec.vocab_size if self.spec is not None else None
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            outside = next((t for t in tokens if vocab is not None and t >= vocab), None)
+            if outside is not None:
+                return f"{name} has token id {outside}, outside the model's vocabulary (ids 0..{vocab - 1})"
+        return None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -129,25 +162,36 @@ class Engine:
             self.scheduler.last_step = StepInfo()
             self.runner.idle()
             return []
-        sampled = self.runner.execute(plan)
-        return self.scheduler.update(plan, sampled)
+        out = self.runner.execute(plan)
+        return self.scheduler.update(plan, out.tokens, out.logprobs)
 
     def output_of(self, seq: Sequence) -> RequestOutput:
         token_ids = seq.result_ids
-        text = None
-        if self.tokenizer is not None and seq.finish_reason is not FinishReason.ERROR:
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-            cut = find_stop(text, seq.params.stop) if seq.params.stop else None
-            if cut is not None:
-                text = text[:cut]
         return RequestOutput(
             seq_id=seq.seq_id,
             prompt_token_ids=seq.prompt_ids,
             token_ids=token_ids,
-            text=text,
+            text=self._text(seq, token_ids),
             finish_reason=seq.finish_reason.value if seq.finish_reason else "error",
             error=seq.error,
+            row_index=seq.row_index,
+            sample_index=seq.sample_index,
+            logprobs=seq.logprobs.head(len(token_ids)) if seq.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs,
         )
+
+    def _text(self, seq: Sequence, token_ids: list[int]) -> str | None:
+        """The completion's text: up to its stop string; without the stop token that ended it (vLLM)."""
+        if self.tokenizer is None or seq.finish_reason is FinishReason.ERROR:
+            return None
+        stopped_by_string = seq.stop is not None and seq.stop.match_from is not None
+        if stopped_by_string:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            cut = find_stop(text, seq.params.stop, seq.stop.match_from)
+            return text if cut is None else text[:cut]
+        if seq.finish_reason is FinishReason.STOP and token_ids and token_ids[-1] in seq.params.stop_token_ids:
+            token_ids = token_ids[:-1]
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 def make_scheduler(config: EngineConfig, kv: KVPool, max_model_len: int) -> Scheduler:
@@ -196,10 +240,10 @@ class LLM:
 
 def run_to_completion(engine: Engine, token_lists: list[list[int]], params: list[SamplingParams],
                       use_tqdm: bool = False) -> list[RequestOutput]:
-    """Runs every request through the engine; outputs in input order. `use_tqdm`: a bar over finished
-    requests with the output token rate (tqdm.auto: a widget in notebooks)."""
+    """Runs every request through the engine; outputs in input order, a request's n samples in sample order.
+    `use_tqdm`: a bar over finished requests with the output token rate (tqdm.auto: a widget in notebooks)."""
     seqs = [engine.add_request(ids, p) for ids, p in zip(token_lists, params)]
-    bar = _progress_bar(len(seqs), "generating") if use_tqdm else None
+    bar = _progress_bar(sum(len(s.samples) for s in seqs), "generating") if use_tqdm else None  # one tick a sample
     finished_tokens = 0
     while engine.has_unfinished():
         finished = engine.step()
@@ -209,7 +253,7 @@ def run_to_completion(engine: Engine, token_lists: list[list[int]], params: list
             bar.set_postfix_str(f"{finished_tokens / max(bar.format_dict['elapsed'], 1e-9):,.1f} output tok/s", refresh=False)
     if bar is not None:
         bar.close()
-    return [engine.output_of(s) for s in seqs]
+    return [engine.output_of(sample) for s in seqs for sample in s.samples]
 
 
 def _progress_bar(total: int, what: str):

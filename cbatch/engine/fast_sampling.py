@@ -11,12 +11,16 @@ from dataclasses import fields
 
 import torch
 
-from cbatch.engine.sampler import SamplingBatch, sample
+from cbatch.engine.logprobs import Logprobs
+from cbatch.engine.sampler import SamplingBatch, sample_step
 
 KERNEL_FIELDS = frozenset({"temperatures", "seeds", "positions"})
 NEUTRAL = {  # field -> "every row leaves this option off"
     "top_ps": lambda values: all(p >= 1.0 for p in values),
     "top_ks": lambda values: all(k == 0 for k in values),
+    "min_ps": lambda values: not any(values),
+    "logprobs": lambda values: all(k is None for k in values),
+    "processors": lambda processors: not processors,
 }
 
 
@@ -38,10 +42,12 @@ def kernel_inputs(batch: SamplingBatch, device: torch.device) -> tuple[torch.Ten
             torch.tensor(batch.positions, dtype=torch.int64, device=device))
 
 
-def sample_tokens(logits: torch.Tensor, batch: SamplingBatch, fused: bool) -> torch.Tensor:
-    """Token ids int64 [N] for float32 logits [N, vocab]: the kernel when `fused` and it covers the batch."""
+def sample_batch(logits: torch.Tensor, batch: SamplingBatch, fused: bool) -> tuple[torch.Tensor, list[Logprobs | None]]:
+    """(token ids int64 [N], each row's log-probabilities or None) for float32 logits [N, vocab]: the kernel
+    when `fused` and it covers the batch (no row asks for log-probabilities then), else `sample_step`."""
     if fused and fused_covers(batch):
         from cbatch.kernels import fused_sample
 
-        return fused_sample(logits, *kernel_inputs(batch, logits.device))
-    return sample(logits, batch)
+        return fused_sample(logits, *kernel_inputs(batch, logits.device)), [None] * logits.shape[0]
+    out = sample_step(logits, batch)
+    return out.tokens, out.logprobs

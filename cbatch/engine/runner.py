@@ -1,4 +1,5 @@
-"""Turns a StepPlan into one model call: builds the flat batch, runs the model, samples.
+"""Turns a StepPlan into one model call: builds the flat batch, runs the model, samples (and computes the
+log-probabilities rows ask for: of sampled tokens, and of prompt tokens chunk by chunk).
 
 The runner owns the KV tensors and a persistent block-table buffer: each running sequence has a
 row in it, and a step only writes the blocks that were added since the last step (no rebuilding
@@ -15,9 +16,11 @@ import torch
 
 from cbatch.model.backend import AttentionMetadata, Backend, kv_cache_shape
 from cbatch.engine.cpu_memory import keep_freed_memory, lazily_zeroed
-from cbatch.engine.fast_sampling import fused_covers, sample_tokens
-from cbatch.engine.sampler import SamplingBatch, effective_seed
-from cbatch.engine.scheduler import StepPlan
+from cbatch.engine.fast_sampling import fused_covers, sample_batch
+from cbatch.engine.logprobs import prompt_logprobs
+from cbatch.engine.sampler import SamplingBatch
+from cbatch.engine.sampling_inputs import SamplingInputs
+from cbatch.engine.scheduler import StepLogprobs, StepOutput, StepPlan
 from cbatch.engine.sequence import Sequence
 from cbatch.model.llama import ForwardContext, KVCacheView, LlamaForCausalLM
 
@@ -113,50 +116,73 @@ class ModelRunner:
         # rows for 2 x max_num_seqs: static batching keeps finished members in the batch until their group
         # ends, and a finished sequence's row is freed by the next plan
         self.block_tables = BlockTableBuffer(*self._table_shape)
+        self.sampling = SamplingInputs(self.model.spec.vocab_size, self.device, self.job_seed)
         self.forward_seconds = 0.0  # time inside the model call, for the report
 
     def idle(self) -> None:
         pass  # nothing to compute (a step waiting for arrivals)
 
-    def execute(self, plan: StepPlan) -> dict[int, int]:
-        """Runs one step; returns {seq_id: sampled token} for the sequences whose chunk reached their end."""
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Runs one step; returns the sampled token of every sequence whose chunk reached its end (and of
+        the samples such a sequence forks), with the log-probabilities asked for."""
         step = self.forward(plan)
-        if step is None:
-            return {}
-        start = time.perf_counter()
-        tokens = step.tokens  # sampled inside a decode graph, if the graph's sampler covers the batch
-        if tokens is None:
-            tokens = sample_tokens(step.logits, step.sampling, self.fused_sampling)
-        tokens = tokens.tolist()
-        self.forward_seconds += time.perf_counter() - start
-        return {seq.seq_id: tok for seq, tok in zip(step.seqs, tokens)}
+        tokens: dict[int, int] = {}
+        if step.seqs:
+            start = time.perf_counter()
+            if step.tokens is not None:  # sampled inside a decode graph: the graph's sampler covered the batch
+                sampled, logprobs = step.tokens, [None] * len(step.seqs)
+            else:
+                sampled, logprobs = sample_batch(step.logits, step.sampling, self.fused_sampling)
+            tokens = dict(zip((seq.seq_id for seq in step.seqs), sampled.tolist()))
+            self.forward_seconds += time.perf_counter() - start
+            step.logprobs.sampled.update((seq.seq_id, lp) for seq, lp in zip(step.seqs, logprobs) if lp is not None)
+        has_logprobs = step.logprobs.sampled or step.logprobs.prompt
+        return StepOutput(tokens, step.logprobs if has_logprobs else None)
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> "StepLogits | None":
-        """Runs the model on the plan's tokens; the logits of the rows that sample (None if none does)."""
+    def forward(self, plan: StepPlan) -> "StepLogits":
+        """Runs the model on the plan's tokens; the logits of the rows that sample (None if none does, or
+        if a decode graph sampled already), and the prompt log-probabilities of this step's chunks for the
+        sequences that ask."""
         for seq in plan.preempted + plan.finished:
             self.block_tables.release(seq)
+            self.sampling.release(seq)
         batch = self._build(plan)
+        sampling = self.sampling.build(batch.sampling_seqs) if batch.sampling_seqs else None
+        if plan.copies:  # NOTE: first: a forked sample's copy of its parent's partial block, before any write
+            self.copy_blocks(plan.copies)
         if plan.swap_out or plan.swap_in:  # NOTE: after _build (nothing there may overwrite a swap_in), before the model
             self.swap(plan.swap_out, plan.swap_in)
         start = time.perf_counter()
-        tokens = None
-        if self.graphs is not None and self.graphs.can_run(batch.meta, batch.input_ids.shape[0]):
-            # a decode step: every row samples, in batch order; the graph holds the lm_head and the sampler
-            hidden, tokens = self.graphs.run(batch.input_ids, batch.positions, batch.meta, batch.sampling)
-            logits = None
-            if not (self.fused_sampling and fused_covers(batch.sampling)):
+        tokens = logits = None
+        num_tokens = batch.input_ids.shape[0]
+        # a decode graph needs every row to sample once, in batch order (no sample forks off a 1-token chunk)
+        if self.graphs is not None and len(batch.sampling_seqs) == num_tokens and self.graphs.can_run(batch.meta, num_tokens):
+            hidden, tokens = self.graphs.run(batch.input_ids, batch.positions, batch.meta, sampling)
+            if not (self.fused_sampling and fused_covers(sampling)):
                 tokens = None
                 logits = self.model.compute_logits(hidden)  # [T, vocab] float32 for the torch sampler
         else:
             self.backend.prepare(batch.meta)
             ctx = ForwardContext(self.kv, batch.meta)
             hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, hidden]
-            logits = None
             if batch.sampling_seqs:
                 logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] float32
+        logprobs = StepLogprobs()
+        for seq, first_row, targets in batch.prompt_logprobs:
+            rows = hidden[first_row : first_row + len(targets)]  # [M, hidden]
+            logprobs.prompt[seq.seq_id] = prompt_logprobs(self.model.compute_logits, rows, targets,
+                                                          seq.params.prompt_logprobs, self.model.spec.vocab_size)
         self.forward_seconds += time.perf_counter() - start
-        return None if not batch.sampling_seqs else StepLogits(batch.sampling_seqs, logits, batch.sampling, tokens)
+        return StepLogits(batch.sampling_seqs, logits, sampling, logprobs, tokens)
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copies whole KV blocks (every layer, K and V): (source, destination) pairs; byte copies, as swaps."""
+        cache = self.kv_cache.view(torch.uint8)  # index ops do not take every dtype (fp8)
+        src, dst = (torch.tensor(ids, dtype=torch.int64, device=self.device) for ids in zip(*copies))
+        cache.index_copy_(self._block_dim, dst, cache.index_select(self._block_dim, src))
 
     @torch.inference_mode()
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
@@ -189,7 +215,7 @@ class ModelRunner:
         token_ids: list[int] = []
         sampling_seqs: list[Sequence] = []
         logits_idx: list[int] = []
-        temps, top_ps, top_ks, seeds, out_pos = [], [], [], [], []
+        prompt_rows: list[tuple[Sequence, int, list[int]]] = []
         offset = 0
         for i, (seq, num_new) in enumerate(sorted(plan.scheduled, key=_batch_order)):
             rows[i] = self.block_tables.sync(seq)
@@ -199,16 +225,14 @@ class ModelRunner:
                 token_ids.append(seq.token_at(seq.num_computed))
             else:
                 token_ids.extend(seq.tokens(seq.num_computed, seq.num_computed + num_new))
+            if seq.prompt_logprobs_missing:
+                prompt_rows.extend(_prompt_logprob_rows(seq, num_new, offset))
             offset += num_new
             if seq.num_computed + num_new == seq.num_tokens:  # this chunk reaches the end: sample
-                sampling_seqs.append(seq)
-                logits_idx.append(offset - 1)
-                p = seq.params
-                temps.append(float(p.temperature))
-                top_ps.append(float(p.top_p))
-                top_ks.append(int(p.top_k))
-                seeds.append(effective_seed(p.seed, self.job_seed, seq.seq_id))
-                out_pos.append(len(seq.output_ids))
+                # the samples it forks draw their first token from the same logits row
+                samples = seq.samples if seq.pending_children else [seq]
+                sampling_seqs.extend(samples)
+                logits_idx.extend([offset - 1] * len(samples))
         num_tokens = offset
         cu_q = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu_q[1:])
@@ -238,16 +262,30 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
             sampling_seqs=sampling_seqs,
-            sampling=SamplingBatch(temps, top_ps, top_ks, seeds, out_pos),
+            prompt_logprobs=prompt_rows,
         )
 
 
 @dataclass(slots=True)
 class StepLogits:
     seqs: list[Sequence]  # the rows that sample, in the order of `logits`
-    logits: torch.Tensor | None  # float32 [N, vocab]; None when a decode graph already sampled `tokens`
-    sampling: SamplingBatch
+    logits: torch.Tensor | None  # float32 [N, vocab]; None when no row samples or a decode graph sampled `tokens`
+    sampling: SamplingBatch | None  # None when no row samples
+    logprobs: StepLogprobs  # this step's prompt log-probabilities (`execute` adds the sampled tokens')
     tokens: torch.Tensor | None = None  # int64 [N] when already sampled (inside a decode graph)
+
+
+def _prompt_logprob_rows(seq: Sequence, num_new: int, first_row: int) -> list[tuple[Sequence, int, list[int]]]:
+    """[(seq, flat row of the first position, the prompt tokens those positions predict)] for the prompt
+    positions of this chunk whose log-probabilities `seq` still lacks, or [].
+
+    NOTE: position q predicts prompt token q + 1; `seq.prompt_logprobs` holds positions 0..m-1, and
+    m >= num_computed (no prefix-cache hits for such a sequence), so the positions are [m, end)."""
+    start = len(seq.prompt_logprobs)
+    end = min(seq.num_computed + num_new, seq.prompt_len - 1)
+    if start >= end:
+        return []
+    return [(seq, first_row + start - seq.num_computed, seq.prompt_ids[start + 1 : end + 1])]
 
 
 def _batch_order(item: tuple[Sequence, int]) -> tuple[int, int]:
@@ -259,12 +297,12 @@ def _batch_order(item: tuple[Sequence, int]) -> tuple[int, int]:
 
 
 class _Batch:
-    __slots__ = ("input_ids", "positions", "meta", "logits_indices", "sampling_seqs", "sampling")
+    __slots__ = ("input_ids", "positions", "meta", "logits_indices", "sampling_seqs", "prompt_logprobs")
 
-    def __init__(self, input_ids, positions, meta, logits_indices, sampling_seqs, sampling) -> None:
+    def __init__(self, input_ids, positions, meta, logits_indices, sampling_seqs, prompt_logprobs) -> None:
         self.input_ids = input_ids  # int64 [T]
         self.positions = positions  # int64 [T]
         self.meta = meta
         self.logits_indices = logits_indices  # int64 [N]: rows of the hidden states that sample
         self.sampling_seqs = sampling_seqs
-        self.sampling = sampling
+        self.prompt_logprobs = prompt_logprobs  # [(seq, first flat row, target prompt tokens)]

@@ -1,16 +1,83 @@
-"""Token selection: greedy, temperature, top-k, top-p, with batch-independent randomness.
+"""Token selection: one pipeline over the batch's logits, in tensor ops (no per-row Python over the vocabulary).
 
-Random rows draw from an exponential race (argmax of p / E, E ~ Exp(1), is a sample from p) whose
-noise E comes from a counter-based hash of (seed, output position, vocabulary id). A seeded request
-therefore gets the same tokens alone or inside any batch, on any device, after any preemption.
+    raw logits [N, vocab] float32
+      -> (capture) log-probabilities of the raw logits, for rows that ask (vLLM v1's default `raw_logprobs`)
+      -> processors, rows that have them: logit_bias -> min_tokens (EOS and stop_token_ids banned)
+         -> repetition / frequency / presence penalties          [`process_logits`]
+         (a constrained-decoding token bitmask belongs at the end of this stage)
+      -> greedy rows: argmax
+      -> random rows: temperature -> softmax -> min_p -> top-k / top-p   [`sampling_probs`]
+         -> exponential race with counter-based noise                     [`select_tokens`]
+
+The race: argmax of p / E, E ~ Exp(1), is a sample from p; the noise E comes from a counter-based hash of
+(seed, output position, vocabulary id). A seeded request therefore gets the same tokens alone or inside
+any batch, on any device, after any preemption; sample i of a row with n samples draws with the seed
+derived from (row seed, i) (`sample_seed`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from cbatch.engine.logprobs import Logprobs, score
+
 _MASK32 = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SparseLogits:
+    """Values added at (row, token) places of the logits: logit_bias entries, or -inf for banned tokens."""
+
+    rows: torch.Tensor  # int64 [M]
+    tokens: torch.Tensor  # int64 [M]
+    values: torch.Tensor  # float32 [M]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        logits.index_put_((self.rows, self.tokens), self.values, accumulate=True)
+
+
+@dataclass(slots=True)
+class Penalties:
+    """The rows with a penalty, with their settings and token statistics (vLLM's definitions):
+    repetition (HF / CTRL): a logit of a token seen in the prompt or the output is divided by the
+    penalty when positive, multiplied when not; frequency: minus penalty x the token's count in the
+    output; presence: minus penalty once for a token present in the output."""
+
+    rows: torch.Tensor  # int64 [P]: rows of the batch
+    repetition: torch.Tensor  # float32 [P]
+    frequency: torch.Tensor  # float32 [P]
+    presence: torch.Tensor  # float32 [P]
+    output_counts: torch.Tensor  # int32 [P, vocab]: occurrences of each token in the row's output
+    prompt_mask: torch.Tensor  # bool [P, vocab]: tokens of the row's prompt
+    used: tuple[bool, bool, bool] = (True, True, True)  # (repetition, frequency, presence): some row uses it
+
+    def apply(self, logits: torch.Tensor) -> None:
+        rows = logits.index_select(0, self.rows)  # [P, vocab]
+        in_output = self.output_counts > 0
+        repetition, frequency, presence = self.used
+        if repetition:
+            seen = self.prompt_mask | in_output
+            penalty = self.repetition[:, None]
+            rows = torch.where(seen, torch.where(rows > 0, rows / penalty, rows * penalty), rows)
+        if frequency:
+            rows -= self.frequency[:, None] * self.output_counts
+        if presence:
+            rows -= self.presence[:, None] * in_output
+        logits.index_copy_(0, self.rows, rows)
+
+
+@dataclass(slots=True)
+class LogitsProcessors:
+    """What changes the logits before selection, each for the rows that use it (None: no row does)."""
+
+    bias: SparseLogits | None = None  # logit_bias
+    banned: SparseLogits | None = None  # min_tokens: EOS and stop_token_ids at -inf until min_tokens
+    penalties: Penalties | None = None
+
+    def __bool__(self) -> bool:
+        return self.bias is not None or self.banned is not None or self.penalties is not None
 
 
 @dataclass(slots=True)
@@ -22,16 +89,37 @@ class SamplingBatch:
     top_ks: list[int]
     seeds: list[int]  # effective seed: the request's, else derived from the job seed and the row's id
     positions: list[int]  # index of the token being sampled within the completion
+    min_ps: list[float] = field(default_factory=list)  # empty: no row uses min_p
+    logprobs: list[int | None] = field(default_factory=list)  # k per row (None: not asked); empty: no row asks
+    processors: LogitsProcessors = field(default_factory=LogitsProcessors)
 
     @property
     def all_greedy(self) -> bool:
         return all(t == 0.0 for t in self.temperatures)
 
+    @property
+    def plain(self) -> bool:
+        """Only temperature, top-k, top-p and seeds: no processor, no min_p, no log-probabilities."""
+        return not self.processors and not any(self.min_ps) and not self.logprobs
 
-def effective_seed(request_seed: int | None, job_seed: int, seq_id: int) -> int:
-    """The seed a sampled row draws from: its own, else one from (job seed, row index), so reruns of a
-    job reproduce it (the result cache keys sampled rows by it)."""
-    return request_seed if request_seed is not None else (job_seed << 32) ^ seq_id
+
+@dataclass(slots=True)
+class SamplerOutput:
+    tokens: torch.Tensor  # int64 [N]
+    logprobs: list[Logprobs | None]  # per row: its token's log-probability and top k (None: not asked)
+
+
+def sample_seed(seed: int | None, job_seed: int, row_index: int, sample_index: int) -> int:
+    """A sequence's effective seed: the row's own seed, else (job seed << 32) ^ row index; sample i > 0 of
+    a row with n samples mixes i in (splitmix64), sample 0 keeps the row's seed. A signed int64."""
+    base = seed if seed is not None else (job_seed << 32) ^ row_index
+    if sample_index == 0:
+        return base
+    x = (base + sample_index * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -53,24 +141,75 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: 
     return (-torch.log(uniform)).float()
 
 
+def sample_step(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """logits float32 [N, vocab] -> the sampled tokens and, for rows that ask, their log-probabilities."""
+    asking = [r for r, k in enumerate(batch.logprobs) if k is not None]
+    raw = None
+    if asking:  # NOTE: the capture point: raw logits, before any processor (vLLM v1's default)
+        raw = torch.log_softmax(logits[asking] if len(asking) < logits.shape[0] else logits, dim=-1)
+    tokens = sample(logits, batch)
+    out: list[Logprobs | None] = [None] * logits.shape[0]
+    if raw is not None:
+        scored = score(raw, tokens[asking], [batch.logprobs[r] for r in asking])
+        for r, logprobs in zip(asking, scored):
+            out[r] = logprobs
+    return SamplerOutput(tokens, out)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits float32 [N, vocab] -> token ids int64 [N]."""
+    return select_tokens(process_logits(logits, batch.processors), batch)
+
+
+def process_logits(logits: torch.Tensor, processors: LogitsProcessors) -> torch.Tensor:
+    """The logits after logit_bias, min_tokens and the penalties (a new tensor when any applies)."""
+    if not processors:
+        return logits
+    logits = logits.clone()
+    for step in (processors.bias, processors.banned, processors.penalties):
+        if step is not None:
+            step.apply(logits)
+    return logits
+
+
+def select_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Processed logits [N, vocab] -> tokens [N]: argmax for greedy rows, the seeded race for the others."""
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy
     device = logits.device
     temps = torch.tensor(batch.temperatures, device=device, dtype=torch.float32)
     random_rows = (temps > 0).nonzero().squeeze(1)
-    rows = logits[random_rows] / temps[random_rows, None]
-    probs = torch.softmax(rows, dim=-1)
-    probs = _top_k_top_p(probs, [batch.top_ks[i] for i in random_rows.tolist()], [batch.top_ps[i] for i in random_rows.tolist()])
-    seeds = torch.tensor([batch.seeds[i] for i in random_rows.tolist()], device=device, dtype=torch.int64)
-    positions = torch.tensor([batch.positions[i] for i in random_rows.tolist()], device=device, dtype=torch.int64)
+    picked = random_rows.tolist()
+    probs = sampling_probs(logits[random_rows], temps[random_rows], [batch.top_ks[i] for i in picked],
+                           [batch.top_ps[i] for i in picked], [batch.min_ps[i] for i in picked] if batch.min_ps else [])
+    seeds = torch.tensor([batch.seeds[i] for i in picked], device=device, dtype=torch.int64)
+    positions = torch.tensor([batch.positions[i] for i in picked], device=device, dtype=torch.int64)
     noise = exponential_noise(seeds, positions, logits.shape[-1])
     chosen = (probs / noise).argmax(dim=-1)
     out = greedy.clone()
     out[random_rows] = chosen
     return out
+
+
+def sampling_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: list[int], top_ps: list[float],
+                   min_ps: list[float]) -> torch.Tensor:
+    """The distribution random rows draw from: softmax(logits / T), then min_p (tokens below min_p x the
+    top probability dropped, the rest renormalised), then top-k / top-p (unnormalised: the race does
+    not need it). logits [R, vocab] -> probabilities [R, vocab]."""
+    probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+    if any(p > 0.0 for p in min_ps):
+        probs = _min_p(probs, torch.tensor(min_ps, device=probs.device, dtype=probs.dtype))
+    return _top_k_top_p(probs, top_ks, top_ps)
+
+
+def _min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """vLLM's min_p: tokens whose probability is below min_p x the row's largest are dropped; the rest
+    renormalised (so a later top-p sees the filtered distribution). Rows with min_p 0 stay as they are."""
+    threshold = min_ps[:, None] * probs.amax(dim=-1, keepdim=True)
+    kept = torch.where(probs >= threshold, probs, 0.0)
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    return torch.where(min_ps[:, None] > 0, kept, probs)
 
 
 def _top_k_top_p(probs: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

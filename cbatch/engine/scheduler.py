@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from cbatch.config import SamplingParams
+from cbatch.engine.logprobs import Logprobs
 from cbatch.engine.kv_blocks import BlockPool, cache_computed_blocks, first_missing_hash, hashes_completed, prefix_hits
 from cbatch.engine.policy import AdmissionPolicy, PreemptionPolicy, PriorityOrder
 from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -49,6 +50,7 @@ class StepInfo:
     context_tokens: int = 0  # sum over scheduled sequences of their context after the step (KV read)
     attention_pairs: int = 0  # (query token, key token) pairs attended this step (attention FLOPs)
     sampled_tokens: int = 0  # new tokens that count as output (static padding excluded); set by `update`
+    prompt_tokens: int = 0  # tokens of prompts computed (recomputes included, prefix-cache hits not)
 
     @classmethod
     def of(cls, scheduled: list[tuple[Sequence, int]]) -> "StepInfo":
@@ -59,6 +61,8 @@ class StepInfo:
             info.scheduled_tokens += num_new
             if num_new > 1:
                 info.prefill_tokens += num_new
+            if seq.num_computed < seq.prompt_len:
+                info.prompt_tokens += min(context, seq.prompt_len) - seq.num_computed
             info.context_tokens += context
             # query i of the chunk (0-based) sees context - num_new + i + 1 keys (causal)
             info.attention_pairs += num_new * context - num_new * (num_new - 1) // 2
@@ -78,6 +82,9 @@ class StepPlan:
     # slot read by swap_in is reused only from the next step on.
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # NOTE: copied first, before swap_out: the last step forked samples, each child gets its own copy of
+    # the parent's partial last block (copy-on-write: full blocks are shared, never written)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source block, destination block)
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +95,22 @@ class StepPlan:
 
 
 @dataclass(slots=True)
+class StepLogprobs:
+    """The log-probabilities a step computed, for the sequences that ask (cbatch/engine/logprobs.py)."""
+
+    sampled: dict[int, Logprobs] = field(default_factory=dict)  # seq_id -> its new token's (one position)
+    prompt: dict[int, Logprobs] = field(default_factory=dict)  # seq_id -> the prompt positions of its chunk
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What a runner returns for a step."""
+
+    tokens: Mapping[int, int]  # seq_id -> sampled token, for every sequence whose chunk reached its end
+    logprobs: StepLogprobs | None = None  # None: no sequence asked
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     """Counters the report and the dashboard read; updated once per step, never per token."""
 
@@ -95,6 +118,8 @@ class SchedulerStats:
     scheduled_tokens: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0  # computed tokens dropped by recompute preemptions (the cache may give some back)
+    computed_prompt_tokens: int = 0  # prompt tokens run through the model (a row's n samples share one prompt)
+    forked_samples: int = 0  # samples that started on their parent's prompt KV (n > 1)
     padding_tokens: int = 0  # static batching: tokens computed for members that already finished
     occupancy_sum: float = 0.0  # sum over steps of running / max_num_seqs
     kv_usage_sum: float = 0.0  # sum over steps of used / total blocks
@@ -156,6 +181,8 @@ class Scheduler:
         self._host_to_free: list[int] = []  # host slots read by the last step's swap_in
         self._inflight: set[int] = set()  # hashes of the full blocks this step's prefill chunks complete
         self._left: list[Sequence] = []  # finished since the last plan with work: the next plan tells the runner
+        self._reserved_slots = 0  # batch slots admitted parents hold for the samples they will fork
+        self._fork_copies: list[tuple[Sequence, int, int]] = []  # (child, source, its copy) for the next plan
         self.stats = SchedulerStats()
         self.last_step = StepInfo()
 
@@ -243,6 +270,9 @@ class Scheduler:
         self._count(plan)
         if plan.scheduled:  # NOTE: an empty plan never reaches the runner: its news waits for the next one
             plan.finished, self._left = self._left, []
+            # a child that finished at its first token needs no copy (its block was freed)
+            plan.copies = [(src, dst) for child, src, dst in self._fork_copies if not child.is_finished]
+            self._fork_copies = []
         return plan
 
     def _padding_blocked(self, seq: Sequence, num_new: int) -> bool:
@@ -285,6 +315,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
+        self._reserved_slots -= seq.pending_children
         cache_computed_blocks(self.pool, seq)  # NOTE: its cached blocks outlive it in the LRU
         # NOTE: static groups always recompute: a group's admission step may also preempt a member,
         # and a swap_out of blocks whose swap_in is planned in the same step would copy garbage.
@@ -318,7 +349,7 @@ class Scheduler:
         """
         while self._waiting:
             seq = self._waiting[0][1]
-            reason = self._admission_blocker(budget) or self._try_start(seq, budget, plan)
+            reason = self._admission_blocker(budget, seq) or self._try_start(seq, budget, plan)
             if reason is not None:
                 self._stall(reason)
                 break
@@ -328,12 +359,16 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _admission_blocker(self, budget: int) -> str | None:
+    def _admission_blocker(self, budget: int, seq: Sequence) -> str | None:
         if budget == 0:
             return "token_budget"
-        if len(self.running) >= self.max_num_seqs:
-            return "max_num_seqs"
-        return None
+        return None if self._has_slots(seq) else "max_num_seqs"
+
+    def _has_slots(self, seq: Sequence) -> bool:
+        """Batch slots for `seq` and the samples it will fork. NOTE: a row with more samples than
+        max_num_seqs starts alone: the children without a slot wait and are recomputed."""
+        used = len(self.running) + self._reserved_slots
+        return used + 1 + seq.pending_children <= self.max_num_seqs or (used == 0 and not self.running)
 
     def _try_start(self, seq: Sequence, budget: int, plan: StepPlan) -> str | None:
         """Starts `seq` with the blocks for its next chunk (reusing cached prefix blocks or its swapped
@@ -369,7 +404,7 @@ class Scheduler:
             return budget
         while self._waiting:
             seq = self._waiting[0][1]
-            if len(self.running) >= self.max_num_seqs:
+            if not self._has_slots(seq):
                 self._stall("max_num_seqs")
                 break
             if self.reserve and self._lifetime_blocks(seq, []) > self._spare_blocks():
@@ -412,6 +447,7 @@ class Scheduler:
 
     def _start(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
+        self._reserved_slots += seq.pending_children
         if seq.first_scheduled_step is None:
             seq.first_scheduled_step = self.stats.steps + 1  # the step being built (1-based)
             waits = self.stats.wait_steps_by_priority.setdefault(seq.params.priority, [])
@@ -428,16 +464,21 @@ class Scheduler:
         return self.pool.blocks_for(min(seq.prompt_len + seq.params.max_tokens, self.max_model_len))
 
     def _lifetime_blocks(self, seq: Sequence, hits: list[int]) -> int:
-        """Free blocks `seq` will take from now to its end (cached hits held by others cost none)."""
+        """Free blocks `seq` (and the samples it will fork) will take from now to its end (cached hits
+        held by others cost none)."""
         shared = sum(1 for b in hits if not self.pool.is_evictable(b))
-        return self._final_blocks(seq) - shared
+        return self._final_blocks(seq) - shared + self._children_blocks(seq)
+
+    def _children_blocks(self, seq: Sequence) -> int:
+        """Blocks the samples `seq` will fork take beyond the prompt's full blocks they share."""
+        return seq.pending_children * (self._final_blocks(seq) - seq.prompt_len // self.pool.block_size)
 
     def _spare_blocks(self) -> int:
         """Free blocks nobody has a claim on. In reserve mode, running sequences' future growth is
         claimed: NOTE: that is what makes reserve admission never preempt."""
         if not self.reserve:
             return self.pool.num_free
-        claimed = sum(max(0, self._final_blocks(s) - len(s.block_ids)) for s in self.running)
+        claimed = sum(max(0, self._final_blocks(s) - len(s.block_ids)) + self._children_blocks(s) for s in self.running)
         return self.pool.num_free - claimed
 
     # ---- bookkeeping ------------------------------------------------------------------------
@@ -446,52 +487,104 @@ class Scheduler:
         stats = self.stats
         stats.steps += 1
         stats.scheduled_tokens += plan.info.scheduled_tokens
+        stats.computed_prompt_tokens += plan.info.prompt_tokens
         stats.padding_tokens += sum(n for s, n in plan.scheduled if s.num_result_tokens is not None)
         stats.occupancy_sum += len(self.running) / self.max_num_seqs
         stats.kv_usage_sum += self.pool.num_used / self.pool.num_blocks
         stats.peak_kv_blocks = max(stats.peak_kv_blocks, self.pool.num_used)
 
     # ---- after the step ---------------------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[Sequence]:
+    def update(self, plan: StepPlan, sampled: Mapping[int, int], logprobs: StepLogprobs | None = None) -> list[Sequence]:
         """Applies a computed step: returns the sequences that left the batch finished.
 
         `sampled` maps seq_id -> token for every sequence whose chunk reached its last token (those
-        sample; the others computed part of a prompt). The step's counters go to `last_step`.
+        sample; the others computed part of a prompt), and for the samples such a sequence forks;
+        `logprobs` has the log-probabilities of the sequences that ask. The step's counters go to `last_step`.
         """
         info = plan.info
         finished: list[Sequence] = []
-        step = self.stats.steps
         caching, block_size = self.pool.enable_caching, self.pool.block_size
         for seq, num_new in plan.scheduled:
+            if logprobs is not None and seq.seq_id in logprobs.prompt:
+                seq.prompt_logprobs.extend(logprobs.prompt[seq.seq_id])
             seq.num_computed += num_new
             if caching and seq.num_computed // block_size > seq.num_registered_blocks:
                 cache_computed_blocks(self.pool, seq)  # computed now: from the next step on, others may share them
             if seq.num_computed < seq.num_tokens:
                 continue  # a prompt chunk short of the end: nothing sampled
-            token = sampled[seq.seq_id]
-            seq.output_ids.append(token)
-            if seq.first_token_step is None:
-                seq.first_token_step = step
-            if seq.num_result_tokens is not None:
-                continue  # static batching: a finished member computing padding
-            info.sampled_tokens += 1
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                finished.extend(self.finish(seq, reason))
+            if seq.pending_children:  # NOTE: before the parent's token, which may finish it and free its blocks
+                finished.extend(self._fork(seq, sampled, logprobs, info))
+            finished.extend(self._append(seq, sampled[seq.seq_id], logprobs, info))
         if plan.preempted:  # a static group may have lost its last unfinished members
             finished.extend(self._release_stranded_group())
         self.last_step = info
         self._left.extend(finished)
         return finished
 
+    def _append(self, seq: Sequence, token: int, logprobs: StepLogprobs | None, info: StepInfo) -> list[Sequence]:
+        """Adds a sampled token (and its log-probabilities); returns the sequences that leave the batch
+        finished because of it."""
+        seq.output_ids.append(token)
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.extend(logprobs.sampled[seq.seq_id])
+        if seq.first_token_step is None:
+            seq.first_token_step = self.stats.steps
+        if seq.num_result_tokens is not None:
+            return []  # static batching: a finished member computing padding
+        info.sampled_tokens += 1
+        reason = self._finish_reason(seq, token)
+        return self.finish(seq, reason) if reason is not None else []
+
+    def _fork(self, parent: Sequence, sampled: Mapping[int, int], logprobs: StepLogprobs | None,
+              info: StepInfo) -> list[Sequence]:
+        """Starts the other samples of `parent`'s row on its prompt KV, each with its own first token (drawn
+        from the same logits with its own seed): the full blocks are shared by reference, the partial last
+        block is copied for each child (in the next plan, before anything writes). A child that finds no
+        free slot or block waits and is recomputed, like a preempted sequence. Returns the children that
+        finished at their first token."""
+        parent.forked = True
+        self._reserved_slots -= len(parent.children)
+        full, partial = divmod(parent.num_computed, self.pool.block_size)
+        finished: list[Sequence] = []
+        for child in parent.children:
+            child.arrival_step, child.first_scheduled_step = parent.arrival_step, parent.first_scheduled_step
+            child.prompt_logprobs = parent.prompt_logprobs  # complete: computed once, by the parent
+            attached = len(self.running) < self.max_num_seqs and (not partial or self.pool.num_free > 0)
+            if attached:
+                self._share_prompt_kv(parent, child, full, partial)
+            finished.extend(self._append(child, sampled[child.seq_id], logprobs, info))
+            if not attached and not child.is_finished:
+                child.status = SequenceStatus.WAITING
+                self._requeue(child)
+        return finished
+
+    def _share_prompt_kv(self, parent: Sequence, child: Sequence, full: int, partial: int) -> None:
+        """`child` runs on `parent`'s computed prompt: its `full` blocks held by reference, a copy of the
+        partial one (if `partial` tokens are in it)."""
+        for block in parent.block_ids[:full]:
+            self.pool.hold(block)
+        child.block_ids = parent.block_ids[:full]
+        if partial:
+            copy = self.pool.allocate(1)[0]
+            child.block_ids.append(copy)
+            self._fork_copies.append((child, parent.block_ids[full], copy))
+        child.num_computed = parent.num_computed
+        child.block_hashes, child.block_keys = parent.block_hashes[:full], parent.block_keys[:full]
+        child.num_registered_blocks = min(parent.num_registered_blocks, full)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        self.stats.forked_samples += 1
+
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        """A stop string (checked incrementally on the new text), EOS unless ignored, max_tokens or the
-        model's context."""
-        if seq.stop is not None and seq.stop.append(token):
+        """A stop string (checked incrementally on the new text), EOS unless ignored, a stop token, max_tokens
+        or the model's context. Before min_tokens, only the last two (vLLM)."""
+        params = seq.params
+        may_stop = len(seq.output_ids) >= params.min_tokens
+        if seq.stop is not None and seq.stop.append(token, may_stop):
             return FinishReason.STOP
-        if token in seq.eos_ids and not seq.params.ignore_eos:
+        if may_stop and ((token in seq.eos_ids and not params.ignore_eos) or token in params.stop_token_ids):
             return FinishReason.STOP
-        if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -500,7 +593,7 @@ class Scheduler:
         seq.finish_reason = reason
         seq.num_result_tokens = len(seq.output_ids)
         seq.finish_step = self.stats.steps
-        if not self.policy.group:
+        if not self.policy.group or seq not in self.running:  # (a sample that finished before it joined)
             self._release(seq)
             return [seq]
         if any(s.num_result_tokens is None for s in self.running):

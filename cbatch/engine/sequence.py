@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 
 from cbatch.config import SamplingParams
+from cbatch.engine.logprobs import Logprobs
 from cbatch.engine.stop import StopChecker
 
 
@@ -56,6 +57,22 @@ class Sequence:
     # swap preemption: host slots holding the KV of `token_ids[:num_computed]` while preempted
     host_block_ids: list[int] = field(default_factory=list)
     stop: StopChecker | None = None  # the request's stop strings (needs the tokenizer)
+    # n samples of one row: the first requested sample is the parent; it computes the prompt once and, when
+    # it samples its first token, the scheduler forks `children` (the other samples) onto its KV blocks
+    row_index: int = -1  # the input row (its seed's source); -1: the seq_id
+    sample_index: int = 0  # which of the row's `n` samples: its seed is derived from (row seed, sample index)
+    children: list["Sequence"] = field(default_factory=list)
+    forked: bool = False  # the children have been forked (they run on their own from then on)
+    logprobs: Logprobs | None = None  # of the output tokens, when params.logprobs is set
+    prompt_logprobs: Logprobs | None = None  # of prompt tokens 1.. (token 0 has none), when params.prompt_logprobs is set
+
+    def __post_init__(self) -> None:
+        if self.row_index < 0:
+            self.row_index = self.seq_id
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = Logprobs()
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = Logprobs()
 
     @property
     def prompt_len(self) -> int:
@@ -95,3 +112,18 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def pending_children(self) -> int:
+        """Samples that will fork from this sequence when it samples its first token."""
+        return 0 if self.forked else len(self.children)
+
+    @property
+    def samples(self) -> list["Sequence"]:
+        """This row's sequences in sample order: the parent, then its children."""
+        return [self, *self.children]
+
+    @property
+    def prompt_logprobs_missing(self) -> bool:
+        """Prompt log-probabilities asked for and not all computed (prefix-cache hits would skip them)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1

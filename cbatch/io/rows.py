@@ -1,8 +1,8 @@
 """One input row -> a validated request (prompt + sampling settings), or a message naming what is wrong.
 
 Accepted shapes: `{"prompt": "..."}`, `{"messages": [{"role", "content"}, ...]}`,
-`{"prompt_token_ids": [...]}`, each with optional `id`, `max_tokens`, `temperature`, `top_p`, `top_k`,
-`seed`, `stop`, `ignore_eos`, `priority` (integer, lower = scheduled sooner); and the OpenAI batch format `{"custom_id", "body": {...}}`.
+`{"prompt_token_ids": [...]}`, each with optional `id` and sampling fields (`SAMPLING_FIELDS`, vLLM's names:
+docs/sampling.md); and the OpenAI batch format `{"custom_id", "body": {...}}`.
 """
 from __future__ import annotations
 
@@ -12,9 +12,13 @@ from typing import Any
 
 from cbatch.config import SamplingParams, UserError
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "priority")
-_INT_FIELDS = ("max_tokens", "top_k", "seed", "priority")
-_FLOAT_FIELDS = ("temperature", "top_p")
+SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "priority", "n", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "stop_token_ids", "logit_bias", "logprobs",
+    "prompt_logprobs", "chat_template_kwargs",
+)
+_INT_FIELDS = ("max_tokens", "top_k", "seed", "priority", "n", "min_tokens", "logprobs", "prompt_logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
 
 
 @dataclass(slots=True)
@@ -50,6 +54,8 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams) -
         row = {**row["body"], **{k: v for k, v in row.items() if k != "body"}}
         if "max_completion_tokens" in row and "max_tokens" not in row:
             row["max_tokens"] = row["max_completion_tokens"]
+        if isinstance(row.get("logprobs"), bool):  # chat completions: logprobs true/false + top_logprobs k
+            row["logprobs"] = row.get("top_logprobs", 0) if row["logprobs"] else None
     request = RowRequest(index=index, row_id=row_id)
     given = [k for k in ("prompt", "messages", "prompt_token_ids") if row.get(k) is not None]
     if not given:
@@ -109,23 +115,46 @@ def _token_ids(value: Any) -> list[int]:
 
 
 def sampling_from_row(row: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
-    """The CLI defaults with the row's own settings on top; the result is validated."""
-    changes: dict[str, Any] = {}
-    for key in SAMPLING_FIELDS:
-        if key not in row or row[key] is None:
-            continue
-        value = row[key]
-        if key in _INT_FIELDS and isinstance(value, float) and value.is_integer():
-            value = int(value)  # JSON and Parquet may carry integers as floats
-        if key in _FLOAT_FIELDS and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if key in _FLOAT_FIELDS and isinstance(value, float) and not math.isfinite(value):
-            raise RowError(f"{key} must be a finite number, got {value!r}")
-        if key == "stop" and isinstance(value, str):
-            value = [value]
-        changes[key] = value
+    """The CLI defaults with the row's own settings on top (a row's `chat_template_kwargs` add to the job's,
+    key by key; every other field replaces); the result is validated."""
+    changes = {key: sampling_value(key, row[key]) for key in SAMPLING_FIELDS if row.get(key) is not None}
+    if isinstance(changes.get("chat_template_kwargs"), dict):
+        changes["chat_template_kwargs"] = {**defaults.chat_template_kwargs, **changes["chat_template_kwargs"]}
     params = replace(defaults, **changes)
     error = params.validate()
     if error is not None:
         raise RowError(error)
     return params
+
+
+def sampling_value(key: str, value: Any) -> Any:
+    """A sampling field's value as JSON or Parquet carry it -> the SamplingParams type (validated later):
+    integral floats to ints, numbers to floats, a lone stop string or token id to a list, logit_bias keys
+    (JSON object keys are strings; Parquet maps are (key, value) pairs) to token ids."""
+    if key in _INT_FIELDS:
+        return _integral(value)
+    if key in _FLOAT_FIELDS and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if key in _FLOAT_FIELDS and isinstance(value, float) and not math.isfinite(value):
+        raise RowError(f"{key} must be a finite number, got {value!r}")
+    if key == "stop" and isinstance(value, (str, tuple)):
+        return [value] if isinstance(value, str) else list(value)
+    if key == "stop_token_ids":
+        return [_integral(t) for t in value] if isinstance(value, (list, tuple)) else [_integral(value)]
+    if key == "logit_bias":
+        pairs = value.items() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if pairs is None or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+            raise RowError(f"logit_bias must be an object of token id -> bias, e.g. {{\"1234\": -100}}, got {value!r}")
+        return {_token_key(k): v for k, v in pairs}
+    return value
+
+
+def _integral(value: Any) -> Any:
+    """JSON and Parquet may carry integers as floats."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _token_key(key: Any) -> Any:
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    return _integral(key)

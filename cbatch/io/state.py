@@ -14,8 +14,10 @@ Invariants: OUTPUT only ever appears whole (temp file + fsync + rename); a part 
 complete JSON or the torn tail of a killed run, which is ignored (that row is generated again).
 The lock is an flock() on the lock file, so the kernel drops it when its owner dies in any way
 (SIGKILL, OOM-kill): a lock file left behind by a dead job is simply taken over.
-Finished rows are not kept in memory: the state keeps each row's place in the part files, and the
-final OUTPUT is streamed from there in input order.
+Finished rows are not kept in memory: the state keeps each record's place in the part files, and the
+final OUTPUT is streamed from there in input order. Records are keyed by (row index, sample index): a
+row with n > 1 samples has n records, each saying n (`num_samples`), so a resume knows which of a
+row's samples are still missing.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import os
 import shutil
 import socket
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -90,7 +93,36 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-_PART_SHIFT = 40  # a row's place in the part files: part number << 40 | byte offset
+_PART_SHIFT = 40  # a record's place in the part files: part number << 40 | byte offset
+
+RecordKey = tuple[int, int]  # (row index, sample index)
+
+
+def record_key(record: dict[str, Any]) -> RecordKey:
+    return record["index"], record.get("sample_index", 0)
+
+
+@dataclass(slots=True)
+class Finished:
+    """What earlier runs of a job finished: the rows with every sample done, and the samples done of the
+    rows some of whose samples are missing (a run stopped while they ran)."""
+
+    rows: set[int] = field(default_factory=set)
+    partial: dict[int, frozenset[int]] = field(default_factory=dict)  # row index -> its samples done
+
+
+def _output_rows(lines: Iterator[dict[str, Any]]) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+    """OUTPUT's lines grouped by input row: (row index, its lines). A row with n > 1 samples has n lines,
+    sample_index 0..n-1; every other row one line (no sample_index, or 0)."""
+    index, samples = -1, []
+    for line in lines:
+        if line.get("sample_index") in (None, 0):
+            if samples:
+                yield index, samples
+            index, samples = index + 1, []
+        samples.append(line)
+    if samples:
+        yield index, samples
 
 
 class JobState:
@@ -105,8 +137,10 @@ class JobState:
         self._part_no = 0
         self._unsynced = 0
         self._last_sync = time.monotonic()
-        self._places: dict[int, int] = {}  # row index -> where its record is (see _PART_SHIFT)
-        self.error_rows: set[int] = set()
+        self._places: dict[RecordKey, int] = {}  # (row, sample) -> where its record is (see _PART_SHIFT)
+        self._num_samples: dict[int, int] = {}  # row index -> n, for rows with n > 1
+        self.error_rows: set[RecordKey] = set()
+        self.columns: set[str] = set()  # keys of the records: which optional output columns OUTPUT has
         self._retry_of: Any = None  # --retry-errors: the fingerprint of the job whose ok rows were kept
 
     # ---- read-only checks (before the model loads) ------------------------------------------------
@@ -196,8 +230,8 @@ class JobState:
         return None
 
     # ---- start -----------------------------------------------------------------------------------
-    def open(self, overwrite: bool, retry_errors: bool = False) -> dict[int, dict[str, Any]]:
-        """Takes the lock and loads the rows finished by earlier runs: {index: {"finish_reason", ...}}.
+    def open(self, overwrite: bool, retry_errors: bool = False) -> Finished:
+        """Takes the lock and loads the records of earlier runs; returns which rows (and samples) they finished.
         `retry_errors`: a complete OUTPUT's ok rows become the finished rows (see `_keep_ok_rows`)."""
         try:
             self._take_lock()
@@ -236,9 +270,11 @@ class JobState:
         seeding = self._seeding_dir()
         seeding.mkdir()
         with open(seeding / "part-0001.jsonl", "wb") as f:
-            for index, row in enumerate(read_output(self.output, output_format(self.output))):
-                if row.get("finish_reason") != "error":
-                    f.write((json.dumps({"index": index, **row}) + "\n").encode("ascii"))
+            for index, samples in _output_rows(read_output(self.output, output_format(self.output))):
+                if all(row.get("finish_reason") != "error" for row in samples):  # else the whole row runs again
+                    for row in samples:
+                        extra = {"num_samples": len(samples)} if len(samples) > 1 else {}
+                        f.write((json.dumps({"index": index, **row, **extra}) + "\n").encode("ascii"))
             f.flush()
             os.fsync(f.fileno())
         previous = (_read_json(self.done_record) or {}).get("fingerprint")
@@ -287,8 +323,7 @@ class JobState:
         self.done_record.with_name(self.done_record.name + ".tmp").unlink(missing_ok=True)
         shutil.rmtree(self._seeding_dir(), ignore_errors=True)  # a --retry-errors start cut short
 
-    def _load_parts(self) -> dict[int, dict[str, Any]]:
-        done: dict[int, dict[str, Any]] = {}
+    def _load_parts(self) -> Finished:
         for part in sorted(self.dir.glob("part-*.jsonl")):
             part_no = int(part.stem.split("-")[1])
             offset = 0
@@ -299,39 +334,55 @@ class JobState:
                     except ValueError:
                         record = None  # the torn tail of a killed run: that row runs again
                     if isinstance(record, dict) and isinstance(record.get("index"), int):
-                        index = record["index"]
-                        self._remember(index, part_no, offset, record.get("finish_reason") == "error")
-                        done[index] = {"finish_reason": record.get("finish_reason")}
+                        self._remember(record, part_no, offset)
                     offset += len(line)
+        return self.finished()
+
+    def finished(self) -> Finished:
+        """Rows with all their samples recorded, and the samples recorded of the others."""
+        samples: dict[int, set[int]] = {}
+        for index, sample in self._places:
+            samples.setdefault(index, set()).add(sample)
+        done = Finished()
+        for index, recorded in samples.items():
+            if len(recorded) >= self._num_samples.get(index, 1):
+                done.rows.add(index)
+            else:
+                done.partial[index] = frozenset(recorded)
         return done
 
-    def _remember(self, index: int, part_no: int, offset: int, is_error: bool) -> None:
-        self._places[index] = part_no << _PART_SHIFT | offset
-        if is_error:
-            self.error_rows.add(index)
+    def _remember(self, record: dict[str, Any], part_no: int, offset: int) -> None:
+        key = record_key(record)
+        self._places[key] = part_no << _PART_SHIFT | offset
+        self.columns.update(record)
+        if record.get("num_samples", 1) > 1:
+            self._num_samples[key[0]] = record["num_samples"]
+        if record.get("finish_reason") == "error":
+            self.error_rows.add(key)
         else:
-            self.error_rows.discard(index)
+            self.error_rows.discard(key)
 
     # ---- while running ---------------------------------------------------------------------------
     @property
     def num_rows(self) -> int:
+        """Records: output rows (a row with n samples has n)."""
         return len(self._places)
 
-    def __contains__(self, index: int) -> bool:
-        """The job has a record for row `index` (this run's or an earlier one's)."""
-        return index in self._places
+    def __contains__(self, key: RecordKey) -> bool:
+        """The job has a record for (row index, sample index) (this run's or an earlier one's)."""
+        return key in self._places
 
     def _part_path(self) -> Path:
         return self.dir / f"part-{self._part_no:04d}.jsonl"
 
     def append(self, record: dict[str, Any], sync_every: int = 64, sync_seconds: float = 2.0) -> None:
-        """Persists one finished row; fsync in batches (a crash loses at most the unsynced tail)."""
+        """Persists one finished row (or sample); fsync in batches (a crash loses at most the unsynced tail)."""
         try:
             offset = self._part.tell()
             self._part.write((json.dumps(record) + "\n").encode("ascii"))  # escaped: any str round-trips
         except OSError as exc:
             raise StorageError(self._part_path(), exc) from None
-        self._remember(record["index"], self._part_no, offset, record["finish_reason"] == "error")
+        self._remember(record, self._part_no, offset)
         self._unsynced += 1
         if self._unsynced >= sync_every or time.monotonic() - self._last_sync > sync_seconds:
             self.sync()
@@ -364,12 +415,12 @@ class JobState:
         self._drop_lock()
 
     def records(self) -> Iterator[dict[str, Any]]:
-        """Every finished row's record, in input order, read back from the part files."""
+        """Every finished row's record, in input order then sample order, read back from the part files."""
         self._part.flush()
         files: dict[int, Any] = {}
         try:
-            for index in sorted(self._places):
-                place = self._places[index]
+            for key in sorted(self._places):
+                place = self._places[key]
                 part_no = place >> _PART_SHIFT
                 f = files.get(part_no)
                 if f is None:

@@ -1,14 +1,23 @@
-"""Writes the final OUTPUT (Parquet or JSONL by extension), one row per input row, in input order."""
+"""Writes the final OUTPUT (Parquet or JSONL by extension), one row per input row (per sample of a row with
+n > 1), in input order then sample order.
+
+The base columns are always there; an optional column is written when some record of the job has it
+(`present`): `sample_index` (a row with n > 1), `reasoning` (a model whose chat template thinks),
+the log-probability columns (a row that asked); rows without it get its default (sample_index 0, else null).
+"""
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Collection, Iterable, Iterator, Sequence
 
 from cbatch.config import UserError
 
 OUTPUT_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 COLUMNS = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+LOGPROB_COLUMNS = ("token_logprobs", "top_logprobs", "prompt_token_ids", "prompt_token_logprobs", "prompt_top_logprobs")
+OPTIONAL_COLUMNS = ("sample_index", "reasoning") + LOGPROB_COLUMNS
+COLUMN_DEFAULTS = {"sample_index": 0}
 
 
 class OutputError(UserError):
@@ -40,25 +49,26 @@ def check_writable(path: Path, flag: str = "--out") -> None:
     os.unlink(probe)
 
 
-def output_schema(token_ids: bool):
-    """The Arrow schema of the output columns (Parquet OUTPUT, and the Ray Data callable's columns)."""
+def output_columns(token_ids: bool, present: Collection[str] = ()) -> list[str]:
+    """The output's columns in order: the base ones, with the optional ones some record has."""
+    def some(*names: str) -> list[str]:
+        return [name for name in names if name in present]
+
+    return (["id", *some("sample_index"), "completion", *some("reasoning"), *COLUMNS[2:]]
+            + (["completion_token_ids"] if token_ids else []) + some(*LOGPROB_COLUMNS))
+
+
+def _arrow_types() -> dict[str, Any]:
     import pyarrow as pa
 
-    fields = [
-        pa.field("id", pa.string()),
-        pa.field("completion", pa.string()),
-        pa.field("finish_reason", pa.string()),
-        pa.field("prompt_tokens", pa.int64()),
-        pa.field("completion_tokens", pa.int64()),
-        pa.field("error", pa.string()),
-    ]
-    if token_ids:
-        fields.append(pa.field("completion_token_ids", pa.list_(pa.int64())))
-    return pa.schema(fields)
-
-
-def output_columns(token_ids: bool) -> tuple[str, ...]:
-    return COLUMNS + (("completion_token_ids",) if token_ids else ())
+    top = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())]))  # k most likely, best first
+    ids, logprobs = pa.list_(pa.int64()), pa.list_(pa.float64())
+    return {
+        "id": pa.string(), "sample_index": pa.int64(), "completion": pa.string(), "reasoning": pa.string(),
+        "finish_reason": pa.string(), "prompt_tokens": pa.int64(), "completion_tokens": pa.int64(), "error": pa.string(),
+        "completion_token_ids": ids, "token_logprobs": logprobs, "top_logprobs": pa.list_(top),
+        "prompt_token_ids": ids, "prompt_token_logprobs": logprobs, "prompt_top_logprobs": pa.list_(top),
+    }
 
 
 def written_columns(path: Path, fmt: str) -> tuple[str, ...]:
@@ -85,21 +95,32 @@ def read_output(path: Path, fmt: str) -> Iterator[dict[str, Any]]:
             yield json.loads(line)
 
 
-def write_output(path: Path, fmt: str, records: Iterable[dict[str, Any]], token_ids: bool, chunk_rows: int = 4096) -> None:
-    columns = output_columns(token_ids)
+def output_schema(columns: Sequence[str]):
+    """The Arrow schema of `columns` (`output_columns`): Parquet OUTPUT, and the Ray Data callable's columns."""
+    import pyarrow as pa
+
+    types = _arrow_types()
+    return pa.schema([pa.field(name, types[name]) for name in columns])
+
+
+def write_output(path: Path, fmt: str, records: Iterable[dict[str, Any]], columns: Sequence[str], chunk_rows: int = 4096) -> None:
+    """Writes `columns` (`output_columns`) of every record."""
+    def row(record: dict[str, Any]) -> dict[str, Any]:
+        return {c: record.get(c, COLUMN_DEFAULTS.get(c)) for c in columns}
+
     if fmt == "jsonl":
         with open(path, "w", encoding="utf-8") as f:
             for record in records:
-                f.write(json.dumps({c: record.get(c) for c in columns}, ensure_ascii=False) + "\n")
+                f.write(json.dumps(row(record), ensure_ascii=False) + "\n")
         return
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = output_schema(token_ids)
+    schema = output_schema(columns)
     with pq.ParquetWriter(path, schema) as writer:
         chunk: list[dict[str, Any]] = []
         for record in records:
-            chunk.append({c: record.get(c) for c in columns})
+            chunk.append(row(record))
             if len(chunk) >= chunk_rows:
                 writer.write_table(pa.Table.from_pylist(chunk, schema=schema))
                 chunk = []

@@ -76,10 +76,10 @@ class RequestTiming:
 
 @dataclass
 class JobMetrics:
-    total_rows: int = 0
-    skipped_rows: int = 0  # finished by an earlier run (resume)
-    cached_rows: int = 0  # copied from the result cache (counted in ok_rows too)
-    ok_rows: int = 0
+    total_rows: int = 0  # input rows
+    skipped_rows: int = 0  # input rows finished by an earlier run (resume)
+    cached_rows: int = 0  # input rows copied from the result cache (counted in ok_rows too)
+    ok_rows: int = 0  # input rows finished (a row with n samples: once all n are)
     error_rows: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0

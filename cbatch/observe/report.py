@@ -35,13 +35,13 @@ def build_report(
         "settings": settings,
         "time_unit": time_unit,
         "requests": {
-            "total": metrics.total_rows,
-            "ok": metrics.ok_rows,
+            "total": metrics.total_rows,  # input rows
+            "ok": metrics.ok_rows,  # rows done (`cbatch run` adds `output_rows` and counts OUTPUT's rows here)
             "error": metrics.error_rows,
             "resumed": metrics.skipped_rows,
             "cached": metrics.cached_rows,
         },
-        "tokens": {"prompt": metrics.prompt_tokens, "output": metrics.output_tokens},
+        "tokens": {"prompt": metrics.prompt_tokens, "output": metrics.output_tokens},  # of every output row
         "time": {"wall_seconds": wall_seconds, "model_forward_seconds": metrics.forward_seconds},
         "throughput": {
             "requests_per_s": metrics.done_rows / wall,
@@ -72,6 +72,10 @@ def utilization(stats: SchedulerStats, max_num_seqs: int, num_kv_blocks: int) ->
         "max_num_seqs": max_num_seqs,
         "preemptions": stats.preemptions,
         "recomputed_tokens": stats.recomputed_tokens,
+        # prompt tokens run through the model: a row's n samples share one prefill (its tokens count once
+        # here, n times in tokens.prompt); recomputes count again, prefix-cache hits do not
+        "computed_prompt_tokens": stats.computed_prompt_tokens,
+        "forked_samples": stats.forked_samples,
         "padding_waste": stats.padding_tokens / max(stats.scheduled_tokens, 1),
         "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
         "prefix_cache_saved_tokens": stats.prefix_cache_hit_tokens,
@@ -174,8 +178,10 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
 
 def summary_line(report: dict[str, Any]) -> str:
     r, t, u = report["requests"], report["throughput"], report["utilization"]
+    outputs = r.get("output_rows", r["total"])
+    rows = f"{r['ok']}/{r['total']} rows ok" if outputs == r["total"] else f"{r['ok']}/{outputs} samples of {r['total']} rows ok"
     return (
-        f"cbatch: {r['ok']}/{r['total']} rows ok, {r['error']} errors"
+        f"cbatch: {rows}, {r['error']} errors"
         + (f" ({r['resumed']} from an earlier run)" if r.get("resumed") else "")
         + (f" ({r['cached']} from the result cache)" if r.get("cached") else "")
         + f" | {report['tokens']['output']} output tokens in {report['time']['wall_seconds']:.1f}s"
@@ -194,8 +200,9 @@ def summary_table(report: dict[str, Any]):
     table = Table(title="cbatch report", show_header=False, title_justify="left")
     table.add_column(style="bold cyan")
     table.add_column()
-    table.add_row("requests", f"{r['total']} total, {r['ok']} ok, {r['error']} error")
-    table.add_row("tokens", f"{tok['prompt']:,} prompt, {tok['output']:,} output")
+    table.add_row("requests", f"{r['total']} total, {r['ok']} ok, {r['error']} error"
+                  + (f" ({r['output_rows']} output rows)" if r.get("output_rows", r["total"]) != r["total"] else ""))
+    table.add_row("tokens", f"{tok['prompt']:,} prompt ({u['computed_prompt_tokens']:,} computed), {tok['output']:,} output")
     table.add_row("time", f"{tm['wall_seconds']:.2f} {unit} wall, {tm['model_forward_seconds']:.2f} {unit} model forward")
     table.add_row("throughput", f"{t['output_tokens_per_s']:,.1f} output tok/{unit}, {t['total_tokens_per_s']:,.1f} total tok/{unit}, "
                   f"{t['requests_per_s']:,.2f} req/{unit}")

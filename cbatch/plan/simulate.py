@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator
+from typing import Sequence as Sequence_
 
 from cbatch.bench.simulator import CostModel, SimulatedRunner
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine import memory
 from cbatch.engine.build import ResolvedModel
 from cbatch.engine.engine import Engine
-from cbatch.engine.scheduler import StepPlan
+from cbatch.engine.scheduler import StepOutput, StepPlan
 from cbatch.engine.sequence import Sequence
 from cbatch.io.reader import RawRow
 from cbatch.io.rows import SAMPLING_FIELDS
@@ -47,14 +48,15 @@ class PlannedRunner(SimulatedRunner):
         self.eos = min(eos_ids) if eos_ids else None
         self.filler = next(t for t in range(vocab_size) if t not in eos_ids)
 
-    def execute(self, plan: StepPlan) -> Mapping[int, int]:
+    def execute(self, plan: StepPlan) -> StepOutput:
         self.forward_seconds += self.cost.step_cost(plan.info)
         sampled = {}
         for seq, num_new in plan.scheduled:
             if seq.num_computed + num_new >= seq.num_tokens:  # this chunk reaches the end: it samples
-                last = len(seq.output_ids) + 1 >= self.targets[seq.seq_id]
-                sampled[seq.seq_id] = self.eos if last and self.eos is not None else self.filler
-        return sampled
+                for sample in seq.samples if seq.pending_children else [seq]:  # and so do the samples it forks
+                    last = len(sample.output_ids) + 1 >= self.targets[sample.seq_id]
+                    sampled[sample.seq_id] = self.eos if last and self.eos is not None else self.filler
+        return StepOutput(sampled)
 
 
 @dataclass(eq=False)
@@ -65,11 +67,14 @@ class PlannedEngine(Engine):
     lengths: OutputLengths = field(default_factory=OutputLengths)
     accepted: dict[int, tuple[array, SamplingParams]] = field(default_factory=dict)  # for the search: 4 B a token
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> Sequence:
-        seq = super().add_request(prompt_ids, params, seq_id)
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None,
+                    samples: Sequence_[int] | None = None) -> Sequence:
+        seq = super().add_request(prompt_ids, params, seq_id, samples)
         if not seq.is_finished:
-            seq.stop = None
-            self.runner.targets[seq.seq_id] = self.lengths.of(seq.seq_id, params, bool(self.spec.eos_token_ids))
+            for sample in seq.samples:  # each sample its own planned length (as each draws its own tokens)
+                sample.stop = None
+                key = seq.seq_id * params.n + sample.sample_index
+                self.runner.targets[sample.seq_id] = self.lengths.of(key, params, bool(self.spec.eos_token_ids))
             self.accepted[seq.seq_id] = (array("i", prompt_ids), params)
         return seq
 

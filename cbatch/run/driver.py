@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, Iterator, Protocol
 
 from cbatch.io.reader import RawRow
+from cbatch.io.state import Finished
 from cbatch.observe.display import Display
 from cbatch.observe.metrics import JobMetrics
 from cbatch.run.executor import Executor
@@ -26,11 +27,12 @@ class Feed(Protocol):
 
 class RowFeed:
     """Input rows, streamed: handed over only while the executor wants more (so a huge input is never held
-    whole), skipping the rows the job already has (resume)."""
+    whole), skipping the rows the job already has (resume); a row with some of its samples recorded goes
+    with the samples it has, so only the missing ones run."""
 
-    def __init__(self, rows: Iterator[RawRow], skip: set[int] | frozenset[int] = frozenset()) -> None:
+    def __init__(self, rows: Iterator[RawRow], done: Finished | None = None) -> None:
         self._rows = rows
-        self._skip = skip
+        self._done = done or Finished()
         self.exhausted = False
 
     def fill(self, executor: Executor) -> None:
@@ -39,17 +41,17 @@ class RowFeed:
             if item is None:
                 self.exhausted = True
                 executor.end_of_input()
-            elif item[0] not in self._skip:
-                executor.submit(*item)
+            elif item[0] not in self._done.rows:
+                executor.submit(*item, self._done.partial.get(item[0], frozenset()))
 
 
 def count(metrics: JobMetrics, result: RowResult) -> None:
-    """A row towards the job's counts. Token counts are the work done: a row copied from the result
-    cache counts as ok and as cached, not as tokens."""
+    """Counts a result: its row once the row's last sample is in (rows with n > 1), and its tokens, which
+    are the work done: a row copied from the result cache counts as ok and as cached, not as tokens."""
     if result.cached:
-        metrics.cached_rows += 1
+        metrics.cached_rows += result.last
     if result.ok:
-        metrics.ok_rows += 1
+        metrics.ok_rows += result.last
         if not result.cached:
             metrics.prompt_tokens += result.prompt_tokens
             metrics.output_tokens += result.completion_tokens

@@ -1,30 +1,31 @@
 """Executors turn rows into results. `LocalExecutor`: rows through one engine (a model or the simulator).
 
 A row's life: parse (validation, sampling settings) -> tokenize (chat template) -> queue in the engine
--> steps -> a `RowResult`. The same code serves `cbatch run`, each Ray replica and `cbatch bench`, so a
-row gets exactly the same validation, tokenization, seed (its input index is its seq_id) and result
-wherever it runs.
+-> steps -> a `RowResult` (one per sample of a row with n > 1). The same code serves `cbatch run`, each
+Ray replica and `cbatch bench`, so a row gets exactly the same validation, tokenization, seed (its input
+index is its seq_id) and result wherever it runs. A row that fails before it runs is one error row.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cbatch.config import SamplingParams
-from cbatch.engine.engine import Engine
+from cbatch.engine.engine import Engine, RequestOutput
 from cbatch.engine.sequence import Sequence
 from cbatch.io.reader import RawRow
 from cbatch.io.rows import RowError, RowRequest, parse_row, row_id_of
 from cbatch.observe.metrics import JobMetrics, RequestTiming, engine_snapshot, engine_step_sample
 from cbatch.run.result_cache import RowCache
 from cbatch.run.results import RowResult
-from cbatch.tokenizer import encode_messages, encode_text
+from cbatch.tokenizer import encode_messages, encode_text, split_reasoning, template_thinks
 
 
 class Executor(Protocol):
     """What the driver feeds rows to and polls for results."""
 
     def wants_rows(self) -> bool: ...  # room for more rows now
-    def submit(self, index: int, raw: dict[str, Any] | str) -> None: ...
+    def submit(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int] = frozenset()) -> None: ...
     def end_of_input(self) -> None: ...  # no more rows will come
     def busy(self) -> bool: ...  # rows submitted and not yet returned
     def poll(self) -> list[RowResult]: ...  # advance (one engine step, or wait for a block); finished rows
@@ -40,7 +41,7 @@ def tokenize_request(engine: Engine, request: RowRequest) -> list[int]:
     else:
         try:
             if request.messages is not None:
-                ids = encode_messages(tokenizer, request.messages)
+                ids = encode_messages(tokenizer, request.messages, request.params.chat_template_kwargs)
             else:
                 ids = encode_text(tokenizer, request.prompt)
         except Exception as exc:  # a chat template raising on odd roles, a tokenizer edge case
@@ -52,19 +53,30 @@ def tokenize_request(engine: Engine, request: RowRequest) -> list[int]:
     return ids
 
 
+@dataclass(slots=True)
+class _PendingRow:
+    row_id: str
+    queued_s: float
+    queued_step: int
+    samples_left: int  # of this run's samples, those not finished yet
+
+
 class LocalExecutor:
     """Rows through one engine. `lookahead` bounds the rows waiting in the engine (longest-first orders
     within that window); each `poll` is one engine step, recorded in `metrics`. With a result `cache`, a
-    row found there is copied (it never reaches the engine) and every finished row is stored in it."""
+    row found there is copied (it never reaches the engine) and every finished row is stored in it.
+    `reasoning_split`: with a model whose chat template thinks, the thinking goes to a `reasoning` column
+    (docs/sampling.md)."""
 
     def __init__(self, engine: Engine, defaults: SamplingParams, metrics: JobMetrics, lookahead: int = 16384,
-                 cache: RowCache | None = None) -> None:
+                 cache: RowCache | None = None, reasoning_split: bool = True) -> None:
         self.engine = engine
         self.defaults = defaults
         self.metrics = metrics
         self.lookahead = lookahead
         self.cache = cache
-        self._rows: dict[int, tuple[str, float, int]] = {}  # seq_id -> (row id, queued at s, queued at step)
+        self.split_reasoning = reasoning_split and template_thinks(engine.tokenizer)
+        self._rows: dict[int, _PendingRow] = {}  # row index (the parent's seq_id) -> the row in the engine
         self._ready: list[RowResult] = []  # rows that failed before reaching the engine
 
     def wants_rows(self) -> bool:
@@ -74,15 +86,16 @@ class LocalExecutor:
         """The row is queued or running in the engine."""
         return index in self._rows
 
-    def submit(self, index: int, raw: dict[str, Any] | str) -> None:
-        """Queues the row; anything wrong with this row alone (its fields, its tokenization, its size)
-        makes it an error result and never stops the job."""
+    def submit(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int] = frozenset()) -> None:
+        """Queues the row (its samples not in `done_samples`); anything wrong with this row alone (its fields,
+        its tokenization, its size) makes it an error result and never stops the job."""
         try:
             request = parse_row(index, raw, self.defaults)
             prompt_ids = tokenize_request(self.engine, request)
             hit = self.cache.lookup(index, request.row_id, prompt_ids, request.params) if self.cache else None
             if hit is None:
-                seq = self.engine.add_request(prompt_ids, request.params, seq_id=index)
+                samples = [i for i in range(request.params.n) if i not in done_samples]
+                seq = self.engine.add_request(prompt_ids, request.params, seq_id=index, samples=samples)
         except Exception as exc:  # RowError, or a tokenizer / engine check on this row alone: never the job
             message = str(exc) if isinstance(exc, ValueError) else f"could not prepare this row ({type(exc).__name__}: {exc})"
             self._ready.append(RowResult.failed(index, row_id_of(index, raw), message))
@@ -90,9 +103,9 @@ class LocalExecutor:
         if hit is not None:
             self._ready.append(hit)
             return
-        self._rows[index] = (request.row_id, self.metrics.now(), self.engine.scheduler.stats.steps)
+        self._rows[index] = _PendingRow(request.row_id, self.metrics.now(), self.engine.scheduler.stats.steps, len(samples))
         self.metrics.submitted_rows += 1
-        self.metrics.submitted_max_tokens += request.params.max_tokens
+        self.metrics.submitted_max_tokens += request.params.max_tokens * len(samples)
         if seq.is_finished:  # could never run (too long for the model or the KV pool)
             self._ready.append(self._result(seq))
 
@@ -117,29 +130,50 @@ class LocalExecutor:
 
     def _result(self, seq: Sequence) -> RowResult:
         result = self._engine_result(seq)
-        if self.cache is not None:
+        if self.cache is not None and result.last:
             self.cache.store(result)  # an ok row is stored; an error row only drops its key
         return result
 
     def _engine_result(self, seq: Sequence) -> RowResult:
-        row_id, queued_s, queued_step = self._rows.pop(seq.seq_id)
+        """The result of one finished sample (or of the whole row, when it failed)."""
+        row = self._rows[seq.row_index]
+        row.samples_left -= 1
         out = self.engine.output_of(seq)
-        if out.finish_reason == "error":
-            return RowResult.failed(seq.seq_id, row_id, out.error or "failed", len(out.prompt_token_ids))
+        failed = out.finish_reason == "error"
+        if failed or row.samples_left == 0:
+            del self._rows[seq.row_index]
+        if failed:
+            return RowResult.failed(seq.row_index, row.row_id, out.error or "failed", len(out.prompt_token_ids))
         metrics = self.metrics
         step_time, first = metrics.step_time, seq.first_scheduled_step
         timing = RequestTiming(
-            row_id=row_id, queued_s=queued_s,
-            scheduled_s=max(queued_s, step_time(first - 1)) if first and first > 1 else queued_s,
+            row_id=row.row_id, queued_s=row.queued_s,
+            scheduled_s=max(row.queued_s, step_time(first - 1)) if first and first > 1 else row.queued_s,
             first_token_s=step_time(seq.first_token_step), finished_s=metrics.now(),
-            queued_step=queued_step, first_scheduled_step=first, first_token_step=seq.first_token_step,
+            queued_step=row.queued_step, first_scheduled_step=first, first_token_step=seq.first_token_step,
             finished_step=self.engine.scheduler.stats.steps,  # when the result left the engine
             prompt_tokens=len(out.prompt_token_ids), output_tokens=len(out.token_ids),
         )
+        completion, columns = self._columns(out)
         return RowResult(
-            seq.seq_id, row_id, out.finish_reason, completion=out.text, prompt_tokens=len(out.prompt_token_ids),
+            seq.row_index, row.row_id, out.finish_reason, completion=completion, prompt_tokens=len(out.prompt_token_ids),
             completion_tokens=len(out.token_ids), completion_token_ids=out.token_ids, timing=timing,
+            sample_index=out.sample_index, num_samples=seq.params.n, last=row.samples_left == 0, columns=columns,
         )
+
+    def _columns(self, out: RequestOutput) -> tuple[str | None, dict[str, Any]]:
+        """The completion text (the answer, when the reasoning is split off) and the sample's optional
+        output columns: reasoning, log-probabilities (cbatch/io/writer.py)."""
+        completion, columns = out.text, {}
+        if self.split_reasoning and completion is not None:
+            columns["reasoning"], completion = split_reasoning(completion)
+        if out.logprobs is not None:
+            columns.update(token_logprobs=out.logprobs.token, top_logprobs=out.logprobs.top())
+        if out.prompt_logprobs is not None:
+            lp = out.prompt_logprobs
+            columns.update(prompt_token_ids=out.prompt_token_ids, prompt_token_logprobs=[None, *lp.token],
+                           prompt_top_logprobs=[None, *lp.top()])
+        return completion, columns
 
 
 __all__ = ["Executor", "LocalExecutor", "RawRow", "tokenize_request"]

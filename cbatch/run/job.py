@@ -13,8 +13,8 @@ from cbatch.config import EngineConfig, UserError
 from cbatch.engine.build import build_engine
 from cbatch.engine.engine import Engine
 from cbatch.io.reader import iter_rows
-from cbatch.io.state import JobState, StateError, StorageError
-from cbatch.io.writer import output_format, write_output
+from cbatch.io.state import JobState, StateError, StorageError, record_key
+from cbatch.io.writer import output_columns, output_format, write_output
 from cbatch.observe.metrics import JobMetrics
 from cbatch.observe.display import Display, make_display
 from cbatch.observe.report import build_report, summary_line, summary_table, write_report
@@ -40,14 +40,15 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
     prepared = preflight(options)
     if prepared is None:
         return EXIT_OK
-    cache = open_row_cache(options.result_cache, options.result_cache_limit, prepared.model, prepared.config)
+    cache = open_row_cache(options.result_cache, options.result_cache_limit, prepared.model, prepared.config,
+                           reasoning_split=options.reasoning_split)
     engine = load_engine(prepared, make_engine)
     # the engine's config has the step limits it runs with (a GPU sizes them from memory): displays and
     # the report show those
     options = replace(options, engine=engine.config)
     prepared = replace(prepared, config=engine.config)
     metrics = JobMetrics(total_rows=prepared.total_rows)
-    executor = LocalExecutor(engine, options.defaults, metrics, options.lookahead, cache)
+    executor = LocalExecutor(engine, options.defaults, metrics, options.lookahead, cache, options.reasoning_split)
     code = run_rows(options, prepared, executor, metrics, make_progress or make_display)
     report = build_report(
         metrics, engine.scheduler.stats, wall_seconds=metrics.now(), max_num_seqs=prepared.config.max_num_seqs,
@@ -80,23 +81,25 @@ def run_rows(options: JobOptions, prepared: PreparedJob, executor: Executor, met
             done = state.open(options.overwrite, options.retry_errors)
         except StateError as exc:
             raise JobError(str(exc)) from None
-        metrics.skipped_rows = len(done)
+        metrics.skipped_rows = len(done.rows)
         metrics.restart_clock()  # the job's time starts with its rows (model loading is not in it)
-        if done and not options.quiet:
-            print(f"cbatch: --retry-errors: running {prepared.total_rows - len(done)} rows again; the other {len(done)} "
-                  "rows of OUTPUT are kept as they are" if options.retry_errors else
-                  f"cbatch: resuming: {len(done)} of {prepared.total_rows} rows were finished by an earlier run",
-                  file=sys.stderr)
+        if (done.rows or done.partial) and not options.quiet:
+            partial = f" ({len(done.partial)} more have some of their samples)" if done.partial else ""
+            print(f"cbatch: --retry-errors: running {prepared.total_rows - len(done.rows)} rows again; the other "
+                  f"{len(done.rows)} rows of OUTPUT are kept as they are" if options.retry_errors else
+                  f"cbatch: resuming: {len(done.rows)} of {prepared.total_rows} rows were finished by an earlier run"
+                  f"{partial}", file=sys.stderr)
         display = make_progress(metrics, options)
 
         def store(result: RowResult) -> bool:
-            if result.index in state:  # exactly once: a retried Ray block may bring a row again
+            record = result.record()
+            if record_key(record) in state:  # exactly once: a retried Ray block (or a resumed row) may bring it again
                 return False
-            state.append(result.record())
+            state.append(record)
             return True
 
         try:
-            return drive(RowFeed(iter_rows(options.input), set(done)), executor, store, metrics, display, interrupt)
+            return drive(RowFeed(iter_rows(options.input), done), executor, store, metrics, display, interrupt)
         except BaseException:
             state.close()
             raise
@@ -120,9 +123,10 @@ def conclude_job(options: JobOptions, state: JobState, report: dict[str, Any], c
                  total_rows: int, summary_suffix: str = "") -> int:
     """The end of a job, local or Ray: report, then either keep the rows for a resume (interrupted:
     `code` is 130/143) or write OUTPUT atomically; returns the exit code."""
-    # the report's row counts describe OUTPUT: rows finished by an earlier run count too
+    # the report's row counts describe OUTPUT: rows finished by an earlier run count too, and a row with n > 1
+    # samples has n output rows
     errors = len(state.error_rows)
-    report["requests"].update(ok=state.num_rows - errors, error=errors)
+    report["requests"].update(ok=state.num_rows - errors, error=errors, output_rows=state.num_rows)
     if code is not None:
         state.close()
         write_report_and_plot(options, report)
@@ -130,7 +134,8 @@ def conclude_job(options: JobOptions, state: JobState, report: dict[str, Any], c
               "Run the same command again to resume.", file=sys.stderr)
         return code
     fmt = output_format(options.output)
-    state.finish(lambda tmp: write_output(tmp, fmt, state.records(), options.token_ids),
+    columns = output_columns(options.token_ids, state.columns)
+    state.finish(lambda tmp: write_output(tmp, fmt, state.records(), columns),
                  {"rows": state.num_rows, "errors": errors})
     write_report_and_plot(options, report)
     print(summary_line(report) + summary_suffix, flush=True)

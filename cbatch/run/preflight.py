@@ -22,6 +22,10 @@ from cbatch.model.spec import UnsupportedModelError
 from cbatch.run.result_cache import DEFAULT_CACHE_LIMIT, CacheLimit
 
 
+# the sampling fields a job's fingerprint has always held in full
+_FINGERPRINTED_ALWAYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "priority")
+
+
 class JobError(UserError):
     """A bad job (exit 2): the message is one line naming the file or flag and the fix."""
 
@@ -44,6 +48,7 @@ class JobOptions:
     result_cache: Path | None = None  # --result-cache: rows finished by earlier jobs are copied (result_cache.py)
     result_cache_limit: CacheLimit = DEFAULT_CACHE_LIMIT
     retry_errors: bool = False  # run only the error rows of a complete OUTPUT again, keep the others
+    reasoning_split: bool = True  # a thinking model's <think>...</think> goes to a `reasoning` column
 
 
 @dataclass(slots=True)
@@ -85,8 +90,10 @@ def resolve_or_fail(config: EngineConfig, device: torch.device | None = None) ->
 
 def job_fingerprint(options: JobOptions, model: ResolvedModel) -> dict[str, str]:
     """What makes a partial run's rows valid for this run: the input bytes, and every setting that changes
-    a completion (model, dtype, device, seed, sampling defaults). Batch shape settings (--max-num-seqs,
-    --policy, ...) are left out: completions do not depend on them."""
+    a completion (model, dtype, device, seed, sampling defaults, the reasoning split). Batch shape settings
+    (--max-num-seqs, --policy, ...) are left out: completions do not depend on them. NOTE: of the sampling
+    fields added with n and logprobs, only those set away from their defaults count, so jobs that use none
+    keep the fingerprints they had (a resume across the upgrade still works)."""
     checkpoint = model.checkpoint
     settings = {
         "model": str(checkpoint.path.resolve()),
@@ -97,10 +104,13 @@ def job_fingerprint(options: JobOptions, model: ResolvedModel) -> dict[str, str]
         "attention_backend": options.engine.attention_backend,
         "max_model_len": options.engine.max_model_len,
         "seed": options.engine.seed,
-        "defaults": asdict(options.defaults),
+        "defaults": {**{k: v for k, v in asdict(options.defaults).items() if k in _FINGERPRINTED_ALWAYS},
+                     **options.defaults.changed_fields()},
     }
     if options.engine.kv_cache_dtype != "auto":  # fp8 KV changes completions (absent for auto: old digests hold)
         settings["kv_cache_dtype"] = options.engine.kv_cache_dtype
+    if not options.reasoning_split:
+        settings["reasoning_split"] = False
     return {"input": file_digest(options.input), "settings": settings_digest(settings)}
 
 
@@ -118,7 +128,8 @@ def nothing_to_retry(options: JobOptions, state: JobState) -> bool:
         raise JobError(str(exc)) from None
     if state.dir.exists():  # a retry that was interrupted: resume it
         return False
-    columns, expected = written_columns(options.output, output_format(options.output)), output_columns(options.token_ids)
+    columns = written_columns(options.output, output_format(options.output))
+    expected = tuple(output_columns(options.token_ids, present=columns))  # optional columns as OUTPUT has them
     if columns != expected:
         raise JobError(f"--retry-errors: {options.output} has the columns {', '.join(columns)}, this job writes "
                        f"{', '.join(expected)}; give the same --token-ids as the job that wrote it")

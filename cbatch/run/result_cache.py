@@ -40,7 +40,7 @@ import torch
 
 from cbatch.config import EngineConfig, SamplingParams, UserError
 from cbatch.engine.build import ResolvedModel
-from cbatch.engine.sampler import effective_seed
+from cbatch.engine.sampler import sample_seed
 from cbatch.run.results import Record, RowResult
 
 SCHEDULING_ONLY = frozenset({"priority"})  # SamplingParams fields that never change a row's tokens
@@ -106,7 +106,7 @@ def generation_identity(model_fingerprint: str, config: EngineConfig, dtype: tor
     return {
         "model": model_fingerprint, "dtype": str(dtype), "device": device_kind(device),
         "attention_backend": backend_name(config.attention_backend, device), "max_model_len": max_model_len,
-        "torch": torch.__version__, "cbatch": cbatch_version,
+        "kv_cache_dtype": config.kv_cache_dtype, "torch": torch.__version__, "cbatch": cbatch_version,
     }
 
 
@@ -245,12 +245,15 @@ class RowCache:
 
     def row_key(self, index: int, prompt_ids: list[int], params: SamplingParams) -> str:
         settings = {k: v for k, v in asdict(params).items() if k not in SCHEDULING_ONLY and k != "seed"}
-        seed = None if params.temperature == 0 else effective_seed(params.seed, self.job_seed, index)
+        seed = None if params.temperature == 0 else sample_seed(params.seed, self.job_seed, index, 0)
         payload = json.dumps([self._identity, settings, seed, prompt_ids], sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()
 
     def lookup(self, index: int, row_id: str, prompt_ids: list[int], params: SamplingParams) -> RowResult | None:
-        """Row `index`'s result from the cache, or None (then its result is stored once it finishes)."""
+        """Row `index`'s result from the cache, or None (then its result is stored once it finishes). Rows
+        with n > 1 samples are neither looked up nor stored (one record per sample: not one entry)."""
+        if params.n > 1:
+            return None
         key = self.row_key(index, prompt_ids, params)
         record = self.cache.get(key)
         if record is None:
@@ -271,9 +274,10 @@ class RowCache:
 
 
 def open_row_cache(folder: Path | None, limit: CacheLimit, model: ResolvedModel, config: EngineConfig,
-                   writable: bool = True) -> RowCache | None:
+                   writable: bool = True, reasoning_split: bool = True) -> RowCache | None:
     """The job's view of the cache at `folder` (None without --result-cache); before the model loads,
-    so a bad folder is refused before anything is written. `writable=False`: lookups only (`cbatch plan`)."""
+    so a bad folder is refused before anything is written. `writable=False`: lookups only (`cbatch plan`).
+    `reasoning_split` (--no-reasoning-split) changes a record's columns, so it is part of the identity."""
     if folder is None:
         return None
     cache = ResultCache(folder, limit, writable)
@@ -282,6 +286,7 @@ def open_row_cache(folder: Path | None, limit: CacheLimit, model: ResolvedModel,
     except OSError as exc:
         raise ResultCacheError(f"--result-cache {folder}: cannot fingerprint the model ({exc})") from None
     identity = generation_identity(fingerprint, config, model.dtype, model.device, model.max_model_len)
+    identity["reasoning_split"] = reasoning_split
     return RowCache(cache, identity, config.seed)
 
 

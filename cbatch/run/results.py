@@ -1,7 +1,10 @@
 """One row's outcome, as every executor returns it, and the record the job keeps for it.
 
 The record (a dict) is what the crash-safe part files hold and OUTPUT is written from; its keys are
-the output columns plus `index` (the row's place in the input).
+the output columns plus `index` (the row's place in the input). A row with n > 1 samples has one record
+per sample, with `sample_index` and `num_samples` (what a resume needs to tell a row with some samples
+missing); the optional columns (reasoning, log-probabilities: cbatch/io/writer.py) are keys only of
+the records that have them, so a job without them writes exactly the records (and OUTPUT) it always did.
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from typing import Any
 from cbatch.observe.metrics import RequestTiming
 
 Record = dict[str, Any]
+_BASE_KEYS = frozenset({"index", "id", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error",
+                        "completion_token_ids", "sample_index", "num_samples"})
 
 
 def _writable(text: str | None) -> str | None:
@@ -30,6 +35,10 @@ class RowResult:
     completion_token_ids: list[int] = field(default_factory=list)
     timing: RequestTiming | None = None  # for the latency report; not kept in the record
     cached: bool = False  # copied from the result cache (cbatch/run/result_cache.py), not generated
+    sample_index: int = 0
+    num_samples: int = 1  # the row's n (an error row stands for its whole row: 1)
+    last: bool = True  # the last of its row's samples this run: the row is done (progress counts rows)
+    columns: dict[str, Any] = field(default_factory=dict)  # optional output columns: reasoning, logprobs, ...
 
     @property
     def ok(self) -> bool:
@@ -41,15 +50,22 @@ class RowResult:
 
     @classmethod
     def from_record(cls, record: Record, index: int, row_id: str, cached: bool = False) -> "RowResult":
-        """The result `record` describes, as row `index` (the inverse of `record`, row fields aside)."""
+        """The result `record` of a one-sample row describes, as row `index` (the inverse of `record`, row
+        fields aside), optional columns included."""
+        columns = {k: v for k, v in record.items() if k not in _BASE_KEYS}
         return cls(index, row_id, record["finish_reason"], completion=record["completion"],
                    prompt_tokens=record["prompt_tokens"], completion_tokens=record["completion_tokens"],
-                   error=record["error"], completion_token_ids=list(record["completion_token_ids"]), cached=cached)
+                   error=record["error"], completion_token_ids=list(record["completion_token_ids"]), cached=cached,
+                   columns=columns)
 
     def record(self) -> Record:
-        return {
+        record = {
             "index": self.index, "id": _writable(self.row_id), "completion": _writable(self.completion),
             "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens, "error": _writable(self.error),
             "completion_token_ids": self.completion_token_ids,
         }
+        if self.num_samples > 1:
+            record.update(sample_index=self.sample_index, num_samples=self.num_samples)
+        record.update({k: _writable(v) for k, v in self.columns.items()})
+        return record

@@ -10,7 +10,8 @@ Each actor owns one engine (a `Replica`); a batch's rows go through it like rows
 (same validation, chat template, error rows) and come back with the output columns added:
 `completion`, `finish_reason`, `prompt_tokens`, `completion_tokens`, `error` (and
 `completion_token_ids` with token_ids=True). The input columns are kept, `id` included.
-Sampled rows are reproducible only with their own `seed` (here a row has no stable job index).
+Sampled rows are reproducible only with their own `seed` (here a row has no stable job index). A row
+gives one output row, so `n` > 1 is refused (an error row); use `cbatch run` for several samples.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import math
 from typing import Any
 
 from cbatch.config import EngineConfig, SamplingParams
-from cbatch.io.writer import output_schema
+from cbatch.io.writer import output_columns, output_schema
 from cbatch.scaleout.replica import Replica
 
 
@@ -49,24 +50,32 @@ def batch_rows(batch: Any) -> list[dict[str, Any]]:
     return [{k: v for k, v in row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))} for row in rows]
 
 
+SINGLE_SAMPLE = "n must be 1 in CbatchPredictor (one output row per input row); use `cbatch run` for n samples"
+
+
+def _one_sample(row: dict[str, Any]) -> bool:
+    body = row.get("body") if isinstance(row.get("body"), dict) else {}
+    return all(r.get("n") in (None, 1) for r in (row, body))
+
+
 class CbatchPredictor:
     def __init__(self, model: str | None = None, sampling: SamplingParams | dict[str, Any] | None = None,
                  token_ids: bool = False, **engine_settings: Any) -> None:
         """`sampling`: the defaults a row's own fields override; `engine_settings`: EngineConfig fields."""
         defaults = sampling if isinstance(sampling, SamplingParams) else SamplingParams(**(sampling or {}))
-        error = defaults.validate()
+        error = defaults.validate() or (None if defaults.n == 1 else SINGLE_SAMPLE)
         if error is not None:
             raise ValueError(f"sampling: {error}")
         self.replica = Replica(EngineConfig(model=model, **engine_settings), defaults)
         self.replica.start()
-        self.schema = output_schema(token_ids)
+        self.schema = output_schema(output_columns(token_ids))
         self._indices = itertools.count()  # seq ids, unique inside this actor's engine
 
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa
 
         rows = batch_rows(batch)
-        indexed = [(next(self._indices), row) for row in rows]
+        indexed = [(next(self._indices), row if _one_sample(row) else SINGLE_SAMPLE) for row in rows]
         records = [result.record() for result in self.replica.run_block(indexed).results]
         added = [f for f in self.schema if f.name != "id"]
         columns = {f.name: pa.array([r.get(f.name) for r in records], type=f.type) for f in added}

@@ -69,6 +69,7 @@ class Block:
     number: int
     rows: list[RawRow]
     attempts: int = 0
+    done_samples: dict[int, frozenset[int]] = field(default_factory=dict)  # resumed rows: samples already stored
 
 
 @dataclass(slots=True)
@@ -158,6 +159,7 @@ class RayExecutor:
         self.replacements = 0
         self.startup_seconds = 0.0
         self._pending: list[RawRow] = []  # rows of the block being filled
+        self._pending_done: dict[int, frozenset[int]] = {}  # their samples stored by an earlier run
         self._blocks_made = 0
         self._blocks_back = 0  # blocks returned since `on_block` last ran
 
@@ -186,7 +188,7 @@ class RayExecutor:
         crash = self.ray_options.crash
         crash_at_step = crash[1] if crash is not None and crash[0] == handle.number else None
         handle.actor = self._actor_class.remote(self._config, self.options.defaults, handle.number,
-                                                crash_at_step=crash_at_step)
+                                                crash_at_step=crash_at_step, reasoning_split=self.options.reasoning_split)
         self.replicas.append(handle)
         return handle
 
@@ -218,8 +220,10 @@ class RayExecutor:
         free = sum(self.ray_options.blocks_in_flight - len(r.in_flight) for r in self._live())
         return free > len(self.queue)
 
-    def submit(self, index: int, raw: dict[str, Any] | str) -> None:
+    def submit(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int] = frozenset()) -> None:
         self._pending.append((index, raw))
+        if done_samples:
+            self._pending_done[index] = done_samples
         if len(self._pending) >= self.ray_options.block_rows:
             self._cut_block()
 
@@ -229,8 +233,8 @@ class RayExecutor:
 
     def _cut_block(self) -> None:
         self._blocks_made += 1
-        self.queue.append(Block(self._blocks_made, self._pending))
-        self._pending = []
+        self.queue.append(Block(self._blocks_made, self._pending, done_samples=self._pending_done))
+        self._pending, self._pending_done = [], {}
         self._dispatch()
 
     def busy(self) -> bool:
@@ -258,7 +262,7 @@ class RayExecutor:
             while self.queue and len(handle.in_flight) < self.ray_options.blocks_in_flight:
                 block = self.queue.popleft()
                 block.attempts += 1
-                handle.in_flight[handle.actor.run_block.remote(block.rows)] = block
+                handle.in_flight[handle.actor.run_block.remote(block.rows, block.done_samples)] = block
 
     def _collect(self, ref: Any) -> list[RowResult]:
         handle = next((r for r in self.replicas if ref in r.in_flight), None)

@@ -71,17 +71,19 @@ class BlockResult:
 
 class Replica:
     def __init__(self, config: EngineConfig, defaults: SamplingParams, replica: int = 0,
-                 make_engine: Callable[[EngineConfig], Engine] = build_engine, crash_at_step: int | None = None) -> None:
+                 make_engine: Callable[[EngineConfig], Engine] = build_engine, crash_at_step: int | None = None,
+                 reasoning_split: bool = True) -> None:
         """`crash_at_step` (fault injection, for tests): the process dies once its engine has taken that
         many steps, in the middle of a block, as an OOM-killed worker would."""
         self.config = config
+        self.reasoning_split = reasoning_split
         self.crash_at_step = crash_at_step
         self.defaults = defaults
         self.replica = replica
         self._make_engine = make_engine
         self._engine: Engine | None = None
         self._lock = threading.Lock()  # guards the engine, the executor and the results below
-        self._done: dict[int, RowResult] = {}  # finished rows not yet returned, by row index
+        self._done: dict[int, list[RowResult]] = {}  # finished rows (their samples) not yet returned, by row index
 
     # ---- start -----------------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -89,7 +91,7 @@ class Replica:
         with self._lock:
             if self._engine is None:
                 engine = self._make_engine(self.config)
-                self.executor = LocalExecutor(engine, self.defaults, JobMetrics())
+                self.executor = LocalExecutor(engine, self.defaults, JobMetrics(), reasoning_split=self.reasoning_split)
                 self.stats = ReplicaStats(
                     replica=self.replica, host=socket.gethostname(), device=str(engine.device),
                     num_kv_blocks=engine.pool.num_blocks, max_num_seqs=engine.config.max_num_seqs,
@@ -104,18 +106,21 @@ class Replica:
         }
 
     # ---- work ------------------------------------------------------------------------------------
-    def run_block(self, rows: list[RawRow]) -> BlockResult:
-        """Runs the rows (index, raw row) to completion; other blocks may share the engine meanwhile."""
+    def run_block(self, rows: list[RawRow], done_samples: dict[int, frozenset[int]] | None = None) -> BlockResult:
+        """Runs the rows (index, raw row) to completion, but the samples `done_samples` names (a resumed row's
+        stored ones); other blocks may share the engine meanwhile. The results come in the block's order,
+        a row's samples in the order they finished."""
         self.start()
         indices = [index for index, _ in rows]
+        done_samples = done_samples or {}
         with self._lock:
             for index, raw in rows:
                 if index in self._done or self.executor.is_pending(index):  # one sequence per row id, always
                     raise ValueError(f"row {index} is already running in replica {self.replica}")
-                self.executor.submit(index, raw)
+                self.executor.submit(index, raw, done_samples.get(index, frozenset()))
         while True:
             with self._lock:
-                if all(i in self._done for i in indices):
+                if all(i in self._done and not self.executor.is_pending(i) for i in indices):
                     return self._result(indices)
                 started = time.perf_counter()
                 for result in self.executor.poll():
@@ -125,11 +130,11 @@ class Replica:
                     os._exit(1)
 
     def _finish(self, result: RowResult) -> None:
-        self._done[result.index] = result
+        self._done.setdefault(result.index, []).append(result)
         count(self.executor.metrics, result)
 
     def _result(self, indices: list[int]) -> BlockResult:
-        results = [self._done.pop(i) for i in indices]
+        results = [result for i in indices for result in self._done.pop(i)]
         engine, stats, metrics = self._engine, self.stats, self.executor.metrics
         stats.blocks += 1
         stats.ok_rows, stats.error_rows = metrics.ok_rows, metrics.error_rows

@@ -1,0 +1,143 @@
+"""The runner's side of sampling: the rows that sample this step -> a `SamplingBatch` (settings, seeds and
+the logits processors' tensors), and the per-sequence token statistics the penalties read.
+
+`TokenCounts` keeps, for every running sequence with a penalty, a row of output-token counts and a row
+of prompt-token presence in two persistent tensors on the model's device. A step adds only the tokens
+sampled since the sequence's last step (one per row while decoding): nothing is recounted. Rows are
+freed when a plan names the sequence preempted or finished (as the block tables' rows are).
+"""
+from __future__ import annotations
+
+import torch
+
+from cbatch.engine.sampler import LogitsProcessors, Penalties, SamplingBatch, SparseLogits, sample_seed
+from cbatch.engine.sequence import Sequence
+
+
+class TokenCounts:
+    """Output-token counts [rows, vocab] (int32) and prompt-token masks [rows, vocab] (bool), one row per
+    penalised sequence, grown by doubling when more sequences need rows than it has."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=device)
+        self.prompt_mask = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
+        self._free: list[int] = []
+        self._row_of: dict[int, int] = {}  # seq_id -> row
+        self._counted: dict[int, int] = {}  # seq_id -> output tokens already in its row
+
+    def rows(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Brings each sequence's row up to date (a new one gets its prompt and output counted once);
+        returns their rows, int64 [len(seqs)]."""
+        rows, count_rows, count_tokens, prompt_rows, prompt_tokens = [], [], [], [], []
+        for seq in seqs:
+            row = self._row_of.get(seq.seq_id)
+            if row is None:
+                row = self._take(seq.seq_id)
+                prompt_rows.extend([row] * len(seq.prompt_ids))
+                prompt_tokens.extend(seq.prompt_ids)
+            new = seq.output_ids[self._counted[seq.seq_id]:]  # NOTE: usually one token, the last step's
+            count_rows.extend([row] * len(new))
+            count_tokens.extend(new)
+            self._counted[seq.seq_id] = len(seq.output_ids)
+            rows.append(row)
+        if prompt_rows:
+            self.prompt_mask[self._index(prompt_rows), self._index(prompt_tokens)] = True
+        if count_rows:
+            ones = torch.ones(len(count_rows), dtype=torch.int32, device=self.device)
+            self.counts.index_put_((self._index(count_rows), self._index(count_tokens)), ones, accumulate=True)
+        return self._index(rows)
+
+    def release(self, seq: Sequence) -> None:
+        row = self._row_of.pop(seq.seq_id, None)
+        if row is not None:
+            del self._counted[seq.seq_id]
+            self._free.append(row)
+
+    def _take(self, seq_id: int) -> int:
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self.counts[row].zero_()
+        self.prompt_mask[row].zero_()
+        self._row_of[seq_id] = row
+        self._counted[seq_id] = 0
+        return row
+
+    def _grow(self) -> None:
+        old = self.counts.shape[0]
+        new = max(8, 2 * old)
+        counts = torch.zeros((new, self.vocab_size), dtype=torch.int32, device=self.device)
+        mask = torch.zeros((new, self.vocab_size), dtype=torch.bool, device=self.device)
+        counts[:old], mask[:old] = self.counts, self.prompt_mask
+        self.counts, self.prompt_mask = counts, mask
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+class SamplingInputs:
+    """Builds each step's `SamplingBatch` from the sequences that sample, in the order of the logits."""
+
+    def __init__(self, vocab_size: int, device: torch.device, job_seed: int) -> None:
+        self.device = device
+        self.job_seed = job_seed
+        self.token_counts = TokenCounts(vocab_size, device)
+
+    def release(self, seq: Sequence) -> None:
+        self.token_counts.release(seq)
+
+    def build(self, seqs: list[Sequence]) -> SamplingBatch:
+        params = [s.params for s in seqs]
+        batch = SamplingBatch(
+            temperatures=[float(p.temperature) for p in params],
+            top_ps=[float(p.top_p) for p in params],
+            top_ks=[int(p.top_k) for p in params],
+            seeds=[sample_seed(s.params.seed, self.job_seed, s.row_index, s.sample_index) for s in seqs],
+            positions=[len(s.output_ids) for s in seqs],
+        )
+        if any(p.min_p > 0 for p in params):
+            batch.min_ps = [float(p.min_p) for p in params]
+        if any(p.logprobs is not None for p in params):
+            batch.logprobs = [p.logprobs for p in params]
+        batch.processors = LogitsProcessors(
+            bias=self._sparse([(r, t, float(b)) for r, p in enumerate(params) for t, b in p.logit_bias.items()]),
+            banned=self._sparse([(r, t, -float("inf")) for r, s in enumerate(seqs) for t in _banned(s)]),
+            penalties=self._penalties(seqs),
+        )
+        return batch
+
+    def _sparse(self, entries: list[tuple[int, int, float]]) -> SparseLogits | None:
+        if not entries:
+            return None
+        rows, tokens, values = zip(*entries)
+        dev = self.device
+        return SparseLogits(torch.tensor(rows, dtype=torch.int64, device=dev), torch.tensor(tokens, dtype=torch.int64, device=dev),
+                            torch.tensor(values, dtype=torch.float32, device=dev))
+
+    def _penalties(self, seqs: list[Sequence]) -> Penalties | None:
+        picked = [r for r, s in enumerate(seqs) if s.params.penalized]
+        if not picked:
+            return None
+        rows = self.token_counts.rows([seqs[r] for r in picked])
+        counts, mask = self.token_counts.counts, self.token_counts.prompt_mask
+
+        names = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+        values = {name: [float(getattr(seqs[r].params, name)) for r in picked] for name in names}
+        repetition, frequency, presence = (torch.tensor(values[name], dtype=torch.float32, device=self.device) for name in names)
+        return Penalties(
+            rows=torch.tensor(picked, dtype=torch.int64, device=self.device), repetition=repetition, frequency=frequency,
+            presence=presence, output_counts=counts.index_select(0, rows), prompt_mask=mask.index_select(0, rows),
+            used=(any(v != 1.0 for v in values[names[0]]), any(values[names[1]]), any(values[names[2]])),
+        )
+
+
+def _banned(seq: Sequence) -> list[int]:
+    """Tokens that may not come yet: EOS (unless ignored) and stop_token_ids, before min_tokens (vLLM)."""
+    p = seq.params
+    if len(seq.output_ids) >= p.min_tokens:
+        return []
+    eos = [] if p.ignore_eos else sorted(seq.eos_ids)
+    return sorted(set(eos) | set(p.stop_token_ids))

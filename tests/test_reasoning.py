@@ -1,0 +1,142 @@
+"""Thinking models: `chat_template_kwargs` reach the chat template (Qwen3's enable_thinking), and the
+`<think>...</think>` part of a completion goes to the `reasoning` column (`--no-reasoning-split` keeps it).
+
+The checkpoint is a tiny Qwen3 with a Qwen3-style think template whose weights follow a script: attention and
+MLP outputs are zero, so the next token depends only on the current one, through orthogonal embeddings and an
+lm_head that maps each script token to the next. It "thinks", then answers, token for token."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cbatch.tokenizer import encode_messages, load_tokenizer, split_reasoning
+from ops_jobs import read_jsonl, run_inprocess, write_jsonl
+from tiny_models import make_checkpoint
+
+THINK_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+QUESTION = [{"role": "user", "content": "Is the sky blue?"}]
+EOS = 2  # <|im_end|> in SmolLM2's tokenizer
+
+
+@pytest.fixture(scope="module")
+def thinking_model(smollm2_dir, tmp_path_factory) -> Path:
+    from transformers import AddedToken, AutoTokenizer
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("thinking") / "model"
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    tokenizer.chat_template = THINK_TEMPLATE
+    make_checkpoint("qwen3", path, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(path)
+    think, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    newline = encode_messages(tokenizer, QUESTION)[-1]  # the thinking prompt ends "assistant\n"
+    blank = encode_messages(tokenizer, QUESTION, {"enable_thinking": False})[-1]  # the other ends "</think>\n\n"
+    maybe, yes = (tokenizer.encode(word, add_special_tokens=False)[0] for word in ("Maybe", "Yes"))
+    script = {newline: think, think: maybe, maybe: end, end: blank, blank: yes, yes: EOS}
+    weights = load_file(path / "model.safetensors")
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    head = torch.zeros_like(weights["lm_head.weight"])
+    for i, (token, following) in enumerate(script.items()):
+        weights["model.embed_tokens.weight"][token] = 0.0
+        weights["model.embed_tokens.weight"][token, i] = 10.0
+        head[following, i] = 1.0
+    weights["lm_head.weight"] = head
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = torch.zeros_like(weights[name])
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "bos_token_id": 1}))
+    assert len({newline, blank, think, end, maybe, yes}) == 6
+    return path
+
+
+def test_enable_thinking_false_renders_without_thinking(thinking_model):
+    tokenizer = load_tokenizer(thinking_model)
+    thinking = tokenizer.decode(encode_messages(tokenizer, QUESTION))
+    direct = tokenizer.decode(encode_messages(tokenizer, QUESTION, {"enable_thinking": False}))
+    assert thinking.endswith("<|im_start|>assistant\n") and "<think>" not in thinking
+    assert direct == thinking + "<think>\n\n</think>\n\n"
+
+
+def test_reasoning_column_and_chat_template_kwargs(thinking_model, tmp_path):
+    rows = [{"id": "think", "messages": QUESTION},
+            {"id": "direct", "messages": QUESTION, "chat_template_kwargs": {"enable_thinking": False}},
+            {"id": "cut", "messages": QUESTION, "max_tokens": 2}]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    flags = ["--model", str(thinking_model), "--device", "cpu", "--max-tokens", "20"]
+    out = tmp_path / "out.jsonl"
+    code, _, err = run_inprocess("run", str(source), "--out", str(out), *flags)
+    assert code == 0, err
+    got = {r["id"]: r for r in read_jsonl(out)}
+    assert list(got["think"]) == ["id", "completion", "reasoning", "finish_reason", "prompt_tokens",
+                                  "completion_tokens", "error"]
+    assert (got["think"]["reasoning"], got["think"]["completion"], got["think"]["finish_reason"]) == ("Maybe", "Yes", "stop")
+    assert (got["direct"]["reasoning"], got["direct"]["completion"]) == (None, "Yes")
+    tokenizer = load_tokenizer(thinking_model)
+    assert got["direct"]["prompt_tokens"] == len(encode_messages(tokenizer, QUESTION, {"enable_thinking": False}))
+    assert got["think"]["prompt_tokens"] == len(encode_messages(tokenizer, QUESTION)) < got["direct"]["prompt_tokens"]
+    assert (got["cut"]["reasoning"], got["cut"]["completion"], got["cut"]["finish_reason"]) == ("Maybe", "", "length")
+
+    # the job's flag: every row renders without thinking; --no-reasoning-split keeps the raw text
+    raw = tmp_path / "raw.jsonl"
+    code, _, err = run_inprocess("run", str(source), "--out", str(raw), *flags, "--no-reasoning-split",
+                                 "--chat-template-kwargs", '{"enable_thinking": true}')
+    assert code == 0, err
+    got = {r["id"]: r for r in read_jsonl(raw)}
+    assert "reasoning" not in got["think"]
+    assert got["think"]["completion"] == "<think>Maybe</think>\n\nYes"
+    assert got["direct"]["completion"] == "Yes"  # the row's own kwargs win over the job's
+    flagged = tmp_path / "flagged.jsonl"
+    code, _, err = run_inprocess("run", str(write_jsonl(tmp_path / "one.jsonl", rows[:1])), "--out", str(flagged), *flags,
+                                 "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert code == 0, err
+    assert (read_jsonl(flagged)[0]["reasoning"], read_jsonl(flagged)[0]["completion"]) == (None, "Yes")
+
+
+@pytest.mark.parametrize("text,want", [
+    ("<think>\nweigh it\n</think>\n\nYes.", ("weigh it", "Yes.")),
+    ("weigh it</think>Yes.", ("weigh it", "Yes.")),  # the template opened <think> in the prompt
+    ("<think>still weighing", ("still weighing", "")),  # cut off while thinking
+    ("Just an answer.", (None, "Just an answer.")),
+])
+def test_split_reasoning(text, want):
+    assert split_reasoning(text) == want
+
+
+def test_reserved_template_kwargs_are_an_error_row(thinking_model, tmp_path):
+    rows = [{"id": "a", "messages": QUESTION, "chat_template_kwargs": {"tokenize": False}}]
+    out = tmp_path / "out.jsonl"
+    code, _, err = run_inprocess("run", str(write_jsonl(tmp_path / "in.jsonl", rows)), "--out", str(out), "--model",
+                                 str(thinking_model), "--device", "cpu")
+    assert code == 1, err
+    assert read_jsonl(out)[0]["error"] == "chat_template_kwargs may not set tokenize (cbatch sets it), got {'tokenize': False}"
+
+
+def test_stop_token_text_and_min_tokens_hold_stop_strings(thinking_model):
+    """On the scripted completion `<think>Maybe</think>\n\nYes`: a stop token ends it and stays out of the text
+    (vLLM); a stop string completed before min_tokens does not count."""
+    from cbatch.config import SamplingParams
+    from cbatch.engine.engine import run_to_completion
+    from helpers import make_engine
+
+    engine = make_engine(thinking_model)
+    tokenizer = engine.tokenizer
+    prompt = encode_messages(tokenizer, QUESTION)
+    yes = tokenizer.encode("Yes", add_special_tokens=False)[0]
+    full, by_token, by_string, held = run_to_completion(engine, [prompt] * 4, [
+        SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, stop_token_ids=[yes]),
+        SamplingParams(max_tokens=10, stop=["Maybe"]), SamplingParams(max_tokens=10, stop=["Maybe"], min_tokens=3)])
+    assert full.text == "<think>Maybe</think>\n\nYes" and full.token_ids[-1] == EOS
+    assert by_token.token_ids == full.token_ids[:-1] and by_token.finish_reason == "stop"
+    assert by_token.text == "<think>Maybe</think>\n\n"
+    assert by_string.text == "<think>" and len(by_string.token_ids) == 2
+    assert held.text == full.text and held.finish_reason == "stop"  # "Maybe" came at token 2 < min_tokens
