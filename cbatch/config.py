@@ -82,6 +82,21 @@ class EngineConfig:
 
 _INT64 = 2**63  # sampling settings become int64 tensors
 
+CONSTRAINT_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice")
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a constrained completion must match (structured output, cbatch/engine/structured.py).
+
+    `text` is the constraint's canonical text, the key its compiled grammar is cached by: the schema as
+    compact JSON (property order kept: it is the output's order), the regex, the choices as a JSON list,
+    "" for json_object (any JSON object)."""
+
+    kind: str  # one of CONSTRAINT_KINDS
+    text: str
+    source: str = field(default="", compare=False)  # the row field or flag it came from (error messages)
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to generate one completion. temperature 0 means greedy."""
@@ -94,6 +109,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     priority: int = 0  # scheduling class: lower is admitted sooner (and preempted later)
+    constraint: Constraint | None = None  # structured output: the completion must match it
 
     def problem(self) -> tuple[str, str] | None:
         """(field, a sentence naming it and what is wrong) for the first unusable setting, or None."""

@@ -90,6 +90,12 @@ SAMPLING_FLAGS = [
     Flag("ignore_eos", bool, False, "Keep generating past EOS (benchmarks).", SAMPLING, field="ignore_eos"),
     Flag("priority", int, 0, "Scheduling priority of rows without their own `priority` (lower = sooner).", SAMPLING,
          field="priority"),
+    # structured output for rows without their own constraint (one of the three; docs/structured-output.md)
+    Flag("json_schema", Optional[Path], None, "Every completion is JSON valid under the schema in this file.", SAMPLING,
+         metavar="FILE"),
+    Flag("regex", Optional[str], None, "Every completion matches this regular expression.", SAMPLING, metavar="PATTERN"),
+    Flag("choice", Optional[List[str]], None, "Every completion is one of these strings (repeatable).", SAMPLING,
+         metavar="VALUE"),
 ]
 
 JOB_FLAGS = [
@@ -98,6 +104,10 @@ JOB_FLAGS = [
     Flag("out", Path, ..., "Results: .parquet or .jsonl, one row per input row, in input order.", JOB,
          decls=("--out", "-o")),
     Flag("token_ids", bool, False, "Add a completion_token_ids column.", JOB, decls=("--token-ids",)),
+    Flag("output_format", str, "cbatch", "cbatch (our columns) | openai (OpenAI Batch API output lines; .jsonl).", JOB),
+    Flag("keep_columns", Optional[str], None, "Input columns to carry into the output: all, or a comma list.", JOB,
+         metavar="all|COL,..."),
+    Flag("allow_duplicate_ids", bool, False, "Run even when two rows share an id / custom_id.", JOB),
     Flag("report", Optional[Path], None, "Write the JSON report (throughput, utilization, latency) here.", JOB),
     Flag("plot", Optional[Path], None, "Draw occupancy, KV usage, tokens/s and latency (.png or .html; needs matplotlib).",
          JOB),

@@ -14,11 +14,12 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence as Seq
 
 import torch
 
-from cbatch.config import EngineConfig, SamplingParams
+from cbatch.config import Constraint, EngineConfig, SamplingParams
 from cbatch.engine.kv_blocks import BlockPool
 from cbatch.engine.scheduler import Scheduler, StepInfo, StepPlan
 from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
 from cbatch.engine.stop import StopChecker, find_stop
+from cbatch.engine.structured import ConstraintError, Grammars
 from cbatch.model.spec import ModelSpec
 
 
@@ -67,6 +68,7 @@ class Engine:
 
     def __post_init__(self) -> None:
         self._eos_ids = frozenset(self.spec.eos_token_ids) if self.spec is not None else frozenset()
+        self.grammars: Grammars | None = None  # structured output: built at the first constrained request
         self._next_id = 0
         self.reset()
 
@@ -105,12 +107,27 @@ class Engine:
                 error = "stop strings need a tokenizer; this model has none"
             else:
                 seq.stop = StopChecker(self.tokenizer, params.stop)
+        if error is None and params.constraint is not None:
+            error = self._start_grammar(seq, params.constraint)
         if error is not None:
             seq.finish_reason, seq.error = FinishReason.ERROR, error
             seq.status = SequenceStatus.FINISHED
             return seq
         self.scheduler.add(seq)
         return seq
+
+    def _start_grammar(self, seq: Sequence, constraint: Constraint) -> str | None:
+        """Gives `seq` a matcher for its constraint (compiled once per engine); the error naming the field
+        for a constraint the grammar engine rejects."""
+        if self.tokenizer is None or self.spec is None:
+            return f"{constraint.source or constraint.kind}: structured output needs a tokenizer; this model has none"
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.spec.vocab_size, self._eos_ids)
+        try:
+            seq.grammar = self.grammars.start(constraint)
+        except ConstraintError as exc:
+            return str(exc)
+        return None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

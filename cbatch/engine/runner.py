@@ -17,6 +17,7 @@ from cbatch.model.backend import AttentionMetadata, Backend, kv_cache_shape
 from cbatch.engine.cpu_memory import keep_freed_memory, lazily_zeroed
 from cbatch.engine.sampler import SamplingBatch, sample
 from cbatch.engine.scheduler import StepPlan
+from cbatch.engine.structured import PendingMasks, TokenMasks
 from cbatch.engine.sequence import Sequence
 from cbatch.model.llama import ForwardContext, KVCacheView, LlamaForCausalLM
 
@@ -88,6 +89,7 @@ class ModelRunner:
         self.reset()
         self.graphs = None  # DecodeGraphs once `capture_decode_graphs` ran (CUDA + Triton backend)
         self.num_host_blocks = num_host_blocks  # swap space in blocks; allocated at the first swap
+        self.token_masks = TokenMasks(spec.vocab_size, device)  # structured output
         self._host_kv: torch.Tensor | None = None
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
@@ -113,6 +115,8 @@ class ModelRunner:
         if step is None:
             return {}
         start = time.perf_counter()
+        if step.masks is not None:  # structured output: the constrained rows' grammars, before sampling
+            step.masks.apply(step.logits)
         tokens = sample(step.logits, step.sampling).tolist()
         self.forward_seconds += time.perf_counter() - start
         return {seq.seq_id: tok for seq, tok in zip(step.seqs, tokens)}
@@ -125,6 +129,7 @@ class ModelRunner:
         batch = self._build(plan)
         if plan.swap_out or plan.swap_in:  # NOTE: after _build (nothing there may overwrite a swap_in), before the model
             self.swap(plan.swap_out, plan.swap_in)
+        masks = self.token_masks.start(batch.sampling_seqs)  # filled while the model runs
         start = time.perf_counter()
         if self.graphs is not None and self.graphs.can_run(batch.meta, batch.input_ids.shape[0]):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)  # [T, hidden]
@@ -136,7 +141,7 @@ class ModelRunner:
         if batch.sampling_seqs:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] float32
         self.forward_seconds += time.perf_counter() - start
-        return None if logits is None else StepLogits(batch.sampling_seqs, logits, batch.sampling)
+        return None if logits is None else StepLogits(batch.sampling_seqs, logits, batch.sampling, masks)
 
     @torch.inference_mode()
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
@@ -226,6 +231,7 @@ class StepLogits:
     seqs: list[Sequence]  # the rows that sample, in the order of `logits`
     logits: torch.Tensor  # float32 [N, vocab]
     sampling: SamplingBatch
+    masks: PendingMasks | None = None  # structured output: bitmasks of the constrained rows
 
 
 def _batch_order(item: tuple[Sequence, int]) -> tuple[int, int]:

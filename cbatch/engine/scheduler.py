@@ -485,10 +485,17 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        """A stop string (checked incrementally on the new text), EOS unless ignored, max_tokens or the
-        model's context."""
+        """A stop string (checked incrementally on the new text), a complete grammar, EOS unless ignored,
+        max_tokens or the model's context."""
         if seq.stop is not None and seq.stop.append(token):
             return FinishReason.STOP
+        if seq.grammar is not None:  # structured output: complete when the grammar took its stop token
+            try:
+                if seq.grammar.accept(token):
+                    return FinishReason.STOP
+            except RuntimeError as exc:
+                seq.error = str(exc)
+                return FinishReason.ERROR
         if token in seq.eos_ids and not seq.params.ignore_eos:
             return FinishReason.STOP
         if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:

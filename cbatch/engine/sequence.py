@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from cbatch.config import SamplingParams
 from cbatch.engine.stop import StopChecker
+from cbatch.engine.structured import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -56,6 +57,7 @@ class Sequence:
     # swap preemption: host slots holding the KV of `token_ids[:num_computed]` while preempted
     host_block_ids: list[int] = field(default_factory=list)
     stop: StopChecker | None = None  # the request's stop strings (needs the tokenizer)
+    grammar: GrammarState | None = None  # structured output: the matcher of the request's constraint
 
     @property
     def prompt_len(self) -> int:

@@ -9,6 +9,7 @@ from cbatch.config import UserError
 
 OUTPUT_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 COLUMNS = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+OUTPUT_COLUMNS = COLUMNS + ("completion_token_ids",)  # every column the output may have of its own
 
 
 class OutputError(UserError):
@@ -57,23 +58,58 @@ def output_schema(token_ids: bool):
     return pa.schema(fields)
 
 
-def write_output(path: Path, fmt: str, records: Iterable[dict[str, Any]], token_ids: bool, chunk_rows: int = 4096) -> None:
+def write_output(path: Path, fmt: str, records: Iterable[dict[str, Any]], token_ids: bool, chunk_rows: int = 4096,
+                 *, kept_types: dict[str, Any] | None = None, openai_model: str | None = None) -> None:
+    """`kept_types`: the --keep-columns columns' Arrow types (Parquet); `openai_model`: write OpenAI batch
+    output lines (JSONL) naming this model where a row named none."""
     columns = COLUMNS + (("completion_token_ids",) if token_ids else ())
     if fmt == "jsonl":
+        line_of = _openai_line(openai_model) if openai_model is not None else (lambda r: {c: r.get(c) for c in columns})
         with open(path, "w", encoding="utf-8") as f:
             for record in records:
-                f.write(json.dumps({c: record.get(c) for c in columns}, ensure_ascii=False) + "\n")
+                f.write(json.dumps({**line_of(record), **record.get("kept", {})}, ensure_ascii=False) + "\n")
         return
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = output_schema(token_ids)
+    kept_types = kept_types or {}
+    schema = _with_kept(output_schema(token_ids), kept_types)
     with pq.ParquetWriter(path, schema) as writer:
         chunk: list[dict[str, Any]] = []
         for record in records:
-            chunk.append({c: record.get(c) for c in columns})
+            chunk.append(record)
             if len(chunk) >= chunk_rows:
-                writer.write_table(pa.Table.from_pylist(chunk, schema=schema))
+                writer.write_table(_table(chunk, columns, token_ids, kept_types))
                 chunk = []
         if chunk or writer is not None:
-            writer.write_table(pa.Table.from_pylist(chunk, schema=schema))
+            writer.write_table(_table(chunk, columns, token_ids, kept_types))
+
+
+def _openai_line(model: str):
+    import time
+
+    from cbatch.io.openai import output_line
+
+    created = int(time.time())  # one timestamp for the job's lines: when OUTPUT was written
+    return lambda record: output_line(record, model, created)
+
+
+def _with_kept(schema, kept_types: dict[str, Any]):
+    import pyarrow as pa
+
+    from cbatch.io.columns import JSON_TEXT
+
+    for name, arrow_type in kept_types.items():
+        schema = schema.append(pa.field(name, pa.string() if arrow_type == JSON_TEXT else arrow_type))
+    return schema
+
+
+def _table(chunk: list[dict[str, Any]], columns: tuple[str, ...], token_ids: bool, kept_types: dict[str, Any]):
+    import pyarrow as pa
+
+    from cbatch.io.columns import column_values
+
+    table = pa.Table.from_pylist([{c: r.get(c) for c in columns} for r in chunk], schema=output_schema(token_ids))
+    for name, arrow_type in kept_types.items():
+        values = column_values([r.get("kept", {}).get(name) for r in chunk], arrow_type)
+        table = table.append_column(pa.field(name, values.type), values)
+    return table

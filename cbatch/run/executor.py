@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from cbatch.config import SamplingParams
 from cbatch.engine.engine import Engine
 from cbatch.engine.sequence import Sequence
+from cbatch.io.columns import KeepColumns
 from cbatch.io.reader import RawRow
 from cbatch.io.rows import RowError, RowRequest, parse_row, row_id_of
 from cbatch.observe.metrics import JobMetrics, RequestTiming, engine_snapshot, engine_step_sample
@@ -55,12 +56,15 @@ class LocalExecutor:
     """Rows through one engine. `lookahead` bounds the rows waiting in the engine (longest-first orders
     within that window); each `poll` is one engine step, recorded in `metrics`."""
 
-    def __init__(self, engine: Engine, defaults: SamplingParams, metrics: JobMetrics, lookahead: int = 16384) -> None:
+    def __init__(self, engine: Engine, defaults: SamplingParams, metrics: JobMetrics, lookahead: int = 16384,
+                 keep: KeepColumns | None = None) -> None:
         self.engine = engine
         self.defaults = defaults
         self.metrics = metrics
         self.lookahead = lookahead
+        self.keep = keep  # --keep-columns
         self._rows: dict[int, tuple[str, float, int]] = {}  # seq_id -> (row id, queued at s, queued at step)
+        self._carried: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # seq_id -> (echo, kept) of queued rows
         self._ready: list[RowResult] = []  # rows that failed before reaching the engine
 
     def wants_rows(self) -> bool:
@@ -73,15 +77,21 @@ class LocalExecutor:
     def submit(self, index: int, raw: dict[str, Any] | str) -> None:
         """Queues the row; anything wrong with this row alone (its fields, its tokenization, its size)
         makes it an error result and never stops the job."""
+        kept = self.keep.pick(raw) if self.keep is not None else {}
+        echo: dict[str, Any] = {}
         try:
             request = parse_row(index, raw, self.defaults)
+            echo = request.echo
             prompt_ids = tokenize_request(self.engine, request)
             seq = self.engine.add_request(prompt_ids, request.params, seq_id=index)
         except Exception as exc:  # RowError, or a tokenizer / engine check on this row alone: never the job
             message = str(exc) if isinstance(exc, ValueError) else f"could not prepare this row ({type(exc).__name__}: {exc})"
-            self._ready.append(RowResult.failed(index, row_id_of(index, raw), message))
+            failed = RowResult.failed(index, row_id_of(index, raw), message)
+            failed.echo, failed.kept = echo, kept
+            self._ready.append(failed)
             return
         self._rows[index] = (request.row_id, self.metrics.now(), self.engine.scheduler.stats.steps)
+        self._carried[index] = (echo, kept)
         self.metrics.submitted_rows += 1
         self.metrics.submitted_max_tokens += request.params.max_tokens
         if seq.is_finished:  # could never run (too long for the model or the KV pool)
@@ -107,6 +117,11 @@ class LocalExecutor:
         return [self._result(seq) for seq in finished]
 
     def _result(self, seq: Sequence) -> RowResult:
+        result = self._outcome(seq)
+        result.echo, result.kept = self._carried.pop(seq.seq_id)
+        return result
+
+    def _outcome(self, seq: Sequence) -> RowResult:
         row_id, queued_s, queued_step = self._rows.pop(seq.seq_id)
         out = self.engine.output_of(seq)
         if out.finish_reason == "error":

@@ -14,6 +14,8 @@ from cbatch.engine.build import build_engine
 from cbatch.engine.engine import Engine
 from cbatch.io.reader import iter_rows
 from cbatch.io.state import JobState, StateError, StorageError
+from cbatch.io.columns import output_kept_types
+from cbatch.io.openai import output_model_name
 from cbatch.io.writer import output_format, write_output
 from cbatch.observe.metrics import JobMetrics
 from cbatch.observe.display import Display, make_display
@@ -41,7 +43,7 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
         return EXIT_OK
     engine = load_engine(prepared, make_engine)
     metrics = JobMetrics(total_rows=prepared.total_rows)
-    executor = LocalExecutor(engine, options.defaults, metrics, options.lookahead)
+    executor = LocalExecutor(engine, options.defaults, metrics, options.lookahead, keep=options.keep)
     code = run_rows(options, prepared, executor, metrics, make_progress or make_display)
     report = build_report(
         metrics, engine.scheduler.stats, wall_seconds=metrics.now(), max_num_seqs=prepared.config.max_num_seqs,
@@ -122,7 +124,10 @@ def conclude_job(options: JobOptions, state: JobState, report: dict[str, Any], c
               "Run the same command again to resume.", file=sys.stderr)
         return code
     fmt = output_format(options.output)
-    state.finish(lambda tmp: write_output(tmp, fmt, state.records(), options.token_ids),
+    kept_types = output_kept_types(options.keep, options.input, state.records) if fmt == "parquet" else None
+    openai_model = output_model_name(options.engine.model) if options.output_format == "openai" else None
+    state.finish(lambda tmp: write_output(tmp, fmt, state.records(), options.token_ids, kept_types=kept_types,
+                                          openai_model=openai_model),
                  {"rows": state.num_rows, "errors": errors})
     write_report_and_plot(options, report)
     print(summary_line(report) + summary_suffix, flush=True)

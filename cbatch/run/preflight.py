@@ -12,9 +12,11 @@ from pathlib import Path
 
 from cbatch.config import EngineConfig, SamplingParams, UserError
 from cbatch.engine.build import ResolvedModel, resolve_model
-from cbatch.io.reader import inspect_input
+from cbatch.io.columns import KeepColumns, parquet_kept_types
+from cbatch.io.openai import OPENAI_LINE_FIELDS
+from cbatch.io.reader import find_duplicate_id, input_format, inspect_input
 from cbatch.io.state import JobState, StateError, file_digest, settings_digest
-from cbatch.io.writer import check_writable, output_format
+from cbatch.io.writer import OUTPUT_COLUMNS, check_writable, output_format
 from cbatch.model.loader import ModelLoadError
 from cbatch.model.spec import UnsupportedModelError
 
@@ -38,6 +40,15 @@ class JobOptions:
     display: str = "auto"  # auto | dashboard | plain | none
     progress_interval: float = 10.0  # seconds between plain progress lines (logs, cron)
     plot: Path | None = None  # --plot: report.png / .html
+    output_format: str = "cbatch"  # cbatch (our columns) | openai (OpenAI batch output lines; JSONL)
+    keep_columns: str | None = None  # --keep-columns: "all" or a comma list of input columns
+    allow_duplicate_ids: bool = False
+
+    @property
+    def keep(self) -> KeepColumns | None:
+        """The parsed --keep-columns (raises KeepColumnsError naming a column the output already has)."""
+        reserved = OPENAI_LINE_FIELDS if self.output_format == "openai" else OUTPUT_COLUMNS
+        return KeepColumns.parse(self.keep_columns, reserved)
 
 
 @dataclass(slots=True)
@@ -58,9 +69,27 @@ def validate_paths(options: JobOptions) -> int:
             check_writable(options.report, flag="--report")
         if options.input.exists() and options.output.exists() and options.input.samefile(options.output):
             raise JobError(f"--out {options.output} is the input file; choose another --out")
-        return inspect_input(options.input)
+        if options.output_format == "openai" and output_format(options.output) != "jsonl":
+            raise JobError(f"--out {options.output}: --output-format openai writes JSONL; give a .jsonl --out")
+        total_rows = inspect_input(options.input)
+        check_rows(options)
+        return total_rows
     except ValueError as exc:
         raise JobError(str(exc)) from None
+
+
+def check_rows(options: JobOptions) -> None:
+    """--keep-columns names columns the input has (Parquet); no two rows share an id (unless allowed)."""
+    keep = options.keep
+    if keep is not None and input_format(options.input) == "parquet":
+        parquet_kept_types(keep, options.input)
+    if not options.allow_duplicate_ids:
+        duplicate = find_duplicate_id(options.input)
+        if duplicate is not None:
+            row_id, first, second = duplicate
+            where = "lines" if input_format(options.input) == "jsonl" else "rows"
+            raise JobError(f"{options.input}: {where} {first} and {second} have the same id {row_id!r}; give every row "
+                           "its own `id`/`custom_id`, or pass --allow-duplicate-ids")
 
 
 def resolve_or_fail(config: EngineConfig) -> ResolvedModel:
@@ -78,7 +107,8 @@ def resolve_or_fail(config: EngineConfig) -> ResolvedModel:
 
 def job_fingerprint(options: JobOptions, model: ResolvedModel) -> dict[str, str]:
     """What makes a partial run's rows valid for this run: the input bytes, and every setting that changes
-    a completion (model, dtype, device, seed, sampling defaults). Batch shape settings (--max-num-seqs,
+    a completion (model, dtype, device, seed, sampling defaults, the job's constraint) or a record (the output's
+    format and kept columns). Batch shape settings (--max-num-seqs,
     --policy, ...) are left out: completions do not depend on them."""
     checkpoint = model.checkpoint
     settings = {
@@ -91,6 +121,7 @@ def job_fingerprint(options: JobOptions, model: ResolvedModel) -> dict[str, str]
         "max_model_len": options.engine.max_model_len,
         "seed": options.engine.seed,
         "defaults": asdict(options.defaults),
+        "output": {"format": options.output_format, "keep_columns": options.keep_columns},  # what the records hold
     }
     return {"input": file_digest(options.input), "settings": settings_digest(settings)}
 

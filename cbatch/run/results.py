@@ -29,6 +29,8 @@ class RowResult:
     error: str | None = None
     completion_token_ids: list[int] = field(default_factory=list)
     timing: RequestTiming | None = None  # for the latency report; not kept in the record
+    echo: dict[str, Any] = field(default_factory=dict)  # request fields an OpenAI output line repeats (io/openai.py)
+    kept: dict[str, Any] = field(default_factory=dict)  # --keep-columns: input columns carried to the output
 
     @property
     def ok(self) -> bool:
@@ -44,4 +46,5 @@ class RowResult:
             "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens, "error": _writable(self.error),
             "completion_token_ids": self.completion_token_ids,
+            **({"echo": self.echo} if self.echo else {}), **({"kept": self.kept} if self.kept else {}),
         }

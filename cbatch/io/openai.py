@@ -1,0 +1,211 @@
+"""The OpenAI Batch API format, in and out: a drop-in for batch input files and their output files.
+
+In: lines `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}`.
+Every body field is in `BODY_FIELDS`, THE one list of what cbatch honours: a field it cannot honour (yet)
+makes that row an error naming the field, unless it holds the value that means "off" (e.g. `"n": 1`),
+which is exactly what cbatch does anyway. Nothing is dropped silently.
+
+Out (`--output-format openai`): one line per input row, in input order, shaped like OpenAI's batch output
+lines: `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`, the body a
+`chat.completion` or `text_completion` object with `choices` and `usage`. A failed row is shaped like a
+line of OpenAI's error file for a rejected request: status 400 and `body.error` {message, type, param, code}.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from cbatch.config import UserError
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+OBJECT_OF_URL = {CHAT_URL: "chat.completion", COMPLETIONS_URL: "text_completion"}
+ENVELOPE_FIELDS = ("custom_id", "method", "url", "body")
+OPENAI_LINE_FIELDS = ("id", "custom_id", "response", "error")  # an output line's own keys
+
+HONOURED, NOT_YET, UNSUPPORTED = "honoured", "not yet", "unsupported"
+_ANY = object()  # no value of the field is accepted
+
+
+@dataclass(frozen=True, slots=True)
+class BodyField:
+    status: str  # HONOURED | NOT_YET (planned: the integrator moves these to HONOURED) | UNSUPPORTED
+    note: str
+    off: Any = _ANY  # the value meaning "off": accepted, since cbatch does exactly that
+
+
+def _yes(note: str) -> BodyField:
+    return BodyField(HONOURED, note)
+
+
+def _later(note: str, off: Any = _ANY) -> BodyField:
+    return BodyField(NOT_YET, note, off)
+
+
+def _no(note: str, off: Any = _ANY) -> BodyField:
+    return BodyField(UNSUPPORTED, note, off)
+
+
+# Every body field cbatch knows, and what it does with it (docs/structured-output.md shows this table).
+BODY_FIELDS: dict[str, BodyField] = {
+    "model": _yes("echoed in the response; the job's --model generates"),
+    "messages": _yes("/v1/chat/completions: the chat (text content parts), rendered with the model's chat template"),
+    "prompt": _yes("/v1/completions: one string, or one list of token ids"),
+    "max_tokens": _yes("most tokens to generate"),
+    "max_completion_tokens": _yes("same as max_tokens (max_tokens wins when both are given)"),
+    "temperature": _yes("0 = greedy"),
+    "top_p": _yes("nucleus sampling"),
+    "seed": _yes("per-row seed: the same tokens whatever the batch"),
+    "stop": _yes("stop strings (not included in the completion)"),
+    "response_format": _yes('structured output: {"type": "text" | "json_object" | "json_schema"}'),
+    "user": _yes("no effect on the completion"),
+    "metadata": _yes("no effect on the completion"),
+    # cbatch's own row fields, also accepted inside a body
+    "top_k": _yes("cbatch: keep the k most likely tokens"),
+    "ignore_eos": _yes("cbatch: generate past EOS"),
+    "priority": _yes("cbatch: scheduling class (lower = sooner)"),
+    "json_schema": _yes("cbatch: structured output, a JSON schema"),
+    "json_object": _yes("cbatch: structured output, any JSON object"),
+    "regex": _yes("cbatch: structured output, a regular expression"),
+    "choice": _yes("cbatch: structured output, one of a list of strings"),
+    # planned (the sampling work): an error until then, unless given the value meaning "off"
+    "n": _later("several completions per row", off=1),
+    "best_of": _later("several candidates per row", off=1),
+    "logprobs": _later("token log-probabilities", off=False),
+    "top_logprobs": _later("alternatives' log-probabilities", off=0),
+    "presence_penalty": _later("presence penalty", off=0),
+    "frequency_penalty": _later("frequency penalty", off=0),
+    "repetition_penalty": _later("repetition penalty", off=1),
+    "logit_bias": _later("per-token logit bias", off={}),
+    "min_tokens": _later("least tokens before EOS", off=0),
+    "stop_token_ids": _later("stop on token ids", off=[]),
+    # not for an offline text generator
+    "echo": _no("echo the prompt", off=False),
+    "suffix": _no("text after the completion (insertion)"),
+    "stream": _no("streaming (a batch file is never streamed)", off=False),
+    "stream_options": _no("streaming options"),
+    "tools": _no("tool calling"),
+    "tool_choice": _no("tool calling", off="none"),
+    "parallel_tool_calls": _no("tool calling"),
+    "functions": _no("function calling (deprecated)"),
+    "function_call": _no("function calling (deprecated)", off="none"),
+    "audio": _no("audio output"),
+    "modalities": _no("output modalities", off=["text"]),
+    "prediction": _no("predicted outputs"),
+    "web_search_options": _no("web search"),
+    "reasoning_effort": _no("reasoning models' effort"),
+    "service_tier": _no("OpenAI's service tiers"),
+    "store": _no("storing the completion at OpenAI", off=False),
+}
+
+
+class RequestError(UserError):
+    """A bad OpenAI batch line; the message names the field (`body.logprobs`, `url`, ...)."""
+
+
+def is_openai_request(row: dict[str, Any]) -> bool:
+    return "body" in row
+
+
+def _check_body_field(name: str, value: Any) -> None:
+    spec = BODY_FIELDS.get(name)
+    if spec is None:
+        raise RequestError(f"body.{name}: not a field cbatch knows for {CHAT_URL} or {COMPLETIONS_URL}; remove it")
+    if spec.status == HONOURED or value is None or (spec.off is not _ANY and value == spec.off):
+        return
+    when = "not supported yet" if spec.status == NOT_YET else "not supported"
+    fix = f"remove it or set it to {spec.off!r}" if spec.off is not _ANY else "remove it"
+    raise RequestError(f"body.{name}: {spec.note} is {when} by cbatch; {fix}")
+
+
+def request_fields(row: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """An OpenAI batch line -> (the row fields cbatch reads, the response object: chat.completion or
+    text_completion). Raises RequestError naming the first field it cannot honour."""
+    method = row.get("method", "POST")
+    if method != "POST":
+        raise RequestError(f'method: must be "POST", got {method!r}')
+    body = row["body"]
+    if not isinstance(body, dict):
+        raise RequestError(f"body: must be a JSON object, got {type(body).__name__}")
+    url = row.get("url")
+    if url is None:
+        url = CHAT_URL if "messages" in body else COMPLETIONS_URL
+    if url not in OBJECT_OF_URL:
+        raise RequestError(f"url: must be {CHAT_URL!r} or {COMPLETIONS_URL!r}, got {url!r}")
+    for name, value in body.items():
+        _check_body_field(name, value)
+    prompt_field, other = ("messages", "prompt") if url == CHAT_URL else ("prompt", "messages")
+    if body.get(other) is not None:
+        raise RequestError(f"body.{other}: {url} takes `{prompt_field}`, not `{other}`")
+    fields = dict(body)
+    if url == COMPLETIONS_URL:
+        fields.update(_completion_prompt(body.get("prompt")))
+    if "max_completion_tokens" in fields and fields.get("max_tokens") is None:
+        fields["max_tokens"] = fields["max_completion_tokens"]
+    return fields, OBJECT_OF_URL[url]
+
+
+def _completion_prompt(prompt: Any) -> dict[str, Any]:
+    """/v1/completions' `prompt`: a string, a list of token ids, or a list holding one of those."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"prompt": None, "prompt_token_ids": prompt}
+    if isinstance(prompt, list):
+        raise RequestError("body.prompt: one prompt per line (a string or a list of token ids), not a list of prompts")
+    return {"prompt": prompt}
+
+
+# ---- output -----------------------------------------------------------------------------------------
+def output_model_name(model: str | None) -> str:
+    """The `model` a response names when its request named none: the --model as given (a folder: its name)."""
+    from pathlib import Path
+
+    from cbatch.model.default_model import DEFAULT_MODEL_NAME
+
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return Path(model).name if Path(model).exists() else model
+
+
+def _request_digest(record: dict[str, Any]) -> str:
+    """A stable id for a row's request: the same on a resumed or repeated run."""
+    return hashlib.blake2b(f"{record['index']}\x00{record['id']}".encode(), digest_size=12).hexdigest()
+
+
+def _completion_body(record: dict[str, Any], digest: str, model: str, created: int) -> dict[str, Any]:
+    echo = record.get("echo") or {}
+    obj = echo.get("object", "text_completion")
+    text = record.get("completion") or ""
+    if obj == "chat.completion":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                  "logprobs": None, "finish_reason": record["finish_reason"]}
+        prefix = "chatcmpl"
+    else:
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": record["finish_reason"]}
+        prefix = "cmpl"
+    prompt_tokens, completion_tokens = record["prompt_tokens"], record["completion_tokens"]
+    return {
+        "id": f"{prefix}-{digest}", "object": obj, "created": created, "model": echo.get("model") or model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+        "system_fingerprint": None,
+    }
+
+
+def output_line(record: dict[str, Any], model: str, created: int) -> dict[str, Any]:
+    """A finished row's record -> its OpenAI batch output line (a failed row: an error-file line)."""
+    digest = _request_digest(record)
+    if record["finish_reason"] == "error":
+        body = {"error": {"message": record.get("error") or "failed", "type": "invalid_request_error",
+                          "param": None, "code": None}}
+        status = 400
+    else:
+        body, status = _completion_body(record, digest, model, created), 200
+    return {"id": f"batch_req_{digest}", "custom_id": record["id"],
+            "response": {"status_code": status, "request_id": f"req_{digest}", "body": body}, "error": None}
+
+
+__all__ = ["BODY_FIELDS", "BodyField", "CHAT_URL", "COMPLETIONS_URL", "ENVELOPE_FIELDS", "OPENAI_LINE_FIELDS", "RequestError",
+           "is_openai_request", "output_line", "output_model_name", "request_fields"]
