@@ -13,6 +13,7 @@ line of OpenAI's error file for a rejected request: status 400 and `body.error` 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,10 @@ class BodyField:
     status: str  # HONOURED | NOT_YET (planned: the integrator moves these to HONOURED) | UNSUPPORTED
     note: str
     off: Any = _ANY  # the value meaning "off": accepted, since cbatch does exactly that
+
+    @property
+    def has_off(self) -> bool:
+        return self.off is not _ANY
 
 
 def _yes(note: str) -> BodyField:
@@ -111,10 +116,10 @@ def _check_body_field(name: str, value: Any) -> None:
     spec = BODY_FIELDS.get(name)
     if spec is None:
         raise RequestError(f"body.{name}: not a field cbatch knows for {CHAT_URL} or {COMPLETIONS_URL}; remove it")
-    if spec.status == HONOURED or value is None or (spec.off is not _ANY and value == spec.off):
+    if spec.status == HONOURED or value is None or (spec.has_off and value == spec.off):
         return
     when = "not supported yet" if spec.status == NOT_YET else "not supported"
-    fix = f"remove it or set it to {spec.off!r}" if spec.off is not _ANY else "remove it"
+    fix = f"remove it or set it to {json.dumps(spec.off)}" if spec.has_off else "remove it"
     raise RequestError(f"body.{name}: {spec.note} is {when} by cbatch; {fix}")
 
 
