@@ -225,3 +225,14 @@ def test_keep_columns_from_jsonl(tiny_chat_model, tmp_path):
     code, _, err = run_inprocess("run", str(tmp_path / "in.parquet"), "--out", str(tmp_path / "x.jsonl"),
                                  "--keep-columns", "nope")
     assert code == 2 and "no column nope" in err
+
+
+def test_docs_list_every_body_field_as_the_table_does():
+    """docs/structured-output.md copies BODY_FIELDS: shrinking the table (a field becomes honoured) must update it."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "structured-output.md").read_text()
+    listed = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`") and cells[1] in (HONOURED, NOT_YET, "unsupported"):
+            listed[cells[0].strip("`")] = cells[1]
+    assert listed == {name: spec.status for name, spec in BODY_FIELDS.items()}

@@ -12,6 +12,7 @@ import pytest
 
 from cbatch.config import Constraint, SamplingParams
 from cbatch.engine.engine import run_to_completion
+from cbatch.engine.structured import Grammars
 from cbatch.io.constraints import ConstraintFieldError, constraint_from_row, flags_constraint, schema_text
 from helpers import make_engine
 from tiny_models import ARCHS, make_checkpoint
@@ -128,21 +129,30 @@ def test_smollm2_chat_rows_follow_their_constraints(smollm2_dir):
     from cbatch.tokenizer import encode_messages
 
     engine = make_engine(smollm2_dir, dtype="float32", max_num_seqs=8)
-    asks = ["Describe a person with one pet as JSON.", "Describe an admin who lives in Paris and has two dogs.",
-            "Write a product code.", "Is water wet?", "Give a JSON object describing a cat.",
-            "Name a color.", "What is 2 + 2?", "Say hello."]
+    asks = ["Describe a person with one pet as JSON.", "Name a color.", "Write a product code.", "Say hello.",
+            "Is water wet?"]
     prompts = [encode_messages(engine.tokenizer, [{"role": "user", "content": a}]) for a in asks]
-    rules = [schema_rule(PERSON), schema_rule(PERSON), Constraint("regex", REGEX, "regex"),
-             Constraint("choice", json.dumps(CHOICES), "choice"), Constraint("json_object", "", "json_object")]
-    constrained = [SamplingParams(max_tokens=120, constraint=r) for r in rules]
-    free = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.8, seed=11),
-            SamplingParams(max_tokens=8)]
+    rules = [schema_rule(PERSON), Constraint("regex", REGEX, "regex"), Constraint("choice", json.dumps(CHOICES), "choice")]
+    constrained = [SamplingParams(max_tokens=150, constraint=rules[0]), SamplingParams(max_tokens=20, constraint=rules[1]),
+                   SamplingParams(max_tokens=10, constraint=rules[2])]
+    free = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.8, seed=11)]
     got, mixed_free, alone = mixed_job(constrained, free, engine, prompts)
     for out, rule in zip(got, rules):
         assert out.finish_reason == "stop", (rule.kind, out.text)  # the grammar completed
         check_valid(out.text, rule)
     assert [o.token_ids for o in mixed_free] == [o.token_ids for o in alone]
-    assert engine.grammars.num_compiled == 4  # the two PERSON rows share one compiled grammar
+
+
+def test_json_object_grammar_takes_any_object_and_nothing_else(tiny_text_models):
+    """json_object is unbounded (no max_tokens guarantees completion), so its grammar is checked directly."""
+    engine = make_engine(tiny_text_models["llama"])
+    tokenizer, eos = engine.tokenizer, engine.spec.eos_token_ids[0]
+    grammars = Grammars(tokenizer, engine.spec.vocab_size, [eos])
+    rule = Constraint("json_object", "", "json_object")
+    for text, ok in [('{"a": [1, {"b": null}], "c": "d"}', True), ("{}", True), ("[1, 2]", False), ('"x"', False)]:
+        state = grammars.start(rule)
+        accepted = state.matcher.accept_string(text) and state.accept(eos)
+        assert accepted == ok, text
 
 
 # ---- every architecture, random weights: still valid by construction --------------------------------

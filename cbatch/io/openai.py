@@ -62,7 +62,7 @@ BODY_FIELDS: dict[str, BodyField] = {
     "top_p": _yes("nucleus sampling"),
     "seed": _yes("per-row seed: the same tokens whatever the batch"),
     "stop": _yes("stop strings (not included in the completion)"),
-    "response_format": _yes('structured output: {"type": "text" | "json_object" | "json_schema"}'),
+    "response_format": _yes("structured output: type text, json_object or json_schema"),
     "user": _yes("no effect on the completion"),
     "metadata": _yes("no effect on the completion"),
     # cbatch's own row fields, also accepted inside a body
