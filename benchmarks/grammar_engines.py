@@ -55,22 +55,9 @@ def xgrammar_run(tokenizer, token_ids: list[int], repeats: int) -> dict[str, flo
     compile_s, compiled = best_of(repeats, lambda: xgr.GrammarCompiler(info, cache_enabled=False)
                                   .compile_json_schema(schema, any_whitespace=False))
     bitmask = xgr.allocate_token_bitmask(1, VOCAB)
-
-    def walk() -> tuple[float, float]:
-        matcher, fill, accept = xgr.GrammarMatcher(compiled), 0.0, 0.0
-        for token in token_ids:
-            t0 = time.perf_counter()
-            matcher.fill_next_token_bitmask(bitmask, 0)
-            t1 = time.perf_counter()
-            assert matcher.accept_token(token)
-            accept += time.perf_counter() - t1
-            fill += t1 - t0
-        assert matcher.is_terminated()
-        return fill, accept
-
-    walks = [walk() for _ in range(repeats)]
-    return {"tokenizer prep s": prep, "compile s": compile_s, "mask fill s/token": min(w[0] for w in walks) / len(token_ids),
-            "advance s/token": min(w[1] for w in walks) / len(token_ids)}
+    return {"tokenizer prep s": prep, "compile s": compile_s, **per_token(
+        token_ids, repeats, lambda: xgr.GrammarMatcher(compiled), lambda m: m.fill_next_token_bitmask(bitmask, 0),
+        lambda m, t: m.accept_token(t), lambda m: m.is_terminated())}
 
 
 def llguidance_run(tokenizer, token_ids: list[int], repeats: int) -> dict[str, float]:
@@ -89,22 +76,27 @@ def llguidance_run(tokenizer, token_ids: list[int], repeats: int) -> dict[str, f
 
     compile_s, grammar = best_of(repeats, build)
     bitmask = lt.allocate_token_bitmask(1, VOCAB)
+    return {"tokenizer prep s": prep, "compile s": compile_s, **per_token(
+        token_ids, repeats, lambda: llguidance.LLMatcher(lltok, grammar), lambda m: lt.fill_next_token_bitmask(m, bitmask, 0),
+        lambda m, t: m.consume_token(t), lambda m: m.is_stopped())}
 
-    def walk() -> tuple[float, float]:
-        matcher, fill, accept = llguidance.LLMatcher(lltok, grammar), 0.0, 0.0
+
+def per_token(token_ids: list[int], repeats: int, new_matcher, fill, advance, finished) -> dict[str, float]:
+    """Walks the document's tokens with a fresh matcher `repeats` times: min mask-fill and advance time per token."""
+    fills, advances = [], []
+    for _ in range(repeats):
+        matcher, fill_s, advance_s = new_matcher(), 0.0, 0.0
         for token in token_ids:
             t0 = time.perf_counter()
-            lt.fill_next_token_bitmask(matcher, bitmask, 0)
+            fill(matcher)
             t1 = time.perf_counter()
-            assert matcher.consume_token(token), matcher.get_error()
-            accept += time.perf_counter() - t1
-            fill += t1 - t0
-        assert matcher.is_stopped()
-        return fill, accept
-
-    walks = [walk() for _ in range(repeats)]
-    return {"tokenizer prep s": prep, "compile s": compile_s, "mask fill s/token": min(w[0] for w in walks) / len(token_ids),
-            "advance s/token": min(w[1] for w in walks) / len(token_ids)}
+            assert advance(matcher, token), token
+            advance_s += time.perf_counter() - t1
+            fill_s += t1 - t0
+        assert finished(matcher)
+        fills.append(fill_s)
+        advances.append(advance_s)
+    return {"mask fill s/token": min(fills) / len(token_ids), "advance s/token": min(advances) / len(token_ids)}
 
 
 def main() -> None:
