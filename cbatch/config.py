@@ -97,6 +97,22 @@ RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "add_generat
                             "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs")
 
 
+CONSTRAINT_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice")
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a constrained completion must match (structured output, cbatch/engine/structured.py).
+
+    `text` is the constraint's canonical text, the key its compiled grammar is cached by: the schema as
+    compact JSON (property order kept: it is the output's order), the regex, the choices as a JSON list,
+    "" for json_object (any JSON object)."""
+
+    kind: str  # one of CONSTRAINT_KINDS
+    text: str
+    source: str = field(default="", compare=False)  # the row field or flag it came from (error messages)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to generate one completion, with vLLM's names and meanings. temperature 0 means greedy.
@@ -125,6 +141,7 @@ class SamplingParams:
     logprobs: int | None = None  # k: each generated token's log-probability and the k most likely
     prompt_logprobs: int | None = None  # k: the same for the prompt's tokens
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra chat template variables
+    constraint: Constraint | None = None  # structured output: the completion must match it
 
     def problem(self) -> tuple[str, str] | None:
         """(field, a sentence naming it and what is wrong) for the first unusable setting, or None."""

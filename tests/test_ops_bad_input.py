@@ -57,7 +57,8 @@ def test_bad_rows_are_error_rows_and_good_rows_complete(tiny_chat_model, tmp_pat
     lines.append(_long_prompt_row())
     source, out, report = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl", tmp_path / "r.json"
     args = ["run", str(source), "--out", str(out), "--model", str(tiny_chat_model), "--device", "cpu", "--max-tokens", "5",
-            "--max-model-len", "128", "--report", str(report), "--token-ids"]
+            "--max-model-len", "128", "--report", str(report), "--token-ids",
+            "--allow-duplicate-ids"]  # the good rows repeat (ids included)
     code, stdout, err = run_inprocess(*args)
     assert code == 1, err  # finished, with error rows
     assert "Traceback" not in err

@@ -205,7 +205,7 @@ def test_failed_final_write_keeps_rows_and_leaves_no_output(job, tmp_path, monke
     out = tmp_path / "out.jsonl"
     real_write = cbatch.run.job.write_output
 
-    def disk_full(path, fmt, records, token_ids):
+    def disk_full(path, fmt, records, token_ids, **options):
         path.write_text('{"id": "r0", "compl')  # half a file, then the disk fills up
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

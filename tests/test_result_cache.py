@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbatch.config import EngineConfig, SamplingParams
+from cbatch.config import Constraint, EngineConfig, SamplingParams
 from cbatch.run.result_cache import (
     SCHEDULING_ONLY, CacheLimit, ResultCache, ResultCacheError, RowCache, device_kind, generation_identity,
 )
@@ -140,7 +140,7 @@ def test_key_covers_the_identity_and_every_sampling_field():
                     "ignore_eos": True, "priority": 1, "n": 2, "repetition_penalty": 1.1, "presence_penalty": 0.5,
                     "frequency_penalty": 0.5, "min_p": 0.1, "min_tokens": 2, "stop_token_ids": [7],
                     "logit_bias": {3: 1.0}, "logprobs": 2, "prompt_logprobs": 1,
-                    "chat_template_kwargs": {"enable_thinking": False}}
+                    "chat_template_kwargs": {"enable_thinking": False}, "constraint": Constraint("regex", "[ab]+")}
     for f in fields(SamplingParams):
         changed = _row_cache().row_key(0, ids, replace(params, **{f.name: other_values[f.name]}))
         assert (changed == base) == (f.name in SCHEDULING_ONLY), f.name

@@ -12,7 +12,7 @@ from typing import Any, Callable, NoReturn
 import typer
 
 from cbatch.cli.flags import BENCH_COMMAND_FLAGS, PLAN_FLAGS, RUN_FLAGS, SAMPLING_FLAGS, Flag, command, fields_of, flag_of
-from cbatch.config import ConfigError, EngineConfig, SamplingParams, UserError
+from cbatch.config import ConfigError, Constraint, EngineConfig, SamplingParams, UserError
 from cbatch.io.state import StorageError
 from cbatch.run.exit_codes import EXIT_INTERNAL, EXIT_IO, EXIT_SIGINT, EXIT_USAGE
 
@@ -86,11 +86,28 @@ def sampling_defaults(values: dict[str, Any]) -> SamplingParams:
         except ValueError as exc:  # bad JSON, or a value no row could carry either (RowError)
             fail(f"{flag.spelling}: {exc if isinstance(exc, UserError) else f'not valid JSON ({exc})'}")
     params = SamplingParams(**settings)
+    params.constraint = job_constraint(values)
     problem = params.problem()
     if problem is not None:
         field, message = problem
         fail(f"{flag_of(field)}: {message}")
     return params
+
+
+def job_constraint(values: dict[str, Any]) -> Constraint | None:
+    """--json-schema / --regex / --choice -> the job's constraint, checked by the grammar engine now (a bad
+    one fails the job before anything loads)."""
+    from cbatch.engine.structured import constraint_problem
+    from cbatch.io.constraints import flags_constraint
+
+    try:
+        constraint = flags_constraint(values.get("json_schema"), values.get("regex"), values.get("choice"))
+    except UserError as exc:
+        fail(str(exc))
+    problem = constraint_problem(constraint) if constraint is not None else None
+    if problem is not None:
+        fail(f"{constraint.source}: {problem}")
+    return constraint
 
 
 def check_plot(path: Path | None) -> None:
@@ -122,6 +139,10 @@ def run(**values: Any) -> None:
         fail("--progress-interval: must be a positive number of seconds, e.g. 10")
     if values["display"] not in ("auto", "dashboard", "plain", "none"):
         fail(f"--display: must be one of auto, dashboard, plain, none, not {values['display']!r}")
+    if values["output_format"] not in ("cbatch", "openai"):
+        fail(f"--output-format: must be cbatch or openai, not {values['output_format']!r}")
+    if values["keep_columns"] is not None and values["ray"] is not None:
+        fail("--keep-columns: not available with --ray yet; run locally or leave it out")
     config = engine_config(values, RUN_FLAGS, seed=job_seed(values))
     defaults = sampling_defaults(values)
     try:
@@ -132,7 +153,7 @@ def run(**values: Any) -> None:
         input=values["input"], output=values["out"], engine=config, defaults=defaults, result_cache_limit=cache_limit,
         **{name: values[name] for name in ("token_ids", "overwrite", "allow_errors", "report", "quiet", "lookahead",
                                            "display", "plot", "progress_interval", "result_cache", "retry_errors",
-                                           "reasoning_split")},
+                                           "reasoning_split", "output_format", "keep_columns", "allow_duplicate_ids")},
     )
 
     def job() -> int:

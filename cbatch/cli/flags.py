@@ -115,6 +115,12 @@ SAMPLING_FLAGS = [
          field="logit_bias", metavar="JSON", json=True),
     Flag("chat_template_kwargs", Optional[str], None, 'Chat template variables, JSON: \'{"enable_thinking": false}\'.',
          SAMPLING, field="chat_template_kwargs", metavar="JSON", json=True),
+    # structured output for rows without their own constraint (one of the three; docs/structured-output.md)
+    Flag("json_schema", Optional[Path], None, "Every completion is JSON valid under the schema in this file.", SAMPLING,
+         metavar="FILE"),
+    Flag("regex", Optional[str], None, "Every completion matches this regular expression.", SAMPLING, metavar="PATTERN"),
+    Flag("choice", Optional[List[str]], None, "Every completion is one of these strings (repeatable).", SAMPLING,
+         metavar="VALUE"),
 ]
 
 JOB_FLAGS = [
@@ -126,6 +132,10 @@ JOB_FLAGS = [
     Flag("reasoning_split", bool, True, "Models that think (<think>...</think>): the thinking goes to a `reasoning` "
          "column; --no-reasoning-split keeps the raw text in `completion`.", JOB,
          decls=("--reasoning-split/--no-reasoning-split",)),
+    Flag("output_format", str, "cbatch", "cbatch (our columns) | openai (OpenAI Batch API output lines; .jsonl).", JOB),
+    Flag("keep_columns", Optional[str], None, "Input columns to carry into the output: all, or a comma list.", JOB,
+         metavar="all|COL,..."),
+    Flag("allow_duplicate_ids", bool, False, "Run even when two rows share an id / custom_id.", JOB),
     Flag("report", Optional[Path], None, "Write the JSON report (throughput, utilization, latency) here.", JOB),
     Flag("plot", Optional[Path], None, "Draw occupancy, KV usage, tokens/s and latency (.png or .html; needs matplotlib).",
          JOB),

@@ -18,12 +18,13 @@ from typing import Any, Iterable, Protocol, Sequence as Seq
 
 import torch
 
-from cbatch.config import EngineConfig, SamplingParams
+from cbatch.config import Constraint, EngineConfig, SamplingParams
 from cbatch.engine.kv_blocks import BlockPool
 from cbatch.engine.logprobs import Logprobs
 from cbatch.engine.scheduler import Scheduler, StepInfo, StepOutput, StepPlan
 from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
 from cbatch.engine.stop import StopChecker, find_stop
+from cbatch.engine.structured import ConstraintError, Grammars
 from cbatch.model.spec import ModelSpec
 
 
@@ -78,6 +79,7 @@ class Engine:
 
     def __post_init__(self) -> None:
         self._eos_ids = frozenset(self.spec.eos_token_ids) if self.spec is not None else frozenset()
+        self.grammars: Grammars | None = None  # structured output: built at the first constrained request
         self._next_id = 0
         self._child_ids = itertools.count(-1, -1)  # seq_ids of forked samples: negative, never a row's
         self.reset()
@@ -121,6 +123,8 @@ class Engine:
         error = params.validate() or self.scheduler.admission_error(len(prompt_ids), params) or self._token_error(params)
         if error is None and params.stop and self.tokenizer is None:
             error = "stop strings need a tokenizer; this model has none"
+        if error is None and params.constraint is not None:
+            error = self._grammar_error(params.constraint)
         if error is not None:
             return Sequence(seq_id=seq_id, prompt_ids=prompt_ids, params=params, eos_ids=self._eos_ids,
                             status=SequenceStatus.FINISHED, finish_reason=FinishReason.ERROR, error=error)
@@ -137,7 +141,22 @@ class Engine:
                        sample_index=sample_index)
         if params.stop and self.tokenizer is not None:
             seq.stop = StopChecker(self.tokenizer, params.stop)
+        if params.constraint is not None:  # each sample its own matcher (checked by `_grammar_error` first)
+            seq.grammar = self.grammars.start(params.constraint)
         return seq
+
+    def _grammar_error(self, constraint: Constraint) -> str | None:
+        """None when the constraint compiles (once per engine: `Grammars` caches it); else the error naming
+        the field for a constraint the grammar engine rejects."""
+        if self.tokenizer is None or self.spec is None:
+            return f"{constraint.source or constraint.kind}: structured output needs a tokenizer; this model has none"
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.spec.vocab_size, self._eos_ids)
+        try:
+            self.grammars.start(constraint)
+        except ConstraintError as exc:
+            return str(exc)
+        return None
 
     def _token_error(self, params: SamplingParams) -> str | None:
         """A stop_token_ids or logit_bias token outside the model's vocabulary."""

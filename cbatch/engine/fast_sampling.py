@@ -21,6 +21,7 @@ NEUTRAL = {  # field -> "every row leaves this option off"
     "min_ps": lambda values: not any(values),
     "logprobs": lambda values: all(k is None for k in values),
     "processors": lambda processors: not processors,
+    "grammar_masks": lambda masks: masks is None,
 }
 
 

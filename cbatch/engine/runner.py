@@ -21,6 +21,7 @@ from cbatch.engine.logprobs import prompt_logprobs
 from cbatch.engine.sampler import SamplingBatch
 from cbatch.engine.sampling_inputs import SamplingInputs
 from cbatch.engine.scheduler import StepLogprobs, StepOutput, StepPlan
+from cbatch.engine.structured import TokenMasks
 from cbatch.engine.sequence import Sequence
 from cbatch.model.llama import ForwardContext, KVCacheView, LlamaForCausalLM
 
@@ -101,6 +102,7 @@ class ModelRunner:
         self.reset()
         self.graphs = None  # DecodeGraphs once `capture_decode_graphs` ran (CUDA + Triton backend)
         self.num_host_blocks = num_host_blocks  # swap space in blocks; allocated at the first swap
+        self.token_masks = TokenMasks(spec.vocab_size, device)  # structured output
         self._host_kv: torch.Tensor | None = None
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
@@ -150,6 +152,8 @@ class ModelRunner:
             self.sampling.release(seq)
         batch = self._build(plan)
         sampling = self.sampling.build(batch.sampling_seqs) if batch.sampling_seqs else None
+        if sampling is not None:  # structured output: the constrained rows' bitmasks, filled while the model runs
+            sampling.grammar_masks = self.token_masks.start(batch.sampling_seqs)
         if plan.copies:  # NOTE: first: a forked sample's copy of its parent's partial block, before any write
             self.copy_blocks(plan.copies)
         if plan.swap_out or plan.swap_in:  # NOTE: after _build (nothing there may overwrite a swap_in), before the model

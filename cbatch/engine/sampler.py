@@ -4,7 +4,7 @@
       -> (capture) log-probabilities of the raw logits, for rows that ask (vLLM v1's default `raw_logprobs`)
       -> processors, rows that have them: logit_bias -> min_tokens (EOS and stop_token_ids banned)
          -> repetition / frequency / presence penalties          [`process_logits`]
-         (a constrained-decoding token bitmask belongs at the end of this stage)
+         -> structured output: tokens outside each constrained row's grammar at -inf (xgrammar bitmask)
       -> greedy rows: argmax
       -> random rows: temperature -> softmax -> min_p -> top-k / top-p   [`sampling_probs`]
          -> exponential race with counter-based noise                     [`select_tokens`]
@@ -17,6 +17,7 @@ derived from (row seed, i) (`sample_seed`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -92,6 +93,7 @@ class SamplingBatch:
     min_ps: list[float] = field(default_factory=list)  # empty: no row uses min_p
     logprobs: list[int | None] = field(default_factory=list)  # k per row (None: not asked); empty: no row asks
     processors: LogitsProcessors = field(default_factory=LogitsProcessors)
+    grammar_masks: Any = None  # structured output: a `structured.PendingMasks` of the constrained rows, or None
 
     @property
     def all_greedy(self) -> bool:
@@ -99,8 +101,8 @@ class SamplingBatch:
 
     @property
     def plain(self) -> bool:
-        """Only temperature, top-k, top-p and seeds: no processor, no min_p, no log-probabilities."""
-        return not self.processors and not any(self.min_ps) and not self.logprobs
+        """Only temperature, top-k, top-p and seeds: no processor, no min_p, no log-probabilities, no grammar."""
+        return not self.processors and not any(self.min_ps) and not self.logprobs and self.grammar_masks is None
 
 
 @dataclass(slots=True)
@@ -157,8 +159,12 @@ def sample_step(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits float32 [N, vocab] -> token ids int64 [N]."""
-    return select_tokens(process_logits(logits, batch.processors), batch)
+    """logits float32 [N, vocab] -> token ids int64 [N]. The grammar masks apply last, after the processors
+    (a token a grammar forbids stays forbidden whatever its bias)."""
+    logits = process_logits(logits, batch.processors)
+    if batch.grammar_masks is not None:
+        batch.grammar_masks.apply(logits)  # in place: `logits` is the runner's, or the processors' copy
+    return select_tokens(logits, batch)
 
 
 def process_logits(logits: torch.Tensor, processors: LogitsProcessors) -> torch.Tensor:

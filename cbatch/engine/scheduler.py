@@ -576,12 +576,19 @@ class Scheduler:
         self.stats.forked_samples += 1
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        """A stop string (checked incrementally on the new text), EOS unless ignored, a stop token, max_tokens
-        or the model's context. Before min_tokens, only the last two (vLLM)."""
+        """A stop string (checked incrementally on the new text), a complete grammar, EOS unless ignored, a stop
+        token, max_tokens or the model's context. Before min_tokens, only the last two (vLLM)."""
         params = seq.params
         may_stop = len(seq.output_ids) >= params.min_tokens
         if seq.stop is not None and seq.stop.append(token, may_stop):
             return FinishReason.STOP
+        if seq.grammar is not None:  # structured output: complete when the grammar took its stop token
+            try:
+                if seq.grammar.accept(token):
+                    return FinishReason.STOP
+            except RuntimeError as exc:
+                seq.error = str(exc)
+                return FinishReason.ERROR
         if may_stop and ((token in seq.eos_ids and not params.ignore_eos) or token in params.stop_token_ids):
             return FinishReason.STOP
         if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:

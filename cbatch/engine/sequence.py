@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from cbatch.config import SamplingParams
 from cbatch.engine.logprobs import Logprobs
 from cbatch.engine.stop import StopChecker
+from cbatch.engine.structured import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -73,6 +74,7 @@ class Sequence:
             self.logprobs = Logprobs()
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = Logprobs()
+    grammar: GrammarState | None = None  # structured output: the matcher of the request's constraint
 
     @property
     def prompt_len(self) -> int:

@@ -145,3 +145,39 @@ def inspect_input(path: Path, probe_rows: int = 200) -> int:
     if count == 0:
         raise InputError(f"{path}: the input has no rows; give at least one row with a `prompt` or `messages` field")
     return count
+
+
+def find_duplicate_id(path: Path) -> tuple[str, int, int] | None:
+    """The first row id (`id`, else OpenAI's `custom_id`) given to two rows: (id, first place, second place),
+    places being JSONL line numbers or Parquet row numbers (1-based); None when ids are unique.
+    Streams the input, holding one set of ids (never the rows)."""
+    from cbatch.io.rows import given_row_id
+
+    seen: dict[str, int] = {}
+    for place, row in _places_and_rows(path):
+        row_id = given_row_id(row)
+        if row_id is None:
+            continue  # its id is its row index: unique
+        first = seen.setdefault(row_id, place)
+        if first != place:
+            return row_id, first, place
+    return None
+
+
+def _places_and_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, row) for JSONL; (row number, {id, custom_id}) for Parquet (only those columns are read)."""
+    if input_format(path) == "jsonl":
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                if raw.strip():
+                    yield line_no, _parse_line(line_no, raw)
+        return
+    pf = _open_parquet(path)
+    columns = [c for c in ("id", "custom_id") if c in pf.schema_arrow.names]
+    if not columns:
+        return
+    number = 0
+    for batch in pf.iter_batches(batch_size=65536, columns=columns):
+        for row in batch.to_pylist():
+            number += 1
+            yield number, {k: v for k, v in row.items() if v is not None}

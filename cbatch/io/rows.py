@@ -1,16 +1,20 @@
 """One input row -> a validated request (prompt + sampling settings), or a message naming what is wrong.
 
 Accepted shapes: `{"prompt": "..."}`, `{"messages": [{"role", "content"}, ...]}`,
-`{"prompt_token_ids": [...]}`, each with optional `id` and sampling fields (`SAMPLING_FIELDS`, vLLM's names:
-docs/sampling.md); and the OpenAI batch format `{"custom_id", "body": {...}}`.
+`{"prompt_token_ids": [...]}`, each with optional `id`, sampling fields (`SAMPLING_FIELDS`, vLLM's names:
+docs/sampling.md) and a structured-output constraint (`json_schema`, `regex`, `choice`, `json_object`,
+`response_format`: cbatch/io/constraints.py); and the OpenAI batch format `{"custom_id", "method", "url",
+"body": {...}}` (cbatch/io/openai.py).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cbatch.config import SamplingParams, UserError
+from cbatch.io.constraints import ConstraintFieldError, constraint_from_row
+from cbatch.io.openai import RequestError, is_openai_request, request_fields
 
 SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "priority", "n", "repetition_penalty",
@@ -29,20 +33,27 @@ class RowRequest:
     messages: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
     params: SamplingParams | None = None
+    echo: dict[str, Any] = field(default_factory=dict)  # request fields an OpenAI output line repeats: object, model
 
 
 class RowError(UserError):
     """A bad row: the message names the field and the problem."""
 
 
-def row_id_of(index: int, row: dict[str, Any] | str) -> str:
-    """The output id: the input's `id` (or OpenAI `custom_id`), else the row index."""
+def given_row_id(row: dict[str, Any] | str) -> str | None:
+    """The input's own id: `id`, else OpenAI's `custom_id` (a string or an integer); None if it has none."""
     if isinstance(row, dict):
         for key in ("id", "custom_id"):
             value = row.get(key)
             if isinstance(value, (str, int)) and not isinstance(value, bool):
                 return str(value)
-    return str(index)
+    return None
+
+
+def row_id_of(index: int, row: dict[str, Any] | str) -> str:
+    """The output id: the input's own id, else the row index."""
+    row_id = given_row_id(row)
+    return str(index) if row_id is None else row_id
 
 
 def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams) -> RowRequest:
@@ -50,12 +61,12 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams) -
     if isinstance(row, str):
         raise RowError(row)
     row_id = row_id_of(index, row)
-    if isinstance(row.get("body"), dict):  # OpenAI batch format: the request lives in `body`
-        row = {**row["body"], **{k: v for k, v in row.items() if k != "body"}}
-        if "max_completion_tokens" in row and "max_tokens" not in row:
-            row["max_tokens"] = row["max_completion_tokens"]
-        if isinstance(row.get("logprobs"), bool):  # chat completions: logprobs true/false + top_logprobs k
-            row["logprobs"] = row.get("top_logprobs", 0) if row["logprobs"] else None
+    response_object = None
+    if is_openai_request(row):  # OpenAI batch format: the request lives in `body`
+        try:
+            row, response_object = request_fields(row)
+        except RequestError as exc:
+            raise RowError(str(exc)) from None
     request = RowRequest(index=index, row_id=row_id)
     given = [k for k in ("prompt", "messages", "prompt_token_ids") if row.get(k) is not None]
     if not given:
@@ -74,6 +85,9 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams) -
     else:
         request.prompt_token_ids = _token_ids(row["prompt_token_ids"])
     request.params = sampling_from_row(row, defaults)
+    request.echo = {"object": response_object or ("chat.completion" if request.messages else "text_completion")}
+    if isinstance(row.get("model"), str):
+        request.echo["model"] = row["model"]
     return request
 
 
@@ -120,6 +134,10 @@ def sampling_from_row(row: dict[str, Any], defaults: SamplingParams) -> Sampling
     changes = {key: sampling_value(key, row[key]) for key in SAMPLING_FIELDS if row.get(key) is not None}
     if isinstance(changes.get("chat_template_kwargs"), dict):
         changes["chat_template_kwargs"] = {**defaults.chat_template_kwargs, **changes["chat_template_kwargs"]}
+    try:
+        changes["constraint"] = constraint_from_row(row, defaults.constraint)
+    except ConstraintFieldError as exc:
+        raise RowError(str(exc)) from None
     params = replace(defaults, **changes)
     error = params.validate()
     if error is not None:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 
 
 from cbatch.config import UserError
-from cbatch.io.writer import output_format, read_output
+from cbatch.io.writer import OUTPUT_COLUMNS, output_format, read_output
 
 
 class StateError(UserError):
@@ -273,8 +273,11 @@ class JobState:
             for index, samples in _output_rows(read_output(self.output, output_format(self.output))):
                 if all(row.get("finish_reason") != "error" for row in samples):  # else the whole row runs again
                     for row in samples:
+                        own = {k: v for k, v in row.items() if k in OUTPUT_COLUMNS}
+                        kept = {k: v for k, v in row.items() if k not in OUTPUT_COLUMNS}  # --keep-columns values
                         extra = {"num_samples": len(samples)} if len(samples) > 1 else {}
-                        f.write((json.dumps({"index": index, **row, **extra}) + "\n").encode("ascii"))
+                        record = {"index": index, **own, **extra, **({"kept": kept} if kept else {})}
+                        f.write((json.dumps(record) + "\n").encode("ascii"))
             f.flush()
             os.fsync(f.fileno())
         previous = (_read_json(self.done_record) or {}).get("fingerprint")

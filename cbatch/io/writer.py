@@ -18,6 +18,7 @@ COLUMNS = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tok
 LOGPROB_COLUMNS = ("token_logprobs", "top_logprobs", "prompt_token_ids", "prompt_token_logprobs", "prompt_top_logprobs")
 OPTIONAL_COLUMNS = ("sample_index", "reasoning") + LOGPROB_COLUMNS
 COLUMN_DEFAULTS = {"sample_index": 0}
+OUTPUT_COLUMNS = COLUMNS + ("completion_token_ids",) + OPTIONAL_COLUMNS  # every column the output may have of its own
 
 
 class OutputError(UserError):
@@ -103,26 +104,55 @@ def output_schema(columns: Sequence[str]):
     return pa.schema([pa.field(name, types[name]) for name in columns])
 
 
-def write_output(path: Path, fmt: str, records: Iterable[dict[str, Any]], columns: Sequence[str], chunk_rows: int = 4096) -> None:
-    """Writes `columns` (`output_columns`) of every record."""
+def write_output(path: Path, fmt: str, records: Iterable[dict[str, Any]], columns: Sequence[str], chunk_rows: int = 4096,
+                 *, kept_types: dict[str, Any] | None = None, openai_model: str | None = None) -> None:
+    """Writes `columns` (`output_columns`) of every record, then its --keep-columns values. `kept_types`: the
+    kept columns' Arrow types (Parquet); `openai_model`: OpenAI batch output lines instead (JSONL, one per
+    input row, its samples as choices), naming this model where a row named none."""
     def row(record: dict[str, Any]) -> dict[str, Any]:
         return {c: record.get(c, COLUMN_DEFAULTS.get(c)) for c in columns}
 
+    if fmt == "jsonl" and openai_model is not None:
+        from cbatch.io.openai import write_openai_lines
+
+        return write_openai_lines(path, records, openai_model)
     if fmt == "jsonl":
         with open(path, "w", encoding="utf-8") as f:
             for record in records:
-                f.write(json.dumps(row(record), ensure_ascii=False) + "\n")
+                f.write(json.dumps({**row(record), **record.get("kept", {})}, ensure_ascii=False) + "\n")
         return
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = output_schema(columns)
-    with pq.ParquetWriter(path, schema) as writer:
+    kept_types = kept_types or {}
+    base = output_schema(columns)
+    with pq.ParquetWriter(path, _with_kept(base, kept_types)) as writer:
         chunk: list[dict[str, Any]] = []
         for record in records:
-            chunk.append(row(record))
+            chunk.append(record)
             if len(chunk) >= chunk_rows:
-                writer.write_table(pa.Table.from_pylist(chunk, schema=schema))
+                writer.write_table(_table([row(r) for r in chunk], base, chunk, kept_types))
                 chunk = []
-        if chunk or writer is not None:
-            writer.write_table(pa.Table.from_pylist(chunk, schema=schema))
+        writer.write_table(_table([row(r) for r in chunk], base, chunk, kept_types))
+
+
+def _with_kept(schema, kept_types: dict[str, Any]):
+    import pyarrow as pa
+
+    from cbatch.io.columns import JSON_TEXT
+
+    for name, arrow_type in kept_types.items():
+        schema = schema.append(pa.field(name, pa.string() if arrow_type == JSON_TEXT else arrow_type))
+    return schema
+
+
+def _table(rows: list[dict[str, Any]], base, records: list[dict[str, Any]], kept_types: dict[str, Any]):
+    """The output columns of `rows` under the `base` schema, then each kept column of `records`."""
+    import pyarrow as pa
+
+    from cbatch.io.columns import column_values
+
+    table = pa.Table.from_pylist(rows, schema=base)
+    for name, arrow_type in kept_types.items():
+        values = column_values([r.get("kept", {}).get(name) for r in records], arrow_type)
+        table = table.append_column(pa.field(name, values.type), values)
+    return table

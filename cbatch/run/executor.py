@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from cbatch.config import SamplingParams
 from cbatch.engine.engine import Engine, RequestOutput
 from cbatch.engine.sequence import Sequence
+from cbatch.io.columns import KeepColumns
 from cbatch.io.reader import RawRow
 from cbatch.io.rows import RowError, RowRequest, parse_row, row_id_of
 from cbatch.observe.metrics import JobMetrics, RequestTiming, engine_snapshot, engine_step_sample
@@ -59,6 +60,8 @@ class _PendingRow:
     queued_s: float
     queued_step: int
     samples_left: int  # of this run's samples, those not finished yet
+    echo: dict[str, Any]  # request fields an OpenAI output line repeats (io/openai.py)
+    kept: dict[str, Any]  # --keep-columns: input columns carried to the output
 
 
 class LocalExecutor:
@@ -69,13 +72,14 @@ class LocalExecutor:
     (docs/sampling.md)."""
 
     def __init__(self, engine: Engine, defaults: SamplingParams, metrics: JobMetrics, lookahead: int = 16384,
-                 cache: RowCache | None = None, reasoning_split: bool = True) -> None:
+                 cache: RowCache | None = None, reasoning_split: bool = True, keep: KeepColumns | None = None) -> None:
         self.engine = engine
         self.defaults = defaults
         self.metrics = metrics
         self.lookahead = lookahead
         self.cache = cache
         self.split_reasoning = reasoning_split and template_thinks(engine.tokenizer)
+        self.keep = keep  # --keep-columns
         self._rows: dict[int, _PendingRow] = {}  # row index (the parent's seq_id) -> the row in the engine
         self._ready: list[RowResult] = []  # rows that failed before reaching the engine
 
@@ -89,8 +93,11 @@ class LocalExecutor:
     def submit(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int] = frozenset()) -> None:
         """Queues the row (its samples not in `done_samples`); anything wrong with this row alone (its fields,
         its tokenization, its size) makes it an error result and never stops the job."""
+        kept = self.keep.pick(raw) if self.keep is not None else {}
+        echo: dict[str, Any] = {}
         try:
             request = parse_row(index, raw, self.defaults)
+            echo = request.echo
             prompt_ids = tokenize_request(self.engine, request)
             hit = self.cache.lookup(index, request.row_id, prompt_ids, request.params) if self.cache else None
             if hit is None:
@@ -98,12 +105,16 @@ class LocalExecutor:
                 seq = self.engine.add_request(prompt_ids, request.params, seq_id=index, samples=samples)
         except Exception as exc:  # RowError, or a tokenizer / engine check on this row alone: never the job
             message = str(exc) if isinstance(exc, ValueError) else f"could not prepare this row ({type(exc).__name__}: {exc})"
-            self._ready.append(RowResult.failed(index, row_id_of(index, raw), message))
+            failed = RowResult.failed(index, row_id_of(index, raw), message)
+            failed.echo, failed.kept = echo, kept
+            self._ready.append(failed)
             return
         if hit is not None:
+            hit.echo, hit.kept = echo, kept
             self._ready.append(hit)
             return
-        self._rows[index] = _PendingRow(request.row_id, self.metrics.now(), self.engine.scheduler.stats.steps, len(samples))
+        self._rows[index] = _PendingRow(request.row_id, self.metrics.now(), self.engine.scheduler.stats.steps,
+                                        len(samples), echo, kept)
         self.metrics.submitted_rows += 1
         self.metrics.submitted_max_tokens += request.params.max_tokens * len(samples)
         if seq.is_finished:  # could never run (too long for the model or the KV pool)
@@ -143,7 +154,9 @@ class LocalExecutor:
         if failed or row.samples_left == 0:
             del self._rows[seq.row_index]
         if failed:
-            return RowResult.failed(seq.row_index, row.row_id, out.error or "failed", len(out.prompt_token_ids))
+            result = RowResult.failed(seq.row_index, row.row_id, out.error or "failed", len(out.prompt_token_ids))
+            result.echo, result.kept = row.echo, row.kept
+            return result
         metrics = self.metrics
         step_time, first = metrics.step_time, seq.first_scheduled_step
         timing = RequestTiming(
@@ -159,6 +172,7 @@ class LocalExecutor:
             seq.row_index, row.row_id, out.finish_reason, completion=completion, prompt_tokens=len(out.prompt_token_ids),
             completion_tokens=len(out.token_ids), completion_token_ids=out.token_ids, timing=timing,
             sample_index=out.sample_index, num_samples=seq.params.n, last=row.samples_left == 0, columns=columns,
+            echo=row.echo, kept=row.kept,
         )
 
     def _columns(self, out: RequestOutput) -> tuple[str | None, dict[str, Any]]:

@@ -13,6 +13,8 @@ from cbatch.config import EngineConfig, UserError
 from cbatch.engine.build import build_engine
 from cbatch.engine.engine import Engine
 from cbatch.io.reader import iter_rows
+from cbatch.io.columns import output_kept_types
+from cbatch.io.openai import output_model_name
 from cbatch.io.state import JobState, StateError, StorageError, record_key
 from cbatch.io.writer import output_columns, output_format, write_output
 from cbatch.observe.metrics import JobMetrics
@@ -48,7 +50,8 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
     options = replace(options, engine=engine.config)
     prepared = replace(prepared, config=engine.config)
     metrics = JobMetrics(total_rows=prepared.total_rows)
-    executor = LocalExecutor(engine, options.defaults, metrics, options.lookahead, cache, options.reasoning_split)
+    executor = LocalExecutor(engine, options.defaults, metrics, options.lookahead, cache, options.reasoning_split,
+                             keep=options.keep)
     code = run_rows(options, prepared, executor, metrics, make_progress or make_display)
     report = build_report(
         metrics, engine.scheduler.stats, wall_seconds=metrics.now(), max_num_seqs=prepared.config.max_num_seqs,
@@ -135,7 +138,10 @@ def conclude_job(options: JobOptions, state: JobState, report: dict[str, Any], c
         return code
     fmt = output_format(options.output)
     columns = output_columns(options.token_ids, state.columns)
-    state.finish(lambda tmp: write_output(tmp, fmt, state.records(), columns),
+    kept_types = output_kept_types(options.keep, options.input, state.records) if fmt == "parquet" else None
+    openai_model = output_model_name(options.engine.model) if options.output_format == "openai" else None
+    state.finish(lambda tmp: write_output(tmp, fmt, state.records(), columns, kept_types=kept_types,
+                                          openai_model=openai_model),
                  {"rows": state.num_rows, "errors": errors})
     write_report_and_plot(options, report)
     print(summary_line(report) + summary_suffix, flush=True)

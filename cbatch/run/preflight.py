@@ -14,9 +14,11 @@ import torch
 
 from cbatch.config import EngineConfig, SamplingParams, UserError
 from cbatch.engine.build import ResolvedModel, resolve_model
-from cbatch.io.reader import inspect_input
+from cbatch.io.columns import KeepColumns, parquet_kept_types
+from cbatch.io.openai import OPENAI_LINE_FIELDS
+from cbatch.io.reader import find_duplicate_id, input_format, inspect_input
 from cbatch.io.state import JobState, StateError, file_digest, settings_digest
-from cbatch.io.writer import check_writable, output_columns, output_format, written_columns
+from cbatch.io.writer import OUTPUT_COLUMNS, check_writable, output_columns, output_format, written_columns
 from cbatch.model.loader import ModelLoadError
 from cbatch.model.spec import UnsupportedModelError
 from cbatch.run.result_cache import DEFAULT_CACHE_LIMIT, CacheLimit
@@ -49,6 +51,15 @@ class JobOptions:
     result_cache_limit: CacheLimit = DEFAULT_CACHE_LIMIT
     retry_errors: bool = False  # run only the error rows of a complete OUTPUT again, keep the others
     reasoning_split: bool = True  # a thinking model's <think>...</think> goes to a `reasoning` column
+    output_format: str = "cbatch"  # cbatch (our columns) | openai (OpenAI batch output lines; JSONL)
+    keep_columns: str | None = None  # --keep-columns: "all" or a comma list of input columns
+    allow_duplicate_ids: bool = False
+
+    @property
+    def keep(self) -> KeepColumns | None:
+        """The parsed --keep-columns (raises KeepColumnsError naming a column the output already has)."""
+        reserved = OPENAI_LINE_FIELDS if self.output_format == "openai" else OUTPUT_COLUMNS
+        return KeepColumns.parse(self.keep_columns, reserved)
 
 
 @dataclass(slots=True)
@@ -69,9 +80,27 @@ def validate_paths(options: JobOptions) -> int:
             check_writable(options.report, flag="--report")
         if options.input.exists() and options.output.exists() and options.input.samefile(options.output):
             raise JobError(f"--out {options.output} is the input file; choose another --out")
-        return inspect_input(options.input)
+        if options.output_format == "openai" and output_format(options.output) != "jsonl":
+            raise JobError(f"--out {options.output}: --output-format openai writes JSONL; give a .jsonl --out")
+        total_rows = inspect_input(options.input)
+        check_rows(options)
+        return total_rows
     except ValueError as exc:
         raise JobError(str(exc)) from None
+
+
+def check_rows(options: JobOptions) -> None:
+    """--keep-columns names columns the input has (Parquet); no two rows share an id (unless allowed)."""
+    keep = options.keep
+    if keep is not None and input_format(options.input) == "parquet":
+        parquet_kept_types(keep, options.input)
+    if not options.allow_duplicate_ids:
+        duplicate = find_duplicate_id(options.input)
+        if duplicate is not None:
+            row_id, first, second = duplicate
+            where = "lines" if input_format(options.input) == "jsonl" else "rows"
+            raise JobError(f"{options.input}: {where} {first} and {second} have the same id {row_id!r}; give every row "
+                           "its own `id`/`custom_id`, or pass --allow-duplicate-ids")
 
 
 def resolve_or_fail(config: EngineConfig, device: torch.device | None = None) -> ResolvedModel:
@@ -90,10 +119,11 @@ def resolve_or_fail(config: EngineConfig, device: torch.device | None = None) ->
 
 def job_fingerprint(options: JobOptions, model: ResolvedModel) -> dict[str, str]:
     """What makes a partial run's rows valid for this run: the input bytes, and every setting that changes
-    a completion (model, dtype, device, seed, sampling defaults, the reasoning split). Batch shape settings
-    (--max-num-seqs, --policy, ...) are left out: completions do not depend on them. NOTE: of the sampling
-    fields added with n and logprobs, only those set away from their defaults count, so jobs that use none
-    keep the fingerprints they had (a resume across the upgrade still works)."""
+    a completion (model, dtype, device, seed, sampling defaults, the job's constraint, the reasoning split) or
+    a record (the output's format and kept columns). Batch shape settings (--max-num-seqs, --policy, ...) are
+    left out: completions do not depend on them. NOTE: of the sampling fields added with n, logprobs and
+    structured output, only those set away from their defaults count, and the output's format only when it
+    is not the default, so jobs that use none keep the fingerprints they had (a resume across the upgrade works)."""
     checkpoint = model.checkpoint
     settings = {
         "model": str(checkpoint.path.resolve()),
@@ -111,6 +141,8 @@ def job_fingerprint(options: JobOptions, model: ResolvedModel) -> dict[str, str]
         settings["kv_cache_dtype"] = options.engine.kv_cache_dtype
     if not options.reasoning_split:
         settings["reasoning_split"] = False
+    if options.output_format != "cbatch" or options.keep_columns is not None:  # what the records hold
+        settings["output"] = {"format": options.output_format, "keep_columns": options.keep_columns}
     return {"input": file_digest(options.input), "settings": settings_digest(settings)}
 
 
@@ -122,6 +154,9 @@ def nothing_to_retry(options: JobOptions, state: JobState) -> bool:
     are, so OUTPUT's columns must be the ones this job writes."""
     if options.overwrite:
         raise JobError("--retry-errors keeps OUTPUT's ok rows and --overwrite discards them: give one of the two")
+    if options.output_format != "cbatch":
+        raise JobError("--retry-errors: OpenAI batch output lines cannot be read back as rows; retry a job written "
+                       "with --output-format cbatch, or run again with --overwrite")
     try:
         state.check(False, retry_errors=True)
     except StateError as exc:

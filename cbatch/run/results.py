@@ -15,7 +15,7 @@ from cbatch.observe.metrics import RequestTiming
 
 Record = dict[str, Any]
 _BASE_KEYS = frozenset({"index", "id", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error",
-                        "completion_token_ids", "sample_index", "num_samples"})
+                        "completion_token_ids", "sample_index", "num_samples", "echo", "kept"})
 
 
 def _writable(text: str | None) -> str | None:
@@ -39,6 +39,8 @@ class RowResult:
     num_samples: int = 1  # the row's n (an error row stands for its whole row: 1)
     last: bool = True  # the last of its row's samples this run: the row is done (progress counts rows)
     columns: dict[str, Any] = field(default_factory=dict)  # optional output columns: reasoning, logprobs, ...
+    echo: dict[str, Any] = field(default_factory=dict)  # request fields an OpenAI output line repeats (io/openai.py)
+    kept: dict[str, Any] = field(default_factory=dict)  # --keep-columns: input columns carried to the output
 
     @property
     def ok(self) -> bool:
@@ -64,6 +66,7 @@ class RowResult:
             "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens, "error": _writable(self.error),
             "completion_token_ids": self.completion_token_ids,
+            **({"echo": self.echo} if self.echo else {}), **({"kept": self.kept} if self.kept else {}),
         }
         if self.num_samples > 1:
             record.update(sample_index=self.sample_index, num_samples=self.num_samples)

@@ -1,0 +1,244 @@
+"""The OpenAI Batch API format, in and out: a drop-in for batch input files and their output files.
+
+In: lines `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}`.
+Every body field is in `BODY_FIELDS`, THE one list of what cbatch honours: a field it cannot honour (yet)
+makes that row an error naming the field, unless it holds the value that means "off" (e.g. `"n": 1`),
+which is exactly what cbatch does anyway. Nothing is dropped silently.
+
+Out (`--output-format openai`): one line per input row, in input order, shaped like OpenAI's batch output
+lines: `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`, the body a
+`chat.completion` or `text_completion` object with `choices` and `usage`. A failed row is shaped like a
+line of OpenAI's error file for a rejected request: status 400 and `body.error` {message, type, param, code}.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from cbatch.config import UserError
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+OBJECT_OF_URL = {CHAT_URL: "chat.completion", COMPLETIONS_URL: "text_completion"}
+ENVELOPE_FIELDS = ("custom_id", "method", "url", "body")
+OPENAI_LINE_FIELDS = ("id", "custom_id", "response", "error")  # an output line's own keys
+
+HONOURED, NOT_YET, UNSUPPORTED = "honoured", "not yet", "unsupported"
+_ANY = object()  # no value of the field is accepted
+
+
+@dataclass(frozen=True, slots=True)
+class BodyField:
+    status: str  # HONOURED | NOT_YET (planned; none today) | UNSUPPORTED
+    note: str
+    off: Any = _ANY  # the value meaning "off": accepted, since cbatch does exactly that
+
+    @property
+    def has_off(self) -> bool:
+        return self.off is not _ANY
+
+
+def _yes(note: str) -> BodyField:
+    return BodyField(HONOURED, note)
+
+
+def _no(note: str, off: Any = _ANY) -> BodyField:
+    return BodyField(UNSUPPORTED, note, off)
+
+
+# Every body field cbatch knows, and what it does with it (docs/structured-output.md shows this table).
+BODY_FIELDS: dict[str, BodyField] = {
+    "model": _yes("echoed in the response; the job's --model generates"),
+    "messages": _yes("/v1/chat/completions: the chat (text content parts), rendered with the model's chat template"),
+    "prompt": _yes("/v1/completions: one string, or one list of token ids"),
+    "max_tokens": _yes("most tokens to generate"),
+    "max_completion_tokens": _yes("same as max_tokens (max_tokens wins when both are given)"),
+    "temperature": _yes("0 = greedy"),
+    "top_p": _yes("nucleus sampling"),
+    "seed": _yes("per-row seed: the same tokens whatever the batch"),
+    "stop": _yes("stop strings (not included in the completion)"),
+    "response_format": _yes("structured output: type text, json_object or json_schema"),
+    "user": _yes("no effect on the completion"),
+    "metadata": _yes("no effect on the completion"),
+    # cbatch's own row fields, also accepted inside a body
+    "top_k": _yes("cbatch: keep the k most likely tokens"),
+    "ignore_eos": _yes("cbatch: generate past EOS"),
+    "priority": _yes("cbatch: scheduling class (lower = sooner)"),
+    "json_schema": _yes("cbatch: structured output, a JSON schema"),
+    "json_object": _yes("cbatch: structured output, any JSON object"),
+    "regex": _yes("cbatch: structured output, a regular expression"),
+    "choice": _yes("cbatch: structured output, one of a list of strings"),
+    "n": _yes("several completions per row: the line's `choices`, one per sample (index = sample)"),
+    "logprobs": _yes("chat: true/false (with top_logprobs); completions: the number of alternatives"),
+    "top_logprobs": _yes("chat: alternatives per token (with logprobs: true)"),
+    "presence_penalty": _yes("presence penalty"),
+    "frequency_penalty": _yes("frequency penalty"),
+    "logit_bias": _yes("per-token logit bias (token id -> bias)"),
+    # vLLM's extra sampling fields, also accepted inside a body
+    "repetition_penalty": _yes("cbatch/vLLM: repetition penalty"),
+    "min_p": _yes("cbatch/vLLM: min-p filter"),
+    "min_tokens": _yes("cbatch/vLLM: least tokens before EOS"),
+    "stop_token_ids": _yes("cbatch/vLLM: stop on token ids"),
+    "prompt_logprobs": _yes("cbatch/vLLM: prompt tokens' log-probabilities (in the cbatch output format only)"),
+    "chat_template_kwargs": _yes("cbatch/vLLM: chat template variables"),
+    "best_of": _no("several candidates per row, the best returned", off=1),
+    # not for an offline text generator
+    "echo": _no("echo the prompt", off=False),
+    "suffix": _no("text after the completion (insertion)"),
+    "stream": _no("streaming (a batch file is never streamed)", off=False),
+    "stream_options": _no("streaming options"),
+    "tools": _no("tool calling"),
+    "tool_choice": _no("tool calling", off="none"),
+    "parallel_tool_calls": _no("tool calling"),
+    "functions": _no("function calling (deprecated)"),
+    "function_call": _no("function calling (deprecated)", off="none"),
+    "audio": _no("audio output"),
+    "modalities": _no("output modalities", off=["text"]),
+    "prediction": _no("predicted outputs"),
+    "web_search_options": _no("web search"),
+    "reasoning_effort": _no("reasoning models' effort"),
+    "service_tier": _no("OpenAI's service tiers"),
+    "store": _no("storing the completion at OpenAI", off=False),
+}
+
+
+class RequestError(UserError):
+    """A bad OpenAI batch line; the message names the field (`body.logprobs`, `url`, ...)."""
+
+
+def is_openai_request(row: dict[str, Any]) -> bool:
+    return "body" in row
+
+
+def _check_body_field(name: str, value: Any) -> None:
+    spec = BODY_FIELDS.get(name)
+    if spec is None:
+        raise RequestError(f"body.{name}: not a field cbatch knows for {CHAT_URL} or {COMPLETIONS_URL}; remove it")
+    if spec.status == HONOURED or value is None or (spec.has_off and value == spec.off):
+        return
+    when = "not supported yet" if spec.status == NOT_YET else "not supported"
+    fix = f"remove it or set it to {json.dumps(spec.off)}" if spec.has_off else "remove it"
+    raise RequestError(f"body.{name}: {spec.note} is {when} by cbatch; {fix}")
+
+
+def request_fields(row: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """An OpenAI batch line -> (the row fields cbatch reads, the response object: chat.completion or
+    text_completion). Raises RequestError naming the first field it cannot honour."""
+    method = row.get("method", "POST")
+    if method != "POST":
+        raise RequestError(f'method: must be "POST", got {method!r}')
+    body = row["body"]
+    if not isinstance(body, dict):
+        raise RequestError(f"body: must be a JSON object, got {type(body).__name__}")
+    url = row.get("url")
+    if url is None:
+        url = CHAT_URL if "messages" in body else COMPLETIONS_URL
+    if url not in OBJECT_OF_URL:
+        raise RequestError(f"url: must be {CHAT_URL!r} or {COMPLETIONS_URL!r}, got {url!r}")
+    for name, value in body.items():
+        _check_body_field(name, value)
+    prompt_field, other = ("messages", "prompt") if url == CHAT_URL else ("prompt", "messages")
+    if body.get(other) is not None:
+        raise RequestError(f"body.{other}: {url} takes `{prompt_field}`, not `{other}`")
+    fields = dict(body)
+    if url == COMPLETIONS_URL:
+        fields.update(_completion_prompt(body.get("prompt")))
+    if "max_completion_tokens" in fields and fields.get("max_tokens") is None:
+        fields["max_tokens"] = fields["max_completion_tokens"]
+    if url == CHAT_URL:  # chat: logprobs true/false, top_logprobs k; completions: logprobs k already
+        fields["logprobs"] = (fields.get("top_logprobs") or 0) if fields.get("logprobs") else None
+    return fields, OBJECT_OF_URL[url]
+
+
+def _completion_prompt(prompt: Any) -> dict[str, Any]:
+    """/v1/completions' `prompt`: a string, a list of token ids, or a list holding one of those."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"prompt": None, "prompt_token_ids": prompt}
+    if isinstance(prompt, list):
+        raise RequestError("body.prompt: one prompt per line (a string or a list of token ids), not a list of prompts")
+    return {"prompt": prompt}
+
+
+# ---- output -----------------------------------------------------------------------------------------
+def output_model_name(model: str | None) -> str:
+    """The `model` a response names when its request named none: the --model as given (a folder: its name)."""
+    from pathlib import Path
+
+    from cbatch.model.default_model import DEFAULT_MODEL_NAME
+
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return Path(model).name if Path(model).exists() else model
+
+
+def _request_digest(record: dict[str, Any]) -> str:
+    """A stable id for a row's request: the same on a resumed or repeated run."""
+    return hashlib.blake2b(f"{record['index']}\x00{record['id']}".encode(), digest_size=12).hexdigest()
+
+
+def _choice(record: dict[str, Any], obj: str) -> dict[str, Any]:
+    """One sample's choice. Log-probabilities name tokens by id (`token_id`): cbatch keeps ids, not token text."""
+    text = record.get("completion") or ""
+    logprobs = None
+    if record.get("token_logprobs") is not None:
+        tops = record.get("top_logprobs") or [[] for _ in record["token_logprobs"]]
+        logprobs = {"content": [{"token_id": t, "logprob": lp, "top_logprobs": top}
+                                for t, lp, top in zip(record["completion_token_ids"], record["token_logprobs"], tops)]}
+    index = record.get("sample_index", 0)
+    if obj == "chat.completion":
+        return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": logprobs, "finish_reason": record["finish_reason"]}
+    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": record["finish_reason"]}
+
+
+def _completion_body(samples: list[dict[str, Any]], digest: str, model: str, created: int) -> dict[str, Any]:
+    first = samples[0]
+    echo = first.get("echo") or {}
+    obj = echo.get("object", "text_completion")
+    prefix = "chatcmpl" if obj == "chat.completion" else "cmpl"
+    prompt_tokens = first["prompt_tokens"]
+    completion_tokens = sum(r["completion_tokens"] for r in samples)
+    return {
+        "id": f"{prefix}-{digest}", "object": obj, "created": created, "model": echo.get("model") or model,
+        "choices": [_choice(r, obj) for r in samples],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+        "system_fingerprint": None,
+    }
+
+
+def output_line(samples: list[dict[str, Any]], model: str, created: int) -> dict[str, Any]:
+    """A finished row's records (one per sample, in sample order) -> its OpenAI batch output line (a failed
+    row: an error-file line)."""
+    first = samples[0]
+    digest = _request_digest(first)
+    failed = next((r for r in samples if r["finish_reason"] == "error"), None)
+    if failed is not None:
+        body = {"error": {"message": failed.get("error") or "failed", "type": "invalid_request_error",
+                          "param": None, "code": None}}
+        status = 400
+    else:
+        body, status = _completion_body(samples, digest, model, created), 200
+    return {"id": f"batch_req_{digest}", "custom_id": first["id"],
+            "response": {"status_code": status, "request_id": f"req_{digest}", "body": body}, "error": None}
+
+
+def write_openai_lines(path: Path, records: Iterable[dict[str, Any]], model: str) -> None:
+    """OUTPUT as OpenAI batch output lines: one per input row (records come in input order, then sample
+    order), with the row's --keep-columns values after the line's own keys."""
+    created = int(time.time())  # one timestamp for the job's lines: when OUTPUT was written
+    with open(path, "w", encoding="utf-8") as f:
+        for _, samples in itertools.groupby(records, key=lambda r: r["index"]):
+            samples = list(samples)
+            line = {**output_line(samples, model, created), **samples[0].get("kept", {})}
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+
+
+__all__ = ["BODY_FIELDS", "BodyField", "CHAT_URL", "COMPLETIONS_URL", "ENVELOPE_FIELDS", "OPENAI_LINE_FIELDS", "RequestError",
+           "is_openai_request", "output_line", "output_model_name", "request_fields", "write_openai_lines"]
