@@ -17,7 +17,8 @@
 # e2e ~5, e2e-more ~5. The GPU issue's order: kernels, suite, parity, e2e, bench, e2e-more.
 #
 # Carry (device tool `carry`): .carry (SmolLM2's tokenizer for the CLI tests; `python benchmarks/make_carry.py`
-# builds it) and .whl (wheels of anything the image lacks; none needed today). No package registry is used.
+# builds it) and .whl (wheels of what the image lacks: xgrammar and the structured-output tests' packages; make_carry.py
+# downloads them). No package registry is used.
 set -u
 set -o pipefail
 
@@ -89,7 +90,7 @@ setup() {  # the stack, the carried wheels and tokenizer; nothing comes from a r
   local missing
   missing=$($py -c "
 import importlib.util as u
-need = ['torch', 'triton', 'transformers', 'safetensors', 'typer', 'pyarrow', 'rich', 'tqdm', 'numpy', 'pytest', 'hypothesis']
+need = ['torch', 'triton', 'transformers', 'safetensors', 'typer', 'pyarrow', 'rich', 'tqdm', 'numpy', 'pytest', 'hypothesis', 'xgrammar', 'jsonschema']
 print(' '.join(n for n in need if u.find_spec(n) is None))")
   [ -n "$missing" ] && echo "missing packages (carry them as wheels in .whl): $missing" | tee -a "$SUMMARY"
   return 0
