@@ -528,11 +528,16 @@ def main() -> int:
                             ["mode", "rows", "vocab", "MB logits", "torch us", "fused us", "speedup", "same tokens"], rows))
     print(out[-1], flush=True)
 
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(out))
-        print(f"wrote {args.out}")
+    write_tables(args.out, out)
     return 0
+
+
+def write_tables(path: Path | None, tables: list[str]) -> None:
+    """The printed tables, also into `path` (--out), if given."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(tables))
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -117,10 +117,7 @@ def main() -> int:
     out.append(bk.format_table("(b) FP8 weight-only matmul vs F.linear on bf16 weights (MB = fp8 weight + activations)",
                                header, rows))
     print(out[-1], flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(out))
-        print(f"wrote {args.out}")
+    bk.write_tables(args.out, out)
     return 0
 
 
