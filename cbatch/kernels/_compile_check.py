@@ -95,8 +95,7 @@ def compile_call(jit_fn, args, kwargs, arch: int = 90):
 
 def _drive():
     """Call every wrapper on the shapes the engine will use (bf16 mostly; fp32/fp16 for the tests)."""
-    from cbatch.kernels import (apply_rotary, fused_add_rms_norm, fused_sample, norm_rope_store, paged_attention,
-                                rms_norm, silu_and_mul, store_kv)
+    from cbatch.kernels import paged_attention
 
     fp8 = torch.float8_e4m3fn
 
@@ -132,7 +131,15 @@ def _drive():
     yield attention("mixed Gemma-2 softcap + window hd256 G2", torch.bfloat16, 8, 4, 256, [64, 1], 8192,
                     sliding_window=4096, softcap=50.0)
     yield attention("decode Gemma-2 softcap B32", torch.bfloat16, 8, 4, 256, [1] * 32, 4096, softcap=50.0)
+    yield from _drive_small_ops()
+    yield from _drive_models()
 
+
+def _drive_small_ops():
+    """The per-layer ops around attention (store, rotary, norms, activation, the fused prologue) and the sampler."""
+    from cbatch.kernels import apply_rotary, fused_add_rms_norm, fused_sample, norm_rope_store, rms_norm, silu_and_mul, store_kv
+
+    fp8 = torch.float8_e4m3fn
     qkv = torch.empty(256, (16 + 2 * 8) * 128, dtype=torch.bfloat16)
     k = qkv[:, 16 * 128 : 24 * 128].view(256, 8, 128)
     v = qkv[:, 24 * 128 :].view(256, 8, 128)
@@ -166,7 +173,6 @@ def _drive():
     fused_sample(torch.empty(256, 151936), torch.empty(256), torch.empty(256, dtype=torch.int64),
                  torch.empty(256, dtype=torch.int64))
     yield "fused_sample vocab 151936"
-    yield from _drive_models()
 
 
 def _drive_models():
