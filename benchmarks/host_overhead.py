@@ -23,6 +23,7 @@ import torch
 from cbatch.model.backend import TorchBackend, TritonBackend
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine.build import build_engine, resolve_model
+from cbatch.engine.scheduler import StepOutput
 from cbatch.model.spec import parse_spec
 
 # SmolLM2-135M-Instruct's shapes with a single layer: the model is never called, and one layer keeps
@@ -49,8 +50,10 @@ def measure(running: int, steps: int, prompt_len: int, clock) -> dict[str, float
     def host_only_execute(plan):
         for seq in plan.preempted + plan.finished:
             runner.block_tables.release(seq)
+            runner.sampling.release(seq)
         t0 = clock()
         batch = runner._build(plan)
+        runner.sampling.build(batch.sampling_seqs)  # the sampling settings (and seeds) the runner builds each step
         t1 = clock()
         triton_backend.prepare(batch.meta)  # no per-step host work on the GPU path
         torch_backend.prepare(batch.meta)  # the CPU path's per-step prep (decode groups, masks)
@@ -58,7 +61,7 @@ def measure(running: int, steps: int, prompt_len: int, clock) -> dict[str, float
         if timing["on"]:
             times["build"].append(t1 - t0)
             times["torch_prepare"].append(t2 - t1)
-        return {seq.seq_id: 7 for seq in batch.sampling_seqs}
+        return StepOutput({seq.seq_id: 7 for seq in batch.sampling_seqs})
 
     schedule = engine.scheduler.schedule
 

@@ -85,29 +85,42 @@ class SamplingInputs:
         self.device = device
         self.job_seed = job_seed
         self.token_counts = TokenCounts(vocab_size, device)
+        self._seeds: dict[int, int] = {}  # seq_id -> its effective seed (fixed for the sequence's life)
 
     def release(self, seq: Sequence) -> None:
         self.token_counts.release(seq)
+        self._seeds.pop(seq.seq_id, None)
 
     def build(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.params for s in seqs]
+        # NOTE: rows usually share a few SamplingParams objects: each option is looked for once per distinct
+        # object, and the per-row work is done only for an option some row uses (the host step stays short)
+        distinct = {id(p): p for p in params}.values()
         batch = SamplingBatch(
             temperatures=[float(p.temperature) for p in params],
             top_ps=[float(p.top_p) for p in params],
             top_ks=[int(p.top_k) for p in params],
-            seeds=[sample_seed(s.params.seed, self.job_seed, s.row_index, s.sample_index) for s in seqs],
+            seeds=[self._seed(s) for s in seqs],
             positions=[len(s.output_ids) for s in seqs],
         )
-        if any(p.min_p > 0 for p in params):
+        if any(p.min_p > 0 for p in distinct):
             batch.min_ps = [float(p.min_p) for p in params]
-        if any(p.logprobs is not None for p in params):
+        if any(p.logprobs is not None for p in distinct):
             batch.logprobs = [p.logprobs for p in params]
         batch.processors = LogitsProcessors(
-            bias=self._sparse([(r, t, float(b)) for r, p in enumerate(params) for t, b in p.logit_bias.items()]),
-            banned=self._sparse([(r, t, -float("inf")) for r, s in enumerate(seqs) for t in _banned(s)]),
-            penalties=self._penalties(seqs),
+            bias=self._sparse([(r, t, float(b)) for r, p in enumerate(params) for t, b in p.logit_bias.items()])
+            if any(p.logit_bias for p in distinct) else None,
+            banned=self._sparse([(r, t, -float("inf")) for r, s in enumerate(seqs) for t in _banned(s)])
+            if any(p.min_tokens > 0 for p in distinct) else None,
+            penalties=self._penalties(seqs) if any(p.penalized for p in distinct) else None,
         )
         return batch
+
+    def _seed(self, seq: Sequence) -> int:
+        seed = self._seeds.get(seq.seq_id)
+        if seed is None:
+            seed = self._seeds[seq.seq_id] = sample_seed(seq.params.seed, self.job_seed, seq.row_index, seq.sample_index)
+        return seed
 
     def _sparse(self, entries: list[tuple[int, int, float]]) -> SparseLogits | None:
         if not entries:
