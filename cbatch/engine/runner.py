@@ -229,12 +229,12 @@ class ModelRunner:
                 token_ids.append(seq.token_at(seq.num_computed))
             else:
                 token_ids.extend(seq.tokens(seq.num_computed, seq.num_computed + num_new))
-            if seq.prompt_logprobs_missing:
+            if seq.prompt_logprobs is not None and seq.prompt_logprobs_missing:  # (the cheap test first: hot loop)
                 prompt_rows.extend(_prompt_logprob_rows(seq, num_new, offset))
             offset += num_new
             if seq.num_computed + num_new == seq.num_tokens:  # this chunk reaches the end: sample
                 # the samples it forks draw their first token from the same logits row
-                samples = seq.samples if seq.pending_children else [seq]
+                samples = seq.samples if seq.children and not seq.forked else [seq]  # pending_children, inlined
                 sampling_seqs.extend(samples)
                 logits_idx.extend([offset - 1] * len(samples))
         num_tokens = offset
