@@ -52,8 +52,9 @@ def measure(running: int, steps: int, prompt_len: int, clock) -> dict[str, float
             runner.block_tables.release(seq)
             runner.sampling.release(seq)
         t0 = clock()
-        batch = runner._build(plan)
-        runner.sampling.build(batch.sampling_seqs)  # the sampling settings (and seeds) the runner builds each step
+        inputs, sampling_seqs, _ = runner._build(plan)
+        batch = inputs.to_device(runner.device, runner.block_size)  # the tensors (host copies on a GPU)
+        runner.sampling.build(sampling_seqs)  # the sampling settings (and seeds) the runner builds each step
         t1 = clock()
         triton_backend.prepare(batch.meta)  # no per-step host work on the GPU path
         torch_backend.prepare(batch.meta)  # the CPU path's per-step prep (decode groups, masks)
@@ -61,7 +62,7 @@ def measure(running: int, steps: int, prompt_len: int, clock) -> dict[str, float
         if timing["on"]:
             times["build"].append(t1 - t0)
             times["torch_prepare"].append(t2 - t1)
-        return StepOutput({seq.seq_id: 7 for seq in batch.sampling_seqs})
+        return StepOutput({seq.seq_id: 7 for seq in sampling_seqs})
 
     schedule = engine.scheduler.schedule
 

@@ -101,6 +101,9 @@ class SimulatedRunner:
     def idle(self) -> None:
         self.forward_seconds += self.cost.step_cost(StepInfo())
 
+    def close(self) -> None:
+        pass  # nothing outlives it
+
 
 def simulated_engine(config: EngineConfig, cost: CostModel, max_model_len: int, longest_request: int,
                      spec: ModelSpec | None = None) -> Engine:

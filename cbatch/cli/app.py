@@ -14,6 +14,7 @@ import typer
 from cbatch.cli.flags import BENCH_COMMAND_FLAGS, PLAN_FLAGS, RUN_FLAGS, SAMPLING_FLAGS, Flag, command, fields_of, flag_of
 from cbatch.config import ConfigError, Constraint, EngineConfig, SamplingParams, UserError
 from cbatch.io.state import StorageError
+from cbatch.parallel import WorkerFailure
 from cbatch.run.exit_codes import EXIT_INTERNAL, EXIT_IO, EXIT_SIGINT, EXIT_USAGE
 
 app = typer.Typer(
@@ -55,6 +56,8 @@ def exit_for(action: Callable[[], int], resumable: bool = True) -> NoReturn:
         fail(str(exc))
     except StorageError as exc:
         fail(f"{exc} (the environment failed, not cbatch); fix that and run the same command again.{kept}", EXIT_IO)
+    except WorkerFailure as exc:
+        fail(f"{exc}: the job stopped (the environment failed, not cbatch).{kept}", EXIT_IO)
     except KeyboardInterrupt:
         typer.echo(f"cbatch: interrupted.{kept}", err=True)
         raise typer.Exit(EXIT_SIGINT)

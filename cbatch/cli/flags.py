@@ -62,6 +62,9 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
              field="attention_backend"),
         Flag("max_model_len", Optional[int], None, "Cap on prompt + completion tokens (default: the model's).", ENGINE,
              field="max_model_len"),
+        Flag("tensor_parallel_size", int, 1, "Split each layer across N GPUs (N CPU processes on CPU): models bigger "
+             "than one device (docs/tensor-parallel.md).", ENGINE, decls=("--tensor-parallel-size", "-tp"),
+             field="tensor_parallel_size", metavar="N"),
         Flag("threads", Optional[int], None, "CPU threads for torch (default: torch's choice).", ENGINE, field="num_threads"),
         Flag("gpu_memory_utilization", float, 0.9, "Share of GPU memory for weights + activations + KV cache.", ENGINE,
              field="gpu_memory_utilization"),

@@ -19,7 +19,11 @@ from cbatch.engine.warmup import warm_up
 from cbatch.model.backend import Backend, BackendUnavailable, make_backend
 from cbatch.model.cpu_features import bf16_speed_warning
 from cbatch.model.loader import Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir
+from cbatch.model.llama import LlamaForCausalLM
 from cbatch.model.spec import ModelSpec
+from cbatch.parallel.comm import SINGLE_RANK, Communicator
+from cbatch.parallel.group import start_group
+from cbatch.parallel.shard import check_tensor_parallel
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +48,15 @@ def resolve_device(name: str) -> torch.device:
 def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: torch.device | None = None) -> ResolvedModel:
     """`config.model` (or the default model) read up to its config.json; or a bare `spec` (random weights).
     `device`: the one a planned run will use (`cbatch plan`), instead of `config.device` here. Warns (one
-    stderr line) when the dtype is bfloat16 on a CPU without native bfloat16."""
+    stderr line) when the dtype is bfloat16 on a CPU without native bfloat16. Refuses a --tensor-parallel-size
+    the model's shapes cannot split."""
     checkpoint = None
     if spec is None:
         from cbatch.model.default_model import default_model_dir
 
         checkpoint = read_checkpoint(resolve_model_dir(config.model) if config.model else default_model_dir())
         spec = checkpoint.spec
+    check_tensor_parallel(spec, config.tensor_parallel_size)
     device = device if device is not None else resolve_device(config.device)
     max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     dtype = resolve_dtype(config.dtype, spec, device)
@@ -71,29 +77,33 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
                  show_progress: bool = False) -> Engine:
     """Loads the model (random weights for a weightless `resolved`), sizes the KV pool and the step (on a GPU,
     from memory), builds the engine. The engine's config has the step limits it runs with.
-    `show_progress`: a tqdm bar over the checkpoint's tensors while they load (the library's default)."""
+    `show_progress`: a tqdm bar over the checkpoint's tensors while they load (the library's default).
+    With --tensor-parallel-size N this process is rank 0 and N - 1 worker processes hold the other shares."""
     resolved = resolved or resolve_model(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device, dtype, spec = resolved.device, resolved.dtype, resolved.spec
-    backend = engine_backend(config, device)
-    if resolved.checkpoint is not None:
-        model = load_model(resolved.checkpoint, resolved.max_model_len, device, dtype, backend, show_progress)
-    else:
-        model = init_random_weights(build_model(spec, resolved.max_model_len, device, dtype, backend), random_weights_seed)
-    if device.type == "cpu":
-        model.prepack_for_cpu()
+    comm, peers = SINGLE_RANK, None
+    if config.tensor_parallel_size > 1:
+        comm, peers = start_group(config, resolved)
+    model = load_rank_model(config, resolved, comm, device, random_weights_seed, show_progress)
     kv_dtype = memory.kv_cache_dtype(config, dtype)
 
     def make_runner(sized: EngineConfig, num_blocks: int, num_host_blocks: int = 0) -> ModelRunner:
-        return ModelRunner(model, num_blocks, sized.block_size, sized.max_num_seqs, resolved.max_model_len,
-                           device, dtype, sized.seed, num_host_blocks, kv_dtype)
+        settings = dict(num_kv_blocks=num_blocks, block_size=sized.block_size, max_num_seqs=sized.max_num_seqs,
+                        max_model_len=resolved.max_model_len, dtype=dtype, job_seed=sized.seed,
+                        num_host_blocks=num_host_blocks, kv_dtype=kv_dtype)
+        if peers is not None:
+            peers.send_runner(**settings)  # the workers build the same runner over their shares
+        runner = ModelRunner(model, device=device, **settings)
+        runner.peers = peers
+        return runner
 
-    config, kv = _kv_pool(config, resolved, kv_dtype, make_runner)
+    config, kv = _kv_pool(config, resolved, model.spec, kv_dtype, make_runner)
     runner = make_runner(config, kv.num_blocks, kv.num_host_blocks)
-    if device.type == "cuda" and backend.supports_cuda_graphs and not config.enforce_eager:
+    if device.type == "cuda" and model.backend.supports_cuda_graphs and not config.enforce_eager:
         runner.capture_decode_graphs(config.max_num_seqs, resolved.max_model_len)
-    if device.type == "cuda" and backend.name == "triton":
+    if device.type == "cuda" and model.backend.name == "triton":
         warm_up(runner, config, resolved.max_model_len)  # every kernel variant compiles now, not mid-run
     tokenizer = None
     model_dir = resolved.checkpoint.path if resolved.checkpoint is not None else None
@@ -105,11 +115,28 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
                   dtype=dtype, model_dir=model_dir)
 
 
-def _kv_pool(config: EngineConfig, resolved: ResolvedModel, kv_dtype: torch.dtype, make_runner) -> tuple[EngineConfig, KVPool]:
+def load_rank_model(config: EngineConfig, resolved: ResolvedModel, comm: Communicator, device: torch.device,
+                    random_weights_seed: int = 0, show_progress: bool = False) -> LlamaForCausalLM:
+    """This rank's model on `device` (the whole model on one rank): the checkpoint's weights, or random ones for
+    a weightless `resolved`; prepacked for oneDNN on CPU."""
+    backend = engine_backend(config, device)
+    dtype = resolved.dtype
+    if resolved.checkpoint is not None:
+        model = load_model(resolved.checkpoint, resolved.max_model_len, device, dtype, backend, show_progress, comm)
+    else:
+        model = build_model(resolved.spec, resolved.max_model_len, device, dtype, backend, comm=comm)
+        init_random_weights(model, random_weights_seed)
+    if device.type == "cpu":
+        model.prepack_for_cpu()
+    return model
+
+
+def _kv_pool(config: EngineConfig, resolved: ResolvedModel, spec: ModelSpec, kv_dtype: torch.dtype,
+             make_runner) -> tuple[EngineConfig, KVPool]:
     """(config with its step limits, pool): the pool forced by --num-kv-blocks, else from the memory budget
     (GPU: after profiled dummy steps, which also size the step); the host swap space from --swap-space,
-    never more than 4 pools' worth."""
-    spec, device = resolved.spec, resolved.device
+    never more than 4 pools' worth. `spec`: this rank's (its share of the KV heads)."""
+    device = resolved.device
     if device.type == "cuda" and config.num_kv_blocks is None:
         config, num_blocks = memory.gpu_step_and_pool(config, spec, kv_dtype, resolved.max_model_len, make_runner)
     else:

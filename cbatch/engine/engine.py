@@ -35,6 +35,7 @@ class Runner(Protocol):
 
     def execute(self, plan: StepPlan) -> StepOutput: ...
     def idle(self) -> None: ...  # a step with nothing to run (waiting for arrivals)
+    def close(self) -> None: ...  # frees what outlives the engine's objects (tensor-parallel worker processes)
     def reset(self) -> None: ...
 
 
@@ -89,6 +90,10 @@ class Engine:
         from cbatch.engine.build import build_engine
 
         return build_engine(config)
+
+    def close(self) -> None:
+        """Releases what outlives the engine's objects (tensor-parallel worker processes). Idempotent."""
+        self.runner.close()
 
     def reset(self, policy: str | None = None, **settings: Any) -> None:
         """A fresh scheduler and block pool under `policy` (default: the config's) and any other scheduling

@@ -80,7 +80,9 @@ class ModelRunner:
         self.job_seed = job_seed
         self.backend: Backend = model.backend
         # the GPU path samples with the one-pass kernel where it covers the batch (cbatch/engine/fast_sampling.py)
-        self.fused_sampling = self.backend.name == "triton"
+        # (not under tensor parallelism: there the logits are gathered from the ranks outside the graph)
+        self.fused_sampling = self.backend.name == "triton" and model.comm.world == 1
+        self.peers = None  # tensor parallelism: the other ranks (cbatch.parallel.group.Peers), sent every step
         # One allocation for every layer's K and V
         kv_dtype = kv_dtype or dtype
         shape = (spec.num_layers, 2, *kv_cache_shape(num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim))
@@ -106,7 +108,11 @@ class ModelRunner:
         self._host_kv: torch.Tensor | None = None
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Captures the decode graphs (on every tensor-parallel rank: the collectives are captured too)."""
         from cbatch.engine.cuda_graphs import DecodeGraphs
+
+        if self.peers is not None:
+            self.peers.send_capture(max_num_seqs, max_model_len)
 
         graphs = DecodeGraphs(self.model, self.backend, self.kv, max_num_seqs, max_model_len, self.block_size, self.device,
                               sample_in_graph=self.fused_sampling)
@@ -124,11 +130,33 @@ class ModelRunner:
     def idle(self) -> None:
         pass  # nothing to compute (a step waiting for arrivals)
 
+    def memory(self) -> dict[str, int]:
+        """What this rank holds (every rank holds the same, under tensor parallelism): for the report."""
+        weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
+        packed = getattr(self.model, "packed_logits_weight", None)  # a tied embedding's oneDNN copy for the logits
+        weights += sum(m.packed.numel() * m.packed.element_size() for m in self.model.modules()
+                       if getattr(m, "packed", None) is not None)
+        if packed is not None:
+            weights += packed.numel() * packed.element_size()
+        return {"tensor_parallel_size": self.model.comm.world, "weight_bytes_per_rank": weights,
+                "kv_cache_bytes_per_rank": self.kv_cache.numel() * self.kv_cache.element_size()}
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (the KV tensors go with the runner)."""
+        if self.peers is not None:
+            self.peers.close()
+            self.peers = None
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         """Runs one step; returns the sampled token of every sequence whose chunk reached its end (and of
         the samples such a sequence forks), with the log-probabilities asked for."""
-        step = self.forward(plan)
+        try:
+            step = self.forward(plan)
+        except Exception as exc:  # under tensor parallelism: a dead worker is named, not reported as a bug
+            if self.peers is None:
+                raise
+            raise self.peers.failure(exc) from None
         tokens: dict[int, int] = {}
         if step.seqs:
             start = time.perf_counter()
@@ -146,40 +174,49 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> "StepLogits":
         """Runs the model on the plan's tokens; the logits of the rows that sample (None if none does, or
         if a decode graph sampled already), and the prompt log-probabilities of this step's chunks for the
-        sequences that ask."""
+        sequences that ask. Under tensor parallelism the step's inputs go to the other ranks first (`peers`):
+        they run the same model call on their shares of the weights."""
         for seq in plan.preempted + plan.finished:
             self.block_tables.release(seq)
             self.sampling.release(seq)
-        batch = self._build(plan)
-        sampling = self.sampling.build(batch.sampling_seqs) if batch.sampling_seqs else None
+        inputs, sampling_seqs, prompt_seqs = self._build(plan)
+        if self.peers is not None:
+            self.peers.send_step(inputs)
+        sampling = self.sampling.build(sampling_seqs) if sampling_seqs else None
         if sampling is not None:  # structured output: the constrained rows' bitmasks, filled while the model runs
-            sampling.grammar_masks = self.token_masks.start(batch.sampling_seqs)
-        if plan.copies:  # NOTE: first: a forked sample's copy of its parent's partial block, before any write
-            self.copy_blocks(plan.copies)
-        if plan.swap_out or plan.swap_in:  # NOTE: after _build (nothing there may overwrite a swap_in), before the model
-            self.swap(plan.swap_out, plan.swap_in)
+            sampling.grammar_masks = self.token_masks.start(sampling_seqs)
+        hidden, logits, tokens, prompt = self.run_step(inputs, sampling)
+        logprobs = StepLogprobs(prompt={seq.seq_id: lp for seq, lp in zip(prompt_seqs, prompt)})
+        return StepLogits(sampling_seqs, logits, sampling, logprobs, tokens)
+
+    @torch.inference_mode()
+    def run_step(self, inputs: "StepInputs", sampling: SamplingBatch | None = None):
+        """The step on this rank's model: block copies and swaps, the forward, the sampling rows' logits (or a
+        decode graph's tokens), the prompt log-probabilities asked for. What every tensor-parallel rank runs
+        (the others with `sampling` None). Returns (hidden, logits, tokens, [prompt Logprobs per prompt row])."""
+        if inputs.copies:  # NOTE: first: a forked sample's copy of its parent's partial block, before any write
+            self.copy_blocks(inputs.copies)
+        if inputs.swap_out or inputs.swap_in:  # NOTE: after _build (nothing there may overwrite a swap_in), before the model
+            self.swap(inputs.swap_out, inputs.swap_in)
+        batch = inputs.to_device(self.device, self.block_size)
         start = time.perf_counter()
         tokens = logits = None
-        num_tokens = batch.input_ids.shape[0]
+        num_tokens, num_sampling = len(inputs.token_ids), len(inputs.logits_rows)
         # a decode graph needs every row to sample once, in batch order (no sample forks off a 1-token chunk)
-        if self.graphs is not None and len(batch.sampling_seqs) == num_tokens and self.graphs.can_run(batch.meta, num_tokens):
+        if self.graphs is not None and num_sampling == num_tokens and self.graphs.can_run(batch.meta, num_tokens):
             hidden, tokens = self.graphs.run(batch.input_ids, batch.positions, batch.meta, sampling)
             if not (self.fused_sampling and fused_covers(sampling)):
                 tokens = None
                 logits = self.model.compute_logits(hidden)  # [T, vocab] float32 for the torch sampler
         else:
             self.backend.prepare(batch.meta)
-            ctx = ForwardContext(self.kv, batch.meta)
-            hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, hidden]
-            if batch.sampling_seqs:
+            hidden = self.model(batch.input_ids, batch.positions, ForwardContext(self.kv, batch.meta))  # [T, hidden]
+            if num_sampling:
                 logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] float32
-        logprobs = StepLogprobs()
-        for seq, first_row, targets in batch.prompt_logprobs:
-            rows = hidden[first_row : first_row + len(targets)]  # [M, hidden]
-            logprobs.prompt[seq.seq_id] = prompt_logprobs(self.model.compute_logits, rows, targets,
-                                                          seq.params.prompt_logprobs, self.model.spec.vocab_size)
+        prompt = [prompt_logprobs(self.model.compute_logits, hidden[first : first + len(targets)], targets, k,
+                                  self.model.spec.vocab_size) for first, targets, k in inputs.prompt_rows]
         self.forward_seconds += time.perf_counter() - start
-        return StepLogits(batch.sampling_seqs, logits, sampling, logprobs, tokens)
+        return hidden, logits, tokens, prompt
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -211,7 +248,9 @@ class ModelRunner:
             blocks = self._host_kv.index_select(dim, host).to(self.device, non_blocking=True)
             cache.index_copy_(dim, dev.to(self.device), blocks)
 
-    def _build(self, plan: StepPlan) -> "_Batch":
+    def _build(self, plan: StepPlan) -> tuple["StepInputs", list[Sequence], list[Sequence]]:
+        """(the step's inputs as host arrays, the sequences that sample in logits-row order, the sequences
+        whose prompt log-probabilities this step computes, in `prompt_rows` order)."""
         n = len(plan.scheduled)
         rows = np.empty(n, dtype=np.int64)
         starts = np.empty(n, dtype=np.int64)  # num_computed before this step
@@ -219,7 +258,8 @@ class ModelRunner:
         token_ids: list[int] = []
         sampling_seqs: list[Sequence] = []
         logits_idx: list[int] = []
-        prompt_rows: list[tuple[Sequence, int, list[int]]] = []
+        prompt_seqs: list[Sequence] = []
+        prompt_rows: list[tuple[int, list[int], int]] = []
         offset = 0
         for i, (seq, num_new) in enumerate(sorted(plan.scheduled, key=_batch_order)):
             rows[i] = self.block_tables.sync(seq)
@@ -230,7 +270,9 @@ class ModelRunner:
             else:
                 token_ids.extend(seq.tokens(seq.num_computed, seq.num_computed + num_new))
             if seq.prompt_logprobs is not None and seq.prompt_logprobs_missing:  # (the cheap test first: hot loop)
-                prompt_rows.extend(_prompt_logprob_rows(seq, num_new, offset))
+                for first_row, targets in _prompt_logprob_rows(seq, num_new, offset):
+                    prompt_seqs.append(seq)
+                    prompt_rows.append((first_row, targets, seq.params.prompt_logprobs))
             offset += num_new
             if seq.num_computed + num_new == seq.num_tokens:  # this chunk reaches the end: sample
                 # the samples it forks draw their first token from the same logits row
@@ -243,30 +285,49 @@ class ModelRunner:
         token_seq = np.repeat(np.arange(n), q_lens)  # [T] batch index of each token
         positions = starts[token_seq] + (np.arange(num_tokens) - cu_q[:-1][token_seq])
         seq_lens = starts + q_lens
-        max_seq_len = int(seq_lens.max())
-        num_cols = -(-max_seq_len // self.block_size)
+        num_cols = -(-int(seq_lens.max()) // self.block_size)
         table = self.block_tables.table[rows, :num_cols]  # [B, num_cols]
         slots = table[token_seq, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
+        inputs = StepInputs(token_ids, positions, cu_q, seq_lens, np.ascontiguousarray(table), slots, logits_idx,
+                            prompt_rows, plan.copies, plan.swap_out, plan.swap_in)
+        return inputs, sampling_seqs, prompt_seqs
 
-        dev = self.device
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's model inputs as host arrays: what the runner builds from a plan, and all a tensor-parallel
+    rank needs to run the same step (small: sent to the other ranks every step)."""
+
+    token_ids: list[int]  # [T]
+    positions: np.ndarray  # int64 [T]
+    query_start_loc: np.ndarray  # int64 [B + 1]
+    seq_lens: np.ndarray  # int64 [B]
+    block_table: np.ndarray  # int32 [B, num_cols]
+    slot_mapping: np.ndarray  # int64 [T]
+    logits_rows: list[int]  # [N]: the flat rows whose hidden states sample
+    prompt_rows: list[tuple[int, list[int], int]]  # (first flat row, the prompt tokens its positions predict, top k)
+    copies: list[tuple[int, int]]  # KV block copies (source, destination), before anything else
+    swap_out: list[tuple[int, int]]  # (device block, host slot)
+    swap_in: list[tuple[int, int]]  # (host slot, device block)
+
+    def to_device(self, dev: torch.device, block_size: int) -> "_Batch":
+        q_lens = np.diff(self.query_start_loc)
         meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(cu_q.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(np.ascontiguousarray(table)).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(self.query_start_loc.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(self.seq_lens.astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(self.block_table).to(dev),
+            slot_mapping=torch.from_numpy(self.slot_mapping).to(dev),
             max_query_len=int(q_lens.max()),
-            max_seq_len=max_seq_len,
+            max_seq_len=int(self.seq_lens.max()),
             query_lens_host=q_lens.tolist(),
-            seq_lens_host=seq_lens.tolist(),
-            block_size=self.block_size,
+            seq_lens_host=self.seq_lens.tolist(),
+            block_size=block_size,
         )
         return _Batch(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
+            input_ids=torch.tensor(self.token_ids, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(self.positions).to(dev),
             meta=meta,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
-            sampling_seqs=sampling_seqs,
-            prompt_logprobs=prompt_rows,
+            logits_indices=torch.tensor(self.logits_rows, dtype=torch.int64, device=dev),
         )
 
 
@@ -279,8 +340,8 @@ class StepLogits:
     tokens: torch.Tensor | None = None  # int64 [N] when already sampled (inside a decode graph)
 
 
-def _prompt_logprob_rows(seq: Sequence, num_new: int, first_row: int) -> list[tuple[Sequence, int, list[int]]]:
-    """[(seq, flat row of the first position, the prompt tokens those positions predict)] for the prompt
+def _prompt_logprob_rows(seq: Sequence, num_new: int, first_row: int) -> list[tuple[int, list[int]]]:
+    """[(flat row of the first position, the prompt tokens those positions predict)] for the prompt
     positions of this chunk whose log-probabilities `seq` still lacks, or [].
 
     NOTE: position q predicts prompt token q + 1; `seq.prompt_logprobs` holds positions 0..m-1, and
@@ -289,7 +350,7 @@ def _prompt_logprob_rows(seq: Sequence, num_new: int, first_row: int) -> list[tu
     end = min(seq.num_computed + num_new, seq.prompt_len - 1)
     if start >= end:
         return []
-    return [(seq, first_row + start - seq.num_computed, seq.prompt_ids[start + 1 : end + 1])]
+    return [(first_row + start - seq.num_computed, seq.prompt_ids[start + 1 : end + 1])]
 
 
 def _batch_order(item: tuple[Sequence, int]) -> tuple[int, int]:
@@ -301,12 +362,10 @@ def _batch_order(item: tuple[Sequence, int]) -> tuple[int, int]:
 
 
 class _Batch:
-    __slots__ = ("input_ids", "positions", "meta", "logits_indices", "sampling_seqs", "prompt_logprobs")
+    __slots__ = ("input_ids", "positions", "meta", "logits_indices")
 
-    def __init__(self, input_ids, positions, meta, logits_indices, sampling_seqs, prompt_logprobs) -> None:
+    def __init__(self, input_ids, positions, meta, logits_indices) -> None:
         self.input_ids = input_ids  # int64 [T]
         self.positions = positions  # int64 [T]
         self.meta = meta
         self.logits_indices = logits_indices  # int64 [N]: rows of the hidden states that sample
-        self.sampling_seqs = sampling_seqs
-        self.prompt_logprobs = prompt_logprobs  # [(seq, first flat row, target prompt tokens)]

@@ -16,11 +16,14 @@ from torch import nn
 from cbatch.model.backend import Backend, RotaryStep
 from cbatch.model.layers import RMSNorm
 from cbatch.model.spec import ModelSpec
+from cbatch.parallel.comm import SINGLE_RANK, Communicator
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, self_attn: nn.Module, mlp: nn.Module, backend: Backend) -> None:
+    def __init__(self, spec: ModelSpec, self_attn: nn.Module, mlp: nn.Module, backend: Backend,
+                 comm: Communicator = SINGLE_RANK) -> None:
         super().__init__()
+        self.comm = comm  # tensor parallelism: attention's and the MLP's partial sums all-reduced (DecoderLayer)
 
         def norm() -> RMSNorm:
             return RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend, unit_offset=spec.norm_unit_offset)
@@ -40,6 +43,6 @@ class GemmaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_forward(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(hidden, ropes, ctx))
+        hidden = self.post_attention_layernorm(self.comm.all_reduce(self.self_attn(hidden, ropes, ctx)))
         hidden, residual = self.pre_feedforward_layernorm.add_forward(hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+        return self.post_feedforward_layernorm(self.comm.all_reduce(self.mlp(hidden))), residual

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from cbatch.model.backend import AttentionMetadata, Backend, KVLayer, RotaryStep
@@ -20,6 +21,8 @@ from cbatch.model.layers import Linear, RMSNorm, linear, packed_linear, prepack_
 from cbatch.model.moe import feed_forward
 from cbatch.model.rope import rope_table
 from cbatch.model.spec import ModelSpec
+from cbatch.parallel.comm import SINGLE_RANK, Communicator
+from cbatch.parallel.shard import Shard
 
 
 @dataclass(slots=True)
@@ -66,10 +69,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Llama's pre-norm layer: h = x + attention(norm(x)); out = h + mlp(norm(h))."""
+    """Llama's pre-norm layer: h = x + attention(norm(x)); out = h + mlp(norm(h)). Under tensor parallelism
+    attention and MLP end in row-parallel matmuls: their partial sums are all-reduced here, once each."""
 
-    def __init__(self, spec: ModelSpec, self_attn: nn.Module, mlp: nn.Module, backend: Backend) -> None:
+    def __init__(self, spec: ModelSpec, self_attn: nn.Module, mlp: nn.Module, backend: Backend,
+                 comm: Communicator = SINGLE_RANK) -> None:
         super().__init__()
+        self.comm = comm
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
@@ -81,15 +87,35 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_forward(hidden, residual)
-        hidden = self.self_attn(hidden, ropes, ctx)
+        hidden = self.comm.all_reduce(self.self_attn(hidden, ropes, ctx))
         hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.comm.all_reduce(self.mlp(hidden)), residual
 
 
-def decoder_layer(spec: ModelSpec, layer_idx: int, backend: Backend) -> nn.Module:
+def decoder_layer(spec: ModelSpec, layer_idx: int, backend: Backend, comm: Communicator) -> nn.Module:
     """Attention and MLP (dense or experts) arranged as the family does: Llama's or Gemma's norms."""
     layer_cls = GemmaDecoderLayer if spec.sandwich_norms else DecoderLayer
-    return layer_cls(spec, Attention(spec, layer_idx, backend), feed_forward(spec, layer_idx, backend), backend)
+    return layer_cls(spec, Attention(spec, layer_idx, backend), feed_forward(spec, layer_idx, backend), backend, comm)
+
+
+class VocabEmbedding(nn.Module):
+    """The token embedding; under tensor parallelism this rank's rows of it (vocab-parallel): a token outside
+    them looks up zeros and the all-reduce adds the one rank that holds it (an exact sum)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, comm: Communicator) -> None:
+        super().__init__()
+        shard = Shard(comm.rank, comm.world)
+        self.weight = nn.Parameter(torch.empty(shard.local_vocab(vocab_size), hidden_size))
+        self.start = shard.vocab_start(vocab_size)  # the first token id of this rank's rows
+        self.comm = comm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.world == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        return self.comm.all_reduce(hidden.masked_fill_(outside[:, None], 0.0))
 
 
 @dataclass(slots=True)
@@ -101,14 +127,20 @@ class ForwardContext:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, max_positions: int, backend: Backend) -> None:
+    """The whole model, or (`comm` of several ranks) one tensor-parallel rank's share of it: `spec` is then this
+    rank's (`Shard.local_spec`: its heads and MLP widths; the full vocabulary)."""
+
+    def __init__(self, spec: ModelSpec, max_positions: int, backend: Backend, comm: Communicator = SINGLE_RANK) -> None:
         super().__init__()
+        spec = Shard(comm.rank, comm.world).local_spec(spec)
         self.spec = spec
         self.backend = backend
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(decoder_layer(spec, i, backend) for i in range(spec.num_layers))
+        self.comm = comm
+        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, comm)
+        self.layers = nn.ModuleList(decoder_layer(spec, i, backend, comm) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend, unit_offset=spec.norm_unit_offset)
-        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        vocab_rows = self.embed_tokens.weight.shape[0]
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, vocab_rows, bias=False)
         self.max_positions = max_positions
         self.rope_tables: list[torch.Tensor] = []  # set by `build_rope_cache` once the device is known
 
@@ -148,6 +180,8 @@ class LlamaForCausalLM(nn.Module):
             logits = packed_linear(hidden, self.packed_logits_weight)
         else:
             logits = linear(hidden, self.embed_tokens.weight)
+        if self.comm.world > 1:  # each rank's vocab rows side by side, the padding past the vocab cut
+            logits = self.comm.all_gather(logits)[:, : self.spec.vocab_size]
         cap = self.spec.final_softcap
         if cap is not None:  # Gemma 2, in the activations' dtype as HF
             logits = torch.tanh(logits / cap) * cap

@@ -18,6 +18,8 @@ from cbatch.model.moe import Experts
 from cbatch.model.quant import FP8_DTYPE, channel_scales, dequantize
 from cbatch.model.spec import ModelSpec, UnsupportedModelError, parse_spec, read_config
 from cbatch.model.weights import Placement, TensorIndex, kept_fp8_modules, place
+from cbatch.parallel.comm import SINGLE_RANK, Communicator
+from cbatch.parallel.shard import Piece, Shard
 
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
@@ -88,13 +90,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(spec: ModelSpec, max_positions: int, device: torch.device, dtype: torch.dtype,
-                backend: Backend, fp8_modules: set[str] = frozenset()) -> LlamaForCausalLM:
-    """An empty (uninitialised) model in place on `device`, computing through `backend`; the modules named
-    in `fp8_modules` hold FP8 weights and scales (`Fp8Linear`, `Experts.keep_fp8`)."""
+                backend: Backend, fp8_modules: set[str] = frozenset(), comm: Communicator = SINGLE_RANK) -> LlamaForCausalLM:
+    """An empty (uninitialised) model in place on `device`, computing through `backend` (one tensor-parallel
+    rank's share of it with `comm` of several ranks); the modules named in `fp8_modules` hold FP8 weights and
+    scales (`Fp8Linear`, `Experts.keep_fp8`)."""
     with _default_dtype(dtype), torch.device("meta"):
-        model = LlamaForCausalLM(spec, max_positions, backend)
+        model = LlamaForCausalLM(spec, max_positions, backend, comm)
         for name in sorted(fp8_modules):
-            _keep_fp8(model, name, spec, backend)
+            _keep_fp8(model, name, model.spec, backend)
     model = model.to_empty(device=device)
     model.build_rope_cache(device)
     return model.eval().requires_grad_(False)
@@ -112,24 +115,26 @@ def _keep_fp8(model: LlamaForCausalLM, name: str, spec: ModelSpec, backend: Back
 
 
 def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype: torch.dtype,
-               backend: Backend, show_progress: bool = False) -> LlamaForCausalLM:
-    """The checkpoint's model on `device`. FP8 weights stay FP8 with the Triton backend (the kernels
-    dequantize tile by tile); the torch backend dequantizes them here, once. `show_progress`: a tqdm bar
-    over the checkpoint's tensors."""
+               backend: Backend, show_progress: bool = False, comm: Communicator = SINGLE_RANK) -> LlamaForCausalLM:
+    """The checkpoint's model on `device` (this tensor-parallel rank's share of it: `comm`). FP8 weights stay
+    FP8 with the Triton backend (the kernels dequantize tile by tile); the torch backend dequantizes them here,
+    once. `show_progress`: a tqdm bar over the checkpoint's tensors."""
     files = sorted(ckpt.path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{ckpt.path} has no *.safetensors weights; cbatch reads safetensors checkpoints")
     index = TensorIndex(files)
-    spec = ckpt.spec
+    spec = ckpt.spec  # the full model's: placements are found in it, then cut to this rank's share
     keep = kept_fp8_modules(index, spec) if backend.name == "triton" else set()
-    model = build_model(spec, max_positions, device, dtype, backend, keep)
+    model = build_model(spec, max_positions, device, dtype, backend, keep, comm)
     params = dict(model.named_parameters())
     filled = {name: 0 for name in params}  # elements written per parameter
+    _zero_vocab_padding(model, spec.vocab_size, filled)
     names = list(index.file_of)
     if show_progress:
         from tqdm.auto import tqdm
 
         names = tqdm(names, desc="cbatch: loading weights", unit="tensor", dynamic_ncols=True)
+    shard = Shard(comm.rank, comm.world)
     for name in names:
         placed = place(name, spec)
         if placed is None or (placed[1] == "scale" and not _kept(placed[0], keep)):
@@ -138,20 +143,64 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
         target = placement.param(kind)
         if target not in params:
             raise ModelLoadError(f"{index.file_of[name].name}: tensor {name} has no place in a {spec.architecture}")
-        block = spec.quant.block if spec.quant is not None else None
-        where = placement.block_rows(block[0]) if kind == "scale" and block is not None else placement
-        dest = where.select(params[target].data)
-        tensor = _read(index, name, placement, kind, dest, spec)
-        if tuple(tensor.shape) != tuple(dest.shape):
-            raise ModelLoadError(
-                f"{index.file_of[name].name}: {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
-        filled[target] += dest.numel()
+        param = params[target].data
+        pieces = shard.pieces(placement, kind, spec, param.dim())
+        if pieces is None:
+            filled[target] += _load_whole(index, name, placement, kind, param, spec)
+        else:
+            filled[target] += _load_pieces(index, name, placement, param, pieces)
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
         raise ModelLoadError(f"{ckpt.path}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
     return model
+
+
+def _load_whole(index: TensorIndex, name: str, placement: Placement, kind: str, param: torch.Tensor,
+                spec: ModelSpec) -> int:
+    """Copies checkpoint tensor `name` to its place in `param`; returns the elements written."""
+    block = spec.quant.block if spec.quant is not None else None
+    where = placement.block_rows(block[0]) if kind == "scale" and block is not None else placement
+    dest = where.select(param)
+    tensor = _read(index, name, placement, kind, dest, spec)
+    _check_shape(index, name, tensor, dest)
+    dest.copy_(tensor)
+    return dest.numel()
+
+
+def _load_pieces(index: TensorIndex, name: str, placement: Placement, param: torch.Tensor, pieces: list[Piece]) -> int:
+    """Copies this rank's pieces of checkpoint tensor `name` (`Shard.pieces`) into `param`, read piece by piece
+    (safetensors slices: the rank never holds the whole tensor); a row-parallel bias off rank 0 (no pieces)
+    becomes zeros. (FP8 checkpoints run on one rank: `check_tensor_parallel`.)"""
+    dest = param if placement.expert is None else param[placement.expert]
+    if not pieces:
+        dest.zero_()
+        return dest.numel()
+    written = 0
+    for piece in pieces:
+        part = index.get_slice(name, piece.dim, piece.src_start, piece.src_stop)
+        target = dest.narrow(piece.dim, piece.dst_start, piece.src_stop - piece.src_start)
+        _check_shape(index, name, part, target)
+        target.copy_(part)
+        written += target.numel()
+    return written
+
+
+def _check_shape(index: TensorIndex, name: str, tensor: torch.Tensor, dest: torch.Tensor) -> None:
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise ModelLoadError(
+            f"{index.file_of[name].name}: {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+        )
+
+
+def _zero_vocab_padding(model: LlamaForCausalLM, vocab_size: int, filled: dict[str, int]) -> None:
+    """A tensor-parallel rank whose vocab rows run past the vocabulary: those rows are zeros (counted as loaded)."""
+    start = model.embed_tokens.start
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        if name in filled:
+            weight = model.get_parameter(name).data
+            padding = max(0, start + weight.shape[0] - max(start, vocab_size))
+            weight[weight.shape[0] - padding :].zero_()
+            filled[name] += weight[weight.shape[0] - padding :].numel()
 
 
 def _kept(placement: Placement, keep: set[str]) -> bool:

@@ -72,6 +72,11 @@ class TensorIndex:
     def get(self, name: str) -> torch.Tensor:
         return self._open[self.file_of[name]].get_tensor(name)
 
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of dimension `dim` only, read from the file (a tensor-parallel rank's share)."""
+        index = (slice(None),) * dim + (slice(start, stop),)
+        return self._open[self.file_of[name]].get_slice(name)[index]
+
     def fp8_names(self) -> list[str]:
         return [n for n, d in self.dtype_of.items() if d.startswith("F8")]
 

@@ -104,5 +104,6 @@ def engine_hardware(engine, samples: list[StepSample], forward_seconds: float) -
     dtype_bytes = torch.finfo(engine.dtype).bits // 8
     params = [p for p in engine.runner.model.parameters() if p.dim() >= 2]  # the matrices (FP8 ones included)
     weight_bytes = sum(p.numel() * p.element_size() for p in params) / max(1, sum(p.numel() for p in params))
-    return hardware_estimate(engine.spec, dtype_bytes, samples, forward_seconds, name, dtype_bytes == 2,
-                             weight_bytes=weight_bytes or dtype_bytes)
+    estimate = hardware_estimate(engine.spec, dtype_bytes, samples, forward_seconds, name, dtype_bytes == 2,
+                                 weight_bytes=weight_bytes or dtype_bytes)
+    return {**estimate, "memory": engine.runner.memory()}  # per rank under tensor parallelism

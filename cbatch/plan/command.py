@@ -87,7 +87,7 @@ def plan_tokenizer(model: ResolvedModel) -> Any:
 def cost_model(options: PlanOptions, kind: DeviceKind, model: ResolvedModel) -> tuple[CostModel, str]:
     if options.cost_from is not None:
         return CostModel.fit(options.cost_from), f"fitted to {options.cost_from}"
-    return kind.default_cost(model), (f"the default for {kind.name} from the model's FLOPs and bytes: rough; "
+    return kind.default_cost(model, options.engine.tensor_parallel_size), (f"the default for {kind.name} from the model's FLOPs and bytes: rough; "
                                       "--cost-from a real run's report makes it accurate")
 
 

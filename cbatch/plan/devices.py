@@ -14,6 +14,10 @@ over the device's peaks, at fixed efficiencies (assumptions, not measurements):
     per_context_token = KV bytes per token / (bandwidth x BANDWIDTH_EFFICIENCY)
                         + attention FLOPs per (query, key) pair / (peak FLOP/s x flop_efficiency)
 
+With --tensor-parallel-size N every figure is one rank's (its heads, MLP width and KV heads: `Shard.local_spec`;
+its share of the weights), and each token adds the two all-reduces per layer of a ring over NVLink:
+    per token += layers x 2 x 2 (N - 1) / N x hidden x dtype bytes / (NVLINK_TB_S x BANDWIDTH_EFFICIENCY)
+
 GPU peaks are the datasheets' dense bf16/fp16 figures (roofline.DEVICE_PEAKS); float32 runs without
 tensor cores at about 1/16 of them. A CPU's peak is estimated from its threads and vector ISA at an
 assumed 2.5 GHz and 20 GB/s. Expect this to be off by a factor of 2 or more: a cost model fitted to a
@@ -31,6 +35,7 @@ from cbatch.engine import memory
 from cbatch.engine.build import ResolvedModel, resolve_device
 from cbatch.engine.engine import KVPool
 from cbatch.observe.roofline import DEVICE_PEAKS, ModelWork
+from cbatch.parallel.shard import Shard
 
 GPU_MEMORY_GIB = {"H200": 141, "H100 PCIe": 80, "H100": 80, "A100": 80, "L40S": 48, "L4": 24, "A10": 24}
 FP32_SHARE_OF_PEAK = 1 / 16  # float32 on a GPU: CUDA cores, not tensor cores
@@ -39,6 +44,7 @@ CPU_CLOCK_HZ = 2.5e9
 CPU_BANDWIDTH_TB_S = 0.02
 CPU_FP32_FLOPS_PER_CYCLE = {"AVX512": 64, "AVX2": 32}  # per core: 2 FMA units x lanes x 2
 CUDA_CONTEXT_BYTES = 2**29  # the CUDA context and allocator slack next to the weights
+NVLINK_TB_S = 0.45  # one direction of an H100/H200 SXM's NVLink 4 (900 GB/s both ways), the ring all-reduce's bus
 
 
 class PlanError(UserError):
@@ -67,7 +73,8 @@ class DeviceKind:
 
     def kv_pool(self, config: EngineConfig, model: ResolvedModel) -> KVPool:
         """The KV pool a run of `config` would get here (see the module docstring)."""
-        spec, dtype, max_model_len = model.spec, model.dtype, model.max_model_len
+        ranks = config.tensor_parallel_size
+        spec, dtype, max_model_len = Shard(0, ranks).local_spec(model.spec), model.dtype, model.max_model_len
         kv_dtype = memory.kv_cache_dtype(config, dtype)
         if config.num_kv_blocks is not None:
             blocks = config.num_kv_blocks
@@ -75,7 +82,9 @@ class DeviceKind:
             blocks = memory.cpu_kv_blocks(config, spec, kv_dtype, max_model_len)
         else:
             dtype_bytes = torch.finfo(dtype).bits // 8
-            weights = (spec.num_params() + spec.vocab_size * spec.hidden_size) * dtype_bytes + CUDA_CONTEXT_BYTES
+            # this rank's matrices (a vocab-parallel embedding and lm_head: a 1/N share of each)
+            weights = (spec.num_params() + spec.vocab_size * spec.hidden_size * (2 / ranks - 1)) * dtype_bytes
+            weights += CUDA_CONTEXT_BYTES
             try:
                 blocks = memory.kv_blocks_in_gpu_memory(config, spec, kv_dtype, max_model_len, self.memory_gib * 2**30,
                                                         weights, activation_estimate(config, model))
@@ -83,21 +92,24 @@ class DeviceKind:
                 raise PlanError(f"--device-kind {self.name}: {exc}") from None
         return KVPool(blocks, memory.host_kv_blocks(config, spec, kv_dtype, blocks))
 
-    def default_cost(self, model: ResolvedModel) -> CostModel:
+    def default_cost(self, model: ResolvedModel, ranks: int = 1) -> CostModel:
         if self.peak_tflops is None or self.peak_tb_per_s is None:
             raise PlanError(f"no peak figures for {self.name}: give --cost-from a real run's report on it, "
                             f"or --device-kind one of cpu, {', '.join(preset_names())}")
         dtype_bytes = torch.finfo(model.dtype).bits // 8
-        work = ModelWork.of(model.spec, dtype_bytes)
+        spec = Shard(0, ranks).local_spec(model.spec)
+        work = ModelWork.of(spec, dtype_bytes)
+        all_reduce = spec.num_layers * 2 * 2 * (ranks - 1) / ranks * spec.hidden_size * dtype_bytes
         peak = self.peak_tflops * (FP32_SHARE_OF_PEAK if dtype_bytes == 4 and self.memory_gib else 1.0)
         flops = peak * 1e12 * self.flop_efficiency
         bandwidth = self.peak_tb_per_s * 1e12 * BANDWIDTH_EFFICIENCY
         return CostModel(
             per_step=work.weight_bytes() / bandwidth + self.step_overhead_s,
-            per_prefill_token=work.layer_flops_per_token / flops,
+            per_prefill_token=work.layer_flops_per_token / flops + all_reduce / (NVLINK_TB_S * 1e12 * BANDWIDTH_EFFICIENCY),
             per_context_token=work.kv_bytes_per_token / bandwidth + work.flops_per_attention_pair / flops,
             unit="s",
-            per_decode_token=(work.layer_flops_per_token + work.head_flops_per_token) / flops,
+            per_decode_token=(work.layer_flops_per_token + work.head_flops_per_token / ranks) / flops
+            + all_reduce / (NVLINK_TB_S * 1e12 * BANDWIDTH_EFFICIENCY),
         )
 
 

@@ -23,8 +23,9 @@ EXIT_CODES: dict[int, str] = {
                 "this job may not touch. One line names the file or flag and the fix; nothing is written",
     EXIT_INTERNAL: "internal error, a bug in cbatch: the traceback is on stderr for the bug report; the finished rows "
                    "are kept and running the same command again resumes",
-    EXIT_IO: "the environment failed the job's own files (disk full, quota, read-only, permission): one line names "
-             "the path and the cause; the finished rows are kept: fix it and run the same command again",
+    EXIT_IO: "the environment failed the job's own files (disk full, quota, read-only, permission), or a "
+             "tensor-parallel worker process died (killed, out of memory): one line names the path or the rank and "
+             "the cause; the finished rows are kept: fix it and run the same command again",
     EXIT_SIGINT: "interrupted by SIGINT: the finished rows are kept (rows in flight run again on resume); a second "
                  "Ctrl-C stops at once",
     EXIT_SIGTERM: "interrupted by SIGTERM: as for SIGINT",

@@ -52,7 +52,10 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
     metrics = JobMetrics(total_rows=prepared.total_rows)
     executor = LocalExecutor(engine, options.defaults, metrics, options.lookahead, cache, options.reasoning_split,
                              keep=options.keep)
-    code = run_rows(options, prepared, executor, metrics, make_progress or make_display)
+    try:
+        code = run_rows(options, prepared, executor, metrics, make_progress or make_display)
+    finally:
+        engine.close()  # tensor-parallel workers stop with the rows, whatever ended them
     report = build_report(
         metrics, engine.scheduler.stats, wall_seconds=metrics.now(), max_num_seqs=prepared.config.max_num_seqs,
         num_kv_blocks=engine.pool.num_blocks, hardware=engine_hardware(engine, metrics.series, metrics.forward_seconds),

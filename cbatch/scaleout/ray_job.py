@@ -115,9 +115,12 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 
 def pool_shape(ray, options: JobOptions, ray_options: RayOptions) -> tuple[int, int, int]:
-    """(replicas, GPUs each, CPUs each), checked against the cluster so no actor waits forever."""
+    """(replicas, GPUs each, CPUs each), checked against the cluster so no actor waits forever. A replica is a
+    tensor-parallel group: --tensor-parallel-size N ranks, each on its own GPU (or CPU threads), all on one
+    node (the replica's actor holds its N GPUs and starts its N - 1 worker processes there)."""
     resources = ray.cluster_resources()
     cluster_gpus, cluster_cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
+    ranks = options.engine.tensor_parallel_size
     gpus = ray_options.gpus_per_replica
     if gpus is None:
         gpus = 1 if cluster_gpus and options.engine.device != "cpu" else 0
@@ -125,15 +128,18 @@ def pool_shape(ray, options: JobOptions, ray_options: RayOptions) -> tuple[int, 
         raise JobError("--gpus-per-replica 1 with --device cpu: use --gpus-per-replica 0 for CPU replicas")
     if not gpus and options.engine.device == "cuda":
         raise JobError("--device cuda needs GPU replicas: pass --gpus-per-replica 1 (or leave it out)")
-    replicas = ray_options.replicas or (cluster_gpus if gpus else 1)
-    cpus = 1 if gpus else (options.engine.num_threads or 1)
+    gpus *= ranks  # one GPU per rank
+    replicas = ray_options.replicas or (cluster_gpus // gpus if gpus else 1)
+    cpus = ranks * (1 if gpus else (options.engine.num_threads or 1))
     if gpus and replicas * gpus > cluster_gpus:
-        raise JobError(f"--replicas {replicas} needs {replicas * gpus} GPUs; the Ray cluster has {cluster_gpus}")
+        raise JobError(f"--replicas {replicas} needs {replicas * gpus} GPUs ({gpus} per replica with "
+                       f"--tensor-parallel-size {ranks}); the Ray cluster has {cluster_gpus}")
     if replicas * cpus > cluster_cpus:
-        raise JobError(f"--replicas {replicas} needs {replicas * cpus} CPUs (one per replica, or --threads each); "
-                       f"the Ray cluster has {cluster_cpus}")
+        raise JobError(f"--replicas {replicas} needs {replicas * cpus} CPUs (one per replica and rank, or --threads "
+                       f"each); the Ray cluster has {cluster_cpus}")
     if replicas == 0:
-        raise JobError("the Ray cluster has no GPUs; pass --gpus-per-replica 0 for CPU replicas")
+        raise JobError(f"the Ray cluster has {cluster_gpus} GPUs, fewer than one replica's {gpus}; pass "
+                       "--gpus-per-replica 0 for CPU replicas or a smaller --tensor-parallel-size")
     return replicas, gpus, cpus
 
 
@@ -169,8 +175,8 @@ class RayExecutor:
         replicas, gpus, cpus = pool_shape(self.ray, self.options, self.ray_options)
         self.shape = {"replicas": replicas, "gpus_per_replica": gpus, "cpus_per_replica": cpus}
         config = self.options.engine
-        if not gpus:  # a CPU replica never touches a GPU it was not given
-            config = replace(config, device="cpu", num_threads=config.num_threads or cpus)
+        if not gpus:  # a CPU replica never touches a GPU it was not given; each rank gets its share of the CPUs
+            config = replace(config, device="cpu", num_threads=config.num_threads or cpus // config.tensor_parallel_size)
         self._actor_class = self.ray.remote(Replica).options(
             num_gpus=gpus, num_cpus=cpus, max_concurrency=self.ray_options.blocks_in_flight,
             max_restarts=0, max_task_retries=0,

@@ -44,6 +44,7 @@ class ReplicaStats:
     forward_seconds: float = 0.0
     num_kv_blocks: int = 0
     max_num_seqs: int = 0
+    memory: dict[str, int] = field(default_factory=dict)  # per rank: ModelRunner.memory()
     scheduler: SchedulerStats = field(default_factory=SchedulerStats)
     engine: EngineSnapshot = field(default_factory=EngineSnapshot)  # live counters at the last block
 
@@ -59,7 +60,7 @@ class ReplicaStats:
             "steps": self.scheduler.steps,
             "mean_batch_occupancy": self.scheduler.occupancy_sum / steps,
             "peak_kv_usage": self.scheduler.peak_kv_blocks / max(self.num_kv_blocks, 1),
-            "preemptions": self.scheduler.preemptions,
+            "preemptions": self.scheduler.preemptions, "memory": self.memory,
         }
 
 
@@ -95,6 +96,7 @@ class Replica:
                 self.stats = ReplicaStats(
                     replica=self.replica, host=socket.gethostname(), device=str(engine.device),
                     num_kv_blocks=engine.pool.num_blocks, max_num_seqs=engine.config.max_num_seqs,
+                    memory=engine.runner.memory() if hasattr(engine.runner, "memory") else {},
                 )
                 self._ready = time.perf_counter()
                 self._engine = engine

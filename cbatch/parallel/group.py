@@ -1,0 +1,151 @@
+"""Tensor parallelism's processes: rank 0 is the engine's own process (scheduler, sampler, driver: everything
+runs once), ranks 1..N-1 are worker processes spawned on the same machine, each holding its share of the
+weights and of the KV pool (cbatch.parallel.shard).
+
+Rank 0 drives; a worker only mirrors its runner. Every message goes rank 0 -> workers over a gloo group
+(pickled, small: the step's host arrays, `StepInputs`, never tensors of activations):
+    ("runner", kwargs)   build a ModelRunner like rank 0's (the GPU's dummy profiling runners included)
+    ("capture", n, len)  capture the decode CUDA graphs (their collectives are captured on every rank)
+    ("step", inputs)     run the step: copies, swaps, forward, lm_head on the sampling rows (all-gathered
+                         to rank 0, which samples)
+    ("stop",)            exit
+The model's collectives keep the ranks in lockstep. Every collective has a timeout, and a worker that dies
+(killed, out of memory) surfaces on rank 0 as `WorkerFailure`: one line naming the rank, the job stops with
+its finished rows kept (exit 74), and a rerun resumes.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cbatch.parallel import WorkerFailure
+from cbatch.parallel.comm import ProcessGroupComm, init_process_group
+
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("CBATCH_TP_TIMEOUT", "600"))  # loading a shard counts, hence long
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerArgs:
+    """What a worker needs to build its rank: the resolved model (config.json read, no weights) and settings."""
+
+    rank: int
+    world: int
+    port: int
+    config: Any  # EngineConfig
+    resolved: Any  # cbatch.engine.build.ResolvedModel
+    timeout_s: float
+
+
+class Peers:
+    """Rank 0's handle on the worker ranks: sends them each step, tells a dead worker from a bug."""
+
+    def __init__(self, processes: list[mp.process.BaseProcess], control: Any) -> None:
+        self.processes = processes  # rank r is processes[r - 1]
+        self.control = control  # the gloo group messages travel on
+
+    def send(self, message: tuple) -> None:
+        try:
+            dist.broadcast_object_list([message], src=0, group=self.control)
+        except Exception as exc:  # the gloo error of a dead peer, or its timeout
+            raise self.failure(exc) from None
+
+    def send_runner(self, **kwargs: Any) -> None:
+        self.send(("runner", kwargs))
+
+    def send_step(self, inputs: Any) -> None:
+        self.send(("step", inputs))
+
+    def send_capture(self, max_num_seqs: int, max_model_len: int) -> None:
+        self.send(("capture", max_num_seqs, max_model_len))
+
+    def failure(self, exc: BaseException) -> BaseException:
+        """`WorkerFailure` naming the first dead worker, when one died; else `exc` itself (a bug)."""
+        for rank, process in enumerate(self.processes, start=1):
+            process.join(timeout=0.5 if process.exitcode is None else 0)
+            if process.exitcode is not None:
+                return WorkerFailure(f"tensor-parallel rank {rank} (pid {process.pid}) died with exit code "
+                                     f"{process.exitcode} (killed, or out of memory?)")
+        if isinstance(exc, dist.DistError) or "timed out" in str(exc).lower():
+            return WorkerFailure(f"a tensor-parallel collective failed or timed out ({type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else ''})")
+        return exc
+
+    def close(self) -> None:
+        """Stops the workers (they exit after "stop"; a stuck one is terminated) and leaves the group."""
+        if any(p.exitcode is None for p in self.processes):
+            try:
+                self.send(("stop",))
+            except WorkerFailure:
+                pass
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.exitcode is None:
+                process.terminate()
+                process.join(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.processes = []
+
+
+def start_group(config: Any, resolved: Any) -> tuple[ProcessGroupComm, Peers]:
+    """Spawns ranks 1..N-1 and joins the group as rank 0; returns rank 0's communicator and its peers."""
+    world = config.tensor_parallel_size
+    port = _free_port()
+    context = mp.get_context("spawn")  # a fresh interpreter: no fork of torch's threads
+    processes = []
+    for rank in range(1, world):
+        args = WorkerArgs(rank, world, port, config, resolved, COLLECTIVE_TIMEOUT_S)
+        process = context.Process(target=worker_main, args=(args,), name=f"cbatch-tp{rank}", daemon=True)
+        process.start()
+        processes.append(process)
+    comm = init_process_group(0, world, port, resolved.device, COLLECTIVE_TIMEOUT_S)
+    return comm, Peers(processes, dist.new_group(backend="gloo"))
+
+
+def worker_main(args: WorkerArgs) -> None:
+    """A worker rank: loads its share of the model, then mirrors rank 0's runner until "stop"."""
+    from cbatch.engine.build import load_rank_model
+
+    device = args.resolved.device
+    if device.type == "cuda":
+        device = torch.device("cuda", args.rank)
+    comm = init_process_group(args.rank, args.world, args.port, device, args.timeout_s)
+    control = dist.new_group(backend="gloo")
+    model = load_rank_model(args.config, args.resolved, comm, device)
+    runner = None
+    try:
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=control)
+            message = box[0]
+            if message[0] == "stop":
+                break
+            runner = _serve(message, model, runner, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _serve(message: tuple, model: Any, runner: Any, device: torch.device) -> Any:
+    """Carries out one message from rank 0; returns the worker's (possibly new) runner."""
+    from cbatch.engine.runner import ModelRunner
+
+    kind = message[0]
+    if kind == "runner":
+        return ModelRunner(model, device=device, **message[1])
+    if kind == "capture":
+        runner.capture_decode_graphs(message[1], message[2])
+    elif kind == "step":
+        runner.run_step(message[1])
+    return runner
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,156 @@
+"""Tensor parallelism's split of the model: which rows or columns of each weight a rank holds.
+
+Megatron's layout, as vLLM and nano-vllm use it:
+    column-parallel  qkv_proj (q heads split; kv heads split, or replicated when there are fewer than ranks),
+                     gate_up_proj and the experts' w13 (gate and up each split), embed_tokens / lm_head (vocab rows)
+    row-parallel     o_proj, down_proj, the experts' w2 (input columns): each rank's output is a partial sum,
+                     all-reduced once per block (`DecoderLayer`); their bias is added by rank 0 only
+    replicated       norms, q/k norms, the MoE router and Qwen2-MoE's shared-expert gate
+Every expert is split like a dense MLP (each rank holds a slice of every expert), so routing is unchanged.
+
+A packed parameter (qkv: [q | k | v]) is a list of `Part`s; a rank holds one range of each part, laid out in
+the same order in its local (smaller) parameter. Loading maps a checkpoint tensor's place in the full model
+(`Placement`, computed with the full spec) through these parts to the local rows it fills (`pieces`), so the
+fused (Phi-3) and the separate (Llama) checkpoint layouts go through the same code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from cbatch.config import ConfigError
+from cbatch.model.spec import ModelSpec
+from cbatch.model.weights import Placement
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One part of a packed dimension: `size` elements in `unit`s (a head's `head_dim`, or 1)."""
+
+    size: int
+    unit: int = 1
+
+    def rank_range(self, rank: int, world: int) -> tuple[int, int]:
+        """The [start, stop) of this part that `rank` holds. Units split evenly; fewer units than ranks
+        (kv heads): each rank holds one unit, shared by world / units ranks; vocab rows: ceil-split, the
+        last rank's share may be short (its local rows past the vocab stay zero)."""
+        units = self.size // self.unit
+        if units % world == 0:
+            per = units // world
+            return rank * per * self.unit, (rank + 1) * per * self.unit
+        if world % units == 0:
+            unit = rank * units // world
+            return unit * self.unit, (unit + 1) * self.unit
+        per = -(-self.size // world)  # vocab: padded to a multiple of world
+        return min(self.size, rank * per), min(self.size, (rank + 1) * per)
+
+    def local_size(self, world: int) -> int:
+        units = self.size // self.unit
+        if units % world == 0 or world % units == 0:
+            return self.size // world if units % world == 0 else self.unit
+        return -(-self.size // world)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Checkpoint rows [src_start, src_stop) of `dim` (relative to the tensor as stored) go to local rows
+    [dst_start, dst_start + src_stop - src_start) of the parameter's same dimension."""
+
+    dim: int  # of the stored tensor and of its destination (an expert's own tensor, or a whole expert stack)
+    src_start: int
+    src_stop: int
+    dst_start: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Rank `rank` of `world` tensor-parallel ranks. `Shard(0, 1)` is the whole model."""
+
+    rank: int = 0
+    world: int = 1
+
+    def local_spec(self, spec: ModelSpec) -> ModelSpec:
+        """The spec of this rank's model: its heads and MLP widths (vocab_size stays the full vocabulary:
+        the sampler's)."""
+        if self.world == 1:
+            return spec
+        kv = Part(spec.kv_size, spec.head_dim).local_size(self.world) // spec.head_dim
+        moe = spec.moe
+        if moe is not None:
+            moe = replace(moe, intermediate_size=moe.intermediate_size // self.world,
+                          shared_expert_size=moe.shared_expert_size // self.world)
+        return replace(spec, num_heads=spec.num_heads // self.world, num_kv_heads=kv,
+                       intermediate_size=spec.intermediate_size // self.world, moe=moe)
+
+    def local_vocab(self, vocab_size: int) -> int:
+        return Part(vocab_size).local_size(self.world)
+
+    def vocab_start(self, vocab_size: int) -> int:
+        return Part(vocab_size).rank_range(self.rank, self.world)[0]
+
+    def pieces(self, placement: Placement, kind: str, spec: ModelSpec, param_ndim: int) -> list[Piece] | None:
+        """Where a checkpoint tensor placed at `placement` (in the full model) goes in this rank's parameter;
+        None: the whole tensor, as is (replicated, or world 1); []: nothing of it (a row-parallel bias off rank 0)."""
+        leaf = placement.module.rpartition(".")[2]
+        split = _split(leaf, placement.slot, spec, placement.module)
+        if self.world == 1 or split is None:
+            return None
+        axis, parts = split
+        if axis == "row" and kind == "bias":
+            return None if self.rank == 0 else []  # a partial sum's bias: added once
+        dim = 0 if axis == "column" else 1
+        if param_ndim == 3 and placement.expert is None:
+            dim += 1  # a stacked expert tensor [E, rows, cols], all experts at once
+        full = placement.rows or slice(0, sum(p.size for p in parts))
+        return self._intersect(parts, full, dim)
+
+    def _intersect(self, parts: list[Part], full: slice, dim: int) -> list[Piece]:
+        """The pieces of this rank's ranges inside `full` (the tensor's rows in the packed parameter)."""
+        pieces = []
+        full_offset = local_offset = 0
+        for part in parts:
+            start, stop = part.rank_range(self.rank, self.world)
+            lo, hi = max(full.start, full_offset + start), min(full.stop, full_offset + stop)
+            if lo < hi:
+                pieces.append(Piece(dim, lo - full.start, hi - full.start, local_offset + lo - full_offset - start))
+            full_offset += part.size
+            local_offset += part.local_size(self.world)
+        return pieces
+
+
+def _split(leaf: str, slot: str, spec: ModelSpec, module: str) -> tuple[str, list[Part]] | None:
+    """(column | row, the packed parts of the split dimension) of a parameter, or None (replicated)."""
+    head = spec.head_dim
+    if leaf == "qkv_proj":
+        return "column", [Part(spec.q_size, head), Part(spec.kv_size, head), Part(spec.kv_size, head)]
+    if leaf == "o_proj":
+        return "row", [Part(spec.q_size, head)]
+    width = spec.intermediate_size
+    if spec.moe is not None and (leaf == "experts" or ".mlp.shared_expert" in module):
+        width = spec.moe.intermediate_size if leaf == "experts" else spec.moe.shared_expert_size
+    if leaf == "gate_up_proj" or slot == "w13":
+        return "column", [Part(width), Part(width)]
+    if leaf == "down_proj" or slot == "w2":
+        return "row", [Part(width)]
+    if leaf in ("embed_tokens", "lm_head"):
+        return "column", [Part(spec.vocab_size)]
+    return None
+
+
+def check_tensor_parallel(spec: ModelSpec, world: int) -> None:
+    """Refuses (ConfigError on --tensor-parallel-size) a split the model's shapes do not allow."""
+    if world == 1:
+        return
+    sizes = [("attention heads", spec.num_heads), ("MLP width", spec.intermediate_size)]
+    if spec.moe is not None:
+        sizes += [("expert width", spec.moe.intermediate_size), ("shared-expert width", spec.moe.shared_expert_size)]
+    for what, size in sizes:
+        if size % world:
+            raise ConfigError("tensor_parallel_size", f"{world} does not divide the model's {what} ({size}); "
+                                                      f"use a divisor of {size}")
+    kv = spec.num_kv_heads
+    if kv % world and world % kv:
+        raise ConfigError("tensor_parallel_size", f"{world} and the model's {kv} KV heads do not divide one another; "
+                                                  f"use a divisor or a multiple of {kv}")
+    if spec.quant is not None:
+        raise ConfigError("tensor_parallel_size", "FP8 checkpoints run on one rank only for now; "
+                                                  "use --tensor-parallel-size 1")
