@@ -65,6 +65,9 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
         Flag("tensor_parallel_size", int, 1, "Split each layer across N GPUs (N CPU processes on CPU): models bigger "
              "than one device (docs/tensor-parallel.md).", ENGINE, decls=("--tensor-parallel-size", "-tp"),
              field="tensor_parallel_size", metavar="N"),
+        Flag("async_scheduling", Optional[bool], None, "Schedule the next step while the GPU runs this one (default: "
+             "on for one GPU, off on CPU and with --tensor-parallel-size).", ENGINE,
+             decls=("--async-scheduling/--no-async-scheduling",), field="async_scheduling"),
         Flag("threads", Optional[int], None, "CPU threads for torch (default: torch's choice).", ENGINE, field="num_threads"),
         Flag("gpu_memory_utilization", float, 0.9, "Share of GPU memory for weights + activations + KV cache.", ENGINE,
              field="gpu_memory_utilization"),

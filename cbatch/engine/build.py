@@ -7,7 +7,7 @@ consumes its result, so nothing is resolved twice.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -100,6 +100,8 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
         return runner
 
     config, kv = _kv_pool(config, resolved, model.spec, kv_dtype, make_runner)
+    if config.async_scheduling is None:  # where the host can run ahead of the device
+        config = replace(config, async_scheduling=device.type == "cuda" and comm.world == 1)
     runner = make_runner(config, kv.num_blocks, kv.num_host_blocks)
     if device.type == "cuda" and model.backend.supports_cuda_graphs and not config.enforce_eager:
         runner.capture_decode_graphs(config.max_num_seqs, resolved.max_model_len)

@@ -104,6 +104,8 @@ class Engine:
         if settings:
             self.config = replace(self.config, **settings)
         self.scheduler = make_scheduler(self.config, self.kv, self.max_model_len)
+        self._inflight: tuple[StepPlan, Any] | None = None  # asynchronous scheduling: the launched, unresolved step
+        self.steps_ahead = 0  # steps launched before the previous one resolved
         self.runner.reset()
 
     @property
@@ -173,21 +175,54 @@ class Engine:
         return None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Schedules and runs one step; returns the sequences that left the batch finished. With nothing
-        runnable (waiting for arrivals) the step is idle: counted, nothing computed."""
+        runnable (waiting for arrivals) the step is idle: counted, nothing computed. With asynchronous
+        scheduling a call launches one step and resolves the one before it (`_step_ahead`)."""
+        if self.config.async_scheduling:
+            return self._step_ahead()
         plan = self.scheduler.schedule()
         if not plan:
-            if self.scheduler.has_work():
-                raise RuntimeError("scheduler made no progress with work pending (a bug: please report it)")
-            self.scheduler.last_step = StepInfo()
-            self.runner.idle()
-            return []
+            return self._idle()
         out = self.runner.execute(plan)
         return self.scheduler.update(plan, out.tokens, out.logprobs)
+
+    def _step_ahead(self) -> list[Sequence]:
+        """Asynchronous scheduling (vLLM v1, SGLang's overlap scheduler): step N+1 is scheduled, built and
+        launched while the device runs step N, whose placeholders it reads on the device; then N resolves
+        (its tokens come back: EOS, stop strings, lengths), overlapping N+1 on the device. A sequence that
+        finished at N computed one discarded token in N+1. When N+1 needs N's tokens on the host first
+        (`Scheduler.can_schedule_ahead`), this call only resolves N and the next one schedules as usual."""
+        inflight = self._inflight
+        if inflight is not None and not self.scheduler.can_schedule_ahead(inflight[0]):
+            self._inflight = None
+            return self._resolve(*inflight)
+        plan = self.scheduler.schedule()
+        if not plan:
+            if inflight is None:
+                return self._idle()
+            self._inflight = None
+            return self._resolve(*inflight)
+        pending = self.runner.launch(plan)
+        self.steps_ahead += inflight is not None
+        finished = self._resolve(*inflight) if inflight is not None else []
+        self.scheduler.account(plan)
+        self._inflight = (plan, pending)
+        return finished
+
+    def _resolve(self, plan: StepPlan, pending) -> list[Sequence]:
+        out = pending.result()
+        return self.scheduler.resolve(plan, out.tokens, out.logprobs)
+
+    def _idle(self) -> list[Sequence]:
+        if self.scheduler.has_work():
+            raise RuntimeError("scheduler made no progress with work pending (a bug: please report it)")
+        self.scheduler.last_step = StepInfo()
+        self.runner.idle()
+        return []
 
     def output_of(self, seq: Sequence) -> RequestOutput:
         token_ids = seq.result_ids

@@ -9,7 +9,7 @@ names it preempted or finished.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,8 +21,9 @@ from cbatch.engine.logprobs import prompt_logprobs
 from cbatch.engine.sampler import SamplingBatch
 from cbatch.engine.sampling_inputs import SamplingInputs
 from cbatch.engine.scheduler import StepLogprobs, StepOutput, StepPlan
+from cbatch.engine.staging import HostStaging
 from cbatch.engine.structured import TokenMasks
-from cbatch.engine.sequence import Sequence
+from cbatch.engine.sequence import PLACEHOLDER, Sequence
 from cbatch.model.llama import ForwardContext, KVCacheView, LlamaForCausalLM
 
 
@@ -83,6 +84,7 @@ class ModelRunner:
         # (not under tensor parallelism: there the logits are gathered from the ranks outside the graph)
         self.fused_sampling = self.backend.name == "triton" and model.comm.world == 1
         self.peers = None  # tensor parallelism: the other ranks (cbatch.parallel.group.Peers), sent every step
+        self.staging = HostStaging(device) if device.type == "cuda" else None  # pinned, non-blocking input copies
         # One allocation for every layer's K and V
         kv_dtype = kv_dtype or dtype
         shape = (spec.num_layers, 2, *kv_cache_shape(num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim))
@@ -126,6 +128,8 @@ class ModelRunner:
         self.block_tables = BlockTableBuffer(*self._table_shape)
         self.sampling = SamplingInputs(self.model.spec.vocab_size, self.device, self.job_seed)
         self.forward_seconds = 0.0  # time inside the model call, for the report
+        self._last_sampled: torch.Tensor | None = None  # int64 [N] on the device: the last launched step's tokens
+        self._last_row: dict[int, int] = {}  # seq_id -> its row in `_last_sampled`
 
     def idle(self) -> None:
         pass  # nothing to compute (a step waiting for arrivals)
@@ -147,28 +151,34 @@ class ModelRunner:
             self.peers.close()
             self.peers = None
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         """Runs one step; returns the sampled token of every sequence whose chunk reached its end (and of
         the samples such a sequence forks), with the log-probabilities asked for."""
+        return self.launch(plan).result()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> "PendingStep":
+        """Starts one step: the model call and the sampling are queued on the device; `result()` waits for the
+        tokens. Asynchronous scheduling schedules the next step in between (a CPU runs it all here)."""
         try:
             step = self.forward(plan)
         except Exception as exc:  # under tensor parallelism: a dead worker is named, not reported as a bug
             if self.peers is None:
                 raise
             raise self.peers.failure(exc) from None
-        tokens: dict[int, int] = {}
+        sampled, logprobs = None, []
         if step.seqs:
             start = time.perf_counter()
             if step.tokens is not None:  # sampled inside a decode graph: the graph's sampler covered the batch
                 sampled, logprobs = step.tokens, [None] * len(step.seqs)
             else:
                 sampled, logprobs = sample_batch(step.logits, step.sampling, self.fused_sampling)
-            tokens = dict(zip((seq.seq_id for seq in step.seqs), sampled.tolist()))
             self.forward_seconds += time.perf_counter() - start
             step.logprobs.sampled.update((seq.seq_id, lp) for seq, lp in zip(step.seqs, logprobs) if lp is not None)
-        has_logprobs = step.logprobs.sampled or step.logprobs.prompt
-        return StepOutput(tokens, step.logprobs if has_logprobs else None)
+            # the next step's placeholders read these on the device: each sequence's row in `sampled`
+            self._last_sampled = sampled
+            self._last_row = {seq.seq_id: i for i, seq in enumerate(step.seqs)}
+        return PendingStep(step.seqs, sampled, step.logprobs, self)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> "StepLogits":
@@ -198,7 +208,9 @@ class ModelRunner:
             self.copy_blocks(inputs.copies)
         if inputs.swap_out or inputs.swap_in:  # NOTE: after _build (nothing there may overwrite a swap_in), before the model
             self.swap(inputs.swap_out, inputs.swap_in)
-        batch = inputs.to_device(self.device, self.block_size)
+        if self.staging is not None:
+            self.staging.next_step()
+        batch = inputs.to_device(self.device, self.block_size, self._last_sampled, self.staging)
         start = time.perf_counter()
         tokens = logits = None
         num_tokens, num_sampling = len(inputs.token_ids), len(inputs.logits_rows)
@@ -260,13 +272,17 @@ class ModelRunner:
         logits_idx: list[int] = []
         prompt_seqs: list[Sequence] = []
         prompt_rows: list[tuple[int, list[int], int]] = []
+        placeholders: list[tuple[int, int]] = []  # (flat row, row of the previous step's sampled tokens)
         offset = 0
         for i, (seq, num_new) in enumerate(sorted(plan.scheduled, key=_batch_order)):
             rows[i] = self.block_tables.sync(seq)
             starts[i] = seq.num_computed
             q_lens[i] = num_new
             if num_new == 1:
-                token_ids.append(seq.token_at(seq.num_computed))
+                token = seq.token_at(seq.num_computed)
+                if token == PLACEHOLDER:  # sampled by the step still in flight: read on the device
+                    placeholders.append((offset, self._last_row[seq.seq_id]))
+                token_ids.append(token)
             else:
                 token_ids.extend(seq.tokens(seq.num_computed, seq.num_computed + num_new))
             if seq.prompt_logprobs is not None and seq.prompt_logprobs_missing:  # (the cheap test first: hot loop)
@@ -289,7 +305,7 @@ class ModelRunner:
         table = self.block_tables.table[rows, :num_cols]  # [B, num_cols]
         slots = table[token_seq, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
         inputs = StepInputs(token_ids, positions, cu_q, seq_lens, np.ascontiguousarray(table), slots, logits_idx,
-                            prompt_rows, plan.copies, plan.swap_out, plan.swap_in)
+                            prompt_rows, plan.copies, plan.swap_out, plan.swap_in, placeholders)
         return inputs, sampling_seqs, prompt_seqs
 
 
@@ -309,26 +325,56 @@ class StepInputs:
     copies: list[tuple[int, int]]  # KV block copies (source, destination), before anything else
     swap_out: list[tuple[int, int]]  # (device block, host slot)
     swap_in: list[tuple[int, int]]  # (host slot, device block)
+    placeholders: list[tuple[int, int]] = field(default_factory=list)  # (flat row, row of the last step's tokens)
 
-    def to_device(self, dev: torch.device, block_size: int) -> "_Batch":
+    def to_device(self, dev: torch.device, block_size: int, last_sampled: torch.Tensor | None = None,
+                  staging: HostStaging | None = None) -> "_Batch":
+        """The step's tensors on `dev` (on a GPU through `staging`'s pinned buffers, copies that do not wait for
+        the step in flight); placeholder tokens (asynchronous scheduling) taken from `last_sampled`, the tokens
+        the previous step sampled, without a round trip through the host."""
+        put = torch.from_numpy if staging is None else staging.to_device
         q_lens = np.diff(self.query_start_loc)
         meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(self.query_start_loc.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(self.seq_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(self.block_table).to(dev),
-            slot_mapping=torch.from_numpy(self.slot_mapping).to(dev),
+            query_start_loc=put(self.query_start_loc.astype(np.int32)),
+            seq_lens=put(self.seq_lens.astype(np.int32)),
+            block_table=put(self.block_table),
+            slot_mapping=put(self.slot_mapping),
             max_query_len=int(q_lens.max()),
             max_seq_len=int(self.seq_lens.max()),
             query_lens_host=q_lens.tolist(),
             seq_lens_host=self.seq_lens.tolist(),
             block_size=block_size,
         )
+        input_ids = put(np.array(self.token_ids, dtype=np.int64))
+        if self.placeholders:
+            rows, sampled_rows = (put(np.array(x, dtype=np.int64)) for x in zip(*self.placeholders))
+            input_ids[rows] = last_sampled[sampled_rows]
         return _Batch(
-            input_ids=torch.tensor(self.token_ids, dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(self.positions).to(dev),
+            input_ids=input_ids,
+            positions=put(self.positions),
             meta=meta,
-            logits_indices=torch.tensor(self.logits_rows, dtype=torch.int64, device=dev),
+            logits_indices=put(np.array(self.logits_rows, dtype=np.int64)),
         )
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """A launched step: its tokens are on the device until `result()`."""
+
+    seqs: list[Sequence]  # the rows that sample, in the order of `tokens`
+    tokens: torch.Tensor | None  # int64 [N] on the device; None when no row samples
+    logprobs: StepLogprobs
+    runner: ModelRunner  # the wait for the device counts as its model time
+
+    def result(self) -> StepOutput:
+        """Waits for the step; its tokens by sequence id (and the log-probabilities asked for)."""
+        tokens = {}
+        if self.seqs:
+            start = time.perf_counter()
+            tokens = dict(zip((seq.seq_id for seq in self.seqs), self.tokens.tolist()))
+            self.runner.forward_seconds += time.perf_counter() - start
+        has_logprobs = self.logprobs.sampled or self.logprobs.prompt
+        return StepOutput(tokens, self.logprobs if has_logprobs else None)
 
 
 @dataclass(slots=True)

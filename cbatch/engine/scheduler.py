@@ -33,7 +33,7 @@ from cbatch.config import SamplingParams
 from cbatch.engine.logprobs import Logprobs
 from cbatch.engine.kv_blocks import BlockPool, cache_computed_blocks, first_missing_hash, hashes_completed, prefix_hits
 from cbatch.engine.policy import AdmissionPolicy, PreemptionPolicy, PriorityOrder
-from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
+from cbatch.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 # Why waiting work was not admitted in a step (one reason per step, counted in SchedulerStats).
 STALL_REASONS = (
@@ -85,6 +85,7 @@ class StepPlan:
     # NOTE: copied first, before swap_out: the last step forked samples, each child gets its own copy of
     # the parent's partial last block (copy-on-write: full blocks are shared, never written)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source block, destination block)
+    step: int = 0  # its number (1-based), for the first-token and finish steps of the sequences it resolves
 
     @property
     def num_tokens(self) -> int:
@@ -185,6 +186,8 @@ class Scheduler:
         self._fork_copies: list[tuple[Sequence, int, int]] = []  # (child, source, its copy) for the next plan
         self.stats = SchedulerStats()
         self.last_step = StepInfo()
+        self._at_limit: set[int] = set()  # sequences a placeholder took to max_tokens / the context: not scheduled again
+        self._resolving_step = 0  # the step whose tokens `resolve` applies (1-based): first-token and finish steps
 
     def admission_error(self, prompt_len: int, params: SamplingParams) -> str | None:
         """Why a request can never run here (too long for the model, or for the KV pool even alone), or None."""
@@ -237,6 +240,8 @@ class Scheduler:
         # NOTE (speed, the simulator runs this for 1000s of sequences): uncomputed counts are read once,
         # and the helper calls below are skipped on their common no-op path (inline checks).
         pending = [(s, s.num_uncomputed) for s in self.running]
+        if self._at_limit:  # asynchronous scheduling: they finish when the step in flight resolves
+            pending = [p for p in pending if p[0].seq_id not in self._at_limit]
         decodes = [p for p in pending if p[1] == 1]
         prefills = [p for p in pending if p[1] > 1]
         capacity = self.pool.block_size
@@ -486,6 +491,7 @@ class Scheduler:
         plan.info = StepInfo.of(plan.scheduled)
         stats = self.stats
         stats.steps += 1
+        plan.step = stats.steps
         stats.scheduled_tokens += plan.info.scheduled_tokens
         stats.computed_prompt_tokens += plan.info.prompt_tokens
         stats.padding_tokens += sum(n for s, n in plan.scheduled if s.num_result_tokens is not None)
@@ -500,20 +506,51 @@ class Scheduler:
         `sampled` maps seq_id -> token for every sequence whose chunk reached its last token (those
         sample; the others computed part of a prompt), and for the samples such a sequence forks;
         `logprobs` has the log-probabilities of the sequences that ask. The step's counters go to `last_step`.
+        The two halves, `account` (what the step computed) then `resolve` (what it sampled), run apart under
+        asynchronous scheduling: the next step is scheduled between them.
         """
-        info = plan.info
-        finished: list[Sequence] = []
+        self.account(plan)
+        return self.resolve(plan, sampled, logprobs)
+
+    def account(self, plan: StepPlan) -> None:
+        """What a launched step computes, before its tokens are known: the computed counts advance, and each
+        sequence that samples holds a PLACEHOLDER output token (the next step's input, read on the device
+        from this step's sampled tokens). A sequence the placeholder takes to its length limit is not
+        scheduled again: it finishes when the step resolves."""
         caching, block_size = self.pool.enable_caching, self.pool.block_size
         for seq, num_new in plan.scheduled:
-            if logprobs is not None and seq.seq_id in logprobs.prompt:
-                seq.prompt_logprobs.extend(logprobs.prompt[seq.seq_id])
+            if seq.is_finished:  # finished when the previous step resolved: this step's work is discarded
+                continue
             seq.num_computed += num_new
             if caching and seq.num_computed // block_size > seq.num_registered_blocks:
                 cache_computed_blocks(self.pool, seq)  # computed now: from the next step on, others may share them
-            if seq.num_computed < seq.num_tokens:
-                continue  # a prompt chunk short of the end: nothing sampled
+            if seq.num_computed < seq.num_tokens or seq.pending_children:
+                continue  # a prompt chunk short of the end (or a fork: `resolve` appends its tokens)
+            seq.output_ids.append(PLACEHOLDER)
+            if seq.first_token_step is None:
+                seq.first_token_step = plan.step
+            if seq.num_result_tokens is None and (len(seq.output_ids) >= seq.params.max_tokens
+                                                  or seq.num_tokens >= self.max_model_len):
+                self._at_limit.add(seq.seq_id)
+
+    def resolve(self, plan: StepPlan, sampled: Mapping[int, int], logprobs: StepLogprobs | None = None) -> list[Sequence]:
+        """A step's sampled tokens replace its placeholders; returns the sequences that left the batch finished
+        (EOS, stop, grammar, length). See `update`."""
+        info = plan.info
+        finished: list[Sequence] = []
+        self._resolving_step = plan.step
+        for seq, num_new in plan.scheduled:
+            if logprobs is not None and seq.seq_id in logprobs.prompt:
+                seq.prompt_logprobs.extend(logprobs.prompt[seq.seq_id])
+            if seq.is_finished:
+                continue  # discarded work (see `account`)
             if seq.pending_children:  # NOTE: before the parent's token, which may finish it and free its blocks
+                if seq.num_computed < seq.num_tokens:
+                    continue  # a prompt chunk short of the end
                 finished.extend(self._fork(seq, sampled, logprobs, info))
+            elif not seq.output_ids or seq.output_ids[-1] != PLACEHOLDER:
+                continue  # a prompt chunk short of the end: nothing sampled
+            self._at_limit.discard(seq.seq_id)
             finished.extend(self._append(seq, sampled[seq.seq_id], logprobs, info))
         if plan.preempted:  # a static group may have lost its last unfinished members
             finished.extend(self._release_stranded_group())
@@ -521,14 +558,36 @@ class Scheduler:
         self._left.extend(finished)
         return finished
 
+    def can_schedule_ahead(self, inflight: StepPlan) -> bool:
+        """Whether the next step may be scheduled before `inflight` resolves (asynchronous scheduling): no
+        sequence in it needs its sampled token on the host to prepare its next step (a grammar's mask, the
+        penalties' counts, log-probabilities, the samples it forks), no static group, and enough free blocks
+        that the next schedule cannot preempt (a victim's in-flight token would land on a waiting sequence)."""
+        if self.policy.group:
+            return False
+        for seq, _ in inflight.scheduled:
+            params = seq.params
+            if (seq.grammar is not None or params.penalized or params.logprobs is not None
+                    or seq.prompt_logprobs is not None or seq.pending_children):
+                return False
+        need = 0
+        blocks_for = self.pool.blocks_for
+        for seq in self.running:
+            if seq.seq_id not in self._at_limit:
+                need += max(0, blocks_for(seq.num_tokens) - len(seq.block_ids))
+        return need <= self.pool.num_free
+
     def _append(self, seq: Sequence, token: int, logprobs: StepLogprobs | None, info: StepInfo) -> list[Sequence]:
-        """Adds a sampled token (and its log-probabilities); returns the sequences that leave the batch
-        finished because of it."""
-        seq.output_ids.append(token)
+        """Puts a sampled token in its placeholder, or appends it (a forked sample's first token), with its
+        log-probabilities; returns the sequences that leave the batch finished because of it."""
+        if seq.output_ids and seq.output_ids[-1] == PLACEHOLDER:
+            seq.output_ids[-1] = token
+        else:
+            seq.output_ids.append(token)
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.extend(logprobs.sampled[seq.seq_id])
         if seq.first_token_step is None:
-            seq.first_token_step = self.stats.steps
+            seq.first_token_step = self._resolving_step
         if seq.num_result_tokens is not None:
             return []  # static batching: a finished member computing padding
         info.sampled_tokens += 1
@@ -599,7 +658,7 @@ class Scheduler:
         """Marks `seq` done; returns the sequences that now leave the batch (static groups leave together)."""
         seq.finish_reason = reason
         seq.num_result_tokens = len(seq.output_ids)
-        seq.finish_step = self.stats.steps
+        seq.finish_step = self._resolving_step
         if not self.policy.group or seq not in self.running:  # (a sample that finished before it joined)
             self._release(seq)
             return [seq]

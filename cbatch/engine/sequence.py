@@ -22,6 +22,10 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # could not run (e.g. does not fit the KV pool even alone)
 
 
+# An output token sampled by a step still on the device (asynchronous scheduling): the scheduler counts it,
+# the runner reads the real id from that step's sampled tokens, `Scheduler.resolve` writes it in.
+PLACEHOLDER = -1
+
 @dataclass(eq=False, slots=True)
 class Sequence:
     """A request in flight.

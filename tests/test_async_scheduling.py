@@ -1,0 +1,117 @@
+"""Asynchronous scheduling (step N+1 scheduled and launched before step N's tokens reach the host): the same
+outputs as the synchronous loop, whatever the rows ask for, under chunked prefill and preemption, and the
+overlap really happens (by the order of calls, not by timing). On a CPU the model call itself is synchronous,
+but the engine's order of operations is the GPU's."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cbatch.config import ConfigError, Constraint, EngineConfig, SamplingParams
+from cbatch.engine.engine import run_to_completion
+from cbatch.engine.runner import PendingStep
+from helpers import make_engine, random_prompts
+
+
+def mixed_params(n: int) -> list[SamplingParams]:
+    """Greedy, seeded and job-seeded sampling, stop tokens, several max_tokens, and rows whose next step needs
+    the last token on the host (n samples, logprobs, penalties): those steps fall back to the synchronous order."""
+    kinds = [
+        SamplingParams(max_tokens=14),
+        SamplingParams(max_tokens=9, temperature=0.8, seed=11),
+        SamplingParams(max_tokens=1),
+        SamplingParams(max_tokens=20, temperature=1.0, top_k=20),  # seeded from (job seed, row)
+        SamplingParams(max_tokens=16, stop_token_ids=list(range(3, 60))),  # stops early, at different steps
+        SamplingParams(max_tokens=6, ignore_eos=True),
+    ]
+    special = {7: SamplingParams(max_tokens=5, n=3, temperature=0.7, seed=3),
+               9: SamplingParams(max_tokens=6, logprobs=2),
+               10: SamplingParams(max_tokens=6, repetition_penalty=1.3)}
+    return [special.get(i, kinds[i % len(kinds)]) for i in range(n)]
+
+
+def outputs(engine, prompts, params):
+    return [(o.token_ids, o.finish_reason, o.text) for o in run_to_completion(engine, prompts, params)]
+
+
+@pytest.mark.parametrize("settings", [
+    dict(),
+    dict(max_num_batched_tokens=16),  # chunked prefill
+    dict(num_kv_blocks=24, block_size=4, max_num_seqs=8),  # preemption
+    dict(policy="static", max_num_seqs=4),  # static groups: never ahead
+], ids=["plain", "chunked", "preemption", "static"])
+def test_async_gives_the_outputs_of_the_synchronous_loop(tiny_checkpoints, settings):
+    path = tiny_checkpoints["llama"]
+    prompts = random_prompts(16, 384, seed=8, min_len=3, max_len=40)
+    params = mixed_params(len(prompts))
+    sync_engine = make_engine(path, async_scheduling=False, **settings)
+    expected = outputs(sync_engine, prompts, params)
+    engine = make_engine(path, async_scheduling=True, **settings)
+    assert outputs(engine, prompts, params) == expected
+    assert len({tuple(t) for t, _, _ in expected}) > 8 and {r for _, r, _ in expected} == {"stop", "length"}
+    assert engine.pool.num_free == engine.pool.num_blocks  # every block came back
+    ahead, stats = engine.steps_ahead, engine.scheduler.stats
+    if settings.get("policy") == "static":
+        assert ahead == 0
+    else:
+        assert ahead > 0
+    if "num_kv_blocks" in settings:
+        assert stats.preemptions > 0 and sync_engine.scheduler.stats.preemptions > 0
+
+
+def test_step_n_plus_1_is_launched_before_step_n_resolves(tiny_checkpoints, monkeypatch):
+    """The order of calls: schedule(2), launch(2), result(1), account(2), schedule(3), ... for plain decodes."""
+    engine = make_engine(tiny_checkpoints["llama"], async_scheduling=True)
+    events: list[tuple[str, int]] = []
+    schedule, launch, result = engine.scheduler.schedule, engine.runner.launch, PendingStep.result
+
+    def logged_schedule():
+        plan = schedule()
+        events.append(("schedule", plan.step))
+        return plan
+
+    step_of: dict[int, int] = {}  # id(pending step) -> its plan's step number
+
+    def logged_launch(plan):
+        pending = launch(plan)
+        step_of[id(pending)] = plan.step
+        events.append(("launch", plan.step))
+        return pending
+
+    def logged_result(self):
+        events.append(("result", step_of[id(self)]))
+        return result(self)
+
+    monkeypatch.setattr(engine.scheduler, "schedule", logged_schedule)
+    monkeypatch.setattr(engine.runner, "launch", logged_launch)
+    monkeypatch.setattr(PendingStep, "result", logged_result)
+    outs = run_to_completion(engine, random_prompts(4, 384, seed=2, min_len=5, max_len=9),
+                             [SamplingParams(max_tokens=6, ignore_eos=True)] * 4)
+    assert all(len(o.token_ids) == 6 for o in outs)
+    for n in range(2, 6):
+        order = [events.index(("launch", n)), events.index(("result", n - 1))]
+        assert order == sorted(order), events  # step n was on its way before step n-1's tokens were read
+
+
+def test_stop_strings_and_structured_rows_match(tiny_chat_model):
+    """Rows with stop strings (resolved one step late: the extra token is discarded) and constrained rows
+    (their next mask needs the token: synchronous steps) beside plain ones."""
+    choice = Constraint("choice", json.dumps(["alpha", "beta gamma", "delta"]), "choice")
+    params = [SamplingParams(max_tokens=24, temperature=0.9, seed=i, stop=["e", "a"]) if i % 3 == 0 else
+              SamplingParams(max_tokens=12, constraint=choice) if i % 3 == 1 else
+              SamplingParams(max_tokens=18, temperature=0.9, seed=i) for i in range(9)]
+    prompts = random_prompts(9, 49152, seed=4, min_len=3, max_len=20)
+    expected = outputs(make_engine(tiny_chat_model, async_scheduling=False), prompts, params)
+    assert outputs(make_engine(tiny_chat_model, async_scheduling=True), prompts, params) == expected
+    assert any(r == "stop" and t is not None for _, r, t in expected[::3])
+    assert {t for _, _, t in expected[1::3]} <= {"alpha", "beta gamma", "delta"}
+
+
+def test_async_with_tensor_parallel_is_refused():
+    with pytest.raises(ConfigError, match="tensor-parallel-size"):
+        EngineConfig(async_scheduling=True, tensor_parallel_size=2)
+
+
+def test_auto_is_off_on_cpu(tiny_checkpoints):
+    assert make_engine(tiny_checkpoints["llama"]).config.async_scheduling is False
