@@ -3,7 +3,7 @@
 # device call (the device kills a command after 600 s: every part plans <= 540 s, every step runs under its
 # own `timeout`, and each part installs what it needs, so parts run in any order on a fresh or warm machine).
 #
-#   bash benchmarks/gpu_session.sh PART        PART: kernels | suite | parity | bench | e2e | e2e-more
+#   bash benchmarks/gpu_session.sh PART        PART: kernels | suite | parity | bench | e2e | e2e-more | e2e-sync
 #   bash benchmarks/gpu_session.sh --list      the parts, their steps and time budgets
 #   bash benchmarks/gpu_session.sh --cpu-dry-run   every part on this CPU (Triton interpreter, tiny shapes,
 #                                              a few requests): the same files and summary, to catch shell
@@ -11,10 +11,11 @@
 #
 # What comes back ($OUT, or ./gpu-logs): summary.txt (each part appends its section: the machine, the stack,
 # every step's exit code, time and last lines) and PART-logs.tgz (that part's full logs and JSON); at most
-# 1 + 6 files, two folders deep at most. cbatch's figures are printed and written before any peer runs.
+# 1 + 7 files (the limit is 8), two folders deep at most. cbatch's figures are printed and written before any peer runs.
 #
 # Expected device time per part (budgets are the timeouts): kernels ~4 min, suite ~4, parity ~3, bench ~3,
-# e2e ~5, e2e-more ~5. The GPU issue's order: kernels, suite, parity, e2e, bench, e2e-more.
+# e2e ~5, e2e-more ~5, e2e-sync ~3 (e2e with --no-async-scheduling: the overlap's gain). The GPU issue's order:
+# kernels, suite, parity, e2e, bench, e2e-more, e2e-sync.
 #
 # Carry (device tool `carry`): .carry (SmolLM2's tokenizer for the CLI tests; `python benchmarks/make_carry.py`
 # builds it) and .whl (wheels of what the image lacks: xgrammar and the structured-output tests' packages; make_carry.py
@@ -38,8 +39,9 @@ declare -A PLAN=(
   [bench]="bench_kernels:480"
   [e2e]="make_model:90 greedy_vs_hf:420"
   [e2e-more]="make_model:90 cbatch_temp06:210 cbatch_fp8:210"
+  [e2e-sync]="make_model:90 cbatch_sync:210"
 )
-PARTS="kernels suite parity bench e2e e2e-more"
+PARTS="kernels suite parity bench e2e e2e-more e2e-sync"
 KERNEL_TESTS="tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_kernels_compile.py tests/test_compile_count.py tests/test_triton_e2e.py tests/test_fp8_kv.py"
 MODEL=/tmp/qwen3-0.6b-random
 
@@ -161,6 +163,11 @@ part_e2e_more() {
   step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
   step cbatch_temp06 $py benchmarks/compare_peers.py $(e2e_args) --engines cbatch --temperature 0.6 --run-timeout 200 --json "$LOGS/e2e_temp06.json"
   step cbatch_fp8 $py benchmarks/compare_peers.py $(e2e_args) --engines cbatch --engine-arg cbatch:kv_cache_dtype=fp8 --run-timeout 200 --json "$LOGS/e2e_fp8.json"
+}
+
+part_e2e_sync() {  # the e2e workload with asynchronous scheduling off: its gain is e2e's tok/s over this one's
+  step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
+  step cbatch_sync $py benchmarks/compare_peers.py $(e2e_args) --engines cbatch --engine-arg cbatch:async_scheduling=false --run-timeout 200 --json "$LOGS/e2e_sync.json"
 }
 
 run_part() {
