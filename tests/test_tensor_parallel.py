@@ -196,3 +196,30 @@ def test_plan_counts_one_ranks_share_and_the_all_reduces():
     one, eight = h100.default_cost(model, 1), h100.default_cost(model, 8)
     assert one.per_prefill_token / 8 < eight.per_prefill_token < one.per_prefill_token / 4
     assert eight.per_step < one.per_step / 4  # each rank streams an eighth of the weights
+
+
+def test_forks_logprobs_penalties_and_swap_preemption_across_ranks(tiny_checkpoints):
+    """The other per-step inputs the workers mirror: forked samples' block copies, swaps to the host and back,
+    prompt log-probabilities (the workers join the gathers of their logits)."""
+    path = tiny_checkpoints["qwen2"]
+    prompts = random_prompts(8, 384, seed=9, min_len=20, max_len=50)
+    params = [SamplingParams(max_tokens=10, n=2, temperature=0.8, seed=1), SamplingParams(max_tokens=8, logprobs=2),
+              SamplingParams(max_tokens=8, prompt_logprobs=1), SamplingParams(max_tokens=12, repetition_penalty=1.2)] * 2
+    results = {}
+    for tp in (1, 2):
+        engine = build_engine(EngineConfig(model=str(path), device="cpu", tensor_parallel_size=tp, num_kv_blocks=16,
+                                           block_size=8, max_num_seqs=6, preemption="swap"))
+        try:
+            outs = run_to_completion(engine, prompts, params)
+            results[tp] = (outs, engine.scheduler.stats.swap_preemptions)
+        finally:
+            engine.close()
+    (one, swaps_one), (two, swaps_two) = results[1], results[2]
+    assert [o.token_ids for o in two] == [o.token_ids for o in one] and swaps_one == swaps_two > 0
+    assert len(one) == 10  # 8 rows, the two n=2 rows gave two samples each
+    assert sum(o.logprobs is not None for o in one) == 2 and sum(o.prompt_logprobs is not None for o in one) == 2
+    for a, b in zip(one, two):
+        for got, want in ((a.logprobs, b.logprobs), (a.prompt_logprobs, b.prompt_logprobs)):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert got.token == pytest.approx(want.token, abs=1e-4) and got.top_ids == want.top_ids
