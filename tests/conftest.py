@@ -18,6 +18,8 @@ def pytest_configure(config) -> None:
     modules themselves change nothing in the process when imported."""
     torch.set_num_threads(min(2, torch.get_num_threads()))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Ray Data's live progress bars swallow pytest's closing "N passed" line (tests/test_ray.py's map_batches)
+    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
