@@ -43,7 +43,7 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None  # CPU memory budget for the KV pool; None = automatic
     gpu_memory_utilization: float = 0.9  # share of GPU memory cbatch may use (weights + activations + KV)
     policy: str = "longest-first"  # admission order: longest-first | fcfs | static
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    attention_backend: str = "auto"  # auto (triton on CUDA, cpu on CPU: torch without a C++ compiler) | cpu | torch | triton
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0  # seed for requests that give none
     num_threads: int | None = None  # CPU threads for torch; None = torch's default

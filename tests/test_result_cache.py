@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cbatch.model.backend import cpu_kernels
 from cbatch.config import Constraint, EngineConfig, SamplingParams
 from cbatch.run.result_cache import (
     SCHEDULING_ONLY, CacheLimit, ResultCache, ResultCacheError, RowCache, device_kind, generation_identity,
@@ -163,7 +164,9 @@ def test_device_kind_names_what_the_numerics_depend_on():
     assert device_kind(torch.device("cpu")) == f"cpu:{torch.backends.cpu.get_cpu_capability()}"
     identity = generation_identity("m", EngineConfig(device="cpu"), torch.bfloat16, torch.device("cpu"), 64)
     assert identity["device"] == device_kind(torch.device("cpu")) and identity["dtype"] == "torch.bfloat16"
-    assert identity["attention_backend"] == "torch" and identity["torch"] == torch.__version__
+    # the CPU path numerics: the compiled decode kernel where it builds, else plain torch
+    assert identity["attention_backend"] == ("cpu" if cpu_kernels.available() is None else "torch")
+    assert identity["torch"] == torch.__version__
 
 
 RECORD = {"index": 3, "id": "r3", "completion": None, "finish_reason": "length", "prompt_tokens": 2,

@@ -1,4 +1,5 @@
-"""TorchBackend attention (the CPU path) against a dense per-sequence reference, on a shuffled paged cache.
+"""The CPU path's attention (TorchBackend, and CpuBackend with its compiled decode kernel) against a dense
+per-sequence reference, on a shuffled paged cache.
 
 Mixed steps (decodes, a fresh prefill, a chunk with cached context) with blocks in random order, stale
 table entries past each row's end, and sliding windows: the paged result must match plain causal
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import cbatch.model.backend.torch_backend as torch_backend
-from cbatch.model.backend import FP8_KV_DTYPE, AttentionMetadata, KVLayer, TorchBackend, kv_cache_shape
+from cbatch.model.backend import FP8_KV_DTYPE, AttentionMetadata, CpuBackend, KVLayer, TorchBackend, cpu_kernels, kv_cache_shape
 
 HQ, HKV, D, BS = 6, 2, 16, 4
 
@@ -32,6 +33,13 @@ def _reference(q, keys, values, ctx, window):
     return torch.einsum("hnc,chd->nhd", probs, v.double()).float()
 
 
+def _backend(name: str):
+    if name == "cpu" and (reason := cpu_kernels.available()) is not None:
+        pytest.skip(f"the compiled CPU kernel is not available here: {reason}")
+    return CpuBackend() if name == "cpu" else TorchBackend()
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("group_rows", [2, 8])  # decodes split across groups, or one group
@@ -45,7 +53,8 @@ def _reference(q, keys, values, ctx, window):
         (torch.bfloat16, "fp8"),
     ],
 )
-def test_paged_matches_dense(seed: int, window: int | None, group_rows: int, dtype, matmul_prefill_pairs, monkeypatch) -> None:
+def test_paged_matches_dense(backend_name: str, seed: int, window: int | None, group_rows: int, dtype,
+                             matmul_prefill_pairs, monkeypatch) -> None:
     fp8 = matmul_prefill_pairs == "fp8"
     if fp8:
         matmul_prefill_pairs = 512 * 512
@@ -55,7 +64,7 @@ def test_paged_matches_dense(seed: int, window: int | None, group_rows: int, dty
     # (context after this step, query tokens): decodes first, like the scheduler's plans
     rows = [(13, 1), (1, 1), (30, 1), (17, 1), (9, 9), (21, 6)]
     num_blocks = 64
-    backend = TorchBackend()
+    backend = _backend(backend_name)
     k_cache = torch.randn(kv_cache_shape(num_blocks, BS, HKV, D), generator=gen)  # stale, finite data
     v_cache = torch.randn(kv_cache_shape(num_blocks, BS, HKV, D), generator=gen)
     order = torch.randperm(num_blocks, generator=gen).tolist()
@@ -118,3 +127,39 @@ def test_paged_matches_dense(seed: int, window: int | None, group_rows: int, dty
         if fp8:
             stored = (stored.float() * kv.k_scale[:, None]).to(dtype)
         torch.testing.assert_close(stored.float(), k_new[i].float(), **({} if not fp8 else dict(rtol=0, atol=0)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 1, 128), (4, 4, 80)])  # 80: the generic loop
+@pytest.mark.parametrize("window, softcap", [(None, None), (37, None), (None, 20.0)])
+def test_compiled_decode_kernel_matches_the_torch_path(dtype, heads, kv_heads, head_dim, window, softcap):
+    """CpuBackend's kernel against TorchBackend's decode groups: many rows, contexts over many shuffled blocks
+    (a partial last block, stale entries past it), q a strided view of the packed projection."""
+    if (reason := cpu_kernels.available()) is not None:
+        pytest.skip(f"the compiled CPU kernel is not available here: {reason}")
+    gen = torch.Generator().manual_seed(head_dim + (window or 0))
+    block_size, num_blocks = 16, 256
+    ctxs = [1, 2, 15, 16, 17, 64, 100, 203, 311, 5]
+    cols = -(-max(ctxs) // block_size) + 2
+    table = torch.randperm(num_blocks, generator=gen)[: len(ctxs) * cols].view(len(ctxs), cols).int()
+    kv = KVLayer(*(torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), generator=gen).to(dtype)
+                   for _ in range(2)))
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(len(ctxs), width, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(len(ctxs), heads, head_dim)  # rows `width` apart
+    k_new, v_new = (qkv[:, s : s + kv_heads * head_dim].reshape(len(ctxs), kv_heads, head_dim)
+                    for s in (heads * head_dim, (heads + kv_heads) * head_dim))
+    slots = torch.tensor([int(table[b, (c - 1) // block_size]) * block_size + (c - 1) % block_size
+                          for b, c in enumerate(ctxs)])
+    outs = []
+    for backend in (TorchBackend(), CpuBackend()):
+        meta = AttentionMetadata(
+            query_start_loc=torch.arange(len(ctxs) + 1, dtype=torch.int32), seq_lens=torch.tensor(ctxs, dtype=torch.int32),
+            block_table=table, slot_mapping=slots, max_query_len=1, max_seq_len=max(ctxs),
+            query_lens_host=[1] * len(ctxs), seq_lens_host=ctxs, block_size=block_size)
+        backend.prepare(meta)
+        outs.append(backend.attend(q, k_new, v_new, kv, meta, head_dim**-0.5, window, softcap).float())
+    want, got = outs
+    assert want.abs().mean() > 0.05  # real values, not zeros
+    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, want, **tol)

@@ -58,7 +58,7 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
              "slightly less exact).", ENGINE, field="kv_cache_dtype"),
         Flag("num_kv_blocks", Optional[int], None, "Force the KV pool size in blocks (default: from memory).", ENGINE,
              field="num_kv_blocks"),
-        Flag("attention_backend", str, "auto", "auto | torch | triton (auto: triton on CUDA).", ENGINE,
+        Flag("attention_backend", str, "auto", "auto | cpu | torch | triton (auto: triton on CUDA; on a CPU, cpu: compiled decode attention, torch where no C++ compiler is found).", ENGINE,
              field="attention_backend"),
         Flag("max_model_len", Optional[int], None, "Cap on prompt + completion tokens (default: the model's).", ENGINE,
              field="max_model_len"),

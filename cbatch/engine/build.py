@@ -16,7 +16,7 @@ from cbatch.engine import memory
 from cbatch.engine.engine import Engine, KVPool
 from cbatch.engine.runner import ModelRunner
 from cbatch.engine.warmup import warm_up
-from cbatch.model.backend import Backend, BackendUnavailable, make_backend
+from cbatch.model.backend import Backend, BackendUnavailable, cpu_kernels, make_backend
 from cbatch.model.cpu_features import bf16_speed_warning
 from cbatch.model.loader import Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir
 from cbatch.model.llama import LlamaForCausalLM
@@ -68,9 +68,13 @@ def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: t
 def engine_backend(config: EngineConfig, device: torch.device) -> Backend:
     """The compute backend --attention-backend names for `device` (a ConfigError when it cannot run there)."""
     try:
-        return make_backend(config.attention_backend, device)
+        backend = make_backend(config.attention_backend, device)
     except BackendUnavailable as exc:
         raise ConfigError("attention_backend", f"{config.attention_backend}: {exc}") from None
+    if config.attention_backend == "auto" and device.type == "cpu" and backend.name == "torch":
+        print(f"cbatch: note: the compiled CPU attention is not available ({cpu_kernels.available()}); "
+              "decodes run on the plain-torch path, which is slower", file=sys.stderr)
+    return backend
 
 
 def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *, random_weights_seed: int = 0,

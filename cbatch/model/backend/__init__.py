@@ -3,7 +3,8 @@
 An engine picks its backend once (`make_backend`) and builds its model with it; nothing is global, so
 engines with different backends coexist in one process.
 
-    TorchBackend   plain torch: the CPU path and the reference
+    CpuBackend     the CPU path: TorchBackend with a compiled paged decode attention (built on first use)
+    TorchBackend   plain torch: the reference, and the CPU path where no C++ compiler is found
     TritonBackend  `cbatch.kernels`: the GPU path (CPU tensors only under TRITON_INTERPRET=1)
 """
 from __future__ import annotations
@@ -13,12 +14,14 @@ from typing import Protocol
 
 import torch
 
+from cbatch.model.backend import cpu_kernels
+from cbatch.model.backend.cpu_backend import CpuBackend
 from cbatch.model.backend.metadata import FP8_KV_DTYPE, AttentionLayer, AttentionMetadata, KVLayer, kv_cache_shape
 from cbatch.model.backend.rotary import RotaryStep
 from cbatch.model.backend.torch_backend import TorchBackend
 from cbatch.model.backend.triton_backend import TritonBackend
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 class Backend(Protocol):
@@ -43,9 +46,12 @@ class BackendUnavailable(ValueError):
 
 
 def backend_name(name: str, device: torch.device) -> str:
-    """`auto` is triton on CUDA and torch elsewhere."""
+    """`auto` is triton on CUDA, elsewhere cpu where its kernel builds (else torch: `cpu_kernels.available()`
+    says why not)."""
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        return "cpu" if cpu_kernels.available() is None else "torch"
     return name
 
 
@@ -53,14 +59,20 @@ def make_backend(name: str, device: torch.device) -> Backend:
     name = backend_name(name, device)
     if name == "torch":
         return TorchBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise BackendUnavailable("cpu runs on the CPU only; use triton (or auto) on a GPU")
+        if (reason := cpu_kernels.available()) is not None:
+            raise BackendUnavailable(f"its kernel could not be built: {reason}; use torch")
+        return CpuBackend()
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise BackendUnavailable(
-            "triton runs on a CPU only under the Triton interpreter (TRITON_INTERPRET=1, for testing); use torch"
+            "triton runs on a CPU only under the Triton interpreter (TRITON_INTERPRET=1, for testing); use cpu or torch"
         )
     return TritonBackend()
 
 
 __all__ = [
-    "AttentionLayer", "AttentionMetadata", "BACKENDS", "Backend", "BackendUnavailable", "FP8_KV_DTYPE", "KVLayer",
+    "AttentionLayer", "AttentionMetadata", "BACKENDS", "Backend", "BackendUnavailable", "CpuBackend", "FP8_KV_DTYPE", "KVLayer",
     "RotaryStep", "TorchBackend", "TritonBackend", "backend_name", "kv_cache_shape", "make_backend",
 ]

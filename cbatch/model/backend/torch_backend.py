@@ -74,11 +74,17 @@ class TorchBackend:
 
         out = torch.empty_like(q)
         scoring = _Scoring(scale, sliding_window, softcap)
-        for group in state.decode_groups:
-            group.attend(q, out, cache, scoring)
+        if state.decode_rows:
+            self.attend_decodes(q, out, cache, scoring, meta)
         for chunk in state.prefills:
             chunk.attend(q, k, v, cache, out, scoring)
         return out
+
+    def attend_decodes(self, q: torch.Tensor, out: torch.Tensor, cache: "_CacheReader", scoring: "_Scoring",
+                       meta: AttentionMetadata) -> None:
+        """out[row] for every single-token query row (a decode), over its cached context."""
+        for group in meta.backend_state.decode_groups(meta):
+            group.attend(q, out, cache, scoring)
 
     # ---- the model's small ops, with HF transformers' numerics ----------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
@@ -349,8 +355,16 @@ class _TorchStepState:
     store_all: bool
     store_rows: torch.Tensor | None
     store_slots: torch.Tensor | None
-    decode_groups: list[_DecodeGroup]
+    decode_rows: list[int]  # batch index of every single-token query row, shortest context first
     prefills: list[_PrefillChunk]
+    _groups: list[_DecodeGroup] | None = None
+    decode_rows_i32: torch.Tensor | None = None  # int32 [n]: `decode_rows` for the compiled kernel (CpuBackend)
+
+    def decode_groups(self, meta: AttentionMetadata) -> list[_DecodeGroup]:
+        """The decode rows in groups of DECODE_GROUP_ROWS, built on first use and shared by every layer."""
+        if self._groups is None:
+            self._groups = _decode_groups(meta, self.decode_rows)
+        return self._groups
 
     @classmethod
     def build(cls, meta: AttentionMetadata) -> "_TorchStepState":
@@ -363,21 +377,7 @@ class _TorchStepState:
         starts = meta.query_start_loc.tolist()
         block_size = meta.block_size
         seq_lens = meta.seq_lens_host
-        decode_idx = sorted((b for b, n in enumerate(meta.query_lens_host) if n == 1), key=seq_lens.__getitem__)
-        groups = []
-        for i in range(0, len(decode_idx), DECODE_GROUP_ROWS):
-            members = decode_idx[i : i + DECODE_GROUP_ROWS]
-            num_blocks = -(-max(seq_lens[b] for b in members) // block_size)
-            idx = torch.tensor(members, device=device)
-            rows = [starts[b] for b in members]
-            consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
-            groups.append(_DecodeGroup(
-                rows=slice(rows[0], rows[0] + len(rows)) if consecutive else torch.tensor(rows, device=device),
-                num_rows=len(members),
-                blocks=meta.block_table[idx, :num_blocks].long().reshape(-1),
-                lens=meta.seq_lens[idx].long(),
-                length=num_blocks * block_size,
-            ))
+        decode_rows = sorted((b for b, n in enumerate(meta.query_lens_host) if n == 1), key=seq_lens.__getitem__)
         prefills = []
         for b, q_len in enumerate(meta.query_lens_host):
             if q_len == 1:
@@ -389,4 +389,25 @@ class _TorchStepState:
                 table = meta.block_table[b, : -(-ctx // block_size)].long()
                 slots = table[pos // block_size] * block_size + pos % block_size
             prefills.append(_PrefillChunk(starts[b], q_len, ctx, slots, device))
-        return cls(store_all, store_rows, store_slots, groups, prefills)
+        return cls(store_all, store_rows, store_slots, decode_rows, prefills)
+
+
+def _decode_groups(meta: AttentionMetadata, decode_rows: list[int]) -> list[_DecodeGroup]:
+    device = meta.slot_mapping.device
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens_host
+    groups = []
+    for i in range(0, len(decode_rows), DECODE_GROUP_ROWS):
+        members = decode_rows[i : i + DECODE_GROUP_ROWS]
+        num_blocks = -(-max(seq_lens[b] for b in members) // meta.block_size)
+        idx = torch.tensor(members, device=device)
+        rows = [starts[b] for b in members]
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        groups.append(_DecodeGroup(
+            rows=slice(rows[0], rows[0] + len(rows)) if consecutive else torch.tensor(rows, device=device),
+            num_rows=len(members),
+            blocks=meta.block_table[idx, :num_blocks].long().reshape(-1),
+            lens=meta.seq_lens[idx].long(),
+            length=num_blocks * meta.block_size,
+        ))
+    return groups

@@ -1,0 +1,229 @@
+// Paged decode attention for the CPU: one query token per row, K and V read in place from the block cache.
+//
+// Built at first use by cpu_kernels.py (the system C++ compiler, OpenMP from the torch process) and called
+// through ctypes: plain pointers and sizes, no torch headers (it compiles in about a second).
+//
+// Shapes (row-major, elements):
+//   q           [num_tokens, Hq, D]            row stride q_row_stride, head stride D
+//   out         [num_tokens, Hq, D]            contiguous
+//   k/v cache   [num_blocks, block_size, Hkv, D] contiguous
+//   block_table int32 [B, table_stride]
+//   seq_lens    int32 [B]                      context length, this token included
+//   rows        int32 [n]: the batch index b of each decode row; its query is flat row query_start[b]
+//   query_start int32 [B + 1]
+// Query heads h*G .. h*G+G-1 share KV head h (G = Hq / Hkv). Scores are computed in float32 whatever the
+// storage dtype (float32 or bfloat16), softmax in float32, and the output rounded once to the storage dtype.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) {  // bfloat16 bits -> float32
+    uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+inline void store(float* p, int64_t i, float x) { p[i] = x; }
+inline void store(uint16_t* p, int64_t i, float x) {  // float32 -> bfloat16, round to nearest even (as torch)
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+        p[i] = static_cast<uint16_t>((bits >> 16) | 0x40u);
+        return;
+    }
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    p[i] = static_cast<uint16_t>(bits >> 16);
+}
+
+// One (row, KV head): the G query heads of that KV head against the row's context. HEAD_DIM > 0 is the head
+// dimension known at compile time (the inner loops unroll to whole vectors); 0 reads it from `head_dim`.
+// exp(x) for x <= 0 (softmax after the max is subtracted), in a form the compiler vectorizes (the libm call
+// does not): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 minimax polynomial (Cephes' expf
+// coefficients, about 1 ulp), times 2^n built in the exponent bits. Below -87 the result is 0, as expf's.
+inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.0f ? -87.0f : x;
+    const float n = std::nearbyint(clamped * 1.44269504088896341f);
+    const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 in two parts: r is exact
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+    float two_n;
+    std::memcpy(&two_n, &bits, sizeof two_n);
+    return x < -87.0f ? 0.0f : y * two_n;
+}
+
+template <typename T, int HEAD_DIM>
+void decode_one(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int32_t* table,
+                int32_t ctx, int32_t row, int32_t kv_head, T* out, int32_t num_heads, int32_t num_kv_heads,
+                int32_t runtime_head_dim, int32_t block_size, float scale, int32_t sliding_window, float softcap,
+                std::vector<float>& scratch) {
+    const int32_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
+    const int32_t group = num_heads / num_kv_heads;
+    const int32_t first = (sliding_window > 0 && ctx > sliding_window) ? ctx - sliding_window : 0;
+    const int32_t span = ctx - first;
+    // scratch: queries [G, D] | 1 / softmax sums [G] | scores [G, span]
+    scratch.resize(static_cast<size_t>(group) * (head_dim + 1 + span));
+    float* qf = scratch.data();
+    float* inv_sum = qf + group * head_dim;
+    float* scores = inv_sum + group;
+    for (int32_t g = 0; g < group; ++g) {
+        const T* src = q + static_cast<int64_t>(row) * q_row_stride + static_cast<int64_t>(kv_head * group + g) * head_dim;
+        for (int32_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = load(src, d);
+    }
+    const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
+    const T* k_head = k_cache + static_cast<int64_t>(kv_head) * head_dim;
+    const T* v_head = v_cache + static_cast<int64_t>(kv_head) * head_dim;
+    // pass 1: scores[g, t] = q_g . k_t, block by block (each block's tokens are token_stride apart)
+    for (int32_t t0 = first - first % block_size; t0 < ctx; t0 += block_size) {
+        const T* k_block = k_head + static_cast<int64_t>(table[t0 / block_size]) * block_size * token_stride;
+        const int32_t lo = t0 < first ? first : t0, hi = t0 + block_size < ctx ? t0 + block_size : ctx;
+        int32_t t = lo;
+        for (; t + 4 <= hi; t += 4) {  // four tokens at once: four independent dot products in flight
+            const T* k0 = k_block + static_cast<int64_t>(t - t0) * token_stride;
+            const T *k1 = k0 + token_stride, *k2 = k1 + token_stride, *k3 = k2 + token_stride;
+            for (int32_t g = 0; g < group; ++g) {
+                const float* qg = qf + g * head_dim;
+                float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+                for (int32_t d = 0; d < head_dim; ++d) {
+                    const float x = qg[d];
+                    d0 += x * load(k0, d);
+                    d1 += x * load(k1, d);
+                    d2 += x * load(k2, d);
+                    d3 += x * load(k3, d);
+                }
+                float* out_g = scores + g * span + (t - first);
+                out_g[0] = d0 * scale, out_g[1] = d1 * scale, out_g[2] = d2 * scale, out_g[3] = d3 * scale;
+            }
+        }
+        for (; t < hi; ++t) {
+            const T* k = k_block + static_cast<int64_t>(t - t0) * token_stride;
+            for (int32_t g = 0; g < group; ++g) {
+                const float* qg = qf + g * head_dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int32_t d = 0; d < head_dim; ++d) dot += qg[d] * load(k, d);
+                scores[g * span + (t - first)] = dot * scale;
+            }
+        }
+    }
+    if (softcap > 0.0f)  // HF's order: softcap * tanh(scale * q.k / softcap)
+        for (int64_t i = 0; i < static_cast<int64_t>(group) * span; ++i)
+            scores[i] = softcap * std::tanh(scores[i] / softcap);
+    // pass 2: softmax over each head's scores (max subtracted), in float32
+    for (int32_t g = 0; g < group; ++g) {
+        float* s = scores + g * span;
+        float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+        for (int32_t i = 0; i < span; ++i) mx = s[i] > mx ? s[i] : mx;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int32_t i = 0; i < span; ++i) {
+            s[i] = exp_nonpositive(s[i] - mx);
+            sum += s[i];
+        }
+        inv_sum[g] = 1.0f / sum;
+    }
+    // pass 3: out_g = sum_t p[g, t] v_t, one query head at a time (its accumulator stays in registers)
+    T* dst = out + static_cast<int64_t>(row) * num_heads * head_dim + static_cast<int64_t>(kv_head) * group * head_dim;
+    for (int32_t g = 0; g < group; ++g) {
+        const float* p = scores + g * span;
+        float acc[HEAD_DIM > 0 ? HEAD_DIM : 512] = {};
+        for (int32_t t0 = first - first % block_size; t0 < ctx; t0 += block_size) {
+            const T* v_block = v_head + static_cast<int64_t>(table[t0 / block_size]) * block_size * token_stride;
+            const int32_t lo = t0 < first ? first : t0, hi = t0 + block_size < ctx ? t0 + block_size : ctx;
+            int32_t t = lo;
+            for (; t + 4 <= hi; t += 4) {  // four tokens per pass over the accumulator
+                const T* v0 = v_block + static_cast<int64_t>(t - t0) * token_stride;
+                const T *v1 = v0 + token_stride, *v2 = v1 + token_stride, *v3 = v2 + token_stride;
+                const float w0 = p[t - first], w1 = p[t + 1 - first], w2 = p[t + 2 - first], w3 = p[t + 3 - first];
+#pragma omp simd
+                for (int32_t d = 0; d < head_dim; ++d)
+                    acc[d] += (w0 * load(v0, d) + w1 * load(v1, d)) + (w2 * load(v2, d) + w3 * load(v3, d));
+            }
+            for (; t < hi; ++t) {
+                const T* v = v_block + static_cast<int64_t>(t - t0) * token_stride;
+                const float w = p[t - first];
+#pragma omp simd
+                for (int32_t d = 0; d < head_dim; ++d) acc[d] += w * load(v, d);
+            }
+        }
+        for (int32_t d = 0; d < head_dim; ++d) store(dst, g * head_dim + d, acc[d] * inv_sum[g]);
+    }
+}
+
+template <typename T>
+void decode(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
+            int64_t table_stride, const int32_t* seq_lens, const int32_t* query_start, const int32_t* rows,
+            int32_t num_rows, T* out, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+            float scale, int32_t sliding_window, float softcap, int32_t num_threads) {
+    // one task per row, its KV heads in turn: the heads of a token share cache lines (token-major blocks), so
+    // the row's K and V come from memory once (a task per (row, head) fetched them about Hkv times)
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+        for (int32_t i = 0; i < num_rows; ++i) {
+            const int32_t b = rows[i];
+            const int32_t* table = block_table + b * table_stride;
+            for (int32_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+                switch (head_dim) {  // the common head sizes unrolled; any other through the generic loop
+                    case 64:
+                        decode_one<T, 64>(q, q_row_stride, k_cache, v_cache, table, seq_lens[b], query_start[b],
+                                          kv_head, out, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                          sliding_window, softcap, scratch);
+                        break;
+                    case 128:
+                        decode_one<T, 128>(q, q_row_stride, k_cache, v_cache, table, seq_lens[b], query_start[b],
+                                           kv_head, out, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                           sliding_window, softcap, scratch);
+                        break;
+                    default:
+                        decode_one<T, 0>(q, q_row_stride, k_cache, v_cache, table, seq_lens[b], query_start[b],
+                                         kv_head, out, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                         sliding_window, softcap, scratch);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 = float32, 1 = bfloat16. sliding_window <= 0: none. softcap <= 0: none.
+int cbatch_decode_attention(int32_t dtype, const void* q, int64_t q_row_stride, const void* k_cache,
+                            const void* v_cache, const int32_t* block_table, int64_t table_stride,
+                            const int32_t* seq_lens, const int32_t* query_start, const int32_t* rows,
+                            int32_t num_rows, void* out, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
+                            int32_t block_size, float scale, int32_t sliding_window, float softcap,
+                            int32_t num_threads) {
+    if (num_heads % num_kv_heads != 0 || head_dim > 512) return 1;
+    if (dtype == 0) {
+        decode(static_cast<const float*>(q), q_row_stride, static_cast<const float*>(k_cache),
+               static_cast<const float*>(v_cache), block_table, table_stride, seq_lens, query_start, rows, num_rows,
+               static_cast<float*>(out), num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, softcap,
+               num_threads);
+        return 0;
+    }
+    if (dtype == 1) {
+        decode(static_cast<const uint16_t*>(q), q_row_stride, static_cast<const uint16_t*>(k_cache),
+               static_cast<const uint16_t*>(v_cache), block_table, table_stride, seq_lens, query_start, rows,
+               num_rows, static_cast<uint16_t*>(out), num_heads, num_kv_heads, head_dim, block_size, scale,
+               sliding_window, softcap, num_threads);
+        return 0;
+    }
+    return 2;
+}
+
+}  // extern "C"

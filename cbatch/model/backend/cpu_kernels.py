@@ -1,0 +1,129 @@
+"""The CPU path's compiled kernel: paged decode attention (cpu_attention.cpp), built once per machine kind with
+the system C++ compiler and called through ctypes.
+
+Why compiled: the plain-torch decode attention gathers every row's blocks into a padded copy, transposes it and
+runs two tiny batched matmuls and a softmax, per layer: about five passes over K and V where one suffices
+(benchmarks/NOTES.md). The kernel reads each row's K and V once, in place, with no torch headers to compile
+(about a second). Without a compiler it is not built and the engine keeps the plain-torch attention.
+
+The build targets the vector ISA that ATen itself runs at (`torch.backends.cpu.get_cpu_capability()`, which
+`ATEN_CPU_CAPABILITY` caps), so an AVX-512 machine run as an AVX2 one gets AVX2 code here too. The library is
+cached under `$CBATCH_CACHE/kernels`, named by the source's hash and that ISA. OpenMP: it links libgomp, the
+runtime torch's CPU build has already loaded, so its threads are torch's (`torch.get_num_threads()`).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_C_ARGS = [
+    ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+    ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_float, ctypes.c_int32, ctypes.c_float,
+    ctypes.c_int32,
+]
+
+
+class KernelBuildError(RuntimeError):
+    """The kernel could not be built or loaded here (no compiler, a failed compile): the message says why."""
+
+
+def target_isa() -> tuple[str, list[str]]:
+    """(name, compiler flags) of the vector ISA to build for: the one ATen runs at on this CPU."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return machine or "unknown", []  # the compiler's default target for this architecture
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    if capability.startswith("AVX512"):
+        return "x86-64-v4", ["-march=x86-64-v4"]  # AVX-512 F/BW/CD/DQ/VL
+    if capability == "AVX2":
+        return "x86-64-v3", ["-march=x86-64-v3"]  # AVX2, FMA
+    return "x86-64", []
+
+
+def _cache_dir() -> Path:
+    from cbatch.model.default_model import cache_root
+
+    return cache_root() / "kernels"
+
+
+def _compile(target: Path, flags: list[str]) -> None:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        raise KernelBuildError("no C++ compiler found (install g++, or set CXX)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target, then rename: processes building at once (tensor-parallel ranks) never see half a file
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        cmd = [compiler, "-O3", *flags, "-fno-math-errno", "-fopenmp", "-std=c++17", "-shared", "-fPIC", str(SOURCE),
+               "-o", str(built)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise KernelBuildError(f"{compiler} could not run: {exc}") from None
+        if proc.returncode != 0:
+            raise KernelBuildError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(built, target)
+
+
+@cache
+def _library() -> ctypes.CDLL:
+    isa, flags = target_isa()
+    digest = hashlib.sha256(SOURCE.read_bytes() + Path(__file__).read_bytes()).hexdigest()[:16]  # source + build flags
+    target = _cache_dir() / f"cpu_attention-{digest}-{isa}.so"
+    if not target.is_file():
+        _compile(target, flags)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise KernelBuildError(f"{target} could not be loaded: {exc}") from None
+    lib.cbatch_decode_attention.argtypes = _C_ARGS
+    lib.cbatch_decode_attention.restype = ctypes.c_int
+    return lib
+
+
+def available() -> str | None:
+    """None when the kernel is ready here (building it on first call), else the reason it is not."""
+    try:
+        _library()
+    except (KernelBuildError, OSError) as exc:
+        return str(exc)
+    return None
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPE_CODES
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, query_start: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+                     scale: float, sliding_window: int | None, softcap: float | None) -> None:
+    """out[query_start[b]] = attention of q[query_start[b]] over sequence b's cached context, for b in `rows`.
+
+    q [T, Hq, D] (rows may be strided, heads contiguous); out [T, Hq, D] contiguous, same dtype;
+    k_cache/v_cache [num_blocks, block_size, Hkv, D] contiguous; block_table int32 [B, cols];
+    seq_lens int32 [B] (this token included); query_start int32 [B + 1]; rows int32 [n]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous() and out.dtype == q.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
+    for t in (block_table, seq_lens, query_start, rows):
+        assert t.dtype == torch.int32 and t.is_contiguous()
+    status = _library().cbatch_decode_attention(
+        _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), query_start.data_ptr(), rows.data_ptr(),
+        rows.numel(), out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
+        softcap or 0.0, torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"cbatch_decode_attention: bad arguments (status {status})")
