@@ -128,38 +128,3 @@ def test_paged_matches_dense(backend_name: str, seed: int, window: int | None, g
             stored = (stored.float() * kv.k_scale[:, None]).to(dtype)
         torch.testing.assert_close(stored.float(), k_new[i].float(), **({} if not fp8 else dict(rtol=0, atol=0)))
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 1, 128), (4, 4, 80)])  # 80: the generic loop
-@pytest.mark.parametrize("window, softcap", [(None, None), (37, None), (None, 20.0)])
-def test_compiled_decode_kernel_matches_the_torch_path(dtype, heads, kv_heads, head_dim, window, softcap):
-    """CpuBackend's kernel against TorchBackend's decode groups: many rows, contexts over many shuffled blocks
-    (a partial last block, stale entries past it), q a strided view of the packed projection."""
-    if (reason := cpu_kernels.available()) is not None:
-        pytest.skip(f"the compiled CPU kernel is not available here: {reason}")
-    gen = torch.Generator().manual_seed(head_dim + (window or 0))
-    block_size, num_blocks = 16, 256
-    ctxs = [1, 2, 15, 16, 17, 64, 100, 203, 311, 5]
-    cols = -(-max(ctxs) // block_size) + 2
-    table = torch.randperm(num_blocks, generator=gen)[: len(ctxs) * cols].view(len(ctxs), cols).int()
-    kv = KVLayer(*(torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), generator=gen).to(dtype)
-                   for _ in range(2)))
-    width = (heads + 2 * kv_heads) * head_dim
-    qkv = torch.randn(len(ctxs), width, generator=gen).to(dtype)
-    q = qkv[:, : heads * head_dim].view(len(ctxs), heads, head_dim)  # rows `width` apart
-    k_new, v_new = (qkv[:, s : s + kv_heads * head_dim].reshape(len(ctxs), kv_heads, head_dim)
-                    for s in (heads * head_dim, (heads + kv_heads) * head_dim))
-    slots = torch.tensor([int(table[b, (c - 1) // block_size]) * block_size + (c - 1) % block_size
-                          for b, c in enumerate(ctxs)])
-    outs = []
-    for backend in (TorchBackend(), CpuBackend()):
-        meta = AttentionMetadata(
-            query_start_loc=torch.arange(len(ctxs) + 1, dtype=torch.int32), seq_lens=torch.tensor(ctxs, dtype=torch.int32),
-            block_table=table, slot_mapping=slots, max_query_len=1, max_seq_len=max(ctxs),
-            query_lens_host=[1] * len(ctxs), seq_lens_host=ctxs, block_size=block_size)
-        backend.prepare(meta)
-        outs.append(backend.attend(q, k_new, v_new, kv, meta, head_dim**-0.5, window, softcap).float())
-    want, got = outs
-    assert want.abs().mean() > 0.05  # real values, not zeros
-    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(got, want, **tol)

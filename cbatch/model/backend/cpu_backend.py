@@ -1,6 +1,8 @@
-"""The CPU path: the plain-torch backend with its decode attention replaced by the compiled kernel
-(cpu_kernels.py), which reads each row's K and V once, in place. Prefill chunks, the KV store, the fp8 cache
-and every other op stay on the torch path (TorchBackend), which remains the reference it is tested against."""
+"""The CPU path: the plain-torch backend with its decode attention, RMSNorm (with the residual add) and
+SiLU-and-multiply replaced by the compiled kernels (cpu_kernels.py); the decode attention reads each row's K
+and V once, in place. Prefill chunks, the KV store, rotary, the fp8 cache and every other op stay on the torch
+path (TorchBackend), which remains the reference the kernels are tested against; so does any input whose
+dtype or layout a kernel does not take."""
 from __future__ import annotations
 
 import torch
@@ -23,3 +25,16 @@ class CpuBackend(TorchBackend):
             state.decode_rows_i32 = torch.tensor(state.decode_rows, dtype=torch.int32)
         cpu_kernels.decode_attention(q, cache.kv.k, cache.kv.v, meta.block_table, meta.seq_lens, meta.query_start_loc,
                                      state.decode_rows_i32, out, scoring.scale, scoring.sliding_window, scoring.softcap)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+        fused = cpu_kernels.rms_norm(x, weight, eps, unit_offset)
+        return fused[0] if fused is not None else super().rms_norm(x, weight, eps, unit_offset)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = cpu_kernels.rms_norm(x, weight, eps, unit_offset, residual)
+        return fused if fused is not None else super().add_rms_norm(x, residual, weight, eps, unit_offset)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        fused = cpu_kernels.silu_and_mul(gate_up)
+        return fused if fused is not None else super().silu_and_mul(gate_up)

@@ -1,10 +1,11 @@
-"""The CPU path's compiled kernel: paged decode attention (cpu_attention.cpp), built once per machine kind with
-the system C++ compiler and called through ctypes.
+"""The CPU path's compiled kernels (cpu_kernels.cpp): paged decode attention, RMSNorm with the residual add,
+SiLU-and-multiply. Built once per machine kind with the system C++ compiler and called through ctypes.
 
 Why compiled: the plain-torch decode attention gathers every row's blocks into a padded copy, transposes it and
 runs two tiny batched matmuls and a softmax, per layer: about five passes over K and V where one suffices
 (benchmarks/NOTES.md). The kernel reads each row's K and V once, in place, with no torch headers to compile
-(about a second). Without a compiler it is not built and the engine keeps the plain-torch attention.
+(about a second). The fused elementwise kernels replace 3-6 torch ops (and their dispatch) each. Without a
+compiler nothing is built and the engine keeps the plain-torch path.
 
 The build targets the vector ISA that ATen itself runs at (`torch.backends.cpu.get_cpu_capability()`, which
 `ATEN_CPU_CAPABILITY` caps), so an AVX-512 machine run as an AVX2 one gets AVX2 code here too. The library is
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -25,8 +27,13 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_I32, _I64, _F32, _PTR = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "cbatch_rms_norm": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32, _I32],
+    "cbatch_silu_and_mul": [_I32, _PTR, _I64, _PTR, _I64, _I32, _I32],
+}
 _C_ARGS = [
     ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
@@ -81,7 +88,7 @@ def _compile(target: Path, flags: list[str]) -> None:
 def _library() -> ctypes.CDLL:
     isa, flags = target_isa()
     digest = hashlib.sha256(SOURCE.read_bytes() + Path(__file__).read_bytes()).hexdigest()[:16]  # source + build flags
-    target = _cache_dir() / f"cpu_attention-{digest}-{isa}.so"
+    target = _cache_dir() / f"cpu_kernels-{digest}-{isa}.so"
     if not target.is_file():
         _compile(target, flags)
     try:
@@ -89,7 +96,10 @@ def _library() -> ctypes.CDLL:
     except OSError as exc:
         raise KernelBuildError(f"{target} could not be loaded: {exc}") from None
     lib.cbatch_decode_attention.argtypes = _C_ARGS
-    lib.cbatch_decode_attention.restype = ctypes.c_int
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+    for name in ("cbatch_decode_attention", *_SIGNATURES):
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
@@ -127,3 +137,53 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         softcap or 0.0, torch.get_num_threads())
     if status != 0:
         raise ValueError(f"cbatch_decode_attention: bad arguments (status {status})")
+
+
+def _rows(x: torch.Tensor) -> int | None:
+    """The row stride of x seen as [rows, last dim] with unit inner stride, or None if it is not such a view."""
+    if x.dim() < 1 or x.stride(-1) != 1:
+        return None
+    if x.dim() == 1:
+        return x.shape[0]
+    inner = x.stride(-2)
+    for dim in range(x.dim() - 2):  # the leading dims must be one uniform run of rows
+        if x.stride(dim) != inner * math.prod(x.shape[dim + 1 : -1]):
+            return None
+    return inner
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(norm(x [+ residual]), x + residual or None) with HF's numerics; None when the layout or dtype is not one
+    the kernel takes (the caller then runs the torch ops)."""
+    x_stride = _rows(x)
+    r_stride = _rows(residual) if residual is not None else 0
+    if (x_stride is None or r_stride is None or not supports(x.dtype) or weight.dtype != x.dtype
+            or not weight.is_contiguous() or (residual is not None and residual.dtype != x.dtype)):
+        return None
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden if hidden else 0
+    out = torch.empty(x.shape, dtype=x.dtype)
+    summed = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
+    status = _library().cbatch_rms_norm(
+        _DTYPE_CODES[x.dtype], x.data_ptr(), x_stride, residual.data_ptr() if residual is not None else None, r_stride,
+        summed.data_ptr() if summed is not None else None, weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
+        int(unit_offset), torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"cbatch_rms_norm: bad arguments (status {status})")
+    return out, summed
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for gate_up [..., 2 * width]; None when the layout or dtype is not one the kernel takes."""
+    stride = _rows(gate_up)
+    if stride is None or not supports(gate_up.dtype):
+        return None
+    width = gate_up.shape[-1] // 2
+    rows = gate_up.numel() // gate_up.shape[-1] if gate_up.shape[-1] else 0
+    out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype)
+    status = _library().cbatch_silu_and_mul(_DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), stride, out.data_ptr(),
+                                            rows, width, torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"cbatch_silu_and_mul: bad arguments (status {status})")
+    return out

@@ -1,9 +1,10 @@
-// Paged decode attention for the CPU: one query token per row, K and V read in place from the block cache.
+// The CPU path's compiled kernels: paged decode attention (one query token per row, K and V read in place
+// from the block cache), and the fused RMSNorm (with the residual add) and SiLU-and-multiply.
 //
 // Built at first use by cpu_kernels.py (the system C++ compiler, OpenMP from the torch process) and called
 // through ctypes: plain pointers and sizes, no torch headers (it compiles in about a second).
 //
-// Shapes (row-major, elements):
+// Decode attention shapes (row-major, elements):
 //   q           [num_tokens, Hq, D]            row stride q_row_stride, head stride D
 //   out         [num_tokens, Hq, D]            contiguous
 //   k/v cache   [num_blocks, block_size, Hkv, D] contiguous
@@ -41,11 +42,11 @@ inline void store(uint16_t* p, int64_t i, float x) {  // float32 -> bfloat16, ro
 
 // One (row, KV head): the G query heads of that KV head against the row's context. HEAD_DIM > 0 is the head
 // dimension known at compile time (the inner loops unroll to whole vectors); 0 reads it from `head_dim`.
-// exp(x) for x <= 0 (softmax after the max is subtracted), in a form the compiler vectorizes (the libm call
-// does not): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 minimax polynomial (Cephes' expf
-// coefficients, about 1 ulp), times 2^n built in the exponent bits. Below -87 the result is 0, as expf's.
-inline float exp_nonpositive(float x) {
-    const float clamped = x < -87.0f ? -87.0f : x;
+// exp(x) in a form the compiler vectorizes (the libm call does not): x = n ln2 + r with |r| <= ln2 / 2,
+// exp(r) by a degree-6 minimax polynomial (Cephes' expf coefficients, about 1 ulp), times 2^n built in the
+// exponent bits. Below -87 the result is 0 and above 88 infinity, as expf's (to within its denormals).
+inline float exp_approx(float x) {
+    const float clamped = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     const float n = std::nearbyint(clamped * 1.44269504088896341f);
     const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 in two parts: r is exact
     float p = 1.9875691500e-4f;
@@ -58,7 +59,7 @@ inline float exp_nonpositive(float x) {
     const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
     float two_n;
     std::memcpy(&two_n, &bits, sizeof two_n);
-    return x < -87.0f ? 0.0f : y * two_n;
+    return x < -87.0f ? 0.0f : (x > 88.0f ? INFINITY : y * two_n);
 }
 
 template <typename T, int HEAD_DIM>
@@ -128,7 +129,7 @@ void decode_one(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_c
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int32_t i = 0; i < span; ++i) {
-            s[i] = exp_nonpositive(s[i] - mx);
+            s[i] = exp_approx(s[i] - mx);
             sum += s[i];
         }
         inv_sum[g] = 1.0f / sum;
@@ -197,6 +198,57 @@ void decode(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
     }
 }
 
+// RMSNorm rows with HF's numerics: h = float(x) (x = x + residual first, rounded to the dtype, when given);
+// h * 1 / sqrt(mean(h^2) + eps) rounded to the dtype, then times the weight in the dtype; with unit_offset
+// (Gemma) h * inv * (1 + float(weight)), rounded once.
+template <typename T>
+void rms_norm(const T* x, int64_t x_stride, const T* residual, int64_t residual_stride, T* residual_out,
+              const T* weight, T* out, int64_t rows, int32_t hidden, float eps, bool unit_offset, int32_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * hidden >= 65536) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* xr = x + r * x_stride;
+        T* dst = out + r * hidden;
+        float sum_sq = 0.0f;
+        if (residual != nullptr) {
+            const T* rr = residual + r * residual_stride;
+            T* ro = residual_out + r * hidden;
+            for (int32_t i = 0; i < hidden; ++i) store(ro, i, load(xr, i) + load(rr, i));
+            xr = ro;
+        }
+#pragma omp simd reduction(+ : sum_sq)
+        for (int32_t i = 0; i < hidden; ++i) sum_sq += load(xr, i) * load(xr, i);
+        const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
+        if (unit_offset) {
+            for (int32_t i = 0; i < hidden; ++i) store(dst, i, load(xr, i) * inv * (1.0f + load(weight, i)));
+        } else {
+            for (int32_t i = 0; i < hidden; ++i) {
+                T normed;  // rounded to the dtype before the weight multiply, as HF does
+                store(&normed, 0, load(xr, i) * inv);
+                store(dst, i, load(weight, i) * load(&normed, 0));
+            }
+        }
+    }
+}
+
+// out [rows, width] = silu(gate) * up for gate_up [rows, 2 * width] (gate | up); silu(g) = g / (1 + exp(-g)),
+// rounded to the dtype before the multiply, as torch's two ops are.
+template <typename T>
+void silu_and_mul(const T* gate_up, int64_t stride, T* out, int64_t rows, int32_t width, int32_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * width >= 65536) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* gate = gate_up + r * stride;
+        const T* up = gate + width;
+        T* dst = out + r * width;
+#pragma omp simd
+        for (int32_t i = 0; i < width; ++i) {
+            const float g = load(gate, i);
+            T silu;
+            store(&silu, 0, g / (1.0f + exp_approx(-g)));
+            store(dst, i, load(&silu, 0) * load(up, i));
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -221,6 +273,39 @@ int cbatch_decode_attention(int32_t dtype, const void* q, int64_t q_row_stride, 
                static_cast<const uint16_t*>(v_cache), block_table, table_stride, seq_lens, query_start, rows,
                num_rows, static_cast<uint16_t*>(out), num_heads, num_kv_heads, head_dim, block_size, scale,
                sliding_window, softcap, num_threads);
+        return 0;
+    }
+    return 2;
+}
+
+// residual may be null (no add); residual_out is then unused. Returns 2 for an unknown dtype.
+int cbatch_rms_norm(int32_t dtype, const void* x, int64_t x_stride, const void* residual, int64_t residual_stride,
+                    void* residual_out, const void* weight, void* out, int64_t rows, int32_t hidden, float eps,
+                    int32_t unit_offset, int32_t num_threads) {
+    if (dtype == 0) {
+        rms_norm(static_cast<const float*>(x), x_stride, static_cast<const float*>(residual), residual_stride,
+                 static_cast<float*>(residual_out), static_cast<const float*>(weight), static_cast<float*>(out), rows,
+                 hidden, eps, unit_offset != 0, num_threads);
+        return 0;
+    }
+    if (dtype == 1) {
+        rms_norm(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(residual), residual_stride,
+                 static_cast<uint16_t*>(residual_out), static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out),
+                 rows, hidden, eps, unit_offset != 0, num_threads);
+        return 0;
+    }
+    return 2;
+}
+
+int cbatch_silu_and_mul(int32_t dtype, const void* gate_up, int64_t stride, void* out, int64_t rows, int32_t width,
+                        int32_t num_threads) {
+    if (dtype == 0) {
+        silu_and_mul(static_cast<const float*>(gate_up), stride, static_cast<float*>(out), rows, width, num_threads);
+        return 0;
+    }
+    if (dtype == 1) {
+        silu_and_mul(static_cast<const uint16_t*>(gate_up), stride, static_cast<uint16_t*>(out), rows, width,
+                     num_threads);
         return 0;
     }
     return 2;

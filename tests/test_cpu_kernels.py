@@ -1,0 +1,98 @@
+"""The CPU backend's compiled kernels (cbatch/model/backend/cpu_kernels.cpp) against the plain-torch path they
+replace (TorchBackend, the reference), on random inputs: decode attention, RMSNorm with and without the residual
+add (Gemma's unit offset too), SiLU-and-multiply, in float32 and bfloat16, with strided inputs; inputs a kernel
+does not take fall back to the torch ops. The model-level greedy parity with HF runs through this backend too
+(auto on CPU): tests/test_model_parity.py, test_model_families.py, test_smollm2.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cbatch.model.backend import AttentionMetadata, CpuBackend, KVLayer, TorchBackend, cpu_kernels, kv_cache_shape
+
+pytestmark = pytest.mark.skipif(cpu_kernels.available() is not None,
+                                reason=f"the compiled CPU kernels are not available here: {cpu_kernels.available()}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 1, 128), (4, 4, 80)])  # 80: the generic loop
+@pytest.mark.parametrize("window, softcap", [(None, None), (37, None), (None, 20.0)])
+def test_compiled_decode_kernel_matches_the_torch_path(dtype, heads, kv_heads, head_dim, window, softcap):
+    """CpuBackend's kernel against TorchBackend's decode groups: many rows, contexts over many shuffled blocks
+    (a partial last block, stale entries past it), q a strided view of the packed projection."""
+    gen = torch.Generator().manual_seed(head_dim + (window or 0))
+    block_size, num_blocks = 16, 256
+    ctxs = [1, 2, 15, 16, 17, 64, 100, 203, 311, 5]
+    cols = -(-max(ctxs) // block_size) + 2
+    table = torch.randperm(num_blocks, generator=gen)[: len(ctxs) * cols].view(len(ctxs), cols).int()
+    kv = KVLayer(*(torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), generator=gen).to(dtype)
+                   for _ in range(2)))
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(len(ctxs), width, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(len(ctxs), heads, head_dim)  # rows `width` apart
+    k_new, v_new = (qkv[:, s : s + kv_heads * head_dim].reshape(len(ctxs), kv_heads, head_dim)
+                    for s in (heads * head_dim, (heads + kv_heads) * head_dim))
+    slots = torch.tensor([int(table[b, (c - 1) // block_size]) * block_size + (c - 1) % block_size
+                          for b, c in enumerate(ctxs)])
+    outs = []
+    for backend in (TorchBackend(), CpuBackend()):
+        meta = AttentionMetadata(
+            query_start_loc=torch.arange(len(ctxs) + 1, dtype=torch.int32), seq_lens=torch.tensor(ctxs, dtype=torch.int32),
+            block_table=table, slot_mapping=slots, max_query_len=1, max_seq_len=max(ctxs),
+            query_lens_host=[1] * len(ctxs), seq_lens_host=ctxs, block_size=block_size)
+        backend.prepare(meta)
+        outs.append(backend.attend(q, k_new, v_new, kv, meta, head_dim**-0.5, window, softcap).float())
+    want, got = outs
+    assert want.abs().mean() > 0.05  # real values, not zeros
+    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def _tolerance(dtype):
+    """float32: the sum of squares runs in another order than torch's mean (an ulp or two of the result);
+    bfloat16: that can move a value across a rounding boundary (one bfloat16 ulp, 2^-7 relative)."""
+    return dict(rtol=2e-6, atol=2e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("hidden", [576, 64, 33])
+def test_rms_norm_and_residual_add_match_the_torch_path(dtype, unit_offset, hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    wide = torch.randn(41, hidden + 7, generator=gen).to(dtype)
+    x = wide[:, 3 : 3 + hidden]  # a strided view: rows hidden + 7 apart
+    residual = torch.randn(41, hidden, generator=gen).to(dtype)
+    weight = (torch.randn(hidden, generator=gen) * 0.3 + 1).to(dtype)
+    fused, torch_path = CpuBackend(), TorchBackend()
+    got, want = fused.rms_norm(x, weight, 1e-6, unit_offset), torch_path.rms_norm(x, weight, 1e-6, unit_offset)
+    assert want.abs().mean() > 0.3
+    tol = _tolerance(dtype)
+    torch.testing.assert_close(got, want, **tol)
+    (got, got_sum), (want, want_sum) = (b.add_rms_norm(x, residual, weight, 1e-6, unit_offset) for b in (fused, torch_path))
+    torch.testing.assert_close(got_sum, want_sum, rtol=0, atol=0)  # the residual sum is one rounding either way
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_the_torch_path(dtype):
+    gen = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(3, 70, 2 * 1536, generator=gen) * 4).to(dtype)  # gates far into both tails
+    got, want = CpuBackend().silu_and_mul(gate_up), TorchBackend().silu_and_mul(gate_up)
+    assert got.shape == (3, 70, 1536) and want.abs().mean() > 0.5
+    # float32: our exp and torch's differ by an ulp at most; bfloat16 rounds that away
+    tol = dict(rtol=4e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=0)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_inputs_the_kernels_do_not_take_fall_back_to_torch():
+    """float16, and a per-head q view whose rows are not one uniform stride: the torch ops, same results."""
+    gen = torch.Generator().manual_seed(1)
+    x16 = torch.randn(5, 64, generator=gen).half()
+    w16 = torch.ones(64, dtype=torch.float16)
+    assert cpu_kernels.rms_norm(x16, w16, 1e-6, False) is None
+    torch.testing.assert_close(CpuBackend().rms_norm(x16, w16, 1e-6), TorchBackend().rms_norm(x16, w16, 1e-6))
+    qkv = torch.randn(6, (4 + 2 * 2) * 16, generator=gen)
+    q = qkv[:, : 4 * 16].view(6, 4, 16)  # heads 16 apart, tokens 128 apart
+    assert cpu_kernels.rms_norm(q, torch.ones(16), 1e-6, False) is None
+    torch.testing.assert_close(CpuBackend().rms_norm(q, torch.ones(16), 1e-6), TorchBackend().rms_norm(q, torch.ones(16), 1e-6))
+    assert cpu_kernels.silu_and_mul(torch.randn(4, 10, generator=gen).t()) is None  # columns: no unit stride
