@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -89,18 +90,28 @@ void decode_one(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_c
         const int32_t lo = t0 < first ? first : t0, hi = t0 + block_size < ctx ? t0 + block_size : ctx;
         int32_t t = lo;
         for (; t + 4 <= hi; t += 4) {  // four tokens at once: four independent dot products in flight
-            const T* k0 = k_block + static_cast<int64_t>(t - t0) * token_stride;
-            const T *k1 = k0 + token_stride, *k2 = k1 + token_stride, *k3 = k2 + token_stride;
+            const float *k0, *k1, *k2, *k3;
+            float converted[4 * (HEAD_DIM > 0 ? HEAD_DIM : 512)];
+            const T* k_first = k_block + static_cast<int64_t>(t - t0) * token_stride;
+            if constexpr (std::is_same_v<T, float>) {
+                k0 = k_first, k1 = k0 + token_stride, k2 = k1 + token_stride, k3 = k2 + token_stride;
+            } else {  // converted once here, not once per query head
+                for (int32_t j = 0; j < 4; ++j)
+#pragma omp simd
+                    for (int32_t d = 0; d < head_dim; ++d)
+                        converted[j * head_dim + d] = load(k_first + j * token_stride, d);
+                k0 = converted, k1 = k0 + head_dim, k2 = k1 + head_dim, k3 = k2 + head_dim;
+            }
             for (int32_t g = 0; g < group; ++g) {
                 const float* qg = qf + g * head_dim;
                 float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
 #pragma omp simd reduction(+ : d0, d1, d2, d3)
                 for (int32_t d = 0; d < head_dim; ++d) {
                     const float x = qg[d];
-                    d0 += x * load(k0, d);
-                    d1 += x * load(k1, d);
-                    d2 += x * load(k2, d);
-                    d3 += x * load(k3, d);
+                    d0 += x * k0[d];
+                    d1 += x * k1[d];
+                    d2 += x * k2[d];
+                    d3 += x * k3[d];
                 }
                 float* out_g = scores + g * span + (t - first);
                 out_g[0] = d0 * scale, out_g[1] = d1 * scale, out_g[2] = d2 * scale, out_g[3] = d3 * scale;
