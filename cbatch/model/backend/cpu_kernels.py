@@ -91,6 +91,9 @@ def _library() -> ctypes.CDLL:
     target = _cache_dir() / f"cpu_kernels-{digest}-{isa}.so"
     if not target.is_file():
         _compile(target, flags)
+        for stale in target.parent.glob(f"cpu_kernels-*-{isa}.so"):  # builds of other cbatch versions
+            if stale != target:
+                stale.unlink(missing_ok=True)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as exc:
