@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 
 from typing import Mapping
 
-import numpy as np
-
 from cbatch.config import SamplingParams
 from cbatch.engine.logprobs import Logprobs
 from cbatch.engine.kv_blocks import BlockPool, cache_computed_blocks, first_missing_hash, hashes_completed, prefix_hits
@@ -56,23 +54,20 @@ class StepInfo:
 
     @classmethod
     def of(cls, scheduled: list[tuple[Sequence, int]]) -> "StepInfo":
-        """The work of a plan's `scheduled` list, before the step runs (array ops: it runs every step)."""
-        if not scheduled:
-            return cls()
-        n = len(scheduled)
-        computed = np.fromiter([s.num_computed for s, _ in scheduled], np.int64, n)
-        new = np.fromiter([k for _, k in scheduled], np.int64, n)
-        prompt = np.fromiter([len(s.prompt_ids) for s, _ in scheduled], np.int64, n)
-        context = computed + new
-        in_prompt = computed < prompt
-        return cls(
-            scheduled_tokens=int(new.sum()),
-            prefill_tokens=int(new[new > 1].sum()),  # chunks longer than one
-            context_tokens=int(context.sum()),
-            # query i of the chunk (0-based) sees context - num_new + i + 1 keys (causal)
-            attention_pairs=int((new * context - new * (new - 1) // 2).sum()),
-            prompt_tokens=int((np.minimum(context, prompt)[in_prompt] - computed[in_prompt]).sum()),
-        )
+        """The work of a plan's `scheduled` list, before the step runs. (Sums over columns: it runs every step.)"""
+        computed = [seq.num_computed for seq, _ in scheduled]
+        new = [num_new for _, num_new in scheduled]
+        info = cls(scheduled_tokens=sum(new), prefill_tokens=sum(n for n in new if n > 1))
+        info.context_tokens = sum(computed) + info.scheduled_tokens
+        # query i of the chunk (0-based) sees context - num_new + i + 1 keys (causal): num_new * computed +
+        # num_new * (num_new + 1) / 2 pairs in all, computed + 1 for a decode
+        if info.scheduled_tokens == len(new) and not info.prefill_tokens:  # decodes only
+            info.attention_pairs = info.context_tokens
+        else:
+            info.attention_pairs = sum(n * c + n * (n + 1) // 2 for c, n in zip(computed, new))
+        info.prompt_tokens = sum(min(c + n, seq.prompt_len) - c
+                                 for (seq, n), c in zip(scheduled, computed) if c < seq.prompt_len)
+        return info
 
 
 @dataclass(slots=True)
@@ -92,6 +87,9 @@ class StepPlan:
     # the parent's partial last block (copy-on-write: full blocks are shared, never written)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source block, destination block)
     step: int = 0  # its number (1-based), for the first-token and finish steps of the sequences it resolves
+    # per row, set by `Scheduler.account`: True where accounting was only "computed + 1, placeholder appended"
+    # (`_quiet_decodes`); `resolve` takes its bulk rows among these (None before `account`: none)
+    accounted_quiet: list[bool] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -284,7 +282,7 @@ class Scheduler:
         prefills (> 1), each in admission order. Those a placeholder took to their limit are left out
         (asynchronous scheduling: they finish when the step in flight resolves).
         NOTE (speed: this runs every step over every running row): `num_uncomputed` is inlined."""
-        pending = [(s, len(s.prompt_ids) + len(s.output_ids) - s.num_computed) for s in self.running]
+        pending = [(s, s.prompt_len + len(s.output_ids) - s.num_computed) for s in self.running]
         if self._at_limit:
             pending = [p for p in pending if p[0].seq_id not in self._at_limit]
         decodes = [p for p in pending if p[1] == 1]
@@ -561,7 +559,8 @@ class Scheduler:
         from this step's sampled tokens). A sequence the placeholder takes to its length limit is not
         scheduled again: it finishes when the step resolves. Then the blocks the step completed go to the
         prefix cache, in plan order: from the next step on, others may share them."""
-        quiet, rest = self._split(plan.scheduled, self._quiet_decodes(plan))
+        plan.accounted_quiet = self._quiet_decodes(plan)
+        quiet, rest = self._split(plan.scheduled, plan.accounted_quiet)
         for seq in quiet:  # `_account_row`'s whole effect on these rows
             seq.num_computed += 1
             seq.output_ids.append(PLACEHOLDER)
@@ -581,9 +580,10 @@ class Scheduler:
         (One pass of inlined attribute tests: it runs every step over every row.)"""
         finished, max_len = SequenceStatus.FINISHED, self.max_model_len
         return [
-            n == 1 and s.status is not finished and s.num_computed + 1 == len(s.prompt_ids) + len(s.output_ids)
+            n == 1 and s.status is not finished
+            and (num_tokens := s.prompt_len + (num_out := len(s.output_ids))) == s.num_computed + 1
             and not (s.children and not s.forked) and s.first_token_step is not None
-            and len(s.output_ids) + 1 < s.params.max_tokens and len(s.prompt_ids) + len(s.output_ids) + 1 < max_len
+            and num_out + 1 < s.params.max_tokens and num_tokens + 1 < max_len
             for s, n in plan.scheduled
         ]
 
@@ -633,23 +633,22 @@ class Scheduler:
         return finished
 
     def _quiet_samples(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[bool]:
-        """Per row of `plan`: True for a row whose resolving is only "its token replaces its placeholder": not
-        finished, no samples to fork, sampled, its first token behind it, no log-probabilities (of either
-        kind), no stop strings or grammar, not a static group's member (a finishing member can release the
-        others mid-step), and neither a token that may stop it (`_stop_tokens`) nor its length limit.
-        NOTE: this is `resolve`'s and `_append`'s (`_finish_reason`'s) every other branch, negated: keep them
-        in step. (One pass of inlined attribute tests: it runs every step over every row.)"""
-        if self.policy.group:
+        """Per row of `plan`: True for a row whose resolving is only "its token replaces its placeholder". Among
+        the rows `account` found quiet (each holds a placeholder, has its first token behind it and no samples
+        to fork, and is short of its length limit: nothing between `account` and `resolve` changes that; the
+        engine's asynchronous order never preempts in between), those still running with no log-probabilities
+        (of either kind), stop strings or grammar, not a static group's (a finishing member can release the
+        others mid-step), and whose token cannot stop them (`_stop_tokens`).
+        NOTE: this and `_quiet_decodes` are `resolve`'s and `_append`'s (`_finish_reason`'s) every other
+        branch, negated: keep them in step. (One pass of inlined tests: it runs every step over every row.)"""
+        quiet = plan.accounted_quiet
+        if self.policy.group or quiet is None:
             return [False] * len(plan.scheduled)
-        finished, max_len, stop_tokens = SequenceStatus.FINISHED, self.max_model_len, self._stop_tokens
+        finished, stop_tokens = SequenceStatus.FINISHED, self._stop_tokens
         return [
-            s.status is not finished and not (s.children and not s.forked)
-            and s.output_ids and s.output_ids[-1] == PLACEHOLDER and s.first_token_step is not None
-            and s.logprobs is None and s.prompt_logprobs is None and s.stop is None and s.grammar is None
-            and s.num_result_tokens is None
-            and len(s.output_ids) < s.params.max_tokens and len(s.prompt_ids) + len(s.output_ids) < max_len
-            and sampled[s.seq_id] not in stop_tokens
-            for s, _ in plan.scheduled
+            q and s.status is not finished and s.logprobs is None and s.prompt_logprobs is None and s.stop is None
+            and s.grammar is None and s.num_result_tokens is None and sampled[s.seq_id] not in stop_tokens
+            for (s, _), q in zip(plan.scheduled, quiet)
         ]
 
     @staticmethod
