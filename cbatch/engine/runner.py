@@ -34,22 +34,20 @@ class BlockTableBuffer:
         self.table = np.zeros((num_rows, max_blocks_per_seq), dtype=np.int32)
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._row_of: dict[int, int] = {}  # seq_id -> row
-        self._written = np.zeros(num_rows, dtype=np.int64)  # row -> blocks already copied into it
+        self._written = [0] * num_rows  # row -> blocks already copied into it
 
     def sync(self, seqs: list[Sequence]) -> np.ndarray:
         """Copies the sequences' new blocks into their rows (taking a row, in order, for each one seen for the
         first time); returns their rows, int64 [len(seqs)]. Only rows whose sequence gained blocks are written."""
-        row_of = self._row_of
+        row_of, written = self._row_of, self._written
         rows = [row_of.get(s.seq_id) for s in seqs]
         if None in rows:
             rows = [self._take(s.seq_id) if r is None else r for s, r in zip(seqs, rows)]
-        rows = np.array(rows, dtype=np.int64)
-        num_blocks = np.fromiter([len(s.block_ids) for s in seqs], np.int64, len(seqs))
-        for i in np.flatnonzero(num_blocks > self._written[rows]).tolist():
-            row, written, blocks = rows[i], self._written[rows[i]], seqs[i].block_ids
-            self.table[row, written : len(blocks)] = blocks[written:]
-            self._written[row] = len(blocks)
-        return rows
+        for seq, row in [(s, r) for s, r in zip(seqs, rows) if len(s.block_ids) > written[r]]:
+            blocks = seq.block_ids
+            self.table[row, written[row] : len(blocks)] = blocks[written[row]:]
+            written[row] = len(blocks)
+        return np.array(rows, dtype=np.int64)
 
     def _take(self, seq_id: int) -> int:
         row = self._row_of[seq_id] = self._free_rows.pop()
@@ -278,15 +276,19 @@ class ModelRunner:
         flat = _FlatRows(self._last_row)
         offsets = cu_q.tolist()
         start = 0
-        for i in [i for i, plain in enumerate(_plain_decodes(ordered)) if not plain] + [n]:
+        fed = _decode_tokens(ordered)
+        for i in ([i for i, token in enumerate(fed) if token is None] if None in fed else []) + [n]:
             if i > start:
-                flat.add_decodes(seqs[start:i], offsets[start])
+                flat.add_decodes(seqs[start:i], fed[start:i], offsets[start])
             if i < n:
                 flat.add_row(seqs[i], ordered[i][1], offsets[i])
             start = i + 1
         num_tokens = offsets[-1]
-        token_seq = np.repeat(np.arange(n), q_lens)  # [T] batch index of each token
-        positions = starts[token_seq] + (np.arange(num_tokens) - cu_q[:-1][token_seq])
+        if num_tokens == n and int(q_lens.min()) == 1:  # one token per row (decodes)
+            token_seq, positions = np.arange(n), starts.copy()
+        else:
+            token_seq = np.repeat(np.arange(n), q_lens)  # [T] batch index of each token
+            positions = starts[token_seq] + (np.arange(num_tokens) - cu_q[:-1][token_seq])
         seq_lens = starts + q_lens
         num_cols = -(-int(seq_lens.max()) // self.block_size)
         table = self.block_tables.table[rows, :num_cols]  # [B, num_cols]
@@ -327,10 +329,9 @@ class _FlatRows:
             self.sampling_seqs.extend(samples)
             self.logits_rows.extend([offset + num_new - 1] * len(samples))
 
-    def add_decodes(self, seqs: list[Sequence], offset: int) -> None:
-        """A run of plain decodes (`_plain_decodes`) at flat rows offset, offset + 1, ...: what `add_row` does
-        for each of them (its last token, which it samples), for the run at once."""
-        tokens = [(s.output_ids or s.prompt_ids)[-1] for s in seqs]  # token_at(num_computed): the last one
+    def add_decodes(self, seqs: list[Sequence], tokens: list[int], offset: int) -> None:
+        """A run of plain decodes (`_decode_tokens`) feeding `tokens` at flat rows offset, offset + 1, ...: what
+        `add_row` does for each of them (its last token, which it samples), for the run at once."""
         if PLACEHOLDER in tokens:
             self.placeholders.extend((offset + j, self.last_row[s.seq_id])
                                      for j, (s, token) in enumerate(zip(seqs, tokens)) if token == PLACEHOLDER)
@@ -339,11 +340,14 @@ class _FlatRows:
         self.logits_rows.extend(range(offset, offset + len(seqs)))
 
 
-def _plain_decodes(rows: list[tuple[Sequence, int]]) -> list[bool]:
-    """Per row: True for a decode `_FlatRows.add_decodes` can take: one token, the sequence's last (it samples),
-    no samples to fork, no prompt log-probabilities. (One pass of inlined tests: it runs over every row.)"""
-    return [n == 1 and s.num_computed + 1 == len(s.prompt_ids) + len(s.output_ids)
-            and not (s.children and not s.forked) and s.prompt_logprobs is None for s, n in rows]
+def _decode_tokens(rows: list[tuple[Sequence, int]]) -> list[int | None]:
+    """Per row: the token a plain decode feeds (`token_at(num_computed)`: its last), None for any other row.
+    A plain decode: one token, the sequence's last (it samples), no samples to fork, no prompt log-probabilities.
+    (One pass of inlined tests: it runs over every row.)"""
+    return [(s.output_ids or s.prompt_ids)[-1]
+            if n == 1 and s.num_computed + 1 == s.prompt_len + len(s.output_ids)
+            and not (s.children and not s.forked) and s.prompt_logprobs is None else None
+            for s, n in rows]
 
 
 @dataclass(slots=True)

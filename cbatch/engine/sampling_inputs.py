@@ -100,7 +100,8 @@ class SamplingInputs:
         params = [s.params for s in seqs]
         # NOTE: rows usually share a few SamplingParams objects: each option is looked for once per distinct
         # object, and the per-row work is done only for an option some row uses (the host step stays short)
-        distinct = list({id(p): p for p in params}.values())
+        first = params[0] if params else None
+        distinct = [first] if params and all(p is first for p in params) else list({id(p): p for p in params}.values())
         batch = SamplingBatch(
             temperatures=_per_row(params, distinct, lambda p: float(p.temperature)),
             top_ps=_per_row(params, distinct, lambda p: float(p.top_p)),
