@@ -296,8 +296,10 @@ class Scheduler:
         without a preemption. None otherwise (`_schedule_running` takes them one by one)."""
         if len(decodes) > budget or self.policy.group:
             return None
+        # the 1 token needs a block when the computed ones fill theirs; NOTE: computed tokens are always in the
+        # sequence's blocks, so that needs num_computed % block_size == 0 (tested first: a slot, not a list)
         size = self.pool.block_size
-        growing = [s for s, _ in decodes if s.num_computed >= len(s.block_ids) * size]  # the 1 token needs a block
+        growing = [s for s, _ in decodes if not s.num_computed % size and s.num_computed >= len(s.block_ids) * size]
         need = sum(self.pool.blocks_for(s.num_computed + 1) - len(s.block_ids) for s in growing)
         return growing if need <= self.pool.num_free else None
 
