@@ -34,27 +34,30 @@ class BlockTableBuffer:
         self.table = np.zeros((num_rows, max_blocks_per_seq), dtype=np.int32)
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._row_of: dict[int, int] = {}  # seq_id -> row
-        self._written: dict[int, int] = {}  # seq_id -> blocks already copied into the row
+        self._written = [0] * num_rows  # row -> blocks already copied into it
 
-    def sync(self, seq: Sequence) -> int:
-        """Copies `seq`'s new blocks into its row (taking a row on first sight); returns the row."""
-        row = self._row_of.get(seq.seq_id)
-        if row is None:
-            row = self._free_rows.pop()
-            self._row_of[seq.seq_id] = row
-            self._written[seq.seq_id] = 0
-        written = self._written[seq.seq_id]
-        blocks = seq.block_ids
-        if len(blocks) > written:
-            self.table[row, written : len(blocks)] = blocks[written:]
-            self._written[seq.seq_id] = len(blocks)
+    def sync(self, seqs: list[Sequence]) -> np.ndarray:
+        """Copies the sequences' new blocks into their rows (taking a row, in order, for each one seen for the
+        first time); returns their rows, int64 [len(seqs)]. Only rows whose sequence gained blocks are written."""
+        row_of, written = self._row_of, self._written
+        rows = [row_of.get(s.seq_id) for s in seqs]
+        if None in rows:
+            rows = [self._take(s.seq_id) if r is None else r for s, r in zip(seqs, rows)]
+        for seq, row in [(s, r) for s, r in zip(seqs, rows) if len(s.block_ids) > written[r]]:
+            blocks = seq.block_ids
+            self.table[row, written[row] : len(blocks)] = blocks[written[row]:]
+            written[row] = len(blocks)
+        return np.array(rows, dtype=np.int64)
+
+    def _take(self, seq_id: int) -> int:
+        row = self._row_of[seq_id] = self._free_rows.pop()
+        self._written[row] = 0
         return row
 
     def release(self, seq: Sequence) -> None:
         """Frees `seq`'s row (it finished or was preempted: its blocks are gone)."""
         row = self._row_of.pop(seq.seq_id, None)
         if row is not None:
-            self._written.pop(seq.seq_id)
             self._free_rows.append(row)
 
 
@@ -263,50 +266,88 @@ class ModelRunner:
     def _build(self, plan: StepPlan) -> tuple["StepInputs", list[Sequence], list[Sequence]]:
         """(the step's inputs as host arrays, the sequences that sample in logits-row order, the sequences
         whose prompt log-probabilities this step computes, in `prompt_rows` order)."""
-        n = len(plan.scheduled)
-        rows = np.empty(n, dtype=np.int64)
-        starts = np.empty(n, dtype=np.int64)  # num_computed before this step
-        q_lens = np.empty(n, dtype=np.int64)
-        token_ids: list[int] = []
-        sampling_seqs: list[Sequence] = []
-        logits_idx: list[int] = []
-        prompt_seqs: list[Sequence] = []
-        prompt_rows: list[tuple[int, list[int], int]] = []
-        placeholders: list[tuple[int, int]] = []  # (flat row, row of the previous step's sampled tokens)
-        offset = 0
-        for i, (seq, num_new) in enumerate(sorted(plan.scheduled, key=_batch_order)):
-            rows[i] = self.block_tables.sync(seq)
-            starts[i] = seq.num_computed
-            q_lens[i] = num_new
-            if num_new == 1:
-                token = seq.token_at(seq.num_computed)
-                if token == PLACEHOLDER:  # sampled by the step still in flight: read on the device
-                    placeholders.append((offset, self._last_row[seq.seq_id]))
-                token_ids.append(token)
-            else:
-                token_ids.extend(seq.tokens(seq.num_computed, seq.num_computed + num_new))
-            if seq.prompt_logprobs is not None and seq.prompt_logprobs_missing:  # (the cheap test first: hot loop)
-                for first_row, targets in _prompt_logprob_rows(seq, num_new, offset):
-                    prompt_seqs.append(seq)
-                    prompt_rows.append((first_row, targets, seq.params.prompt_logprobs))
-            offset += num_new
-            if seq.num_computed + num_new == seq.num_tokens:  # this chunk reaches the end: sample
-                # the samples it forks draw their first token from the same logits row
-                samples = seq.samples if seq.children and not seq.forked else [seq]  # pending_children, inlined
-                sampling_seqs.extend(samples)
-                logits_idx.extend([offset - 1] * len(samples))
-        num_tokens = offset
+        ordered, starts, q_lens = _batch_order(plan.scheduled)
+        n = len(ordered)
+        seqs = [seq for seq, _ in ordered]
+        rows = self.block_tables.sync(seqs)
         cu_q = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu_q[1:])
-        token_seq = np.repeat(np.arange(n), q_lens)  # [T] batch index of each token
-        positions = starts[token_seq] + (np.arange(num_tokens) - cu_q[:-1][token_seq])
+        # The flat batch's Python side: plain decodes in runs (slices), the other rows one by one, in batch order.
+        flat = _FlatRows(self._last_row)
+        offsets = cu_q.tolist()
+        start = 0
+        fed = _decode_tokens(ordered)
+        for i in ([i for i, token in enumerate(fed) if token is None] if None in fed else []) + [n]:
+            if i > start:
+                flat.add_decodes(seqs[start:i], fed[start:i], offsets[start])
+            if i < n:
+                flat.add_row(seqs[i], ordered[i][1], offsets[i])
+            start = i + 1
+        num_tokens = offsets[-1]
+        if num_tokens == n and int(q_lens.min()) == 1:  # one token per row (decodes)
+            token_seq, positions = np.arange(n), starts.copy()
+        else:
+            token_seq = np.repeat(np.arange(n), q_lens)  # [T] batch index of each token
+            positions = starts[token_seq] + (np.arange(num_tokens) - cu_q[:-1][token_seq])
         seq_lens = starts + q_lens
         num_cols = -(-int(seq_lens.max()) // self.block_size)
         table = self.block_tables.table[rows, :num_cols]  # [B, num_cols]
         slots = table[token_seq, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
-        inputs = StepInputs(token_ids, positions, cu_q, seq_lens, np.ascontiguousarray(table), slots, logits_idx,
-                            prompt_rows, plan.copies, plan.swap_out, plan.swap_in, placeholders)
-        return inputs, sampling_seqs, prompt_seqs
+        inputs = StepInputs(flat.token_ids, positions, cu_q, seq_lens, np.ascontiguousarray(table), slots,
+                            flat.logits_rows, flat.prompt_rows, plan.copies, plan.swap_out, plan.swap_in, flat.placeholders)
+        return inputs, flat.sampling_seqs, flat.prompt_seqs
+
+
+@dataclass(slots=True)
+class _FlatRows:
+    """The Python lists of a step's flat batch, filled row by row (or run by run) in batch order."""
+
+    last_row: dict[int, int]  # seq_id -> its row in the previous step's sampled tokens (placeholders)
+    token_ids: list[int] = field(default_factory=list)
+    sampling_seqs: list[Sequence] = field(default_factory=list)  # in logits-row order
+    logits_rows: list[int] = field(default_factory=list)  # the flat rows whose hidden states sample
+    prompt_seqs: list[Sequence] = field(default_factory=list)
+    prompt_rows: list[tuple[int, list[int], int]] = field(default_factory=list)
+    placeholders: list[tuple[int, int]] = field(default_factory=list)  # (flat row, row of the previous step's sampled tokens)
+
+    def add_row(self, seq: Sequence, num_new: int, offset: int) -> None:
+        """Any row: its chunk's tokens from flat row `offset` on; it samples if the chunk reaches its end."""
+        if num_new == 1:
+            token = seq.token_at(seq.num_computed)
+            if token == PLACEHOLDER:  # sampled by the step still in flight: read on the device
+                self.placeholders.append((offset, self.last_row[seq.seq_id]))
+            self.token_ids.append(token)
+        else:
+            self.token_ids.extend(seq.tokens(seq.num_computed, seq.num_computed + num_new))
+        if seq.prompt_logprobs is not None and seq.prompt_logprobs_missing:  # (the cheap test first)
+            for first_row, targets in _prompt_logprob_rows(seq, num_new, offset):
+                self.prompt_seqs.append(seq)
+                self.prompt_rows.append((first_row, targets, seq.params.prompt_logprobs))
+        if seq.num_computed + num_new == seq.num_tokens:  # this chunk reaches the end: sample
+            # the samples it forks draw their first token from the same logits row
+            samples = seq.samples if seq.pending_children else [seq]
+            self.sampling_seqs.extend(samples)
+            self.logits_rows.extend([offset + num_new - 1] * len(samples))
+
+    def add_decodes(self, seqs: list[Sequence], tokens: list[int], offset: int) -> None:
+        """A run of plain decodes (`_decode_tokens`) feeding `tokens` at flat rows offset, offset + 1, ...: what
+        `add_row` does for each of them (its last token, which it samples), for the run at once."""
+        if PLACEHOLDER in tokens:
+            self.placeholders.extend((offset + j, self.last_row[s.seq_id])
+                                     for j, (s, token) in enumerate(zip(seqs, tokens)) if token == PLACEHOLDER)
+        self.token_ids.extend(tokens)
+        self.sampling_seqs.extend(seqs)
+        self.logits_rows.extend(range(offset, offset + len(seqs)))
+
+
+def _decode_tokens(rows: list[tuple[Sequence, int]]) -> list[int | None]:
+    """Per row: the token a plain decode feeds (`token_at(num_computed)`: its last), None for any other row.
+    A plain decode: one token, the sequence's last (it samples), no samples to fork, no prompt log-probabilities.
+    (One pass of inlined tests: it runs over every row.)"""
+    return [(s.output_ids or s.prompt_ids)[-1]
+            if n == 1 and s.num_computed + 1 == s.prompt_len + len(s.output_ids)
+            and not (s.children and not s.forked) and s.prompt_logprobs is None else None
+            for s, n in rows]
 
 
 @dataclass(slots=True)
@@ -399,12 +440,16 @@ def _prompt_logprob_rows(seq: Sequence, num_new: int, first_row: int) -> list[tu
     return [(first_row + start - seq.num_computed, seq.prompt_ids[start + 1 : end + 1])]
 
 
-def _batch_order(item: tuple[Sequence, int]) -> tuple[int, int]:
-    """Decodes first, shortest context first, then prefill chunks in plan order. TorchBackend attends
-    neighbouring decode rows together, so similar lengths pad less, and its groups become slices of
-    the batch. Otherwise the order is free: sampled tokens go back by sequence id."""
-    seq, num_new = item
-    return (0, seq.num_computed) if num_new == 1 else (1, 0)
+def _batch_order(scheduled: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], np.ndarray, np.ndarray]:
+    """The plan's rows in batch order, with their computed counts and chunk lengths (int64 arrays in that order):
+    decodes first, shortest context first, then prefill chunks in plan order (a stable sort: ties keep plan
+    order). TorchBackend attends neighbouring decode rows together, so similar lengths pad less, and its groups
+    become slices of the batch. Otherwise the order is free: sampled tokens go back by sequence id."""
+    n = len(scheduled)
+    computed = np.fromiter([seq.num_computed for seq, _ in scheduled], np.int64, n)
+    q_lens = np.fromiter([num_new for _, num_new in scheduled], np.int64, n)
+    order = np.argsort(np.where(q_lens == 1, computed, np.iinfo(np.int64).max), kind="stable")
+    return [scheduled[i] for i in order.tolist()], computed[order], q_lens[order]
 
 
 class _Batch:

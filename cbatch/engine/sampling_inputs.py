@@ -8,10 +8,15 @@ freed when a plan names the sequence preempted or finished (as the block tables'
 """
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import torch
 
+from cbatch.config import SamplingParams
 from cbatch.engine.sampler import LogitsProcessors, Penalties, SamplingBatch, SparseLogits, sample_seed
 from cbatch.engine.sequence import Sequence
+
+T = TypeVar("T")
 
 
 class TokenCounts:
@@ -95,12 +100,13 @@ class SamplingInputs:
         params = [s.params for s in seqs]
         # NOTE: rows usually share a few SamplingParams objects: each option is looked for once per distinct
         # object, and the per-row work is done only for an option some row uses (the host step stays short)
-        distinct = {id(p): p for p in params}.values()
+        first = params[0] if params else None
+        distinct = [first] if params and all(p is first for p in params) else list({id(p): p for p in params}.values())
         batch = SamplingBatch(
-            temperatures=[float(p.temperature) for p in params],
-            top_ps=[float(p.top_p) for p in params],
-            top_ks=[int(p.top_k) for p in params],
-            seeds=[self._seed(s) for s in seqs],
+            temperatures=_per_row(params, distinct, lambda p: float(p.temperature)),
+            top_ps=_per_row(params, distinct, lambda p: float(p.top_p)),
+            top_ks=_per_row(params, distinct, lambda p: int(p.top_k)),
+            seeds=self._seeds_of(seqs),
             positions=[len(s.output_ids) for s in seqs],
         )
         if any(p.min_p > 0 for p in distinct):
@@ -115,6 +121,12 @@ class SamplingInputs:
             penalties=self._penalties(seqs) if any(p.penalized for p in distinct) else None,
         )
         return batch
+
+    def _seeds_of(self, seqs: list[Sequence]) -> list[int]:
+        seeds = [self._seeds.get(s.seq_id) for s in seqs]
+        if None in seeds:  # sequences seen for the first time
+            seeds = [self._seed(s) if seed is None else seed for s, seed in zip(seqs, seeds)]
+        return seeds
 
     def _seed(self, seq: Sequence) -> int:
         seed = self._seeds.get(seq.seq_id)
@@ -145,6 +157,13 @@ class SamplingInputs:
             presence=presence, output_counts=counts.index_select(0, rows), prompt_mask=mask.index_select(0, rows),
             used=(any(v != 1.0 for v in values[names[0]]), any(values[names[1]]), any(values[names[2]])),
         )
+
+
+def _per_row(params: list[SamplingParams], distinct: list[SamplingParams], value: Callable[[SamplingParams], T]) -> list[T]:
+    """`value` of each row's params, computed once per distinct params object when the rows share one."""
+    if len(distinct) == 1:
+        return [value(distinct[0])] * len(params)
+    return [value(p) for p in params]
 
 
 def _banned(seq: Sequence) -> list[int]:

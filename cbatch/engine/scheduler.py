@@ -54,18 +54,19 @@ class StepInfo:
 
     @classmethod
     def of(cls, scheduled: list[tuple[Sequence, int]]) -> "StepInfo":
-        """The work of a plan's `scheduled` list, before the step runs."""
-        info = cls()
-        for seq, num_new in scheduled:
-            context = seq.num_computed + num_new
-            info.scheduled_tokens += num_new
-            if num_new > 1:
-                info.prefill_tokens += num_new
-            if seq.num_computed < seq.prompt_len:
-                info.prompt_tokens += min(context, seq.prompt_len) - seq.num_computed
-            info.context_tokens += context
-            # query i of the chunk (0-based) sees context - num_new + i + 1 keys (causal)
-            info.attention_pairs += num_new * context - num_new * (num_new - 1) // 2
+        """The work of a plan's `scheduled` list, before the step runs. (Sums over columns: it runs every step.)"""
+        computed = [seq.num_computed for seq, _ in scheduled]
+        new = [num_new for _, num_new in scheduled]
+        info = cls(scheduled_tokens=sum(new), prefill_tokens=sum(n for n in new if n > 1))
+        info.context_tokens = sum(computed) + info.scheduled_tokens
+        # query i of the chunk (0-based) sees context - num_new + i + 1 keys (causal): num_new * computed +
+        # num_new * (num_new + 1) / 2 pairs in all, computed + 1 for a decode
+        if info.scheduled_tokens == len(new) and not info.prefill_tokens:  # decodes only
+            info.attention_pairs = info.context_tokens
+        else:
+            info.attention_pairs = sum(n * c + n * (n + 1) // 2 for c, n in zip(computed, new))
+        info.prompt_tokens = sum(min(c + n, seq.prompt_len) - c
+                                 for (seq, n), c in zip(scheduled, computed) if c < seq.prompt_len)
         return info
 
 
@@ -86,6 +87,9 @@ class StepPlan:
     # the parent's partial last block (copy-on-write: full blocks are shared, never written)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source block, destination block)
     step: int = 0  # its number (1-based), for the first-token and finish steps of the sequences it resolves
+    # per row, set by `Scheduler.account`: True where accounting was only "computed + 1, placeholder appended"
+    # (`_quiet_decodes`); `resolve` takes its bulk rows among these (None before `account`: none)
+    accounted_quiet: list[bool] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -188,6 +192,9 @@ class Scheduler:
         self.last_step = StepInfo()
         self._at_limit: set[int] = set()  # sequences a placeholder took to max_tokens / the context: not scheduled again
         self._resolving_step = 0  # the step whose tokens `resolve` applies (1-based): first-token and finish steps
+        # every token that may stop some sequence this scheduler has seen (EOS ids, stop_token_ids): a sampled
+        # token outside it cannot stop its sequence, whatever the sequence's own settings
+        self._stop_tokens: set[int] = set()
 
     def admission_error(self, prompt_len: int, params: SamplingParams) -> str | None:
         """Why a request can never run here (too long for the model, or for the KV pool even alone), or None."""
@@ -205,9 +212,15 @@ class Scheduler:
 
     # ---- queue ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        self._watch_stop_tokens(seq)
         seq.status = SequenceStatus.WAITING
         seq.arrival_step = self.stats.steps
         heapq.heappush(self._waiting, ((self.priority.rank(seq), 1, 0, self.policy.key(seq)), seq))
+
+    def _watch_stop_tokens(self, seq: Sequence) -> None:
+        """Keeps `_stop_tokens` a superset of `seq`'s (and its samples') stop tokens."""
+        for sample in seq.samples:
+            self._stop_tokens.update(sample.eos_ids, sample.params.stop_token_ids)
 
     def _requeue(self, seq: Sequence) -> None:
         """A preempted sequence goes ahead of never-started work of its class, latest preempted first."""
@@ -231,36 +244,20 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan(scheduled=[])
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
         self.host.release(self._host_to_free)
         self._host_to_free = []
         self._inflight.clear()
 
         # Running sequences: decodes first, then chunked prefills continuing, both in admission order.
-        # NOTE (speed, the simulator runs this for 1000s of sequences): uncomputed counts are read once,
-        # and the helper calls below are skipped on their common no-op path (inline checks).
-        pending = [(s, s.num_uncomputed) for s in self.running]
-        if self._at_limit:  # asynchronous scheduling: they finish when the step in flight resolves
-            pending = [p for p in pending if p[0].seq_id not in self._at_limit]
-        decodes = [p for p in pending if p[1] == 1]
-        prefills = [p for p in pending if p[1] > 1]
-        capacity = self.pool.block_size
-        for seq, uncomputed in decodes + prefills:
-            if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
-                continue
-            num_new = min(uncomputed, budget)
-            if seq.num_result_tokens is not None and self._padding_blocked(seq, num_new):
-                continue
-            fits = seq.num_computed + num_new <= len(seq.block_ids) * capacity  # no new block needed
-            if not fits and not self._grow(seq, num_new, scheduled_ids, plan):
-                continue  # `seq` itself was preempted
-            plan.scheduled.append((seq, num_new))
-            scheduled_ids.add(seq.seq_id)
-            budget -= num_new
-            if num_new > 1:
-                self._inflight.update(hashes_completed(self.pool, seq, num_new))
+        decodes, prefills = self._pending()
+        growing = self._decodes_in_bulk(decodes, budget)
+        if growing is not None:  # the steady decode state: no row can be cut, skipped or preempted
+            for seq in growing:
+                self._grow(seq, 1, plan)  # never preempts: the free blocks cover every growing row
+            plan.scheduled.extend(decodes)
+            budget -= len(decodes)
+            decodes = []
+        budget = self._schedule_running(decodes + prefills, plan, budget)
 
         if plan.preempted:
             # NOTE: no admission after a preemption: the freed blocks go to the running sequences
@@ -268,9 +265,9 @@ class Scheduler:
             if self._waiting:
                 self.stats.stalled_after_preemption += 1
         elif self.policy.group:
-            budget = self._admit_group(plan, budget, scheduled_ids)
+            budget = self._admit_group(plan, budget)
         else:
-            budget = self._admit(plan, budget, scheduled_ids)
+            budget = self._admit(plan, budget)
 
         self._count(plan)
         if plan.scheduled:  # NOTE: an empty plan never reaches the runner: its news waits for the next one
@@ -280,6 +277,53 @@ class Scheduler:
             self._fork_copies = []
         return plan
 
+    def _pending(self) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, int]]]:
+        """The running sequences to schedule as (sequence, uncomputed tokens): the decodes (1), then the
+        prefills (> 1), each in admission order. Those a placeholder took to their limit are left out
+        (asynchronous scheduling: they finish when the step in flight resolves).
+        NOTE (speed: this runs every step over every running row): `num_uncomputed` is inlined."""
+        pending = [(s, s.prompt_len + len(s.output_ids) - s.num_computed) for s in self.running]
+        if self._at_limit:
+            pending = [p for p in pending if p[0].seq_id not in self._at_limit]
+        decodes = [p for p in pending if p[1] == 1]
+        prefills = [p for p in pending if p[1] > 1] if len(decodes) < len(pending) else []
+        return decodes, prefills
+
+    def _decodes_in_bulk(self, decodes: list[tuple[Sequence, int]], budget: int) -> list[Sequence] | None:
+        """The decodes that need a new block, when `decodes` can be scheduled all at once: the budget covers
+        them, none is a static group's finished member (only groups keep those running), and the free blocks
+        cover every one that grows, so `_schedule_running` would schedule each of them, in this order,
+        without a preemption. None otherwise (`_schedule_running` takes them one by one)."""
+        if len(decodes) > budget or self.policy.group:
+            return None
+        # the 1 token needs a block when the computed ones fill theirs; NOTE: computed tokens are always in the
+        # sequence's blocks, so that needs num_computed % block_size == 0 (tested first: a slot, not a list)
+        size = self.pool.block_size
+        growing = [s for s, _ in decodes if not s.num_computed % size and s.num_computed >= len(s.block_ids) * size]
+        need = sum(self.pool.blocks_for(s.num_computed + 1) - len(s.block_ids) for s in growing)
+        return growing if need <= self.pool.num_free else None
+
+    def _schedule_running(self, pending: list[tuple[Sequence, int]], plan: StepPlan, budget: int) -> int:
+        """Schedules `pending` (running sequences, uncomputed tokens) in order, one by one, while the budget
+        lasts; grows their blocks, preempting less important sequences where needed. Returns the budget left."""
+        capacity = self.pool.block_size
+        for seq, uncomputed in pending:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
+                continue
+            num_new = min(uncomputed, budget)
+            if seq.num_result_tokens is not None and self._padding_blocked(seq, num_new):
+                continue
+            fits = seq.num_computed + num_new <= len(seq.block_ids) * capacity  # no new block needed
+            if not fits and not self._grow(seq, num_new, plan):
+                continue  # `seq` itself was preempted
+            plan.scheduled.append((seq, num_new))
+            budget -= num_new
+            if num_new > 1:
+                self._inflight.update(hashes_completed(self.pool, seq, num_new))
+        return budget
+
     def _padding_blocked(self, seq: Sequence, num_new: int) -> bool:
         """Static batching's finished members compute padding only while that costs nobody else blocks
         and stays inside the model's context."""
@@ -288,14 +332,14 @@ class Scheduler:
         need = self.pool.blocks_for(seq.num_computed + num_new) - len(seq.block_ids)
         return need > self._spare_blocks() or seq.num_tokens >= self.max_model_len
 
-    def _grow(self, seq: Sequence, num_new: int, scheduled_ids: set[int], plan: StepPlan) -> bool:
+    def _grow(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Gives `seq` the blocks for `num_new` more tokens, preempting less important sequences if needed.
 
         Returns False when `seq` itself had to be preempted.
         """
         need = self.pool.blocks_for(seq.num_computed + num_new) - len(seq.block_ids)
         while need > self.pool.num_free:
-            victim = self._pick_victim(seq, scheduled_ids)
+            victim = self._pick_victim(seq, plan)
             self._preempt(victim, plan)
             if victim is seq:
                 return False
@@ -304,10 +348,11 @@ class Scheduler:
         return True
 
     # ---- preemption -------------------------------------------------------------------------
-    def _pick_victim(self, seq: Sequence, scheduled_ids: set[int]) -> Sequence:
+    def _pick_victim(self, seq: Sequence, plan: StepPlan) -> Sequence:
         """The running sequence of the worst priority class not yet scheduled this step, newest first
         among equals; `seq` itself when there is none or every candidate outranks it."""
         rank = self.priority.rank
+        scheduled_ids = {s.seq_id for s, _ in plan.scheduled}  # (built here: preemption is rare, steps are not)
         victim: Sequence | None = None
         for other in reversed(self.running):
             if other is seq or other.seq_id in scheduled_ids:
@@ -346,7 +391,7 @@ class Scheduler:
         self.stats.swapped_out_blocks += len(seq.block_ids)
 
     # ---- admission --------------------------------------------------------------------------
-    def _admit(self, plan: StepPlan, budget: int, scheduled_ids: set[int]) -> int:
+    def _admit(self, plan: StepPlan, budget: int) -> int:
         """Starts waiting sequences in queue order while budget, slots and blocks last.
 
         NOTE: admission stops at the first request that does not fit (never skips it): skipping would
@@ -359,9 +404,7 @@ class Scheduler:
                 self._stall(reason)
                 break
             self._pop_waiting()
-            num_new = plan.scheduled[-1][1]
-            scheduled_ids.add(seq.seq_id)
-            budget -= num_new
+            budget -= plan.scheduled[-1][1]
         return budget
 
     def _admission_blocker(self, budget: int, seq: Sequence) -> str | None:
@@ -401,7 +444,7 @@ class Scheduler:
         self._inflight.update(hashes_completed(self.pool, seq, num_new))
         return None
 
-    def _admit_group(self, plan: StepPlan, budget: int, scheduled_ids: set[int]) -> int:
+    def _admit_group(self, plan: StepPlan, budget: int) -> int:
         """Static batching: a new group only when the previous one has completely left."""
         if self.running:
             if self._waiting:
@@ -422,10 +465,9 @@ class Scheduler:
             if budget == 0:
                 break
             num_new = min(seq.num_uncomputed, budget)
-            if not self._grow(seq, num_new, scheduled_ids, plan):
+            if not self._grow(seq, num_new, plan):
                 continue
             plan.scheduled.append((seq, num_new))
-            scheduled_ids.add(seq.seq_id)
             budget -= num_new
         return budget
 
@@ -494,7 +536,8 @@ class Scheduler:
         plan.step = stats.steps
         stats.scheduled_tokens += plan.info.scheduled_tokens
         stats.computed_prompt_tokens += plan.info.prompt_tokens
-        stats.padding_tokens += sum(n for s, n in plan.scheduled if s.num_result_tokens is not None)
+        if self.policy.group:  # only static groups keep finished members (num_result_tokens set) running
+            stats.padding_tokens += sum(n for s, n in plan.scheduled if s.num_result_tokens is not None)
         stats.occupancy_sum += len(self.running) / self.max_num_seqs
         stats.kv_usage_sum += self.pool.num_used / self.pool.num_blocks
         stats.peak_kv_blocks = max(stats.peak_kv_blocks, self.pool.num_used)
@@ -516,22 +559,51 @@ class Scheduler:
         """What a launched step computes, before its tokens are known: the computed counts advance, and each
         sequence that samples holds a PLACEHOLDER output token (the next step's input, read on the device
         from this step's sampled tokens). A sequence the placeholder takes to its length limit is not
-        scheduled again: it finishes when the step resolves."""
-        caching, block_size = self.pool.enable_caching, self.pool.block_size
-        for seq, num_new in plan.scheduled:
-            if seq.is_finished:  # finished when the previous step resolved: this step's work is discarded
-                continue
-            seq.num_computed += num_new
-            if caching and seq.num_computed // block_size > seq.num_registered_blocks:
-                cache_computed_blocks(self.pool, seq)  # computed now: from the next step on, others may share them
-            if seq.num_computed < seq.num_tokens or seq.pending_children:
-                continue  # a prompt chunk short of the end (or a fork: `resolve` appends its tokens)
+        scheduled again: it finishes when the step resolves. Then the blocks the step completed go to the
+        prefix cache, in plan order: from the next step on, others may share them."""
+        plan.accounted_quiet = self._quiet_decodes(plan)
+        quiet, rest = self._split(plan.scheduled, plan.accounted_quiet)
+        for seq in quiet:  # `_account_row`'s whole effect on these rows
+            seq.num_computed += 1
             seq.output_ids.append(PLACEHOLDER)
-            if seq.first_token_step is None:
-                seq.first_token_step = plan.step
-            if seq.num_result_tokens is None and (len(seq.output_ids) >= seq.params.max_tokens
-                                                  or seq.num_tokens >= self.max_model_len):
-                self._at_limit.add(seq.seq_id)
+        for seq, num_new in rest:
+            self._account_row(seq, num_new, plan.step)
+        if self.pool.enable_caching:
+            size, finished = self.pool.block_size, SequenceStatus.FINISHED
+            for seq in [s for s, _ in plan.scheduled if s.num_computed // size > s.num_registered_blocks]:
+                if seq.status is not finished:  # (its work was discarded: see `_account_row`)
+                    cache_computed_blocks(self.pool, seq)
+
+    def _quiet_decodes(self, plan: StepPlan) -> list[bool]:
+        """Per row of `plan`: True for a decode whose accounting is only "computed + 1, placeholder appended":
+        not finished, one token that is its last (it samples), no samples to fork, its first token behind it,
+        and still short of its length limit after the placeholder.
+        NOTE: this is `_account_row`'s every other branch, negated: keep the two in step.
+        (One pass of inlined attribute tests: it runs every step over every row.)"""
+        finished, max_len = SequenceStatus.FINISHED, self.max_model_len
+        return [
+            n == 1 and s.status is not finished
+            and (num_tokens := s.prompt_len + (num_out := len(s.output_ids))) == s.num_computed + 1
+            and not (s.children and not s.forked) and s.first_token_step is not None
+            and num_out + 1 < s.params.max_tokens and num_tokens + 1 < max_len
+            for s, n in plan.scheduled
+        ]
+
+    def _account_row(self, seq: Sequence, num_new: int, step: int) -> None:
+        """`account` for one row (see there), but the prefix cache's."""
+        if seq.is_finished:  # finished when the previous step resolved: this step's work is discarded
+            return
+        seq.num_computed += num_new
+        if seq.num_computed < seq.num_tokens or seq.pending_children:
+            return  # a prompt chunk short of the end (or a fork: `resolve` appends its tokens)
+        seq.output_ids.append(PLACEHOLDER)
+        if seq.first_token_step is None:
+            seq.first_token_step = step
+        if seq.num_result_tokens is None and self._at_length_limit(seq):
+            self._at_limit.add(seq.seq_id)
+
+    def _at_length_limit(self, seq: Sequence) -> bool:
+        return len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
 
     def resolve(self, plan: StepPlan, sampled: Mapping[int, int], logprobs: StepLogprobs | None = None) -> list[Sequence]:
         """A step's sampled tokens replace its placeholders; returns the sequences that left the batch finished
@@ -539,7 +611,11 @@ class Scheduler:
         info = plan.info
         finished: list[Sequence] = []
         self._resolving_step = plan.step
-        for seq, num_new in plan.scheduled:
+        quiet, rest = self._split(plan.scheduled, self._quiet_samples(plan, sampled))
+        for seq in quiet:  # `_append`'s whole effect on these rows (none of them is in `_at_limit`)
+            seq.output_ids[-1] = sampled[seq.seq_id]
+        info.sampled_tokens += len(quiet)
+        for seq, num_new in rest:
             if logprobs is not None and seq.seq_id in logprobs.prompt:
                 seq.prompt_logprobs.extend(logprobs.prompt[seq.seq_id])
             if seq.is_finished:
@@ -557,6 +633,32 @@ class Scheduler:
         self.last_step = info
         self._left.extend(finished)
         return finished
+
+    def _quiet_samples(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[bool]:
+        """Per row of `plan`: True for a row whose resolving is only "its token replaces its placeholder". Among
+        the rows `account` found quiet (each holds a placeholder, has its first token behind it and no samples
+        to fork, and is short of its length limit: nothing between `account` and `resolve` changes that; the
+        engine's asynchronous order never preempts in between), those still running with no log-probabilities
+        (of either kind), stop strings or grammar, not a static group's (a finishing member can release the
+        others mid-step), and whose token cannot stop them (`_stop_tokens`).
+        NOTE: this and `_quiet_decodes` are `resolve`'s and `_append`'s (`_finish_reason`'s) every other
+        branch, negated: keep them in step. (One pass of inlined tests: it runs every step over every row.)"""
+        quiet = plan.accounted_quiet
+        if self.policy.group or quiet is None:
+            return [False] * len(plan.scheduled)
+        finished, stop_tokens = SequenceStatus.FINISHED, self._stop_tokens
+        return [
+            q and s.status is not finished and s.logprobs is None and s.prompt_logprobs is None and s.stop is None
+            and s.grammar is None and s.num_result_tokens is None and sampled[s.seq_id] not in stop_tokens
+            for (s, _), q in zip(plan.scheduled, quiet)
+        ]
+
+    @staticmethod
+    def _split(rows: list[tuple[Sequence, int]], quiet: list[bool]) -> tuple[list, list]:
+        """(the quiet rows' sequences, the other rows in plan order)."""
+        if all(quiet):
+            return [s for s, _ in rows], []
+        return [s for (s, _), q in zip(rows, quiet) if q], [r for r, q in zip(rows, quiet) if not q]
 
     def can_schedule_ahead(self, inflight: StepPlan) -> bool:
         """Whether the next step may be scheduled before `inflight` resolves (asynchronous scheduling): no
@@ -602,6 +704,7 @@ class Scheduler:
         free slot or block waits and is recomputed, like a preempted sequence. Returns the children that
         finished at their first token."""
         parent.forked = True
+        self._watch_stop_tokens(parent)  # (its children, in case they were given after `add`)
         self._reserved_slots -= len(parent.children)
         full, partial = divmod(parent.num_computed, self.pool.block_size)
         finished: list[Sequence] = []
@@ -650,7 +753,7 @@ class Scheduler:
                 return FinishReason.ERROR
         if may_stop and ((token in seq.eos_ids and not params.ignore_eos) or token in params.stop_token_ids):
             return FinishReason.STOP
-        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if self._at_length_limit(seq):
             return FinishReason.LENGTH
         return None
 

@@ -72,6 +72,7 @@ class Sequence:
     prompt_logprobs: Logprobs | None = None  # of prompt tokens 1.. (token 0 has none), when params.prompt_logprobs is set
 
     def __post_init__(self) -> None:
+        self.prompt_len = len(self.prompt_ids)
         if self.row_index < 0:
             self.row_index = self.seq_id
         if self.params.logprobs is not None and self.logprobs is None:
@@ -79,25 +80,24 @@ class Sequence:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = Logprobs()
     grammar: GrammarState | None = None  # structured output: the matcher of the request's constraint
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
+    # len(prompt_ids), kept in the object itself: the prompt never changes, and the host step's per-row passes
+    # read it for every running sequence (a slot read, not a trip to the list)
+    prompt_len: int = field(init=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return self.prompt_len + len(self.output_ids)
 
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
 
     def token_at(self, index: int) -> int:
-        n = len(self.prompt_ids)
+        n = self.prompt_len
         return self.prompt_ids[index] if index < n else self.output_ids[index - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        n = len(self.prompt_ids)
+        n = self.prompt_len
         if end <= n:
             return self.prompt_ids[start:end]
         if start >= n:
