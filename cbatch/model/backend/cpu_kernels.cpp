@@ -178,6 +178,8 @@ void decode(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
             int64_t table_stride, const int32_t* seq_lens, const int32_t* query_start, const int32_t* rows,
             int32_t num_rows, T* out, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
             float scale, int32_t sliding_window, float softcap, int32_t num_threads) {
+    // the common head sizes unrolled at compile time; any other through the generic loop
+    auto* attend = head_dim == 64 ? &decode_one<T, 64> : head_dim == 128 ? &decode_one<T, 128> : &decode_one<T, 0>;
     // one task per row, its KV heads in turn: the heads of a token share cache lines (token-major blocks), so
     // the row's K and V come from memory once (a task per (row, head) fetched them about Hkv times)
 #pragma omp parallel num_threads(num_threads)
@@ -186,25 +188,10 @@ void decode(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
 #pragma omp for schedule(dynamic, 1)
         for (int32_t i = 0; i < num_rows; ++i) {
             const int32_t b = rows[i];
-            const int32_t* table = block_table + b * table_stride;
-            for (int32_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-                switch (head_dim) {  // the common head sizes unrolled; any other through the generic loop
-                    case 64:
-                        decode_one<T, 64>(q, q_row_stride, k_cache, v_cache, table, seq_lens[b], query_start[b],
-                                          kv_head, out, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                          sliding_window, softcap, scratch);
-                        break;
-                    case 128:
-                        decode_one<T, 128>(q, q_row_stride, k_cache, v_cache, table, seq_lens[b], query_start[b],
-                                           kv_head, out, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                           sliding_window, softcap, scratch);
-                        break;
-                    default:
-                        decode_one<T, 0>(q, q_row_stride, k_cache, v_cache, table, seq_lens[b], query_start[b],
-                                         kv_head, out, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                         sliding_window, softcap, scratch);
-                }
-            }
+            for (int32_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+                attend(q, q_row_stride, k_cache, v_cache, block_table + b * table_stride, seq_lens[b], query_start[b],
+                       kv_head, out, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, softcap,
+                       scratch);
         }
     }
 }
