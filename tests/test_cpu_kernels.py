@@ -96,3 +96,30 @@ def test_inputs_the_kernels_do_not_take_fall_back_to_torch():
     assert cpu_kernels.rms_norm(q, torch.ones(16), 1e-6, False) is None
     torch.testing.assert_close(CpuBackend().rms_norm(q, torch.ones(16), 1e-6), TorchBackend().rms_norm(q, torch.ones(16), 1e-6))
     assert cpu_kernels.silu_and_mul(torch.randn(4, 10, generator=gen).t()) is None  # columns: no unit stride
+
+
+def test_without_a_compiler_auto_keeps_the_torch_path_and_says_so_once(tmp_path, monkeypatch, capsys):
+    """No cached build and a compiler that cannot run: auto picks torch (one note), an explicit --attention-backend
+    cpu is a ConfigError naming why, and the failed build is not retried by each caller."""
+    from cbatch.config import ConfigError, EngineConfig
+    from cbatch.engine.build import engine_backend
+    from cbatch.model.backend import backend_name
+
+    monkeypatch.setenv("CBATCH_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    runs = []
+    compile_once = cpu_kernels._compile
+    monkeypatch.setattr(cpu_kernels, "_compile", lambda *a: runs.append(1) or compile_once(*a))
+    for cached in (cpu_kernels._library, cpu_kernels.available):
+        cached.cache_clear()
+    try:
+        cpu = torch.device("cpu")
+        assert backend_name("auto", cpu) == "torch"
+        assert engine_backend(EngineConfig(device="cpu"), cpu).name == "torch"
+        assert "compiled CPU kernels are not available" in capsys.readouterr().err
+        with pytest.raises(ConfigError, match="no-such-compiler"):
+            engine_backend(EngineConfig(device="cpu", attention_backend="cpu"), cpu)
+        assert len(runs) == 1
+    finally:
+        for cached in (cpu_kernels._library, cpu_kernels.available):
+            cached.cache_clear()

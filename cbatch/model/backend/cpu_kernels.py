@@ -108,8 +108,10 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
+@cache
 def available() -> str | None:
-    """None when the kernel is ready here (building it on first call), else the reason it is not."""
+    """None when the kernels are ready here (building them on first call), else the reason they are not. The
+    outcome is kept for the process: a failed build is not retried by every caller (backend choice, the note)."""
     try:
         _library()
     except (KernelBuildError, OSError) as exc:
