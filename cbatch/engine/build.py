@@ -72,8 +72,8 @@ def engine_backend(config: EngineConfig, device: torch.device) -> Backend:
     except BackendUnavailable as exc:
         raise ConfigError("attention_backend", f"{config.attention_backend}: {exc}") from None
     if config.attention_backend == "auto" and device.type == "cpu" and backend.name == "torch":
-        print(f"cbatch: note: the compiled CPU attention is not available ({cpu_kernels.available()}); "
-              "decodes run on the plain-torch path, which is slower", file=sys.stderr)
+        print(f"cbatch: note: the compiled CPU kernels are not available ({cpu_kernels.available()}); "
+              "running the plain-torch path, which is slower", file=sys.stderr)
     return backend
 
 

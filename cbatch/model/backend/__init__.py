@@ -3,7 +3,7 @@
 An engine picks its backend once (`make_backend`) and builds its model with it; nothing is global, so
 engines with different backends coexist in one process.
 
-    CpuBackend     the CPU path: TorchBackend with a compiled paged decode attention (built on first use)
+    CpuBackend     the CPU path: TorchBackend with compiled decode attention, RMSNorm and SiLU-and-mul (built on first use)
     TorchBackend   plain torch: the reference, and the CPU path where no C++ compiler is found
     TritonBackend  `cbatch.kernels`: the GPU path (CPU tensors only under TRITON_INTERPRET=1)
 """

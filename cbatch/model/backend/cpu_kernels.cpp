@@ -41,8 +41,6 @@ inline void store(uint16_t* p, int64_t i, float x) {  // float32 -> bfloat16, ro
     p[i] = static_cast<uint16_t>(bits >> 16);
 }
 
-// One (row, KV head): the G query heads of that KV head against the row's context. HEAD_DIM > 0 is the head
-// dimension known at compile time (the inner loops unroll to whole vectors); 0 reads it from `head_dim`.
 // exp(x) in a form the compiler vectorizes (the libm call does not): x = n ln2 + r with |r| <= ln2 / 2,
 // exp(r) by a degree-6 minimax polynomial (Cephes' expf coefficients, about 1 ulp), times 2^n built in the
 // exponent bits. Below -87 the result is 0 and above 88 infinity, as expf's (to within its denormals).
@@ -63,6 +61,8 @@ inline float exp_approx(float x) {
     return x < -87.0f ? 0.0f : (x > 88.0f ? INFINITY : y * two_n);
 }
 
+// One (row, KV head): the G query heads of that KV head against the row's context. HEAD_DIM > 0 is the head
+// dimension known at compile time (the inner loops unroll to whole vectors); 0 reads it from `head_dim`.
 template <typename T, int HEAD_DIM>
 void decode_one(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int32_t* table,
                 int32_t ctx, int32_t row, int32_t kv_head, T* out, int32_t num_heads, int32_t num_kv_heads,
