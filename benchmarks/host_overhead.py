@@ -4,11 +4,15 @@
     python benchmarks/host_overhead.py --running 4096 --steps 50
 
 A real Engine (SmolLM2-135M's shapes, one layer, random weights, CPU) runs steady-state decode
-steps, but `ModelRunner.execute` is replaced by its host part only: release preempted rows,
-`_build` (tokens, positions, slots, block-table rows, sampling settings, tensors) and the attention
-backends' per-step `prepare`; the "sampled" token is a constant. The figures are what a GPU step
-would have to hide: targets are <= 1 ms at 256 sequences and <= 3 ms at 1024 (schedule + build).
-Timings are medians over the measured steps (process CPU time when --cpu-time, else wall time).
+steps, but the model call is replaced by its host part only: release preempted rows, `_build`
+(tokens, positions, slots, block-table rows), the tensors (`to_device`), the sampling settings;
+the "sampled" token is a constant. Both step orders run: `sync` (schedule, build, update: the CPU's
+default) and `async` (the GPU's default: the check that the next step may go ahead, schedule, build,
+then the previous step's resolve and this one's account). `--params per-row` gives every request its own
+SamplingParams object, as a CLI job's rows have. The figures are what a GPU step would have to hide:
+targets are <= 1 ms at 256 sequences and <= 3 ms at 1024 for the whole host step on the slowest
+CPU kind (a Zen 3). Timings are medians over the measured steps (process CPU time when --cpu-time,
+else wall time); the TorchBackend's per-step `prepare` (CPU path only) is shown apart, not counted.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import time
 
 import torch
 
-from cbatch.model.backend import TorchBackend, TritonBackend
+from cbatch.model.backend import TorchBackend
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine.build import build_engine, resolve_model
 from cbatch.engine.scheduler import StepOutput
@@ -35,34 +39,35 @@ _SPEC = dict(
 )
 
 
-def measure(running: int, steps: int, prompt_len: int, clock) -> dict[str, float]:
+def measure(running: int, steps: int, prompt_len: int, clock, async_order: bool, per_row_params: bool) -> dict[str, float]:
     """Median milliseconds per decode step for each host phase, with `running` sequences decoding."""
     spec = parse_spec(dict(_SPEC))
     blocks = running * (-(-(prompt_len + steps + 8) // 16)) + 1
-    config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=running,
+    config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=running, async_scheduling=async_order,
                           max_num_batched_tokens=max(running, 8192), num_kv_blocks=blocks)
     engine = build_engine(config, resolve_model(config, spec))
-    runner, torch_backend, triton_backend = engine.runner, TorchBackend(), TritonBackend()
+    runner, torch_backend = engine.runner, TorchBackend()
     runner._untouched = None  # as on a GPU: no first-use zeroing of KV blocks (a CPU-only page-touch cost)
-    times: dict[str, list[float]] = {"schedule": [], "build": [], "torch_prepare": [], "update": []}
+    times: dict[str, list[float]] = {"schedule": [], "build": [], "torch_prepare": [], "whole": []}
     timing = {"on": False}
 
-    def host_only_execute(plan):
+    def host_only_launch(plan):
         for seq in plan.preempted + plan.finished:
             runner.block_tables.release(seq)
             runner.sampling.release(seq)
         t0 = clock()
         inputs, sampling_seqs, _ = runner._build(plan)
-        batch = inputs.to_device(runner.device, runner.block_size)  # the tensors (host copies on a GPU)
+        batch = inputs.to_device(runner.device, runner.block_size, runner._last_sampled)  # host copies on a GPU
         runner.sampling.build(sampling_seqs)  # the sampling settings (and seeds) the runner builds each step
+        runner._last_sampled = torch.full((len(sampling_seqs),), 7, dtype=torch.int64)
+        runner._last_row = dict(zip([seq.seq_id for seq in sampling_seqs], range(len(sampling_seqs))))  # as `launch`
         t1 = clock()
-        triton_backend.prepare(batch.meta)  # no per-step host work on the GPU path
         torch_backend.prepare(batch.meta)  # the CPU path's per-step prep (decode groups, masks)
         t2 = clock()
         if timing["on"]:
             times["build"].append(t1 - t0)
             times["torch_prepare"].append(t2 - t1)
-        return StepOutput({seq.seq_id: 7 for seq in sampling_seqs})
+        return _Sampled(StepOutput({seq.seq_id: 7 for seq in sampling_seqs}))
 
     schedule = engine.scheduler.schedule
 
@@ -73,12 +78,14 @@ def measure(running: int, steps: int, prompt_len: int, clock) -> dict[str, float
             times["schedule"].append(clock() - t0)
         return plan
 
-    runner.execute = host_only_execute
+    runner.launch = host_only_launch
+    runner.execute = lambda plan: host_only_launch(plan).result()
     engine.scheduler.schedule = timed_schedule
-    params = SamplingParams(max_tokens=10**6, ignore_eos=True)
+    shared = SamplingParams(max_tokens=10**6, ignore_eos=True)
     for i in range(running):
+        params = SamplingParams(max_tokens=10**6, ignore_eos=True) if per_row_params else shared
         engine.add_request([(i * 31 + j) % 40000 + 100 for j in range(prompt_len)], params)
-    while any(s.num_uncomputed > 1 or not s.output_ids for s in engine.scheduler.running) or engine.scheduler.num_waiting:
+    while any(s.num_computed < s.prompt_len for s in engine.scheduler.running) or engine.scheduler.num_waiting:
         engine.step()  # prefill everyone (through the same fake step)
     for _ in range(3):
         engine.step()
@@ -87,9 +94,22 @@ def measure(running: int, steps: int, prompt_len: int, clock) -> dict[str, float
     for _ in range(steps):
         t0 = clock()
         engine.step()
-        total = clock() - t0
-        times["update"].append(total - times["schedule"][-1] - times["build"][-1] - times["torch_prepare"][-1])
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        times["whole"].append(clock() - t0 - times["torch_prepare"][-1])
+    assert engine.steps_ahead >= steps if async_order else engine.steps_ahead == 0, "the step order asked for"
+    result = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    result["update"] = statistics.median(
+        w - s - b for w, s, b in zip(times["whole"], times["schedule"], times["build"])) * 1e3
+    return result
+
+
+class _Sampled:
+    """A launched fake step: its constant tokens."""
+
+    def __init__(self, output: StepOutput) -> None:
+        self.output = output
+
+    def result(self) -> StepOutput:
+        return self.output
 
 
 def main() -> None:
@@ -99,20 +119,27 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=1, help="torch threads (host work is mostly single-threaded)")
     p.add_argument("--cpu-time", action="store_true", help="process CPU time instead of wall time (for loaded machines)")
+    p.add_argument("--order", choices=["sync", "async", "both"], default="both",
+                   help="step order: sync (the CPU's default), async (the GPU's default), or both")
+    p.add_argument("--params", choices=["shared", "per-row"], default="shared",
+                   help="one SamplingParams for all requests, or one per request (a CLI job's rows)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.cpu_time else time.perf_counter
     results = {}
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-          f"{'CPU' if args.cpu_time else 'wall'} time, medians over {args.steps} decode steps")
-    print("| running | schedule ms | build ms | schedule + build ms | torch prepare ms (CPU path) | engine update ms |")
-    print("|---|---|---|---|---|---|")
-    for n in args.running:
-        r = measure(n, args.steps, args.prompt_len, clock)
-        results[n] = r
-        print(f"| {n} | {r['schedule']:.3f} | {r['build']:.3f} | {r['schedule'] + r['build']:.3f} | "
-              f"{r['torch_prepare']:.3f} | {r['update']:.3f} |")
+          f"{'CPU' if args.cpu_time else 'wall'} time, medians over {args.steps} decode steps, "
+          f"SamplingParams {args.params}")
+    print("| order | running | schedule ms | build ms | update ms | whole host step ms | torch prepare ms (CPU path, apart) |")
+    print("|---|---|---|---|---|---|---|")
+    orders = ["sync", "async"] if args.order == "both" else [args.order]
+    for order in orders:
+        for n in args.running:
+            r = measure(n, args.steps, args.prompt_len, clock, order == "async", args.params == "per-row")
+            results[f"{order}/{n}"] = r
+            print(f"| {order} | {n} | {r['schedule']:.3f} | {r['build']:.3f} | {r['update']:.3f} | "
+                  f"{r['whole']:.3f} | {r['torch_prepare']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
