@@ -216,3 +216,13 @@ class SamplingParams:
         """The fields set away from their defaults (what a job's fingerprint keeps of the newer ones)."""
         default = SamplingParams()
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+
+
+def distinct_params(params: list[SamplingParams]) -> list[SamplingParams]:
+    """The different SamplingParams objects among `params` (by identity), in first-seen order. The rows of a step
+    usually share a few (a job's rows without settings of their own share the job's), so the host step's checks
+    of an option run once per object, not once per row."""
+    first = params[0] if params else None
+    if all(p is first for p in params):
+        return params[:1]
+    return list({id(p): p for p in params}.values())

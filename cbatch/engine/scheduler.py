@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from typing import Mapping
 
-from cbatch.config import SamplingParams
+from cbatch.config import SamplingParams, distinct_params
 from cbatch.engine.logprobs import Logprobs
 from cbatch.engine.kv_blocks import BlockPool, cache_computed_blocks, first_missing_hash, hashes_completed, prefix_hits
 from cbatch.engine.policy import AdmissionPolicy, PreemptionPolicy, PriorityOrder
@@ -667,16 +667,17 @@ class Scheduler:
         that the next schedule cannot preempt (a victim's in-flight token would land on a waiting sequence)."""
         if self.policy.group:
             return False
-        for seq, _ in inflight.scheduled:
-            params = seq.params
-            if (seq.grammar is not None or params.penalized or params.logprobs is not None
-                    or seq.prompt_logprobs is not None or seq.pending_children):
-                return False
-        need = 0
-        blocks_for = self.pool.blocks_for
-        for seq in self.running:
-            if seq.seq_id not in self._at_limit:
-                need += max(0, blocks_for(seq.num_tokens) - len(seq.block_ids))
+        seqs = [seq for seq, _ in inflight.scheduled]
+        if any([s.grammar is not None or s.prompt_logprobs is not None or (s.children and not s.forked) for s in seqs]):
+            return False
+        if any(p.penalized or p.logprobs is not None for p in distinct_params([s.params for s in seqs])):
+            return False
+        # the blocks the running sequences' next tokens need (those a placeholder took to their limit need none);
+        # `blocks_for(num_tokens) - len(block_ids)` where positive, inlined: this runs every step over every row
+        size, at_limit = self.pool.block_size, self._at_limit
+        need = sum([-(-num_tokens // size) - num_blocks for s in self.running
+                    if (num_tokens := s.prompt_len + len(s.output_ids)) > (num_blocks := len(s.block_ids)) * size
+                    and s.seq_id not in at_limit])
         return need <= self.pool.num_free
 
     def _append(self, seq: Sequence, token: int, logprobs: StepLogprobs | None, info: StepInfo) -> list[Sequence]:
