@@ -14,7 +14,7 @@ import torch
 from cbatch.engine.logprobs import Logprobs
 from cbatch.engine.sampler import SamplingBatch, sample_step
 
-KERNEL_FIELDS = frozenset({"temperatures", "seeds", "positions"})
+KERNEL_FIELDS = frozenset({"temperatures", "seeds", "positions", "put"})  # (`put` is how they reach the device)
 NEUTRAL = {  # field -> "every row leaves this option off"
     "top_ps": lambda values: all(p >= 1.0 for p in values),
     "top_ks": lambda values: all(k == 0 for k in values),
@@ -38,9 +38,9 @@ def fused_covers(batch: SamplingBatch) -> bool:
 
 def kernel_inputs(batch: SamplingBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(temperatures float32, seeds int64, positions int64), each [N], on `device`."""
-    return (torch.tensor(batch.temperatures, dtype=torch.float32, device=device),
-            torch.tensor(batch.seeds, dtype=torch.int64, device=device),
-            torch.tensor(batch.positions, dtype=torch.int64, device=device))
+    return (batch.on_device(batch.temperatures, torch.float32, device),
+            batch.on_device(batch.seeds, torch.int64, device),
+            batch.on_device(batch.positions, torch.int64, device))
 
 
 def sample_batch(logits: torch.Tensor, batch: SamplingBatch, fused: bool) -> tuple[torch.Tensor, list[Logprobs | None]]:

@@ -21,7 +21,7 @@ from cbatch.engine.logprobs import prompt_logprobs
 from cbatch.engine.sampler import SamplingBatch
 from cbatch.engine.sampling_inputs import SamplingInputs
 from cbatch.engine.scheduler import StepLogprobs, StepOutput, StepPlan
-from cbatch.engine.staging import HostStaging
+from cbatch.engine.staging import HostStaging, host_values
 from cbatch.engine.structured import TokenMasks
 from cbatch.engine.sequence import PLACEHOLDER, Sequence
 from cbatch.model.llama import ForwardContext, KVCacheView, LlamaForCausalLM
@@ -129,7 +129,8 @@ class ModelRunner:
         # rows for 2 x max_num_seqs: static batching keeps finished members in the batch until their group
         # ends, and a finished sequence's row is freed by the next plan
         self.block_tables = BlockTableBuffer(*self._table_shape)
-        self.sampling = SamplingInputs(self.model.spec.vocab_size, self.device, self.job_seed)
+        self.sampling = SamplingInputs(self.model.spec.vocab_size, self.device, self.job_seed,
+                                       host_values(self.device, self.staging))
         self.forward_seconds = 0.0  # time inside the model call, for the report
         self._last_sampled: torch.Tensor | None = None  # int64 [N] on the device: the last launched step's tokens
         self._last_row: dict[int, int] = {}  # seq_id -> its row in `_last_sampled`
@@ -180,7 +181,7 @@ class ModelRunner:
             step.logprobs.sampled.update((seq.seq_id, lp) for seq, lp in zip(step.seqs, logprobs) if lp is not None)
             # the next step's placeholders read these on the device: each sequence's row in `sampled`
             self._last_sampled = sampled
-            self._last_row = {seq.seq_id: i for i, seq in enumerate(step.seqs)}
+            self._last_row = dict(zip([seq.seq_id for seq in step.seqs], range(len(step.seqs))))
         return PendingStep(step.seqs, sampled, step.logprobs, self)
 
     @torch.inference_mode()
@@ -192,6 +193,7 @@ class ModelRunner:
         for seq in plan.preempted + plan.finished:
             self.block_tables.release(seq)
             self.sampling.release(seq)
+        self.begin_step()
         inputs, sampling_seqs, prompt_seqs = self._build(plan)
         if self.peers is not None:
             self.peers.send_step(inputs)
@@ -202,6 +204,12 @@ class ModelRunner:
         logprobs = StepLogprobs(prompt={seq.seq_id: lp for seq, lp in zip(prompt_seqs, prompt)})
         return StepLogits(sampling_seqs, logits, sampling, logprobs, tokens)
 
+    def begin_step(self) -> None:
+        """Starts a step's host -> device copies (before any of its inputs or sampling settings is made): on a
+        GPU they go to the other pinned arena (`HostStaging`); every rank calls it once per step."""
+        if self.staging is not None:
+            self.staging.next_step()
+
     @torch.inference_mode()
     def run_step(self, inputs: "StepInputs", sampling: SamplingBatch | None = None):
         """The step on this rank's model: block copies and swaps, the forward, the sampling rows' logits (or a
@@ -211,8 +219,6 @@ class ModelRunner:
             self.copy_blocks(inputs.copies)
         if inputs.swap_out or inputs.swap_in:  # NOTE: after _build (nothing there may overwrite a swap_in), before the model
             self.swap(inputs.swap_out, inputs.swap_in)
-        if self.staging is not None:
-            self.staging.next_step()
         batch = inputs.to_device(self.device, self.block_size, self._last_sampled, self.staging)
         start = time.perf_counter()
         tokens = logits = None
@@ -266,7 +272,7 @@ class ModelRunner:
     def _build(self, plan: StepPlan) -> tuple["StepInputs", list[Sequence], list[Sequence]]:
         """(the step's inputs as host arrays, the sequences that sample in logits-row order, the sequences
         whose prompt log-probabilities this step computes, in `prompt_rows` order)."""
-        ordered, starts, q_lens = _batch_order(plan.scheduled)
+        ordered, starts, q_lens = _batch_order(plan.scheduled, self.backend.groups_decodes)
         n = len(ordered)
         seqs = [seq for seq, _ in ordered]
         rows = self.block_tables.sync(seqs)
@@ -294,7 +300,8 @@ class ModelRunner:
         table = self.block_tables.table[rows, :num_cols]  # [B, num_cols]
         slots = table[token_seq, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
         inputs = StepInputs(flat.token_ids, positions, cu_q, seq_lens, np.ascontiguousarray(table), slots,
-                            flat.logits_rows, flat.prompt_rows, plan.copies, plan.swap_out, plan.swap_in, flat.placeholders)
+                            flat.logits_rows, flat.prompt_rows, plan.copies, plan.swap_out, plan.swap_in,
+                            flat.placeholder_rows, flat.placeholder_sources)
         return inputs, flat.sampling_seqs, flat.prompt_seqs
 
 
@@ -308,14 +315,17 @@ class _FlatRows:
     logits_rows: list[int] = field(default_factory=list)  # the flat rows whose hidden states sample
     prompt_seqs: list[Sequence] = field(default_factory=list)
     prompt_rows: list[tuple[int, list[int], int]] = field(default_factory=list)
-    placeholders: list[tuple[int, int]] = field(default_factory=list)  # (flat row, row of the previous step's sampled tokens)
+    # asynchronous scheduling: the flat rows whose token the step in flight samples, and each one's row in its tokens
+    placeholder_rows: list[int] = field(default_factory=list)
+    placeholder_sources: list[int] = field(default_factory=list)
 
     def add_row(self, seq: Sequence, num_new: int, offset: int) -> None:
         """Any row: its chunk's tokens from flat row `offset` on; it samples if the chunk reaches its end."""
         if num_new == 1:
             token = seq.token_at(seq.num_computed)
             if token == PLACEHOLDER:  # sampled by the step still in flight: read on the device
-                self.placeholders.append((offset, self.last_row[seq.seq_id]))
+                self.placeholder_rows.append(offset)
+                self.placeholder_sources.append(self.last_row[seq.seq_id])
             self.token_ids.append(token)
         else:
             self.token_ids.extend(seq.tokens(seq.num_computed, seq.num_computed + num_new))
@@ -332,9 +342,13 @@ class _FlatRows:
     def add_decodes(self, seqs: list[Sequence], tokens: list[int], offset: int) -> None:
         """A run of plain decodes (`_decode_tokens`) feeding `tokens` at flat rows offset, offset + 1, ...: what
         `add_row` does for each of them (its last token, which it samples), for the run at once."""
-        if PLACEHOLDER in tokens:
-            self.placeholders.extend((offset + j, self.last_row[s.seq_id])
-                                     for j, (s, token) in enumerate(zip(seqs, tokens)) if token == PLACEHOLDER)
+        if tokens.count(PLACEHOLDER) == len(tokens):  # asynchronous scheduling's steady state: all in flight
+            self.placeholder_rows.extend(range(offset, offset + len(seqs)))
+            self.placeholder_sources.extend([self.last_row[s.seq_id] for s in seqs])
+        elif PLACEHOLDER in tokens:
+            picked = [j for j, token in enumerate(tokens) if token == PLACEHOLDER]
+            self.placeholder_rows.extend([offset + j for j in picked])
+            self.placeholder_sources.extend([self.last_row[seqs[j].seq_id] for j in picked])
         self.token_ids.extend(tokens)
         self.sampling_seqs.extend(seqs)
         self.logits_rows.extend(range(offset, offset + len(seqs)))
@@ -366,7 +380,8 @@ class StepInputs:
     copies: list[tuple[int, int]]  # KV block copies (source, destination), before anything else
     swap_out: list[tuple[int, int]]  # (device block, host slot)
     swap_in: list[tuple[int, int]]  # (host slot, device block)
-    placeholders: list[tuple[int, int]] = field(default_factory=list)  # (flat row, row of the last step's tokens)
+    placeholder_rows: list[int] = field(default_factory=list)  # flat rows whose token the last step samples
+    placeholder_sources: list[int] = field(default_factory=list)  # and each one's row in that step's tokens
 
     def to_device(self, dev: torch.device, block_size: int, last_sampled: torch.Tensor | None = None,
                   staging: HostStaging | None = None) -> "_Batch":
@@ -387,9 +402,9 @@ class StepInputs:
             block_size=block_size,
         )
         input_ids = put(np.array(self.token_ids, dtype=np.int64))
-        if self.placeholders:
-            rows, sampled_rows = (put(np.array(x, dtype=np.int64)) for x in zip(*self.placeholders))
-            input_ids[rows] = last_sampled[sampled_rows]
+        if self.placeholder_rows:
+            rows, sources = (put(np.array(x, dtype=np.int64)) for x in (self.placeholder_rows, self.placeholder_sources))
+            input_ids[rows] = last_sampled[sources]
         return _Batch(
             input_ids=input_ids,
             positions=put(self.positions),
@@ -412,7 +427,7 @@ class PendingStep:
         tokens = {}
         if self.seqs:
             start = time.perf_counter()
-            tokens = dict(zip((seq.seq_id for seq in self.seqs), self.tokens.tolist()))
+            tokens = dict(zip([seq.seq_id for seq in self.seqs], self.tokens.tolist()))
             self.runner.forward_seconds += time.perf_counter() - start
         has_logprobs = self.logprobs.sampled or self.logprobs.prompt
         return StepOutput(tokens, self.logprobs if has_logprobs else None)
@@ -440,15 +455,23 @@ def _prompt_logprob_rows(seq: Sequence, num_new: int, first_row: int) -> list[tu
     return [(first_row + start - seq.num_computed, seq.prompt_ids[start + 1 : end + 1])]
 
 
-def _batch_order(scheduled: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], np.ndarray, np.ndarray]:
+def _batch_order(scheduled: list[tuple[Sequence, int]], by_context: bool) -> tuple[list[tuple[Sequence, int]], np.ndarray, np.ndarray]:
     """The plan's rows in batch order, with their computed counts and chunk lengths (int64 arrays in that order):
-    decodes first, shortest context first, then prefill chunks in plan order (a stable sort: ties keep plan
-    order). TorchBackend attends neighbouring decode rows together, so similar lengths pad less, and its groups
-    become slices of the batch. Otherwise the order is free: sampled tokens go back by sequence id."""
+    decodes first (`by_context`: shortest context first), then prefill chunks, each in plan order (a stable
+    sort). TorchBackend attends neighbouring decode rows together (`groups_decodes`), so similar lengths pad
+    less, and its groups become slices of the batch. Otherwise the order is free: sampled tokens go back by
+    sequence id. (A decode-only step in plan order is the plan itself: no sort.)"""
     n = len(scheduled)
     computed = np.fromiter([seq.num_computed for seq, _ in scheduled], np.int64, n)
     q_lens = np.fromiter([num_new for _, num_new in scheduled], np.int64, n)
-    order = np.argsort(np.where(q_lens == 1, computed, np.iinfo(np.int64).max), kind="stable")
+    decode = q_lens == 1
+    if by_context:
+        key = np.where(decode, computed, np.iinfo(np.int64).max)
+    elif decode.all():
+        return scheduled, computed, q_lens
+    else:
+        key = ~decode
+    order = np.argsort(key, kind="stable")
     return [scheduled[i] for i in order.tolist()], computed[order], q_lens[order]
 
 

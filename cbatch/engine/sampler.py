@@ -17,7 +17,7 @@ derived from (row seed, i) (`sample_seed`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -94,6 +94,15 @@ class SamplingBatch:
     logprobs: list[int | None] = field(default_factory=list)  # k per row (None: not asked); empty: no row asks
     processors: LogitsProcessors = field(default_factory=LogitsProcessors)
     grammar_masks: Any = None  # structured output: a `structured.PendingMasks` of the constrained rows, or None
+    # host values -> a tensor on the logits' device (`staging.host_values`: on a GPU through pinned memory, so
+    # that building the step's sampling inputs never waits for the step in flight); None: `torch.tensor`
+    put: Callable[[Sequence, torch.dtype], torch.Tensor] | None = None
+
+    def on_device(self, values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """`values` (host) as a tensor on `device`."""
+        if self.put is None:
+            return torch.tensor(values, dtype=dtype, device=device)
+        return self.put(values, dtype)
 
     @property
     def all_greedy(self) -> bool:
@@ -179,18 +188,20 @@ def process_logits(logits: torch.Tensor, processors: LogitsProcessors) -> torch.
 
 
 def select_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Processed logits [N, vocab] -> tokens [N]: argmax for greedy rows, the seeded race for the others."""
+    """Processed logits [N, vocab] -> tokens [N]: argmax for greedy rows, the seeded race for the others.
+    NOTE: no host synchronisation: which rows are random is read off the host lists, every tensor made from
+    host values goes through `batch.on_device`."""
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy
     device = logits.device
-    temps = torch.tensor(batch.temperatures, device=device, dtype=torch.float32)
-    random_rows = (temps > 0).nonzero().squeeze(1)
-    picked = random_rows.tolist()
-    probs = sampling_probs(logits[random_rows], temps[random_rows], [batch.top_ks[i] for i in picked],
-                           [batch.top_ps[i] for i in picked], [batch.min_ps[i] for i in picked] if batch.min_ps else [])
-    seeds = torch.tensor([batch.seeds[i] for i in picked], device=device, dtype=torch.int64)
-    positions = torch.tensor([batch.positions[i] for i in picked], device=device, dtype=torch.int64)
+    picked = [i for i, t in enumerate(batch.temperatures) if t > 0]
+    random_rows = batch.on_device(picked, torch.int64, device)
+    temps = batch.on_device([batch.temperatures[i] for i in picked], torch.float32, device)
+    probs = sampling_probs(logits[random_rows], temps, [batch.top_ks[i] for i in picked], [batch.top_ps[i] for i in picked],
+                           [batch.min_ps[i] for i in picked] if batch.min_ps else [], batch.on_device)
+    seeds = batch.on_device([batch.seeds[i] for i in picked], torch.int64, device)
+    positions = batch.on_device([batch.positions[i] for i in picked], torch.int64, device)
     noise = exponential_noise(seeds, positions, logits.shape[-1])
     chosen = (probs / noise).argmax(dim=-1)
     out = greedy.clone()
@@ -199,14 +210,17 @@ def select_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def sampling_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: list[int], top_ps: list[float],
-                   min_ps: list[float]) -> torch.Tensor:
+                   min_ps: list[float], on_device: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """The distribution random rows draw from: softmax(logits / T), then min_p (tokens below min_p x the
     top probability dropped, the rest renormalised), then top-k / top-p (unnormalised: the race does
-    not need it). logits [R, vocab] -> probabilities [R, vocab]."""
+    not need it). logits [R, vocab] -> probabilities [R, vocab]. `on_device(values, dtype, device)` makes
+    the settings' tensors (`SamplingBatch.on_device`; default `torch.tensor`)."""
+    if on_device is None:
+        on_device = lambda values, dtype, device: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
     probs = torch.softmax(logits / temperatures[:, None], dim=-1)
     if any(p > 0.0 for p in min_ps):
-        probs = _min_p(probs, torch.tensor(min_ps, device=probs.device, dtype=probs.dtype))
-    return _top_k_top_p(probs, top_ks, top_ps)
+        probs = _min_p(probs, on_device(min_ps, probs.dtype, probs.device))
+    return _top_k_top_p(probs, top_ks, top_ps, on_device)
 
 
 def _min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
@@ -218,14 +232,15 @@ def _min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     return torch.where(min_ps[:, None] > 0, kept, probs)
 
 
-def _top_k_top_p(probs: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+def _top_k_top_p(probs: torch.Tensor, top_ks: list[int], top_ps: list[float],
+                 on_device: Callable[..., torch.Tensor]) -> torch.Tensor:
     """Zeroes the probabilities outside each row's top-k and top-p nucleus (kept in vocab order)."""
     if all(k == 0 for k in top_ks) and all(p >= 1.0 for p in top_ps):
         return probs
     vocab = probs.shape[-1]
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=probs.device)
-    ps = torch.tensor(top_ps, device=probs.device, dtype=probs.dtype)
+    ks = on_device([k if k > 0 else vocab for k in top_ks], torch.int64, probs.device)
+    ps = on_device(top_ps, probs.dtype, probs.device)
     rank = torch.arange(vocab, device=probs.device)
     cumulative = sorted_probs.cumsum(dim=-1)
     # keep a token while the mass before it is below p: the token that crosses p stays in

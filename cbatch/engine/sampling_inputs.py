@@ -8,16 +8,13 @@ freed when a plan names the sequence preempted or finished (as the block tables'
 """
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable, Sequence as Values
 
 import torch
 
-from cbatch.config import SamplingParams
+from cbatch.config import distinct_params
 from cbatch.engine.sampler import LogitsProcessors, Penalties, SamplingBatch, SparseLogits, sample_seed
 from cbatch.engine.sequence import Sequence
-
-T = TypeVar("T")
-
 
 class TokenCounts:
     """Output-token counts [rows, vocab] (int32) and prompt-token masks [rows, vocab] (bool), one row per
@@ -86,9 +83,13 @@ class TokenCounts:
 class SamplingInputs:
     """Builds each step's `SamplingBatch` from the sequences that sample, in the order of the logits."""
 
-    def __init__(self, vocab_size: int, device: torch.device, job_seed: int) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, job_seed: int,
+                 put: Callable[[Values, torch.dtype], torch.Tensor] | None = None) -> None:
         self.device = device
         self.job_seed = job_seed
+        # host values -> device tensors (`staging.host_values`): NOTE: every tensor of a SamplingBatch is made
+        # through it, so that a step scheduled ahead never waits for the one in flight
+        self.put = put or (lambda values, dtype: torch.tensor(values, dtype=dtype, device=device))
         self.token_counts = TokenCounts(vocab_size, device)
         self._seeds: dict[int, int] = {}  # seq_id -> its effective seed (fixed for the sequence's life)
 
@@ -100,15 +101,16 @@ class SamplingInputs:
         params = [s.params for s in seqs]
         # NOTE: rows usually share a few SamplingParams objects: each option is looked for once per distinct
         # object, and the per-row work is done only for an option some row uses (the host step stays short)
-        first = params[0] if params else None
-        distinct = [first] if params and all(p is first for p in params) else list({id(p): p for p in params}.values())
-        batch = SamplingBatch(
-            temperatures=_per_row(params, distinct, lambda p: float(p.temperature)),
-            top_ps=_per_row(params, distinct, lambda p: float(p.top_p)),
-            top_ks=_per_row(params, distinct, lambda p: int(p.top_k)),
-            seeds=self._seeds_of(seqs),
-            positions=[len(s.output_ids) for s in seqs],
-        )
+        distinct = distinct_params(params)
+        if len(distinct) == 1:
+            p, n = distinct[0], len(params)
+            temperatures, top_ps, top_ks = [float(p.temperature)] * n, [float(p.top_p)] * n, [int(p.top_k)] * n
+        else:
+            temperatures = [float(p.temperature) for p in params]
+            top_ps = [float(p.top_p) for p in params]
+            top_ks = [int(p.top_k) for p in params]
+        batch = SamplingBatch(temperatures=temperatures, top_ps=top_ps, top_ks=top_ks, seeds=self._seeds_of(seqs),
+                              positions=[len(s.output_ids) for s in seqs], put=self.put)
         if any(p.min_p > 0 for p in distinct):
             batch.min_ps = [float(p.min_p) for p in params]
         if any(p.logprobs is not None for p in distinct):
@@ -138,9 +140,7 @@ class SamplingInputs:
         if not entries:
             return None
         rows, tokens, values = zip(*entries)
-        dev = self.device
-        return SparseLogits(torch.tensor(rows, dtype=torch.int64, device=dev), torch.tensor(tokens, dtype=torch.int64, device=dev),
-                            torch.tensor(values, dtype=torch.float32, device=dev))
+        return SparseLogits(self.put(rows, torch.int64), self.put(tokens, torch.int64), self.put(values, torch.float32))
 
     def _penalties(self, seqs: list[Sequence]) -> Penalties | None:
         picked = [r for r, s in enumerate(seqs) if s.params.penalized]
@@ -151,19 +151,12 @@ class SamplingInputs:
 
         names = ("repetition_penalty", "frequency_penalty", "presence_penalty")
         values = {name: [float(getattr(seqs[r].params, name)) for r in picked] for name in names}
-        repetition, frequency, presence = (torch.tensor(values[name], dtype=torch.float32, device=self.device) for name in names)
+        repetition, frequency, presence = (self.put(values[name], torch.float32) for name in names)
         return Penalties(
-            rows=torch.tensor(picked, dtype=torch.int64, device=self.device), repetition=repetition, frequency=frequency,
+            rows=self.put(picked, torch.int64), repetition=repetition, frequency=frequency,
             presence=presence, output_counts=counts.index_select(0, rows), prompt_mask=mask.index_select(0, rows),
             used=(any(v != 1.0 for v in values[names[0]]), any(values[names[1]]), any(values[names[2]])),
         )
-
-
-def _per_row(params: list[SamplingParams], distinct: list[SamplingParams], value: Callable[[SamplingParams], T]) -> list[T]:
-    """`value` of each row's params, computed once per distinct params object when the rows share one."""
-    if len(distinct) == 1:
-        return [value(distinct[0])] * len(params)
-    return [value(p) for p in params]
 
 
 def _banned(seq: Sequence) -> list[int]:

@@ -7,6 +7,8 @@ which has resolved (its tokens came back), so its copies are done.
 """
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import numpy as np
 import torch
 
@@ -25,9 +27,9 @@ class HostStaging:
         self.turn ^= 1
         self.used = 0
 
-    def to_device(self, array: np.ndarray) -> torch.Tensor:
-        """`array` on the GPU: copied into this step's arena, then a non-blocking copy is queued."""
-        src = torch.from_numpy(np.ascontiguousarray(array))
+    def to_device(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """`array` (host memory) on the GPU: copied into this step's arena, then a non-blocking copy is queued."""
+        src = array.contiguous() if isinstance(array, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(array))
         nbytes = src.numel() * src.element_size()
         arena = self.arenas[self.turn]
         if self.used + nbytes > arena.numel():  # grow; the old arena lives on in the caching host allocator
@@ -38,3 +40,15 @@ class HostStaging:
         staged.copy_(src)
         self.used += -(-nbytes // _ALIGN) * _ALIGN
         return staged.to(self.device, non_blocking=True)
+
+    def tensor(self, values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+        """`torch.tensor(values, dtype=dtype, device=gpu)` without its wait for the step in flight."""
+        return self.to_device(torch.tensor(values, dtype=dtype))
+
+
+def host_values(device: torch.device, staging: HostStaging | None) -> Callable[[Sequence, torch.dtype], torch.Tensor]:
+    """How a step's host values (lists of settings, rows, token ids) become tensors on `device`: through the
+    pinned arenas on a GPU (`HostStaging.tensor`), else `torch.tensor` (no copy to wait for)."""
+    if staging is not None:
+        return staging.tensor
+    return lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)

@@ -141,6 +141,7 @@ def _serve(message: tuple, model: Any, runner: Any, device: torch.device) -> Any
     if kind == "capture":
         runner.capture_decode_graphs(message[1], message[2])
     elif kind == "step":
+        runner.begin_step()
         runner.run_step(message[1])
     return runner
 

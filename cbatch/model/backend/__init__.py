@@ -27,6 +27,7 @@ BACKENDS = ("auto", "cpu", "torch", "triton")
 class Backend(Protocol):
     name: str
     supports_cuda_graphs: bool
+    groups_decodes: bool  # attends neighbouring decode rows together: the runner orders them by context length
 
     def prepare(self, meta: AttentionMetadata) -> None: ...
     def attention(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,

@@ -14,6 +14,7 @@ from cbatch.model.backend.torch_backend import TorchBackend, _CacheReader, _Scor
 
 class CpuBackend(TorchBackend):
     name = "cpu"
+    groups_decodes = False  # the compiled kernel attends each decode row on its own (the torch fallback sorts)
 
     def attend_decodes(self, q: torch.Tensor, out: torch.Tensor, cache: _CacheReader, scoring: _Scoring,
                        meta: AttentionMetadata) -> None:

@@ -33,6 +33,7 @@ class TorchBackend:
 
     name = "torch"
     supports_cuda_graphs = False  # `prepare` builds per-step host state that a graph cannot capture
+    groups_decodes = True  # decode rows in groups of similar context: slices of the batch when it is so ordered
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state = _TorchStepState.build(meta)

@@ -18,6 +18,7 @@ def _fused_prologue_covers(layer: AttentionLayer, rope: RotaryStep) -> bool:
 class TritonBackend:
     name = "triton"
     supports_cuda_graphs = True  # no per-step host state: every layer reads the metadata's tensors
+    groups_decodes = False  # one program per (row, head group): any row order
 
     def prepare(self, meta: AttentionMetadata) -> None:
         pass
