@@ -7,10 +7,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from cbatch.config import ConfigError, Constraint, EngineConfig, SamplingParams
+from cbatch.engine import runner as runner_module
 from cbatch.engine.engine import run_to_completion
 from cbatch.engine.runner import PendingStep
+from cbatch.engine.sampler import sample_step
+from cbatch.model.llama import ForwardContext
 from helpers import make_engine, random_prompts
 
 
@@ -115,3 +119,42 @@ def test_async_with_tensor_parallel_is_refused():
 
 def test_auto_is_off_on_cpu(tiny_checkpoints):
     assert make_engine(tiny_checkpoints["llama"]).config.async_scheduling is False
+
+
+class ReplayedGraphs:
+    """Stands in for `DecodeGraphs` on the CPU with its contract: decode-only steps run "in a graph" that samples
+    in place, and the tokens it returns are a view of one static buffer that the next replay overwrites."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.static_tokens = torch.full((4096,), -7, dtype=torch.int64)
+        self.replays = 0
+
+    def can_run(self, meta, num_tokens: int) -> bool:
+        return meta.max_query_len == 1
+
+    def run(self, input_ids, positions, meta, sampling):
+        runner, num = self.runner, input_ids.shape[0]
+        runner.backend.prepare(meta)
+        hidden = runner.model(input_ids, positions, ForwardContext(runner.kv, meta))
+        self.static_tokens[:num] = sample_step(runner.model.compute_logits(hidden), sampling).tokens
+        self.replays += 1
+        return hidden, self.static_tokens[:num]
+
+
+def test_tokens_sampled_in_a_graph_outlive_the_next_replay(tiny_checkpoints, monkeypatch):
+    """With asynchronous scheduling step N's tokens are read after step N+1 was launched: a decode graph's
+    tokens (a view of its static output, rewritten by the next replay) must be kept apart at launch."""
+    path = tiny_checkpoints["llama"]
+    prompts = random_prompts(6, 384, seed=5, min_len=3, max_len=12)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.9, seed=4, ignore_eos=True)] * 3
+    expected = outputs(make_engine(path, async_scheduling=False), prompts, params)
+    engine = make_engine(path, async_scheduling=True)
+    graphs = engine.runner.graphs = ReplayedGraphs(engine.runner)
+    engine.runner.fused_sampling = True  # the graph's tokens are the step's (as with the Triton backend on a GPU)
+    monkeypatch.setattr(runner_module, "fused_covers", lambda batch: True)
+    monkeypatch.setattr(runner_module, "sample_batch", lambda logits, batch, fused: (sample_step(logits, batch).tokens,
+                                                                                       [None] * logits.shape[0]))
+    assert outputs(engine, prompts, params) == expected
+    assert graphs.replays > 10 and engine.steps_ahead > 10

@@ -174,7 +174,9 @@ class ModelRunner:
         if step.seqs:
             start = time.perf_counter()
             if step.tokens is not None:  # sampled inside a decode graph: the graph's sampler covered the batch
-                sampled, logprobs = step.tokens, [None] * len(step.seqs)
+                # NOTE: a copy: the graph's output buffer is rewritten by the next replay, which asynchronous
+                # scheduling launches before this step's tokens are read (a device copy, queued like a kernel)
+                sampled, logprobs = step.tokens.clone(), [None] * len(step.seqs)
             else:
                 sampled, logprobs = sample_batch(step.logits, step.sampling, self.fused_sampling)
             self.forward_seconds += time.perf_counter() - start
