@@ -101,7 +101,7 @@ class SamplingBatch:
     def on_device(self, values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """`values` (host) as a tensor on `device`."""
         if self.put is None:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return _host_tensor(values, dtype, device)
         return self.put(values, dtype)
 
     @property
@@ -112,6 +112,10 @@ class SamplingBatch:
     def plain(self) -> bool:
         """Only temperature, top-k, top-p and seeds: no processor, no min_p, no log-probabilities, no grammar."""
         return not self.processors and not any(self.min_ps) and not self.logprobs and self.grammar_masks is None
+
+
+def _host_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 @dataclass(slots=True)
@@ -215,8 +219,7 @@ def sampling_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: lis
     top probability dropped, the rest renormalised), then top-k / top-p (unnormalised: the race does
     not need it). logits [R, vocab] -> probabilities [R, vocab]. `on_device(values, dtype, device)` makes
     the settings' tensors (`SamplingBatch.on_device`; default `torch.tensor`)."""
-    if on_device is None:
-        on_device = lambda values, dtype, device: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+    on_device = on_device or _host_tensor
     probs = torch.softmax(logits / temperatures[:, None], dim=-1)
     if any(p > 0.0 for p in min_ps):
         probs = _min_p(probs, on_device(min_ps, probs.dtype, probs.device))

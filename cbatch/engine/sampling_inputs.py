@@ -15,6 +15,7 @@ import torch
 from cbatch.config import distinct_params
 from cbatch.engine.sampler import LogitsProcessors, Penalties, SamplingBatch, SparseLogits, sample_seed
 from cbatch.engine.sequence import Sequence
+from cbatch.engine.staging import host_values
 
 class TokenCounts:
     """Output-token counts [rows, vocab] (int32) and prompt-token masks [rows, vocab] (bool), one row per
@@ -89,7 +90,7 @@ class SamplingInputs:
         self.job_seed = job_seed
         # host values -> device tensors (`staging.host_values`): NOTE: every tensor of a SamplingBatch is made
         # through it, so that a step scheduled ahead never waits for the one in flight
-        self.put = put or (lambda values, dtype: torch.tensor(values, dtype=dtype, device=device))
+        self.put = put or host_values(device, None)
         self.token_counts = TokenCounts(vocab_size, device)
         self._seeds: dict[int, int] = {}  # seq_id -> its effective seed (fixed for the sequence's life)
 
