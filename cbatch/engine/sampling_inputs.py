@@ -17,6 +17,7 @@ from cbatch.engine.sampler import LogitsProcessors, Penalties, SamplingBatch, Sp
 from cbatch.engine.sequence import Sequence
 from cbatch.engine.staging import host_values
 
+
 class TokenCounts:
     """Output-token counts [rows, vocab] (int32) and prompt-token masks [rows, vocab] (bool), one row per
     penalised sequence, grown by doubling when more sequences need rows than it has."""

@@ -139,9 +139,8 @@ def sampling_from_row(row: dict[str, Any], defaults: SamplingParams) -> Sampling
         constraint = constraint_from_row(row, defaults.constraint)
     except ConstraintFieldError as exc:
         raise RowError(str(exc)) from None
-    if not changes and constraint is defaults.constraint:
-        return defaults  # (validated with the job's flags)
-    params = replace(defaults, **changes, constraint=constraint)
+    unchanged = not changes and constraint is defaults.constraint
+    params = defaults if unchanged else replace(defaults, **changes, constraint=constraint)
     error = params.validate()
     if error is not None:
         raise RowError(error)
