@@ -30,16 +30,12 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _I32, _I64, _F32, _PTR = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_SIGNATURES = {
+_SIGNATURES = {  # each kernel's argument types (cpu_kernels.cpp); every kernel returns an int status, 0 = done
+    "cbatch_decode_attention": [_I32, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I32, _PTR,
+                                _I32, _I32, _I32, _I32, _F32, _I32, _F32, _I32],
     "cbatch_rms_norm": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32, _I32],
     "cbatch_silu_and_mul": [_I32, _PTR, _I64, _PTR, _I64, _I32, _I32],
 }
-_C_ARGS = [
-    ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
-    ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_float, ctypes.c_int32, ctypes.c_float,
-    ctypes.c_int32,
-]
 
 
 class KernelBuildError(RuntimeError):
@@ -100,11 +96,9 @@ def _library() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(target))
     except OSError as exc:
         raise KernelBuildError(f"{target} could not be loaded: {exc}") from None
-    lib.cbatch_decode_attention.argtypes = _C_ARGS
     for name, args in _SIGNATURES.items():
-        getattr(lib, name).argtypes = args
-    for name in ("cbatch_decode_attention", *_SIGNATURES):
-        getattr(lib, name).restype = ctypes.c_int
+        kernel = getattr(lib, name)
+        kernel.argtypes, kernel.restype = args, ctypes.c_int
     return lib
 
 
@@ -123,6 +117,13 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in _DTYPE_CODES
 
 
+def _call(name: str, *args: object) -> None:
+    """Runs kernel `name`; its nonzero status (arguments it refuses) is a ValueError."""
+    status = getattr(_library(), name)(*args)
+    if status != 0:
+        raise ValueError(f"{name}: bad arguments (status {status})")
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, query_start: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
                      scale: float, sliding_window: int | None, softcap: float | None) -> None:
@@ -137,13 +138,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
     for t in (block_table, seq_lens, query_start, rows):
         assert t.dtype == torch.int32 and t.is_contiguous()
-    status = _library().cbatch_decode_attention(
-        _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-        block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), query_start.data_ptr(), rows.data_ptr(),
-        rows.numel(), out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
-        softcap or 0.0, torch.get_num_threads())
-    if status != 0:
-        raise ValueError(f"cbatch_decode_attention: bad arguments (status {status})")
+    _call(
+        "cbatch_decode_attention", _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+        v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), query_start.data_ptr(),
+        rows.data_ptr(), rows.numel(), out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale,
+        sliding_window or 0, softcap or 0.0, torch.get_num_threads())
 
 
 def _rows(x: torch.Tensor) -> int | None:
@@ -172,12 +171,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     rows = x.numel() // hidden if hidden else 0
     out = torch.empty(x.shape, dtype=x.dtype)
     summed = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
-    status = _library().cbatch_rms_norm(
-        _DTYPE_CODES[x.dtype], x.data_ptr(), x_stride, residual.data_ptr() if residual is not None else None, r_stride,
+    _call(
+        "cbatch_rms_norm", _DTYPE_CODES[x.dtype], x.data_ptr(), x_stride,
+        residual.data_ptr() if residual is not None else None, r_stride,
         summed.data_ptr() if summed is not None else None, weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
         int(unit_offset), torch.get_num_threads())
-    if status != 0:
-        raise ValueError(f"cbatch_rms_norm: bad arguments (status {status})")
     return out, summed
 
 
@@ -189,8 +187,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     width = gate_up.shape[-1] // 2
     rows = gate_up.numel() // gate_up.shape[-1] if gate_up.shape[-1] else 0
     out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype)
-    status = _library().cbatch_silu_and_mul(_DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), stride, out.data_ptr(),
-                                            rows, width, torch.get_num_threads())
-    if status != 0:
-        raise ValueError(f"cbatch_silu_and_mul: bad arguments (status {status})")
+    _call("cbatch_silu_and_mul", _DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), stride, out.data_ptr(), rows, width,
+          torch.get_num_threads())
     return out
