@@ -356,6 +356,7 @@ class _TorchStepState:
     store_all: bool
     store_rows: torch.Tensor | None
     store_slots: torch.Tensor | None
+    query_starts: list[int]  # [B + 1] meta.query_start_loc on the host: each row's first flat token
     decode_rows: list[int]  # batch index of every single-token query row, shortest context first
     prefills: list[_PrefillChunk]
     _groups: list[_DecodeGroup] | None = None
@@ -364,7 +365,7 @@ class _TorchStepState:
     def decode_groups(self, meta: AttentionMetadata) -> list[_DecodeGroup]:
         """The decode rows in groups of DECODE_GROUP_ROWS, built on first use and shared by every layer."""
         if self._groups is None:
-            self._groups = _decode_groups(meta, self.decode_rows)
+            self._groups = _decode_groups(meta, self.decode_rows, self.query_starts)
         return self._groups
 
     @classmethod
@@ -390,12 +391,11 @@ class _TorchStepState:
                 table = meta.block_table[b, : -(-ctx // block_size)].long()
                 slots = table[pos // block_size] * block_size + pos % block_size
             prefills.append(_PrefillChunk(starts[b], q_len, ctx, slots, device))
-        return cls(store_all, store_rows, store_slots, decode_rows, prefills)
+        return cls(store_all, store_rows, store_slots, starts, decode_rows, prefills)
 
 
-def _decode_groups(meta: AttentionMetadata, decode_rows: list[int]) -> list[_DecodeGroup]:
+def _decode_groups(meta: AttentionMetadata, decode_rows: list[int], starts: list[int]) -> list[_DecodeGroup]:
     device = meta.slot_mapping.device
-    starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens_host
     groups = []
     for i in range(0, len(decode_rows), DECODE_GROUP_ROWS):
