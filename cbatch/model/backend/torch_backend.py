@@ -357,13 +357,14 @@ class _TorchStepState:
     store_rows: torch.Tensor | None
     store_slots: torch.Tensor | None
     query_starts: list[int]  # [B + 1] meta.query_start_loc on the host: each row's first flat token
-    decode_rows: list[int]  # batch index of every single-token query row, shortest context first
+    decode_rows: list[int]  # batch index of every single-token query row, in batch order
     prefills: list[_PrefillChunk]
     _groups: list[_DecodeGroup] | None = None
     decode_rows_i32: torch.Tensor | None = None  # int32 [n]: `decode_rows` for the compiled kernel (CpuBackend)
 
     def decode_groups(self, meta: AttentionMetadata) -> list[_DecodeGroup]:
-        """The decode rows in groups of DECODE_GROUP_ROWS, built on first use and shared by every layer."""
+        """The decode rows, shortest context first, in groups of DECODE_GROUP_ROWS: built on first use and shared
+        by every layer (only this backend's own decode attention groups, so only it sorts)."""
         if self._groups is None:
             self._groups = _decode_groups(meta, self.decode_rows, self.query_starts)
         return self._groups
@@ -379,7 +380,7 @@ class _TorchStepState:
         starts = meta.query_start_loc.tolist()
         block_size = meta.block_size
         seq_lens = meta.seq_lens_host
-        decode_rows = sorted((b for b, n in enumerate(meta.query_lens_host) if n == 1), key=seq_lens.__getitem__)
+        decode_rows = [b for b, n in enumerate(meta.query_lens_host) if n == 1]
         prefills = []
         for b, q_len in enumerate(meta.query_lens_host):
             if q_len == 1:
@@ -397,6 +398,7 @@ class _TorchStepState:
 def _decode_groups(meta: AttentionMetadata, decode_rows: list[int], starts: list[int]) -> list[_DecodeGroup]:
     device = meta.slot_mapping.device
     seq_lens = meta.seq_lens_host
+    decode_rows = sorted(decode_rows, key=seq_lens.__getitem__)  # similar lengths pad less (the runner's order)
     groups = []
     for i in range(0, len(decode_rows), DECODE_GROUP_ROWS):
         members = decode_rows[i : i + DECODE_GROUP_ROWS]
