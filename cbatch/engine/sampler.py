@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from cbatch.engine.logprobs import Logprobs, score
+from cbatch.engine.staging import host_tensor
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
@@ -95,13 +96,13 @@ class SamplingBatch:
     processors: LogitsProcessors = field(default_factory=LogitsProcessors)
     grammar_masks: Any = None  # structured output: a `structured.PendingMasks` of the constrained rows, or None
     # host values -> a tensor on the logits' device (`staging.host_values`: on a GPU through pinned memory, so
-    # that building the step's sampling inputs never waits for the step in flight); None: `torch.tensor`
+    # that building the step's sampling inputs never waits for the step in flight); None: `staging.host_tensor`
     put: Callable[[Sequence, torch.dtype], torch.Tensor] | None = None
 
     def on_device(self, values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """`values` (host) as a tensor on `device`."""
         if self.put is None:
-            return _host_tensor(values, dtype, device)
+            return host_tensor(values, dtype, device)
         return self.put(values, dtype)
 
     @property
@@ -112,10 +113,6 @@ class SamplingBatch:
     def plain(self) -> bool:
         """Only temperature, top-k, top-p and seeds: no processor, no min_p, no log-probabilities, no grammar."""
         return not self.processors and not any(self.min_ps) and not self.logprobs and self.grammar_masks is None
-
-
-def _host_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
 
 
 @dataclass(slots=True)
@@ -218,8 +215,8 @@ def sampling_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: lis
     """The distribution random rows draw from: softmax(logits / T), then min_p (tokens below min_p x the
     top probability dropped, the rest renormalised), then top-k / top-p (unnormalised: the race does
     not need it). logits [R, vocab] -> probabilities [R, vocab]. `on_device(values, dtype, device)` makes
-    the settings' tensors (`SamplingBatch.on_device`; default `torch.tensor`)."""
-    on_device = on_device or _host_tensor
+    the settings' tensors (`SamplingBatch.on_device`; default `staging.host_tensor`)."""
+    on_device = on_device or host_tensor
     probs = torch.softmax(logits / temperatures[:, None], dim=-1)
     if any(p > 0.0 for p in min_ps):
         probs = _min_p(probs, on_device(min_ps, probs.dtype, probs.device))

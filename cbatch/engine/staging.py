@@ -7,6 +7,7 @@ which has resolved (its tokens came back), so its copies are done.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Sequence
 
 import numpy as np
@@ -46,9 +47,14 @@ class HostStaging:
         return self.to_device(torch.tensor(values, dtype=dtype))
 
 
+def host_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a tensor on `device` by `torch.tensor` (the way where there are no pinned arenas)."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def host_values(device: torch.device, staging: HostStaging | None) -> Callable[[Sequence, torch.dtype], torch.Tensor]:
     """How a step's host values (lists of settings, rows, token ids) become tensors on `device`: through the
-    pinned arenas on a GPU (`HostStaging.tensor`), else `torch.tensor` (no copy to wait for)."""
+    pinned arenas on a GPU (`HostStaging.tensor`), else `host_tensor` (no copy to wait for)."""
     if staging is not None:
         return staging.tensor
-    return lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)
+    return partial(host_tensor, device=device)
