@@ -20,6 +20,22 @@ pytestmark = pytest.mark.skipif(cpu_kernels.available() is not None,
 def test_compiled_decode_kernel_matches_the_torch_path(dtype, heads, kv_heads, head_dim, window, softcap):
     """CpuBackend's kernel against TorchBackend's decode groups: many rows, contexts over many shuffled blocks
     (a partial last block, stale entries past it), q a strided view of the packed projection."""
+    want, got = _decode_through_both(dtype, heads, kv_heads, head_dim, window, softcap)
+    assert want.abs().mean() > 0.05  # real values, not zeros
+    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_heads_larger_than_the_decode_kernel_takes_fall_back_to_torch():
+    """The kernel's per-head buffers hold MAX_HEAD_DIM floats: a larger head runs the torch path (it used to
+    stop the run with the kernel's "bad arguments")."""
+    want, got = _decode_through_both(torch.float32, 2, 1, cpu_kernels.MAX_HEAD_DIM + 64, None, None)
+    assert want.abs().mean() > 0.01  # real values, not zeros
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _decode_through_both(dtype, heads, kv_heads, head_dim, window, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+    """(TorchBackend's, CpuBackend's) decode attention of the same rows, as float32."""
     gen = torch.Generator().manual_seed(head_dim + (window or 0))
     block_size, num_blocks = 16, 256
     ctxs = [1, 2, 15, 16, 17, 64, 100, 203, 311, 5]
@@ -42,10 +58,7 @@ def test_compiled_decode_kernel_matches_the_torch_path(dtype, heads, kv_heads, h
             query_lens_host=[1] * len(ctxs), seq_lens_host=ctxs, block_size=block_size)
         backend.prepare(meta)
         outs.append(backend.attend(q, k_new, v_new, kv, meta, head_dim**-0.5, window, softcap).float())
-    want, got = outs
-    assert want.abs().mean() > 0.05  # real values, not zeros
-    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(got, want, **tol)
+    return outs[0], outs[1]
 
 
 def _tolerance(dtype):

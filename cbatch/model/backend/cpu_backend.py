@@ -18,7 +18,8 @@ class CpuBackend(TorchBackend):
 
     def attend_decodes(self, q: torch.Tensor, out: torch.Tensor, cache: _CacheReader, scoring: _Scoring,
                        meta: AttentionMetadata) -> None:
-        if cache.scaled or not cpu_kernels.supports(q.dtype):  # fp8 cache, float16: the torch path
+        if cache.scaled or not cpu_kernels.supports(q.dtype) or q.shape[-1] > cpu_kernels.MAX_HEAD_DIM:
+            # fp8 cache, float16, heads the kernel's buffers do not hold: the torch path
             super().attend_decodes(q, out, cache, scoring, meta)
             return
         state = meta.backend_state

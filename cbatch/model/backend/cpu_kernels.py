@@ -29,6 +29,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_HEAD_DIM = 512  # decode attention's per-head buffers (cpu_kernels.cpp): larger heads go to the torch path
 _I32, _I64, _F32, _PTR = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {  # each kernel's argument types (cpu_kernels.cpp); every kernel returns an int status, 0 = done
     "cbatch_decode_attention": [_I32, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I32, _PTR,
