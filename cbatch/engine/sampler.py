@@ -211,12 +211,11 @@ def select_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def sampling_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: list[int], top_ps: list[float],
-                   min_ps: list[float], on_device: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+                   min_ps: list[float], on_device: Callable[..., torch.Tensor] = host_tensor) -> torch.Tensor:
     """The distribution random rows draw from: softmax(logits / T), then min_p (tokens below min_p x the
     top probability dropped, the rest renormalised), then top-k / top-p (unnormalised: the race does
     not need it). logits [R, vocab] -> probabilities [R, vocab]. `on_device(values, dtype, device)` makes
     the settings' tensors (`SamplingBatch.on_device`; default `staging.host_tensor`)."""
-    on_device = on_device or host_tensor
     probs = torch.softmax(logits / temperatures[:, None], dim=-1)
     if any(p > 0.0 for p in min_ps):
         probs = _min_p(probs, on_device(min_ps, probs.dtype, probs.device))
