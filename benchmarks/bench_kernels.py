@@ -218,26 +218,40 @@ def bench_decode(kernels, copy_bw, configs, rows, kv_elem: int = 2):
                      f"{bw / 1e12:.2f}", f"{bw / copy_bw:.2f}"])
 
 
-def sweep_decode_tiles(kernels, copy_bw, rows):
-    """Try other (TILE_N, num_warps) for decode at batch 256 / ctx 2048 by overriding the tile policy."""
+def sweep_decode_tiles(kernels, copy_bw, rows, shapes=((256, 2048, 2), (256, 2048, 1), (64, 1024, 2)),
+                       tiles=(32, 64, 128), warps=(4, 8), stages=(2, 3, 4)):
+    """Other (TILE_N, num_warps, num_stages) for decode, by overriding the tile policy; (batch, ctx, KV bytes
+    per element) per shape. The policy's own choice is marked '*'."""
     pa_mod = importlib.import_module("cbatch.kernels.paged_attention")
     original = pa_mod._select_tiles
-    b = make_decode_batch(256, 2048)
-    nbytes = decode_bytes(256, 2048)
     try:
-        for tile_n in (16, 32, 64, 128):
-            for num_warps in (2, 4, 8):
-                def policy(head_dim_pad, group, max_query_len, is_fp32=False, tile_n=tile_n, num_warps=num_warps):
-                    block_m, _, _ = original(head_dim_pad, group, max_query_len, is_fp32)
-                    return block_m, tile_n, num_warps
-                pa_mod._select_tiles = policy
-                try:
-                    ms = time_ms(lambda: run_attention(kernels, b), inner=inner_for(nbytes, copy_bw))
-                except Exception as err:  # e.g. out of shared memory for a large tile
-                    rows.append([f"{tile_n}", f"{num_warps}", "failed", type(err).__name__, ""])
-                    continue
-                bw = nbytes / (ms * 1e-3)
-                rows.append([f"{tile_n}", f"{num_warps}", f"{ms * 1e3:.1f}", f"{bw / 1e12:.2f}", f"{bw / copy_bw:.2f}"])
+        for batch, ctx, kv_elem in shapes:
+            b = make_decode_batch(batch, ctx)
+            if kv_elem == 1:
+                b = to_fp8(b)
+            nbytes = decode_bytes(batch, ctx, kv_elem=kv_elem)
+            _, own_tile, own_warps, own_stages = original(128, NUM_Q_HEADS // NUM_KV_HEADS, 1)
+            for tile_n in tiles:
+                for num_warps in warps:
+                    for num_stages in stages:
+                        def policy(head_dim_pad, group, max_query_len, is_fp32=False, tile_n=tile_n,
+                                   num_warps=num_warps, num_stages=num_stages):
+                            block_m = original(head_dim_pad, group, max_query_len, is_fp32)[0]
+                            return block_m, tile_n, num_warps, num_stages
+                        pa_mod._select_tiles = policy
+                        mark = "*" if (tile_n, num_warps, num_stages) == (own_tile, own_warps, own_stages) else ""
+                        shape = [f"{batch}", f"{ctx}", "fp8" if kv_elem == 1 else "bf16", f"{tile_n}{mark}",
+                                 f"{num_warps}", f"{num_stages}"]
+                        try:
+                            ms = time_ms(lambda: run_attention(kernels, b), inner=inner_for(nbytes, copy_bw))
+                        except Exception as err:  # e.g. out of shared memory for a large tile
+                            rows.append(shape + ["failed", type(err).__name__, ""])
+                            continue
+                        bw = nbytes / (ms * 1e-3)
+                        rows.append(shape + [f"{ms * 1e3:.1f}", f"{bw / 1e12:.2f}", f"{bw / copy_bw:.2f}"])
+            del b
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
     finally:
         pa_mod._select_tiles = original
 
@@ -443,6 +457,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="time plain launches instead of CUDA-graph replays (includes launch overhead)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="run tiny shapes on the CPU through the Triton interpreter (checks the script only)")
+    parser.add_argument("--no-fused", action="store_true", help="skip table (b), the fused kernels against eager")
     parser.add_argument("--sweep-decode-tiles", action="store_true",
                         help="also time decode at batch 256 / ctx 2048 for other TILE_N / num_warps")
     return parser
@@ -507,21 +522,27 @@ def main() -> int:
 
     if args.sweep_decode_tiles:
         rows = []
-        sweep_decode_tiles(kernels, copy_bw, rows)
-        out.append(format_table("decode tile sweep, batch 256 / ctx 2048",
-                                ["TILE_N", "warps", "time us", "TB/s", "of copy BW"], rows))
+        if args.cpu_smoke:
+            sweep_decode_tiles(kernels, copy_bw, rows, shapes=((2, 40, 2), (2, 40, 1)), tiles=(16,), warps=(4,),
+                               stages=(2, 3))
+        else:
+            sweep_decode_tiles(kernels, copy_bw, rows)
+        out.append(format_table("decode tile sweep (* = the policy's choice)",
+                                ["batch", "ctx", "KV", "TILE_N", "warps", "stages", "time us", "TB/s", "of copy BW"],
+                                rows))
         print(out[-1], flush=True)
 
-    rows = []
-    if args.cpu_smoke:
-        bench_fused(kernels, copy_bw, (3,), (1024,), rows)
-    else:
-        bench_fused(kernels, copy_bw, (256,) if args.quick else (256, 4096), (1024, 4096), rows)
-    bench_prologue(kernels, copy_bw, (3,) if args.cpu_smoke else (256, 1024, 4096), rows)
-    out.append(format_table(
-        "(b) fused kernels vs eager PyTorch, bf16 (MB = minimal bytes the fused kernel must move)",
-        ["kernel", "tokens", "hidden", "MB", "eager us", "fused us", "speedup", "fused of copy BW"], rows))
-    print(out[-1], flush=True)
+    if not args.no_fused:
+        rows = []
+        if args.cpu_smoke:
+            bench_fused(kernels, copy_bw, (3,), (1024,), rows)
+        else:
+            bench_fused(kernels, copy_bw, (256,) if args.quick else (256, 4096), (1024, 4096), rows)
+        bench_prologue(kernels, copy_bw, (3,) if args.cpu_smoke else (256, 1024, 4096), rows)
+        out.append(format_table(
+            "(b) fused kernels vs eager PyTorch, bf16 (MB = minimal bytes the fused kernel must move)",
+            ["kernel", "tokens", "hidden", "MB", "eager us", "fused us", "speedup", "fused of copy BW"], rows))
+        print(out[-1], flush=True)
     rows = []
     bench_sampling(kernels, rows, *((4, 3000) if args.cpu_smoke else (256, 151936)))
     out.append(format_table("(c) sampling: one-pass kernel vs the torch sampler (float32 logits)",

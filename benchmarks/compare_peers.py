@@ -348,7 +348,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def default_extra(args: argparse.Namespace) -> dict[str, dict]:
     extra = parse_extra(args.engine_arg)
-    if args.device == "cpu":  # its best setting on the 2-core CPU (see RESULTS.md); on a GPU, its own defaults
+    if args.device == "cpu":  # its best setting on the 2-core CPU (see RESULTS.md); on a GPU, peer_engines.HF_CB_GPU_DEFAULTS
         extra.setdefault("hf-cb", {}).setdefault("max_batch_tokens", 512)
     extra.setdefault("hf-static", {}).setdefault("batch_size", 16)
     if not args.model:

@@ -3,9 +3,9 @@
 # device call (the device kills a command after 600 s: every part plans <= 540 s, every step runs under its
 # own `timeout`, and each part installs what it needs, so parts run in any order on a fresh or warm machine).
 #
-#   bash benchmarks/gpu_session.sh PART        PART: kernels | suite | parity | bench | e2e | e2e-more | e2e-sync
+#   bash benchmarks/gpu_session.sh PART        PART: all | speed | peer | kernels | suite | parity | bench | e2e | e2e-more | e2e-sync
 #   bash benchmarks/gpu_session.sh --list      the parts, their steps and time budgets
-#   bash benchmarks/gpu_session.sh --cpu-dry-run   every part on this CPU (Triton interpreter, tiny shapes,
+#   bash benchmarks/gpu_session.sh --cpu-dry-run [PART...]   every part (or those named) on this CPU (Triton interpreter, tiny shapes,
 #                                              a few requests): the same files and summary, to catch shell
 #                                              and plumbing mistakes before a lease is spent on them
 #
@@ -40,8 +40,12 @@ declare -A PLAN=(
   [e2e]="make_model:90 greedy_vs_hf:420"
   [e2e-more]="make_model:90 cbatch_temp06:210 cbatch_fp8:210"
   [e2e-sync]="make_model:90 cbatch_sync:210"
+  [speed]="make_model:60 profile_bf16:120 decode_kernels:150"
+  [peer]="make_model:60 profile_fp8:90 hf_vs_cbatch:180"
+  [all]="make_model:40 profile_bf16:90 profile_fp8:60 decode_kernels:110 hf_vs_cbatch:120"
 )
-PARTS="kernels suite parity bench e2e e2e-more e2e-sync"
+PARTS="all speed peer kernels suite parity bench e2e e2e-more e2e-sync"
+ALL_LIMIT_S=420  # the GPU issue: `all` in at most 7 minutes
 KERNEL_TESTS="tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_kernels_compile.py tests/test_compile_count.py tests/test_triton_e2e.py tests/test_fp8_kv.py"
 MODEL=/tmp/qwen3-0.6b-random
 
@@ -69,7 +73,10 @@ step() {  # step NAME CMD...   (budget from the plan; dry runs get the same budg
   {
     echo "--- $PART/$name: $verdict in ${took} s of ${budget} s"
     grep -E '^run [0-9]+/' "$LOGS/$name.log" | cut -c1-400  # compare_peers: each engine's figures, cbatch first
-    tail -n "${TAIL_LINES:-12}" "$LOGS/$name.log" | cut -c1-220
+    case $name in  # the profiles' and kernel tables' figures whole, the rest's last lines
+      profile_*|decode_kernels) grep -v -E '^(USDT|STAGE|\[W)' "$LOGS/$name.log" | tail -n 90 | cut -c1-220 ;;
+      *) tail -n "${TAIL_LINES:-12}" "$LOGS/$name.log" | cut -c1-220 ;;
+    esac
   } | tee -a "$SUMMARY"
   FAILED=$((FAILED + (rc != 0)))
   return 0
@@ -115,7 +122,40 @@ e2e_args() {  # the nano-vllm workload (dry: a handful of short requests on the 
   fi
 }
 
+profile_args() {  # gpu_profile.py on the nano-vllm workload (dry: the tiny model, a few requests, CPU)
+  if [ $DRY = 1 ]; then
+    echo "--device cpu --dtype float32 --model $(model_dir) --num-requests 6 --prompt-len 8,24 --output-len 4,12 --profile-steps 3 --profile-batch 6 --engine-arg attention_backend=triton"
+  else
+    echo "--device cuda --dtype bfloat16 --model $MODEL --num-requests 256 --prompt-len 100,1024 --output-len 100,1024 --engine-arg max_model_len=2048"
+  fi
+}
+
 # ---- the parts ---------------------------------------------------------------------------------------------
+# speed: where the e2e run's time goes (per step class against its bandwidth floor, a kernel profile of steady
+# decode steps) and the decode attention kernel's bandwidth and tile sweep.
+part_speed() {
+  step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
+  step profile_bf16 $py benchmarks/gpu_profile.py $(profile_args) --temperatures 0,0.6 --json "$OUT/profile_bf16.json" --trace "$LOGS/trace_bf16.json.gz"
+  step decode_kernels $py benchmarks/bench_kernels.py $( [ $DRY = 1 ] && echo --cpu-smoke ) --quick --no-fused --sweep-decode-tiles --out "$LOGS/decode_kernels.txt"
+}
+
+# peer: the fp8 KV line and transformers' continuous batching against cbatch on 64 of the workload's requests
+# (HF CB could not finish 256 in 200 s on an H200 before it was configured; a ratio always comes back).
+part_peer() {
+  step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
+  step profile_fp8 $py benchmarks/gpu_profile.py $(profile_args) --engine-arg kv_cache_dtype=fp8 --profile-steps 10 --json "$OUT/profile_fp8.json"
+  step hf_vs_cbatch $py benchmarks/compare_peers.py $(e2e_args | sed 's/--num-requests [0-9]*/--num-requests '"$( [ $DRY = 1 ] && echo 4 || echo 64)"'/') --engines cbatch,hf-cb --run-timeout 120 --json "$LOGS/hf_vs_cbatch.json"
+}
+
+# all: both, in one call of at most 7 minutes
+part_all() {
+  step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
+  step profile_bf16 $py benchmarks/gpu_profile.py $(profile_args) --temperatures 0,0.6 --json "$OUT/profile_bf16.json" --trace "$LOGS/trace_bf16.json.gz"
+  step profile_fp8 $py benchmarks/gpu_profile.py $(profile_args) --engine-arg kv_cache_dtype=fp8 --profile-steps 10 --json "$OUT/profile_fp8.json"
+  step decode_kernels $py benchmarks/bench_kernels.py $( [ $DRY = 1 ] && echo --cpu-smoke ) --quick --no-fused --sweep-decode-tiles --out "$LOGS/decode_kernels.txt"
+  step hf_vs_cbatch $py benchmarks/compare_peers.py $(e2e_args | sed 's/--num-requests [0-9]*/--num-requests '"$( [ $DRY = 1 ] && echo 4 || echo 64)"'/') --engines cbatch,hf-cb --run-timeout 100 --json "$LOGS/hf_vs_cbatch.json"
+}
+
 part_kernels() {
   if [ $DRY = 1 ]; then
     step compile_check $py -c "print('offline sm_90 compile: tests/test_kernels_compile.py runs it in the suite')"
@@ -173,6 +213,7 @@ part_e2e_sync() {  # the e2e workload with asynchronous scheduling off: its gain
 run_part() {
   PART=$1
   [ -n "${PLAN[$PART]:-}" ] || { echo "unknown part '$PART'; parts: $PARTS" >&2; return 2; }
+  [ "$PART" != all ] || [ "$(budget_total all)" -le $ALL_LIMIT_S ] || { echo "BUG: part all plans $(budget_total all) s > $ALL_LIMIT_S s" >&2; return 2; }
   [ "$(budget_total "$PART")" -le $PART_LIMIT_S ] || { echo "BUG: part $PART plans $(budget_total "$PART") s > $PART_LIMIT_S s" >&2; return 2; }
   LOGS=$(mktemp -d "${TMPDIR:-/tmp}/cbatch-$PART-XXXX")
   FAILED=0
@@ -190,7 +231,8 @@ main() {
       DRY=1
       export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=""
       local p total=0
-      for p in $PARTS; do run_part "$p" || total=$((total + 1)); done
+      shift
+      for p in ${*:-$PARTS}; do run_part "$p" || total=$((total + 1)); done
       local files
       files=$(find "$OUT" -type f | wc -l)
       echo "dry run: $total part(s) failed to run; $files file(s) in $OUT (limit 8)" | tee -a "$SUMMARY"

@@ -127,14 +127,14 @@ def _compiled_variants() -> int | None:
     return compiled_variants()
 
 
-def _load_hf(job: Job):
+def _load_hf(job: Job, **kwargs):
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     torch.set_num_threads(job.threads)
     hf_logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(job.model_dir, dtype=getattr(torch, job.dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(job.model_dir, dtype=getattr(torch, job.dtype), **kwargs).eval()
     return model.to(device())
 
 
@@ -168,21 +168,53 @@ def run_hf_static(job: Job) -> EngineRun:
     return EngineRun(results, torch_about())
 
 
+# transformers' continuous batching on a GPU, set up as its docs recommend when no flash-attention package is
+# installed (none is on the lent GPU machines): paged SDPA attention, CUDA graphs on, a step budget and request
+# cap sized like cbatch's, 90% of the free memory for its KV cache, and its own warm-up (graph capture) before
+# the timed window. Any of these can be overridden with --engine-arg hf-cb:KEY=VALUE (ContinuousBatchingConfig
+# fields; attn_implementation is the model's).
+HF_CB_GPU_DEFAULTS = {"use_cuda_graph": True, "max_batch_tokens": 4096, "max_requests_per_batch": 256,
+                      "max_memory_percent": 0.9}
+
+
+def hf_cb_settings(extra: dict, on_gpu: bool) -> tuple[str | None, dict]:
+    """(attn_implementation, ContinuousBatchingConfig keyword arguments) for a run: the GPU defaults (on a GPU),
+    then the run's --engine-arg values as given (JSON-typed: ints, floats, booleans), unknown fields refused."""
+    import dataclasses
+
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    settings = dict(HF_CB_GPU_DEFAULTS if on_gpu else {}) | dict(extra)
+    attn = settings.pop("attn_implementation", "sdpa" if on_gpu else None)
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    unknown = sorted(set(settings) - fields)
+    if unknown:
+        raise SystemExit(f"hf-cb: {', '.join(unknown)} not ContinuousBatchingConfig fields of this transformers")
+    return attn, settings
+
+
 def run_hf_cb(job: Job) -> EngineRun:
     """transformers' continuous batching manager; per-request max_new_tokens, EOS disabled (-1)."""
+    import transformers
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    model = _load_hf(job)
+    attn, settings = hf_cb_settings(job.extra, device() == "cuda")
+    model = _load_hf(job, **({"attn_implementation": attn} if attn else {}))
     longest = max(job.output_lens)
     sampling = (dict(do_sample=True, temperature=job.temperature, top_k=0, top_p=1.0) if job.temperature
                 else dict(do_sample=False))
     gen = GenerationConfig(max_new_tokens=longest, eos_token_id=-1, pad_token_id=0, **sampling)
-    cb = ContinuousBatchingConfig(**{k: int(v) for k, v in job.extra.items()})
     hints = WorkloadHints(max_prompt_length=max(map(len, job.prompts)), max_generated_length=longest,
                           num_requests=len(job.prompts))
-    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb, workload_hints=hints)
+    manager = model.init_continuous_batching(generation_config=gen,
+                                             continuous_batching_config=ContinuousBatchingConfig(**settings),
+                                             workload_hints=hints)
+    warmed = False
+    if device() == "cuda" and hasattr(manager, "warmup"):
+        manager.warmup()  # captures its CUDA graphs outside the timed window
+        warmed = True
     manager.start()
     try:
         _hf_cb_generate(manager, [job.warmup_prompt], [4])
@@ -191,7 +223,12 @@ def run_hf_cb(job: Job) -> EngineRun:
         clock.end()
     finally:
         manager.stop(block=True, timeout=10)
-    return EngineRun(outs, torch_about())
+    resolved = getattr(manager, "continuous_batching_config", None)
+    about = (f"{torch_about()}, transformers {transformers.__version__}, attention "
+             f"{model.config._attn_implementation}, settings {settings}, warm-up {'yes' if warmed else 'no'}")
+    details = {"hf_cb_settings": settings, "attn_implementation": model.config._attn_implementation,
+               "resolved": {k: str(v) for k, v in vars(resolved).items()} if resolved is not None else None}
+    return EngineRun(outs, about, details=details)
 
 
 def _hf_cb_generate(manager, prompts: list[list[int]], lens: list[int]) -> list[list[int]]:

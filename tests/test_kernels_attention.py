@@ -204,7 +204,7 @@ def test_small_tiles_many_q_blocks(monkeypatch):
     blocks (exercising the binary search and the surplus-program exit) and contexts span many key tiles
     inside 32-slot blocks; sliding windows then start at many different offsets within a tile. Also: q is a strided view of a packed qkv tensor, and out has padding rows
     past query_start_loc[-1] that must stay untouched."""
-    monkeypatch.setattr(pa_mod, "_select_tiles", lambda *args: (16, 16, 4))
+    monkeypatch.setattr(pa_mod, "_select_tiles", lambda *args: (16, 16, 4, 2))
     spec = [(1, 40), (33, 70), (1, 1), (9, 9), (2, 34)]
     num_q_heads, num_kv_heads, head_dim = 8, 2, 64
     batch = make_batch(spec, num_q_heads, num_kv_heads, head_dim, 32, torch.float32, seed=13, q_padding=3)

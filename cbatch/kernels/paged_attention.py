@@ -271,8 +271,10 @@ def _num_sms(device: torch.device) -> int:
     return _DEFAULT_NUM_SMS
 
 
-def _select_tiles(head_dim_pad: int, group: int, max_query_len: int, is_fp32: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_M, TILE_N, num_warps) for a launch.
+def _select_tiles(head_dim_pad: int, group: int, max_query_len: int,
+                  is_fp32: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps, num_stages) for a launch (num_stages: Triton's software-pipelining depth
+    of the key loop; 3 is Triton's own default on CUDA).
 
     Decode (max_query_len <= 1): a tile's rows are just the GROUP query heads of one kv head. tl.dot needs
     at least 16 rows on the tensor cores, so the group is padded to 16 rows (GROUP > 16 uses next_pow2).
@@ -300,7 +302,7 @@ def _select_tiles(head_dim_pad: int, group: int, max_query_len: int, is_fp32: bo
     if is_fp32:
         tile_n = 32
         block_m = max(min(block_m, 32), next_pow2(group))
-    return block_m, tile_n, 4
+    return block_m, tile_n, 4, 3
 
 
 def _auto_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
@@ -380,7 +382,7 @@ def paged_attention(
         return out
     group = num_q_heads // num_kv_heads
     head_dim_pad = max(16, next_pow2(head_dim))
-    block_m, tile_n, num_warps = _select_tiles(head_dim_pad, group, max_query_len, q.dtype == torch.float32)
+    block_m, tile_n, num_warps, num_stages = _select_tiles(head_dim_pad, group, max_query_len, q.dtype == torch.float32)
     block_q = block_m // group
     decode_only = max_query_len <= 1
     # Not `sliding_window < max_seq_len`: that would flip as contexts grow and compile a new variant mid-run.
@@ -432,6 +434,7 @@ def paged_attention(
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=dot_upcast,
             num_warps=num_warps,
+            num_stages=num_stages,
         )
         if num_splits > 1:
             _merge_splits_kernel[(num_tokens, num_q_heads)](
