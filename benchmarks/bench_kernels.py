@@ -230,13 +230,13 @@ def sweep_decode_tiles(kernels, copy_bw, rows, shapes=((256, 2048, 2), (256, 204
             if kv_elem == 1:
                 b = to_fp8(b)
             nbytes = decode_bytes(batch, ctx, kv_elem=kv_elem)
-            _, own_tile, own_warps, own_stages = original(128, NUM_Q_HEADS // NUM_KV_HEADS, 1)
+            _, own_tile, own_warps, own_stages = original(128, NUM_Q_HEADS // NUM_KV_HEADS, 1, False, kv_elem == 1)
             for tile_n in tiles:
                 for num_warps in warps:
                     for num_stages in stages:
-                        def policy(head_dim_pad, group, max_query_len, is_fp32=False, tile_n=tile_n,
+                        def policy(head_dim_pad, group, max_query_len, is_fp32=False, kv_scaled=False, tile_n=tile_n,
                                    num_warps=num_warps, num_stages=num_stages):
-                            block_m = original(head_dim_pad, group, max_query_len, is_fp32)[0]
+                            block_m = original(head_dim_pad, group, max_query_len, is_fp32, kv_scaled)[0]
                             return block_m, tile_n, num_warps, num_stages
                         pa_mod._select_tiles = policy
                         mark = "*" if (tile_n, num_warps, num_stages) == (own_tile, own_warps, own_stages) else ""

@@ -152,7 +152,7 @@ def timed_run(engine, workload, temperature: float, floor_of) -> dict:
     }
 
 
-def profiled_run(engine, workload, num_steps: int, below_batch: int, trace_path: Path | None) -> dict:
+def profiled_run(engine, workload, num_steps: int, below_batch: int, trace_path: Path | None, floor_of) -> dict:
     """Greedy workload again; torch.profiler over `num_steps` decode-only steps once <= below_batch rows run."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -163,7 +163,7 @@ def profiled_run(engine, workload, num_steps: int, below_batch: int, trace_path:
         engine.add_request(ids, SamplingParams(max_tokens=n, ignore_eos=True))
     cuda = engine.device is not None and engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    window: list[tuple[int, int]] = []  # (rows, context tokens) of each profiled step
+    window: list[tuple[int, int, int]] = []  # (tokens, prefill tokens, context tokens) of each profiled step
     while engine.has_unfinished():  # run up to the window: decode-only steps at <= below_batch rows
         engine.step()
         info = engine.last_step
@@ -176,7 +176,7 @@ def profiled_run(engine, workload, num_steps: int, below_batch: int, trace_path:
         while engine.has_unfinished() and len(window) < num_steps:
             engine.step()
             info = engine.last_step
-            window.append((info.scheduled_tokens, info.prefill_tokens))
+            window.append((info.scheduled_tokens, info.prefill_tokens, info.context_tokens))
         if cuda:
             torch.cuda.synchronize()
         host_s = time.perf_counter() - t0
@@ -189,10 +189,14 @@ def profiled_run(engine, workload, num_steps: int, below_batch: int, trace_path:
         if trace_path is not None:
             with gzip.open(trace_path, "wt") as f:
                 json.dump(trace, f)
-    return summarize_trace(trace, window, host_s, cuda)
+    summary = summarize_trace(trace, window, host_s, cuda)
+    if window:
+        summary["floor_ms_per_step"] = statistics.mean(floor_of(c) for _, _, c in window) * 1e3
+        summary["floor_kv_only_ms_per_step"] = summary["floor_ms_per_step"] - floor_of(0) * 1e3
+    return summary
 
 
-def summarize_trace(trace: dict, window: list[tuple[int, int]], host_s: float, cuda: bool) -> dict:
+def summarize_trace(trace: dict, window: list[tuple[int, int, int]], host_s: float, cuda: bool) -> dict:
     """GPU kernel time by class, busy share of the window, launches per step, the heaviest kernels."""
     cats = ("kernel", "gpu_memcpy", "gpu_memset") if cuda else ("cpu_op",)
     events = [e for e in trace.get("traceEvents", []) if e.get("cat") in cats and e.get("ph") == "X"]
@@ -223,7 +227,7 @@ def summarize_trace(trace: dict, window: list[tuple[int, int]], host_s: float, c
     total = sum(by_class.values())
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]
     return {
-        "steps": len(window), "mean_rows": statistics.mean(r for r, _ in window) if window else 0,
+        "steps": len(window), "mean_rows": statistics.mean(r for r, _, _ in window) if window else 0,
         "window_ms": span / 1e3, "host_ms": host_s * 1e3, "busy_share": busy / max(span, 1e-9),
         "gpu_ms_per_step": total / n / 1e3, "span_ms_per_step": span / n / 1e3,
         "launches_per_step": len(events) / n,
@@ -251,6 +255,9 @@ def print_profile(p: dict) -> None:
     print(f"\nprofile of {p['steps']} decode steps at {p['mean_rows']:.0f} rows: GPU {p['gpu_ms_per_step']:.3f} ms/step "
           f"of a {p['span_ms_per_step']:.3f} ms span (busy {p['busy_share']:.0%}), {p['launches_per_step']:.0f} "
           f"kernels/step; host {p['host_ms'] / max(1, p['steps']):.3f} ms/step under the profiler")
+    if "floor_ms_per_step" in p:
+        print(f"  bandwidth floor of these steps {p['floor_ms_per_step']:.3f} ms/step, of which the KV reads "
+              f"{p['floor_kv_only_ms_per_step']:.3f} (attention's floor)")
     for cls, c in p["classes"].items():
         print(f"  {cls:<22} {c['ms_per_step']:>8.3f} ms/step {c['share']:>6.1%} {c['per_step']:>6.0f} kernels/step")
     print("  heaviest kernels:")
@@ -330,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         print_timed(run)
         save()
     if args.profile_steps:
-        result["profile"] = profiled_run(engine, workload, args.profile_steps, args.profile_batch, args.trace)
+        result["profile"] = profiled_run(engine, workload, args.profile_steps, args.profile_batch, args.trace, floor_of)
         print_profile(result["profile"])
         save()
     result["process_s"] = time.perf_counter() - t_process

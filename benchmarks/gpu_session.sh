@@ -42,9 +42,10 @@ declare -A PLAN=(
   [e2e-sync]="make_model:90 cbatch_sync:210"
   [speed]="make_model:60 profile_bf16:120 decode_kernels:150"
   [peer]="make_model:60 profile_fp8:90 hf_vs_cbatch:180"
+  [gpu-tests]="gpu_tests:150"
   [all]="make_model:40 profile_bf16:90 profile_fp8:60 decode_kernels:110 hf_vs_cbatch:120"
 )
-PARTS="all speed peer kernels suite parity bench e2e e2e-more e2e-sync"
+PARTS="all speed peer gpu-tests kernels suite parity bench e2e e2e-more e2e-sync"
 ALL_LIMIT_S=420  # the GPU issue: `all` in at most 7 minutes
 KERNEL_TESTS="tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_kernels_compile.py tests/test_compile_count.py tests/test_triton_e2e.py tests/test_fp8_kv.py"
 MODEL=/tmp/qwen3-0.6b-random
@@ -145,6 +146,17 @@ part_peer() {
   step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
   step profile_fp8 $py benchmarks/gpu_profile.py $(profile_args) --engine-arg kv_cache_dtype=fp8 --profile-steps 10 --json "$OUT/profile_fp8.json"
   step hf_vs_cbatch $py benchmarks/compare_peers.py $(e2e_args | sed 's/--num-requests [0-9]*/--num-requests '"$( [ $DRY = 1 ] && echo 4 || echo 64)"'/') --engines cbatch,hf-cb --run-timeout 120 --json "$LOGS/hf_vs_cbatch.json"
+}
+
+# gpu-tests: the kernel tests (no engines: each test's GPU memory is small, so 4 xdist workers share the card)
+# and the GPU-only engine tests, counted (passed / failed / skipped) in the summary
+GPU_TESTS="tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_async_scheduling.py::test_a_steps_tokens_wait_for_that_step_alone"
+part_gpu_tests() {
+  if [ $DRY = 1 ]; then
+    step gpu_tests $py -m pytest -p no:cacheprovider -rfE tests/test_kernels_fused.py -k "rotary and dtype0" tests/test_async_scheduling.py::test_a_steps_tokens_wait_for_that_step_alone
+  else
+    step gpu_tests $py -m pytest -p no:cacheprovider -rfE -n 4 $GPU_TESTS
+  fi
 }
 
 # all: both, in one call of at most 7 minutes

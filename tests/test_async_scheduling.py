@@ -158,3 +158,20 @@ def test_tokens_sampled_in_a_graph_outlive_the_next_replay(tiny_checkpoints, mon
                                                                                        [None] * logits.shape[0]))
     assert outputs(engine, prompts, params) == expected
     assert graphs.replays > 10 and engine.steps_ahead > 10
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the wait it checks is a CUDA stream's")
+def test_a_steps_tokens_wait_for_that_step_alone():
+    """A launched step's tokens reach the host without waiting for the step launched after it: asynchronous
+    scheduling launches step N+1 before it reads step N's tokens, and a plain `.tolist()` of N's device tensor
+    would wait for N+1 too (the GPU then idles while the host schedules N+2). Here a ~1 s sleep kernel queued
+    after the copy stands for step N+1; the wait returns with it still queued or running."""
+    from cbatch.engine.runner import tokens_to_host
+
+    sampled = torch.randint(0, 50_000, (37,), device="cuda")
+    host, ready = tokens_to_host(sampled)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of one SM's cycles: the next step
+    ready.synchronize()
+    assert not torch.cuda.current_stream().query(), "the wait drained the stream (it waited for the next step)"
+    assert host.device.type == "cpu" and host.tolist() == sampled.tolist()
+    torch.cuda.synchronize()
