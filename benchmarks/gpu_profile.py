@@ -152,8 +152,10 @@ def timed_run(engine, workload, temperature: float, floor_of) -> dict:
     }
 
 
-def profiled_run(engine, workload, num_steps: int, below_batch: int, trace_path: Path | None, floor_of) -> dict:
-    """Greedy workload again; torch.profiler over `num_steps` decode-only steps once <= below_batch rows run."""
+def profiled_run(engine, workload, num_steps: int, below_batch: int, trace_path: Path | None, floor_of,
+                 prefill_steps: int = 3) -> dict:
+    """Greedy workload again; torch.profiler over its first `prefill_steps` steps (prompt chunks), then over
+    `num_steps` decode-only steps once <= below_batch rows run."""
     from torch.profiler import ProfilerActivity, profile
 
     from cbatch.config import SamplingParams
@@ -163,6 +165,17 @@ def profiled_run(engine, workload, num_steps: int, below_batch: int, trace_path:
         engine.add_request(ids, SamplingParams(max_tokens=n, ignore_eos=True))
     cuda = engine.device is not None and engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    first: list[tuple[int, int, int]] = []  # the run's first steps: prefill chunks (8192-token mixed steps)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        while engine.has_unfinished() and len(first) < prefill_steps:
+            engine.step()
+            info = engine.last_step
+            first.append((info.scheduled_tokens, info.prefill_tokens, info.context_tokens))
+        if cuda:
+            torch.cuda.synchronize()
+        host_s = time.perf_counter() - t0
+    prefill = summarize_trace(chrome_trace(prof), first, host_s, cuda)
     window: list[tuple[int, int, int]] = []  # (tokens, prefill tokens, context tokens) of each profiled step
     while engine.has_unfinished():  # run up to the window: decode-only steps at <= below_batch rows
         engine.step()
@@ -182,18 +195,23 @@ def profiled_run(engine, workload, num_steps: int, below_batch: int, trace_path:
         host_s = time.perf_counter() - t0
     while engine.has_unfinished():
         engine.step()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-        if trace_path is not None:
-            with gzip.open(trace_path, "wt") as f:
-                json.dump(trace, f)
+    trace = chrome_trace(prof)
+    if trace_path is not None:
+        with gzip.open(trace_path, "wt") as f:
+            json.dump(trace, f)
     summary = summarize_trace(trace, window, host_s, cuda)
+    summary["first_steps"] = prefill
     if window:
         summary["floor_ms_per_step"] = statistics.mean(floor_of(c) for _, _, c in window) * 1e3
         summary["floor_kv_only_ms_per_step"] = summary["floor_ms_per_step"] - floor_of(0) * 1e3
     return summary
+
+
+def chrome_trace(prof) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_text())
 
 
 def summarize_trace(trace: dict, window: list[tuple[int, int, int]], host_s: float, cuda: bool) -> dict:
@@ -248,11 +266,13 @@ def print_timed(run: dict) -> None:
               f"{c['median_floor_ms']:>9.3f} {c['floor_over_time']:>10.0%} {c['median_tokens']:>7.0f}")
 
 
-def print_profile(p: dict) -> None:
+def print_profile(p: dict, what: str = "decode steps") -> None:
     if "error" in p:
         print(f"\nprofile: {p['error']}")
         return
-    print(f"\nprofile of {p['steps']} decode steps at {p['mean_rows']:.0f} rows: GPU {p['gpu_ms_per_step']:.3f} ms/step "
+    if "first_steps" in p:
+        print_profile(p["first_steps"], "first steps (prompt chunks)")
+    print(f"\nprofile of {p['steps']} {what} at {p['mean_rows']:.0f} tokens: GPU {p['gpu_ms_per_step']:.3f} ms/step "
           f"of a {p['span_ms_per_step']:.3f} ms span (busy {p['busy_share']:.0%}), {p['launches_per_step']:.0f} "
           f"kernels/step; host {p['host_ms'] / max(1, p['steps']):.3f} ms/step under the profiler")
     if "floor_ms_per_step" in p:

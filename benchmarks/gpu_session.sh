@@ -40,8 +40,8 @@ declare -A PLAN=(
   [e2e]="make_model:90 greedy_vs_hf:420"
   [e2e-more]="make_model:90 cbatch_temp06:210 cbatch_fp8:210"
   [e2e-sync]="make_model:90 cbatch_sync:210"
-  [speed]="make_model:60 profile_bf16:120 decode_kernels:150"
-  [peer]="make_model:60 profile_fp8:90 hf_vs_cbatch:180"
+  [speed]="make_model:60 profile_bf16:100 profile_fp8:70 decode_kernels:110"
+  [peer]="make_model:60 hf_vs_cbatch:150"
   [gpu-tests]="gpu_tests:150"
   [all]="make_model:40 profile_bf16:90 profile_fp8:60 decode_kernels:110 hf_vs_cbatch:120"
 )
@@ -132,19 +132,20 @@ profile_args() {  # gpu_profile.py on the nano-vllm workload (dry: the tiny mode
 }
 
 # ---- the parts ---------------------------------------------------------------------------------------------
-# speed: where the e2e run's time goes (per step class against its bandwidth floor, a kernel profile of steady
-# decode steps) and the decode attention kernel's bandwidth and tile sweep.
+# speed: where the e2e run's time goes (per step class against its bandwidth floor, kernel profiles of the first
+# prompt-chunk steps and of steady decode steps), bf16 and fp8 KV, and the decode attention kernel's bandwidth
+# and tile sweep.
 part_speed() {
   step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
   step profile_bf16 $py benchmarks/gpu_profile.py $(profile_args) --temperatures 0,0.6 --json "$OUT/profile_bf16.json" --trace "$LOGS/trace_bf16.json.gz"
+  step profile_fp8 $py benchmarks/gpu_profile.py $(profile_args) --engine-arg kv_cache_dtype=fp8 --profile-steps 10 --json "$OUT/profile_fp8.json"
   step decode_kernels $py benchmarks/bench_kernels.py $( [ $DRY = 1 ] && echo --cpu-smoke ) --quick --no-fused --sweep-decode-tiles --out "$LOGS/decode_kernels.txt"
 }
 
-# peer: the fp8 KV line and transformers' continuous batching against cbatch on 64 of the workload's requests
-# (HF CB could not finish 256 in 200 s on an H200 before it was configured; a ratio always comes back).
+# peer: transformers' continuous batching against cbatch on 64 of the workload's requests (HF CB could not
+# finish 256 in 200 s on an H200 before it was configured; 64 took it 58 s after: a ratio always comes back).
 part_peer() {
   step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
-  step profile_fp8 $py benchmarks/gpu_profile.py $(profile_args) --engine-arg kv_cache_dtype=fp8 --profile-steps 10 --json "$OUT/profile_fp8.json"
   step hf_vs_cbatch $py benchmarks/compare_peers.py $(e2e_args | sed 's/--num-requests [0-9]*/--num-requests '"$( [ $DRY = 1 ] && echo 4 || echo 64)"'/') --engines cbatch,hf-cb --run-timeout 120 --json "$LOGS/hf_vs_cbatch.json"
 }
 

@@ -356,3 +356,21 @@ def test_fp8_cache_needs_its_scales():
     with pytest.raises(ValueError, match="k_scale"):
         paged_attention(batch["q"], k8, k8, torch.empty_like(batch["q"]), batch["query_start_loc"], batch["seq_lens"],
                         batch["block_table"], 0.1, 1, 5)
+
+
+def test_fp8_cache_attention_with_q_beyond_fp16_range():
+    """With an fp8 cache the dots run in fp16 (bf16 q converted once): q elements past fp16's range are clamped
+    to it, not turned into inf (which would make the row NaN); the result is attention with the clamped q."""
+    batch = make_batch(MIXED_SMALL, 8, 2, 64, 16, torch.float32, seed=43)
+    scale = torch.ones(2, device=DEVICE)
+    k8, v8 = quantize(batch["k_cache"], scale).to(DEVICE), quantize(batch["v_cache"], scale).to(DEVICE)
+    q = (batch["q"] * 0.05).to(torch.bfloat16)
+    q[0, 0, 0], q[-1, 3, 5] = 3.0e5, -1.0e6  # past fp16's 65504
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, k8, v8, out, batch["query_start_loc"], batch["seq_lens"], batch["block_table"],
+                    64**-0.5, batch["max_query_len"], batch["max_seq_len"], k_scale=scale, v_scale=scale)
+    ref = reference_attention(q.float().clamp(-65504, 65504), dequantize(k8, scale), dequantize(v8, scale),
+                              batch["query_start_loc"], batch["seq_lens"], batch["block_table"], 64**-0.5)
+    n_real = int(batch["query_start_loc"][-1])
+    assert torch.isfinite(out[:n_real]).all()
+    assert rel_err(out[:n_real], ref[:n_real]) < TOL[torch.bfloat16]
