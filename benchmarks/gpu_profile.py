@@ -342,10 +342,15 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "copy_bw_tb_s": bw / 1e12, "settings": settings,
               "max_num_seqs": engine.config.max_num_seqs, "num_kv_blocks": engine.pool.num_blocks,
               "kv_cache_dtype": engine.config.kv_cache_dtype, "weight_bytes": w_bytes, "kv_bytes_per_token": kv_token,
-              "startup_s": startup_s, "runs": []}
+              "startup_s": startup_s, "kernel_tuning": engine.kernel_tuning, "runs": []}
     print(f"{result['device']}: copy {bw / 1e12:.2f} TB/s; engine built and warmed up in {startup_s:.1f} s "
           f"(max_num_seqs {engine.config.max_num_seqs}, {engine.pool.num_blocks} KV blocks, KV {result['kv_cache_dtype']}); "
           f"weights {w_bytes / 1e9:.2f} GB, KV {kv_token / 1024:.0f} KiB/token", flush=True)
+    if engine.kernel_tuning:
+        t = engine.kernel_tuning
+        how = "cached" if t["cached"] else f"tuned in {t['seconds']:.1f} s"
+        print(f"start-up tuning: decode attention {t['decode_attention']} (default {t['policy_default']}; {how}); "
+              f"us per candidate: {t['times_us']}", flush=True)
 
     def save() -> None:
         if args.json:

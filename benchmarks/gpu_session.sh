@@ -172,10 +172,10 @@ part_all() {
 part_kernels() {
   if [ $DRY = 1 ]; then
     step compile_check $py -c "print('offline sm_90 compile: tests/test_kernels_compile.py runs it in the suite')"
-    step kernel_tests $py -m pytest -q -p no:cacheprovider tests/test_kernels_fused.py -k "norm_rope_store and dtype0 or fused_sample" tests/test_compile_count.py
+    step kernel_tests $py -m pytest -p no:cacheprovider -rfE tests/test_kernels_fused.py -k "norm_rope_store and dtype0 or fused_sample" tests/test_compile_count.py
   else
     step compile_check $py -m cbatch.kernels._compile_check 90
-    step kernel_tests $py -m pytest -q -p no:cacheprovider $KERNEL_TESTS
+    step kernel_tests $py -m pytest -p no:cacheprovider -rfE $KERNEL_TESTS
   fi
 }
 
@@ -183,9 +183,9 @@ part_suite() {
   local ignore="" f
   for f in $KERNEL_TESTS; do ignore="$ignore --ignore=$f"; done
   if [ $DRY = 1 ]; then
-    step suite_tests $py -m pytest -q -p no:cacheprovider tests/test_gpu_defaults.py tests/test_cli_run.py -k "limits or same_outputs"
+    step suite_tests $py -m pytest -p no:cacheprovider -rfE tests/test_gpu_defaults.py tests/test_cli_run.py -k "limits or same_outputs"
   else
-    step suite_tests $py -m pytest -q -p no:cacheprovider tests $ignore
+    step suite_tests $py -m pytest -p no:cacheprovider -rfE tests $ignore
   fi
 }
 
@@ -246,6 +246,8 @@ main() {
       local p total=0
       shift
       for p in ${*:-$PARTS}; do run_part "$p" || total=$((total + 1)); done
+      # one archive for every part's logs (a device call brings back at most 8 files; a real call runs 1-2 parts)
+      (cd "$OUT" && tar cf dry-run-logs.tar ./*-logs.tgz && rm -f ./*-logs.tgz)
       local files
       files=$(find "$OUT" -type f | wc -l)
       echo "dry run: $total part(s) failed to run; $files file(s) in $OUT (limit 8)" | tee -a "$SUMMARY"

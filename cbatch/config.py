@@ -48,6 +48,7 @@ class EngineConfig:
     seed: int = 0  # seed for requests that give none
     num_threads: int | None = None  # CPU threads for torch; None = torch's default
     enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
+    tune_kernels: bool = True  # GPU: time decode attention's tile candidates at start-up, keep the fastest (cached)
     enable_prefix_cache: bool = True  # share computed full KV blocks between requests with the same prefix
     preemption: str = "recompute"  # recompute | swap | auto (swap victims whose recompute would be long)
     swap_space_gb: float = 4.0  # host memory for swapped-out KV blocks

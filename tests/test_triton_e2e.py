@@ -27,6 +27,24 @@ def test_triton_backend_matches_torch_backend(arch, tiny_checkpoints):
     assert got == expected
 
 
+@pytest.mark.parametrize("pick", [-1, -2])
+def test_tuned_decode_tiles_keep_greedy_parity(pick, tiny_checkpoints):
+    """Start-up tuning hands the backend other decode tiles (on a GPU; here set by hand): the same greedy tokens."""
+    from cbatch.kernels.paged_attention import decode_tile_candidates
+
+    path = tiny_checkpoints["qwen3"]
+    prompts = random_prompts(4, vocab=384, seed=22, max_len=30)
+    settings = dict(device=DEVICE, max_num_batched_tokens=24, block_size=8)
+    expected = generate(make_engine(path, attention_backend="torch", **settings), prompts, PARAMS)
+    engine = make_engine(path, attention_backend="triton", **settings)
+    backend = engine.runner.model.backend
+    head_dim = engine.spec.head_dim
+    backend.decode_tiles = decode_tile_candidates(head_dim, False)[pick]
+    assert backend.decode_tiles != decode_tile_candidates(head_dim, False)[0]
+    assert generate(engine, prompts, PARAMS) == expected
+    assert len({tuple(t) for t in expected}) > 1
+
+
 def test_engines_with_different_backends_coexist(tiny_checkpoints):
     """The backend is the engine's own object: building a Triton engine leaves a torch engine's numerics
     (bit for bit) and its ops untouched, and both run interleaved in one process."""

@@ -72,6 +72,9 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
         Flag("gpu_memory_utilization", float, 0.9, "Share of GPU memory for weights + activations + KV cache.", ENGINE,
              field="gpu_memory_utilization"),
         Flag("enforce_eager", bool, False, "GPU: no CUDA graphs for decode steps.", ENGINE, field="enforce_eager"),
+        Flag("kernel_tuning", bool, True, "GPU: time a few tile shapes of decode attention at start-up and keep the "
+             "fastest (a few seconds, cached per device in ~/.cache/cbatch).", ENGINE,
+             decls=("--kernel-tuning/--no-kernel-tuning",), field="tune_kernels"),
         Flag("prefix_cache", bool, True, "Reuse the KV of prompt prefixes shared between rows.", ENGINE,
              decls=("--prefix-cache/--no-prefix-cache",), field="enable_prefix_cache"),
         Flag("preemption", str, "recompute", "When KV runs out: recompute | swap (to host memory) | auto (swap long ones).",

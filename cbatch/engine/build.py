@@ -92,6 +92,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
         comm, peers = start_group(config, resolved)
     model = load_rank_model(config, resolved, comm, device, random_weights_seed, show_progress)
     kv_dtype = memory.kv_cache_dtype(config, dtype)
+    tuning = tune_kernels(config, resolved, model.backend, kv_dtype, comm)  # before memory is sized
 
     def make_runner(sized: EngineConfig, num_blocks: int, num_host_blocks: int = 0) -> ModelRunner:
         settings = dict(num_kv_blocks=num_blocks, block_size=sized.block_size, max_num_seqs=sized.max_num_seqs,
@@ -118,7 +119,28 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
 
         tokenizer = load_tokenizer(model_dir)
     return Engine(config, runner, kv, resolved.max_model_len, spec=spec, tokenizer=tokenizer, device=device,
-                  dtype=dtype, model_dir=model_dir)
+                  dtype=dtype, model_dir=model_dir, kernel_tuning=tuning)
+
+
+# start-up tuning times decode steps of this many sequences at this context (capped by max_model_len): the
+# size of a full decode step on a GPU, where decode attention's time goes
+TUNING_BATCH, TUNING_CONTEXT = 256, 2048
+
+
+def tune_kernels(config: EngineConfig, resolved: ResolvedModel, backend: Backend, kv_dtype: torch.dtype,
+                 comm: Communicator) -> dict | None:
+    """Start-up tuning where the backend has it (the GPU's Triton kernels), on one rank (tensor-parallel ranks
+    keep the kernels' own policy); what was chosen, for the report, or None."""
+    device, spec = resolved.device, resolved.spec
+    if not (config.tune_kernels and backend.supports_tuning and device.type == "cuda" and comm.world == 1):
+        return None
+    from cbatch.kernels.tuning import DecodeShape
+
+    shape = DecodeShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, config.block_size, resolved.dtype,
+                        kv_dtype, TUNING_BATCH, min(resolved.max_model_len, TUNING_CONTEXT))
+    result = backend.tune(shape, device).describe()
+    torch.cuda.empty_cache()  # the synthetic K/V go back before the KV pool is sized
+    return result
 
 
 def load_rank_model(config: EngineConfig, resolved: ResolvedModel, comm: Communicator, device: torch.device,

@@ -77,6 +77,7 @@ class Engine:
     device: torch.device | None = None
     dtype: torch.dtype | None = None
     model_dir: Path | None = None
+    kernel_tuning: dict | None = None  # what start-up tuning chose (GPU), for the report
 
     def __post_init__(self) -> None:
         self._eos_ids = frozenset(self.spec.eos_token_ids) if self.spec is not None else frozenset()

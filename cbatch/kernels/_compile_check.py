@@ -100,7 +100,7 @@ def _drive():
     fp8 = torch.float8_e4m3fn
 
     def attention(label, dtype, num_q_heads, num_kv_heads, head_dim, q_lens, seq_len, block_size=16,
-                  sliding_window=None, num_splits=None, cache_dtype=None, softcap=None):
+                  sliding_window=None, num_splits=None, cache_dtype=None, softcap=None, decode_tiles=None):
         num_seqs = len(q_lens)
         blocks = -(-seq_len // block_size)
         q = torch.empty(sum(q_lens), num_q_heads, head_dim, dtype=dtype)
@@ -111,7 +111,7 @@ def _drive():
                         torch.full((num_seqs,), seq_len, dtype=torch.int32),
                         torch.zeros(num_seqs, blocks, dtype=torch.int32), head_dim ** -0.5,
                         max(q_lens), seq_len, sliding_window=sliding_window, num_splits=num_splits,
-                        k_scale=scales, v_scale=scales, softcap=softcap)
+                        k_scale=scales, v_scale=scales, softcap=softcap, decode_tiles=decode_tiles)
         return label
 
     yield attention("decode Qwen3-0.6B B64 ctx2048", torch.bfloat16, 16, 8, 128, [1] * 64, 2048)
@@ -131,6 +131,13 @@ def _drive():
     yield attention("mixed Gemma-2 softcap + window hd256 G2", torch.bfloat16, 8, 4, 256, [64, 1], 8192,
                     sliding_window=4096, softcap=50.0)
     yield attention("decode Gemma-2 softcap B32", torch.bfloat16, 8, 4, 256, [1] * 32, 4096, softcap=50.0)
+    # every start-up tuning candidate (kernels/tuning.py) must compile: bf16 and fp8 caches, head_dim 128 and 256
+    from cbatch.kernels.paged_attention import decode_tile_candidates
+
+    for head_dim, cache_dtype in ((128, None), (128, fp8), (256, None)):
+        for tiles in decode_tile_candidates(head_dim, cache_dtype is not None)[1:]:
+            yield attention(f"decode tuning hd{head_dim}{' fp8' if cache_dtype else ''} {tiles}", torch.bfloat16,
+                            16, 8, head_dim, [1] * 64, 2048, cache_dtype=cache_dtype, decode_tiles=tiles)
     yield from _drive_small_ops()
     yield from _drive_models()
 

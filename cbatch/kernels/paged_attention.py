@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -267,6 +268,33 @@ def _merge_splits_kernel(
              mask=offs_d < HEAD_DIM)
 
 
+@dataclass(frozen=True)
+class DecodeTiles:
+    """How a decode-only launch walks the keys: TILE_N keys per iteration, warps per program, pipeline stages.
+    The tile rows (the GQA group padded to 16) are not a choice. `kernels/tuning.py` picks one per engine."""
+
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return f"{self.tile_n} keys x {self.num_warps} warps x {self.num_stages} stages"
+
+
+def decode_tile_candidates(head_dim: int, kv_scaled: bool) -> list[DecodeTiles]:
+    """What start-up tuning times for decode attention, the policy's own choice first: 32/64/128-key tiles at
+    4 warps and 2 or 3 stages, and the policy's tile at 8 warps (the H200 sweep of 2026-11-26 in
+    benchmarks/RESULTS.md: 4 warps within ~3% of one another at batch 256, 8 warps 10-50% slower there, kept
+    once for GPUs and shapes where fewer, longer programs run). Each is a kernel variant to compile (~1 s), so
+    the list stays short. head_dim 256 keeps tiles <= 64 keys (registers)."""
+    _, tile_n, num_warps, num_stages = _select_tiles(max(16, next_pow2(head_dim)), 1, 1, False, kv_scaled)
+    own = DecodeTiles(tile_n, num_warps, num_stages)
+    others = [DecodeTiles(t, 4, st) for t in (64, 128, 32) for st in (3, 2)] + [DecodeTiles(tile_n, 8, num_stages)]
+    if head_dim > 128:
+        others = [c for c in others if c.tile_n <= 64]
+    return [own] + [c for c in dict.fromkeys(others) if c != own]
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -368,6 +396,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     softcap: float | None = None,
+    decode_tiles: DecodeTiles | None = None,
 ) -> torch.Tensor:
     """Causal attention of the flat batch `q` against the paged KV cache; writes and returns `out`.
 
@@ -380,6 +409,8 @@ def paged_attention(
     takes a second, scalar one per element, and the conversions, not the bytes, bound the fp8 kernel (SASS of
     the sm_90 build: 256 F2F.BF16.F16 per thread per 128-key tile). fp16 holds every e4m3 value exactly and
     bf16 q to more bits wherever |q| >= 2^-14 (q is clamped to fp16's range); p in [0, 1] gains bits too.
+    decode_tiles: a decode-only launch's tiles, warps and stages (start-up tuning's choice), instead of the
+    policy's; ignored for batches with prefill rows.
     Rows of `out` past query_start_loc[-1] (padding) are left untouched.
     """
     num_tokens, num_q_heads, head_dim = q.shape  # q: [num_tokens, num_q_heads, head_dim]
@@ -396,8 +427,10 @@ def paged_attention(
     head_dim_pad = max(16, next_pow2(head_dim))
     block_m, tile_n, num_warps, num_stages = _select_tiles(head_dim_pad, group, max_query_len,
                                                            q.dtype == torch.float32, kv_scaled)
-    block_q = block_m // group
     decode_only = max_query_len <= 1
+    if decode_only and decode_tiles is not None:
+        tile_n, num_warps, num_stages = decode_tiles.tile_n, decode_tiles.num_warps, decode_tiles.num_stages
+    block_q = block_m // group
     # Not `sliding_window < max_seq_len`: that would flip as contexts grow and compile a new variant mid-run.
     use_window = sliding_window is not None
     if sliding_window is not None and sliding_window < 1:

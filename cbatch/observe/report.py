@@ -223,4 +223,8 @@ def summary_table(report: dict[str, Any]):
             line += f" ({hw['flops_utilization']:.1%} of {hw['peak_tflops']:.0f} TFLOP/s, " \
                     f"{hw['bandwidth_utilization']:.1%} of {hw['peak_gb_per_s']:.0f} GB/s peak on {hw['device_name']})"
         table.add_row("hardware (est.)", line)
+        if tuning := hw.get("kernel_tuning"):
+            how = "cached" if tuning["cached"] else f"tuned in {tuning['seconds']:.1f} s"
+            table.add_row("kernels", f"decode attention {tuning['decode_attention']} ({how}; "
+                                     f"default {tuning['policy_default']})")
     return table

@@ -106,4 +106,5 @@ def engine_hardware(engine, samples: list[StepSample], forward_seconds: float) -
     weight_bytes = sum(p.numel() * p.element_size() for p in params) / max(1, sum(p.numel() for p in params))
     estimate = hardware_estimate(engine.spec, dtype_bytes, samples, forward_seconds, name, dtype_bytes == 2,
                                  weight_bytes=weight_bytes or dtype_bytes)
-    return {**estimate, "memory": engine.runner.memory()}  # per rank under tensor parallelism
+    tuning = {"kernel_tuning": engine.kernel_tuning} if getattr(engine, "kernel_tuning", None) else {}
+    return {**estimate, "memory": engine.runner.memory(), **tuning}  # per rank under tensor parallelism

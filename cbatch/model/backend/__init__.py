@@ -28,6 +28,7 @@ class Backend(Protocol):
     name: str
     supports_cuda_graphs: bool
     groups_decodes: bool  # attends neighbouring decode rows together: the runner orders them by context length
+    supports_tuning: bool  # has `tune(shape: kernels.tuning.DecodeShape, device) -> TuningResult` (start-up tuning)
 
     def prepare(self, meta: AttentionMetadata) -> None: ...
     def attention(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,

@@ -33,6 +33,7 @@ class TorchBackend:
 
     name = "torch"
     supports_cuda_graphs = False  # `prepare` builds per-step host state that a graph cannot capture
+    supports_tuning = False  # nothing to tune at start-up (no `tune`)
     groups_decodes = True  # decode rows in groups of similar context: slices of the batch when it is so ordered
 
     def prepare(self, meta: AttentionMetadata) -> None:

@@ -19,6 +19,19 @@ class TritonBackend:
     name = "triton"
     supports_cuda_graphs = True  # no per-step host state: every layer reads the metadata's tensors
     groups_decodes = False  # one program per (row, head group): any row order
+    supports_tuning = True  # `tune`: decode attention's tiles timed on the device at start-up
+
+    def __init__(self) -> None:
+        self.decode_tiles = None  # DecodeTiles once `tune` ran; None: the kernel's own policy
+
+    def tune(self, shape, device: torch.device):
+        """Times decode attention's candidate tiles on `shape` (a `kernels.tuning.DecodeShape`) on `device` and
+        keeps the fastest for every later launch; returns the `TuningResult`. Before any CUDA graph is captured."""
+        from cbatch.kernels.tuning import tune_decode_attention
+
+        result = tune_decode_attention(shape, device)
+        self.decode_tiles = result.tiles
+        return result
 
     def prepare(self, meta: AttentionMetadata) -> None:
         pass
@@ -37,7 +50,7 @@ class TritonBackend:
             q, kv.k, kv.v, out,
             meta.query_start_loc, meta.seq_lens, meta.block_table,
             layer.scale, meta.max_query_len, meta.max_seq_len, sliding_window=layer.sliding_window,
-            softcap=layer.softcap, k_scale=kv.k_scale, v_scale=kv.v_scale,
+            softcap=layer.softcap, k_scale=kv.k_scale, v_scale=kv.v_scale, decode_tiles=self.decode_tiles,
         )
 
     def _prologue(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,

@@ -1,0 +1,190 @@
+"""Decode attention's tiles, picked on the device the engine runs on, at start-up.
+
+A developer's machine has no GPU, so the tile sizes, warps and pipeline stages of the decode attention kernel
+(its one hot loop: ~78% of a decode step's GPU time on an H200) cannot be tuned where the code is written. The
+engine times each of a few candidates (`paged_attention.decode_tile_candidates`, every one of them checked
+against the torch reference in the tests) on its own shapes, before its CUDA graphs are captured, and keeps
+the fastest. Bounded: each candidate is a kernel variant to compile (~1 s) and candidates stop after 6 s; the
+choice is cached per device, stack and shape in
+`$XDG_CACHE_HOME/cbatch/kernel_tuning.json` (default `~/.cache/...`), so a second start pays nothing.
+
+The timing runs on synthetic data of one layer's size (random queries, keys and values, a shuffled block
+table): decode attention's time depends on the shapes, not the values.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import triton
+
+from .paged_attention import DecodeTiles, decode_tile_candidates, paged_attention
+
+MAX_SYNTHETIC_BYTES = 1 << 30  # the timed K/V of one layer; the context is shortened to fit
+AGREEMENT = 1e-2  # a candidate whose output differs from the first's by more (relative) is refused
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """What decode attention's time depends on: the model's attention shape and the step's size."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    batch: int  # decoding sequences
+    context: int  # keys per sequence
+
+    def key(self, device_name: str) -> str:
+        return (f"{device_name} | torch {torch.__version__} | triton {triton.__version__} | "
+                f"q {self.num_q_heads} kv {self.num_kv_heads} x {self.head_dim}, block {self.block_size}, "
+                f"{str(self.q_dtype).removeprefix('torch.')} / {str(self.kv_dtype).removeprefix('torch.')} KV, "
+                f"batch {self.batch} x context {self.context}")
+
+
+@dataclass
+class TuningResult:
+    tiles: DecodeTiles  # the choice
+    default: DecodeTiles  # what the kernel's own policy would have used
+    times_us: dict[str, float] = field(default_factory=dict)  # per candidate timed ("cached": from the file)
+    seconds: float = 0.0  # spent tuning (0 when cached)
+    cached: bool = False
+    shape: str = ""
+
+    def describe(self) -> dict:
+        return {"decode_attention": str(self.tiles), "policy_default": str(self.default), "cached": self.cached,
+                "seconds": round(self.seconds, 2), "times_us": self.times_us, "shape": self.shape}
+
+
+def default_cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "cbatch" / "kernel_tuning.json"
+
+
+def tune_decode_attention(shape: DecodeShape, device: torch.device, *, cache_path: Path | None = None,
+                          budget_s: float = 6.0,
+                          time_us: Callable[[DecodeTiles, Callable[[], None]], float] | None = None) -> TuningResult:
+    """The fastest decode tiles for `shape` on `device` (from the cache file when it has this key).
+
+    `time_us(tiles, fn)` times one call of fn (tiles' launch) in microseconds (default: CUDA events, the median
+    of several). Every
+    candidate's output is compared with the first's before it may win. Candidates after `budget_s` seconds
+    are skipped (the first is always timed)."""
+    kv_scaled = shape.kv_dtype.itemsize == 1
+    candidates = decode_tile_candidates(shape.head_dim, kv_scaled)
+    default = candidates[0]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    key = shape.key(name)
+    cache_path = cache_path or default_cache_path()
+    cached = _read_cache(cache_path).get(key)
+    if cached is not None:
+        tiles = DecodeTiles(**cached["tiles"])
+        if tiles in candidates:
+            return TuningResult(tiles, default, cached.get("times_us", {}), 0.0, True, key)
+    start = time.perf_counter()
+    time_us = time_us or _cuda_time_us
+    call, check = _synthetic_launch(shape, device)
+    reference = None
+    times: dict[str, float] = {}
+    for tiles in candidates:
+        if times and time.perf_counter() - start > budget_s:
+            break
+        out = check(tiles)
+        if reference is None:
+            reference = out
+        elif not _agrees(out, reference):
+            continue  # never chosen; the tests hold every candidate to the reference, this guards the device
+        times[str(tiles)] = time_us(tiles, lambda tiles=tiles: call(tiles))
+    best = min((t for t in candidates if str(t) in times), key=lambda t: times[str(t)])
+    result = TuningResult(best, default, times, time.perf_counter() - start, False, key)
+    _write_cache(cache_path, key, {"tiles": asdict(best), "times_us": times})
+    return result
+
+
+def _synthetic_launch(shape: DecodeShape, device: torch.device):
+    """(call(tiles) -> None, check(tiles) -> output) over one random decode batch of `shape` on `device`."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    elem = shape.kv_dtype.itemsize
+    per_key = 2 * shape.num_kv_heads * shape.head_dim * elem  # K and V
+    context = max(1, min(shape.context, MAX_SYNTHETIC_BYTES // max(1, shape.batch * per_key)))
+    blocks_per_seq = -(-context // shape.block_size)
+    num_blocks = shape.batch * blocks_per_seq
+    cache_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    k = torch.randn(cache_shape, generator=gen).to(device, shape.kv_dtype)
+    v = torch.randn(cache_shape, generator=gen).to(device, shape.kv_dtype)
+    scales = torch.full((shape.num_kv_heads,), 0.5, device=device) if elem == 1 else None  # fp8: dequantised
+    q = torch.randn(shape.batch, shape.num_q_heads, shape.head_dim, generator=gen).to(device, shape.q_dtype)
+    out = torch.empty_like(q)
+    block_table = torch.randperm(num_blocks, generator=gen).view(shape.batch, blocks_per_seq).to(device, torch.int32)
+    seq_lens = torch.full((shape.batch,), context, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(shape.batch + 1, dtype=torch.int32, device=device)
+    scale = shape.head_dim ** -0.5
+
+    def call(tiles: DecodeTiles) -> None:
+        paged_attention(q, k, v, out, query_start_loc, seq_lens, block_table, scale, 1, context,
+                        k_scale=scales, v_scale=scales, decode_tiles=tiles)
+
+    def check(tiles: DecodeTiles) -> torch.Tensor:
+        out.fill_(float("nan"))
+        call(tiles)
+        return out.float().clone()
+
+    return call, check
+
+
+def _agrees(out: torch.Tensor, reference: torch.Tensor) -> bool:
+    if not torch.isfinite(out).all():
+        return False
+    return ((out - reference).norm() / reference.norm().clamp_min(1e-12)).item() < AGREEMENT
+
+
+def _cuda_time_us(tiles: DecodeTiles, fn: Callable[[], None], repeats: int = 7, inner: int = 3) -> float:
+    """Median microseconds per call, CUDA events around `inner` calls (the first call compiled already)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / inner)
+    return statistics.median(times)
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, unreadable or damaged: tune again and rewrite it
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: Path, key: str, entry: dict) -> None:
+    """Adds `key` to the cache file (whole: temp file + rename). A cache that cannot be written (read-only home,
+    full disk) only means tuning again next time."""
+    data = _read_cache(path)
+    data[key] = entry
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(data, f, indent=1)
+        os.replace(f.name, path)
+    except OSError:
+        with contextlib.suppress(OSError, NameError):
+            os.unlink(f.name)
+
+
+__all__ = ["DecodeShape", "TuningResult", "default_cache_path", "tune_decode_attention"]

@@ -1,0 +1,125 @@
+"""Start-up tuning of decode attention (cbatch/kernels/tuning.py): every candidate computes the reference's
+attention, the tuner keeps the fastest candidate that agrees with the first, and the choice is cached per
+device, stack and shape. Timing is injected (a table of made-up times), so nothing here depends on a clock."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import cbatch.kernels.tuning as tuning  # noqa: E402
+from cbatch.kernels.paged_attention import DecodeTiles, decode_tile_candidates  # noqa: E402
+from cbatch.kernels import paged_attention  # noqa: E402
+from helpers import kernel_device  # noqa: E402
+from test_kernels_attention import dequantize, make_batch, quantize, reference_attention, rel_err  # noqa: E402
+
+DEVICE = kernel_device()
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_every_candidate_matches_the_reference(head_dim, kv):
+    """Each candidate's decode launch (split or not) equals float64 attention on random inputs, NaN-poisoned out."""
+    spec = [(1, 70), (1, 1), (1, 141), (1, 33)]  # decode rows: (q_len, seq_len)
+    batch = make_batch(spec, 4, 2, head_dim, 16, torch.float32, seed=head_dim)
+    q = batch["q"].to(torch.bfloat16)
+    k, v, k_scale, v_scale = batch["k_cache"], batch["v_cache"], None, None
+    if kv == "fp8":
+        g = torch.Generator().manual_seed(7)
+        k_scale, v_scale = ((torch.rand(2, generator=g) + 0.25).to(DEVICE) for _ in range(2))
+        k, v = quantize(k, k_scale).to(DEVICE), quantize(v, v_scale).to(DEVICE)
+        ref_k, ref_v = dequantize(k, k_scale), dequantize(v, v_scale)
+    else:
+        k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+        ref_k, ref_v = k.float(), v.float()
+    ref = reference_attention(q, ref_k, ref_v, batch["query_start_loc"], batch["seq_lens"], batch["block_table"],
+                              head_dim ** -0.5)
+    candidates = decode_tile_candidates(head_dim, kv == "fp8")
+    assert len(candidates) == len(set(candidates)) >= 4
+    if head_dim > 128:
+        assert max(c.tile_n for c in candidates) <= 64
+    for tiles in candidates:
+        for splits in (None, 3):
+            out = torch.full_like(q, float("nan"))
+            paged_attention(q, k, v, out, batch["query_start_loc"], batch["seq_lens"], batch["block_table"],
+                            head_dim ** -0.5, 1, 141, num_splits=splits, k_scale=k_scale, v_scale=v_scale,
+                            decode_tiles=tiles)
+            assert torch.isfinite(out).all(), f"{tiles}, splits {splits}: rows left unwritten"
+            assert rel_err(out, ref) < 1e-2, f"{tiles}, splits {splits}"
+
+
+SHAPE = tuning.DecodeShape(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, q_dtype=torch.bfloat16,
+                           kv_dtype=torch.bfloat16, batch=3, context=40)
+
+
+class FakeTimes:
+    """time_us: a made-up time per candidate (the last candidate fastest), counting the calls."""
+
+    def __init__(self, candidates: list[DecodeTiles]) -> None:
+        self.times = {c: 100.0 - i for i, c in enumerate(candidates)}
+        self.calls: list[DecodeTiles] = []
+
+    def __call__(self, tiles: DecodeTiles, fn) -> float:
+        fn()
+        self.calls.append(tiles)
+        return self.times[tiles]
+
+
+def test_the_fastest_candidate_wins_and_is_cached(tmp_path):
+    cache = tmp_path / "tuning.json"
+    candidates = decode_tile_candidates(64, False)
+    timer = FakeTimes(candidates)
+    result = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=cache, time_us=timer)
+    assert timer.calls == candidates  # each timed once, in order
+    assert result.tiles == candidates[-1] and result.default == candidates[0] and not result.cached
+    assert json.loads(cache.read_text())[result.shape]["tiles"] == {"tile_n": result.tiles.tile_n,
+                                                                   "num_warps": result.tiles.num_warps,
+                                                                   "num_stages": result.tiles.num_stages}
+
+    def never(tiles, fn):
+        raise AssertionError("a cached shape is not timed again")
+
+    again = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=cache, time_us=never)
+    assert again.cached and again.tiles == result.tiles
+    other = tuning.tune_decode_attention(SHAPE.__class__(**{**SHAPE.__dict__, "batch": 2}), torch.device(DEVICE),
+                                         cache_path=cache, time_us=FakeTimes(candidates))
+    assert not other.cached  # another shape is another key
+    assert len(json.loads(cache.read_text())) == 2
+
+
+def test_a_damaged_cache_is_tuned_again_and_rewritten(tmp_path):
+    cache = tmp_path / "tuning.json"
+    cache.write_text("{not json")
+    candidates = decode_tile_candidates(64, False)
+    result = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=cache, time_us=FakeTimes(candidates))
+    assert not result.cached and result.shape in json.loads(cache.read_text())
+
+
+def test_the_budget_stops_after_the_first_candidate(tmp_path):
+    candidates = decode_tile_candidates(64, False)
+    timer = FakeTimes(candidates)
+    result = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "t.json", budget_s=0.0,
+                                          time_us=timer)
+    assert timer.calls == candidates[:1] and result.tiles == candidates[0]
+
+
+def test_a_candidate_that_disagrees_never_wins(tmp_path, monkeypatch):
+    """The fastest candidate computes something else (here: made to): the tuner refuses it."""
+    candidates = decode_tile_candidates(64, False)
+    broken = candidates[-1]
+    real = tuning.paged_attention
+
+    def paged_attention_broken_for_one(*args, decode_tiles=None, **kwargs):
+        out = real(*args, decode_tiles=decode_tiles, **kwargs)
+        if decode_tiles == broken:
+            out.mul_(-1.0)
+        return out
+
+    monkeypatch.setattr(tuning, "paged_attention", paged_attention_broken_for_one)
+    timer = FakeTimes(candidates)
+    result = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "t.json", time_us=timer)
+    assert broken not in timer.calls and result.tiles == candidates[-2]
