@@ -13,6 +13,7 @@ import torch
 from cbatch.config import ConfigError, EngineConfig, SamplingParams
 from cbatch.engine.build import build_engine, load_rank_model, resolve_model
 from cbatch.engine.engine import run_to_completion
+from cbatch.model.llama import LlamaForCausalLM
 from cbatch.parallel.comm import Communicator
 from cbatch.parallel.group import Peers
 from cbatch.parallel.shard import check_tensor_parallel
@@ -59,26 +60,41 @@ class _Rank(Communicator):
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3-rope-tied", "qwen3_moe"])
-def test_each_rank_holds_half_the_weights_and_kv(arch, tiny_checkpoints, family_checkpoint):
+def test_each_rank_holds_half_the_weights_and_kv(arch, tiny_checkpoints, family_checkpoint, monkeypatch):
     """Every sharded matrix is half per rank and the two halves add up to the whole; replicated parts (norms,
-    the router, a single KV head) are whole on each rank; so is the KV pool's share of heads."""
+    the router) are whole on each rank. A model with fewer KV heads than ranks (llama3-rope-tied: one) gives
+    each rank a copy of its KV head: its qkv rows are half the query rows plus the whole K and V rows, and the
+    KV pool's share is that one head.
+
+    The weights are compared before oneDNN prepacking: on a CPU where it applies (AVX-512), prepacking moves
+    each linear layer's weight out of `named_parameters()`, which once left only the norms and embeddings
+    here and hid a wrong expectation for the replicated KV head from CI (it failed on AVX2 machines only)."""
+    monkeypatch.setattr(LlamaForCausalLM, "prepack_for_cpu", lambda self: None)
     path = tiny_checkpoints[arch] if arch in ARCHS else family_checkpoint(arch)
     config = EngineConfig(model=str(path), device="cpu")
     resolved = resolve_model(config)
+    spec = resolved.spec
     cpu = torch.device("cpu")
     full = dict(load_rank_model(config, resolved, _Rank(0, 1), cpu).named_parameters())
     ranks = [load_rank_model(config, resolved, _Rank(r, 2), cpu) for r in range(2)]
     shares = [dict(m.named_parameters()) for m in ranks]
     replicated = {name for name, p in full.items() if p.shape == shares[0][name].shape}
     assert all("norm" in n or n.endswith(".gate.weight") or n.endswith("bias") for n in replicated), replicated
-    assert len(replicated) < len(full)
+    assert any(n.endswith("qkv_proj.weight") for n in full) and not any(n.endswith("proj.weight") for n in replicated)
+    kv_rows = 2 * spec.num_kv_heads * spec.head_dim  # K and V rows of qkv_proj
+    kv_replicated = spec.num_kv_heads < 2
     for name, param in full.items():
-        if name not in replicated:
-            assert shares[0][name].numel() + shares[1][name].numel() == param.numel(), name
-    sharded_bytes = sum(p.numel() for n, p in full.items() if n not in replicated)
-    for share in shares:
-        assert sum(p.numel() for n, p in share.items() if n not in replicated) * 2 == sharded_bytes
-    spec = resolved.spec
+        if name in replicated:
+            continue
+        halves = [share[name] for share in shares]
+        if kv_replicated and name.endswith("qkv_proj.weight"):
+            q_rows = param.shape[0] - kv_rows
+            for rank, half in enumerate(halves):
+                assert half.shape == (q_rows // 2 + kv_rows, param.shape[1]), name
+                assert torch.equal(half[q_rows // 2:], param[q_rows:]), f"{name}: rank {rank}'s K/V rows"
+            assert torch.equal(torch.cat([h[: q_rows // 2] for h in halves]), param[:q_rows]), name
+        else:
+            assert halves[0].numel() == halves[1].numel() == param.numel() // 2, name
     for rank in ranks:
         expected_kv_heads = spec.num_kv_heads // 2 if spec.num_kv_heads >= 2 else 1
         assert rank.spec.num_kv_heads == expected_kv_heads and rank.spec.num_heads * 2 == spec.num_heads
