@@ -83,6 +83,16 @@ class CostModel:
         return cls(float(coef[0]), float(coef[1]), float(coef[2]), unit="s", per_decode_token=float(coef[3]))
 
 
+@dataclass(frozen=True, slots=True)
+class Done:
+    """A simulated step's tokens, known when it is launched."""
+
+    output: StepOutput
+
+    def result(self) -> StepOutput:
+        return self.output
+
+
 class SimulatedRunner:
     """The engine's runner in a simulation: every sampling sequence "samples" token 0, and the clock
     advances by the cost model's price of the step (an idle step, waiting for arrivals, costs `per_step`)."""
@@ -97,6 +107,11 @@ class SimulatedRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         self.forward_seconds += self.cost.step_cost(plan.info)
         return StepOutput(_ZERO_TOKENS)
+
+    def launch(self, plan: StepPlan) -> "Done":
+        """Asynchronous scheduling's half of a step: the simulated step is priced and "sampled" at once (its
+        tokens depend only on what the plan holds when it is launched, as on a device)."""
+        return Done(self.execute(plan))
 
     def idle(self) -> None:
         self.forward_seconds += self.cost.step_cost(StepInfo())

@@ -28,12 +28,20 @@ from cbatch.engine.structured import ConstraintError, Grammars
 from cbatch.model.spec import ModelSpec
 
 
+class PendingResult(Protocol):
+    """A launched step (`Runner.launch`): `result()` waits for it and returns its tokens."""
+
+    def result(self) -> StepOutput: ...
+
+
 class Runner(Protocol):
-    """What the engine steps: a model, or the simulator's cost model."""
+    """What the engine steps: a model, or the simulator's cost model. Every runner satisfies all of it
+    (tests/test_runner_protocol.py): the engine calls `launch` when it schedules ahead, `execute` otherwise."""
 
     forward_seconds: float  # time inside the model call (or the simulated clock), for the report
 
-    def execute(self, plan: StepPlan) -> StepOutput: ...
+    def execute(self, plan: StepPlan) -> StepOutput: ...  # launch(plan).result()
+    def launch(self, plan: StepPlan) -> PendingResult: ...  # starts the step; its tokens when `result()` is called
     def idle(self) -> None: ...  # a step with nothing to run (waiting for arrivals)
     def close(self) -> None: ...  # frees what outlives the engine's objects (tensor-parallel worker processes)
     def reset(self) -> None: ...
@@ -221,6 +229,7 @@ class Engine:
     def _idle(self) -> list[Sequence]:
         if self.scheduler.has_work():
             raise RuntimeError("scheduler made no progress with work pending (a bug: please report it)")
+        self.scheduler.count_idle()
         self.scheduler.last_step = StepInfo()
         self.runner.idle()
         return []
@@ -322,4 +331,4 @@ def _progress_bar(total: int, what: str):
     return tqdm(total=total, desc=f"cbatch: {what}", unit="req", dynamic_ncols=True)
 
 
-__all__ = ["Engine", "KVPool", "LLM", "RequestOutput", "Runner", "make_scheduler", "run_to_completion"]
+__all__ = ["Engine", "KVPool", "LLM", "PendingResult", "RequestOutput", "Runner", "make_scheduler", "run_to_completion"]

@@ -269,8 +269,8 @@ class Scheduler:
         else:
             budget = self._admit(plan, budget)
 
-        self._count(plan)
         if plan.scheduled:  # NOTE: an empty plan never reaches the runner: its news waits for the next one
+            self._count(plan)  # (an idle step is counted by `count_idle`, when the engine idles)
             plan.finished, self._left = self._left, []
             # a child that finished at its first token needs no copy (its block was freed)
             plan.copies = [(src, dst) for child, src, dst in self._fork_copies if not child.is_finished]
@@ -414,8 +414,11 @@ class Scheduler:
 
     def _has_slots(self, seq: Sequence) -> bool:
         """Batch slots for `seq` and the samples it will fork. NOTE: a row with more samples than
-        max_num_seqs starts alone: the children without a slot wait and are recomputed."""
-        used = len(self.running) + self._reserved_slots
+        max_num_seqs starts alone: the children without a slot wait and are recomputed.
+        A sequence a placeholder took to its limit holds no slot: it is never scheduled again and leaves when the
+        step in flight resolves (asynchronous scheduling admits in its place one step sooner, as the synchronous
+        order does; the runner has rows for 2 x max_num_seqs)."""
+        used = len(self.running) - len(self._at_limit) + self._reserved_slots
         return used + 1 + seq.pending_children <= self.max_num_seqs or (used == 0 and not self.running)
 
     def _try_start(self, seq: Sequence, budget: int, plan: StepPlan) -> str | None:
@@ -529,6 +532,11 @@ class Scheduler:
         return self.pool.num_free - claimed
 
     # ---- bookkeeping ------------------------------------------------------------------------
+    def count_idle(self) -> None:
+        """A step with nothing to run (waiting for arrivals): counted like any step. An empty schedule while a
+        step is in flight (asynchronous scheduling: its rows are at their limits) is no step: it only waits."""
+        self._count(StepPlan(scheduled=[]))
+
     def _count(self, plan: StepPlan) -> None:
         plan.info = StepInfo.of(plan.scheduled)
         stats = self.stats
