@@ -14,7 +14,8 @@ from cbatch.engine.build import build_engine
 from cbatch.engine.engine import Engine, run_to_completion
 from cbatch.engine.kv_blocks import BlockPool
 from cbatch.engine.policy import get_policy
-from cbatch.engine.scheduler import Scheduler, StepPlan
+from cbatch.engine.scheduler import Scheduler
+from cbatch.engine.step import StepPlan
 from cbatch.engine.sequence import Sequence
 
 

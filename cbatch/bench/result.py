@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbatch.engine.scheduler import SchedulerStats
+from cbatch.engine.stats import SchedulerStats
 from cbatch.observe.metrics import JobMetrics
 
 

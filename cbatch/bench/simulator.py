@@ -19,7 +19,7 @@ from cbatch.bench.workload import BenchRequest
 from cbatch.config import EngineConfig, UserError
 from cbatch.engine.engine import Engine, KVPool
 from cbatch.engine.memory import blocks_for_every_slot, with_step_limits
-from cbatch.engine.scheduler import StepInfo, StepOutput, StepPlan
+from cbatch.engine.step import StepInfo, StepOutput, StepPlan
 from cbatch.model.spec import ModelSpec
 
 

@@ -21,7 +21,8 @@ import torch
 from cbatch.config import Constraint, EngineConfig, SamplingParams
 from cbatch.engine.kv_blocks import BlockPool
 from cbatch.engine.logprobs import Logprobs
-from cbatch.engine.scheduler import Scheduler, StepInfo, StepOutput, StepPlan
+from cbatch.engine.scheduler import Scheduler
+from cbatch.engine.step import StepInfo, StepOutput, StepPlan
 from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
 from cbatch.engine.stop import StopChecker, find_stop
 from cbatch.engine.structured import ConstraintError, Grammars

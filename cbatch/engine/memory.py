@@ -140,7 +140,7 @@ def profile_activation_peak(make_runner, config: EngineConfig, max_model_len: in
     `make_runner(config, num_blocks)` builds a throw-away runner with a small KV pool for the dummy step.
     """
     from cbatch.engine.kv_blocks import BlockPool
-    from cbatch.engine.scheduler import StepPlan
+    from cbatch.engine.step import StepPlan
     from cbatch.engine.sequence import Sequence
 
     lengths = dummy_step_lengths(config.max_num_batched_tokens, config.max_num_seqs, max_model_len - 1)

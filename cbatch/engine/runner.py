@@ -20,7 +20,7 @@ from cbatch.engine.fast_sampling import fused_covers, sample_batch
 from cbatch.engine.logprobs import prompt_logprobs
 from cbatch.engine.sampler import SamplingBatch
 from cbatch.engine.sampling_inputs import SamplingInputs
-from cbatch.engine.scheduler import StepLogprobs, StepOutput, StepPlan
+from cbatch.engine.step import StepLogprobs, StepOutput, StepPlan
 from cbatch.engine.staging import HostStaging, host_values
 from cbatch.engine.structured import TokenMasks
 from cbatch.engine.sequence import PLACEHOLDER, Sequence

@@ -25,137 +25,15 @@ a plan says (`preempted`, and `finished`: the sequences that left in the previou
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
-
 from typing import Mapping
 
 from cbatch.config import SamplingParams, distinct_params
-from cbatch.engine.logprobs import Logprobs
+from cbatch.engine.finish import at_length_limit, finish_reason
 from cbatch.engine.kv_blocks import BlockPool, cache_computed_blocks, first_missing_hash, hashes_completed, prefix_hits
 from cbatch.engine.policy import AdmissionPolicy, PreemptionPolicy, PriorityOrder
 from cbatch.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
-
-# Why waiting work was not admitted in a step (one reason per step, counted in SchedulerStats).
-STALL_REASONS = (
-    "no_free_blocks", "token_budget", "max_num_seqs", "reserved", "after_preemption", "static_group", "prefix_pending",
-)
-
-
-@dataclass(slots=True)
-class StepInfo:
-    """What one step did, for per-step metrics and the simulator's cost model."""
-
-    scheduled_tokens: int = 0
-    prefill_tokens: int = 0  # tokens of chunks longer than one (prompt and recompute work)
-    context_tokens: int = 0  # sum over scheduled sequences of their context after the step (KV read)
-    attention_pairs: int = 0  # (query token, key token) pairs attended this step (attention FLOPs)
-    sampled_tokens: int = 0  # new tokens that count as output (static padding excluded); set by `update`
-    prompt_tokens: int = 0  # tokens of prompts computed (recomputes included, prefix-cache hits not)
-
-    @classmethod
-    def of(cls, scheduled: list[tuple[Sequence, int]]) -> "StepInfo":
-        """The work of a plan's `scheduled` list, before the step runs. (Sums over columns: it runs every step.)"""
-        computed = [seq.num_computed for seq, _ in scheduled]
-        new = [num_new for _, num_new in scheduled]
-        info = cls(scheduled_tokens=sum(new), prefill_tokens=sum(n for n in new if n > 1))
-        info.context_tokens = sum(computed) + info.scheduled_tokens
-        # query i of the chunk (0-based) sees context - num_new + i + 1 keys (causal): num_new * computed +
-        # num_new * (num_new + 1) / 2 pairs in all, computed + 1 for a decode
-        if info.scheduled_tokens == len(new) and not info.prefill_tokens:  # decodes only
-            info.attention_pairs = info.context_tokens
-        else:
-            info.attention_pairs = sum(n * c + n * (n + 1) // 2 for c, n in zip(computed, new))
-        info.prompt_tokens = sum(min(c + n, seq.prompt_len) - c
-                                 for (seq, n), c in zip(scheduled, computed) if c < seq.prompt_len)
-        return info
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """What one model step computes."""
-
-    scheduled: list[tuple[Sequence, int]]  # (sequence, tokens to compute this step), decodes first
-    preempted: list[Sequence] = field(default_factory=list)
-    finished: list[Sequence] = field(default_factory=list)  # left the batch in the previous update
-    info: StepInfo = field(default_factory=StepInfo)  # the step's work (filled when the plan is complete)
-    # NOTE: the runner copies swap_out before swap_in, both before the model call. A device block in
-    # swap_out may be handed to another sequence in this very step (it is copied out first); a host
-    # slot read by swap_in is reused only from the next step on.
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    # NOTE: copied first, before swap_out: the last step forked samples, each child gets its own copy of
-    # the parent's partial last block (copy-on-write: full blocks are shared, never written)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (source block, destination block)
-    step: int = 0  # its number (1-based), for the first-token and finish steps of the sequences it resolves
-    # per row, set by `Scheduler.account`: True where accounting was only "computed + 1, placeholder appended"
-    # (`_quiet_decodes`); `resolve` takes its bulk rows among these (None before `account`: none)
-    accounted_quiet: list[bool] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    def __bool__(self) -> bool:
-        return bool(self.scheduled)
-
-
-@dataclass(slots=True)
-class StepLogprobs:
-    """The log-probabilities a step computed, for the sequences that ask (cbatch/engine/logprobs.py)."""
-
-    sampled: dict[int, Logprobs] = field(default_factory=dict)  # seq_id -> its new token's (one position)
-    prompt: dict[int, Logprobs] = field(default_factory=dict)  # seq_id -> the prompt positions of its chunk
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What a runner returns for a step."""
-
-    tokens: Mapping[int, int]  # seq_id -> sampled token, for every sequence whose chunk reached its end
-    logprobs: StepLogprobs | None = None  # None: no sequence asked
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Counters the report and the dashboard read; updated once per step, never per token."""
-
-    steps: int = 0
-    scheduled_tokens: int = 0
-    preemptions: int = 0
-    recomputed_tokens: int = 0  # computed tokens dropped by recompute preemptions (the cache may give some back)
-    computed_prompt_tokens: int = 0  # prompt tokens run through the model (a row's n samples share one prompt)
-    forked_samples: int = 0  # samples that started on their parent's prompt KV (n > 1)
-    padding_tokens: int = 0  # static batching: tokens computed for members that already finished
-    occupancy_sum: float = 0.0  # sum over steps of running / max_num_seqs
-    kv_usage_sum: float = 0.0  # sum over steps of used / total blocks
-    peak_kv_blocks: int = 0
-    # prefix cache
-    prefix_cache_queries: int = 0  # sequences that looked up the cache when starting
-    prefix_cache_query_tokens: int = 0  # their tokens
-    prefix_cache_hit_tokens: int = 0  # of those, tokens found cached (not computed)
-    # swap preemption
-    swap_preemptions: int = 0
-    swapped_out_blocks: int = 0
-    swapped_in_blocks: int = 0
-    # admission stalls: steps in which waiting work was left waiting, by reason
-    stalled_no_free_blocks: int = 0
-    stalled_token_budget: int = 0
-    stalled_max_num_seqs: int = 0
-    stalled_reserved: int = 0  # reserve admission: the prompt fit, prompt + max_tokens did not
-    stalled_after_preemption: int = 0
-    stalled_static_group: int = 0
-    stalled_prefix_pending: int = 0  # the head shares a prefix block another sequence computes this step
-    # queue wait (steps from arrival to first scheduling) per priority class
-    wait_steps_by_priority: dict[int, list[int]] = field(default_factory=dict)
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hit_tokens / max(self.prefix_cache_query_tokens, 1)
-
-    @property
-    def admission_stalls(self) -> dict[str, int]:
-        return {reason: getattr(self, f"stalled_{reason}") for reason in STALL_REASONS}
-
+from cbatch.engine.stats import SchedulerStats
+from cbatch.engine.step import StepInfo, StepLogprobs, StepOutput, StepPlan
 
 class Scheduler:
     def __init__(
@@ -607,11 +485,8 @@ class Scheduler:
         seq.output_ids.append(PLACEHOLDER)
         if seq.first_token_step is None:
             seq.first_token_step = step
-        if seq.num_result_tokens is None and self._at_length_limit(seq):
+        if seq.num_result_tokens is None and at_length_limit(seq, self.max_model_len):
             self._at_limit.add(seq.seq_id)
-
-    def _at_length_limit(self, seq: Sequence) -> bool:
-        return len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
 
     def resolve(self, plan: StepPlan, sampled: Mapping[int, int], logprobs: StepLogprobs | None = None) -> list[Sequence]:
         """A step's sampled tokens replace its placeholders; returns the sequences that left the batch finished
@@ -649,7 +524,7 @@ class Scheduler:
         engine's asynchronous order never preempts in between), those still running with no log-probabilities
         (of either kind), stop strings or grammar, not a static group's (a finishing member can release the
         others mid-step), and whose token cannot stop them (`_stop_tokens`).
-        NOTE: this and `_quiet_decodes` are `resolve`'s and `_append`'s (`_finish_reason`'s) every other
+        NOTE: this and `_quiet_decodes` are `resolve`'s and `_append`'s (`finish.finish_reason`'s) every other
         branch, negated: keep them in step. (One pass of inlined tests: it runs every step over every row.)"""
         quiet = plan.accounted_quiet
         if self.policy.group or quiet is None:
@@ -702,7 +577,7 @@ class Scheduler:
         if seq.num_result_tokens is not None:
             return []  # static batching: a finished member computing padding
         info.sampled_tokens += 1
-        reason = self._finish_reason(seq, token)
+        reason = finish_reason(seq, token, self.max_model_len)
         return self.finish(seq, reason) if reason is not None else []
 
     def _fork(self, parent: Sequence, sampled: Mapping[int, int], logprobs: StepLogprobs | None,
@@ -745,26 +620,6 @@ class Scheduler:
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
         self.stats.forked_samples += 1
-
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        """A stop string (checked incrementally on the new text), a complete grammar, EOS unless ignored, a stop
-        token, max_tokens or the model's context. Before min_tokens, only the last two (vLLM)."""
-        params = seq.params
-        may_stop = len(seq.output_ids) >= params.min_tokens
-        if seq.stop is not None and seq.stop.append(token, may_stop):
-            return FinishReason.STOP
-        if seq.grammar is not None:  # structured output: complete when the grammar took its stop token
-            try:
-                if seq.grammar.accept(token):
-                    return FinishReason.STOP
-            except RuntimeError as exc:
-                seq.error = str(exc)
-                return FinishReason.ERROR
-        if may_stop and ((token in seq.eos_ids and not params.ignore_eos) or token in params.stop_token_ids):
-            return FinishReason.STOP
-        if self._at_length_limit(seq):
-            return FinishReason.LENGTH
-        return None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> list[Sequence]:
         """Marks `seq` done; returns the sequences that now leave the batch (static groups leave together)."""

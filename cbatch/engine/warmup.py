@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine.kv_blocks import BlockPool
-from cbatch.engine.scheduler import StepPlan
+from cbatch.engine.step import StepPlan
 from cbatch.engine.sequence import Sequence
 
 # one row of each kind the sampler distinguishes: greedy, temperature (the kernel), top-k (the torch sampler)

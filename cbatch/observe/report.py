@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cbatch.engine.scheduler import SchedulerStats
+from cbatch.engine.stats import SchedulerStats
 from cbatch.observe.metrics import JobMetrics, StepSample
 
 

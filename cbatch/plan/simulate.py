@@ -20,7 +20,7 @@ from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine import memory
 from cbatch.engine.build import ResolvedModel
 from cbatch.engine.engine import Engine
-from cbatch.engine.scheduler import StepOutput, StepPlan
+from cbatch.engine.step import StepOutput, StepPlan
 from cbatch.engine.sequence import Sequence
 from cbatch.io.reader import RawRow
 from cbatch.io.rows import SAMPLING_FIELDS

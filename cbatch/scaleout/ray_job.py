@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
-from cbatch.engine.scheduler import SchedulerStats
+from cbatch.engine.stats import SchedulerStats
 from cbatch.io.reader import RawRow
 from cbatch.io.state import JobState
 from cbatch.observe.display import make_display

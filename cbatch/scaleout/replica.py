@@ -18,7 +18,7 @@ from typing import Any, Callable
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine.build import build_engine
 from cbatch.engine.engine import Engine
-from cbatch.engine.scheduler import SchedulerStats
+from cbatch.engine.stats import SchedulerStats
 from cbatch.io.reader import RawRow
 from cbatch.observe.metrics import EngineSnapshot, JobMetrics
 from cbatch.run.driver import count
