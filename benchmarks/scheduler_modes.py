@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from cbatch.config import SamplingParams
 from cbatch.engine.kv_blocks import BlockPool
 from cbatch.engine.policy import PreemptionPolicy, PriorityOrder, get_policy
+from cbatch.engine.batching import ADMISSIONS
 from cbatch.engine.scheduler import Scheduler
 from cbatch.engine.sequence import FinishReason, Sequence
 
@@ -69,7 +70,7 @@ def simulate(mode: Mode, rows, kv_blocks: int, block_size: int, max_num_seqs: in
         get_policy("longest-first"), pool, max_num_seqs, budget, 8192,
         priority=PriorityOrder(mode.aging_steps),
         preemption=PreemptionPolicy(mode.preemption, mode.auto_swap_min_tokens),
-        reserve=mode.reserve, num_host_blocks=4 * kv_blocks,
+        admission=ADMISSIONS["reserve" if mode.reserve else "optimistic"](), num_host_blocks=4 * kv_blocks,
     )
     seqs = []
     for i, (prompt, output, priority) in enumerate(rows):

@@ -14,6 +14,7 @@ from cbatch.engine.build import build_engine
 from cbatch.engine.engine import Engine, run_to_completion
 from cbatch.engine.kv_blocks import BlockPool
 from cbatch.engine.policy import get_policy
+from cbatch.engine.batching import ADMISSIONS
 from cbatch.engine.scheduler import Scheduler
 from cbatch.engine.step import StepPlan
 from cbatch.engine.sequence import Sequence
@@ -58,10 +59,11 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams | 
 # ---- schedulers on fake requests (no model, no tensors) ---------------------------------------------
 def fake_scheduler(policy: str = "fcfs", blocks: int = 100, block_size: int = 4, max_seqs: int = 8, budget: int = 32,
                    max_len: int = 1000, caching: bool = False, **options) -> tuple[Scheduler, BlockPool]:
-    """A scheduler and its block pool; `options` are the scheduler's own (priority, preemption, reserve,
-    num_host_blocks)."""
+    """A scheduler and its block pool; `options` are the scheduler's own (priority, preemption, num_host_blocks)
+    and `reserve=True` for reserve admission."""
     pool = BlockPool(blocks, block_size, enable_caching=caching)
-    return Scheduler(get_policy(policy), pool, max_seqs, budget, max_len, **options), pool
+    admission = ADMISSIONS["reserve" if options.pop("reserve", False) else "optimistic"]()
+    return Scheduler(get_policy(policy), pool, max_seqs, budget, max_len, admission=admission, **options), pool
 
 
 def fake_seq(i: int, prompt: int | list[int], max_tokens: int = 8, priority: int = 0) -> Sequence:

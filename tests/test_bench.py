@@ -313,7 +313,7 @@ def test_a_bench_run_honours_every_engine_flag_its_report_names(tmp_path, monkey
     assert scheduler.policy.name == "fcfs" and scheduler.priority.aging_steps == 7
     assert scheduler.pool.enable_caching == wanted.enable_prefix_cache
     assert scheduler.pool.num_blocks == (12 if wanted.num_kv_blocks else run["utilization"]["kv_blocks_total"])
-    assert scheduler.preemption.mode == wanted.preemption and scheduler.reserve == (wanted.admission == "reserve")
+    assert scheduler.preemption.mode == wanted.preemption and scheduler.admission.name == wanted.admission
     if wanted.preemption == "recompute" or wanted.swap_space_gb == 0:
         assert scheduler.host.num_blocks == 0
     else:  # from --swap-space, below the cap of 4 pools' worth

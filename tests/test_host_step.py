@@ -1,7 +1,7 @@
 """The host step's bulk paths take only rows whose general per-row code would do exactly the same: with them
 switched off (every row through the general code) a workload gives the same plans, block ids, step inputs,
 sampling settings, tokens and counters. This is what keeps the bulk tests (`Scheduler._decodes_in_bulk`,
-`_quiet_decodes`, `_quiet_samples`, the runner's `_decode_tokens`) in step with the code they skip."""
+`quiet_rows.quiet_decodes` and `quiet_samples`, the runner's `_decode_tokens`) in step with the code they skip."""
 from __future__ import annotations
 
 import random
@@ -11,6 +11,7 @@ import pytest
 
 from cbatch.config import SamplingParams
 from cbatch.engine import runner as runner_module
+from cbatch.engine import scheduler as scheduler_module
 from cbatch.engine.engine import run_to_completion
 from cbatch.engine.scheduler import Scheduler
 from helpers import fake_scheduler, fake_seq, make_engine
@@ -18,8 +19,8 @@ from helpers import fake_scheduler, fake_seq, make_engine
 
 def _general_path_only(monkeypatch) -> None:
     monkeypatch.setattr(Scheduler, "_decodes_in_bulk", lambda self, decodes, budget: None)
-    monkeypatch.setattr(Scheduler, "_quiet_decodes", lambda self, plan: [False] * len(plan.scheduled))
-    monkeypatch.setattr(Scheduler, "_quiet_samples", lambda self, plan, sampled: [False] * len(plan.scheduled))
+    monkeypatch.setattr(scheduler_module, "quiet_decodes", lambda plan, max_len: [False] * len(plan.scheduled))
+    monkeypatch.setattr(scheduler_module, "quiet_samples", lambda plan, *args: [False] * len(plan.scheduled))
     monkeypatch.setattr(runner_module, "_decode_tokens", lambda rows: [None] * len(rows))
 
 

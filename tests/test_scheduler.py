@@ -73,7 +73,7 @@ def test_preemption_takes_the_newest_and_requeues_it_first():
     advance(sched, plan := sched.schedule())  # position 8 needs a third block each: c is preempted
     assert c.num_preemptions == 1 and c in plan.preempted and c.num_computed == 0
     assert all(s is not c for s, _ in plan.scheduled)
-    waiting_head = sched._peek_waiting()
+    waiting_head = sched.peek_waiting()
     assert waiting_head is c
     assert sched.stats.preemptions == 1
     assert sched.stats.recomputed_tokens == 8

@@ -266,13 +266,14 @@ class Engine:
 
 def make_scheduler(config: EngineConfig, kv: KVPool, max_model_len: int) -> Scheduler:
     """The one way a scheduler is built (engine, bench, simulator): every scheduling setting of `config`."""
+    from cbatch.engine.batching import ADMISSIONS
     from cbatch.engine.policy import PreemptionPolicy, PriorityOrder, get_policy
 
     pool = BlockPool(kv.num_blocks, config.block_size, enable_caching=config.enable_prefix_cache)
     return Scheduler(
         get_policy(config.policy), pool, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
         priority=PriorityOrder(config.priority_aging_steps), preemption=PreemptionPolicy(config.preemption),
-        reserve=config.admission == "reserve", num_host_blocks=kv.num_host_blocks,
+        admission=ADMISSIONS[config.admission](), num_host_blocks=kv.num_host_blocks,
     )
 
 

@@ -1,8 +1,8 @@
 """Scheduling policies: small objects the scheduler consults; none touches blocks, budgets or tensors.
 
-- `AdmissionPolicy`: which waiting request joins the batch next (`longest-first`, `fcfs`, `static`).
-  `group` policies (static batching) admit a whole group when the batch is empty and nothing else
-  until that group has finished.
+- `AdmissionPolicy`: which waiting request joins the batch next (`longest-first`, `fcfs`, `static`), and
+  how the batch is kept (`batching`): continuously, or in static groups admitted when the batch is empty
+  that run to their longest member (batching.py).
 - `PriorityOrder`: per-request priority classes with aging, the first part of every queue key.
 - `PreemptionPolicy`: what happens to a victim's KV: recompute later, or swap to host memory.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from cbatch.engine.batching import ContinuousBatching, StaticGroups
 from cbatch.engine.sequence import Sequence
 
 
@@ -18,7 +19,7 @@ from cbatch.engine.sequence import Sequence
 class AdmissionPolicy:
     name: str
     key: Callable[[Sequence], tuple]  # smaller key = admitted sooner
-    group: bool = False  # static batching: fixed groups that run to their longest member
+    batching: type[ContinuousBatching] = ContinuousBatching  # StaticGroups: fixed groups that run to their longest member
 
 
 def _longest_first(seq: Sequence) -> tuple:
@@ -34,7 +35,7 @@ def _arrival(seq: Sequence) -> tuple:
 POLICY_BY_NAME: dict[str, AdmissionPolicy] = {
     "longest-first": AdmissionPolicy("longest-first", _longest_first),
     "fcfs": AdmissionPolicy("fcfs", _arrival),
-    "static": AdmissionPolicy("static", _arrival, group=True),
+    "static": AdmissionPolicy("static", _arrival, batching=StaticGroups),
 }
 
 

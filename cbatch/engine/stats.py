@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cbatch.engine.step import StepInfo
+
 # Why waiting work was not admitted in a step (one reason per step, counted in SchedulerStats).
 STALL_REASONS = (
     "no_free_blocks", "token_budget", "max_num_seqs", "reserved", "after_preemption", "static_group", "prefix_pending",
@@ -41,6 +43,17 @@ class SchedulerStats:
     stalled_prefix_pending: int = 0  # the head shares a prefix block another sequence computes this step
     # queue wait (steps from arrival to first scheduling) per priority class
     wait_steps_by_priority: dict[int, list[int]] = field(default_factory=dict)
+
+    def count_step(self, info: StepInfo, padding_tokens: int, occupancy: float, used_blocks: int, num_blocks: int) -> int:
+        """One step's counters (`occupancy`: running / max_num_seqs); returns its number (1-based)."""
+        self.steps += 1
+        self.scheduled_tokens += info.scheduled_tokens
+        self.computed_prompt_tokens += info.prompt_tokens
+        self.padding_tokens += padding_tokens
+        self.occupancy_sum += occupancy
+        self.kv_usage_sum += used_blocks / num_blocks
+        self.peak_kv_blocks = max(self.peak_kv_blocks, used_blocks)
+        return self.steps
 
     @property
     def prefix_cache_hit_rate(self) -> float:
