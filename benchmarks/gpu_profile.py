@@ -156,7 +156,7 @@ def profiled_run(engine, workload, num_steps: int, below_batch: int, trace_path:
                  prefill_steps: int = 3) -> dict:
     """Greedy workload again; torch.profiler over its first `prefill_steps` steps (prompt chunks), then over
     `num_steps` decode-only steps once <= below_batch rows run."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     from cbatch.config import SamplingParams
 
@@ -165,18 +165,8 @@ def profiled_run(engine, workload, num_steps: int, below_batch: int, trace_path:
         engine.add_request(ids, SamplingParams(max_tokens=n, ignore_eos=True))
     cuda = engine.device is not None and engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    first: list[tuple[int, int, int]] = []  # the run's first steps: prefill chunks (8192-token mixed steps)
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        while engine.has_unfinished() and len(first) < prefill_steps:
-            engine.step()
-            info = engine.last_step
-            first.append((info.scheduled_tokens, info.prefill_tokens, info.context_tokens))
-        if cuda:
-            torch.cuda.synchronize()
-        host_s = time.perf_counter() - t0
+    prof, first, host_s = profile_steps(engine, prefill_steps, activities, cuda)  # prompt chunks (8192-token steps)
     prefill = summarize_trace(chrome_trace(prof), first, host_s, cuda)
-    window: list[tuple[int, int, int]] = []  # (tokens, prefill tokens, context tokens) of each profiled step
     while engine.has_unfinished():  # run up to the window: decode-only steps at <= below_batch rows
         engine.step()
         info = engine.last_step
@@ -184,15 +174,7 @@ def profiled_run(engine, workload, num_steps: int, below_batch: int, trace_path:
             break
     if not engine.has_unfinished():
         return {"error": f"no decode-only step at <= {below_batch} rows"}
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        while engine.has_unfinished() and len(window) < num_steps:
-            engine.step()
-            info = engine.last_step
-            window.append((info.scheduled_tokens, info.prefill_tokens, info.context_tokens))
-        if cuda:
-            torch.cuda.synchronize()
-        host_s = time.perf_counter() - t0
+    prof, window, host_s = profile_steps(engine, num_steps, activities, cuda)
     while engine.has_unfinished():
         engine.step()
     trace = chrome_trace(prof)
@@ -205,6 +187,23 @@ def profiled_run(engine, workload, num_steps: int, below_batch: int, trace_path:
         summary["floor_ms_per_step"] = statistics.mean(floor_of(c) for _, _, c in window) * 1e3
         summary["floor_kv_only_ms_per_step"] = summary["floor_ms_per_step"] - floor_of(0) * 1e3
     return summary
+
+
+def profile_steps(engine, count: int, activities, cuda: bool):
+    """(profiler, [(tokens, prefill tokens, context tokens)] per step, host seconds) over the next `count` steps."""
+    from torch.profiler import profile
+
+    steps: list[tuple[int, int, int]] = []
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        while engine.has_unfinished() and len(steps) < count:
+            engine.step()
+            info = engine.last_step
+            steps.append((info.scheduled_tokens, info.prefill_tokens, info.context_tokens))
+        if cuda:
+            torch.cuda.synchronize()
+        host_s = time.perf_counter() - t0
+    return prof, steps, host_s
 
 
 def chrome_trace(prof) -> dict:
