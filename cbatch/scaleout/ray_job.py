@@ -15,10 +15,13 @@ has no record for it yet, so a retried block never duplicates a row, and a re-ru
 """
 from __future__ import annotations
 
+import os
+
 import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable
 
 from cbatch.engine.stats import SchedulerStats
@@ -82,8 +85,9 @@ class ReplicaHandle:
     error: str | None = None
 
 
-def connect(ray, address: str | None) -> bool:
-    """Joins ADDRESS, or starts a local instance; True if this call started Ray (so it stops it too)."""
+def connect(ray, address: str | None, token_source: str | None = None) -> bool:
+    """Joins ADDRESS, or starts a local instance; True if this call started Ray (so it stops it too).
+    `token_source`: what `ray_auth_token` found (named in the error when the cluster refuses the join)."""
     if ray.is_initialized():
         return False
     quiet = dict(include_dashboard=False, logging_level="warning", log_to_driver=False)
@@ -94,9 +98,46 @@ def connect(ray, address: str | None) -> bool:
         try:
             ray.init(address=address, logging_level="warning", log_to_driver=False)
         except (ConnectionError, ValueError) as exc:
-            raise JobError(f"--ray {address}: cannot join that Ray cluster ({exc}); check the address "
-                           "(`ray status` on the head node shows it)") from None
+            raise JobError(f"--ray {address}: cannot join that Ray cluster ({exc}); {token_hint(token_source)}") from None
     return True
+
+
+RAY_TOKEN_FILE = Path("~/.ray/auth_token")  # Ray's default token path (docs.ray.io: ray-security/token-auth)
+LOOPBACK = ("127.", "localhost", "::1", "[::1]")
+
+
+def ray_auth_token(address: str | None) -> str | None:
+    """Where the token a join sends comes from (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, the default file: Ray's
+    order), or None when none is sent. Call before Ray is imported: it reads RAY_AUTH_MODE once.
+
+    Ray (>= 2.59) turns token authentication on for clusters started where a token exists, and a process
+    joining one sends the token only with RAY_AUTH_MODE=token. Ray sets that mode itself for a local cluster it
+    finds on its own (`ray.init()`), never for an address named explicitly (a token must not go to any host one
+    types). cbatch does the same for an address on this machine (loopback): with the mode unset and a token at
+    hand, it sets RAY_AUTH_MODE=token for this process. A remote cluster's token is sent when the user sets
+    RAY_AUTH_MODE=token (docs/ray.md)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        source = "RAY_AUTH_TOKEN"
+    elif path := os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        source = f"RAY_AUTH_TOKEN_PATH ({path})"
+    elif RAY_TOKEN_FILE.expanduser().is_file():
+        source = str(RAY_TOKEN_FILE)
+    else:
+        return None
+    if address is not None and "RAY_AUTH_MODE" not in os.environ and address.removeprefix("ray://").startswith(LOOPBACK):
+        os.environ["RAY_AUTH_MODE"] = "token"
+    return source if os.environ.get("RAY_AUTH_MODE") == "token" else None
+
+
+def token_hint(token_source: str | None) -> str:
+    """What to check when a cluster that answers on its port refuses to be joined: the token, then the address."""
+    address = "else check the address (`ray status` on the head node shows it)"
+    if token_source is not None:
+        return (f"the token from {token_source} was sent: if it is not the cluster's (`ray get-auth-token` on the "
+                f"head node prints that one), replace it; {address}")
+    return ("if the cluster uses Ray's token authentication (on where `ray start` finds a token, Ray >= 2.59), "
+            f"set RAY_AUTH_MODE=token with its token in {RAY_TOKEN_FILE}, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN "
+            f"(`ray get-auth-token` on the head node prints it); {address}")
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -379,8 +420,9 @@ def run_ray_job(options: JobOptions, ray_options: RayOptions, make_progress=None
     if prepared is None:
         return EXIT_OK
     options = replace(options, engine=prepared.config)
+    token_source = ray_auth_token(ray_options.address)  # NOTE: before Ray's import, which reads RAY_AUTH_MODE
     ray = require_ray()
-    started_ray = connect(ray, ray_options.address)
+    started_ray = connect(ray, ray_options.address, token_source)
     metrics = JobMetrics(total_rows=prepared.total_rows)
     executor = RayExecutor(options, ray_options, ray, metrics, on_block, prepared.state)
     try:
