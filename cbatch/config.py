@@ -151,6 +151,7 @@ class SamplingParams:
     logprobs: int | None = None  # k: each generated token's log-probability and the k most likely
     prompt_logprobs: int | None = None  # k: the same for the prompt's tokens
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra chat template variables
+    truncate_prompt_tokens: int | None = None  # k: a longer prompt runs on its last k tokens
     constraint: Constraint | None = None  # structured output: the completion must match it
 
     def problem(self) -> tuple[str, str] | None:
@@ -315,6 +316,9 @@ SAMPLING_FIELDS: dict[str, SamplingField] = {f.name: f for f in (
                   "extra chat template variables",
                   (Rule(lambda v: not isinstance(v, dict) or not all(isinstance(k, str) for k in v),
                         'must be an object of template variables, e.g. {"enable_thinking": false}'),)),
+    SamplingField("truncate_prompt_tokens", INT, "Rows whose prompt is longer run on its last K tokens (vLLM's "
+                  "truncate_prompt_tokens).", "a longer prompt runs on its last K tokens",
+                  (_integer(1, _INT64, "must be a positive integer (or null = off)"),), metavar="K"),
 )}
 _NONE_IS_OFF = frozenset(f.name for f in fields(SamplingParams) if f.default is None)  # None passes their rules
 
