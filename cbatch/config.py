@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
@@ -127,6 +127,9 @@ class SamplingParams:
     Order in which they act on the logits (cbatch/engine/sampler.py): logit_bias -> min_tokens (EOS and
     stop_token_ids banned) -> repetition / frequency / presence penalties -> temperature -> min_p ->
     top-k / top-p -> the seeded draw. Log-probabilities are of the raw logits (vLLM v1's default).
+
+    Every field but `constraint` has an entry in SAMPLING_FIELDS (below): its checks, its row field, flag and
+    OpenAI body field. A new setting is a field here, an entry there, and the code that applies it.
     """
 
     max_tokens: int = 256
@@ -148,6 +151,7 @@ class SamplingParams:
     logprobs: int | None = None  # k: each generated token's log-probability and the k most likely
     prompt_logprobs: int | None = None  # k: the same for the prompt's tokens
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra chat template variables
+    truncate_prompt_tokens: int | None = None  # k: a longer prompt runs on its last k tokens
     constraint: Constraint | None = None  # structured output: the completion must match it
 
     def problem(self) -> tuple[str, str] | None:
@@ -158,50 +162,20 @@ class SamplingParams:
         return None
 
     def _checks(self) -> Iterator[tuple[str, bool, str]]:
-        def bad_int(value, low: int, high: int) -> bool:
-            return isinstance(value, bool) or not isinstance(value, int) or not low <= value < high
-
-        def not_number(value) -> bool:
-            return isinstance(value, bool) or not isinstance(value, (int, float))
-
-        def bad_number(value, low: float = -math.inf, high: float = math.inf) -> bool:
-            """Not a finite number in [low, high]."""
-            return not_number(value) or not math.isfinite(value) or not low <= value <= high
-
-        def bad_k(value) -> bool:
-            return value is not None and bad_int(value, 0, MAX_LOGPROBS + 1)
-
-        yield "max_tokens", bad_int(self.max_tokens, 1, _INT64), "must be a positive integer"
-        yield "temperature", not_number(self.temperature), "must be a number"
-        yield "temperature", bad_number(self.temperature, 0.0, 100.0), "must be in [0, 100]"
-        yield "top_p", not_number(self.top_p) or not 0.0 < self.top_p <= 1.0, "must be in (0, 1]"
-        yield "top_k", bad_int(self.top_k, 0, _INT64), "must be a non-negative integer (0 = off)"
-        yield "seed", self.seed is not None and bad_int(self.seed, -_INT64, _INT64), "must be a 64-bit integer"
-        yield "stop", not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop), \
-            "must be a string or a list of non-empty strings"
-        yield "ignore_eos", not isinstance(self.ignore_eos, bool), "must be true or false"
-        yield "priority", bad_int(self.priority, -_INT64, _INT64), "must be an integer (lower = sooner)"
-        yield "n", bad_int(self.n, 1, MAX_SAMPLES + 1), f"must be an integer from 1 to {MAX_SAMPLES}"
-        yield "repetition_penalty", bad_number(self.repetition_penalty) or not self.repetition_penalty > 0, \
-            "must be a positive number (1 = off)"
-        yield "presence_penalty", bad_number(self.presence_penalty, -2.0, 2.0), "must be in [-2, 2] (0 = off)"
-        yield "frequency_penalty", bad_number(self.frequency_penalty, -2.0, 2.0), "must be in [-2, 2] (0 = off)"
-        yield "min_p", bad_number(self.min_p, 0.0, 1.0), "must be in [0, 1] (0 = off)"
-        yield "min_tokens", bad_int(self.min_tokens, 0, _INT64), "must be a non-negative integer"
-        yield "min_tokens", not bad_int(self.min_tokens, 0, _INT64) and not bad_int(self.max_tokens, 1, _INT64) \
+        """(field, is it bad, the rule it breaks): each field's rules from SAMPLING_FIELDS, in the order the
+        fields are declared above, then the checks no single rule says."""
+        for f in fields(self):
+            spec = SAMPLING_FIELDS.get(f.name)
+            value = getattr(self, f.name)
+            if spec is None or (value is None and f.name in _NONE_IS_OFF):
+                continue  # the constraint is checked where it is parsed (io/constraints.py)
+            for rule in spec.rules:
+                yield f.name, rule.bad(value), rule.text
+        yield "min_tokens", not _bad_int(self.min_tokens, 0, _INT64) and not _bad_int(self.max_tokens, 1, _INT64) \
             and self.min_tokens > self.max_tokens, f"must not exceed max_tokens ({self.max_tokens})"
-        yield "stop_token_ids", not isinstance(self.stop_token_ids, list) or any(
-            bad_int(t, 0, 2**31) for t in self.stop_token_ids), "must be a list of token ids (non-negative integers)"
-        yield "logit_bias", not isinstance(self.logit_bias, dict) or any(
-            bad_int(t, 0, 2**31) or bad_number(b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for t, b in self.logit_bias.items()), \
-            f"must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], e.g. {{\"1234\": -100}}"
-        yield "logprobs", bad_k(self.logprobs), f"must be an integer from 0 to {MAX_LOGPROBS} (or null = off)"
-        yield "prompt_logprobs", bad_k(self.prompt_logprobs), f"must be an integer from 0 to {MAX_LOGPROBS} (or null = off)"
         kwargs = self.chat_template_kwargs
-        yield "chat_template_kwargs", not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs), \
-            "must be an object of template variables, e.g. {\"enable_thinking\": false}"
-        yield "chat_template_kwargs", isinstance(kwargs, dict) and any(k in RESERVED_TEMPLATE_KWARGS for k in kwargs), \
-            f"may not set {', '.join(k for k in RESERVED_TEMPLATE_KWARGS if isinstance(kwargs, dict) and k in kwargs)} (cbatch sets it)"
+        reserved = [k for k in RESERVED_TEMPLATE_KWARGS if isinstance(kwargs, dict) and k in kwargs]
+        yield "chat_template_kwargs", bool(reserved), f"may not set {', '.join(reserved)} (cbatch sets it)"
 
     def validate(self) -> str | None:
         """A message naming the bad field, or None when the settings are usable."""
@@ -217,6 +191,136 @@ class SamplingParams:
         """The fields set away from their defaults (what a job's fingerprint keeps of the newer ones)."""
         default = SamplingParams()
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+
+
+# ---- the sampling fields, once ---------------------------------------------------------------------------
+# How a field's value is carried (cbatch/io/rows.py reads rows by it, cbatch/cli/flags.py types flags by it).
+INT, NUMBER, BOOL, STRINGS, TOKEN_IDS, TOKEN_BIASES, OBJECT = (
+    "integer", "number", "boolean", "strings", "token ids", "token biases", "object")
+LIST_KINDS = (STRINGS, TOKEN_IDS)  # a row may give one value for a list of one; the flag is repeatable
+JSON_KINDS = (TOKEN_BIASES, OBJECT)  # the flag takes JSON text
+
+
+def _bad_int(value: Any, low: int, high: int) -> bool:
+    """Not an integer (a bool is not one) in [low, high)."""
+    return isinstance(value, bool) or not isinstance(value, int) or not low <= value < high
+
+
+def _not_number(value: Any) -> bool:
+    return isinstance(value, bool) or not isinstance(value, (int, float))
+
+
+def _bad_number(value: Any, low: float = -math.inf, high: float = math.inf) -> bool:
+    """Not a finite number in [low, high]."""
+    return _not_number(value) or not math.isfinite(value) or not low <= value <= high
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One check of a field's value: `bad(value)` is True for a value that breaks `text`."""
+
+    bad: Callable[[Any], bool]
+    text: str  # what the error says after the field's name: "must be a positive integer"
+
+
+def _integer(low: int, high: int, text: str) -> Rule:
+    return Rule(lambda v: _bad_int(v, low, high), text)
+
+
+def _number(low: float, high: float, text: str) -> Rule:
+    return Rule(lambda v: _bad_number(v, low, high), text)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingField:
+    """One per-row sampling setting everywhere it appears: the SamplingParams field of the same name, the row
+    field, the flag that sets the rows' default and the OpenAI batch body field. The row parser
+    (cbatch/io/rows.py), the flags (cbatch/cli/flags.py), the OpenAI body table (cbatch/io/openai.py),
+    SamplingParams' checks and docs/sampling.md's table are all made from SAMPLING_FIELDS."""
+
+    name: str  # the SamplingParams field and the row field (vLLM's name); its default is SamplingParams'
+    kind: str  # how its value is carried: INT, NUMBER, BOOL, STRINGS, TOKEN_IDS, TOKEN_BIASES or OBJECT
+    help: str  # the flag's help (--help, docs/cli.md)
+    meaning: str  # a few words for the tables of docs/sampling.md and docs/structured-output.md
+    rules: tuple[Rule, ...]  # what a usable value is, checked in order (None is "off" where the default is None)
+    flag: str | None = None  # the flag's keyword when it is not `name` (--stop-token-id: "stop_token_id")
+    metavar: str | None = None  # the flag's value in --help (K, ID); JSON for JSON_KINDS
+    flag_sets_default: bool = True  # False: the flag sets something else of the job (--seed: the job seed)
+    in_body: bool = True  # an OpenAI batch body may give it (under `name`)
+    body_note: str | None = None  # what the OpenAI body table says, when not `meaning`
+
+    @property
+    def default(self) -> Any:
+        return getattr(SamplingParams(), self.name)
+
+
+_INT64_RULE = _integer(-_INT64, _INT64, "must be a 64-bit integer")
+_LOGPROBS_RULE = _integer(0, MAX_LOGPROBS + 1, f"must be an integer from 0 to {MAX_LOGPROBS} (or null = off)")
+_PENALTY_RULE = _number(-2.0, 2.0, "must be in [-2, 2] (0 = off)")
+
+# In the flags' order (--help, docs/cli.md).
+SAMPLING_FIELDS: dict[str, SamplingField] = {f.name: f for f in (
+    SamplingField("max_tokens", INT, "Most tokens to generate per row.", "most tokens generated",
+                  (_integer(1, _INT64, "must be a positive integer"),)),
+    SamplingField("temperature", NUMBER, "0 = greedy.", "0 = greedy",
+                  (Rule(_not_number, "must be a number"), _number(0.0, 100.0, "must be in [0, 100]"))),
+    SamplingField("top_p", NUMBER, "Nucleus sampling mass (1 = off).", "nucleus mass",
+                  (Rule(lambda v: _not_number(v) or not 0.0 < v <= 1.0, "must be in (0, 1]"),)),
+    SamplingField("top_k", INT, "Keep the k most likely tokens (0 = off).", "keep the k most likely (0 = off)",
+                  (_integer(0, _INT64, "must be a non-negative integer (0 = off)"),)),
+    SamplingField("seed", INT, "Job seed: rows without their own `seed` draw from (job seed, row index), so reruns "
+                  "are reproducible.", "the row's seed: the same tokens whatever the batch", (_INT64_RULE,),
+                  flag_sets_default=False),
+    SamplingField("stop", STRINGS, "Stop string (repeatable); not included in the completion.",
+                  "stop strings, cut from the text",
+                  (Rule(lambda v: not isinstance(v, list) or not all(isinstance(s, str) and s for s in v),
+                        "must be a string or a list of non-empty strings"),)),
+    SamplingField("ignore_eos", BOOL, "Keep generating past EOS (benchmarks).", "generate past EOS",
+                  (Rule(lambda v: not isinstance(v, bool), "must be true or false"),)),
+    SamplingField("priority", INT, "Scheduling priority of rows without their own `priority` (lower = sooner).",
+                  "scheduling class, lower first", (_integer(-_INT64, _INT64, "must be an integer (lower = sooner)"),)),
+    SamplingField("n", INT, "Samples per row: one output row each (`sample_index`); the prompt is computed once.",
+                  "samples per row", (_integer(1, MAX_SAMPLES + 1, f"must be an integer from 1 to {MAX_SAMPLES}"),),
+                  body_note="several completions per row: the line's `choices`, one per sample (index = sample)"),
+    SamplingField("logprobs", INT, "Log-probability of each generated token and its K most likely tokens (columns "
+                  "token_logprobs, top_logprobs).", "per generated token: its log-probability and the K most likely",
+                  (_LOGPROBS_RULE,), metavar="K",
+                  body_note="chat: true/false (with top_logprobs); completions: the number of alternatives"),
+    SamplingField("prompt_logprobs", INT, "The same for the prompt's tokens (columns prompt_token_ids, "
+                  "prompt_token_logprobs, prompt_top_logprobs).", "the same for the prompt's tokens",
+                  (_LOGPROBS_RULE,), metavar="K",
+                  body_note="the prompt tokens' log-probabilities (in the cbatch output format only)"),
+    SamplingField("repetition_penalty", NUMBER, "Divide positive (multiply negative) logits of tokens in the prompt "
+                  "or output by this (1 = off).", "> 1 discourages tokens of the prompt and the output",
+                  (Rule(lambda v: _bad_number(v) or not v > 0, "must be a positive number (1 = off)"),)),
+    SamplingField("presence_penalty", NUMBER, "Subtract this from the logits of tokens already generated (-2..2).",
+                  "-2..2, once per token present in the output", (_PENALTY_RULE,)),
+    SamplingField("frequency_penalty", NUMBER, "Subtract this times each token's count so far (-2..2).",
+                  "-2..2, per occurrence in the output", (_PENALTY_RULE,)),
+    SamplingField("min_p", NUMBER, "Drop tokens less likely than this times the most likely one (0 = off).",
+                  "drop tokens below min_p x the top probability",
+                  (_number(0.0, 1.0, "must be in [0, 1] (0 = off)"),)),
+    SamplingField("min_tokens", INT, "No EOS, stop token or stop string before this many tokens.",
+                  "no EOS, stop token or stop string before this many tokens",
+                  (_integer(0, _INT64, "must be a non-negative integer"),)),
+    SamplingField("stop_token_ids", TOKEN_IDS, "Stop on this token id (repeatable).", "stop on any of these tokens",
+                  (Rule(lambda v: not isinstance(v, list) or any(_bad_int(t, 0, 2**31) for t in v),
+                        "must be a list of token ids (non-negative integers)"),), flag="stop_token_id", metavar="ID"),
+    SamplingField("logit_bias", TOKEN_BIASES, 'Token id -> bias added to its logit, JSON: \'{"1234": -100}\'.',
+                  "token id -> bias added to its logit",
+                  (Rule(lambda v: not isinstance(v, dict) or any(
+                      _bad_int(t, 0, 2**31) or _bad_number(b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for t, b in v.items()),
+                      f"must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                      'e.g. {"1234": -100}'),)),
+    SamplingField("chat_template_kwargs", OBJECT, 'Chat template variables, JSON: \'{"enable_thinking": false}\'.',
+                  "extra chat template variables",
+                  (Rule(lambda v: not isinstance(v, dict) or not all(isinstance(k, str) for k in v),
+                        'must be an object of template variables, e.g. {"enable_thinking": false}'),)),
+    SamplingField("truncate_prompt_tokens", INT, "Rows whose prompt is longer run on its last K tokens (vLLM's "
+                  "truncate_prompt_tokens).", "a longer prompt runs on its last K tokens",
+                  (_integer(1, _INT64, "must be a positive integer (or null = off)"),), metavar="K"),
+)}
+_NONE_IS_OFF = frozenset(f.name for f in fields(SamplingParams) if f.default is None)  # None passes their rules
 
 
 def distinct_params(params: list[SamplingParams]) -> list[SamplingParams]:

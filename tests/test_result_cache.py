@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from cbatch.model.backend import cpu_kernels
-from cbatch.config import Constraint, EngineConfig, SamplingParams
+from cbatch.config import (BOOL, INT, NUMBER, OBJECT, SAMPLING_FIELDS, STRINGS, TOKEN_BIASES, TOKEN_IDS, Constraint,
+                           EngineConfig, SamplingParams)
 from cbatch.run.result_cache import (
     SCHEDULING_ONLY, CacheLimit, ResultCache, ResultCacheError, RowCache, device_kind, generation_identity,
 )
@@ -142,8 +143,12 @@ def test_key_covers_the_identity_and_every_sampling_field():
                     "frequency_penalty": 0.5, "min_p": 0.1, "min_tokens": 2, "stop_token_ids": [7],
                     "logit_bias": {3: 1.0}, "logprobs": 2, "prompt_logprobs": 1,
                     "chat_template_kwargs": {"enable_thinking": False}, "constraint": Constraint("regex", "[ab]+")}
+    # a field not listed above (added since) gets a value by its kind (cbatch/config.py's SAMPLING_FIELDS)
+    of_kind = {INT: 3, NUMBER: 0.25, BOOL: True, STRINGS: ["y"], TOKEN_IDS: [7], TOKEN_BIASES: {3: 1.0}, OBJECT: {"k": 1}}
     for f in fields(SamplingParams):
-        changed = _row_cache().row_key(0, ids, replace(params, **{f.name: other_values[f.name]}))
+        other = other_values[f.name] if f.name in other_values else of_kind[SAMPLING_FIELDS[f.name].kind]
+        assert other != getattr(params, f.name), f.name
+        changed = _row_cache().row_key(0, ids, replace(params, **{f.name: other}))
         assert (changed == base) == (f.name in SCHEDULING_ONLY), f.name
 
 

@@ -91,3 +91,28 @@ def test_new_settings_enter_the_job_fingerprint(tiny_checkpoints, tmp_path):
     prints = [job_fingerprint(o, model)["settings"] for o in changed]
     assert base["settings"] not in prints and len(set(prints)) == len(prints)
     assert job_fingerprint(replace(options, defaults=SamplingParams(max_tokens=9)), model) == base
+
+
+def test_truncate_prompt_tokens_runs_a_long_prompt_on_its_last_tokens(tiny_checkpoints, tmp_path):
+    long = list(range(5, 45))  # 40 tokens: more than --max-model-len 16 holds
+    rows = [{"id": "cut", "prompt_token_ids": long, "truncate_prompt_tokens": 6},
+            {"id": "tail", "prompt_token_ids": long[-6:]},
+            {"id": "short", "prompt_token_ids": [7, 8], "truncate_prompt_tokens": 6},
+            {"id": "long", "prompt_token_ids": long}]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    flags = ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu", "--max-tokens", "4", "--max-model-len", "16",
+             "--token-ids"]
+    code, _, err = run_inprocess("run", str(source), "--out", str(tmp_path / "out.jsonl"), *flags)
+    assert code == 1, err  # the long row without truncation cannot run
+    got = read_jsonl(tmp_path / "out.jsonl")
+    assert [r["id"] for r in got] == ["cut", "tail", "short", "long"]  # each output row is its input row's
+    cut, tail, short, too_long = got
+    assert cut["error"] is None and cut["prompt_tokens"] == 6
+    assert cut["completion_token_ids"] == tail["completion_token_ids"] and len(cut["completion_token_ids"]) == 4
+    assert short["prompt_tokens"] == 2 and "the prompt has 40 tokens" in too_long["error"]
+    code, _, err = run_inprocess("run", str(source), "--out", str(tmp_path / "all.jsonl"), *flags,
+                                 "--truncate-prompt-tokens", "6")  # the flag: every row's default
+    assert code == 0, err
+    assert [r["completion_token_ids"] for r in read_jsonl(tmp_path / "all.jsonl")][3] == tail["completion_token_ids"]
+    with pytest.raises(RowError, match="^truncate_prompt_tokens must be a positive integer"):
+        parse_row(0, {"prompt": "hi", "truncate_prompt_tokens": 0}, SamplingParams())

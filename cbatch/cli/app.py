@@ -12,7 +12,7 @@ from typing import Any, Callable, NoReturn
 import typer
 
 from cbatch.cli.flags import BENCH_COMMAND_FLAGS, PLAN_FLAGS, RUN_FLAGS, SAMPLING_FLAGS, Flag, command, fields_of, flag_of
-from cbatch.config import ConfigError, Constraint, EngineConfig, SamplingParams, UserError
+from cbatch.config import SAMPLING_FIELDS, ConfigError, Constraint, EngineConfig, SamplingParams, UserError
 from cbatch.io.state import StorageError
 from cbatch.parallel import WorkerFailure
 from cbatch.run.exit_codes import EXIT_INTERNAL, EXIT_IO, EXIT_SIGINT, EXIT_USAGE
@@ -27,7 +27,6 @@ app = typer.Typer(
 
 
 ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig))
-SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
 @app.callback()
@@ -83,7 +82,7 @@ def sampling_defaults(values: dict[str, Any]) -> SamplingParams:
     for flag in SAMPLING_FLAGS:
         value = values[flag.name]
         if flag.field not in SAMPLING_FIELDS or value is None:
-            continue  # None: the field's default
+            continue  # None: the field's default; no field: the job seed or a constraint flag
         try:
             settings[flag.field] = sampling_value(flag.field, json.loads(value) if flag.json else value)
         except ValueError as exc:  # bad JSON, or a value no row could carry either (RowError)

@@ -10,6 +10,9 @@ from typing import Any, Callable, List, Optional
 
 import typer
 
+from cbatch.config import (BOOL, INT, JSON_KINDS, LIST_KINDS, NUMBER, OBJECT, SAMPLING_FIELDS, STRINGS, TOKEN_BIASES,
+                           TOKEN_IDS, SamplingField)
+
 ENGINE, SAMPLING, JOB, RAY, WORKLOAD, SIMULATOR, ACROSS_JOBS, PLAN = (
     "Engine", "Sampling defaults (a row's own fields win)", "Job", "Scale-out on Ray (needs the ray extra)",
     "Workload", "Simulator (--simulate)", "Across jobs (docs/nightly.md)", "Plan",
@@ -91,39 +94,23 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
     return flags
 
 
-SAMPLING_FLAGS = [
-    Flag("max_tokens", int, 256, "Most tokens to generate per row.", SAMPLING, field="max_tokens"),
-    Flag("temperature", float, 0.0, "0 = greedy.", SAMPLING, field="temperature"),
-    Flag("top_p", float, 1.0, "Nucleus sampling mass (1 = off).", SAMPLING, field="top_p"),
-    Flag("top_k", int, 0, "Keep the k most likely tokens (0 = off).", SAMPLING, field="top_k"),
-    Flag("seed", Optional[int], None, "Job seed: rows without their own `seed` draw from (job seed, row index), so "
-         "reruns are reproducible.", SAMPLING),
-    Flag("stop", Optional[List[str]], None, "Stop string (repeatable); not included in the completion.", SAMPLING,
-         field="stop"),
-    Flag("ignore_eos", bool, False, "Keep generating past EOS (benchmarks).", SAMPLING, field="ignore_eos"),
-    Flag("priority", int, 0, "Scheduling priority of rows without their own `priority` (lower = sooner).", SAMPLING,
-         field="priority"),
-    Flag("n", int, 1, "Samples per row: one output row each (`sample_index`); the prompt is computed once.", SAMPLING,
-         field="n"),
-    Flag("logprobs", Optional[int], None, "Log-probability of each generated token and its K most likely tokens "
-         "(columns token_logprobs, top_logprobs).", SAMPLING, field="logprobs", metavar="K"),
-    Flag("prompt_logprobs", Optional[int], None, "The same for the prompt's tokens (columns prompt_token_ids, "
-         "prompt_token_logprobs, prompt_top_logprobs).", SAMPLING, field="prompt_logprobs", metavar="K"),
-    Flag("repetition_penalty", float, 1.0, "Divide positive (multiply negative) logits of tokens in the prompt or "
-         "output by this (1 = off).", SAMPLING, field="repetition_penalty"),
-    Flag("presence_penalty", float, 0.0, "Subtract this from the logits of tokens already generated (-2..2).", SAMPLING,
-         field="presence_penalty"),
-    Flag("frequency_penalty", float, 0.0, "Subtract this times each token's count so far (-2..2).", SAMPLING,
-         field="frequency_penalty"),
-    Flag("min_p", float, 0.0, "Drop tokens less likely than this times the most likely one (0 = off).", SAMPLING,
-         field="min_p"),
-    Flag("min_tokens", int, 0, "No EOS, stop token or stop string before this many tokens.", SAMPLING, field="min_tokens"),
-    Flag("stop_token_id", Optional[List[int]], None, "Stop on this token id (repeatable).", SAMPLING,
-         field="stop_token_ids", metavar="ID"),
-    Flag("logit_bias", Optional[str], None, 'Token id -> bias added to its logit, JSON: \'{"1234": -100}\'.', SAMPLING,
-         field="logit_bias", metavar="JSON", json=True),
-    Flag("chat_template_kwargs", Optional[str], None, 'Chat template variables, JSON: \'{"enable_thinking": false}\'.',
-         SAMPLING, field="chat_template_kwargs", metavar="JSON", json=True),
+# A flag for every sampling field (cbatch/config.py's table), typed by how the field is carried: JSON kinds
+# take JSON text, list kinds repeat, the others take the field's type with its default.
+_FLAG_TYPES: dict[str, Any] = {INT: int, NUMBER: float, BOOL: bool, STRINGS: List[str], TOKEN_IDS: List[int],
+                               TOKEN_BIASES: str, OBJECT: str}
+
+
+def sampling_flag(spec: SamplingField) -> Flag:
+    """The flag of a sampling field: the rows' default for it (a row's own field wins)."""
+    json = spec.kind in JSON_KINDS
+    default = None if json or spec.kind in LIST_KINDS else spec.default
+    value_type = _FLAG_TYPES[spec.kind]
+    return Flag(spec.flag or spec.name, value_type if default is not None else Optional[value_type], default, spec.help,
+                SAMPLING, field=spec.name if spec.flag_sets_default else None,
+                metavar=spec.metavar or ("JSON" if json else None), json=json)
+
+
+SAMPLING_FLAGS = [sampling_flag(spec) for spec in SAMPLING_FIELDS.values()] + [
     # structured output for rows without their own constraint (one of the three; docs/structured-output.md)
     Flag("json_schema", Optional[Path], None, "Every completion is JSON valid under the schema in this file.", SAMPLING,
          metavar="FILE"),

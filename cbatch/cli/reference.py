@@ -1,9 +1,19 @@
-"""docs/cli.md, generated from the command-line app itself: every command's flags (from cbatch/cli/flags.py
-through typer) and the exit codes (cbatch/run/exit_codes.py). `python -m cbatch.cli.reference > docs/cli.md`;
-a test keeps the file current."""
+"""The generated parts of docs/, made from the code so they say what it does: docs/cli.md whole (every
+command's flags, from cbatch/cli/flags.py through typer, and the exit codes, cbatch/run/exit_codes.py), and
+the tables between `<!-- generated: NAME -->` and `<!-- end generated: NAME -->` in the other docs (`SECTIONS`:
+the sampling fields, cbatch/config.py, and the OpenAI body fields, cbatch/io/openai.py).
+
+`python -m cbatch.cli.reference --write` rewrites all of them; `python -m cbatch.cli.reference > docs/cli.md`
+still writes cli.md alone. Tests keep every one current (tests/test_cli_reference.py)."""
 from __future__ import annotations
 
-from typing import Any
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 HEADER = """# Command-line reference
 
@@ -47,6 +57,7 @@ def command_table(command: Any) -> list[str]:
 
 
 def render() -> str:
+    """docs/cli.md."""
     import typer.main
 
     from cbatch.cli.app import app
@@ -63,5 +74,81 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---- tables inside hand-written docs ------------------------------------------------------------------
+def _doc_value(value: Any) -> str:
+    """A default as docs/sampling.md writes it: 256, 0, 1, false, none."""
+    if value is None or value == [] or value == {}:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def sampling_fields_table() -> list[str]:
+    """docs/sampling.md: every sampling field (cbatch/config.py's SAMPLING_FIELDS) as a row field and a flag."""
+    from cbatch.cli.flags import sampling_flag
+    from cbatch.config import LIST_KINDS, SAMPLING_FIELDS
+
+    lines = ["| row field | flag | default | meaning |", "|---|---|---|---|"]
+    for spec in SAMPLING_FIELDS.values():
+        flag = sampling_flag(spec)
+        spelling = f"`{flag.spelling}{f' {flag.metavar}' if flag.metavar else ''}`"
+        if spec.kind in LIST_KINDS:
+            spelling += " (repeatable)"
+        if not spec.flag_sets_default:
+            spelling += " (job seed)"
+        lines.append(f"| `{spec.name}` | {spelling} | {_doc_value(spec.default)} | {spec.meaning} |")
+    return lines
+
+
+def body_fields_table() -> list[str]:
+    """docs/structured-output.md: every OpenAI batch body field (cbatch/io/openai.py's BODY_FIELDS)."""
+    from cbatch.io.openai import BODY_FIELDS
+
+    lines = ["| field | status | accepted \"off\" value | what cbatch does |", "|---|---|---|---|"]
+    for name, spec in BODY_FIELDS.items():
+        off = f"`{json.dumps(spec.off)}`" if spec.has_off else ""
+        lines.append(f"| `{name}` | {spec.status} | {off} | {spec.note} |")
+    return lines
+
+
+# (doc file, section name) -> its lines
+SECTIONS: dict[tuple[str, str], Callable[[], list[str]]] = {
+    ("sampling.md", "sampling fields"): sampling_fields_table,
+    ("structured-output.md", "body fields"): body_fields_table,
+}
+
+
+def _section_pattern(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- generated: {re.escape(name)} [^\n]*-->\n)(.*?)(<!-- end generated: {re.escape(name)} -->)",
+                      re.DOTALL)
+
+
+def current_section(text: str, name: str) -> str | None:
+    """The section's lines as the doc has them (None: the doc has no such section)."""
+    match = _section_pattern(name).search(text)
+    return match.group(2) if match else None
+
+
+def with_sections(doc: str, text: str) -> str:
+    """`text` (the doc file `doc`) with each of its generated sections made anew."""
+    for (file, name), lines in SECTIONS.items():
+        if file == doc:
+            text, found = _section_pattern(name).subn(lambda m: m.group(1) + "\n".join(lines()) + "\n" + m.group(3), text)
+            if found != 1:
+                raise ValueError(f"docs/{doc}: no `<!-- generated: {name} ... -->` section to write")
+    return text
+
+
+def write_docs(docs: Path = DOCS) -> None:
+    (docs / "cli.md").write_text(render())
+    for doc in dict.fromkeys(file for file, _ in SECTIONS):
+        path = docs / doc
+        path.write_text(with_sections(doc, path.read_text()))
+
+
 if __name__ == "__main__":
-    print(render(), end="")
+    if sys.argv[1:] == ["--write"]:
+        write_docs()
+    else:
+        print(render(), end="")

@@ -131,16 +131,13 @@ def json_kept_types(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
 JSON_TEXT = "json"  # a column holding each value's JSON text (a string column)
 
 
-def output_kept_types(keep: KeepColumns | None, input_path: Path,
+def output_kept_types(keep: KeepColumns | None, input_types: dict[str, Any] | None,
                       records: Callable[[], Iterable[dict[str, Any]]]) -> dict[str, Any] | None:
-    """The kept columns' Arrow types for Parquet OUTPUT: the input's (Parquet), or read off the records (JSONL)."""
+    """The kept columns' Arrow types for Parquet OUTPUT: a Parquet INPUT's (`input_types`, from
+    `parquet_kept_types` when the job was checked), else read off the records (JSONL INPUT)."""
     if keep is None:
         return None
-    from cbatch.io.reader import input_format
-
-    if input_format(input_path) == "parquet":
-        return parquet_kept_types(keep, input_path)
-    return json_kept_types(records())
+    return input_types if input_types is not None else json_kept_types(records())
 
 
 def column_values(values: list[Any], arrow_type: Any) -> Any:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from cbatch.config import UserError
+from cbatch.config import SAMPLING_FIELDS, UserError
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 OBJECT_OF_URL = {CHAT_URL: "chat.completion", COMPLETIONS_URL: "text_completion"}
@@ -55,36 +55,18 @@ BODY_FIELDS: dict[str, BodyField] = {
     "model": _yes("echoed in the response; the job's --model generates"),
     "messages": _yes("/v1/chat/completions: the chat (text content parts), rendered with the model's chat template"),
     "prompt": _yes("/v1/completions: one string, or one list of token ids"),
-    "max_tokens": _yes("most tokens to generate"),
     "max_completion_tokens": _yes("same as max_tokens (max_tokens wins when both are given)"),
-    "temperature": _yes("0 = greedy"),
-    "top_p": _yes("nucleus sampling"),
-    "seed": _yes("per-row seed: the same tokens whatever the batch"),
-    "stop": _yes("stop strings (not included in the completion)"),
+    "top_logprobs": _yes("chat: alternatives per token (with logprobs: true)"),
     "response_format": _yes("structured output: type text, json_object or json_schema"),
     "user": _yes("no effect on the completion"),
     "metadata": _yes("no effect on the completion"),
-    # cbatch's own row fields, also accepted inside a body
-    "top_k": _yes("cbatch: keep the k most likely tokens"),
-    "ignore_eos": _yes("cbatch: generate past EOS"),
-    "priority": _yes("cbatch: scheduling class (lower = sooner)"),
+    # every sampling field a row takes (cbatch/config.py's SAMPLING_FIELDS), under the row field's name
+    **{spec.name: _yes(spec.body_note or spec.meaning) for spec in SAMPLING_FIELDS.values() if spec.in_body},
+    # cbatch's structured-output row fields (cbatch/io/constraints.py), also accepted inside a body
     "json_schema": _yes("cbatch: structured output, a JSON schema"),
     "json_object": _yes("cbatch: structured output, any JSON object"),
     "regex": _yes("cbatch: structured output, a regular expression"),
     "choice": _yes("cbatch: structured output, one of a list of strings"),
-    "n": _yes("several completions per row: the line's `choices`, one per sample (index = sample)"),
-    "logprobs": _yes("chat: true/false (with top_logprobs); completions: the number of alternatives"),
-    "top_logprobs": _yes("chat: alternatives per token (with logprobs: true)"),
-    "presence_penalty": _yes("presence penalty"),
-    "frequency_penalty": _yes("frequency penalty"),
-    "logit_bias": _yes("per-token logit bias (token id -> bias)"),
-    # vLLM's extra sampling fields, also accepted inside a body
-    "repetition_penalty": _yes("cbatch/vLLM: repetition penalty"),
-    "min_p": _yes("cbatch/vLLM: min-p filter"),
-    "min_tokens": _yes("cbatch/vLLM: least tokens before EOS"),
-    "stop_token_ids": _yes("cbatch/vLLM: stop on token ids"),
-    "prompt_logprobs": _yes("cbatch/vLLM: prompt tokens' log-probabilities (in the cbatch output format only)"),
-    "chat_template_kwargs": _yes("cbatch/vLLM: chat template variables"),
     "best_of": _no("several candidates per row, the best returned", off=1),
     # not for an offline text generator
     "echo": _no("echo the prompt", off=False),

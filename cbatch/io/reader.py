@@ -1,11 +1,13 @@
 """Streams input rows from JSONL or Parquet without loading the file whole.
 
 Each row comes out as (row index, dict) or (row index, error message): a line that is not valid
-UTF-8 or JSON, or not an object, is a bad row, never a failed job.
+UTF-8 or JSON, or not an object, is a bad row, never a failed job. The readers take an `InputFile`: the
+path with its format, derived once (`open_input`).
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,6 +35,20 @@ def input_format(path: Path) -> str:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class InputFile:
+    """INPUT and its format, as every reader takes it."""
+
+    path: Path
+    format: str  # jsonl | parquet (from the extension)
+
+
+def open_input(path: Path) -> InputFile:
+    """INPUT, checked to be a readable file, with its format (raises InputError naming the file)."""
+    check_readable(path)
+    return InputFile(path, input_format(path))
+
+
 def check_readable(path: Path) -> None:
     if not path.exists():
         raise InputError(f"{path}: no such input file")
@@ -45,13 +61,13 @@ def check_readable(path: Path) -> None:
         raise InputError(f"{path}: cannot read the input ({exc.strerror})") from None
 
 
-def iter_rows(path: Path) -> Iterator[RawRow]:
+def iter_rows(source: InputFile) -> Iterator[RawRow]:
     """Every row of the input, in order, streamed."""
-    check_readable(path)
-    if input_format(path) == "parquet":
-        yield from _parquet_rows(path)
+    check_readable(source.path)  # again: it may have gone since it was opened
+    if source.format == "parquet":
+        yield from _parquet_rows(source.path)
     else:
-        yield from _jsonl_rows(path)
+        yield from _jsonl_rows(source.path)
 
 
 def _jsonl_rows(path: Path) -> Iterator[RawRow]:
@@ -113,15 +129,15 @@ def _parquet_rows(path: Path) -> Iterator[RawRow]:
             index += 1
 
 
-def inspect_input(path: Path, probe_rows: int = 200) -> int:
+def inspect_input(source: InputFile, probe_rows: int = 200) -> int:
     """Checks, before any work, that INPUT is a usable prompts file; returns its number of rows.
 
     JSONL: one pass counting non-blank lines; at least one of the first `probe_rows` rows must carry
     a prompt field (a file where none does is not a prompts file: a bad job, not bad rows).
     Parquet: the metadata, and a `prompt`/`messages` column.
     """
-    check_readable(path)
-    if input_format(path) == "parquet":
+    path = source.path
+    if source.format == "parquet":
         count = _open_parquet(path).metadata.num_rows
     else:
         count, seen_prompt, first_problem = 0, False, None
@@ -147,14 +163,14 @@ def inspect_input(path: Path, probe_rows: int = 200) -> int:
     return count
 
 
-def find_duplicate_id(path: Path) -> tuple[str, int, int] | None:
+def find_duplicate_id(source: InputFile) -> tuple[str, int, int] | None:
     """The first row id (`id`, else OpenAI's `custom_id`) given to two rows: (id, first place, second place),
     places being JSONL line numbers or Parquet row numbers (1-based); None when ids are unique.
     Streams the input, holding one set of ids (never the rows)."""
     from cbatch.io.rows import given_row_id
 
     seen: dict[str, int] = {}
-    for place, row in _places_and_rows(path):
+    for place, row in _places_and_rows(source):
         row_id = given_row_id(row)
         if row_id is None:
             continue  # its id is its row index: unique
@@ -164,9 +180,10 @@ def find_duplicate_id(path: Path) -> tuple[str, int, int] | None:
     return None
 
 
-def _places_and_rows(path: Path) -> Iterator[tuple[int, Any]]:
+def _places_and_rows(source: InputFile) -> Iterator[tuple[int, Any]]:
     """(line number, row) for JSONL; (row number, {id, custom_id}) for Parquet (only those columns are read)."""
-    if input_format(path) == "jsonl":
+    path = source.path
+    if source.format == "jsonl":
         with open(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
                 if raw.strip():

@@ -1,8 +1,8 @@
 """One input row -> a validated request (prompt + sampling settings), or a message naming what is wrong.
 
 Accepted shapes: `{"prompt": "..."}`, `{"messages": [{"role", "content"}, ...]}`,
-`{"prompt_token_ids": [...]}`, each with optional `id`, sampling fields (`SAMPLING_FIELDS`, vLLM's names:
-docs/sampling.md) and a structured-output constraint (`json_schema`, `regex`, `choice`, `json_object`,
+`{"prompt_token_ids": [...]}`, each with optional `id`, sampling fields (`SAMPLING_FIELDS` in cbatch/config.py,
+vLLM's names: docs/sampling.md) and a structured-output constraint (`json_schema`, `regex`, `choice`, `json_object`,
 `response_format`: cbatch/io/constraints.py); and the OpenAI batch format `{"custom_id", "method", "url",
 "body": {...}}` (cbatch/io/openai.py).
 """
@@ -12,17 +12,9 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cbatch.config import SamplingParams, UserError
+from cbatch.config import INT, NUMBER, OBJECT, SAMPLING_FIELDS, STRINGS, TOKEN_BIASES, TOKEN_IDS, SamplingParams, UserError
 from cbatch.io.constraints import ConstraintFieldError, constraint_from_row
 from cbatch.io.openai import RequestError, is_openai_request, request_fields
-
-SAMPLING_FIELDS = (
-    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "priority", "n", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "stop_token_ids", "logit_bias", "logprobs",
-    "prompt_logprobs", "chat_template_kwargs",
-)
-_INT_FIELDS = ("max_tokens", "top_k", "seed", "priority", "n", "min_tokens", "logprobs", "prompt_logprobs")
-_FLOAT_FIELDS = ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
 
 
 @dataclass(slots=True)
@@ -129,12 +121,13 @@ def _token_ids(value: Any) -> list[int]:
 
 
 def sampling_from_row(row: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
-    """The CLI defaults with the row's own settings on top (a row's `chat_template_kwargs` add to the job's,
-    key by key; every other field replaces); the result is validated. A row with no settings of its own gets
-    `defaults` itself: rows that share one object cost the engine's host step one check, not one per row."""
+    """The CLI defaults with the row's own settings on top (a row's OBJECT fields, `chat_template_kwargs`, add
+    to the job's key by key; every other field replaces); the result is validated. A row with no settings of its
+    own gets `defaults` itself: rows that share one object cost the engine's host step one check, not one per row."""
     changes = {key: sampling_value(key, row[key]) for key in SAMPLING_FIELDS if row.get(key) is not None}
-    if isinstance(changes.get("chat_template_kwargs"), dict):
-        changes["chat_template_kwargs"] = {**defaults.chat_template_kwargs, **changes["chat_template_kwargs"]}
+    for key, value in changes.items():
+        if SAMPLING_FIELDS[key].kind == OBJECT and isinstance(value, dict):
+            changes[key] = {**getattr(defaults, key), **value}
     try:
         constraint = constraint_from_row(row, defaults.constraint)
     except ConstraintFieldError as exc:
@@ -150,21 +143,23 @@ def sampling_from_row(row: dict[str, Any], defaults: SamplingParams) -> Sampling
 def sampling_value(key: str, value: Any) -> Any:
     """A sampling field's value as JSON or Parquet carry it -> the SamplingParams type (validated later):
     integral floats to ints, numbers to floats, a lone stop string or token id to a list, logit_bias keys
-    (JSON object keys are strings; Parquet maps are (key, value) pairs) to token ids."""
-    if key in _INT_FIELDS:
+    (JSON object keys are strings; Parquet maps are (key, value) pairs) to token ids. By the field's kind
+    (SAMPLING_FIELDS); a BOOL or OBJECT value is taken as it is."""
+    kind = SAMPLING_FIELDS[key].kind
+    if kind == INT:
         return _integral(value)
-    if key in _FLOAT_FIELDS and isinstance(value, int) and not isinstance(value, bool):
+    if kind == NUMBER and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if key in _FLOAT_FIELDS and isinstance(value, float) and not math.isfinite(value):
+    if kind == NUMBER and isinstance(value, float) and not math.isfinite(value):
         raise RowError(f"{key} must be a finite number, got {value!r}")
-    if key == "stop" and isinstance(value, (str, tuple)):
+    if kind == STRINGS and isinstance(value, (str, tuple)):
         return [value] if isinstance(value, str) else list(value)
-    if key == "stop_token_ids":
+    if kind == TOKEN_IDS:
         return [_integral(t) for t in value] if isinstance(value, (list, tuple)) else [_integral(value)]
-    if key == "logit_bias":
+    if kind == TOKEN_BIASES:
         pairs = value.items() if isinstance(value, dict) else value if isinstance(value, list) else None
         if pairs is None or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
-            raise RowError(f"logit_bias must be an object of token id -> bias, e.g. {{\"1234\": -100}}, got {value!r}")
+            raise RowError(f"{key} must be an object of token id -> bias, e.g. {{\"1234\": -100}}, got {value!r}")
         return {_token_key(k): v for k, v in pairs}
     return value
 

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 
 
 from cbatch.config import UserError
-from cbatch.io.writer import OUTPUT_COLUMNS, output_format, read_output
+from cbatch.io.writer import OUTPUT_COLUMNS, read_output
 
 
 class StateError(UserError):
@@ -126,8 +126,9 @@ def _output_rows(lines: Iterator[dict[str, Any]]) -> Iterator[tuple[int, list[di
 
 
 class JobState:
-    def __init__(self, output: Path, fingerprint: dict[str, str]) -> None:
+    def __init__(self, output: Path, fingerprint: dict[str, str], output_format: str) -> None:
         self.output = output
+        self.output_format = output_format  # OUTPUT's file format: jsonl | parquet (--retry-errors reads it back)
         self.fingerprint = fingerprint
         self.dir = output.parent / f".{output.name}.cbatch"
         self.done_record = output.parent / f".{output.name}.cbatch.json"
@@ -270,7 +271,7 @@ class JobState:
         seeding = self._seeding_dir()
         seeding.mkdir()
         with open(seeding / "part-0001.jsonl", "wb") as f:
-            for index, samples in _output_rows(read_output(self.output, output_format(self.output))):
+            for index, samples in _output_rows(read_output(self.output, self.output_format)):
                 if all(row.get("finish_reason") != "error" for row in samples):  # else the whole row runs again
                     for row in samples:
                         own = {k: v for k, v in row.items() if k in OUTPUT_COLUMNS}

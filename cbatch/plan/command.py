@@ -11,7 +11,7 @@ from typing import Any
 from cbatch.bench.simulator import CostModel, cost_settings
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine.build import ResolvedModel, engine_backend
-from cbatch.io.reader import inspect_input, iter_rows
+from cbatch.io.reader import InputFile, inspect_input, iter_rows, open_input
 from cbatch.io.state import StorageError
 from cbatch.io.writer import check_writable
 from cbatch.observe.report import write_report
@@ -43,7 +43,7 @@ class PlanOptions:
 
 def run_plan(options: PlanOptions) -> int:
     """The whole `cbatch plan`. Raises a UserError (exit 2) for a plan that cannot be made."""
-    total_rows = check_paths(options)
+    source, total_rows = check_paths(options)
     kind = device_kind(options.device_kind, options.engine)
     model = resolve_or_fail(options.engine, device=kind.device)
     engine_backend(options.engine, kind.device)  # a backend the run could not use fails here, as there
@@ -52,7 +52,7 @@ def run_plan(options: PlanOptions) -> int:
     lengths = (OutputLengths.from_report(options.lengths_from, config.seed) if options.lengths_from is not None
                else OutputLengths(source="max_tokens, an upper bound"))
     setup = PlanSetup(model, kind, plan_tokenizer(model), cost, lengths, options.defaults, options.lookahead)
-    first = simulate_rows(iter_rows(options.input), config, setup, total_rows, plan_cache(options, kind, model, config))
+    first = simulate_rows(iter_rows(source), config, setup, total_rows, plan_cache(options, kind, model, config))
     simulations = search(first, setup) if options.search and first.accepted else [first]
     plan = plan_report(options, setup, cost_source, simulations)
     print_plan(plan, options.quiet)
@@ -64,12 +64,14 @@ def run_plan(options: PlanOptions) -> int:
     return EXIT_ROW_ERRORS if first.errors and not options.allow_errors else EXIT_OK
 
 
-def check_paths(options: PlanOptions) -> int:
-    """The input is a usable prompts file and --report can be written (raises JobError); its row count."""
+def check_paths(options: PlanOptions) -> tuple[InputFile, int]:
+    """The input is a usable prompts file and --report can be written (raises JobError); the input and its
+    row count."""
     try:
         if options.report is not None:
             check_writable(options.report, flag="--report")
-        return inspect_input(options.input)
+        source = open_input(options.input)
+        return source, inspect_input(source)
     except ValueError as exc:
         raise JobError(str(exc)) from None
 

@@ -16,14 +16,13 @@ from typing import Any, Callable, Iterator
 from typing import Sequence as Sequence_
 
 from cbatch.bench.simulator import CostModel, SimulatedRunner
-from cbatch.config import EngineConfig, SamplingParams
+from cbatch.config import SAMPLING_FIELDS, EngineConfig, SamplingParams
 from cbatch.engine import memory
 from cbatch.engine.build import ResolvedModel
 from cbatch.engine.engine import Engine
 from cbatch.engine.step import StepOutput, StepPlan
 from cbatch.engine.sequence import Sequence
 from cbatch.io.reader import RawRow
-from cbatch.io.rows import SAMPLING_FIELDS
 from cbatch.observe.metrics import JobMetrics
 from cbatch.observe.progress import NoProgress
 from cbatch.observe.report import build_report

@@ -15,8 +15,8 @@ from cbatch.engine.engine import Engine
 from cbatch.io.reader import iter_rows
 from cbatch.io.columns import output_kept_types
 from cbatch.io.openai import output_model_name
-from cbatch.io.state import JobState, StateError, StorageError, record_key
-from cbatch.io.writer import output_columns, output_format, write_output
+from cbatch.io.state import StateError, StorageError, record_key
+from cbatch.io.writer import output_columns, write_output
 from cbatch.observe.metrics import JobMetrics
 from cbatch.observe.display import Display, make_display
 from cbatch.observe.report import build_report, summary_line, summary_table, write_report
@@ -51,7 +51,7 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
     prepared = replace(prepared, config=engine.config)
     metrics = JobMetrics(total_rows=prepared.total_rows)
     executor = LocalExecutor(engine, options.defaults, metrics, options.lookahead, cache, options.reasoning_split,
-                             keep=options.keep)
+                             keep=prepared.formats.keep)
     try:
         code = run_rows(options, prepared, executor, metrics, make_progress or make_display)
     finally:
@@ -62,7 +62,7 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
         settings={"engine": asdict(prepared.config), "defaults": asdict(options.defaults), "dtype": str(engine.dtype),
                   "device": str(engine.device), "input": str(options.input), "output": str(options.output)},
     )
-    return conclude_job(options, prepared.state, report, code, prepared.total_rows)
+    return conclude_job(options, prepared, report, code)
 
 
 def load_engine(prepared: PreparedJob, make_engine: Callable[[EngineConfig], Engine] | None = None) -> Engine:
@@ -105,7 +105,7 @@ def run_rows(options: JobOptions, prepared: PreparedJob, executor: Executor, met
             return True
 
         try:
-            return drive(RowFeed(iter_rows(options.input), done), executor, store, metrics, display, interrupt)
+            return drive(RowFeed(iter_rows(prepared.formats.input), done), executor, store, metrics, display, interrupt)
         except BaseException:
             state.close()
             raise
@@ -125,10 +125,11 @@ def write_report_and_plot(options: JobOptions, report: dict[str, Any]) -> None:
         plot_reports([report], options.plot)
 
 
-def conclude_job(options: JobOptions, state: JobState, report: dict[str, Any], code: int | None,
-                 total_rows: int, summary_suffix: str = "") -> int:
+def conclude_job(options: JobOptions, prepared: PreparedJob, report: dict[str, Any], code: int | None,
+                 summary_suffix: str = "") -> int:
     """The end of a job, local or Ray: report, then either keep the rows for a resume (interrupted:
-    `code` is 130/143) or write OUTPUT atomically; returns the exit code."""
+    `code` is 130/143) or write OUTPUT atomically in the job's formats; returns the exit code."""
+    state, formats = prepared.state, prepared.formats
     # the report's row counts describe OUTPUT: rows finished by an earlier run count too, and a row with n > 1
     # samples has n output rows
     errors = len(state.error_rows)
@@ -136,14 +137,14 @@ def conclude_job(options: JobOptions, state: JobState, report: dict[str, Any], c
     if code is not None:
         state.close()
         write_report_and_plot(options, report)
-        print(f"cbatch: interrupted; {state.num_rows} of {total_rows} rows are saved. "
+        print(f"cbatch: interrupted; {state.num_rows} of {prepared.total_rows} rows are saved. "
               "Run the same command again to resume.", file=sys.stderr)
         return code
-    fmt = output_format(options.output)
     columns = output_columns(options.token_ids, state.columns)
-    kept_types = output_kept_types(options.keep, options.input, state.records) if fmt == "parquet" else None
-    openai_model = output_model_name(options.engine.model) if options.output_format == "openai" else None
-    state.finish(lambda tmp: write_output(tmp, fmt, state.records(), columns, kept_types=kept_types,
+    kept_types = (output_kept_types(formats.keep, formats.kept_types, state.records) if formats.output == "parquet"
+                  else None)
+    openai_model = output_model_name(options.engine.model) if formats.openai_lines else None
+    state.finish(lambda tmp: write_output(tmp, formats.output, state.records(), columns, kept_types=kept_types,
                                           openai_model=openai_model),
                  {"rows": state.num_rows, "errors": errors})
     write_report_and_plot(options, report)

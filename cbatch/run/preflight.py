@@ -1,14 +1,16 @@
 """Every check that can refuse a job, before any model loads and before anything is written.
 
-`preflight` checks the paths and the input, resolves the model (folder, config, device, dtype: no
-weights), fingerprints the job and checks the lock and resume state; it returns a `PreparedJob` that
-the engine builder and the driver consume, so nothing is resolved twice.
+`preflight` checks the paths and the input, derives the job's formats (`JobFormats`), resolves the model
+(folder, config, device, dtype: no weights), fingerprints the job and checks the lock and resume state; it
+returns a `PreparedJob` that the engine builder, the driver and the writers consume, so nothing is resolved
+or derived twice.
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,7 +18,7 @@ from cbatch.config import EngineConfig, SamplingParams, UserError
 from cbatch.engine.build import ResolvedModel, resolve_model
 from cbatch.io.columns import KeepColumns, parquet_kept_types
 from cbatch.io.openai import OPENAI_LINE_FIELDS
-from cbatch.io.reader import find_duplicate_id, input_format, inspect_input
+from cbatch.io.reader import InputFile, find_duplicate_id, inspect_input, open_input
 from cbatch.io.state import JobState, StateError, file_digest, settings_digest
 from cbatch.io.writer import OUTPUT_COLUMNS, check_writable, output_columns, output_format, written_columns
 from cbatch.model.loader import ModelLoadError
@@ -55,11 +57,17 @@ class JobOptions:
     keep_columns: str | None = None  # --keep-columns: "all" or a comma list of input columns
     allow_duplicate_ids: bool = False
 
-    @property
-    def keep(self) -> KeepColumns | None:
-        """The parsed --keep-columns (raises KeepColumnsError naming a column the output already has)."""
-        reserved = OPENAI_LINE_FIELDS if self.output_format == "openai" else OUTPUT_COLUMNS
-        return KeepColumns.parse(self.keep_columns, reserved)
+
+@dataclass(frozen=True, slots=True)
+class JobFormats:
+    """How the job's files are read and written: derived once from the paths and flags (`validate_paths`) and
+    handed to the readers and writers, which never derive them again."""
+
+    input: InputFile  # INPUT with its format (jsonl | parquet)
+    output: str  # OUTPUT's file format: jsonl | parquet (from its extension)
+    openai_lines: bool  # --output-format openai: OUTPUT holds OpenAI batch output lines (JSONL)
+    keep: KeepColumns | None  # --keep-columns, parsed (None: no flag)
+    kept_types: dict[str, Any] | None = None  # the kept columns' Arrow types when INPUT is Parquet (its schema)
 
 
 @dataclass(slots=True)
@@ -69,38 +77,42 @@ class PreparedJob:
     model: ResolvedModel
     fingerprint: dict[str, str]
     state: JobState
+    formats: JobFormats
 
 
-def validate_paths(options: JobOptions) -> int:
-    """Checks input and output before any work (raises JobError); returns the number of input rows."""
+def validate_paths(options: JobOptions) -> tuple[JobFormats, int]:
+    """Checks input and output before any work (raises JobError); returns the job's formats and the number of
+    input rows."""
     try:
-        output_format(options.output)
+        output = output_format(options.output)
         check_writable(options.output)
         if options.report is not None:
             check_writable(options.report, flag="--report")
         if options.input.exists() and options.output.exists() and options.input.samefile(options.output):
             raise JobError(f"--out {options.output} is the input file; choose another --out")
-        if options.output_format == "openai" and output_format(options.output) != "jsonl":
+        openai_lines = options.output_format == "openai"
+        if openai_lines and output != "jsonl":
             raise JobError(f"--out {options.output}: --output-format openai writes JSONL; give a .jsonl --out")
-        total_rows = inspect_input(options.input)
-        check_rows(options)
-        return total_rows
+        source = open_input(options.input)
+        total_rows = inspect_input(source)
+        # a name the output has already is refused; a Parquet INPUT must have the kept columns, in types cbatch carries
+        keep = KeepColumns.parse(options.keep_columns, OPENAI_LINE_FIELDS if openai_lines else OUTPUT_COLUMNS)
+        kept_types = parquet_kept_types(keep, source.path) if keep is not None and source.format == "parquet" else None
+        if not options.allow_duplicate_ids:
+            check_unique_ids(source)
+        return JobFormats(source, output, openai_lines, keep, kept_types), total_rows
     except ValueError as exc:
         raise JobError(str(exc)) from None
 
 
-def check_rows(options: JobOptions) -> None:
-    """--keep-columns names columns the input has (Parquet); no two rows share an id (unless allowed)."""
-    keep = options.keep
-    if keep is not None and input_format(options.input) == "parquet":
-        parquet_kept_types(keep, options.input)
-    if not options.allow_duplicate_ids:
-        duplicate = find_duplicate_id(options.input)
-        if duplicate is not None:
-            row_id, first, second = duplicate
-            where = "lines" if input_format(options.input) == "jsonl" else "rows"
-            raise JobError(f"{options.input}: {where} {first} and {second} have the same id {row_id!r}; give every row "
-                           "its own `id`/`custom_id`, or pass --allow-duplicate-ids")
+def check_unique_ids(source: InputFile) -> None:
+    """No two rows share an id (raises JobError naming both places)."""
+    duplicate = find_duplicate_id(source)
+    if duplicate is not None:
+        row_id, first, second = duplicate
+        where = "lines" if source.format == "jsonl" else "rows"
+        raise JobError(f"{source.path}: {where} {first} and {second} have the same id {row_id!r}; give every row "
+                       "its own `id`/`custom_id`, or pass --allow-duplicate-ids")
 
 
 def resolve_or_fail(config: EngineConfig, device: torch.device | None = None) -> ResolvedModel:
@@ -146,7 +158,7 @@ def job_fingerprint(options: JobOptions, model: ResolvedModel) -> dict[str, str]
     return {"input": file_digest(options.input), "settings": settings_digest(settings)}
 
 
-def nothing_to_retry(options: JobOptions, state: JobState) -> bool:
+def nothing_to_retry(options: JobOptions, formats: JobFormats, state: JobState) -> bool:
     """--retry-errors: checks that OUTPUT may be retried (raises JobError); True when it has no error rows.
 
     A retry runs the error rows under this job's settings, which may differ from those OUTPUT was made
@@ -154,7 +166,7 @@ def nothing_to_retry(options: JobOptions, state: JobState) -> bool:
     are, so OUTPUT's columns must be the ones this job writes."""
     if options.overwrite:
         raise JobError("--retry-errors keeps OUTPUT's ok rows and --overwrite discards them: give one of the two")
-    if options.output_format != "cbatch":
+    if formats.openai_lines:
         raise JobError("--retry-errors: OpenAI batch output lines cannot be read back as rows; retry a job written "
                        "with --output-format cbatch, or run again with --overwrite")
     try:
@@ -163,7 +175,7 @@ def nothing_to_retry(options: JobOptions, state: JobState) -> bool:
         raise JobError(str(exc)) from None
     if state.dir.exists():  # a retry that was interrupted: resume it
         return False
-    columns = written_columns(options.output, output_format(options.output))
+    columns = written_columns(options.output, formats.output)
     expected = tuple(output_columns(options.token_ids, present=columns))  # optional columns as OUTPUT has them
     if columns != expected:
         raise JobError(f"--retry-errors: {options.output} has the columns {', '.join(columns)}, this job writes "
@@ -174,11 +186,11 @@ def nothing_to_retry(options: JobOptions, state: JobState) -> bool:
 def preflight(options: JobOptions) -> PreparedJob | None:
     """Every check that can refuse the job (raises JobError); None when OUTPUT is already complete for
     this input and these settings (nothing to do)."""
-    total_rows = validate_paths(options)
+    formats, total_rows = validate_paths(options)
     model = resolve_or_fail(options.engine)
     fingerprint = job_fingerprint(options, model)
-    state = JobState(options.output, fingerprint)
-    done = nothing_to_retry(options, state) if options.retry_errors else not options.overwrite and state.is_complete()
+    state = JobState(options.output, fingerprint, formats.output)
+    done = nothing_to_retry(options, formats, state) if options.retry_errors else not options.overwrite and state.is_complete()
     if done:
         if not options.quiet:
             what = "has no error rows to retry" if options.retry_errors else "is already complete for this input and settings"
@@ -189,4 +201,4 @@ def preflight(options: JobOptions) -> PreparedJob | None:
     except StateError as exc:
         raise JobError(str(exc)) from None
     config = replace(options.engine, model=str(model.checkpoint.path))
-    return PreparedJob(total_rows, config, model, fingerprint, state)
+    return PreparedJob(total_rows, config, model, fingerprint, state, formats)

@@ -433,5 +433,4 @@ def run_ray_job(options: JobOptions, ray_options: RayOptions, make_progress=None
         executor.stop_replicas()
         if started_ray:
             ray.shutdown()
-    return conclude_job(options, prepared.state, report, code, prepared.total_rows,
-                        f" | {executor.shape['replicas']} Ray replica(s)")
+    return conclude_job(options, prepared, report, code, f" | {executor.shape['replicas']} Ray replica(s)")
