@@ -25,7 +25,8 @@ LONG_ROWS = (4, 17)
 def ray_cluster():
     """One local Ray instance for the module (skipped cleanly where Ray is not installed)."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    # address="local": a new instance of its own, never a cluster `ray start` left running on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -53,6 +53,9 @@ def ray_head(tmp_path_factory):
     yield f"127.0.0.1:{port}", env
     os.killpg(head.pid, signal.SIGKILL)  # the head and every process it started (its own session)
     head.wait(timeout=60)
+    current = "/tmp/ray/ray_current_cluster"  # where `ray.init()` looks for a running cluster: not this dead one
+    if os.path.exists(current) and str(port) in open(current).read():
+        os.unlink(current)
 
 
 def _run(address: str, env: dict, tmp_path, model) -> subprocess.CompletedProcess:

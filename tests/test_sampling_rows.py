@@ -5,7 +5,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from cbatch.config import SamplingParams
+from cbatch.engine.engine import run_to_completion
 from cbatch.io.rows import RowError, parse_row
+from helpers import make_engine
 from ops_jobs import read_jsonl, run_inprocess, write_jsonl
 
 DEFAULTS = SamplingParams(chat_template_kwargs={"enable_thinking": False, "x": 1})
@@ -116,3 +118,7 @@ def test_truncate_prompt_tokens_runs_a_long_prompt_on_its_last_tokens(tiny_check
     assert [r["completion_token_ids"] for r in read_jsonl(tmp_path / "all.jsonl")][3] == tail["completion_token_ids"]
     with pytest.raises(RowError, match="^truncate_prompt_tokens must be a positive integer"):
         parse_row(0, {"prompt": "hi", "truncate_prompt_tokens": 0}, SamplingParams())
+    # the library API takes it too (Engine.add_request applies it, whatever the entry)
+    engine = make_engine(tiny_checkpoints["llama"], max_model_len=16)
+    outs = run_to_completion(engine, [long], [SamplingParams(max_tokens=4, truncate_prompt_tokens=6)])
+    assert outs[0].error is None and outs[0].token_ids == tail["completion_token_ids"]

@@ -136,7 +136,8 @@ class Engine:
         if seq_id is None:
             seq_id = self._next_id
         self._next_id = max(self._next_id, seq_id + 1)
-        prompt_ids = list(prompt_ids)
+        keep = params.truncate_prompt_tokens  # vLLM's: a longer prompt runs on its last `keep` tokens
+        prompt_ids = list(prompt_ids[-keep:] if keep is not None and keep >= 1 else prompt_ids)
         error = params.validate() or self.scheduler.admission_error(len(prompt_ids), params) or self._token_error(params)
         if error is None and params.stop and self.tokenizer is None:
             error = "stop strings need a tokenizer; this model has none"

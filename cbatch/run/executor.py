@@ -33,7 +33,8 @@ class Executor(Protocol):
 
 
 def tokenize_request(engine: Engine, request: RowRequest) -> list[int]:
-    """The prompt's token ids (its last `truncate_prompt_tokens` of them); raises RowError naming what is wrong."""
+    """The prompt's token ids (`Engine.add_request` keeps the last `truncate_prompt_tokens` of them); raises
+    RowError naming what is wrong."""
     tokenizer = engine.tokenizer
     if request.prompt_token_ids is not None:
         ids = request.prompt_token_ids
@@ -47,9 +48,6 @@ def tokenize_request(engine: Engine, request: RowRequest) -> list[int]:
                 ids = encode_text(tokenizer, request.prompt)
         except Exception as exc:  # a chat template raising on odd roles, a tokenizer edge case
             raise RowError(f"could not tokenize the prompt ({type(exc).__name__}: {exc})") from None
-    keep = request.params.truncate_prompt_tokens
-    if keep is not None:
-        ids = ids[-keep:]  # vLLM's truncate_prompt_tokens: the row runs on its prompt's last `keep` tokens
     vocab = engine.spec.vocab_size if engine.spec is not None else None
     outside = next((t for t in ids if t >= vocab), None) if vocab else None
     if outside is not None:
