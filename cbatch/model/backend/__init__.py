@@ -21,8 +21,6 @@ from cbatch.model.backend.rotary import RotaryStep
 from cbatch.model.backend.torch_backend import TorchBackend
 from cbatch.model.backend.triton_backend import TritonBackend
 
-BACKENDS = ("auto", "cpu", "torch", "triton")
-
 
 class Backend(Protocol):
     name: str
@@ -75,6 +73,6 @@ def make_backend(name: str, device: torch.device) -> Backend:
 
 
 __all__ = [
-    "AttentionLayer", "AttentionMetadata", "BACKENDS", "Backend", "BackendUnavailable", "CpuBackend", "FP8_KV_DTYPE", "KVLayer",
+    "AttentionLayer", "AttentionMetadata", "Backend", "BackendUnavailable", "CpuBackend", "FP8_KV_DTYPE", "KVLayer",
     "RotaryStep", "TorchBackend", "TritonBackend", "backend_name", "kv_cache_shape", "make_backend",
 ]
