@@ -16,7 +16,8 @@ import torch
 
 from cbatch.model.backend import cpu_kernels
 from cbatch.model.backend.cpu_backend import CpuBackend
-from cbatch.model.backend.metadata import FP8_KV_DTYPE, AttentionLayer, AttentionMetadata, KVLayer, kv_cache_shape
+from cbatch.fp8_kv import FP8_KV_DTYPE
+from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVLayer, kv_cache_shape
 from cbatch.model.backend.rotary import RotaryStep
 from cbatch.model.backend.torch_backend import TorchBackend
 from cbatch.model.backend.triton_backend import TritonBackend

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from cbatch.model.backend.metadata import FP8_KV_MAX, AttentionLayer, AttentionMetadata, KVLayer
+from cbatch.fp8_kv import FP8_KV_MAX
+from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVLayer
 from cbatch.model.backend.rotary import RotaryStep
 from cbatch.model.layers import linear
 from cbatch.model.quant import dequantize
