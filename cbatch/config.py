@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Iterator
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
@@ -14,6 +16,12 @@ KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 # (cbatch/engine/policy.py, the default first) and compute backends (cbatch/model/backend/, besides `auto`).
 POLICIES: tuple[str, ...] = ("longest-first", "fcfs", "static")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "cpu", "torch", "triton")
+
+
+def cache_root() -> Path:
+    """Where cbatch keeps what it converts or builds once (the default model, the CPU kernels): $CBATCH_CACHE,
+    else ~/.cache/cbatch."""
+    return Path(os.environ.get("CBATCH_CACHE", Path.home() / ".cache" / "cbatch"))
 
 
 class UserError(ValueError):

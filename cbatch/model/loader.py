@@ -10,23 +10,19 @@ from typing import Any, Iterator
 
 import torch
 
-from cbatch.config import UserError
 from cbatch.model.backend import Backend
+from cbatch.model.errors import ModelLoadError, UnsupportedModelError
 from cbatch.model.layers import Fp8Linear
 from cbatch.model.llama import LlamaForCausalLM
 from cbatch.model.moe import Experts
 from cbatch.model.quant import FP8_DTYPE, channel_scales, dequantize
-from cbatch.model.spec import ModelSpec, UnsupportedModelError, parse_spec, read_config
+from cbatch.model.spec import ModelSpec, parse_spec, read_config
 from cbatch.model.weights import Placement, TensorIndex, kept_fp8_modules, place
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
 from cbatch.parallel.shard import Piece, Shard
 
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
-
-
-class ModelLoadError(UserError):
-    """The model could not be found or read; the message says where and what to do."""
 
 
 @dataclass(frozen=True, slots=True)
