@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from cbatch.fp8_kv import FP8_KV_MAX
 from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVLayer
 from cbatch.model.backend.rotary import RotaryStep
-from cbatch.model.layers import linear
+from cbatch.model.onednn import linear
 from cbatch.model.quant import dequantize
 
 
