@@ -14,10 +14,10 @@ from cbatch.config import ConfigError, EngineConfig, SamplingParams
 from cbatch.engine.build import build_engine, load_rank_model, resolve_model
 from cbatch.engine.engine import run_to_completion
 from cbatch.model.llama import LlamaForCausalLM
+from cbatch.model.shard import check_tensor_parallel
+from cbatch.model.spec import parse_spec
 from cbatch.parallel.comm import Communicator
 from cbatch.parallel.group import Peers
-from cbatch.parallel.shard import check_tensor_parallel
-from cbatch.model.spec import parse_spec
 from helpers import random_prompts
 from ops_jobs import ROOT, part_records, run_inprocess, token_rows, write_jsonl
 from tiny_models import ARCHS, FAMILIES

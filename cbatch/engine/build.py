@@ -18,12 +18,12 @@ from cbatch.engine.runner import ModelRunner
 from cbatch.engine.warmup import warm_up
 from cbatch.model.backend import Backend, BackendUnavailable, cpu_kernels, make_backend
 from cbatch.model.cpu_features import bf16_speed_warning
-from cbatch.model.loader import Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir
 from cbatch.model.llama import LlamaForCausalLM
+from cbatch.model.loader import Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir
+from cbatch.model.shard import check_tensor_parallel
 from cbatch.model.spec import ModelSpec
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
 from cbatch.parallel.group import start_group
-from cbatch.parallel.shard import check_tensor_parallel
 
 
 @dataclass(frozen=True, slots=True)

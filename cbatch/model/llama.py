@@ -21,9 +21,9 @@ from cbatch.model.layers import Linear, RMSNorm
 from cbatch.model.moe import feed_forward
 from cbatch.model.onednn import linear, packed_linear, prepack_weight
 from cbatch.model.rope import rope_table
+from cbatch.model.shard import Shard
 from cbatch.model.spec import ModelSpec
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
-from cbatch.parallel.shard import Shard
 
 
 @dataclass(slots=True)

@@ -16,10 +16,10 @@ from cbatch.model.layers import Fp8Linear
 from cbatch.model.llama import LlamaForCausalLM
 from cbatch.model.moe import Experts
 from cbatch.model.quant import FP8_DTYPE, channel_scales, dequantize
+from cbatch.model.shard import Piece, Shard
 from cbatch.model.spec import ModelSpec, parse_spec, read_config
 from cbatch.model.weights import Placement, TensorIndex, kept_fp8_modules, place
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
-from cbatch.parallel.shard import Piece, Shard
 
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]

@@ -1,5 +1,5 @@
-"""Tensor parallelism: each layer split across ranks (`shard`), their collectives (`comm`), the worker
-processes (`group`). docs/tensor-parallel.md has the user's side."""
+"""Tensor parallelism: the ranks' collectives (`comm`), the worker processes (`group`); which share of each
+layer a rank holds is the model's (cbatch/model/shard.py). docs/tensor-parallel.md has the user's side."""
 
 
 class WorkerFailure(Exception):

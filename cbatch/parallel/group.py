@@ -1,6 +1,6 @@
 """Tensor parallelism's processes: rank 0 is the engine's own process (scheduler, sampler, driver: everything
 runs once), ranks 1..N-1 are worker processes spawned on the same machine, each holding its share of the
-weights and of the KV pool (cbatch.parallel.shard).
+weights and of the KV pool (cbatch.model.shard).
 
 Rank 0 drives; a worker only mirrors its runner. Every message goes rank 0 -> workers over a gloo group
 (pickled, small: the step's host arrays, `StepInputs`, never tensors of activations):
