@@ -32,8 +32,8 @@ import torch
 from cbatch.bench.simulator import CostModel
 from cbatch.config import EngineConfig, UserError
 from cbatch.engine import memory
-from cbatch.engine.build import ResolvedModel, resolve_device
 from cbatch.engine.engine import KVPool
+from cbatch.engine.resolve import ResolvedModel, resolve_device
 from cbatch.model.shard import Shard
 from cbatch.observe.roofline import DEVICE_PEAKS, ModelWork
 

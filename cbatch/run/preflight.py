@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from cbatch.config import EngineConfig, SamplingParams, UserError
-from cbatch.engine.build import ResolvedModel, resolve_model
+from cbatch.engine.resolve import ResolvedModel, resolve_model
 from cbatch.io.columns import KeepColumns, parquet_kept_types
 from cbatch.io.openai import OPENAI_LINE_FIELDS
 from cbatch.io.reader import find_duplicate_id, input_format, inspect_input
