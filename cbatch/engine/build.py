@@ -52,7 +52,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
     runner = make_runner(config, kv.num_blocks, kv.num_host_blocks)
     if device.type == "cuda" and model.backend.supports_cuda_graphs and not config.enforce_eager:
         runner.capture_decode_graphs(config.max_num_seqs, resolved.max_model_len)
-    if device.type == "cuda" and model.backend.name == "triton":
+    if device.type == "cuda" and model.backend.needs_warmup:
         warm_up(runner, config, resolved.max_model_len)  # every kernel variant compiles now, not mid-run
     tokenizer = None
     model_dir = resolved.checkpoint.path if resolved.checkpoint is not None else None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from cbatch.config import ConfigError, EngineConfig
-from cbatch.model.backend import Backend, BackendUnavailable, cpu_kernels, make_backend
+from cbatch.model.backend import Backend, BackendUnavailable, auto_choice, make_backend
 from cbatch.model.cpu_features import bf16_speed_warning
 from cbatch.model.llama import LlamaForCausalLM
 from cbatch.model.loader import Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir
@@ -60,14 +60,15 @@ def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: t
 
 
 def engine_backend(config: EngineConfig, device: torch.device) -> Backend:
-    """The compute backend --attention-backend names for `device` (a ConfigError when it cannot run there)."""
+    """The compute backend --attention-backend names for `device` (a ConfigError when it cannot run there). `auto`
+    says on stderr which backend made for the device it passed over, and why (the CPU's kernels without a compiler)."""
     try:
         backend = make_backend(config.attention_backend, device)
     except BackendUnavailable as exc:
         raise ConfigError("attention_backend", f"{config.attention_backend}: {exc}") from None
-    if config.attention_backend == "auto" and device.type == "cpu" and backend.name == "torch":
-        print(f"cbatch: note: the compiled CPU kernels are not available ({cpu_kernels.available()}); "
-              "running the plain-torch path, which is slower", file=sys.stderr)
+    if config.attention_backend == "auto":
+        for note in auto_choice(device)[1]:
+            print(f"cbatch: note: {note}", file=sys.stderr)
     return backend
 
 
