@@ -1,4 +1,5 @@
-"""Every engine knob in one place (`EngineConfig`), and per-request sampling settings (`SamplingParams`)."""
+"""Every engine knob in one place (`EngineConfig`) with the names it accepts, per-request sampling settings
+(`SamplingParams`), and the errors of a user's mistake. The ground floor: it imports nothing of cbatch."""
 from __future__ import annotations
 
 import math
