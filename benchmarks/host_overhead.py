@@ -24,10 +24,11 @@ import time
 
 import torch
 
-from cbatch.model.backend import TorchBackend
 from cbatch.config import EngineConfig, SamplingParams
-from cbatch.engine.build import build_engine, resolve_model
+from cbatch.engine.build import build_engine
+from cbatch.engine.resolve import resolve_model
 from cbatch.engine.step import StepOutput
+from cbatch.model.backend import TorchBackend
 from cbatch.model.spec import parse_spec
 
 # SmolLM2-135M-Instruct's shapes with a single layer: the model is never called, and one layer keeps

@@ -401,7 +401,7 @@ def gemm_probe(args: argparse.Namespace) -> dict:
     """Best GEMM rate (GFLOP/s) at the model's layer shapes with many rows (prefill-sized): the floor's rate."""
     import torch
 
-    from cbatch.model.layers import linear  # oneDNN for float32 on CPU (see there); torch's F.linear uses MKL
+    from cbatch.model.onednn import linear  # oneDNN for float32 on CPU (see there); torch's F.linear uses MKL
 
     torch.set_num_threads(args.threads)
     spec = json.loads(Path(args.workload).read_text())["spec"]

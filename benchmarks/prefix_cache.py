@@ -19,8 +19,9 @@ import time
 import torch
 
 from cbatch.config import EngineConfig, SamplingParams
-from cbatch.engine.build import build_engine, resolve_model
+from cbatch.engine.build import build_engine
 from cbatch.engine.engine import Engine, run_to_completion
+from cbatch.engine.resolve import resolve_model
 from cbatch.model.spec import parse_spec
 
 SMOLLM2_135M = {

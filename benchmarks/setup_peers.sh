@@ -51,7 +51,7 @@ llama)
     # the converter's needs (torch from the local CPU wheel); gguf-py comes from the llama.cpp tree itself
     "$venv/bin/pip" install torch==2.13.0 transformers sentencepiece
     model=$("$python" -c "from cbatch.model.default_model import default_model_dir; print(default_model_dir())")
-    cache=$("$python" -c "from cbatch.model.default_model import cache_root; print(cache_root())")
+    cache=$("$python" -c "from cbatch.config import cache_root; print(cache_root())")
     gguf="$cache/gguf/$(basename "$model")-f32.gguf"
     mkdir -p "$(dirname "$gguf")"
     [ -f "$gguf" ] || "$venv/bin/python" "$src/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py" \

@@ -6,7 +6,7 @@ __all__ = ["EngineConfig", "LLM", "SamplingParams"]
 
 def __getattr__(name: str):
     if name == "LLM":  # lazy: importing cbatch must not import torch
-        from cbatch.engine.engine import LLM
+        from cbatch.engine.llm import LLM
 
         return LLM
     raise AttributeError(name)

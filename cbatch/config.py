@@ -1,8 +1,11 @@
-"""Every engine knob in one place (`EngineConfig`), and per-request sampling settings (`SamplingParams`)."""
+"""Every engine knob in one place (`EngineConfig`) with the names it accepts, per-request sampling settings
+(`SamplingParams`), and the errors of a user's mistake. The ground floor: it imports nothing of cbatch."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
@@ -10,6 +13,16 @@ DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 ADMISSION_MODES: tuple[str, ...] = ("optimistic", "reserve")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
+# The names of what the layers above register (tests/test_registries.py holds them to these): admission policies
+# (cbatch/engine/policy.py, the default first) and compute backends (cbatch/model/backend/, besides `auto`).
+POLICIES: tuple[str, ...] = ("longest-first", "fcfs", "static")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "cpu", "torch", "triton")
+
+
+def cache_root() -> Path:
+    """Where cbatch keeps what it converts or builds once (the default model, the CPU kernels): $CBATCH_CACHE,
+    else ~/.cache/cbatch."""
+    return Path(os.environ.get("CBATCH_CACHE", Path.home() / ".cache" / "cbatch"))
 
 
 class UserError(ValueError):
@@ -59,9 +72,6 @@ class EngineConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        from cbatch.engine.policy import POLICIES
-        from cbatch.model.backend import BACKENDS
-
         def check(ok: bool, name: str, fix: str) -> None:
             if not ok:
                 raise ConfigError(name, fix)
@@ -73,7 +83,7 @@ class EngineConfig:
         one_of("device", DEVICES)
         one_of("dtype", DTYPES)
         one_of("policy", POLICIES)
-        one_of("attention_backend", BACKENDS)
+        one_of("attention_backend", ATTENTION_BACKENDS)
         one_of("preemption", PREEMPTION_MODES)
         one_of("admission", ADMISSION_MODES)
         one_of("kv_cache_dtype", KV_CACHE_DTYPES)

@@ -115,7 +115,7 @@ def test_without_a_compiler_auto_keeps_the_torch_path_and_says_so_once(tmp_path,
     """No cached build and a compiler that cannot run: auto picks torch (one note), an explicit --attention-backend
     cpu is a ConfigError naming why, and the failed build is not retried by each caller."""
     from cbatch.config import ConfigError, EngineConfig
-    from cbatch.engine.build import engine_backend
+    from cbatch.engine.resolve import engine_backend
     from cbatch.model.backend import backend_name
 
     monkeypatch.setenv("CBATCH_CACHE", str(tmp_path))

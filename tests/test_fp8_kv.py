@@ -79,7 +79,7 @@ def test_spec_kv_bytes_follow_the_dtype():
 
 def test_fp8_is_part_of_the_resume_fingerprint(tiny_checkpoints, tmp_path):
     """Rows computed with an fp8 cache never mix with rows computed without one on resume."""
-    from cbatch.engine.build import resolve_model
+    from cbatch.engine.resolve import resolve_model
     from cbatch.run.preflight import JobOptions, job_fingerprint
 
     source = tmp_path / "in.jsonl"

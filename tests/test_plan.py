@@ -85,13 +85,14 @@ def test_plan_lists_exactly_the_error_rows_run_produces(tiny_chat_model, tmp_pat
 
 def test_plan_never_loads_weights(tiny_chat_model, tmp_path, monkeypatch):
     import cbatch.engine.build as build
+    import cbatch.engine.resolve as resolve
     import cbatch.model.loader as loader
     from cbatch.model.weights import TensorIndex
 
     def refuse(*args, **kwargs):
         raise AssertionError("cbatch plan loaded weights")
 
-    for module, name in ((loader, "load_model"), (TensorIndex, "get"), (build, "load_model"), (build, "build_engine")):
+    for module, name in ((loader, "load_model"), (TensorIndex, "get"), (resolve, "load_model"), (build, "build_engine")):
         monkeypatch.setattr(module, name, refuse)
     source = write_jsonl(tmp_path / "in.jsonl", [r for r in mixed_rows(3) if isinstance(r, dict) and "id" in r][:20])
     code, stdout, err = plan(str(source), "--model", str(tiny_chat_model), *CHAT_FLAGS, "--allow-errors")
@@ -219,7 +220,7 @@ def test_gpu_preset_sizes_the_pool_from_its_memory(tiny_checkpoints, tmp_path):
 
 def test_default_costs_follow_the_model_and_the_device(tiny_checkpoints):
     from cbatch.config import EngineConfig
-    from cbatch.engine.build import resolve_model
+    from cbatch.engine.resolve import resolve_model
     from cbatch.plan.devices import device_kind
 
     config = EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="bfloat16")

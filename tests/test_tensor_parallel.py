@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from cbatch.config import ConfigError, EngineConfig, SamplingParams
-from cbatch.engine.build import build_engine, load_rank_model, resolve_model
+from cbatch.engine.build import build_engine
 from cbatch.engine.engine import run_to_completion
+from cbatch.engine.resolve import load_rank_model, resolve_model
+from cbatch.engine.tensor_parallel import Peers
 from cbatch.model.llama import LlamaForCausalLM
-from cbatch.parallel.comm import Communicator
-from cbatch.parallel.group import Peers
-from cbatch.parallel.shard import check_tensor_parallel
+from cbatch.model.shard import check_tensor_parallel
 from cbatch.model.spec import parse_spec
+from cbatch.parallel.comm import Communicator
 from helpers import random_prompts
 from ops_jobs import ROOT, part_records, run_inprocess, token_rows, write_jsonl
 from tiny_models import ARCHS, FAMILIES
@@ -196,7 +197,7 @@ def dataclasses_replace(obj, **changes):
 def test_plan_counts_one_ranks_share_and_the_all_reduces():
     """`cbatch plan --tensor-parallel-size 8` for a 70B-class model on H100s: it fits (no room on one rank),
     and a rank's prefill token costs about an eighth of one GPU's, plus the all-reduce traffic."""
-    from cbatch.engine.build import ResolvedModel
+    from cbatch.engine.resolve import ResolvedModel
     from cbatch.plan.devices import gpu_kind
 
     raw = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=8192, intermediate_size=28672,

@@ -10,8 +10,7 @@ from cbatch.bench.result import BenchRun, comparison_rows, comparison_table
 from cbatch.bench.simulator import SIMULATED_VOCAB, CostModel, cost_settings, simulated_engine
 from cbatch.bench.trial import make_bench_engine, run_trial, warm_up, workload_prompts
 from cbatch.bench.workload import BenchRequest, WorkloadError, parse_distribution, read_trace, synthetic_workload
-from cbatch.config import EngineConfig
-from cbatch.engine.policy import POLICIES
+from cbatch.config import POLICIES, EngineConfig
 
 ALL_POLICIES = tuple(reversed(POLICIES))  # static first: the baseline of the comparison
 

@@ -16,8 +16,9 @@ import numpy as np
 from cbatch.bench.result import BenchRun
 from cbatch.bench.workload import BenchRequest, random_prompt
 from cbatch.config import EngineConfig, SamplingParams
-from cbatch.engine.build import build_engine, resolve_model
+from cbatch.engine.build import build_engine
 from cbatch.engine.engine import Engine
+from cbatch.engine.resolve import resolve_model
 from cbatch.observe.metrics import JobMetrics
 from cbatch.observe.progress import NoProgress
 from cbatch.run.driver import drive

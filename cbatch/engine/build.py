@@ -1,80 +1,22 @@
-"""Building an engine: resolve the model (folder, config, device, dtype: no weights), then load it,
-size the KV pool and put scheduler and runner together.
-
-`resolve_model` is what a job's preflight checks and fingerprints before anything loads; `build_engine`
-consumes its result, so nothing is resolved twice.
+"""Building an engine: load the resolved model (cbatch/engine/resolve.py), size the KV pool and put scheduler
+and runner together. `build_engine` consumes `resolve_model`'s result, so nothing is resolved twice.
 """
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from cbatch.config import ConfigError, EngineConfig
+from cbatch.config import EngineConfig
 from cbatch.engine import memory
 from cbatch.engine.engine import Engine, KVPool
+from cbatch.engine.resolve import ResolvedModel, load_rank_model, resolve_model
 from cbatch.engine.runner import ModelRunner
+from cbatch.engine.tensor_parallel import start_group
 from cbatch.engine.warmup import warm_up
-from cbatch.model.backend import Backend, BackendUnavailable, cpu_kernels, make_backend
-from cbatch.model.cpu_features import bf16_speed_warning
-from cbatch.model.loader import Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir
-from cbatch.model.llama import LlamaForCausalLM
+from cbatch.model.backend import Backend
 from cbatch.model.spec import ModelSpec
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
-from cbatch.parallel.group import start_group
-from cbatch.parallel.shard import check_tensor_parallel
-
-
-@dataclass(frozen=True, slots=True)
-class ResolvedModel:
-    """A model as an engine will run it, known before its weights load."""
-
-    spec: ModelSpec
-    device: torch.device
-    dtype: torch.dtype
-    max_model_len: int
-    checkpoint: Checkpoint | None = None  # None: a weightless shape with random weights (benchmarks)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device", "cuda: no CUDA device is available here; use cpu")
-    return torch.device(name)
-
-
-def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: torch.device | None = None) -> ResolvedModel:
-    """`config.model` (or the default model) read up to its config.json; or a bare `spec` (random weights).
-    `device`: the one a planned run will use (`cbatch plan`), instead of `config.device` here. Warns (one
-    stderr line) when the dtype is bfloat16 on a CPU without native bfloat16. Refuses a --tensor-parallel-size
-    the model's shapes cannot split."""
-    checkpoint = None
-    if spec is None:
-        from cbatch.model.default_model import default_model_dir
-
-        checkpoint = read_checkpoint(resolve_model_dir(config.model) if config.model else default_model_dir())
-        spec = checkpoint.spec
-    check_tensor_parallel(spec, config.tensor_parallel_size)
-    device = device if device is not None else resolve_device(config.device)
-    max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-    dtype = resolve_dtype(config.dtype, spec, device)
-    if (warning := bf16_speed_warning(dtype, device)) is not None:
-        print(f"cbatch: warning: {warning}", file=sys.stderr)
-    return ResolvedModel(spec, device, dtype, max_model_len, checkpoint)
-
-
-def engine_backend(config: EngineConfig, device: torch.device) -> Backend:
-    """The compute backend --attention-backend names for `device` (a ConfigError when it cannot run there)."""
-    try:
-        backend = make_backend(config.attention_backend, device)
-    except BackendUnavailable as exc:
-        raise ConfigError("attention_backend", f"{config.attention_backend}: {exc}") from None
-    if config.attention_backend == "auto" and device.type == "cpu" and backend.name == "torch":
-        print(f"cbatch: note: the compiled CPU kernels are not available ({cpu_kernels.available()}); "
-              "running the plain-torch path, which is slower", file=sys.stderr)
-    return backend
 
 
 def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *, random_weights_seed: int = 0,
@@ -110,7 +52,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
     runner = make_runner(config, kv.num_blocks, kv.num_host_blocks)
     if device.type == "cuda" and model.backend.supports_cuda_graphs and not config.enforce_eager:
         runner.capture_decode_graphs(config.max_num_seqs, resolved.max_model_len)
-    if device.type == "cuda" and model.backend.name == "triton":
+    if device.type == "cuda" and model.backend.needs_warmup:
         warm_up(runner, config, resolved.max_model_len)  # every kernel variant compiles now, not mid-run
     tokenizer = None
     model_dir = resolved.checkpoint.path if resolved.checkpoint is not None else None
@@ -141,22 +83,6 @@ def tune_kernels(config: EngineConfig, resolved: ResolvedModel, backend: Backend
     result = backend.tune(shape, device).describe()
     torch.cuda.empty_cache()  # the synthetic K/V go back before the KV pool is sized
     return result
-
-
-def load_rank_model(config: EngineConfig, resolved: ResolvedModel, comm: Communicator, device: torch.device,
-                    random_weights_seed: int = 0, show_progress: bool = False) -> LlamaForCausalLM:
-    """This rank's model on `device` (the whole model on one rank): the checkpoint's weights, or random ones for
-    a weightless `resolved`; prepacked for oneDNN on CPU."""
-    backend = engine_backend(config, device)
-    dtype = resolved.dtype
-    if resolved.checkpoint is not None:
-        model = load_model(resolved.checkpoint, resolved.max_model_len, device, dtype, backend, show_progress, comm)
-    else:
-        model = build_model(resolved.spec, resolved.max_model_len, device, dtype, backend, comm=comm)
-        init_random_weights(model, random_weights_seed)
-    if device.type == "cpu":
-        model.prepack_for_cpu()
-    return model
 
 
 def _kv_pool(config: EngineConfig, resolved: ResolvedModel, spec: ModelSpec, kv_dtype: torch.dtype,

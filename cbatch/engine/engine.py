@@ -1,4 +1,4 @@
-"""The step loop tying scheduler and runner together, and the library API (`LLM.generate`).
+"""The step loop tying scheduler and runner together, and `run_to_completion` (a batch of requests through it).
 
     Engine.step():  scheduler.schedule() -> StepPlan -> runner.execute(plan) -> StepOutput (sampled tokens,
                     log-probabilities) -> scheduler.update(plan, ...) -> the sequences that finished
@@ -7,14 +7,15 @@ A request with `n` samples is one parent sequence (the row's seq_id) and n - 1 c
 seq_ids, never a row's), forked onto the parent's prompt KV by the scheduler; each finishes on its own.
 
 The runner is a model (`ModelRunner`) or the simulator's cost model (`cbatch.bench.simulator`): the
-engine, and so every loop that drives it, is the same for both. Engines are built in `build.py`.
+engine, and so every loop that drives it, is the same for both. Engines are built in `build.py`; the library
+API (`LLM.generate`) is `llm.py`.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Protocol, Sequence as Seq
+from typing import Any, Protocol, Sequence as Seq
 
 import torch
 
@@ -94,12 +95,6 @@ class Engine:
         self._next_id = 0
         self._child_ids = itertools.count(-1, -1)  # seq_ids of forked samples: negative, never a row's
         self.reset()
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> "Engine":
-        from cbatch.engine.build import build_engine
-
-        return build_engine(config)
 
     def close(self) -> None:
         """Releases what outlives the engine's objects (tensor-parallel worker processes). Idempotent."""
@@ -278,38 +273,6 @@ def make_scheduler(config: EngineConfig, kv: KVPool, max_model_len: int) -> Sche
     )
 
 
-class LLM:
-    """Library API: `LLM(model=...).generate(prompts, params)` returns outputs in input order. Loading and
-    generation show tqdm progress bars (in a notebook too) unless `use_tqdm=False`."""
-
-    def __init__(self, model: str | None = None, use_tqdm: bool = True, **engine_settings) -> None:
-        from cbatch.engine.build import build_engine
-
-        self.engine = build_engine(EngineConfig(model=model, **engine_settings), show_progress=use_tqdm)
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    def generate(
-        self,
-        prompts: Iterable[str] | None = None,
-        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        prompt_token_ids: Iterable[list[int]] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        if (prompts is None) == (prompt_token_ids is None):
-            raise ValueError("give either prompts or prompt_token_ids")
-        token_lists = (
-            [list(p) for p in prompt_token_ids]
-            if prompt_token_ids is not None
-            else [self.engine.tokenizer.encode(p) for p in prompts]
-        )
-        params = sampling_params or SamplingParams()
-        per_row = list(params) if isinstance(params, (list, tuple)) else [params] * len(token_lists)
-        return run_to_completion(self.engine, token_lists, per_row, use_tqdm)
-
-
 def run_to_completion(engine: Engine, token_lists: list[list[int]], params: list[SamplingParams],
                       use_tqdm: bool = False) -> list[RequestOutput]:
     """Runs every request through the engine; outputs in input order, a request's n samples in sample order.
@@ -334,4 +297,4 @@ def _progress_bar(total: int, what: str):
     return tqdm(total=total, desc=f"cbatch: {what}", unit="req", dynamic_ncols=True)
 
 
-__all__ = ["Engine", "KVPool", "LLM", "PendingResult", "RequestOutput", "Runner", "make_scheduler", "run_to_completion"]
+__all__ = ["Engine", "KVPool", "PendingResult", "RequestOutput", "Runner", "make_scheduler", "run_to_completion"]

@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from cbatch.config import EngineConfig, SamplingParams
+from cbatch.fp8_kv import FP8_KV_DTYPE
 from cbatch.model.spec import ModelSpec
 
 CUDA_GRAPH_RESERVE = 512 * 2**20  # decode graphs' own pool and workspace, besides their logits
@@ -35,8 +36,6 @@ def bytes_per_block(spec: ModelSpec, kv_dtype: torch.dtype, block_size: int) -> 
 
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
     """The KV cache's element type: --kv-cache-dtype fp8 (e4m3), else the model's dtype."""
-    from cbatch.model.backend import FP8_KV_DTYPE
-
     return FP8_KV_DTYPE if config.kv_cache_dtype == "fp8" else model_dtype
 
 

@@ -39,9 +39,6 @@ POLICY_BY_NAME: dict[str, AdmissionPolicy] = {
 }
 
 
-POLICIES: tuple[str, ...] = tuple(POLICY_BY_NAME)  # the default first
-
-
 def get_policy(name: str) -> AdmissionPolicy:
     return POLICY_BY_NAME[name]  # EngineConfig checked the name
 

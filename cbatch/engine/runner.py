@@ -85,8 +85,8 @@ class ModelRunner:
         self.backend: Backend = model.backend
         # the GPU path samples with the one-pass kernel where it covers the batch (cbatch/engine/fast_sampling.py)
         # (not under tensor parallelism: there the logits are gathered from the ranks outside the graph)
-        self.fused_sampling = self.backend.name == "triton" and model.comm.world == 1
-        self.peers = None  # tensor parallelism: the other ranks (cbatch.parallel.group.Peers), sent every step
+        self.fused_sampling = self.backend.fused_sampling and model.comm.world == 1
+        self.peers = None  # tensor parallelism: the other ranks (cbatch.engine.tensor_parallel.Peers), sent every step
         self.staging = HostStaging(device) if device.type == "cuda" else None  # pinned, non-blocking input copies
         # One allocation for every layer's K and V
         kv_dtype = kv_dtype or dtype

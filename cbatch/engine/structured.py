@@ -23,14 +23,11 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Sequence as Seq
+from typing import Any, Protocol, Sequence as Seq
 
 import torch
 
 from cbatch.config import Constraint
-
-if TYPE_CHECKING:
-    from cbatch.engine.sequence import Sequence
 
 _JSON_OPTIONS = dict(any_whitespace=False, strict_mode=True)
 ANY_JSON_OBJECT = '{"type": "object"}'  # json_object: any object (OpenAI's response_format json_object)
@@ -104,6 +101,14 @@ class GrammarState:
         return not self.matcher.is_terminated()
 
 
+class ConstrainedRow(Protocol):
+    """What `TokenMasks` reads of a sampling row: an engine `Sequence` (cbatch/engine/sequence.py holds the
+    GrammarState, so this module names no sequence)."""
+
+    grammar: GrammarState | None
+    num_result_tokens: int | None  # set: a finished static-group member computing padding (no mask)
+
+
 class Grammars:
     """One engine's grammar compiler over its tokenizer, and every constraint compiled once (by its text).
 
@@ -173,7 +178,7 @@ class TokenMasks:
         self._batch_matcher: Any = None
         self._bitmask: torch.Tensor | None = None
 
-    def start(self, seqs: list["Sequence"]) -> PendingMasks | None:
+    def start(self, seqs: Seq[ConstrainedRow]) -> PendingMasks | None:
         """Begins filling the masks of `seqs` (the step's sampling rows, in logits order) that are constrained;
         None when none is."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None and s.num_result_tokens is None and s.grammar.needs_mask]
@@ -203,5 +208,5 @@ class TokenMasks:
         return self._bitmask[:num_rows]
 
 
-__all__ = ["ANY_JSON_OBJECT", "ConstraintError", "GrammarState", "Grammars", "PendingMasks", "TokenMasks",
+__all__ = ["ANY_JSON_OBJECT", "ConstrainedRow", "ConstraintError", "GrammarState", "Grammars", "PendingMasks", "TokenMasks",
            "constraint_problem"]

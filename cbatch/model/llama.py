@@ -17,12 +17,13 @@ from torch import nn
 
 from cbatch.model.backend import AttentionMetadata, Backend, KVLayer, RotaryStep
 from cbatch.model.gemma import GemmaDecoderLayer
-from cbatch.model.layers import Linear, RMSNorm, linear, packed_linear, prepack_weight
+from cbatch.model.layers import Linear, RMSNorm
 from cbatch.model.moe import feed_forward
+from cbatch.model.onednn import linear, packed_linear, prepack_weight
 from cbatch.model.rope import rope_table
+from cbatch.model.shard import Shard
 from cbatch.model.spec import ModelSpec
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
-from cbatch.parallel.shard import Shard
 
 
 @dataclass(slots=True)
@@ -162,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def prepack_for_cpu(self) -> None:
-        """oneDNN-prepacked weights for every linear layer and the logits (see `layers.prepack_weight`).
+        """oneDNN-prepacked weights for every linear layer and the logits (see `onednn.prepack_weight`).
         A tied embedding keeps its plain copy for the lookup; the logits get a packed one beside it."""
         for module in self.modules():
             if isinstance(module, Linear):

@@ -10,23 +10,19 @@ from typing import Any, Iterator
 
 import torch
 
-from cbatch.config import UserError
 from cbatch.model.backend import Backend
+from cbatch.model.errors import ModelLoadError, UnsupportedModelError
 from cbatch.model.layers import Fp8Linear
 from cbatch.model.llama import LlamaForCausalLM
 from cbatch.model.moe import Experts
 from cbatch.model.quant import FP8_DTYPE, channel_scales, dequantize
-from cbatch.model.spec import ModelSpec, UnsupportedModelError, parse_spec, read_config
+from cbatch.model.shard import Piece, Shard
+from cbatch.model.spec import ModelSpec, parse_spec, read_config
 from cbatch.model.weights import Placement, TensorIndex, kept_fp8_modules, place
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
-from cbatch.parallel.shard import Piece, Shard
 
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
-
-
-class ModelLoadError(UserError):
-    """The model could not be found or read; the message says where and what to do."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,14 +113,14 @@ def _keep_fp8(model: LlamaForCausalLM, name: str, spec: ModelSpec, backend: Back
 def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype: torch.dtype,
                backend: Backend, show_progress: bool = False, comm: Communicator = SINGLE_RANK) -> LlamaForCausalLM:
     """The checkpoint's model on `device` (this tensor-parallel rank's share of it: `comm`). FP8 weights stay
-    FP8 with the Triton backend (the kernels dequantize tile by tile); the torch backend dequantizes them here,
-    once. `show_progress`: a tqdm bar over the checkpoint's tensors."""
+    FP8 where the backend `keeps_fp8_weights` (Triton: its kernels dequantize tile by tile); for any other they
+    are dequantized here, once. `show_progress`: a tqdm bar over the checkpoint's tensors."""
     files = sorted(ckpt.path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{ckpt.path} has no *.safetensors weights; cbatch reads safetensors checkpoints")
     index = TensorIndex(files)
     spec = ckpt.spec  # the full model's: placements are found in it, then cut to this rank's share
-    keep = kept_fp8_modules(index, spec) if backend.name == "triton" else set()
+    keep = kept_fp8_modules(index, spec) if backend.keeps_fp8_weights else set()
     model = build_model(spec, max_positions, device, dtype, backend, keep, comm)
     params = dict(model.named_parameters())
     filled = {name: 0 for name in params}  # elements written per parameter

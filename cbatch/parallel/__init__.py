@@ -1,5 +1,6 @@
-"""Tensor parallelism: each layer split across ranks (`shard`), their collectives (`comm`), the worker
-processes (`group`). docs/tensor-parallel.md has the user's side."""
+"""Tensor parallelism's ground floor: the ranks' collectives (`comm`), which the model holds, and the error of a
+dead rank. Which share of each layer a rank holds is the model's (cbatch/model/shard.py); the worker processes
+are the engine's (cbatch/engine/tensor_parallel.py). docs/tensor-parallel.md has the user's side."""
 
 
 class WorkerFailure(Exception):

@@ -30,7 +30,7 @@ SINGLE_RANK = Communicator()
 
 class ProcessGroupComm(Communicator):
     """torch.distributed's default group: gloo on CPU, NCCL on CUDA. Collectives give up after the group's
-    timeout (a dead rank never hangs the job: `cbatch.parallel.group` turns the error into a clear message)."""
+    timeout (a dead rank never hangs the job: `cbatch.engine.tensor_parallel` turns the error into a clear message)."""
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world

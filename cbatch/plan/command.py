@@ -10,7 +10,7 @@ from typing import Any
 
 from cbatch.bench.simulator import CostModel, cost_settings
 from cbatch.config import EngineConfig, SamplingParams
-from cbatch.engine.build import ResolvedModel, engine_backend
+from cbatch.engine.resolve import ResolvedModel, engine_backend
 from cbatch.io.reader import InputFile, inspect_input, iter_rows, open_input
 from cbatch.io.state import StorageError
 from cbatch.io.writer import check_writable

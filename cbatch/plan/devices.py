@@ -32,10 +32,10 @@ import torch
 from cbatch.bench.simulator import CostModel
 from cbatch.config import EngineConfig, UserError
 from cbatch.engine import memory
-from cbatch.engine.build import ResolvedModel, resolve_device
 from cbatch.engine.engine import KVPool
+from cbatch.engine.resolve import ResolvedModel, resolve_device
+from cbatch.model.shard import Shard
 from cbatch.observe.roofline import DEVICE_PEAKS, ModelWork
-from cbatch.parallel.shard import Shard
 
 GPU_MEMORY_GIB = {"H200": 141, "H100 PCIe": 80, "H100": 80, "A100": 80, "L40S": 48, "L4": 24, "A10": 24}
 FP32_SHARE_OF_PEAK = 1 / 16  # float32 on a GPU: CUDA cores, not tensor cores

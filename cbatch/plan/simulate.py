@@ -18,8 +18,8 @@ from typing import Sequence as Sequence_
 from cbatch.bench.simulator import CostModel, SimulatedRunner
 from cbatch.config import SAMPLING_FIELDS, EngineConfig, SamplingParams
 from cbatch.engine import memory
-from cbatch.engine.build import ResolvedModel
 from cbatch.engine.engine import Engine
+from cbatch.engine.resolve import ResolvedModel
 from cbatch.engine.step import StepOutput, StepPlan
 from cbatch.engine.sequence import Sequence
 from cbatch.io.reader import RawRow

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from cbatch.config import EngineConfig, SamplingParams, UserError
-from cbatch.engine.build import ResolvedModel, resolve_model
+from cbatch.engine.resolve import ResolvedModel, resolve_model
 from cbatch.io.columns import KeepColumns, parquet_kept_types
 from cbatch.io.openai import OPENAI_LINE_FIELDS
 from cbatch.io.reader import InputFile, find_duplicate_id, inspect_input, open_input

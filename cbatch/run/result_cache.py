@@ -39,7 +39,7 @@ from typing import Any, Iterator
 import torch
 
 from cbatch.config import EngineConfig, SamplingParams, UserError
-from cbatch.engine.build import ResolvedModel
+from cbatch.engine.resolve import ResolvedModel
 from cbatch.engine.sampler import sample_seed
 from cbatch.run.results import Record, RowResult
 

@@ -9,6 +9,7 @@ import torch
 
 from cbatch.model.backend import cpu_kernels
 from cbatch.model.backend.metadata import AttentionMetadata
+from cbatch.model.backend.registry import register
 from cbatch.model.backend.torch_backend import TorchBackend, _CacheReader, _Scoring
 
 
@@ -40,3 +41,19 @@ class CpuBackend(TorchBackend):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         fused = cpu_kernels.silu_and_mul(gate_up)
         return fused if fused is not None else super().silu_and_mul(gate_up)
+
+
+def _unavailable(device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return "cpu runs on the CPU only; use triton (or auto) on a GPU"
+    if (reason := cpu_kernels.available()) is not None:
+        return f"its kernel could not be built: {reason}; use torch"
+    return None
+
+
+def _passed_over() -> str:
+    return (f"the compiled CPU kernels are not available ({cpu_kernels.available()}); "
+            "running the plain-torch path, which is slower")
+
+
+register("cpu", CpuBackend, devices=("cpu",), unavailable=_unavailable, passed_over=_passed_over)

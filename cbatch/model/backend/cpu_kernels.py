@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from cbatch.config import cache_root
+
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 512  # decode attention's per-head buffers (cpu_kernels.cpp): larger heads go to the torch path
@@ -59,8 +61,6 @@ def target_isa() -> tuple[str, list[str]]:
 
 
 def _cache_dir() -> Path:
-    from cbatch.model.default_model import cache_root
-
     return cache_root() / "kernels"
 
 

@@ -33,14 +33,9 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (num_blocks, block_size, num_kv_heads, head_dim)
 
 
-# The fp8 KV cache (--kv-cache-dtype fp8): e4m3 with finite values only, the format Hopper's tensor cores read.
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_KV_MAX = 448.0  # its largest finite value: stores saturate here (a plain cast of a larger value is NaN)
-
-
 @dataclass(slots=True)
 class KVLayer:
-    """One layer's paged K and V caches (`kv_cache_shape` each). An fp8 cache (--kv-cache-dtype fp8) holds
+    """One layer's paged K and V caches (`kv_cache_shape` each). An fp8 cache (--kv-cache-dtype fp8, cbatch/fp8_kv.py) holds
     key / k_scale per kv head: k_scale, v_scale are float32 [num_kv_heads]; None for a cache in the
     activations' dtype."""
 

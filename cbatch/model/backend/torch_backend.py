@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from cbatch.model.backend.metadata import FP8_KV_MAX, AttentionLayer, AttentionMetadata, KVLayer
+from cbatch.fp8_kv import FP8_KV_MAX
+from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVLayer
+from cbatch.model.backend.registry import register
 from cbatch.model.backend.rotary import RotaryStep
-from cbatch.model.layers import linear
+from cbatch.model.onednn import linear
 from cbatch.model.quant import dequantize
 
 
@@ -35,6 +37,9 @@ class TorchBackend:
     supports_cuda_graphs = False  # `prepare` builds per-step host state that a graph cannot capture
     supports_tuning = False  # nothing to tune at start-up (no `tune`)
     groups_decodes = True  # decode rows in groups of similar context: slices of the batch when it is so ordered
+    needs_warmup = False  # nothing compiles per step shape
+    fused_sampling = False  # the torch sampler
+    keeps_fp8_weights = False  # FP8 checkpoints are dequantized once, at load
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state = _TorchStepState.build(meta)
@@ -415,3 +420,7 @@ def _decode_groups(meta: AttentionMetadata, decode_rows: list[int], starts: list
             length=num_blocks * meta.block_size,
         ))
     return groups
+
+
+# runs wherever torch does; `auto` takes it where no backend made for the device can run (the CPU without a compiler)
+register("torch", TorchBackend, devices=("cpu", "cuda"), fallback=True)

@@ -3,9 +3,12 @@ gated activations, fused MoE and FP8 matmuls through `cbatch.kernels` (the GPU p
 under TRITON_INTERPRET=1, for tests)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVLayer
+from cbatch.model.backend.registry import register
 from cbatch.model.backend.rotary import RotaryStep
 
 
@@ -20,6 +23,9 @@ class TritonBackend:
     supports_cuda_graphs = True  # no per-step host state: every layer reads the metadata's tensors
     groups_decodes = False  # one program per (row, head group): any row order
     supports_tuning = True  # `tune`: decode attention's tiles timed on the device at start-up
+    needs_warmup = True  # Triton compiles a kernel variant per shape class on its first launch
+    fused_sampling = True  # the one-pass sampling kernel runs where these kernels do
+    keeps_fp8_weights = True  # fp8_linear and fused_moe dequantize FP8 weights tile by tile
 
     def __init__(self) -> None:
         self.decode_tiles = None  # DecodeTiles once `tune` ran; None: the kernel's own policy
@@ -115,3 +121,12 @@ class TritonBackend:
         from cbatch.kernels import fused_moe
 
         return fused_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block)
+
+
+def _unavailable(device: torch.device) -> str | None:
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "triton runs on a CPU only under the Triton interpreter (TRITON_INTERPRET=1, for testing); use cpu or torch"
+    return None
+
+
+register("triton", TritonBackend, devices=("cuda",), unavailable=_unavailable)

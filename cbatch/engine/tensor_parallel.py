@@ -1,6 +1,7 @@
 """Tensor parallelism's processes: rank 0 is the engine's own process (scheduler, sampler, driver: everything
 runs once), ranks 1..N-1 are worker processes spawned on the same machine, each holding its share of the
-weights and of the KV pool (cbatch.parallel.shard).
+weights and of the KV pool (cbatch.model.shard). Rank 0's build starts them (`start_group`); each loads its
+share as rank 0 does (`load_rank_model`) and builds the same `ModelRunner`.
 
 Rank 0 drives; a worker only mirrors its runner. Every message goes rank 0 -> workers over a gloo group
 (pickled, small: the step's host arrays, `StepInputs`, never tensors of activations):
@@ -24,6 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cbatch.config import EngineConfig
+from cbatch.engine.resolve import ResolvedModel, load_rank_model
+from cbatch.engine.runner import ModelRunner
+from cbatch.model.llama import LlamaForCausalLM
 from cbatch.parallel import WorkerFailure
 from cbatch.parallel.comm import ProcessGroupComm, init_process_group
 
@@ -37,8 +42,8 @@ class WorkerArgs:
     rank: int
     world: int
     port: int
-    config: Any  # EngineConfig
-    resolved: Any  # cbatch.engine.build.ResolvedModel
+    config: EngineConfig
+    resolved: ResolvedModel
     timeout_s: float
 
 
@@ -93,7 +98,7 @@ class Peers:
         self.processes = []
 
 
-def start_group(config: Any, resolved: Any) -> tuple[ProcessGroupComm, Peers]:
+def start_group(config: EngineConfig, resolved: ResolvedModel) -> tuple[ProcessGroupComm, Peers]:
     """Spawns ranks 1..N-1 and joins the group as rank 0; returns rank 0's communicator and its peers."""
     world = config.tensor_parallel_size
     port = _free_port()
@@ -110,8 +115,6 @@ def start_group(config: Any, resolved: Any) -> tuple[ProcessGroupComm, Peers]:
 
 def worker_main(args: WorkerArgs) -> None:
     """A worker rank: loads its share of the model, then mirrors rank 0's runner until "stop"."""
-    from cbatch.engine.build import load_rank_model
-
     device = args.resolved.device
     if device.type == "cuda":
         device = torch.device("cuda", args.rank)
@@ -131,10 +134,8 @@ def worker_main(args: WorkerArgs) -> None:
         dist.destroy_process_group()
 
 
-def _serve(message: tuple, model: Any, runner: Any, device: torch.device) -> Any:
+def _serve(message: tuple, model: LlamaForCausalLM, runner: ModelRunner | None, device: torch.device) -> ModelRunner | None:
     """Carries out one message from rank 0; returns the worker's (possibly new) runner."""
-    from cbatch.engine.runner import ModelRunner
-
     kind = message[0]
     if kind == "runner":
         return ModelRunner(model, device=device, **message[1])

@@ -1,0 +1,33 @@
+"""What every compute backend is: the `Backend` protocol. The engine and the model ask a backend what it can do
+through its capability flags, never which backend it is (tests/test_registries.py holds every registered
+backend to every member, and the code outside cbatch/model/backend/ to comparing no backend's name)."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVLayer
+from cbatch.model.backend.rotary import RotaryStep
+
+
+class Backend(Protocol):
+    name: str  # its --attention-backend name: for reports and fingerprints, never for decisions
+    supports_cuda_graphs: bool  # no per-step host state: decode steps may run as captured CUDA graphs
+    groups_decodes: bool  # attends neighbouring decode rows together: the runner orders them by context length
+    supports_tuning: bool  # has `tune(shape: kernels.tuning.DecodeShape, device) -> TuningResult` (start-up tuning)
+    needs_warmup: bool  # compiles a kernel variant per step shape on first launch: a GPU engine runs them all first
+    fused_sampling: bool  # runs where the Triton kernels run: the runner may sample with the one-pass kernel
+    keeps_fp8_weights: bool  # fp8_linear / fused_moe take FP8 weights and scales as stored (else dequantized at load)
+
+    def prepare(self, meta: AttentionMetadata) -> None: ...
+    def attention(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
+                  meta: AttentionMetadata) -> torch.Tensor: ...  # norms, rotary, KV store, attention (soft-capped)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor: ...
+    def add_rms_norm(self, x, residual, weight, eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def rotary(self, positions: torch.Tensor, cos_sin: torch.Tensor, dtype: torch.dtype) -> RotaryStep: ...
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def fp8_linear(self, x, weight, scale, block: tuple[int, int] | None, bias) -> torch.Tensor: ...
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, activation: str, w13_scale=None, w2_scale=None,
+                  block: tuple[int, int] | None = None) -> torch.Tensor: ...
