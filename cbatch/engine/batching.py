@@ -16,14 +16,31 @@ Each hook takes the scheduler (`sched`) and reads its running list, waiting queu
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from cbatch.engine.kv_blocks import prefix_hits
+from cbatch.engine.kv_manager import KVManager
 from cbatch.engine.sequence import Sequence
 from cbatch.engine.step import StepPlan
 
-if TYPE_CHECKING:  # annotations only: the scheduler imports this module
-    from cbatch.engine.scheduler import Scheduler
+
+class Scheduler(Protocol):
+    """What the hooks below use of the scheduler (`engine.scheduler.Scheduler`, which imports this module)."""
+
+    running: list[Sequence]
+    kv: KVManager
+    admission: "OptimisticAdmission"
+    max_model_len: int
+
+    @property
+    def num_waiting(self) -> int: ...
+    def peek_waiting(self) -> Sequence | None: ...
+    def pop_waiting(self) -> Sequence: ...
+    def has_slots(self, seq: Sequence) -> bool: ...
+    def start(self, seq: Sequence) -> None: ...
+    def grow(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool: ...
+    def stall(self, reason: str) -> None: ...
+    def admit_in_order(self, plan: StepPlan, budget: int) -> int: ...
 
 
 class ContinuousBatching:
