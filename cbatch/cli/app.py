@@ -124,6 +124,18 @@ def check_lookahead(values: dict[str, Any]) -> None:
         fail("--lookahead: must be at least 1")
 
 
+def job_deadline(values: dict[str, Any]):
+    """--max-wall-time / --deadline, from now (the job's start); None without them. A bad value: one line, exit 2."""
+    import time
+
+    from cbatch.run.deadline import make_deadline
+
+    try:
+        return make_deadline(values["max_wall_time"], values["deadline"], values.get("deadline_grace", "0s"), time.time())
+    except UserError as exc:
+        fail(str(exc))
+
+
 def job_seed(values: dict[str, Any]) -> int:
     return values["seed"] if values["seed"] is not None else 0
 
@@ -145,6 +157,9 @@ def run(**values: Any) -> None:
         fail(f"--output-format: must be cbatch or openai, not {values['output_format']!r}")
     if values["keep_columns"] is not None and values["ray"] is not None:
         fail("--keep-columns: not available with --ray yet; run locally or leave it out")
+    deadline = job_deadline(values)
+    if deadline is not None and values["ray"] is not None:
+        fail(f"{deadline.flag.split()[0]}: not available with --ray yet; run locally or leave it out")
     config = engine_config(values, RUN_FLAGS, seed=job_seed(values))
     defaults = sampling_defaults(values)
     try:
@@ -153,6 +168,7 @@ def run(**values: Any) -> None:
         fail(str(exc))
     options = JobOptions(
         input=values["input"], output=values["out"], engine=config, defaults=defaults, result_cache_limit=cache_limit,
+        deadline=deadline,
         **{name: values[name] for name in ("token_ids", "overwrite", "allow_errors", "report", "quiet", "lookahead",
                                            "display", "plot", "progress_interval", "result_cache", "retry_errors",
                                            "reasoning_split", "output_format", "keep_columns", "allow_duplicate_ids")},
@@ -213,7 +229,7 @@ def plan(**values: Any) -> None:
     check_lookahead(values)
     options = PlanOptions(
         input=values["input"], engine=engine_config(values, PLAN_FLAGS, seed=job_seed(values)),
-        defaults=sampling_defaults(values),
+        defaults=sampling_defaults(values), deadline=job_deadline(values),
         **{name: values[name] for name in ("cost_from", "lengths_from", "device_kind", "report", "search",
                                            "allow_errors", "quiet", "lookahead", "result_cache")},
     )

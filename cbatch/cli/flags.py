@@ -143,6 +143,16 @@ JOB_FLAGS = [
     Flag("progress_interval", float, 10.0, "Seconds between plain progress lines (logs, cron).", JOB),
 ]
 
+DEADLINE_FLAGS = [
+    Flag("max_wall_time", Optional[str], None, "End the job this long after it starts (90m, 2h, 1h30m): rows not "
+         "finished by then become `expired` error rows (exit 75); the same command again runs only those.", JOB,
+         metavar="DURATION"),
+    Flag("deadline", Optional[str], None, "End the job at this local time (HH:MM, the next one; or 2026-11-27T06:00), "
+         "as --max-wall-time does.", JOB, metavar="TIME"),
+    Flag("deadline_grace", str, "60s", "At the deadline no new row starts; the running rows get this long to finish.",
+         JOB, metavar="DURATION"),
+]
+
 RAY_FLAGS = [
     Flag("ray", Optional[str], None, "Run on Ray: a local instance, or join the cluster at ADDRESS (host:port, auto, "
          "ray://...).", RAY, decls=("--ray",), metavar="[ADDRESS]"),
@@ -205,10 +215,11 @@ def flags_named(flags: list[Flag], *names: str) -> list[Flag]:
     return [by_name[name] for name in names]
 
 
-RUN_FLAGS = JOB_FLAGS[:2] + engine_flags("longest-first") + SAMPLING_FLAGS + JOB_FLAGS[2:] + ACROSS_JOBS_FLAGS + RAY_FLAGS
+RUN_FLAGS = (JOB_FLAGS[:2] + engine_flags("longest-first") + SAMPLING_FLAGS + JOB_FLAGS[2:] + DEADLINE_FLAGS
+             + ACROSS_JOBS_FLAGS + RAY_FLAGS)
 BENCH_COMMAND_FLAGS = BENCH_FLAGS[:7] + engine_flags(None) + BENCH_FLAGS[7:]
 PLAN_FLAGS = (JOB_FLAGS[:1] + engine_flags("longest-first") + SAMPLING_FLAGS + PLAN_OWN_FLAGS
-              + flags_named(JOB_FLAGS, "allow_errors", "quiet", "lookahead") + ACROSS_JOBS_FLAGS[:1])
+              + flags_named(JOB_FLAGS, "allow_errors", "quiet", "lookahead") + DEADLINE_FLAGS[:2] + ACROSS_JOBS_FLAGS[:1])
 ALL_FLAGS = RUN_FLAGS + BENCH_COMMAND_FLAGS + PLAN_FLAGS
 
 

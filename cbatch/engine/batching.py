@@ -11,6 +11,7 @@ Admission (--admission):
 - OptimisticAdmission: a request starts when its next chunk's blocks are free.
 - ReserveAdmission: only when its whole prompt + max_tokens (and its samples') fits in the blocks nobody
   running has a claim on, so it never preempts.
+- ClosedAdmission: nothing starts (`Engine.close_admission`: a job's deadline came).
 
 Each hook takes the scheduler (`sched`) and reads its running list, waiting queue and KV manager.
 """
@@ -146,6 +147,15 @@ class ReserveAdmission(OptimisticAdmission):
     def spare_blocks(self, sched: Scheduler) -> int:
         """Running sequences' future growth is claimed. NOTE: that is what makes reserve admission never preempt."""
         return sched.kv.pool.num_free - sched.kv.claimed_blocks(sched.running)
+
+
+class ClosedAdmission(OptimisticAdmission):
+    """Nothing new starts (a job's deadline came: the running rows finish, the waiting ones stay waiting)."""
+
+    name = "closed"
+
+    def refuses(self, sched: Scheduler, seq: Sequence, hits: list[int]) -> str | None:
+        return "closed"
 
 
 ADMISSIONS = {"optimistic": OptimisticAdmission, "reserve": ReserveAdmission}

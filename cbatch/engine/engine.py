@@ -20,6 +20,7 @@ from typing import Any, Protocol, Sequence as Seq
 import torch
 
 from cbatch.config import Constraint, EngineConfig, SamplingParams
+from cbatch.engine.batching import ClosedAdmission
 from cbatch.engine.kv_blocks import BlockPool
 from cbatch.engine.logprobs import Logprobs
 from cbatch.engine.scheduler import Scheduler
@@ -179,6 +180,12 @@ class Engine:
             if outside is not None:
                 return f"{name} has token id {outside}, outside the model's vocabulary (ids 0..{vocab - 1})"
         return None
+
+    def close_admission(self) -> None:
+        """No request starts from now on (a job's deadline): the waiting ones leave the queue unfinished (their
+        caller reports them), the running ones go on to their ends (a preempted one waits, never to start)."""
+        self.scheduler.admission = ClosedAdmission()
+        self.scheduler.withdraw_waiting()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None

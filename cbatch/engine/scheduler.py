@@ -1,15 +1,13 @@
 """Iteration-level scheduler: decides, every step, which sequences run and how many tokens each gets.
 
-One token budget (vLLM v1's rule): a sequence has `num_computed` of `num_tokens` tokens in the KV
-cache; each step gives it tokens so that computed catches up. Decode (1 token), chunked prefill
-(k tokens), recompute after preemption and prefix-cache hits all fall out of that rule.
+One token budget (vLLM v1's rule): a sequence has `num_computed` of `num_tokens` tokens in the KV cache; each
+step gives it tokens so that computed catches up. Decode (1 token), chunked prefill (k tokens), recompute after
+preemption and prefix-cache hits all fall out of that rule.
 
-Order inside a step: running decodes first (they are never starved), then running prefills that
-were chunked, then admission of waiting requests while budget, sequence slots and KV blocks last.
-When blocks run out, the least important running sequence (lowest priority class, newest admitted
-among equals) is preempted: by recompute (its blocks are freed) or by swap (its blocks are copied
-to host memory first); it goes back to the waiting queue ahead of never-started work of its class.
-No admission happens in a step that preempted.
+Order inside a step: running decodes first (never starved), then chunked prefills, then admission of waiting
+requests while budget, slots and KV blocks last. When blocks run out, the least important running sequence
+(lowest priority class, newest admitted among equals) is preempted, by recompute (its blocks freed) or swap
+(copied to host memory first), and requeued ahead of never-started work of its class; no admission that step.
 
 The policies are objects (policy.py): admission order, priority classes with aging, preemption mode;
 the admission variants too (batching.py): static groups, and `reserve` admission (a request starts only
@@ -96,6 +94,16 @@ class Scheduler:
         """A preempted sequence goes ahead of never-started work of its class, latest preempted first."""
         self._num_requeued += 1
         heapq.heappush(self._waiting, ((self.priority.rank(seq), 0, -self._num_requeued, ()), seq))
+
+    def withdraw_waiting(self) -> list[Sequence]:
+        """Takes every waiting sequence out of the queue, unfinished (a job's deadline). They hold no device
+        blocks; a swapped-out one gives its host slots back."""
+        withdrawn = [seq for _, seq in self._waiting]
+        self._waiting = []
+        for seq in withdrawn:
+            self.host.release(seq.host_block_ids)
+            seq.host_block_ids = []
+        return withdrawn
 
     @property
     def num_waiting(self) -> int:
@@ -300,14 +308,10 @@ class Scheduler:
 
     # ---- after the step ---------------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: Mapping[int, int], logprobs: StepLogprobs | None = None) -> list[Sequence]:
-        """Applies a computed step: returns the sequences that left the batch finished.
-
-        `sampled` maps seq_id -> token for every sequence whose chunk reached its last token (those
-        sample; the others computed part of a prompt), and for the samples such a sequence forks;
-        `logprobs` has the log-probabilities of the sequences that ask. The step's counters go to `last_step`.
-        The two halves, `account` (what the step computed) then `resolve` (what it sampled), run apart under
-        asynchronous scheduling: the next step is scheduled between them.
-        """
+        """Applies a computed step; returns the sequences that left the batch finished. `sampled`: seq_id -> token
+        of every sequence whose chunk reached its last token, and of the samples it forks; `logprobs`: those asked.
+        Its halves, `account` (what the step computed) and `resolve` (what it sampled), run apart under
+        asynchronous scheduling: the next step is scheduled between them. The step's counters go to `last_step`."""
         self.account(plan)
         return self.resolve(plan, sampled, logprobs)
 

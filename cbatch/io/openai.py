@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from cbatch.config import SAMPLING_FIELDS, UserError
+from cbatch.io.outcomes import EXPIRED, FAILED
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 OBJECT_OF_URL = {CHAT_URL: "chat.completion", COMPLETIONS_URL: "text_completion"}
@@ -200,11 +201,12 @@ def output_line(samples: list[dict[str, Any]], model: str, created: int) -> dict
     row: an error-file line)."""
     first = samples[0]
     digest = _request_digest(first)
-    failed = next((r for r in samples if r["finish_reason"] == "error"), None)
+    failed = next((r for r in samples if r["finish_reason"] in FAILED), None)
     if failed is not None:
+        expired = failed["finish_reason"] == EXPIRED  # as OpenAI's batches write a request the window did not reach
         body = {"error": {"message": failed.get("error") or "failed", "type": "invalid_request_error",
-                          "param": None, "code": None}}
-        status = 400
+                          "param": None, "code": "batch_expired" if expired else None}}
+        status = 408 if expired else 400
     else:
         body, status = _completion_body(samples, digest, model, created), 200
     return {"id": f"batch_req_{digest}", "custom_id": first["id"],

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator
 
 
 from cbatch.config import UserError
+from cbatch.io.outcomes import EXPIRED, FAILED
 from cbatch.io.writer import OUTPUT_COLUMNS, read_output
 
 
@@ -140,7 +141,8 @@ class JobState:
         self._last_sync = time.monotonic()
         self._places: dict[RecordKey, int] = {}  # (row, sample) -> where its record is (see _PART_SHIFT)
         self._num_samples: dict[int, int] = {}  # row index -> n, for rows with n > 1
-        self.error_rows: set[RecordKey] = set()
+        self.error_rows: set[RecordKey] = set()  # records of failed rows: errors and expired ones
+        self.expired_rows: set[RecordKey] = set()  # of those, the ones a deadline left unfinished
         self.columns: set[str] = set()  # keys of the records: which optional output columns OUTPUT has
         self._retry_of: Any = None  # --retry-errors: the fingerprint of the job whose ok rows were kept
 
@@ -272,7 +274,7 @@ class JobState:
         seeding.mkdir()
         with open(seeding / "part-0001.jsonl", "wb") as f:
             for index, samples in _output_rows(read_output(self.output, self.output_format)):
-                if all(row.get("finish_reason") != "error" for row in samples):  # else the whole row runs again
+                if all(row.get("finish_reason") not in FAILED for row in samples):  # else the whole row runs again
                     for row in samples:
                         own = {k: v for k, v in row.items() if k in OUTPUT_COLUMNS}
                         kept = {k: v for k, v in row.items() if k not in OUTPUT_COLUMNS}  # --keep-columns values
@@ -337,7 +339,9 @@ class JobState:
                         record = json.loads(line)
                     except ValueError:
                         record = None  # the torn tail of a killed run: that row runs again
-                    if isinstance(record, dict) and isinstance(record.get("index"), int):
+                    # an expired record (a deadline's) is no finished row: the row runs again
+                    if (isinstance(record, dict) and isinstance(record.get("index"), int)
+                            and record.get("finish_reason") != EXPIRED):
                         self._remember(record, part_no, offset)
                     offset += len(line)
         return self.finished()
@@ -361,10 +365,12 @@ class JobState:
         self.columns.update(record)
         if record.get("num_samples", 1) > 1:
             self._num_samples[key[0]] = record["num_samples"]
-        if record.get("finish_reason") == "error":
-            self.error_rows.add(key)
-        else:
-            self.error_rows.discard(key)
+        for rows, belongs in ((self.error_rows, record.get("finish_reason") in FAILED),
+                              (self.expired_rows, record.get("finish_reason") == EXPIRED)):
+            if belongs:
+                rows.add(key)
+            else:
+                rows.discard(key)
 
     # ---- while running ---------------------------------------------------------------------------
     @property
@@ -435,9 +441,9 @@ class JobState:
             for f in files.values():
                 f.close()
 
-    # ---- success ---------------------------------------------------------------------------------
-    def finish(self, write_output: Callable[[Path], None], summary: dict[str, Any]) -> None:
-        """Writes OUTPUT atomically with `write_output(tmp_path)`, records it complete, removes the state."""
+    # ---- the end ---------------------------------------------------------------------------------
+    def _write_output(self, write_output: Callable[[Path], None]) -> None:
+        """OUTPUT, whole: `write_output(tmp_path)`, fsync, rename over OUTPUT."""
         self.sync()
         tmp = self.output.parent / f".{self.output.name}.tmp-{os.getpid()}"
         try:
@@ -450,6 +456,19 @@ class JobState:
             raise StorageError(self.output, exc, "OUTPUT") from None
         finally:
             tmp.unlink(missing_ok=True)
+
+    def publish_expired(self, write_output: Callable[[Path], None]) -> None:
+        """A deadline's end: OUTPUT written whole (its expired rows among the others) while the state stays, so the
+        same command run again resumes: the expired records are not loaded as finished (`_load_parts`), and only
+        those rows run. OUTPUT is not recorded complete until then."""
+        self._write_output(write_output)
+        self.done_record.unlink(missing_ok=True)  # (a --retry-errors start had one: it no longer describes OUTPUT)
+        _fsync_dir(self.output.parent)
+        self.close()
+
+    def finish(self, write_output: Callable[[Path], None], summary: dict[str, Any]) -> None:
+        """Writes OUTPUT atomically with `write_output(tmp_path)`, records it complete, removes the state."""
+        self._write_output(write_output)
         try:
             retry = {} if self._retry_of is None else {"retry_of": self._retry_of}
             _write_atomic(self.done_record, json.dumps(

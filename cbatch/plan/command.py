@@ -18,6 +18,7 @@ from cbatch.observe.report import write_report
 from cbatch.plan.devices import DeviceKind, device_kind
 from cbatch.plan.lengths import OutputLengths
 from cbatch.plan.simulate import PlanSetup, Simulation, fastest, search, simulate_rows
+from cbatch.run.deadline import Deadline
 from cbatch.run.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
 from cbatch.run.preflight import JobError, resolve_or_fail
 from cbatch.run.result_cache import DEFAULT_CACHE_LIMIT, RowCache, open_row_cache
@@ -39,6 +40,7 @@ class PlanOptions:
     quiet: bool = False
     lookahead: int = 16384
     result_cache: Path | None = None  # rows found there are not simulated (the run would copy them)
+    deadline: Deadline | None = None  # the run's --max-wall-time / --deadline: a prediction past it is warned of
 
 
 def run_plan(options: PlanOptions) -> int:
@@ -56,6 +58,9 @@ def run_plan(options: PlanOptions) -> int:
     simulations = search(first, setup) if options.search and first.accepted else [first]
     plan = plan_report(options, setup, cost_source, simulations)
     print_plan(plan, options.quiet)
+    if options.deadline is not None and (warning := deadline_warning(plan, options.deadline, cost.unit)):
+        plan["deadline_warning"] = warning
+        print(f"cbatch plan: warning: {warning}", file=sys.stderr)
     if options.report is not None:
         try:
             write_report(options.report, plan)
@@ -124,6 +129,17 @@ def plan_report(options: PlanOptions, setup: PlanSetup, cost_source: str, simula
                        "wall_seconds": s.wall, "error_rows": len(s.errors)} for s in simulations],
         },
     }
+
+
+def deadline_warning(plan: dict[str, Any], deadline: Deadline, unit: str) -> str | None:
+    """Why the predicted run does not fit the deadline (None: it fits, or the costs are not in seconds)."""
+    if unit != "s":
+        return None
+    left, wall = deadline.at - deadline.clock(), plan["predicted"]["wall_seconds"]
+    if wall <= left:
+        return None
+    return (f"the predicted run ({wall:,.0f} s, model loading aside) does not fit {deadline.flag} ({max(left, 0):,.0f} s "
+            "from now): the rows left at the deadline would expire; allow more time, or run fewer rows")
 
 
 def print_plan(plan: dict[str, Any], quiet: bool) -> None:

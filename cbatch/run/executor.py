@@ -8,10 +8,11 @@ index is its seq_id) and result wherever it runs. A row that fails before it run
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Iterable, Protocol
 
 from cbatch.config import SamplingParams
 from cbatch.engine.engine import Engine, RequestOutput
+from cbatch.io.outcomes import EXPIRED
 from cbatch.engine.sequence import Sequence
 from cbatch.io.columns import KeepColumns
 from cbatch.io.reader import RawRow
@@ -30,6 +31,19 @@ class Executor(Protocol):
     def end_of_input(self) -> None: ...  # no more rows will come
     def busy(self) -> bool: ...  # rows submitted and not yet returned
     def poll(self) -> list[RowResult]: ...  # advance (one engine step, or wait for a block); finished rows
+    # a deadline (run/deadline.py): nothing new starts; then what is left of every row becomes `expired` results
+    def stop_starting(self) -> None: ...
+    def expire(self, message: str) -> list[RowResult]: ...  # every submitted row not yet returned
+    def expire_unsubmitted(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int],
+                           message: str) -> list[RowResult]: ...  # a row never submitted
+
+
+def expired_results(index: int, row_id: str, num_samples: int, samples: Iterable[int], message: str,
+                    echo: dict[str, Any], kept: dict[str, Any]) -> list[RowResult]:
+    """One `expired` result for each of a row's `samples` a deadline left unfinished (each naming the row's n)."""
+    samples = sorted(samples)
+    return [RowResult(index, row_id, EXPIRED, error=message, sample_index=i, num_samples=num_samples,
+                      last=i == samples[-1], echo=echo, kept=kept) for i in samples]
 
 
 def tokenize_request(engine: Engine, request: RowRequest) -> list[int]:
@@ -60,7 +74,8 @@ class _PendingRow:
     row_id: str
     queued_s: float
     queued_step: int
-    samples_left: int  # of this run's samples, those not finished yet
+    left: set[int]  # the sample indices of this run not finished yet
+    num_samples: int  # the row's n
     echo: dict[str, Any]  # request fields an OpenAI output line repeats (io/openai.py)
     kept: dict[str, Any]  # --keep-columns: input columns carried to the output
 
@@ -115,7 +130,7 @@ class LocalExecutor:
             self._ready.append(hit)
             return
         self._rows[index] = _PendingRow(request.row_id, self.metrics.now(), self.engine.scheduler.stats.steps,
-                                        len(samples), echo, kept)
+                                        set(samples), request.params.n, echo, kept)
         self.metrics.submitted_rows += 1
         self.metrics.submitted_max_tokens += request.params.max_tokens * len(samples)
         if seq.is_finished:  # could never run (too long for the model or the KV pool)
@@ -140,6 +155,32 @@ class LocalExecutor:
         metrics.forward_seconds = engine.runner.forward_seconds
         return [self._result(seq) for seq in finished]
 
+    def stop_starting(self) -> None:
+        self.engine.close_admission()
+
+    def expire(self, message: str) -> list[RowResult]:
+        """The rows that failed on arrival as they are, and every row in the engine as `expired` (the engine is not
+        stepped again)."""
+        results, self._ready = self._ready, []
+        for index, row in sorted(self._rows.items()):
+            results += expired_results(index, row.row_id, row.num_samples, row.left, message, row.echo, row.kept)
+        self._rows.clear()
+        return results
+
+    def expire_unsubmitted(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int],
+                           message: str) -> list[RowResult]:
+        """A row the deadline kept from starting: its missing samples `expired` (a row that is bad in itself is
+        reported as such, as when it runs)."""
+        kept = self.keep.pick(raw) if self.keep is not None else {}
+        try:
+            request = parse_row(index, raw, self.defaults)
+        except RowError as exc:
+            failed = RowResult.failed(index, row_id_of(index, raw), str(exc))
+            failed.kept = kept
+            return [failed]
+        left = [i for i in range(request.params.n) if i not in done_samples]
+        return expired_results(index, request.row_id, request.params.n, left, message, request.echo, kept)
+
     def _result(self, seq: Sequence) -> RowResult:
         result = self._engine_result(seq)
         if self.cache is not None and result.last:
@@ -149,10 +190,10 @@ class LocalExecutor:
     def _engine_result(self, seq: Sequence) -> RowResult:
         """The result of one finished sample (or of the whole row, when it failed)."""
         row = self._rows[seq.row_index]
-        row.samples_left -= 1
         out = self.engine.output_of(seq)
+        row.left.discard(out.sample_index)
         failed = out.finish_reason == "error"
-        if failed or row.samples_left == 0:
+        if failed or not row.left:
             del self._rows[seq.row_index]
         if failed:
             result = RowResult.failed(seq.row_index, row.row_id, out.error or "failed", len(out.prompt_token_ids))
@@ -172,7 +213,7 @@ class LocalExecutor:
         return RowResult(
             seq.row_index, row.row_id, out.finish_reason, completion=completion, prompt_tokens=len(out.prompt_token_ids),
             completion_tokens=len(out.token_ids), completion_token_ids=out.token_ids, timing=timing,
-            sample_index=out.sample_index, num_samples=seq.params.n, last=row.samples_left == 0, columns=columns,
+            sample_index=out.sample_index, num_samples=seq.params.n, last=not row.left, columns=columns,
             echo=row.echo, kept=row.kept,
         )
 

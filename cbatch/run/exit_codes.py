@@ -11,6 +11,7 @@ EXIT_ROW_ERRORS = 1
 EXIT_USAGE = 2
 EXIT_INTERNAL = 70  # sysexits' EX_SOFTWARE
 EXIT_IO = 74  # sysexits' EX_IOERR
+EXIT_EXPIRED = 75  # sysexits' EX_TEMPFAIL: try again later
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 
@@ -26,6 +27,8 @@ EXIT_CODES: dict[int, str] = {
     EXIT_IO: "the environment failed the job's own files (disk full, quota, read-only, permission), or a "
              "tensor-parallel worker process died (killed, out of memory): one line names the path or the rank and "
              "the cause; the finished rows are kept: fix it and run the same command again",
+    EXIT_EXPIRED: "the deadline (--max-wall-time, --deadline) came first: OUTPUT holds every finished row and an "
+                  "`expired` error row for each row left; running the same command again runs only the expired rows",
     EXIT_SIGINT: "interrupted by SIGINT: the finished rows are kept (rows in flight run again on resume); a second "
                  "Ctrl-C stops at once",
     EXIT_SIGTERM: "interrupted by SIGTERM: as for SIGINT",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any, Callable
 
 from cbatch.config import EngineConfig, UserError
@@ -23,7 +24,7 @@ from cbatch.observe.report import build_report, summary_line, summary_table, wri
 from cbatch.observe.roofline import engine_hardware
 from cbatch.run.driver import RowFeed, drive
 from cbatch.run.executor import Executor, LocalExecutor
-from cbatch.run.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
+from cbatch.run.exit_codes import EXIT_EXPIRED, EXIT_OK, EXIT_ROW_ERRORS
 from cbatch.run.interrupt import Interrupt
 from cbatch.run.preflight import JobError, JobOptions, PreparedJob, preflight
 from cbatch.run.result_cache import open_row_cache
@@ -105,7 +106,8 @@ def run_rows(options: JobOptions, prepared: PreparedJob, executor: Executor, met
             return True
 
         try:
-            return drive(RowFeed(iter_rows(prepared.formats.input), done), executor, store, metrics, display, interrupt)
+            return drive(RowFeed(iter_rows(prepared.formats.input), done), executor, store, metrics, display, interrupt,
+                         options.deadline)
         except BaseException:
             state.close()
             raise
@@ -134,7 +136,7 @@ def conclude_job(options: JobOptions, prepared: PreparedJob, report: dict[str, A
     # samples has n output rows
     errors = len(state.error_rows)
     report["requests"].update(ok=state.num_rows - errors, error=errors, output_rows=state.num_rows)
-    if code is not None:
+    if code is not None and code != EXIT_EXPIRED:
         state.close()
         write_report_and_plot(options, report)
         print(f"cbatch: interrupted; {state.num_rows} of {prepared.total_rows} rows are saved. "
@@ -144,13 +146,24 @@ def conclude_job(options: JobOptions, prepared: PreparedJob, report: dict[str, A
     kept_types = (output_kept_types(formats.keep, formats.kept_types, state.records) if formats.output == "parquet"
                   else None)
     openai_model = output_model_name(options.engine.model) if formats.openai_lines else None
-    state.finish(lambda tmp: write_output(tmp, formats.output, state.records(), columns, kept_types=kept_types,
-                                          openai_model=openai_model),
-                 {"rows": state.num_rows, "errors": errors})
+
+    def write(tmp: Path) -> None:
+        write_output(tmp, formats.output, state.records(), columns, kept_types=kept_types, openai_model=openai_model)
+
+    if code == EXIT_EXPIRED:  # OUTPUT whole, the state kept: the same command runs the expired rows
+        state.publish_expired(write)
+    else:
+        state.finish(write, {"rows": state.num_rows, "errors": errors})
     write_report_and_plot(options, report)
     print(summary_line(report) + summary_suffix, flush=True)
+    if code == EXIT_EXPIRED:
+        print(f"cbatch: the deadline ({options.deadline.flag}) came: {len(state.expired_rows)} of "
+              f"{prepared.total_rows} rows expired (error rows in {options.output}); run the same command again to "
+              "run them", file=sys.stderr)
     if not options.quiet and sys.stdout.isatty():  # a log file or cron mail gets the one summary line
         from rich.console import Console
 
         Console().print(summary_table(report))
+    if code == EXIT_EXPIRED:
+        return EXIT_EXPIRED
     return EXIT_ROW_ERRORS if errors and not options.allow_errors else EXIT_OK

@@ -23,6 +23,7 @@ from cbatch.io.state import JobState, StateError, file_digest, settings_digest
 from cbatch.io.writer import OUTPUT_COLUMNS, check_writable, output_columns, output_format, written_columns
 from cbatch.model.loader import ModelLoadError
 from cbatch.model.spec import UnsupportedModelError
+from cbatch.run.deadline import Deadline
 from cbatch.run.result_cache import DEFAULT_CACHE_LIMIT, CacheLimit
 
 
@@ -56,6 +57,7 @@ class JobOptions:
     output_format: str = "cbatch"  # cbatch (our columns) | openai (OpenAI batch output lines; JSONL)
     keep_columns: str | None = None  # --keep-columns: "all" or a comma list of input columns
     allow_duplicate_ids: bool = False
+    deadline: Deadline | None = None  # --max-wall-time / --deadline: when the job stops starting rows
 
 
 @dataclass(frozen=True, slots=True)

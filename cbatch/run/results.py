@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cbatch.io.outcomes import FAILED
 from cbatch.observe.metrics import RequestTiming
 
 Record = dict[str, Any]
@@ -27,7 +28,7 @@ def _writable(text: str | None) -> str | None:
 class RowResult:
     index: int  # the row's place in the input (its seq_id in the engine, so its seed)
     row_id: str
-    finish_reason: str  # stop | length | error
+    finish_reason: str  # stop | length | error | expired
     completion: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -44,7 +45,7 @@ class RowResult:
 
     @property
     def ok(self) -> bool:
-        return self.finish_reason != "error"
+        return self.finish_reason not in FAILED
 
     @classmethod
     def failed(cls, index: int, row_id: str, error: str, prompt_tokens: int = 0) -> "RowResult":
