@@ -319,3 +319,18 @@ def test_a_bench_run_honours_every_engine_flag_its_report_names(tmp_path, monkey
     else:  # from --swap-space, below the cap of 4 pools' worth
         assert 0 < scheduler.host.num_blocks < 4 * scheduler.pool.num_blocks
     assert shows(run["utilization"]), run["utilization"]
+
+
+def test_rows_starting_together_compute_a_shared_prefix_once():
+    """`--input-len 8 --shared-prefix 96`: 96 shared tokens in front of each prompt's 8 (issue 39 saw 0% hits when
+    the prefix was cut to the prompt's length). All 12 rows are admitted in the first steps: the first computes
+    the prefix's 6 blocks, the others wait that one step and reuse them, so it is computed once."""
+    from cbatch.bench.command import BenchOptions, run_bench
+
+    options = BenchOptions(engine=EngineConfig(max_num_seqs=16, max_num_batched_tokens=2048), num_prompts=12,
+                           input_len="8", output_len="4", policy="longest-first", simulate=True, shared_prefix=96,
+                           quiet=True)
+    cached, uncached = run_bench(options)["runs"]
+    assert cached["tokens"]["prompt"] == 12 * 104
+    assert cached["utilization"]["prefix_cache_saved_tokens"] == 11 * 96
+    assert uncached["utilization"]["prefix_cache_saved_tokens"] == 0

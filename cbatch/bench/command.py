@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,16 +54,24 @@ def trials_of(options: BenchOptions) -> list[tuple[str, str, dict[str, Any]]]:
 
 
 def make_workload(options: BenchOptions) -> tuple[list[BenchRequest], dict[str, Any]]:
+    """The requests (a trace, or the synthetic distributions) and what the report says of them. --shared-prefix
+    N puts N shared tokens in front of each prompt's own (as vLLM's benchmarks' prefix length does): the
+    requests' prompt lengths include them."""
     if options.trace is not None:
         requests = read_trace(options.trace)
-        return requests, {"trace": str(options.trace), "num_prompts": len(requests)}
-    if options.num_prompts < 1:
-        raise WorkloadError("--num-prompts: must be at least 1")
-    input_len = parse_distribution(options.input_len, "--input-len")
-    output_len = parse_distribution(options.output_len, "--output-len")
-    requests = synthetic_workload(options.num_prompts, input_len, output_len, options.seed)
-    return requests, {"num_prompts": options.num_prompts, "input_len": options.input_len,
-                      "output_len": options.output_len, "seed": options.seed}
+        workload = {"trace": str(options.trace), "num_prompts": len(requests)}
+    else:
+        if options.num_prompts < 1:
+            raise WorkloadError("--num-prompts: must be at least 1")
+        input_len = parse_distribution(options.input_len, "--input-len")
+        output_len = parse_distribution(options.output_len, "--output-len")
+        requests = synthetic_workload(options.num_prompts, input_len, output_len, options.seed)
+        workload = {"num_prompts": options.num_prompts, "input_len": options.input_len,
+                    "output_len": options.output_len, "seed": options.seed}
+    if options.shared_prefix:
+        requests = [replace(r, prompt_len=options.shared_prefix + r.prompt_len) for r in requests]
+        workload["shared_prefix"] = options.shared_prefix
+    return requests, workload
 
 
 def _sim_max_model_len(options: BenchOptions, requests: list[BenchRequest]) -> int:

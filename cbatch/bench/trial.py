@@ -49,7 +49,8 @@ def warm_up(engine: Engine, seed: int) -> None:
 
 def workload_prompts(requests: list[BenchRequest], vocab_size: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
     """Seeded random prompts of the workload's lengths (identical for every policy); the first
-    `shared_prefix` tokens are the same in every prompt (a system prompt)."""
+    `shared_prefix` tokens are the same in every prompt (a system prompt; `make_workload` counted them in
+    each request's length)."""
     gen = np.random.default_rng(seed)
     low = min(3, vocab_size - 1)
     prefix = gen.integers(low, vocab_size, size=shared_prefix).tolist()

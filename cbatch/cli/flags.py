@@ -170,8 +170,8 @@ BENCH_FLAGS = [
     Flag("seed", int, 0, "Workload, prompt and weight seed.", WORKLOAD, field="seed"),
     Flag("trace", Optional[Path], None, "JSONL rows {prompt_len, output_len, arrival (steps, optional)} instead of a "
          "synthetic workload.", WORKLOAD),
-    Flag("shared_prefix", int, 0, "Every prompt starts with the same this many tokens (a system prompt); adds a run "
-         "without the prefix cache to compare.", WORKLOAD),
+    Flag("shared_prefix", int, 0, "This many tokens, the same for every prompt (a system prompt), in front of each "
+         "prompt's --input-len tokens; adds a run without the prefix cache to compare.", WORKLOAD),
     Flag("policy", str, "all", "static | fcfs | longest-first | all (each on the identical workload).", WORKLOAD),
     Flag("model_config", Optional[str], None, "Weightless model: preset (qwen3-0.6b, llama-3.2-1b, llama-3.1-8b, "
          "qwen2.5-1.5b, qwen3-30b-a3b, mixtral-8x7b, gemma-3-4b, tiny) or config.json; random weights.", ENGINE),

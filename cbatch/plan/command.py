@@ -156,7 +156,8 @@ def print_plan(plan: dict[str, Any], quiet: bool) -> None:
           f"{plan['cost_model']['source']}; output lengths: {plan['output_lengths']}):")
     print(f"  wall {p['wall_seconds']:,.1f} s, {p['output_tokens_per_s']:,.1f} output tok/s "
           f"({p['total_tokens_per_s']:,.1f} total), {p['steps']:,} steps, occupancy {p['mean_batch_occupancy']:.0%}, "
-          f"peak KV {p['peak_kv_usage']:.0%} of {p['num_kv_blocks']:,} blocks, {p['preemptions']} preemptions")
+          f"peak KV {p['peak_kv_usage']:.0%} of {p['num_kv_blocks']:,} blocks, {p['preemptions']} preemptions"
+          + (f", prefix cache hits {p['prefix_cache_hit_rate']:.0%}" if p["prefix_cache_hit_rate"] else ""))
     best = plan["search"]["best"]
     if len(plan["search"]["tried"]) > 1:
         same = (best["max_num_seqs"], best["max_num_batched_tokens"]) == (p["max_num_seqs"], p["max_num_batched_tokens"])
