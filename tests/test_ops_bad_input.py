@@ -163,7 +163,8 @@ def _bad_job_cases(tmp_path, model):
         unwritable = str(locked / "out.jsonl")
     return [
         ("missing input", ["run", str(tmp_path / "nope.jsonl"), "--out", out, *m], "nope.jsonl: no such input file"),
-        ("input is a folder", ["run", str(tmp_path / "folder.jsonl"), "--out", out, *m], "folder.jsonl: the input is not a file"),
+        ("input is a folder without inputs", ["run", str(tmp_path / "folder.jsonl"), "--out", out, *m],
+         "folder.jsonl: the folder has no .jsonl or .parquet file"),
         ("unknown extension", ["run", str(tmp_path / "in.txt"), "--out", out, *m], "unknown input extension '.txt'; use .jsonl"),
         ("no prompt field", ["run", str(tmp_path / "noprompt.jsonl"), "--out", out, *m], "no row has a `prompt`, `messages`"),
         ("empty input", ["run", str(tmp_path / "empty.jsonl"), "--out", out, *m], "the input has no rows"),

@@ -1,11 +1,12 @@
 """Streams input rows from JSONL or Parquet without loading the file whole.
 
 Each row comes out as (row index, dict) or (row index, error message): a line that is not valid
-UTF-8 or JSON, or not an object, is a bad row, never a failed job. The readers take an `InputFile`: the
-path with its format, derived once (`open_input`).
+UTF-8 or JSON, or not an object, is a bad row, never a failed job. The readers take an `InputFile`: INPUT's
+files (one, or a folder's or a glob's, gzip/zstd JSONL too) with their format, derived once (`open_input`).
 """
 from __future__ import annotations
 
+import glob
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,38 +16,93 @@ from cbatch.config import UserError
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}  # JSONL only (Parquet compresses inside the file)
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids", "body")
+_GLOB_CHARS = set("*?[")
 
 RawRow = tuple[int, "dict[str, Any] | str"]
 
 
 class InputError(UserError):
-    """The input file as a whole cannot be used; the message names the file and the fix."""
+    """The input as a whole cannot be used; the message names the file and the fix."""
 
 
-def input_format(path: Path) -> str:
-    suffix = path.suffix.lower()
-    if suffix in JSONL_SUFFIXES:
-        return "jsonl"
-    if suffix in PARQUET_SUFFIXES:
-        return "parquet"
-    raise InputError(
-        f"{path}: unknown input extension {suffix or '(none)'!r}; use .jsonl (one JSON object per line) or .parquet"
-    )
+@dataclass(frozen=True, slots=True)
+class InputPart:
+    """One file of INPUT."""
+
+    path: Path
+    format: str  # jsonl | parquet (from the extension)
+    compression: str | None = None  # gzip | zstd: a compressed JSONL file (.jsonl.gz, .jsonl.zst)
 
 
 @dataclass(frozen=True, slots=True)
 class InputFile:
-    """INPUT and its format, as every reader takes it."""
+    """INPUT as every reader takes it: one file, or the files of a folder or a glob (sorted by path), all of one
+    format. Rows are numbered across the files in that order: a row's index is its place in the whole input,
+    stable as long as the files are (the job's fingerprint holds every file's digest)."""
 
-    path: Path
-    format: str  # jsonl | parquet (from the extension)
+    given: Path  # what the user gave: a file, a folder or a pattern
+    parts: tuple[InputPart, ...]
+
+    @property
+    def format(self) -> str:
+        return self.parts[0].format
+
+    @property
+    def path(self) -> Path:
+        """The first file (a single-file INPUT: the file)."""
+        return self.parts[0].path
+
+    def label(self, part: InputPart) -> str:
+        """How a message names a part: its path (its name within a folder or pattern of several)."""
+        return str(part.path) if len(self.parts) == 1 else part.path.name
+
+
+def input_format(path: Path) -> InputPart:
+    """A file's format and compression, from its name (raises InputError naming it): derived once per file, by
+    `open_input`."""
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    compression = COMPRESSIONS.get(suffixes[-1]) if suffixes else None
+    suffix = suffixes[-2] if compression and len(suffixes) == 2 else (suffixes[-1] if suffixes else "")
+    if suffix in JSONL_SUFFIXES:
+        return InputPart(path, "jsonl", compression)
+    if suffix in PARQUET_SUFFIXES and compression is None:
+        return InputPart(path, "parquet")
+    raise InputError(
+        f"{path}: unknown input extension {''.join(path.suffixes[-2:]) or '(none)'!r}; use .jsonl (one JSON object "
+        "per line; .jsonl.gz or .jsonl.zst compressed) or .parquet"
+    )
 
 
 def open_input(path: Path) -> InputFile:
-    """INPUT, checked to be a readable file, with its format (raises InputError naming the file)."""
-    check_readable(path)
-    return InputFile(path, input_format(path))
+    """INPUT: a file, a folder (its .jsonl[.gz|.zst] / .parquet files, sorted) or a glob pattern such as
+    `data/day=*/part-*.parquet`; every file checked to be readable, all of one format (raises InputError)."""
+    if _GLOB_CHARS & set(str(path)):
+        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        if not files:
+            raise InputError(f"{path}: the pattern matches no file")
+    elif path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith((".", "_")))
+        files = [p for p in files if _is_input_name(p)]
+        if not files:
+            raise InputError(f"{path}: the folder has no .jsonl or .parquet file")
+    else:
+        files = [path]
+    parts = tuple(input_format(p) for p in files)
+    formats = {p.format for p in parts}
+    if len(formats) > 1:
+        raise InputError(f"{path}: the input mixes JSONL and Parquet files; give one format at a time")
+    for part in parts:
+        check_readable(part.path)
+    return InputFile(path, parts)
+
+
+def _is_input_name(path: Path) -> bool:
+    """A name a folder's input file may have (the derivation proper waits for `open_input`'s list)."""
+    name = path.name.lower()
+    return name.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES) or any(
+        name.endswith(s + c) for s in JSONL_SUFFIXES for c in COMPRESSIONS)
 
 
 def check_readable(path: Path) -> None:
@@ -61,23 +117,51 @@ def check_readable(path: Path) -> None:
         raise InputError(f"{path}: cannot read the input ({exc.strerror})") from None
 
 
+def _open_bytes(part: InputPart):
+    """A binary file object over the part's (decompressed) bytes."""
+    if part.compression == "gzip":
+        import gzip
+
+        return gzip.open(part.path, "rb")
+    if part.compression == "zstd":
+        try:
+            import zstandard
+        except ImportError:
+            raise InputError(f"{part.path}: a .zst input needs the zstandard package: pip install zstandard") from None
+        return zstandard.open(part.path, "rb")
+    return open(part.path, "rb")
+
+
+def _lines(part: InputPart) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of a JSONL part; a damaged compressed file is an InputError naming it."""
+    try:
+        with _open_bytes(part) as f:
+            yield from enumerate(f, start=1)
+    except (OSError, EOFError) as exc:  # a truncated or damaged .gz, a read failure
+        raise InputError(f"{part.path}: cannot read the input ({exc})") from None
+
+
 def iter_rows(source: InputFile) -> Iterator[RawRow]:
-    """Every row of the input, in order, streamed."""
-    check_readable(source.path)  # again: it may have gone since it was opened
-    if source.format == "parquet":
-        yield from _parquet_rows(source.path)
-    else:
-        yield from _jsonl_rows(source.path)
-
-
-def _jsonl_rows(path: Path) -> Iterator[RawRow]:
+    """Every row of the input, in order (the parts one after the other), streamed."""
     index = 0
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue  # blank lines are not rows
-            yield index, _parse_line(line_no, raw)
+    for part in source.parts:
+        check_readable(part.path)  # again: it may have gone since it was opened
+        if part.format == "parquet":
+            rows = _parquet_rows(part.path)
+        else:
+            rows = _jsonl_rows(part, source.label(part) if len(source.parts) > 1 else None)
+        for row in rows:
+            yield index, row
             index += 1
+
+
+def _jsonl_rows(part: InputPart, label: str | None) -> Iterator["dict[str, Any] | str"]:
+    """The part's rows (a bad line: its message, naming the file when INPUT has several)."""
+    for line_no, raw in _lines(part):
+        if not raw.strip():
+            continue  # blank lines are not rows
+        row = _parse_line(line_no, raw)
+        yield f"{label}: {row}" if label is not None and isinstance(row, str) else row
 
 
 def _parse_line(line_no: int, raw: bytes) -> "dict[str, Any] | str":
@@ -113,7 +197,7 @@ def _open_parquet(path: Path):
     return pf
 
 
-def _parquet_rows(path: Path) -> Iterator[RawRow]:
+def _parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
     pf = _open_parquet(path)
     index = 0
     batches = pf.iter_batches(batch_size=1024)
@@ -125,24 +209,25 @@ def _parquet_rows(path: Path) -> Iterator[RawRow]:
         if batch is None:
             return
         for row in batch.to_pylist():
-            yield index, {k: v for k, v in row.items() if v is not None}
+            yield {k: v for k, v in row.items() if v is not None}
             index += 1
 
 
 def inspect_input(source: InputFile, probe_rows: int = 200) -> int:
-    """Checks, before any work, that INPUT is a usable prompts file; returns its number of rows.
+    """Checks, before any work, that INPUT is a usable prompts file (each part); returns its number of rows.
 
     JSONL: one pass counting non-blank lines; at least one of the first `probe_rows` rows must carry
     a prompt field (a file where none does is not a prompts file: a bad job, not bad rows).
     Parquet: the metadata, and a `prompt`/`messages` column.
     """
-    path = source.path
-    if source.format == "parquet":
-        count = _open_parquet(path).metadata.num_rows
-    else:
-        count, seen_prompt, first_problem = 0, False, None
-        with open(path, "rb") as f:
-            for line_no, raw in enumerate(f, start=1):
+    total = 0
+    for part in source.parts:
+        path = part.path
+        if part.format == "parquet":
+            count = _open_parquet(path).metadata.num_rows
+        else:
+            count, seen_prompt, first_problem = 0, False, None
+            for line_no, raw in _lines(part):
                 if not raw.strip():
                     continue
                 if count < probe_rows and not seen_prompt:
@@ -151,25 +236,29 @@ def inspect_input(source: InputFile, probe_rows: int = 200) -> int:
                     if first_problem is None and isinstance(row, str):
                         first_problem = row
                 count += 1
-        if count and not seen_prompt:
-            within = "no row" if count <= probe_rows else f"none of the first {probe_rows} rows"
-            hint = f" (first problem: {first_problem})" if first_problem else ""
-            raise InputError(
-                f"{path}: {within} has a `prompt`, `messages` or `prompt_token_ids` field{hint}; "
-                "each line needs one, e.g. {\"prompt\": \"...\"}"
-            )
-    if count == 0:
-        raise InputError(f"{path}: the input has no rows; give at least one row with a `prompt` or `messages` field")
-    return count
+            if count and not seen_prompt:
+                within = "no row" if count <= probe_rows else f"none of the first {probe_rows} rows"
+                hint = f" (first problem: {first_problem})" if first_problem else ""
+                raise InputError(
+                    f"{path}: {within} has a `prompt`, `messages` or `prompt_token_ids` field{hint}; "
+                    "each line needs one, e.g. {\"prompt\": \"...\"}"
+                )
+        total += count
+    if total == 0:
+        where = source.given if len(source.parts) > 1 else source.path
+        raise InputError(f"{where}: the input has no rows; give at least one row with a `prompt` or `messages` field")
+    return total
 
 
-def find_duplicate_id(source: InputFile) -> tuple[str, int, int] | None:
-    """The first row id (`id`, else OpenAI's `custom_id`) given to two rows: (id, first place, second place),
-    places being JSONL line numbers or Parquet row numbers (1-based); None when ids are unique.
-    Streams the input, holding one set of ids (never the rows)."""
+Place = tuple[str, str, int]  # (file label: "" for a one-file INPUT, "line" | "row", 1-based number)
+
+
+def find_duplicate_id(source: InputFile) -> tuple[str, Place, Place] | None:
+    """The first row id (`id`, else OpenAI's `custom_id`) given to two rows: (id, first place, second place);
+    None when ids are unique. Streams the input, holding one set of ids (never the rows)."""
     from cbatch.io.rows import given_row_id
 
-    seen: dict[str, int] = {}
+    seen: dict[str, Place] = {}
     for place, row in _places_and_rows(source):
         row_id = given_row_id(row)
         if row_id is None:
@@ -180,21 +269,28 @@ def find_duplicate_id(source: InputFile) -> tuple[str, int, int] | None:
     return None
 
 
-def _places_and_rows(source: InputFile) -> Iterator[tuple[int, Any]]:
-    """(line number, row) for JSONL; (row number, {id, custom_id}) for Parquet (only those columns are read)."""
-    path = source.path
-    if source.format == "jsonl":
-        with open(path, "rb") as f:
-            for line_no, raw in enumerate(f, start=1):
+def describe_places(first: Place, second: Place) -> str:
+    """'lines 1 and 4', or 'a.jsonl line 3 and b.jsonl line 9' across files."""
+    if first[:2] == second[:2]:
+        return f"{first[0] + ' ' if first[0] else ''}{first[1]}s {first[2]} and {second[2]}"
+    return f"{first[0]} {first[1]} {first[2]} and {second[0]} {second[1]} {second[2]}"
+
+
+def _places_and_rows(source: InputFile) -> Iterator[tuple[Place, Any]]:
+    """(place, row): JSONL lines with the rows, Parquet rows with {id, custom_id} (only those columns are read)."""
+    for part in source.parts:
+        label = source.label(part) if len(source.parts) > 1 else ""
+        if part.format == "jsonl":
+            for line_no, raw in _lines(part):
                 if raw.strip():
-                    yield line_no, _parse_line(line_no, raw)
-        return
-    pf = _open_parquet(path)
-    columns = [c for c in ("id", "custom_id") if c in pf.schema_arrow.names]
-    if not columns:
-        return
-    number = 0
-    for batch in pf.iter_batches(batch_size=65536, columns=columns):
-        for row in batch.to_pylist():
-            number += 1
-            yield number, {k: v for k, v in row.items() if v is not None}
+                    yield (label, "line", line_no), _parse_line(line_no, raw)
+            continue
+        pf = _open_parquet(part.path)
+        columns = [c for c in ("id", "custom_id") if c in pf.schema_arrow.names]
+        if not columns:
+            continue
+        number = 0
+        for batch in pf.iter_batches(batch_size=65536, columns=columns):
+            for row in batch.to_pylist():
+                number += 1
+                yield (label, "row", number), {k: v for k, v in row.items() if v is not None}

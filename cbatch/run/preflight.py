@@ -7,6 +7,8 @@ or derived twice.
 """
 from __future__ import annotations
 
+import hashlib
+
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -18,7 +20,7 @@ from cbatch.config import EngineConfig, SamplingParams, UserError
 from cbatch.engine.resolve import ResolvedModel, resolve_model
 from cbatch.io.columns import KeepColumns, parquet_kept_types
 from cbatch.io.openai import OPENAI_LINE_FIELDS
-from cbatch.io.reader import InputFile, find_duplicate_id, inspect_input, open_input
+from cbatch.io.reader import InputFile, describe_places, find_duplicate_id, inspect_input, open_input
 from cbatch.io.state import JobState, StateError, file_digest, settings_digest
 from cbatch.io.writer import OUTPUT_COLUMNS, check_writable, output_columns, output_format, written_columns
 from cbatch.model.loader import ModelLoadError
@@ -90,12 +92,12 @@ def validate_paths(options: JobOptions) -> tuple[JobFormats, int]:
         check_writable(options.output)
         if options.report is not None:
             check_writable(options.report, flag="--report")
-        if options.input.exists() and options.output.exists() and options.input.samefile(options.output):
-            raise JobError(f"--out {options.output} is the input file; choose another --out")
         openai_lines = options.output_format == "openai"
         if openai_lines and output != "jsonl":
             raise JobError(f"--out {options.output}: --output-format openai writes JSONL; give a .jsonl --out")
         source = open_input(options.input)
+        if options.output.exists() and any(part.path.samefile(options.output) for part in source.parts):
+            raise JobError(f"--out {options.output} is the input file; choose another --out")
         total_rows = inspect_input(source)
         # a name the output has already is refused; a Parquet INPUT must have the kept columns, in types cbatch carries
         keep = KeepColumns.parse(options.keep_columns, OPENAI_LINE_FIELDS if openai_lines else OUTPUT_COLUMNS)
@@ -112,8 +114,8 @@ def check_unique_ids(source: InputFile) -> None:
     duplicate = find_duplicate_id(source)
     if duplicate is not None:
         row_id, first, second = duplicate
-        where = "lines" if source.format == "jsonl" else "rows"
-        raise JobError(f"{source.path}: {where} {first} and {second} have the same id {row_id!r}; give every row "
+        where = source.given if len(source.parts) > 1 else source.path
+        raise JobError(f"{where}: {describe_places(first, second)} have the same id {row_id!r}; give every row "
                        "its own `id`/`custom_id`, or pass --allow-duplicate-ids")
 
 
@@ -131,7 +133,7 @@ def resolve_or_fail(config: EngineConfig, device: torch.device | None = None) ->
         raise JobError(f"--model {config.model}: cannot read the checkpoint ({exc}); it looks damaged") from None
 
 
-def job_fingerprint(options: JobOptions, model: ResolvedModel) -> dict[str, str]:
+def job_fingerprint(options: JobOptions, model: ResolvedModel, source: InputFile | None = None) -> dict[str, str]:
     """What makes a partial run's rows valid for this run: the input bytes, and every setting that changes
     a completion (model, dtype, device, seed, sampling defaults, the job's constraint, the reasoning split) or
     a record (the output's format and kept columns). Batch shape settings (--max-num-seqs, --policy, ...) are
@@ -157,7 +159,25 @@ def job_fingerprint(options: JobOptions, model: ResolvedModel) -> dict[str, str]
         settings["reasoning_split"] = False
     if options.output_format != "cbatch" or options.keep_columns is not None:  # what the records hold
         settings["output"] = {"format": options.output_format, "keep_columns": options.keep_columns}
-    return {"input": file_digest(options.input), "settings": settings_digest(settings)}
+    return {"input": input_digest(source or open_input(options.input)), "settings": settings_digest(settings)}
+
+
+def input_digest(source: InputFile) -> str:
+    """INPUT's bytes: a one-file INPUT's digest (as it always was); several files: the digest of their names
+    (relative to the first's folder) and digests, in order, so a file added, removed, renamed or changed is a
+    different input."""
+    if len(source.parts) == 1:
+        return file_digest(source.path)
+    root = source.parts[0].path.parent
+    lines = [f"{_relative(part.path, root)}\t{file_digest(part.path)}" for part in source.parts]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _relative(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
 
 
 def nothing_to_retry(options: JobOptions, formats: JobFormats, state: JobState) -> bool:
@@ -190,7 +210,7 @@ def preflight(options: JobOptions) -> PreparedJob | None:
     this input and these settings (nothing to do)."""
     formats, total_rows = validate_paths(options)
     model = resolve_or_fail(options.engine)
-    fingerprint = job_fingerprint(options, model)
+    fingerprint = job_fingerprint(options, model, formats.input)
     state = JobState(options.output, fingerprint, formats.output)
     done = nothing_to_retry(options, formats, state) if options.retry_errors else not options.overwrite and state.is_complete()
     if done:
