@@ -209,3 +209,23 @@ def test_retry_with_samples_keeps_whole_rows(job, tmp_path):
     kept = [r for r in before if not r["error"]]
     assert [r for r in after if r["id"] not in errors] == kept
     assert all(r["error"] is None and r["completion_token_ids"] for r in after)
+
+
+def test_a_retry_keeps_the_kept_columns(tiny_checkpoints, tmp_path):
+    """--keep-columns survives a retry: the kept rows keep their values, the retried rows get theirs; a retry with
+    other kept columns is refused in one line (before, any OUTPUT with kept columns was refused)."""
+    rows = [{"id": f"r{i}", "note": f"n{i}", "prompt_token_ids": list(range(5, 5 + (40 if i % 3 == 0 else 4)))}
+            for i in range(9)]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    flags = [str(source), "--out", str(out), "--model", str(tiny_checkpoints["llama"]), "--device", "cpu",
+             "--max-tokens", "3", "--keep-columns", "note"]
+    code, _, err = run_inprocess("run", *flags, "--max-model-len", "32")
+    assert code == 1, err  # the 40-token rows do not fit
+    assert sum(r["finish_reason"] == "error" for r in read_jsonl(out)) == 3
+    code, _, err = run_inprocess("run", *flags[:-2], "--max-model-len", "64", "--retry-errors")
+    assert code == 2 and "has the kept columns note; give the same --keep-columns" in err
+    code, _, err = run_inprocess("run", *flags, "--max-model-len", "64", "--retry-errors")
+    assert code == 0, err
+    got = read_jsonl(out)
+    assert [r["note"] for r in got] == [f"n{i}" for i in range(9)] and all(r["error"] is None for r in got)

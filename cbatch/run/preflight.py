@@ -197,11 +197,18 @@ def nothing_to_retry(options: JobOptions, formats: JobFormats, state: JobState) 
         raise JobError(str(exc)) from None
     if state.dir.exists():  # a retry that was interrupted: resume it
         return False
-    columns = written_columns(options.output, formats.output)
+    written = written_columns(options.output, formats.output)
+    columns = tuple(c for c in written if c in OUTPUT_COLUMNS)  # cbatch's own; the others are --keep-columns'
+    kept = tuple(c for c in written if c not in OUTPUT_COLUMNS)
     expected = tuple(output_columns(options.token_ids, present=columns))  # optional columns as OUTPUT has them
     if columns != expected:
         raise JobError(f"--retry-errors: {options.output} has the columns {', '.join(columns)}, this job writes "
                        f"{', '.join(expected)}; give the same --token-ids as the job that wrote it")
+    keep = formats.keep
+    if (keep is None and kept) or (keep is not None and keep.names is not None and tuple(keep.names) != kept):
+        has = f"the kept columns {', '.join(kept)}" if kept else "no kept columns"
+        raise JobError(f"--retry-errors: {options.output} has {has}; give the same --keep-columns as the job that "
+                       "wrote it")
     return state.recorded_errors() == 0
 
 
