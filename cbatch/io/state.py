@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator
 
 from cbatch.config import UserError
 from cbatch.io.outcomes import EXPIRED, FAILED
+from cbatch.io.record_index import RecordKey, RecordPlaces, RowSet
 from cbatch.io.writer import OUTPUT_COLUMNS, read_output
 
 
@@ -96,7 +97,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 _PART_SHIFT = 40  # a record's place in the part files: part number << 40 | byte offset
 
-RecordKey = tuple[int, int]  # (row index, sample index)
 
 
 def record_key(record: dict[str, Any]) -> RecordKey:
@@ -108,7 +108,7 @@ class Finished:
     """What earlier runs of a job finished: the rows with every sample done, and the samples done of the
     rows some of whose samples are missing (a run stopped while they ran)."""
 
-    rows: set[int] = field(default_factory=set)
+    rows: RowSet = field(default_factory=RowSet)  # a bitmap: one bit a row
     partial: dict[int, frozenset[int]] = field(default_factory=dict)  # row index -> its samples done
 
 
@@ -139,7 +139,7 @@ class JobState:
         self._part_no = 0
         self._unsynced = 0
         self._last_sync = time.monotonic()
-        self._places: dict[RecordKey, int] = {}  # (row, sample) -> where its record is (see _PART_SHIFT)
+        self._places = RecordPlaces()  # (row, sample) -> where its record is (see _PART_SHIFT)
         self._num_samples: dict[int, int] = {}  # row index -> n, for rows with n > 1
         self.error_rows: set[RecordKey] = set()  # records of failed rows: errors and expired ones
         self.expired_rows: set[RecordKey] = set()  # of those, the ones a deadline left unfinished
@@ -348,16 +348,7 @@ class JobState:
 
     def finished(self) -> Finished:
         """Rows with all their samples recorded, and the samples recorded of the others."""
-        samples: dict[int, set[int]] = {}
-        for index, sample in self._places:
-            samples.setdefault(index, set()).add(sample)
-        done = Finished()
-        for index, recorded in samples.items():
-            if len(recorded) >= self._num_samples.get(index, 1):
-                done.rows.add(index)
-            else:
-                done.partial[index] = frozenset(recorded)
-        return done
+        return Finished(*self._places.done_rows(self._num_samples))
 
     def _remember(self, record: dict[str, Any], part_no: int, offset: int) -> None:
         key = record_key(record)
@@ -429,7 +420,7 @@ class JobState:
         self._part.flush()
         files: dict[int, Any] = {}
         try:
-            for key in sorted(self._places):
+            for key in self._places.keys():
                 place = self._places[key]
                 part_no = place >> _PART_SHIFT
                 f = files.get(part_no)
