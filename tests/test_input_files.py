@@ -84,3 +84,16 @@ def test_bad_inputs_are_one_line(tiny_checkpoints, tmp_path):
     (tmp_path / "e.jsonl.gz").write_bytes(b"not gzip at all")
     code, _, err = run_inprocess("run", str(tmp_path / "e.jsonl.gz"), *out)
     assert code == 2 and "e.jsonl.gz: cannot read the input" in err and "Traceback" not in err
+
+
+def test_duplicate_ids_are_found_through_hashes_and_confirmed(tmp_path, monkeypatch):
+    """The duplicate-id check keeps a hash a row; ids whose hashes agree are compared for real (forced here: every
+    hash the same), so a collision is never reported as a duplicate and a duplicate is found with its places."""
+    from cbatch.io import reader
+
+    monkeypatch.setattr(reader, "hash", lambda value: 42, raising=False)
+    unique = reader.open_input(write_jsonl(tmp_path / "u.jsonl", [{"id": f"r{i}", "prompt": "x"} for i in range(50)]))
+    assert reader.find_duplicate_id(unique) is None
+    rows = [{"id": f"r{i}", "prompt": "x"} for i in range(50)] + [{"custom_id": "r17", "body": {}}]
+    twice = reader.open_input(write_jsonl(tmp_path / "d.jsonl", rows))
+    assert reader.find_duplicate_id(twice) == ("r17", ("", "line", 18), ("", "line", 51))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import json
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -255,18 +256,26 @@ Place = tuple[str, str, int]  # (file label: "" for a one-file INPUT, "line" | "
 
 def find_duplicate_id(source: InputFile) -> tuple[str, Place, Place] | None:
     """The first row id (`id`, else OpenAI's `custom_id`) given to two rows: (id, first place, second place);
-    None when ids are unique. Streams the input, holding one set of ids (never the rows)."""
+    None when ids are unique. Streams the input holding 8 bytes a row (a hash of each id: 80 MB at 10M rows, where
+    a set of the ids themselves took ~1 GB); only when two hashes agree does a second pass look at those ids."""
+    import numpy as np
+
     from cbatch.io.rows import given_row_id
 
+    hashes = array("q", (hash(i) for i in (given_row_id(row) for _, row in _places_and_rows(source)) if i is not None))
+    ordered = np.sort(np.frombuffer(hashes, dtype=np.int64)) if hashes else np.zeros(0, dtype=np.int64)
+    suspects = set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
+    if not suspects:
+        return None
     seen: dict[str, Place] = {}
     for place, row in _places_and_rows(source):
         row_id = given_row_id(row)
-        if row_id is None:
-            continue  # its id is its row index: unique
+        if row_id is None or hash(row_id) not in suspects:
+            continue
         first = seen.setdefault(row_id, place)
         if first != place:
             return row_id, first, place
-    return None
+    return None  # the hashes collided, the ids differ
 
 
 def describe_places(first: Place, second: Place) -> str:
