@@ -171,7 +171,8 @@ def run(**values: Any) -> None:
         deadline=deadline,
         **{name: values[name] for name in ("token_ids", "overwrite", "allow_errors", "report", "quiet", "lookahead",
                                            "display", "plot", "progress_interval", "result_cache", "retry_errors",
-                                           "reasoning_split", "output_format", "keep_columns", "allow_duplicate_ids")},
+                                           "reasoning_split", "output_format", "keep_columns", "allow_duplicate_ids",
+                                           "part_rows", "part_format")},
     )
 
     def job() -> int:

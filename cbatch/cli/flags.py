@@ -122,8 +122,8 @@ SAMPLING_FLAGS = [sampling_flag(spec) for spec in SAMPLING_FIELDS.values()] + [
 JOB_FLAGS = [
     Flag("input", Path, ..., "Prompts: .jsonl or .parquet with a `prompt`, `messages` or `prompt_token_ids` field per row.",
          JOB, argument=True),
-    Flag("out", Path, ..., "Results: .parquet or .jsonl, one row per input row, in input order.", JOB,
-         decls=("--out", "-o")),
+    Flag("out", Path, ..., "Results: .parquet or .jsonl, one row per input row, in input order; or a folder (a name "
+         "without an extension) of parts written as the job goes.", JOB, decls=("--out", "-o")),
     Flag("token_ids", bool, False, "Add a completion_token_ids column.", JOB, decls=("--token-ids",)),
     Flag("reasoning_split", bool, True, "Models that think (<think>...</think>): the thinking goes to a `reasoning` "
          "column; --no-reasoning-split keeps the raw text in `completion`.", JOB,
@@ -132,6 +132,9 @@ JOB_FLAGS = [
     Flag("keep_columns", Optional[str], None, "Input columns to carry into the output: all, or a comma list.", JOB,
          metavar="all|COL,..."),
     Flag("allow_duplicate_ids", bool, False, "Run even when two rows share an id / custom_id.", JOB),
+    Flag("part_rows", int, 100_000, "--out FOLDER: input rows per part file (a part is written when its rows are done).",
+         JOB, metavar="N"),
+    Flag("part_format", str, "parquet", "--out FOLDER: the parts' format, parquet | jsonl.", JOB),
     Flag("report", Optional[Path], None, "Write the JSON report (throughput, utilization, latency) here.", JOB),
     Flag("plot", Optional[Path], None, "Draw occupancy, KV usage, tokens/s and latency (.png or .html; needs matplotlib).",
          JOB),

@@ -41,6 +41,13 @@ class RowSet:
     def __bool__(self) -> bool:
         return self._len > 0
 
+    def count_range(self, start: int, stop: int) -> int:
+        """How many of the rows start..stop-1 are in the set (whole bytes counted at once)."""
+        head = min(stop, -(-start // 8) * 8)  # the rows before the first whole byte
+        tail = max(head, stop // 8 * 8)  # the rows after the last one
+        count = sum(1 for i in range(start, head) if i in self) + sum(1 for i in range(tail, stop) if i in self)
+        return count + int.from_bytes(self._bits[head // 8: tail // 8], "little").bit_count()
+
 
 class RecordPlaces:
     """(row index, sample index) -> place (an int), with `in`, `[]`, `len` and `keys()` in input order."""
@@ -88,12 +95,12 @@ class RecordPlaces:
             rows.setdefault(index, []).append(sample)
         return rows
 
-    def keys(self) -> Iterator[RecordKey]:
-        """Every key, in input order then sample order."""
+    def keys(self, start: int = 0, stop: int | None = None) -> Iterator[RecordKey]:
+        """Every key (of the rows start..stop-1), in input order then sample order."""
         more = self.samples_by_row()
         last = max(len(self._first) - 1, max(more, default=-1))
         first = self._first
-        for index in range(last + 1):
+        for index in range(start, last + 1 if stop is None else min(stop, last + 1)):
             if index < len(first) and first[index] != _NONE:
                 yield index, 0
             for sample in more.get(index, ()):

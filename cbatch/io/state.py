@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator
 
 from cbatch.config import UserError
 from cbatch.io.outcomes import EXPIRED, FAILED
+from cbatch.io.partitions import MANIFEST, PartitionedOutput
 from cbatch.io.record_index import RecordKey, RecordPlaces, RowSet
 from cbatch.io.writer import OUTPUT_COLUMNS, read_output
 
@@ -127,9 +128,11 @@ def _output_rows(lines: Iterator[dict[str, Any]]) -> Iterator[tuple[int, list[di
 
 
 class JobState:
-    def __init__(self, output: Path, fingerprint: dict[str, str], output_format: str) -> None:
+    def __init__(self, output: Path, fingerprint: dict[str, str], output_format: str,
+                 parts: PartitionedOutput | None = None) -> None:
         self.output = output
         self.output_format = output_format  # OUTPUT's file format: jsonl | parquet (--retry-errors reads it back)
+        self.parts = parts  # --out DIR: OUTPUT is a folder of parts written as the job goes (io/partitions.py)
         self.fingerprint = fingerprint
         self.dir = output.parent / f".{output.name}.cbatch"
         self.done_record = output.parent / f".{output.name}.cbatch.json"
@@ -149,10 +152,17 @@ class JobState:
     # ---- read-only checks (before the model loads) ------------------------------------------------
     def is_complete(self) -> bool:
         """OUTPUT exists and was written whole by a finished job with the same input and settings."""
-        if not self.output.is_file() or self.dir.exists():
+        whole = self.parts.is_complete() if self.parts is not None else self.output.is_file()
+        if not whole or self.dir.exists():
             return False
         record = _read_json(self.done_record) or {}
-        return record.get("fingerprint") == self.fingerprint and record.get("bytes") == self.output.stat().st_size
+        return record.get("fingerprint") == self.fingerprint and record.get("bytes") == self._output_size()
+
+    def _output_exists(self) -> bool:
+        return (self.output / MANIFEST).exists() if self.parts is not None else self.output.exists()
+
+    def _output_size(self) -> int:
+        return self.parts.total_bytes() if self.parts is not None else self.output.stat().st_size
 
     def lock_owner(self) -> dict[str, Any] | None:
         """The live job holding the lock ({} if it has not written its pid yet), or None when free."""
@@ -186,7 +196,7 @@ class JobState:
     def _check_output(self, overwrite: bool, retry_errors: bool = False) -> None:
         if overwrite:
             return
-        if self.output.exists() and not self.dir.exists():
+        if self._output_exists() and not self.dir.exists():
             record = _read_json(self.done_record)
             if record is None:
                 raise StateError(
@@ -214,7 +224,7 @@ class JobState:
         if not isinstance(previous, dict) or previous.get("input") != self.fingerprint["input"]:
             raise StateError(f"--retry-errors: {self.output} was written from a different input file; "
                              "give the input it was made from")
-        if record.get("bytes") != self.output.stat().st_size:
+        if record.get("bytes") != self._output_size():
             raise StateError(f"--retry-errors: {self.output} has been changed since cbatch wrote it; "
                              "pass --overwrite to generate every row again")
 
@@ -245,6 +255,8 @@ class JobState:
             if overwrite:
                 shutil.rmtree(self.dir, ignore_errors=True)
                 self.done_record.unlink(missing_ok=True)
+                if self.parts is not None:
+                    self.parts.reset()
             self._remove_temp_files()
             if retry_errors and not self.dir.exists():
                 self._keep_ok_rows()
@@ -326,6 +338,9 @@ class JobState:
         """Temp files of a job killed while writing OUTPUT or its record (we hold the lock: none is live)."""
         for tmp in self.output.parent.glob(glob.escape(f".{self.output.name}") + ".tmp-*"):
             tmp.unlink(missing_ok=True)
+        if self.parts is not None and self.output.is_dir():  # a part being written when the job was killed
+            for tmp in self.output.glob(".part-*.tmp-*"):
+                tmp.unlink(missing_ok=True)
         self.done_record.with_name(self.done_record.name + ".tmp").unlink(missing_ok=True)
         shutil.rmtree(self._seeding_dir(), ignore_errors=True)  # a --retry-errors start cut short
 
@@ -415,12 +430,13 @@ class JobState:
                 pass
         self._drop_lock()
 
-    def records(self) -> Iterator[dict[str, Any]]:
-        """Every finished row's record, in input order then sample order, read back from the part files."""
+    def records(self, start: int = 0, stop: int | None = None) -> Iterator[dict[str, Any]]:
+        """Every finished row's record (of the rows start..stop-1), in input order then sample order, read back
+        from the part files."""
         self._part.flush()
         files: dict[int, Any] = {}
         try:
-            for key in self._places.keys():
+            for key in self._places.keys(start, stop):
                 place = self._places[key]
                 part_no = place >> _PART_SHIFT
                 f = files.get(part_no)
@@ -434,8 +450,16 @@ class JobState:
 
     # ---- the end ---------------------------------------------------------------------------------
     def _write_output(self, write_output: Callable[[Path], None]) -> None:
-        """OUTPUT, whole: `write_output(tmp_path)`, fsync, rename over OUTPUT."""
+        """OUTPUT, whole: `write_output(tmp_path)`, fsync, rename over OUTPUT. A folder OUTPUT: `write_output(folder)`
+        writes its parts, each whole (io/partitions.py)."""
         self.sync()
+        if self.parts is not None:
+            try:
+                write_output(self.output)
+            except OSError as exc:
+                self.close()
+                raise StorageError(self.output, exc, "OUTPUT's parts") from None
+            return
         tmp = self.output.parent / f".{self.output.name}.tmp-{os.getpid()}"
         try:
             write_output(tmp)
@@ -463,7 +487,7 @@ class JobState:
         try:
             retry = {} if self._retry_of is None else {"retry_of": self._retry_of}
             _write_atomic(self.done_record, json.dumps(
-                {"fingerprint": self.fingerprint, "bytes": self.output.stat().st_size, **summary, **retry}
+                {"fingerprint": self.fingerprint, "bytes": self._output_size(), **summary, **retry}
             ))
         except OSError as exc:  # OUTPUT is whole; without its record a rerun refuses to touch it, so say so
             self.close()

@@ -32,16 +32,19 @@ def output_format(path: Path) -> str:
     return fmt
 
 
-def check_writable(path: Path, flag: str = "--out") -> None:
-    """The folder exists and a file can really be created in it (os.access lies for root and read-only mounts)."""
+def check_writable(path: Path, flag: str = "--out", folder: bool = False) -> None:
+    """The folder exists and a file can really be created in it (os.access lies for root and read-only mounts).
+    `folder`: `path` is a folder OUTPUT (its parent must exist; it is made if missing)."""
     import os
     import tempfile
 
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise OutputError(f"{flag} {path}: the folder {parent} does not exist; create it first")
-    if path.is_dir():
+    if path.is_dir() and not folder:
         raise OutputError(f"{flag} {path}: is a folder; give a file name ending in .parquet or .jsonl")
+    if folder and path.exists() and not path.is_dir():
+        raise OutputError(f"{flag} {path}: is a file; give a folder (a name without an extension) or a file name")
     try:
         fd, probe = tempfile.mkstemp(prefix=".cbatch-probe-", dir=parent)
     except OSError as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from cbatch.config import EngineConfig, UserError
 from cbatch.engine.build import build_engine
@@ -98,11 +98,19 @@ def run_rows(options: JobOptions, prepared: PreparedJob, executor: Executor, met
                   f"{partial}", file=sys.stderr)
         display = make_progress(metrics, options)
 
+        parts = state.parts  # --out DIR: a part is written the moment its last row is stored
+        if parts is not None:
+            write_part = part_writer(options, prepared)
+            for k in parts.start(done.rows):
+                parts.write(k, write_part, expired_in(state, parts, k))
+
         def store(result: RowResult) -> bool:
             record = result.record()
             if record_key(record) in state:  # exactly once: a retried Ray block (or a resumed row) may bring it again
                 return False
             state.append(record)
+            if parts is not None and result.last and (k := parts.row_done(result.index)) is not None:
+                parts.write(k, write_part, expired_in(state, parts, k))
             return True
 
         try:
@@ -113,6 +121,35 @@ def run_rows(options: JobOptions, prepared: PreparedJob, executor: Executor, met
             raise
         finally:
             display.close()
+
+
+def write_records(options: JobOptions, prepared: PreparedJob, path: Path,
+                  records: Callable[[], Iterator[dict[str, Any]]]) -> None:
+    """`records()` (in input order) written to `path` in the job's formats: OUTPUT, or one of its parts, with the
+    optional columns they have and the kept columns' types (`records` is read twice where those come from it)."""
+    formats, state = prepared.formats, prepared.state
+    columns = output_columns(options.token_ids, state.columns)
+    kept_types = (output_kept_types(formats.keep, formats.kept_types, records) if formats.output == "parquet"
+                  else None)
+    openai_model = output_model_name(options.engine.model) if formats.openai_lines else None
+    write_output(path, formats.output, records(), columns, kept_types=kept_types, openai_model=openai_model)
+
+
+def part_writer(options: JobOptions, prepared: PreparedJob) -> Callable[[int, Path], None]:
+    """Writes part k of a folder OUTPUT (its rows' records) to a path."""
+    state = prepared.state
+
+    def write(k: int, path: Path) -> None:
+        rows = state.parts.rows_of(k)
+        write_records(options, prepared, path, lambda: state.records(rows.start, rows.stop))
+
+    return write
+
+
+def expired_in(state, parts, k: int) -> int:
+    """The expired records among part k's rows."""
+    rows = parts.rows_of(k)
+    return sum(1 for index, _ in state.expired_rows if index in rows)
 
 
 def write_report_and_plot(options: JobOptions, report: dict[str, Any]) -> None:
@@ -142,13 +179,15 @@ def conclude_job(options: JobOptions, prepared: PreparedJob, report: dict[str, A
         print(f"cbatch: interrupted; {state.num_rows} of {prepared.total_rows} rows are saved. "
               "Run the same command again to resume.", file=sys.stderr)
         return code
-    columns = output_columns(options.token_ids, state.columns)
-    kept_types = (output_kept_types(formats.keep, formats.kept_types, state.records) if formats.output == "parquet"
-                  else None)
-    openai_model = output_model_name(options.engine.model) if formats.openai_lines else None
-
     def write(tmp: Path) -> None:
-        write_output(tmp, formats.output, state.records(), columns, kept_types=kept_types, openai_model=openai_model)
+        if state.parts is None:
+            write_records(options, prepared, tmp, state.records)
+            return
+        write_part = part_writer(options, prepared)
+        for k in state.parts.unwritten():
+            state.parts.write(k, write_part, expired_in(state, state.parts, k))
+        if code != EXIT_EXPIRED:
+            state.parts.finish()
 
     if code == EXIT_EXPIRED:  # OUTPUT whole, the state kept: the same command runs the expired rows
         state.publish_expired(write)

@@ -20,6 +20,7 @@ from cbatch.config import EngineConfig, SamplingParams, UserError
 from cbatch.engine.resolve import ResolvedModel, resolve_model
 from cbatch.io.columns import KeepColumns, parquet_kept_types
 from cbatch.io.openai import OPENAI_LINE_FIELDS
+from cbatch.io.partitions import PartitionedOutput, PartPlan
 from cbatch.io.reader import InputFile, describe_places, find_duplicate_id, inspect_input, open_input
 from cbatch.io.state import JobState, StateError, file_digest, settings_digest
 from cbatch.io.writer import OUTPUT_COLUMNS, check_writable, output_columns, output_format, written_columns
@@ -60,6 +61,8 @@ class JobOptions:
     keep_columns: str | None = None  # --keep-columns: "all" or a comma list of input columns
     allow_duplicate_ids: bool = False
     deadline: Deadline | None = None  # --max-wall-time / --deadline: when the job stops starting rows
+    part_rows: int = 100_000  # --out DIR: input rows per part file
+    part_format: str = "parquet"  # --out DIR: the part files' format (parquet | jsonl)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,7 @@ class JobFormats:
     openai_lines: bool  # --output-format openai: OUTPUT holds OpenAI batch output lines (JSONL)
     keep: KeepColumns | None  # --keep-columns, parsed (None: no flag)
     kept_types: dict[str, Any] | None = None  # the kept columns' Arrow types when INPUT is Parquet (its schema)
+    parts: PartPlan | None = None  # --out DIR: OUTPUT is a folder of parts (`output` is their format)
 
 
 @dataclass(slots=True)
@@ -88,13 +92,15 @@ def validate_paths(options: JobOptions) -> tuple[JobFormats, int]:
     """Checks input and output before any work (raises JobError); returns the job's formats and the number of
     input rows."""
     try:
-        output = output_format(options.output)
-        check_writable(options.output)
+        parts = part_plan(options)
+        output = parts.format if parts is not None else output_format(options.output)
+        check_writable(options.output, folder=parts is not None)
         if options.report is not None:
             check_writable(options.report, flag="--report")
         openai_lines = options.output_format == "openai"
         if openai_lines and output != "jsonl":
-            raise JobError(f"--out {options.output}: --output-format openai writes JSONL; give a .jsonl --out")
+            what = "--part-format jsonl" if parts is not None else "a .jsonl --out"
+            raise JobError(f"--out {options.output}: --output-format openai writes JSONL; give {what}")
         source = open_input(options.input)
         if options.output.exists() and any(part.path.samefile(options.output) for part in source.parts):
             raise JobError(f"--out {options.output} is the input file; choose another --out")
@@ -104,9 +110,24 @@ def validate_paths(options: JobOptions) -> tuple[JobFormats, int]:
         kept_types = parquet_kept_types(keep, source.path) if keep is not None and source.format == "parquet" else None
         if not options.allow_duplicate_ids:
             check_unique_ids(source)
-        return JobFormats(source, output, openai_lines, keep, kept_types), total_rows
+        return JobFormats(source, output, openai_lines, keep, kept_types, parts), total_rows
     except ValueError as exc:
         raise JobError(str(exc)) from None
+
+
+def part_plan(options: JobOptions) -> PartPlan | None:
+    """--out DIR (an existing folder, or a name without an extension): OUTPUT as parts of --part-rows rows in
+    --part-format; None for a file OUTPUT."""
+    if not (options.output.is_dir() or options.output.suffix == ""):
+        return None
+    if options.part_rows < 1:
+        raise JobError("--part-rows: must be at least 1")
+    if options.part_format not in ("parquet", "jsonl"):
+        raise JobError(f"--part-format: parquet or jsonl, not {options.part_format!r}")
+    if options.retry_errors:
+        raise JobError(f"--retry-errors: not available for a folder --out yet; run the same command to resume it, "
+                       "or give a file --out")
+    return PartPlan(options.part_format, options.part_rows)
 
 
 def check_unique_ids(source: InputFile) -> None:
@@ -218,7 +239,8 @@ def preflight(options: JobOptions) -> PreparedJob | None:
     formats, total_rows = validate_paths(options)
     model = resolve_or_fail(options.engine)
     fingerprint = job_fingerprint(options, model, formats.input)
-    state = JobState(options.output, fingerprint, formats.output)
+    parts = PartitionedOutput(options.output, formats.parts, total_rows) if formats.parts is not None else None
+    state = JobState(options.output, fingerprint, formats.output, parts)
     done = nothing_to_retry(options, formats, state) if options.retry_errors else not options.overwrite and state.is_complete()
     if done:
         if not options.quiet:
