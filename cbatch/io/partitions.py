@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from cbatch.io.durable import fsync_dir
 from cbatch.io.record_index import RowSet
 
 MANIFEST, SUCCESS = "_manifest.json", "_SUCCESS"
@@ -106,7 +107,7 @@ class PartitionedOutput:
         self.manifest["complete"] = True
         self._write_manifest()
         (self.folder / SUCCESS).write_bytes(b"")
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
 
     # ---- the manifest --------------------------------------------------------------------------
     def _read_manifest(self) -> dict[str, Any]:
@@ -123,7 +124,7 @@ class PartitionedOutput:
         tmp = self.folder / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps(self.manifest, indent=1))
         os.replace(tmp, self.folder / MANIFEST)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
 
     def reset(self) -> None:
         """--overwrite: the folder's parts, manifest and marker go (other files in it stay)."""
@@ -138,14 +139,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = ["MANIFEST", "PartPlan", "PartitionedOutput", "SUCCESS"]

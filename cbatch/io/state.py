@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator
 
 
 from cbatch.config import UserError
+from cbatch.io.durable import fsync_dir
 from cbatch.io.outcomes import EXPIRED, FAILED
 from cbatch.io.partitions import MANIFEST, PartitionedOutput
 from cbatch.io.record_index import RecordKey, RecordPlaces, RowSet
@@ -66,17 +67,6 @@ def file_digest(path: Path) -> str:
 
 def settings_digest(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -264,12 +254,12 @@ class JobState:
             manifest = self.dir / "manifest.json"
             if not manifest.exists():
                 _write_atomic(manifest, json.dumps({"fingerprint": self.fingerprint}))
-                _fsync_dir(self.output.parent)
+                fsync_dir(self.output.parent)
             self._retry_of = (_read_json(manifest) or {}).get("retry_of")
             done = self._load_parts()
             self._part_no = 1 + max((int(p.stem.split("-")[1]) for p in self.dir.glob("part-*.jsonl")), default=0)
             self._part = open(self.dir / f"part-{self._part_no:04d}.jsonl", "ab")
-            _fsync_dir(self.dir)  # the new part file's name survives a power loss too
+            fsync_dir(self.dir)  # the new part file's name survives a power loss too
         except OSError as exc:
             self._drop_lock()
             raise StorageError(self.dir, exc, "the job's state") from None
@@ -297,9 +287,9 @@ class JobState:
             os.fsync(f.fileno())
         previous = (_read_json(self.done_record) or {}).get("fingerprint")
         _write_atomic(seeding / "manifest.json", json.dumps({"fingerprint": self.fingerprint, "retry_of": previous}))
-        _fsync_dir(seeding)
+        fsync_dir(seeding)
         os.replace(seeding, self.dir)
-        _fsync_dir(self.output.parent)
+        fsync_dir(self.output.parent)
 
     def _seeding_dir(self) -> Path:
         return self.dir.with_name(self.dir.name + ".seeding")
@@ -478,7 +468,7 @@ class JobState:
         those rows run. OUTPUT is not recorded complete until then."""
         self._write_output(write_output)
         self.done_record.unlink(missing_ok=True)  # (a --retry-errors start had one: it no longer describes OUTPUT)
-        _fsync_dir(self.output.parent)
+        fsync_dir(self.output.parent)
         self.close()
 
     def finish(self, write_output: Callable[[Path], None], summary: dict[str, Any]) -> None:
@@ -492,7 +482,7 @@ class JobState:
         except OSError as exc:  # OUTPUT is whole; without its record a rerun refuses to touch it, so say so
             self.close()
             raise StorageError(self.done_record, exc, "the completion record (OUTPUT itself is complete)") from None
-        _fsync_dir(self.output.parent)
+        fsync_dir(self.output.parent)
         if self._part is not None:
             self._part.close()
             self._part = None
