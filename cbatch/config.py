@@ -15,7 +15,7 @@ ADMISSION_MODES: tuple[str, ...] = ("optimistic", "reserve")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 # The names of what the layers above register (tests/test_registries.py holds them to these): admission policies
 # (cbatch/engine/policy.py, the default first) and compute backends (cbatch/model/backend/, besides `auto`).
-POLICIES: tuple[str, ...] = ("longest-first", "fcfs", "static")
+POLICIES: tuple[str, ...] = ("longest-first", "fcfs", "static", "prefix")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "cpu", "torch", "triton")
 
 

@@ -130,3 +130,30 @@ def test_blocks_return_when_everything_finishes():
                 sched.finish(s, FinishReason.LENGTH)
     assert pool.num_free == pool.num_blocks
     assert all(s.is_finished for s in seqs)
+
+
+def test_prefix_policy_admits_rows_of_one_opening_together():
+    """`--policy prefix`: rows that open with the same 16 tokens are admitted one after another (the later ones
+    find the blocks cached), groups longest-first by their first row; rows sharing nothing: longest-first's order."""
+    from cbatch.config import SamplingParams
+    from cbatch.engine.sequence import Sequence
+
+    def admitted(policy: str, prompts: list[list[int]]) -> list[int]:
+        sched, _ = make(policy, blocks=1000, max_seqs=1, budget=10_000)
+        for i, prompt in enumerate(prompts):
+            sched.add(Sequence(seq_id=i, prompt_ids=prompt, params=SamplingParams(max_tokens=4)))
+        order = []
+        while sched.has_work():
+            plan = sched.schedule()
+            order += [s.seq_id for s, n in plan.scheduled if n > 1]
+            advance(sched, plan)
+        return order
+
+    a, b = list(range(100, 116)), list(range(200, 216))  # two openings of 16 tokens
+    prompts = [a + [1] * 9, b + [2] * 30, a + [3] * 20, b + [4] * 2, a + [5] * 5, [7] * 40]
+    # work (prompt + max_tokens): 0: 29, 1: 50, 2: 40, 3: 22, 4: 25, 5: 44. Groups by their first row's work: b (row
+    # 1: 50), then row 5 alone (44), then a (row 0: 29); longest-first inside each
+    assert admitted("prefix", prompts) == [1, 3, 5, 2, 0, 4]
+    assert admitted("longest-first", prompts) == [1, 5, 2, 0, 4, 3]
+    unique = [[i] * (5 + 3 * (i % 7)) + [i + 1] * 16 for i in range(12)]
+    assert admitted("prefix", unique) == admitted("longest-first", unique)

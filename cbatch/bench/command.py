@@ -12,7 +12,7 @@ from cbatch.bench.trial import make_bench_engine, run_trial, warm_up, workload_p
 from cbatch.bench.workload import BenchRequest, WorkloadError, parse_distribution, read_trace, synthetic_workload
 from cbatch.config import POLICIES, EngineConfig
 
-ALL_POLICIES = tuple(reversed(POLICIES))  # static first: the baseline of the comparison
+ALL_POLICIES = ("static", "fcfs", "longest-first", "prefix")  # static first: the baseline of the comparison
 
 
 @dataclass(slots=True)

@@ -90,7 +90,8 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
              ENGINE, field="priority_aging_steps"),
     ]
     if policy_default is not None:
-        flags.insert(8, Flag("policy", str, policy_default, "Admission: longest-first | fcfs | static.", ENGINE, field="policy"))
+        flags.insert(8, Flag("policy", str, policy_default, "Admission: longest-first | fcfs | static | prefix (rows opening "
+                             "with the same tokens together, longest-first inside).", ENGINE, field="policy"))
     return flags
 
 
@@ -175,7 +176,8 @@ BENCH_FLAGS = [
          "synthetic workload.", WORKLOAD),
     Flag("shared_prefix", int, 0, "This many tokens, the same for every prompt (a system prompt), in front of each "
          "prompt's --input-len tokens; adds a run without the prefix cache to compare.", WORKLOAD),
-    Flag("policy", str, "all", "static | fcfs | longest-first | all (each on the identical workload).", WORKLOAD),
+    Flag("policy", str, "all", "static | fcfs | longest-first | prefix | all (each on the identical workload).",
+         WORKLOAD),
     Flag("model_config", Optional[str], None, "Weightless model: preset (qwen3-0.6b, llama-3.2-1b, llama-3.1-8b, "
          "qwen2.5-1.5b, qwen3-30b-a3b, mixtral-8x7b, gemma-3-4b, tiny) or config.json; random weights.", ENGINE),
     Flag("simulate", bool, False, "Drive the real scheduler and block pool with a cost model instead of the model.",

@@ -18,7 +18,8 @@ from cbatch.engine.sequence import Sequence
 @dataclass(frozen=True, slots=True)
 class AdmissionPolicy:
     name: str
-    key: Callable[[Sequence], tuple]  # smaller key = admitted sooner
+    # a fresh key for each scheduler (a key may remember what it saw): smaller key = admitted sooner
+    new_key: Callable[[], Callable[[Sequence], tuple]]
     batching: type[ContinuousBatching] = ContinuousBatching  # StaticGroups: fixed groups that run to their longest member
 
 
@@ -32,10 +33,31 @@ def _arrival(seq: Sequence) -> tuple:
     return (seq.seq_id,)
 
 
+PREFIX_TOKENS = 16  # rows that open with the same this many tokens (one default KV block) form a group
+
+
+def _prefix_groups() -> Callable[[Sequence], tuple]:
+    """Rows that open with the same PREFIX_TOKENS tokens (a shared system prompt) are admitted together, so the
+    later ones find its KV blocks still cached. Groups go longest-first by the work of the first row seen of each
+    (so rows that share nothing, each a group of its own, go in longest-first order), longest-first inside."""
+    groups: dict[tuple[int, ...], tuple[int, int]] = {}  # opening tokens -> (-first row's work, group number)
+
+    def key(seq: Sequence) -> tuple:
+        group = groups.setdefault(tuple(seq.prompt_ids[:PREFIX_TOKENS]), (-seq.estimated_work, len(groups)))
+        return (*group, -seq.estimated_work, seq.seq_id)
+
+    return key
+
+
+def _always(key: Callable[[Sequence], tuple]) -> Callable[[], Callable[[Sequence], tuple]]:
+    return lambda: key
+
+
 POLICY_BY_NAME: dict[str, AdmissionPolicy] = {
-    "longest-first": AdmissionPolicy("longest-first", _longest_first),
-    "fcfs": AdmissionPolicy("fcfs", _arrival),
-    "static": AdmissionPolicy("static", _arrival, batching=StaticGroups),
+    "longest-first": AdmissionPolicy("longest-first", _always(_longest_first)),
+    "fcfs": AdmissionPolicy("fcfs", _always(_arrival)),
+    "static": AdmissionPolicy("static", _always(_arrival), batching=StaticGroups),
+    "prefix": AdmissionPolicy("prefix", _prefix_groups),
 }
 
 

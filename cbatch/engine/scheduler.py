@@ -51,7 +51,7 @@ class Scheduler:
         admission: OptimisticAdmission = OptimisticAdmission(),
         num_host_blocks: int = 0,
     ) -> None:
-        self.policy = policy
+        self.policy, self._order = policy, policy.new_key()  # the admission order's key (it may remember groups)
         self.batching = policy.batching()  # continuous, or static groups
         self.admission = admission  # optimistic, or reserve (prompt + max_tokens must fit: never preempts)
         self.priority = priority
@@ -83,7 +83,7 @@ class Scheduler:
         self._watch_stop_tokens(seq)
         seq.status = SequenceStatus.WAITING
         seq.arrival_step = self.stats.steps
-        heapq.heappush(self._waiting, ((self.priority.rank(seq), 1, 0, self.policy.key(seq)), seq))
+        heapq.heappush(self._waiting, ((self.priority.rank(seq), 1, 0, self._order(seq)), seq))
 
     def _watch_stop_tokens(self, seq: Sequence) -> None:
         """Keeps `_stop_tokens` a superset of `seq`'s (and its samples') stop tokens."""
