@@ -49,3 +49,15 @@ def test_two_field_checks_follow_the_field_checks():
     assert SamplingParams(min_tokens=9, max_tokens=8).validate() == "min_tokens must not exceed max_tokens (8), got 9"
     assert SamplingParams(chat_template_kwargs={"tokenize": True, "padding": 1}).validate().startswith(
         "chat_template_kwargs may not set tokenize, padding (cbatch sets it)")
+
+
+def test_defaults_pass_every_rule_and_look_alikes_do_not():
+    """validate() skips a field at its default (a row sets a few of twenty): that holds only because every default
+    passes its field's rules, and a look-alike of another type (True for 1, False for 0.0) is not the default."""
+    from cbatch.config import SAMPLING_FIELDS, SamplingParams
+
+    defaults = SamplingParams()
+    for name, spec in SAMPLING_FIELDS.items():
+        value = getattr(defaults, name)
+        assert not any(rule.bad(value) for rule in spec.rules if value is not None), name
+    assert SamplingParams(n=True).validate() is not None and SamplingParams(temperature=False).validate() is not None

@@ -176,7 +176,8 @@ BENCH_FLAGS = [
          "synthetic workload.", WORKLOAD),
     Flag("shared_prefix", int, 0, "This many tokens, the same for every prompt (a system prompt), in front of each "
          "prompt's --input-len tokens; adds a run without the prefix cache to compare.", WORKLOAD),
-    Flag("policy", str, "all", "static | fcfs | longest-first | prefix | all (each on the identical workload).",
+    Flag("policy", str, "all", "static | fcfs | longest-first | prefix | all (the first three, each on the identical "
+         "workload).",
          WORKLOAD),
     Flag("model_config", Optional[str], None, "Weightless model: preset (qwen3-0.6b, llama-3.2-1b, llama-3.1-8b, "
          "qwen2.5-1.5b, qwen3-30b-a3b, mixtral-8x7b, gemma-3-4b, tiny) or config.json; random weights.", ENGINE),

@@ -11,7 +11,7 @@ lengths. The search replays the accepted rows (their token ids) under other batc
 from __future__ import annotations
 
 from array import array
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 from typing import Sequence as Sequence_
 
@@ -149,7 +149,8 @@ def replay(accepted: dict[int, tuple[array, SamplingParams]]) -> Callable[[], It
     """The accepted rows again, as token-id rows with their settings (each simulation re-reads them)."""
     def rows() -> Iterator[RawRow]:
         for index, (prompt_ids, params) in sorted(accepted.items()):
-            settings = {k: v for k, v in asdict(params).items() if k in SAMPLING_FIELDS and v is not None}
+            # (getattr, not dataclasses.asdict: that deep-copies every field of every row of every simulation)
+            settings = {k: v for k in SAMPLING_FIELDS if (v := getattr(params, k)) is not None}
             yield index, {"prompt_token_ids": list(prompt_ids), **settings}
 
     return rows
