@@ -121,7 +121,7 @@ SAMPLING_FLAGS = [sampling_flag(spec) for spec in SAMPLING_FIELDS.values()] + [
 ]
 
 JOB_FLAGS = [
-    Flag("input", Path, ..., "Prompts: .jsonl or .parquet with a `prompt`, `messages` or `prompt_token_ids` field per row.",
+    Flag("input", str, ..., "Prompts: .jsonl or .parquet with a `prompt`, `messages` or `prompt_token_ids` field per row; a file, a folder, a glob or an fsspec URL (s3://...; pip install 'cbatch[remote]').",
          JOB, argument=True),
     Flag("out", Path, ..., "Results: .parquet or .jsonl, one row per input row, in input order; or a folder (a name "
          "without an extension) of parts written as the job goes.", JOB, decls=("--out", "-o")),

@@ -13,9 +13,12 @@ import decimal
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from cbatch.config import UserError
+
+if TYPE_CHECKING:
+    from cbatch.io.reader import InputPart
 
 
 class KeepColumnsError(UserError):
@@ -92,12 +95,14 @@ def _nested_needs_decoding(arrow_type) -> bool:
                for f in (arrow_type.field(i) for i in range(arrow_type.num_fields)))
 
 
-def parquet_kept_types(keep: KeepColumns, path: Path) -> dict[str, Any]:
+def parquet_kept_types(keep: KeepColumns, part: "InputPart") -> dict[str, Any]:
     """The Arrow types of the kept columns of a Parquet INPUT; raises KeepColumnsError for a missing column
     or one whose nested type holds dates, decimals or bytes (which do not survive the JSON part files)."""
     import pyarrow.parquet as pq
 
-    schema = pq.read_schema(path)
+    path = part.name
+    with part.open() as f:
+        schema = pq.read_schema(f)
     names = keep.names if keep.names is not None else [n for n in schema.names if n not in keep.reserved]
     missing = [n for n in names if n not in schema.names]
     if missing:

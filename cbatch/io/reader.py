@@ -2,18 +2,21 @@
 
 Each row comes out as (row index, dict) or (row index, error message): a line that is not valid
 UTF-8 or JSON, or not an object, is a bad row, never a failed job. The readers take an `InputFile`: INPUT's
-files (one, or a folder's or a glob's, gzip/zstd JSONL too) with their format, derived once (`open_input`).
+files (one, or a folder's or a glob's, gzip/zstd JSONL too; local or behind an fsspec URL such as `s3://`) with
+their format, derived once (`open_input`).
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 from cbatch.config import UserError
+from cbatch.io import remote
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -30,11 +33,21 @@ class InputError(UserError):
 
 @dataclass(frozen=True, slots=True)
 class InputPart:
-    """One file of INPUT."""
+    """One file of INPUT: a local file, or (`fs` set) a file of an fsspec filesystem, `path` then its path there."""
 
     path: Path
     format: str  # jsonl | parquet (from the extension)
     compression: str | None = None  # gzip | zstd: a compressed JSONL file (.jsonl.gz, .jsonl.zst)
+    fs: Any = None  # an fsspec filesystem (INPUT given as a URL); None: the local filesystem
+
+    @property
+    def name(self) -> str:
+        """How a message names the file: its path, or its URL."""
+        return str(self.path) if self.fs is None else remote.url_of(self.fs, str(self.path))
+
+    def open(self) -> BinaryIO:
+        """The file's raw (still compressed) bytes."""
+        return open(self.path, "rb") if self.fs is None else self.fs.open(str(self.path), "rb")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +56,7 @@ class InputFile:
     format. Rows are numbered across the files in that order: a row's index is its place in the whole input,
     stable as long as the files are (the job's fingerprint holds every file's digest)."""
 
-    given: Path  # what the user gave: a file, a folder or a pattern
+    given: str  # what the user gave: a file, a folder or a pattern (or a URL of one)
     parts: tuple[InputPart, ...]
 
     @property
@@ -57,56 +70,73 @@ class InputFile:
 
     def label(self, part: InputPart) -> str:
         """How a message names a part: its path (its name within a folder or pattern of several)."""
-        return str(part.path) if len(self.parts) == 1 else part.path.name
+        return part.name if len(self.parts) == 1 else part.path.name
+
+    @property
+    def local(self) -> bool:
+        return self.parts[0].fs is None
 
 
-def input_format(path: Path) -> InputPart:
+def input_format(path: Path, fs: Any = None) -> InputPart:
     """A file's format and compression, from its name (raises InputError naming it): derived once per file, by
     `open_input`."""
     suffixes = [s.lower() for s in path.suffixes[-2:]]
     compression = COMPRESSIONS.get(suffixes[-1]) if suffixes else None
     suffix = suffixes[-2] if compression and len(suffixes) == 2 else (suffixes[-1] if suffixes else "")
     if suffix in JSONL_SUFFIXES:
-        return InputPart(path, "jsonl", compression)
+        return InputPart(path, "jsonl", compression, fs)
     if suffix in PARQUET_SUFFIXES and compression is None:
-        return InputPart(path, "parquet")
+        return InputPart(path, "parquet", None, fs)
     raise InputError(
         f"{path}: unknown input extension {''.join(path.suffixes[-2:]) or '(none)'!r}; use .jsonl (one JSON object "
         "per line; .jsonl.gz or .jsonl.zst compressed) or .parquet"
     )
 
 
-def open_input(path: Path) -> InputFile:
+def open_input(given: "str | Path") -> InputFile:
     """INPUT: a file, a folder (its .jsonl[.gz|.zst] / .parquet files, sorted) or a glob pattern such as
-    `data/day=*/part-*.parquet`; every file checked to be readable, all of one format (raises InputError)."""
-    if _GLOB_CHARS & set(str(path)):
+    `data/day=*/part-*.parquet`, local or as an fsspec URL (`s3://bucket/day=*/*.parquet`, `file:///data/x.jsonl`);
+    every file checked to be readable, all of one format (raises InputError)."""
+    given = str(given)
+    if remote.is_url(given):
+        fs, files = remote.list_files(given, _GLOB_CHARS, _is_input_name)
+        return _input_of(given, tuple(input_format(Path(f), fs) for f in files))
+    path = Path(given)
+    if _GLOB_CHARS & set(given):
         files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
         if not files:
             raise InputError(f"{path}: the pattern matches no file")
     elif path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith((".", "_")))
-        files = [p for p in files if _is_input_name(p)]
+        files = [p for p in files if _is_input_name(p.name)]
         if not files:
             raise InputError(f"{path}: the folder has no .jsonl or .parquet file")
     else:
         files = [path]
-    parts = tuple(input_format(p) for p in files)
+    return _input_of(given, tuple(input_format(p) for p in files))
+
+
+def _input_of(given: str, parts: tuple[InputPart, ...]) -> InputFile:
     formats = {p.format for p in parts}
     if len(formats) > 1:
-        raise InputError(f"{path}: the input mixes JSONL and Parquet files; give one format at a time")
+        raise InputError(f"{given}: the input mixes JSONL and Parquet files; give one format at a time")
     for part in parts:
-        check_readable(part.path)
-    return InputFile(path, parts)
+        check_readable(part)
+    return InputFile(given, parts)
 
 
-def _is_input_name(path: Path) -> bool:
+def _is_input_name(name: str) -> bool:
     """A name a folder's input file may have (the derivation proper waits for `open_input`'s list)."""
-    name = path.name.lower()
+    name = name.lower()
     return name.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES) or any(
         name.endswith(s + c) for s in JSONL_SUFFIXES for c in COMPRESSIONS)
 
 
-def check_readable(path: Path) -> None:
+def check_readable(part: InputPart) -> None:
+    if part.fs is not None:
+        remote.check_readable(part.fs, str(part.path))
+        return
+    path = part.path
     if not path.exists():
         raise InputError(f"{path}: no such input file")
     if not path.is_file():
@@ -123,14 +153,14 @@ def _open_bytes(part: InputPart):
     if part.compression == "gzip":
         import gzip
 
-        return gzip.open(part.path, "rb")
+        return gzip.open(part.open(), "rb")
     if part.compression == "zstd":
         try:
             import zstandard
         except ImportError:
-            raise InputError(f"{part.path}: a .zst input needs the zstandard package: pip install zstandard") from None
-        return zstandard.open(part.path, "rb")
-    return open(part.path, "rb")
+            raise InputError(f"{part.name}: a .zst input needs the zstandard package: pip install zstandard") from None
+        return zstandard.open(part.open(), "rb")
+    return part.open()
 
 
 def _lines(part: InputPart) -> Iterator[tuple[int, bytes]]:
@@ -139,16 +169,25 @@ def _lines(part: InputPart) -> Iterator[tuple[int, bytes]]:
         with _open_bytes(part) as f:
             yield from enumerate(f, start=1)
     except (OSError, EOFError) as exc:  # a truncated or damaged .gz, a read failure
-        raise InputError(f"{part.path}: cannot read the input ({exc})") from None
+        raise InputError(f"{part.name}: cannot read the input ({exc})") from None
+
+
+def part_digest(part: InputPart) -> str:
+    """sha256 of the part's bytes as stored (the job fingerprint's input digest)."""
+    h = hashlib.sha256()
+    with part.open() as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def iter_rows(source: InputFile) -> Iterator[RawRow]:
     """Every row of the input, in order (the parts one after the other), streamed."""
     index = 0
     for part in source.parts:
-        check_readable(part.path)  # again: it may have gone since it was opened
+        check_readable(part)  # again: it may have gone since it was opened
         if part.format == "parquet":
-            rows = _parquet_rows(part.path)
+            rows = _parquet_rows(part)
         else:
             rows = _jsonl_rows(part, source.label(part) if len(source.parts) > 1 else None)
         for row in rows:
@@ -182,12 +221,13 @@ def _parse_line(line_no: int, raw: bytes) -> "dict[str, Any] | str":
     return value if isinstance(value, dict) else f"line {line_no}: expected a JSON object, got {type(value).__name__}"
 
 
-def _open_parquet(path: Path):
+def _open_parquet(part: InputPart):
     """The ParquetFile, checked to be readable and to have a prompt column."""
     import pyarrow.parquet as pq
 
+    path = part.name
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(part.path if part.fs is None else part.open())
     except Exception as exc:  # pyarrow raises several types for damaged files
         raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
     columns = set(pf.schema_arrow.names)
@@ -198,8 +238,9 @@ def _open_parquet(path: Path):
     return pf
 
 
-def _parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
-    pf = _open_parquet(path)
+def _parquet_rows(part: InputPart) -> Iterator[dict[str, Any]]:
+    pf = _open_parquet(part)
+    path = part.name
     index = 0
     batches = pf.iter_batches(batch_size=1024)
     while True:
@@ -223,9 +264,9 @@ def inspect_input(source: InputFile, probe_rows: int = 200) -> int:
     """
     total = 0
     for part in source.parts:
-        path = part.path
+        path = part.name
         if part.format == "parquet":
-            count = _open_parquet(path).metadata.num_rows
+            count = _open_parquet(part).metadata.num_rows
         else:
             count, seen_prompt, first_problem = 0, False, None
             for line_no, raw in _lines(part):
@@ -246,7 +287,7 @@ def inspect_input(source: InputFile, probe_rows: int = 200) -> int:
                 )
         total += count
     if total == 0:
-        where = source.given if len(source.parts) > 1 else source.path
+        where = source.given if len(source.parts) > 1 else source.parts[0].name
         raise InputError(f"{where}: the input has no rows; give at least one row with a `prompt` or `messages` field")
     return total
 
@@ -294,7 +335,7 @@ def _places_and_rows(source: InputFile) -> Iterator[tuple[Place, Any]]:
                 if raw.strip():
                     yield (label, "line", line_no), _parse_line(line_no, raw)
             continue
-        pf = _open_parquet(part.path)
+        pf = _open_parquet(part)
         columns = [c for c in ("id", "custom_id") if c in pf.schema_arrow.names]
         if not columns:
             continue

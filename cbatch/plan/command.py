@@ -28,7 +28,7 @@ MAX_ERRORS_SHOWN = 50  # printed; --report lists every one
 
 @dataclass(slots=True)
 class PlanOptions:
-    input: Path
+    input: str | Path  # a file, folder, glob or fsspec URL
     engine: EngineConfig
     defaults: SamplingParams
     cost_from: Path | None = None  # a real run's --report: the cost model is fitted to it

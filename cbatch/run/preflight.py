@@ -21,8 +21,8 @@ from cbatch.engine.resolve import ResolvedModel, resolve_model
 from cbatch.io.columns import KeepColumns, parquet_kept_types
 from cbatch.io.openai import OPENAI_LINE_FIELDS
 from cbatch.io.partitions import PartitionedOutput, PartPlan
-from cbatch.io.reader import InputFile, describe_places, find_duplicate_id, inspect_input, open_input
-from cbatch.io.state import JobState, StateError, file_digest, settings_digest
+from cbatch.io.reader import InputFile, describe_places, part_digest, find_duplicate_id, inspect_input, open_input
+from cbatch.io.state import JobState, StateError, settings_digest
 from cbatch.io.writer import OUTPUT_COLUMNS, check_writable, output_columns, output_format, written_columns
 from cbatch.model.loader import ModelLoadError
 from cbatch.model.spec import UnsupportedModelError
@@ -40,7 +40,7 @@ class JobError(UserError):
 
 @dataclass(slots=True)
 class JobOptions:
-    input: Path
+    input: str | Path  # a file, folder, glob or fsspec URL
     output: Path
     engine: EngineConfig
     defaults: SamplingParams
@@ -102,12 +102,12 @@ def validate_paths(options: JobOptions) -> tuple[JobFormats, int]:
             what = "--part-format jsonl" if parts is not None else "a .jsonl --out"
             raise JobError(f"--out {options.output}: --output-format openai writes JSONL; give {what}")
         source = open_input(options.input)
-        if options.output.exists() and any(part.path.samefile(options.output) for part in source.parts):
+        if source.local and options.output.exists() and any(part.path.samefile(options.output) for part in source.parts):
             raise JobError(f"--out {options.output} is the input file; choose another --out")
         total_rows = inspect_input(source)
         # a name the output has already is refused; a Parquet INPUT must have the kept columns, in types cbatch carries
         keep = KeepColumns.parse(options.keep_columns, OPENAI_LINE_FIELDS if openai_lines else OUTPUT_COLUMNS)
-        kept_types = parquet_kept_types(keep, source.path) if keep is not None and source.format == "parquet" else None
+        kept_types = parquet_kept_types(keep, source.parts[0]) if keep is not None and source.format == "parquet" else None
         if not options.allow_duplicate_ids:
             check_unique_ids(source)
         return JobFormats(source, output, openai_lines, keep, kept_types, parts), total_rows
@@ -188,9 +188,9 @@ def input_digest(source: InputFile) -> str:
     (relative to the first's folder) and digests, in order, so a file added, removed, renamed or changed is a
     different input."""
     if len(source.parts) == 1:
-        return file_digest(source.path)
+        return part_digest(source.parts[0])
     root = source.parts[0].path.parent
-    lines = [f"{_relative(part.path, root)}\t{file_digest(part.path)}" for part in source.parts]
+    lines = [f"{_relative(part.path, root)}\t{part_digest(part)}" for part in source.parts]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
