@@ -298,3 +298,28 @@ def test_plan_accuracy_script_runs(tiny_chat_model, tmp_path):
     result = script.main(["--quick", "--model", str(tiny_chat_model), "--workdir", str(tmp_path)])
     assert result["predicted_steps"] == result["measured_steps"] > 0
     assert result["predicted_wall_s"] > 0 and result["measured_wall_s"] > 0
+
+
+def test_a_long_job_is_checked_whole_and_simulated_on_an_even_sample(tiny_checkpoints, tmp_path, monkeypatch):
+    """Above PLAN_SIMULATED_ROWS every row is still checked (the error rows are the full plan's), while the schedule
+    is simulated on every k-th row and its totals scaled: close to the whole simulation's."""
+    import cbatch.plan.simulate as simulate
+
+    rows = token_rows(800, seed=6)
+    bad = range(5, 800, 97)  # bad rows spread through the input
+    for i in bad:
+        rows[i] = {"id": f"bad{i}", "prompt_token_ids": [3, 4], "max_tokens": -1}
+    source = write_jsonl(tmp_path / "job.jsonl", rows)
+    flags = ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu", "--max-num-seqs", "32", "--no-search",
+             "--allow-errors"]
+    assert plan(str(source), *flags, "--report", str(tmp_path / "whole.json"))[0] == 0
+    monkeypatch.setattr(simulate, "PLAN_SIMULATED_ROWS", 200)
+    assert plan(str(source), *flags, "--report", str(tmp_path / "sample.json"))[0] == 0
+    whole, sample = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("whole", "sample"))
+    assert sample["errors"] == whole["errors"] and len(whole["errors"]) == 9
+    assert sample["requests"] == whole["requests"]
+    w, s = whole["predicted"], sample["predicted"]
+    assert w["simulated_rows"] == 791 and s["simulated_rows"] == len(set(range(0, 800, 4)) - set(bad))  # every 4th
+    for key in ("wall_seconds", "output_tokens", "prompt_tokens", "steps"):
+        assert s[key] == pytest.approx(w[key], rel=0.03), (key, s[key], w[key])  # seen: within 1.2%
+    assert s["wall_seconds"] != w["wall_seconds"]  # a real sample, not the whole again

@@ -132,13 +132,7 @@ class Engine:
         if seq_id is None:
             seq_id = self._next_id
         self._next_id = max(self._next_id, seq_id + 1)
-        keep = params.truncate_prompt_tokens  # vLLM's: a longer prompt runs on its last `keep` tokens
-        prompt_ids = list(prompt_ids[-keep:] if keep is not None and keep >= 1 else prompt_ids)
-        error = params.validate() or self.scheduler.admission_error(len(prompt_ids), params) or self._token_error(params)
-        if error is None and params.stop and self.tokenizer is None:
-            error = "stop strings need a tokenizer; this model has none"
-        if error is None and params.constraint is not None:
-            error = self._grammar_error(params.constraint)
+        prompt_ids, error = self.check_request(prompt_ids, params)
         if error is not None:
             return Sequence(seq_id=seq_id, prompt_ids=prompt_ids, params=params, eos_ids=self._eos_ids,
                             status=SequenceStatus.FINISHED, finish_reason=FinishReason.ERROR, error=error)
@@ -149,6 +143,17 @@ class Engine:
         seq.children = [self._sequence(next(self._child_ids), seq_id, i, prompt_ids, params) for i in samples[1:]]
         self.scheduler.add(seq)
         return seq
+
+    def check_request(self, prompt_ids: Seq[int], params: SamplingParams) -> tuple[list[int], str | None]:
+        """(the prompt the request runs on, why it cannot run or None): what `add_request` checks before queueing."""
+        keep = params.truncate_prompt_tokens  # vLLM's: a longer prompt runs on its last `keep` tokens
+        prompt_ids = list(prompt_ids[-keep:] if keep is not None and keep >= 1 else prompt_ids)
+        error = params.validate() or self.scheduler.admission_error(len(prompt_ids), params) or self._token_error(params)
+        if error is None and params.stop and self.tokenizer is None:
+            error = "stop strings need a tokenizer; this model has none"
+        if error is None and params.constraint is not None:
+            error = self._grammar_error(params.constraint)
+        return prompt_ids, error
 
     def _sequence(self, seq_id: int, row_index: int, sample_index: int, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         seq = Sequence(seq_id=seq_id, prompt_ids=prompt_ids, params=params, eos_ids=self._eos_ids, row_index=row_index,

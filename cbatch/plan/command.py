@@ -17,7 +17,7 @@ from cbatch.io.writer import check_writable
 from cbatch.observe.report import write_report
 from cbatch.plan.devices import DeviceKind, device_kind
 from cbatch.plan.lengths import OutputLengths
-from cbatch.plan.simulate import PlanSetup, Simulation, fastest, search, simulate_rows
+from cbatch.plan.simulate import CheckedRows, PlanSetup, Simulation, check_rows, fastest, search, simulate_checked
 from cbatch.run.deadline import Deadline
 from cbatch.run.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
 from cbatch.run.preflight import JobError, resolve_or_fail
@@ -54,9 +54,10 @@ def run_plan(options: PlanOptions) -> int:
     lengths = (OutputLengths.from_report(options.lengths_from, config.seed) if options.lengths_from is not None
                else OutputLengths(source="max_tokens, an upper bound"))
     setup = PlanSetup(model, kind, plan_tokenizer(model), cost, lengths, options.defaults, options.lookahead)
-    first = simulate_rows(iter_rows(source), config, setup, total_rows, plan_cache(options, kind, model, config))
-    simulations = search(first, setup) if options.search and first.accepted else [first]
-    plan = plan_report(options, setup, cost_source, simulations)
+    checked = check_rows(iter_rows(source), config, setup, total_rows, plan_cache(options, kind, model, config))
+    first = simulate_checked(checked, config, setup)
+    simulations = search(first, checked, setup) if options.search and checked.sample else [first]
+    plan = plan_report(options, setup, cost_source, checked, simulations)
     print_plan(plan, options.quiet)
     if options.deadline is not None and (warning := deadline_warning(plan, options.deadline, cost.unit)):
         plan["deadline_warning"] = warning
@@ -66,7 +67,7 @@ def run_plan(options: PlanOptions) -> int:
             write_report(options.report, plan)
         except OSError as exc:
             raise StorageError(options.report, exc, "the plan") from None
-    return EXIT_ROW_ERRORS if first.errors and not options.allow_errors else EXIT_OK
+    return EXIT_ROW_ERRORS if checked.errors and not options.allow_errors else EXIT_OK
 
 
 def check_paths(options: PlanOptions) -> tuple[InputFile, int]:
@@ -109,18 +110,18 @@ def plan_cache(options: PlanOptions, kind: DeviceKind, model: ResolvedModel, con
     return open_row_cache(options.result_cache, DEFAULT_CACHE_LIMIT, model, config, writable=False)
 
 
-def plan_report(options: PlanOptions, setup: PlanSetup, cost_source: str, simulations: list[Simulation]) -> dict[str, Any]:
+def plan_report(options: PlanOptions, setup: PlanSetup, cost_source: str, checked: CheckedRows,
+                simulations: list[Simulation]) -> dict[str, Any]:
     """The plan as JSON: what was assumed, the error rows, the prediction, and the search."""
     first, best = simulations[0], fastest(simulations)
-    errors = sorted(first.errors, key=lambda r: r.index)
-    total = first.report["requests"]["total"]
+    errors, total = checked.errors, checked.total
     return {
         "input": str(options.input), "model": str(setup.model.checkpoint.path), "device_kind": setup.kind.name,
         "dtype": str(setup.model.dtype), "max_model_len": setup.model.max_model_len,
         "settings": {"engine": asdict(first.config), "defaults": asdict(options.defaults)},
         "cost_model": {**cost_settings(setup.cost), "source": cost_source},
         "output_lengths": setup.lengths.source,
-        "requests": {"total": total, "ok": total - len(errors), "error": len(errors), "cached": first.cached},
+        "requests": {"total": total, "ok": total - len(errors), "error": len(errors), "cached": checked.cached},
         "errors": [{"index": r.index, "id": r.row_id, "error": r.error} for r in errors],
         "predicted": first.predicted(),
         "search": {

@@ -1,12 +1,17 @@
-"""The job's rows through the same code as `cbatch run`, with a cost model in place of the model.
+"""The job's rows through the same code as `cbatch run`, with a cost model in place of the model. Two passes:
 
-    rows -> RowFeed -> LocalExecutor (parse_row, tokenize_request, the result cache) -> PlannedEngine
-         -> the real Scheduler and BlockPool, stepped by PlannedRunner (the simulator's runner: time is
-            its cost model's, each row "generates" its planned length) -> the driver's counts -> report
+    1. check: every row -> LocalExecutor.prepare (parse_row, tokenize_request, the result cache)
+              -> Engine.check_request (context length, KV pool, grammar): the error rows, the rows that run
+    2. simulate: those rows (their token ids; above PLAN_SIMULATED_ROWS an even sample of them) -> RowFeed
+              -> LocalExecutor -> PlannedEngine -> the real Scheduler and BlockPool, stepped by PlannedRunner
+              (the simulator's runner: time is its cost model's, each row "generates" its planned length)
+              -> the driver's counts -> report, its totals scaled from the sample to every row
 
 So a row is an error row in the plan exactly when it would be one in the run (same parsing, tokenizer,
 chat template, context length and KV pool), and the schedule is the one the run would take for those
-lengths. The search replays the accepted rows (their token ids) under other batch settings.
+lengths. The search replays the same rows under other batch settings. The sample keeps a plan of 10M rows
+to the cost of checking them: the schedule of a long job is its steady state, which an even sample of
+25,000 rows shows as the whole does (the tail of one sample's last rows is scaled with it: a small overestimate).
 """
 from __future__ import annotations
 
@@ -29,12 +34,13 @@ from cbatch.observe.report import build_report
 from cbatch.plan.devices import DeviceKind
 from cbatch.plan.lengths import OutputLengths
 from cbatch.run.driver import RowFeed, drive
-from cbatch.run.executor import LocalExecutor
+from cbatch.run.executor import LocalExecutor, Prepared
 from cbatch.run.result_cache import RowCache
 from cbatch.run.results import RowResult
 
 SEARCH_MAX_NUM_SEQS = (16, 32, 64, 128, 256)
 SEARCH_MAX_NUM_BATCHED_TOKENS = (512, 1024, 2048, 4096, 8192)
+PLAN_SIMULATED_ROWS = 25_000  # above it the schedule is simulated on an even sample of the rows, its totals scaled
 
 
 class PlannedRunner(SimulatedRunner):
@@ -64,7 +70,6 @@ class PlannedEngine(Engine):
     No text is generated, so stop strings are not checked: the planned length stands for them."""
 
     lengths: OutputLengths = field(default_factory=OutputLengths)
-    accepted: dict[int, tuple[array, SamplingParams]] = field(default_factory=dict)  # for the search: 4 B a token
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None,
                     samples: Sequence_[int] | None = None) -> Sequence:
@@ -74,7 +79,6 @@ class PlannedEngine(Engine):
                 sample.stop = None
                 key = seq.seq_id * params.n + sample.sample_index
                 self.runner.targets[sample.seq_id] = self.lengths.of(key, params, bool(self.spec.eos_token_ids))
-            self.accepted[seq.seq_id] = (array("i", prompt_ids), params)
         return seq
 
 
@@ -91,47 +95,103 @@ class PlanSetup:
     lookahead: int
 
 
+RowSample = dict[int, tuple[array, SamplingParams]]  # row index -> (prompt token ids: 4 B a token, settings)
+
+
+@dataclass(slots=True)
+class CheckedRows:
+    """Pass 1: every row checked as the run checks it on arrival."""
+
+    total: int
+    errors: list[RowResult]  # in input order
+    cached: int  # rows the run would copy from the result cache
+    accepted: int  # rows that would run
+    sample: RowSample  # the rows the simulations schedule: every accepted row, or an even sample of them
+
+    @property
+    def scale(self) -> float:
+        """Accepted rows per simulated row (1.0: every row simulated)."""
+        return self.accepted / len(self.sample) if self.sample else 1.0
+
+
 @dataclass(slots=True)
 class Simulation:
     config: EngineConfig
-    errors: list[RowResult]  # in the order they came (rows that fail on arrival first)
-    cached: int
-    report: dict[str, Any]  # the simulated run's report (build_report), in the cost model's time
-    accepted: dict[int, tuple[array, SamplingParams]]
+    errors: list[RowResult]  # rows this simulation's settings fail (a smaller KV pool than the job's)
+    report: dict[str, Any]  # the simulated run's report (build_report), in the cost model's time, of the sample
+    scale: float  # CheckedRows.scale: the sample's totals times this are the job's
+    drain: float  # the time from the last row's admission to the end: the tail, which a sample does not lengthen
 
     @property
     def wall(self) -> float:
-        return self.report["time"]["wall_seconds"]
+        """The job's: the sample's time until every row is admitted, scaled, then its drain."""
+        sample_wall = self.report["time"]["wall_seconds"]
+        return (sample_wall - self.drain) * self.scale + self.drain
 
     def predicted(self) -> dict[str, Any]:
-        r, t, u = self.report, self.report["throughput"], self.report["utilization"]
+        """The whole job's prediction: the sample's totals scaled, its rates and fractions as they are."""
+        r, t, u, k = self.report, self.report["throughput"], self.report["utilization"], self.scale
+        steps_k = self.wall / max(r["time"]["wall_seconds"], 1e-12) if k != 1 else 1.0  # steps follow the time
         return {
             "wall_seconds": self.wall, "output_tokens_per_s": t["output_tokens_per_s"],
             "total_tokens_per_s": t["total_tokens_per_s"], "requests_per_s": t["requests_per_s"],
-            "prompt_tokens": r["tokens"]["prompt"], "output_tokens": r["tokens"]["output"], "steps": u["steps"],
-            "mean_batch_occupancy": u["mean_batch_occupancy"], "mean_kv_usage": u["mean_kv_usage"],
-            "peak_kv_usage": u["peak_kv_usage"], "preemptions": u["preemptions"],
-            "recomputed_tokens": u["recomputed_tokens"], "prefix_cache_hit_rate": u["prefix_cache_hit_rate"],
-            "num_kv_blocks": u["kv_blocks_total"], "max_num_seqs": self.config.max_num_seqs,
-            "max_num_batched_tokens": self.config.max_num_batched_tokens,
-            "latency_seconds": r["latency"]["seconds"]["total"],
+            "prompt_tokens": round(r["tokens"]["prompt"] * k), "output_tokens": round(r["tokens"]["output"] * k),
+            "steps": round(u["steps"] * steps_k), "mean_batch_occupancy": u["mean_batch_occupancy"],
+            "mean_kv_usage": u["mean_kv_usage"], "peak_kv_usage": u["peak_kv_usage"],
+            "preemptions": round(u["preemptions"] * k), "recomputed_tokens": round(u["recomputed_tokens"] * k),
+            "prefix_cache_hit_rate": u["prefix_cache_hit_rate"], "num_kv_blocks": u["kv_blocks_total"],
+            "max_num_seqs": self.config.max_num_seqs, "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "latency_seconds": r["latency"]["seconds"]["total"], "simulated_rows": r["requests"]["total"],
         }
 
 
-def simulate_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, total_rows: int,
-                  cache: RowCache | None = None) -> Simulation:
-    """Every row through LocalExecutor and the planned engine, driven by the job's own loop. A row found
-    in `cache` (opened for lookups only) is not simulated: the run would copy it. The step limits the run
-    would get on the planned device fill in what `config` leaves unset."""
+def planned_engine(config: EngineConfig, setup: PlanSetup) -> PlannedEngine:
+    """The engine a simulation steps: the run's on the planned device, the cost model for the model. The step limits
+    the run would get on that device fill in what `config` leaves unset."""
     spec = setup.model.spec
     config = memory.with_step_limits(config, setup.kind.device)
-    engine = PlannedEngine(
+    return PlannedEngine(
         config, PlannedRunner(setup.cost, spec.eos_token_ids, spec.vocab_size), setup.kind.kv_pool(config, setup.model),
         setup.model.max_model_len, spec=spec, tokenizer=setup.tokenizer, device=setup.model.device,
         dtype=setup.model.dtype, model_dir=setup.model.checkpoint.path, lengths=setup.lengths,
     )
-    metrics = JobMetrics(total_rows=total_rows, clock=lambda: engine.runner.forward_seconds)
-    executor = LocalExecutor(engine, setup.defaults, metrics, setup.lookahead, cache)
+
+
+def check_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, total_rows: int,
+               cache: RowCache | None = None) -> CheckedRows:
+    """Pass 1: every row through `LocalExecutor.prepare` and `Engine.check_request`, as the run takes it on
+    arrival; nothing is scheduled. A row found in `cache` (opened for lookups only) is not simulated: the run
+    would copy it. Every `every`-th row that would run goes to the sample (all of them up to PLAN_SIMULATED_ROWS)."""
+    engine = planned_engine(config, setup)
+    executor = LocalExecutor(engine, setup.defaults, JobMetrics(total_rows=total_rows), setup.lookahead, cache)
+    every = max(1, -(-total_rows // PLAN_SIMULATED_ROWS))
+    checked = CheckedRows(total_rows, [], 0, 0, {})
+    for index, raw in rows:
+        prepared = executor.prepare(index, raw)
+        if not isinstance(prepared, Prepared):
+            if prepared.ok:
+                checked.cached += 1
+            else:
+                checked.errors.append(prepared)
+            continue
+        params = prepared.request.params
+        prompt_ids, error = engine.check_request(prepared.prompt_ids, params)
+        if error is not None:
+            checked.errors.append(RowResult.failed(index, prepared.request.row_id, error, len(prompt_ids)))
+            continue
+        checked.accepted += 1
+        if index % every == 0:
+            checked.sample[index] = (array("i", prompt_ids), params)
+    return checked
+
+
+def simulate_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, num_rows: int,
+                  scale: float = 1.0) -> Simulation:
+    """Pass 2: the rows (checked ones, replayed) through LocalExecutor and the planned engine, driven by the job's
+    own loop."""
+    engine = planned_engine(config, setup)
+    metrics = JobMetrics(total_rows=num_rows, clock=lambda: engine.runner.forward_seconds)
+    executor = LocalExecutor(engine, setup.defaults, metrics, setup.lookahead)
     errors: list[RowResult] = []
 
     def store(result: RowResult) -> bool:
@@ -140,27 +200,35 @@ def simulate_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup
         return True
 
     drive(RowFeed(rows), executor, store, metrics, NoProgress())
-    report = build_report(metrics, engine.scheduler.stats, wall_seconds=metrics.now(), max_num_seqs=config.max_num_seqs,
+    report = build_report(metrics, engine.scheduler.stats, wall_seconds=metrics.now(), max_num_seqs=engine.config.max_num_seqs,
                           num_kv_blocks=engine.pool.num_blocks, settings={}, time_unit=setup.cost.unit)
-    return Simulation(config, errors, metrics.cached_rows, report, engine.accepted)
+    admitted = max((sample.t for sample in metrics.series if sample.waiting > 0), default=0.0)
+    return Simulation(engine.config, errors, report, scale, drain=metrics.now() - admitted)
 
 
-def replay(accepted: dict[int, tuple[array, SamplingParams]]) -> Callable[[], Iterator[RawRow]]:
-    """The accepted rows again, as token-id rows with their settings (each simulation re-reads them)."""
+def replay(sample: RowSample, defaults: SamplingParams) -> Callable[[], Iterator[RawRow]]:
+    """The checked rows again, as token-id rows with the settings they differ from the defaults in (each
+    simulation re-reads them; a row that only sets its prompt parses at the cost of its prompt)."""
     def rows() -> Iterator[RawRow]:
-        for index, (prompt_ids, params) in sorted(accepted.items()):
+        for index, (prompt_ids, params) in sample.items():
+            if params is defaults:
+                yield index, {"prompt_token_ids": list(prompt_ids)}
+                continue
             # (getattr, not dataclasses.asdict: that deep-copies every field of every row of every simulation)
-            settings = {k: v for k in SAMPLING_FIELDS if (v := getattr(params, k)) is not None}
+            settings = {k: v for k in SAMPLING_FIELDS if (v := getattr(params, k)) is not None and v != getattr(defaults, k)}
             yield index, {"prompt_token_ids": list(prompt_ids), **settings}
 
     return rows
 
 
-def search(first: Simulation, setup: PlanSetup) -> list[Simulation]:
+def simulate_checked(checked: CheckedRows, config: EngineConfig, setup: PlanSetup) -> Simulation:
+    return simulate_rows(replay(checked.sample, setup.defaults)(), config, setup, len(checked.sample), checked.scale)
+
+
+def search(first: Simulation, checked: CheckedRows, setup: PlanSetup) -> list[Simulation]:
     """A small coordinate search from the job's settings: --max-num-seqs at its token budget, then the
     token budget at the fastest of those. A setting under which a row that runs with the job's settings
     would fail (a smaller KV pool) is never the answer. Returns every simulation, the job's first."""
-    rows = replay(first.accepted)
     tried = {(first.config.max_num_seqs, first.config.max_num_batched_tokens): first}
     best = first
     for name, values in (("max_num_seqs", SEARCH_MAX_NUM_SEQS), ("max_num_batched_tokens", SEARCH_MAX_NUM_BATCHED_TOKENS)):
@@ -168,7 +236,7 @@ def search(first: Simulation, setup: PlanSetup) -> list[Simulation]:
             config = replace(best.config, **{name: value})
             key = (config.max_num_seqs, config.max_num_batched_tokens)
             if key not in tried:
-                tried[key] = simulate_rows(rows(), config, setup, len(first.accepted))
+                tried[key] = simulate_checked(checked, config, setup)
         best = fastest(list(tried.values()))
     return list(tried.values())
 

@@ -70,6 +70,16 @@ def tokenize_request(engine: Engine, request: RowRequest) -> list[int]:
 
 
 @dataclass(slots=True)
+class Prepared:
+    """A row ready for the engine."""
+
+    request: RowRequest
+    prompt_ids: list[int]
+    echo: dict[str, Any]  # request fields an OpenAI output line repeats (io/openai.py)
+    kept: dict[str, Any]  # --keep-columns: input columns carried to the output
+
+
+@dataclass(slots=True)
 class _PendingRow:
     row_id: str
     queued_s: float
@@ -106,9 +116,10 @@ class LocalExecutor:
         """The row is queued or running in the engine."""
         return index in self._rows
 
-    def submit(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int] = frozenset()) -> None:
-        """Queues the row (its samples not in `done_samples`); anything wrong with this row alone (its fields,
-        its tokenization, its size) makes it an error result and never stops the job."""
+    def prepare(self, index: int, raw: dict[str, Any] | str) -> "Prepared | RowResult":
+        """The row parsed and tokenized, or its result already: an error row (anything wrong with this row alone:
+        its fields, its tokenization) or a result-cache hit. `submit` queues what this prepares; `cbatch plan`
+        checks every row with it."""
         kept = self.keep.pick(raw) if self.keep is not None else {}
         echo: dict[str, Any] = {}
         try:
@@ -116,21 +127,36 @@ class LocalExecutor:
             echo = request.echo
             prompt_ids = tokenize_request(self.engine, request)
             hit = self.cache.lookup(index, request.row_id, prompt_ids, request.params) if self.cache else None
-            if hit is None:
-                samples = [i for i in range(request.params.n) if i not in done_samples]
-                seq = self.engine.add_request(prompt_ids, request.params, seq_id=index, samples=samples)
-        except Exception as exc:  # RowError, or a tokenizer / engine check on this row alone: never the job
-            message = str(exc) if isinstance(exc, ValueError) else f"could not prepare this row ({type(exc).__name__}: {exc})"
-            failed = RowResult.failed(index, row_id_of(index, raw), message)
-            failed.echo, failed.kept = echo, kept
-            self._ready.append(failed)
-            return
+        except Exception as exc:  # RowError, or a tokenizer check on this row alone: never the job
+            return self._failed(index, raw, exc, echo, kept)
         if hit is not None:
             hit.echo, hit.kept = echo, kept
-            self._ready.append(hit)
+            return hit
+        return Prepared(request, prompt_ids, echo, kept)
+
+    def _failed(self, index: int, raw: dict[str, Any] | str, exc: Exception, echo: dict[str, Any],
+                kept: dict[str, Any]) -> RowResult:
+        message = str(exc) if isinstance(exc, ValueError) else f"could not prepare this row ({type(exc).__name__}: {exc})"
+        failed = RowResult.failed(index, row_id_of(index, raw), message)
+        failed.echo, failed.kept = echo, kept
+        return failed
+
+    def submit(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int] = frozenset()) -> None:
+        """Queues the row (its samples not in `done_samples`); anything wrong with this row alone (its fields,
+        its tokenization, its size) makes it an error result and never stops the job."""
+        prepared = self.prepare(index, raw)
+        if isinstance(prepared, RowResult):
+            self._ready.append(prepared)
+            return
+        request = prepared.request
+        samples = [i for i in range(request.params.n) if i not in done_samples]
+        try:
+            seq = self.engine.add_request(prepared.prompt_ids, request.params, seq_id=index, samples=samples)
+        except Exception as exc:  # an engine check on this row alone: never the job
+            self._ready.append(self._failed(index, raw, exc, prepared.echo, prepared.kept))
             return
         self._rows[index] = _PendingRow(request.row_id, self.metrics.now(), self.engine.scheduler.stats.steps,
-                                        set(samples), request.params.n, echo, kept)
+                                        set(samples), request.params.n, prepared.echo, prepared.kept)
         self.metrics.submitted_rows += 1
         self.metrics.submitted_max_tokens += request.params.max_tokens * len(samples)
         if seq.is_finished:  # could never run (too long for the model or the KV pool)
