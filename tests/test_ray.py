@@ -109,6 +109,20 @@ def test_two_replicas_match_the_single_process_run(ray_cluster, job_input, local
     assert report["ray"]["replicas"] == 2 and report["ray"]["retried_blocks"] == 0
 
 
+def test_a_folder_out_gets_its_parts_from_the_replicas_blocks(ray_cluster, job_input, local_output, tmp_path):
+    """--out DIR under --ray: the driver writes each part the moment the replicas' blocks complete its rows; the
+    parts hold the single-process run's rows in order."""
+    from cbatch.scaleout.ray_job import run_ray_job
+
+    inp, model = job_input
+    out = tmp_path / "res"
+    assert run_ray_job(options(inp, out, model, part_rows=10, part_format="jsonl"), ray_options()) == 1
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["_SUCCESS", "_manifest.json", "part-00000.jsonl", "part-00001.jsonl", "part-00002.jsonl"]
+    parts = b"".join((out / n).read_bytes() for n in names[2:])
+    assert parts == local_output
+
+
 def test_a_killed_replica_has_its_rows_retried_exactly_once(ray_cluster, job_input, local_output, tmp_path):
     from cbatch.scaleout.ray_job import run_ray_job
 
