@@ -128,3 +128,47 @@ def test_paged_matches_dense(backend_name: str, seed: int, window: int | None, g
             stored = (stored.float() * kv.k_scale[:, None]).to(dtype)
         torch.testing.assert_close(stored.float(), k_new[i].float(), **({} if not fp8 else dict(rtol=0, atol=0)))
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prompts_of_one_length_batched_equal_each_alone(dtype) -> None:
+    """A step of many fresh prompts: those of one length attend in one batched SDPA call; each prompt's result is
+    bitwise what it gets alone in a step (batch invariance), beside a decode and a lone prompt."""
+    gen = torch.Generator().manual_seed(3)
+    q_lens = [7, 7, 300, 3, 300, 7, 12, 1]  # the last: a decode over a cached context of 9
+    ctxs = q_lens[:-1] + [9]
+    num_blocks = 1024
+    k_cache = torch.randn(kv_cache_shape(num_blocks, BS, HKV, D), generator=gen).to(dtype)
+    v_cache = torch.randn(kv_cache_shape(num_blocks, BS, HKV, D), generator=gen).to(dtype)
+    max_blocks = -(-max(ctxs) // BS)
+    table = torch.randperm(num_blocks, generator=gen)[: len(q_lens) * max_blocks].view(len(q_lens), max_blocks).int()
+    q = torch.randn(sum(q_lens), HQ, D, generator=gen).to(dtype)
+    k = torch.randn(sum(q_lens), HKV, D, generator=gen).to(dtype)
+    v = torch.randn(sum(q_lens), HKV, D, generator=gen).to(dtype)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+
+    def step(members: list[int]) -> torch.Tensor:
+        """The rows `members` as one step: their attention outputs, concatenated."""
+        lens = [q_lens[b] for b in members]
+        loc = [0]
+        for n in lens:
+            loc.append(loc[-1] + n)
+        slots = torch.cat([table[b, (pos := torch.arange(ctxs[b] - q_lens[b], ctxs[b])) // BS].long() * BS + pos % BS
+                           for b in members])
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(loc, dtype=torch.int32), seq_lens=torch.tensor([ctxs[b] for b in members]).int(),
+            block_table=table[members], slot_mapping=slots, max_query_len=max(lens), max_seq_len=max(ctxs[b] for b in members),
+            query_lens_host=lens, seq_lens_host=[ctxs[b] for b in members], block_size=BS)
+        backend = TorchBackend()
+        backend.prepare(meta)
+        if len(members) > 1:  # the two 300s and the three 7s go as groups
+            assert sorted(len(g.chunks) for g in meta.backend_state.fresh_groups) == [2, 3]
+        rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in members])
+        return backend.attend(q[rows], k[rows], v[rows], KVLayer(k_cache.clone(), v_cache.clone()), meta, D**-0.5, None)
+
+    together = step(list(range(len(q_lens))))
+    for b in range(len(q_lens)):
+        alone = step([b])
+        assert torch.equal(together[starts[b] : starts[b + 1]], alone), b

@@ -83,6 +83,12 @@ class TorchBackend:
         scoring = _Scoring(scale, sliding_window, softcap)
         if state.decode_rows:
             self.attend_decodes(q, out, cache, scoring, meta)
+        for group in state.fresh_groups:
+            if group.batchable(q.dtype, scoring):
+                group.attend(q, k, v, out, scoring)
+            else:
+                for chunk in group.chunks:
+                    chunk.attend(q, k, v, cache, out, scoring)
         for chunk in state.prefills:
             chunk.attend(q, k, v, cache, out, scoring)
         return out
@@ -358,13 +364,54 @@ class _PrefillChunk:
 
 
 @dataclass(slots=True)
+class _FreshPrefills:
+    """Fresh prompts of one length (no cached context before them) in one causal SDPA call over [n, H, L, D]
+    instead of n calls: a step of many short prompts (embedding and classification jobs, short rows) pays one
+    call's overhead per layer, not one per row. Bitwise each row's result alone (SDPA computes every (row,
+    head) on its own, at the same size; tests/test_torch_attention.py checks it)."""
+
+    q_len: int
+    chunks: list[_PrefillChunk]  # at least two
+    rows: torch.Tensor  # int64 [n * q_len]: the flat token rows, prompt by prompt
+
+    def batchable(self, dtype: torch.dtype, scoring: _Scoring) -> bool:
+        """The layer takes each chunk's plain causal SDPA path (`_PrefillChunk.attend`), which this batches."""
+        small = dtype != torch.float32 and self.q_len * self.q_len <= MATMUL_PREFILL_MAX_PAIRS
+        return not small and scoring.softcap is None and scoring.sliding_window is None
+
+    def attend(self, q, k, v, out, scoring: _Scoring) -> None:
+        n = len(self.chunks)
+
+        def batched(x: torch.Tensor) -> torch.Tensor:  # [n * L, H, D] -> [n, H, L, D]
+            return x[self.rows].view(n, self.q_len, x.shape[1], x.shape[2]).transpose(1, 2)
+
+        attended = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True, scale=scoring.scale,
+                                                  enable_gqa=True)  # [n, Hq, L, D]
+        out[self.rows] = attended.transpose(1, 2).reshape(n * self.q_len, q.shape[1], q.shape[2])
+
+
+def _group_fresh(prefills: list[_PrefillChunk], device: torch.device) -> tuple[list[_FreshPrefills], list[_PrefillChunk]]:
+    """(fresh prompts grouped by length where two or more share one, every other chunk)."""
+    by_len: dict[int, list[_PrefillChunk]] = {}
+    for chunk in prefills:
+        if chunk.slots is None:
+            by_len.setdefault(chunk.q_len, []).append(chunk)
+    groups = [c for c in by_len.values() if len(c) > 1]
+    grouped = {id(chunk) for chunks in groups for chunk in chunks}
+    fresh = [_FreshPrefills(chunks[0].q_len, chunks, torch.cat([torch.arange(c.start, c.start + c.q_len) for c in chunks])
+                            .to(device)) for chunks in groups]
+    return fresh, [c for c in prefills if id(c) not in grouped]
+
+
+@dataclass(slots=True)
 class _TorchStepState:
     store_all: bool
     store_rows: torch.Tensor | None
     store_slots: torch.Tensor | None
     query_starts: list[int]  # [B + 1] meta.query_start_loc on the host: each row's first flat token
     decode_rows: list[int]  # batch index of every single-token query row, in batch order
-    prefills: list[_PrefillChunk]
+    prefills: list[_PrefillChunk]  # every chunk not in `fresh_groups`
+    fresh_groups: list[_FreshPrefills]
     _groups: list[_DecodeGroup] | None = None
     decode_rows_i32: torch.Tensor | None = None  # int32 [n]: `decode_rows` for the compiled kernel (CpuBackend)
 
@@ -398,7 +445,8 @@ class _TorchStepState:
                 table = meta.block_table[b, : -(-ctx // block_size)].long()
                 slots = table[pos // block_size] * block_size + pos % block_size
             prefills.append(_PrefillChunk(starts[b], q_len, ctx, slots, device))
-        return cls(store_all, store_rows, store_slots, starts, decode_rows, prefills)
+        fresh_groups, prefills = _group_fresh(prefills, device)
+        return cls(store_all, store_rows, store_slots, starts, decode_rows, prefills, fresh_groups)
 
 
 def _decode_groups(meta: AttentionMetadata, decode_rows: list[int], starts: list[int]) -> list[_DecodeGroup]:
