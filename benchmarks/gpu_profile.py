@@ -323,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = engine_settings(args.engine_arg)
     t_process = time.perf_counter()
     bw = copy_bandwidth(device)
+    settings.setdefault("cuda_graph_max_batch", args.num_requests)  # as a job of that many rows: no graph above it
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, **settings)
     engine = build_engine(config)
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]

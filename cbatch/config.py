@@ -62,6 +62,9 @@ class EngineConfig:
     seed: int = 0  # seed for requests that give none
     num_threads: int | None = None  # CPU threads for torch; None = torch's default
     enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
+    # GPU: the largest decode batch captured as a CUDA graph (None: max_num_seqs). A job sets the number of sequences
+    # it can run at once (its rows x n): a 256-row job captures 20 graphs, not 68 up to 1024 (a larger batch runs eager)
+    cuda_graph_max_batch: int | None = None
     tune_kernels: bool = True  # GPU: time decode attention's tile candidates at start-up, keep the fastest (cached)
     enable_prefix_cache: bool = True  # share computed full KV blocks between requests with the same prefix
     preemption: str = "recompute"  # recompute | swap | auto (swap victims whose recompute would be long)

@@ -303,8 +303,8 @@ def test_a_bench_run_honours_every_engine_flag_its_report_names(tmp_path, monkey
     runs = json.loads(report.read_text())["runs"]
     run = runs[0]
     wanted = EngineConfig(device="cpu", policy="fcfs", **{field: value for _, _, field, value in OTHER_FLAGS}, **asked)
-    # (auto settings appear as what ran: asynchronous scheduling is off on a CPU)
-    assert run["settings"]["engine"] == {**asdict(wanted), "async_scheduling": False}
+    # (auto settings appear as what ran: asynchronous scheduling is off on a CPU, CUDA graphs stop at the 8 prompts)
+    assert run["settings"]["engine"] == {**asdict(wanted), "async_scheduling": False, "cuda_graph_max_batch": 8}
     # --shared-prefix adds a run of the same policy without the prefix cache, when the cache is on
     assert len(runs) == len(schedulers) == (2 if wanted.enable_prefix_cache else 1)
 

@@ -82,3 +82,27 @@ def test_gpu_sizing_gives_up_only_at_the_smallest_step(monkeypatch):
     with pytest.raises(MemoryError):
         memory.gpu_step_and_pool(EngineConfig(), preset_spec("qwen3-0.6b"), torch.bfloat16, 2048, make_runner=None)
     assert tried == [(1024, 8192), (512, 4096), (256, 2048), (128, 2048), (64, 2048)]
+
+
+def test_a_job_captures_no_cuda_graph_above_its_rows(tiny_checkpoints, tmp_path):
+    """The decode graphs stop at the job's sequence count (rows x n): a 256-row job on a GPU (max_num_seqs 1024)
+    captures 20 graphs, not 68; n > 1 counts each sample; max_num_seqs stays the bound."""
+    from cbatch.config import EngineConfig, SamplingParams
+    from cbatch.engine.build import graph_batch_limit
+    from cbatch.engine.cuda_graphs import decode_buckets
+    from cbatch.run.preflight import JobOptions, preflight
+    from ops_jobs import write_jsonl
+
+    rows = [{"id": f"r{i}", "prompt_token_ids": [5, 6, 7]} for i in range(256)]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    engine = EngineConfig(model=str(tiny_checkpoints["llama"]), device="cpu", max_num_seqs=1024)
+    prepared = preflight(JobOptions(input=source, output=tmp_path / "o.jsonl", engine=engine,
+                                    defaults=SamplingParams(max_tokens=2, n=1)))
+    assert prepared.config.cuda_graph_max_batch == 256
+    assert len(decode_buckets(graph_batch_limit(prepared.config))) == 20 and len(decode_buckets(1024)) == 68
+    n2 = preflight(JobOptions(input=source, output=tmp_path / "o2.jsonl", engine=engine,
+                              defaults=SamplingParams(max_tokens=2, n=2)))
+    assert graph_batch_limit(n2.config) == 512
+    few = EngineConfig(model=str(tiny_checkpoints["llama"]), device="cpu", max_num_seqs=64)
+    assert graph_batch_limit(preflight(JobOptions(input=source, output=tmp_path / "o3.jsonl", engine=few,
+                                                  defaults=SamplingParams(max_tokens=2))).config) == 64

@@ -133,7 +133,8 @@ def _bench_engine(options: BenchOptions, requests: list[BenchRequest]):
         spec = preset_spec(options.model_config) if options.model_config is not None else None
         engine = simulated_engine(options.engine, options.cost, _sim_max_model_len(options, requests), longest, spec)
         return engine, lambda: engine.runner.forward_seconds
-    engine = make_bench_engine(options.engine, options.model_config, options.seed)
+    graphs = options.engine.cuda_graph_max_batch or len(requests)  # no CUDA graph above what the workload can run
+    engine = make_bench_engine(replace(options.engine, cuda_graph_max_batch=graphs), options.model_config, options.seed)
     if options.warmup:
         warm_up(engine, options.seed)
     return engine, None

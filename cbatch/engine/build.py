@@ -19,6 +19,11 @@ from cbatch.model.spec import ModelSpec
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
 
 
+def graph_batch_limit(config: EngineConfig) -> int:
+    """The largest decode batch worth a CUDA graph: max_num_seqs, or fewer when the job cannot run that many."""
+    return min(config.max_num_seqs, config.cuda_graph_max_batch or config.max_num_seqs)
+
+
 def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *, random_weights_seed: int = 0,
                  show_progress: bool = False) -> Engine:
     """Loads the model (random weights for a weightless `resolved`), sizes the KV pool and the step (on a GPU,
@@ -51,7 +56,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
         config = replace(config, async_scheduling=device.type == "cuda" and comm.world == 1)
     runner = make_runner(config, kv.num_blocks, kv.num_host_blocks)
     if device.type == "cuda" and model.backend.supports_cuda_graphs and not config.enforce_eager:
-        runner.capture_decode_graphs(config.max_num_seqs, resolved.max_model_len)
+        runner.capture_decode_graphs(graph_batch_limit(config), resolved.max_model_len)
     if device.type == "cuda" and model.backend.needs_warmup:
         warm_up(runner, config, resolved.max_model_len)  # every kernel variant compiles now, not mid-run
     tokenizer = None

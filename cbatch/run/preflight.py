@@ -251,5 +251,6 @@ def preflight(options: JobOptions) -> PreparedJob | None:
         state.check(options.overwrite, options.retry_errors)
     except StateError as exc:
         raise JobError(str(exc)) from None
-    config = replace(options.engine, model=str(model.checkpoint.path))
+    graphs = options.engine.cuda_graph_max_batch or total_rows * max(1, options.defaults.n)  # a row's own n may run eager
+    config = replace(options.engine, model=str(model.checkpoint.path), cuda_graph_max_batch=graphs)
     return PreparedJob(total_rows, config, model, fingerprint, state, formats)
