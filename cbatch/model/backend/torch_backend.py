@@ -40,6 +40,7 @@ class TorchBackend:
     needs_warmup = False  # nothing compiles per step shape
     fused_sampling = False  # the torch sampler
     keeps_fp8_weights = False  # FP8 checkpoints are dequantized once, at load
+    keeps_int_weights = False  # so are AWQ / GPTQ / compressed-tensors int checkpoints
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state = _TorchStepState.build(meta)
@@ -140,6 +141,14 @@ class TorchBackend:
                    bias: torch.Tensor | None) -> torch.Tensor:
         """x @ dequantize(weight).T (+ bias): the reference for the Triton kernel (the CPU path dequantizes at load)."""
         return linear(x, dequantize(weight, scale, block, x.dtype), bias)
+
+    def int_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                   g_idx: torch.Tensor | None, group_size: int, bits: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ dequantize(packed weight).T (+ bias): the reference for the Triton kernel (the CPU path
+        dequantizes at load)."""
+        from cbatch.model.int4 import dequantize_kept
+
+        return linear(x, dequantize_kept(weight, scale, zero, g_idx, group_size, bits, x.dtype), bias)
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: str, w13_scale: torch.Tensor | None = None,
