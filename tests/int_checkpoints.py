@@ -9,8 +9,10 @@ float checkpoint of the dequantized weights: what HF transformers runs as the re
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,12 +139,14 @@ def make_int_checkpoint(src: Path, dst: Path, variant: Variant | str, dequant_ds
     v = FORMATS[variant] if isinstance(variant, str) else variant
     tensors = load_file(str(src / "model.safetensors"))
     quant, dequant = {}, {}
-    for i, (name, tensor) in enumerate(sorted(tensors.items())):
+    for name, tensor in sorted(tensors.items()):
         if not quantized(name) or tensor.dim() != 2:
             quant[name] = dequant[name] = tensor
             continue
         layer = name.removesuffix(".weight")
-        q, scales, zeros, g_idx = quantize(tensor.float(), v, seed=i)
+        # act-order permutes a layer's input rows by its inputs' statistics: q/k/v (gate/up) share their input
+        shared_input = re.sub(r"\.(q|k|v)_proj$", ".qkv", re.sub(r"\.(gate|up|w1|w3)(_proj)?$", ".gate_up", layer))
+        q, scales, zeros, g_idx = quantize(tensor.float(), v, seed=zlib.crc32(shared_input.encode()))
         quant.update({f"{layer}.{suffix}": t for suffix, t in pack(q, scales, zeros, g_idx, v).items()})
         dequant[name] = dequantized(q, scales, zeros, g_idx).to(tensor.dtype)
     for folder, state in ((dst, quant), (dequant_dst, dequant)):

@@ -253,3 +253,23 @@ def test_packed_shards_are_the_slices_of_the_whole(int_checkpoint):
             gate, up = whole.chunk(2)
             assert torch.equal(halves[0], torch.cat([gate.chunk(2)[0], up.chunk(2)[0]]))
             assert torch.equal(halves[1], torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
+
+
+# ---- the GPU path: packed weights through the W4A16 GEMM ---------------------------------------------------
+@pytest.mark.parametrize("arch, variant", [("llama", "gptq-g32-actorder"), ("qwen3", "awq-g32"),
+                                           ("qwen3_moe", "ct-w4-channel-asym")])
+def test_weights_stay_packed_with_the_triton_backend(arch, variant, int_checkpoint):
+    """Attention and dense MLP matmuls held packed (Int4Linear, a quarter of the float bytes at 4 bits) and run
+    by the W4A16 kernel (under the interpreter here); MoE experts dequantized at load; HF's tokens."""
+    pytest.importorskip("triton")
+    from cbatch.model.layers import Int4Linear
+
+    quant, dequant = int_checkpoint(arch, variant)
+    engine = make_engine(quant, attention_backend="triton")
+    model = engine.runner.model
+    packed = {name for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    assert {"layers.0.self_attn.qkv_proj", "layers.1.self_attn.o_proj"} <= packed
+    assert ("layers.0.mlp.gate_up_proj" in packed) == (arch != "qwen3_moe")
+    assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int32
+    reference = [hf_greedy(hf_model(dequant), PROMPTS[0], 4)]
+    assert generate(engine, PROMPTS[:1], SamplingParams(max_tokens=4)) == reference

@@ -65,7 +65,7 @@ def refuse(what: str) -> UnsupportedModelError:
 
 
 def _group_size(value: Any, what: str) -> int:
-    if value not in (-1, 32, 64, 128, 256) and not (isinstance(value, int) and value > 0 and value % 8 == 0):
+    if value not in (-1, 16, 32, 64, 128, 256, 512, 1024):  # powers of two: whole K steps of the Triton GEMM
         raise refuse(f"{what} group_size {value!r}")
     return int(value)
 

@@ -74,7 +74,7 @@ class Fp8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """A linear layer whose weight stays packed (the GPU path: a quarter of bf16's bytes at 4 bits): `bits`-bit
     unsigned values, 32/bits per int32 in order along the input dimension (weight int32 [N, K*bits/32]),
-    per-group scales [N, G] in the compute dtype and zeros uint8 [N, G]; act-order checkpoints add g_idx int32
+    per-group scales float32 [N, G] and zeros uint8 [N, G]; act-order checkpoints add g_idx int32
     [K] (each input row's group; else row k is in group k // group_size). The backend's `int_linear`
     dequantizes inside the matmul: w[n, k] = (q[n, k] - zero[n, g]) x scale[n, g]."""
 
@@ -84,7 +84,8 @@ class Int4Linear(nn.Module):
         groups = quant.groups(in_features)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // quant.per_int32, dtype=torch.int32),
                                    requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(out_features, groups), requires_grad=False)
+        # float32 scales: the checkpoint's fp16/bf16 scales exactly (G / K of the weights: 3% more bytes at group 128)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, groups, dtype=torch.float32), requires_grad=False)
         self.weight_zero = nn.Parameter(torch.empty(out_features, groups, dtype=torch.uint8), requires_grad=False)
         self.weight_g_idx = None
         if quant.act_order:

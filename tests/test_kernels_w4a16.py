@@ -1,0 +1,91 @@
+"""The W4A16 GEMM against dequantize-then-matmul on random inputs: every group size (32, 64, 128, per channel),
+groups in order and act-order, symmetric and asymmetric zeros, 4 and 8 bits, decode- and prefill-sized M, fp16 /
+bf16 (and float32) activations. The reference multiplies the same dequantized weights (rounded to x's dtype, as
+the kernel's tensor cores see them) in float64: the kernel may differ by its fp32 summation order and the final
+rounding to x's dtype only.
+
+Runs on a GPU when one is present; otherwise through Triton's CPU interpreter (small shapes)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from cbatch.kernels import w4a16_linear  # noqa: E402
+from cbatch.model.int4 import dequantize_kept, pack_int32  # noqa: E402
+from helpers import kernel_device  # noqa: E402
+
+DEVICE = kernel_device()
+EPS = {torch.float16: 2**-11, torch.bfloat16: 2**-8, torch.float32: 2**-24}
+
+
+def packed_layer(n: int, k: int, group: int, bits: int, act_order: bool, sym: bool, seed: int):
+    """(weight int32 [N, K*bits/32], scale float32 [N, G], zero uint8 [N, G], g_idx int32 [K] | None, group size)."""
+    gen = torch.Generator().manual_seed(seed)
+    group = k if group == -1 else group
+    groups = -(-k // group)
+    top = (1 << bits) - 1
+    q = torch.randint(0, top + 1, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, groups, generator=gen) * 0.02 + 0.005
+    zero = torch.full((n, groups), (top + 1) // 2, dtype=torch.uint8) if sym else \
+        torch.randint(0, top + 1, (n, groups), generator=gen, dtype=torch.uint8)
+    g_idx = None
+    if act_order:
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[torch.randperm(k, generator=gen)] = (torch.arange(k) // group).to(torch.int32)
+    return pack_int32(q, bits, 1), scale, zero, g_idx, group
+
+
+def check(m: int, n: int, k: int, group: int, bits: int, act_order: bool, sym: bool, dtype: torch.dtype,
+          bias: bool = False, seed: int = 0):
+    weight, scale, zero, g_idx, group_size = packed_layer(n, k, group, bits, act_order, sym, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    w = dequantize_kept(weight, scale, zero, g_idx, group_size, bits, dtype)  # [N, K] as the kernel rounds it
+    ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+    args = [t.to(DEVICE) if t is not None else None for t in (x, weight, scale, zero, g_idx)]
+    out = w4a16_linear(*args, group_size, bits, b.to(DEVICE) if bias else None).cpu()
+    assert out.dtype == dtype and out.shape == (m, n)
+    # fp32 accumulation over K products, then one rounding to x's dtype: a few ulps of the result's scale
+    magnitude = (x.double().abs() @ w.double().abs().t()).clamp_min(1e-3)
+    err = ((out.double() - ref).abs() / magnitude).max().item()
+    assert err <= 2 * EPS[dtype] + 64 * EPS[torch.float32], f"relative error {err:.2e}"
+    return out, ref
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, -1])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_w4a16_matches_dequantize_then_matmul_for_every_group_size(group, act_order):
+    check(m=3, n=48, k=256, group=group, bits=4, act_order=act_order, sym=False, dtype=torch.float16, seed=group)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [1, 80])  # decode tiles, prefill tiles (several row blocks, a partial one)
+def test_w4a16_decode_and_prefill_tiles_in_each_dtype(dtype, m):
+    check(m=m, n=40, k=128, group=32, bits=4, act_order=False, sym=True, dtype=dtype, bias=True, seed=m)
+
+
+def test_w8a16_and_a_ragged_group():
+    check(m=5, n=24, k=96, group=64, bits=8, act_order=False, sym=False, dtype=torch.bfloat16)  # 64 + 32 rows
+    check(m=2, n=16, k=64, group=32, bits=8, act_order=True, sym=True, dtype=torch.float16)
+
+
+def test_w4a16_a_wrong_weight_would_show():
+    """The check is tight enough to catch a nibble-order slip: swapping two values of each word fails it."""
+    weight, scale, zero, g_idx, group = packed_layer(16, 64, 32, 4, False, False, seed=9)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).half()
+    nib = torch.stack([(weight >> (4 * i)) & 15 for i in range(8)], -1)
+    swapped = pack_int32(nib[..., [1, 0, 2, 3, 4, 5, 6, 7]].flatten(-2).to(torch.uint8), 4, 1)
+    good = w4a16_linear(*(t.to(DEVICE) for t in (x, weight, scale, zero)), None, group, 4).cpu().double()
+    bad = w4a16_linear(*(t.to(DEVICE) for t in (x, swapped, scale, zero)), None, group, 4).cpu().double()
+    ref = x.double() @ dequantize_kept(weight, scale, zero, None, group, 4, torch.float16).double().t()
+    assert (good - ref).abs().max() < 1e-2 < (bad - ref).abs().max()
+
+
+def test_w4a16_refuses_mismatched_shapes():
+    weight, scale, zero, _, group = packed_layer(16, 64, 32, 4, False, True, seed=0)
+    with pytest.raises(ValueError, match="does not fit a 4-bit packed weight"):
+        w4a16_linear(torch.zeros(2, 32, dtype=torch.float16, device=DEVICE), weight.to(DEVICE), scale.to(DEVICE),
+                     zero.to(DEVICE), None, group, 4)
