@@ -273,3 +273,21 @@ def test_weights_stay_packed_with_the_triton_backend(arch, variant, int_checkpoi
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int32
     reference = [hf_greedy(hf_model(dequant), PROMPTS[0], 4)]
     assert generate(engine, PROMPTS[:1], SamplingParams(max_tokens=4)) == reference
+
+
+@pytest.mark.parametrize("arch, variant", [("llama", "gptq-g32-actorder"), ("qwen3_moe", "ct-w8-g64")])
+def test_plan_counts_the_packed_bytes_a_gpu_run_holds(arch, variant, int_checkpoint):
+    """`cbatch plan`'s bytes per weight (from the safetensors headers) == the loaded GPU-path model's (packed
+    words, float32 scales, uint8 zeros; experts and float matrices in bf16), and below bf16's 2."""
+    from cbatch.engine.resolve import ResolvedModel
+    from cbatch.model.backend.triton_backend import TritonBackend
+    from cbatch.model.loader import load_model, read_checkpoint
+    from cbatch.observe.roofline import stored_bytes_per_weight
+    from cbatch.plan.devices import gpu_bytes_per_weight
+
+    quant, _ = int_checkpoint(arch, variant)
+    ckpt = read_checkpoint(quant)
+    planned = gpu_bytes_per_weight(ResolvedModel(ckpt.spec, torch.device("cuda"), torch.bfloat16, 64, ckpt))
+    model = load_model(ckpt, 64, torch.device("cpu"), torch.bfloat16, TritonBackend())
+    assert planned == pytest.approx(stored_bytes_per_weight(model), rel=1e-9)
+    assert planned < 2.0

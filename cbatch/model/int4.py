@@ -276,22 +276,29 @@ def _shape(index, name: str) -> list[int] | None:
     return index.shape(name) if name in index.file_of else None
 
 
+def _layer_shape(index, quant: PackedQuant, layer: str) -> tuple[int, int]:
+    """(N, K) of packed layer `layer`, from its headers (compressed-tensors: its weight_shape)."""
+    rows, cols = _shape(index, f"{layer}.{PACKED_TENSORS[quant.format][0]}")
+    if quant.format == "awq":  # [K, N/8]
+        return cols * quant.per_int32, rows
+    if quant.format == "gptq":  # [K/8, N]
+        return cols, rows * quant.per_int32
+    if f"{layer}.weight_shape" in index.file_of:
+        n, k = (int(v) for v in index.get(f"{layer}.weight_shape").tolist())
+        return n, k
+    return rows, cols * quant.per_int32
+
+
 def _check_layer(index, quant: PackedQuant, layer: str) -> None:
     per = quant.per_int32
     fmt = quant.format
     packed = f"{layer}.{PACKED_TENSORS[fmt][0]}"
     if index.dtype_of[packed] != "I32":
         raise refuse(f"{packed} stored as {index.dtype_of[packed]} (packed weights are int32); this layout")
-    rows, cols = _shape(index, packed)
-    if fmt == "awq":
-        k, n, scale_name, zero_name, zero_shape = rows, cols * per, "scales", "qzeros", lambda g: [g, n // per]
-    elif fmt == "gptq":
-        k, n, scale_name, zero_name, zero_shape = rows * per, cols, "scales", "qzeros", lambda g: [g, n // per]
+    n, k = _layer_shape(index, quant, layer)
+    if fmt in ("awq", "gptq"):
+        scale_name, zero_name, zero_shape = "scales", "qzeros", lambda g: [g, n // per]
     else:
-        n, k = rows, cols * per
-        shape = index.get(f"{layer}.weight_shape") if f"{layer}.weight_shape" in index.file_of else None
-        if shape is not None:
-            n, k = (int(v) for v in shape.tolist())
         scale_name, zero_name = "weight_scale", ("weight_zero_point" if not quant.symmetric else None)
         zero_shape = lambda g: [-(-n // per), g]  # noqa: E731
     groups = quant.groups(k)
@@ -325,3 +332,32 @@ def _check_g_idx(g_idx: torch.Tensor, quant: PackedQuant, k: int, name: str) -> 
     if not quant.act_order and not torch.equal(g_idx, torch.arange(k) // group):
         raise refuse(f"{name} orders the input rows (act-order) while the config's desc_act/actorder says they are not; "
                      f"a g_idx out of order without act-order")
+
+
+def stored_bytes_per_weight(index, quant: PackedQuant, spec, dtype_bytes: int) -> float:
+    """Bytes per weight of the matrices a GPU run of this checkpoint holds, from the headers' real sizes: the
+    layers kept packed (`Int4Linear`) at bits/8 per weight plus float32 scales, uint8 zeros per group (and
+    an act-order g_idx); layers dequantized at load (MoE experts) and every float matrix at `dtype_bytes`."""
+    from cbatch.model.weights import kept_int_module
+
+    marker, companions = PACKED_TENSORS[quant.format]
+    layers = {n.removesuffix("." + marker) for n in index.file_of if n.endswith("." + marker)}
+    beside = {f"{layer}.{c}" for layer in layers for c in companions}
+    stored = weights = 0
+    kept: set[str] = set()  # our modules: q/k/v (gate/up) share one g_idx
+    for name in index.file_of:
+        layer = name.removesuffix("." + marker)
+        if layer in layers:
+            n, k = _layer_shape(index, quant, layer)
+            weights += n * k
+            module = kept_int_module(layer, spec)
+            if module is None:
+                stored += n * k * dtype_bytes
+            else:
+                stored += n * k * quant.bits // 8 + n * quant.groups(k) * 5
+                stored += 4 * k if quant.act_order and module not in kept else 0
+                kept.add(module)
+        elif name not in beside and len(shape := index.shape(name)) >= 2:
+            weights += shape[0] * shape[1]
+            stored += shape[0] * shape[1] * dtype_bytes
+    return stored / max(weights, 1)
