@@ -134,10 +134,12 @@ def quantized(name: str) -> bool:
 
 
 def make_int_checkpoint(src: Path, dst: Path, variant: Variant | str, dequant_dst: Path | None = None) -> Path:
-    """`src` (config.json + one model.safetensors) quantized into `dst`; the dequantized float weights into
+    """`src` (config.json + safetensors) quantized into `dst` (one model.safetensors); the dequantized float weights into
     `dequant_dst` (the reference HF runs)."""
     v = FORMATS[variant] if isinstance(variant, str) else variant
-    tensors = load_file(str(src / "model.safetensors"))
+    tensors = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
     quant, dequant = {}, {}
     for name, tensor in sorted(tensors.items()):
         if not quantized(name) or tensor.dim() != 2:
