@@ -89,3 +89,28 @@ def test_w4a16_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="does not fit a 4-bit packed weight"):
         w4a16_linear(torch.zeros(2, 32, dtype=torch.float16, device=DEVICE), weight.to(DEVICE), scale.to(DEVICE),
                      zero.to(DEVICE), None, group, 4)
+
+
+@pytest.mark.parametrize("variant", ["awq-g32", "awq-g128", "gptq-g64-sym-actorder", "gptq-channel-sym", "gptq-v2-g64",
+                                     "ct-w4-g32-asym-actorder", "ct-w4-channel-asym", "ct-w8-g64"])
+def test_w4a16_on_each_formats_layout_as_the_loader_repacks_it(variant):
+    """From each format's stored tensors (tests/int_checkpoints.py) through `int4.unpack` and the kept layout
+    the loader builds, to the kernel: the matmul of the format's dequantized weights."""
+    from cbatch.model.quant import parse_quantization
+    from cbatch.model.int4 import unpack
+    from int_checkpoints import FORMATS, pack, quantization_config, quantize
+
+    v = FORMATS[variant]
+    n, k = 48, 256
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(4))
+    stored = pack(*quantize(weight, v, seed=2), v)
+    packed = parse_quantization(quantization_config(v)).packed
+    u = unpack(packed, stored.get, "layer")
+    group = k if packed.group_size == -1 else packed.group_size
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(6)).half()
+    g_idx = u.g_idx if packed.act_order else None
+    out = w4a16_linear(*(t.to(DEVICE) if t is not None else None
+                         for t in (x, pack_int32(u.q, v.bits, 1), u.scales, u.zeros, g_idx)), group, v.bits).cpu()
+    ref = x.double() @ u.dequantize(torch.float16).double().t()
+    magnitude = x.double().abs() @ u.dequantize(torch.float16).double().abs().t()
+    assert ((out.double() - ref).abs() / magnitude).max() <= 2 * EPS[torch.float16] + 64 * EPS[torch.float32]
