@@ -258,7 +258,8 @@ def test_packed_shards_are_the_slices_of_the_whole(int_checkpoint):
                                            ("qwen3_moe", "ct-w4-channel-asym")])
 def test_weights_stay_packed_with_the_triton_backend(arch, variant, int_checkpoint):
     """Attention and dense MLP matmuls held packed (Int4Linear, a quarter of the float bytes at 4 bits) and run
-    by the W4A16 kernel (under the interpreter here); MoE experts dequantized at load; HF's tokens."""
+    by the W4A16 kernel (under the interpreter here), MoE experts packed too and run by the fused-MoE kernel's
+    int mode; HF's tokens."""
     pytest.importorskip("triton")
     from cbatch.model.layers import Int4Linear
 
@@ -269,6 +270,8 @@ def test_weights_stay_packed_with_the_triton_backend(arch, variant, int_checkpoi
     assert {"layers.0.self_attn.qkv_proj", "layers.1.self_attn.o_proj"} <= packed
     assert ("layers.0.mlp.gate_up_proj" in packed) == (arch != "qwen3_moe")
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int32
+    if arch == "qwen3_moe":
+        assert model.layers[0].mlp.experts.w13.dtype == model.layers[1].mlp.experts.w2.dtype == torch.int32
     reference = [hf_greedy(hf_model(dequant), PROMPTS[0], 3)]
     assert generate(engine, PROMPTS[:1], SamplingParams(max_tokens=3)) == reference
 

@@ -238,6 +238,17 @@ def _drive_w4a16():
     w4a16_linear(torch.empty(80, 128), torch.empty(40, 16, dtype=torch.int32), torch.empty(40, 4),
                  torch.empty(40, 4, dtype=torch.uint8), None, 32, 4)
     yield "w4a16 fp32 (tests only)"
+    from cbatch.kernels import fused_moe
+    from cbatch.model.int4 import IntExperts
+
+    for tokens in (8, 2048):  # Qwen3-30B-A3B's experts packed, group 128
+        x = torch.empty(tokens, 2048, dtype=torch.bfloat16)
+        weights, ids = torch.rand(tokens, 8).to(torch.bfloat16), torch.randint(0, 128, (tokens, 8))
+        w13, w2 = torch.empty(128, 1536, 256, dtype=torch.int32), torch.empty(128, 2048, 96, dtype=torch.int32)
+        s13, s2 = torch.empty(128, 1536, 16), torch.empty(128, 2048, 6)
+        fused_moe(x, w13, w2, weights, ids, "silu", s13, s2, None,
+                  IntExperts(s13.to(torch.uint8), s2.to(torch.uint8), 128, 4))
+        yield f"fused_moe Qwen3-30B-A3B int4 g128 T={tokens}"
 
 
 def main(arch: int = 90) -> int:

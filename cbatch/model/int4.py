@@ -16,7 +16,7 @@ Stored layouts (K: input features, N: output features, g: group size, G = K / g 
 Every one dequantizes as weight[n, k] = (q[n, k] - zero[n, g_idx[k]]) x scale[n, g_idx[k]] with q and zero
 unsigned b-bit integers (a symmetric layout's zero is 2^(b-1)).
 
-Canonical form (`Unpacked`, and what `Int4Linear` holds): q uint8 [N, K], scales float32 [N, G], zeros uint8
+Canonical form (`Unpacked`, and what `Int4Linear` and packed `Experts` hold, words packed along K): q uint8 [N, K], scales float32 [N, G], zeros uint8
 [N, G], g_idx int32 [K]. Anything else (3- or 8-bit AWQ/GPTQ, AWQ's GEMV layouts, act-order whose g_idx does
 not fill its groups, activation quantization) is refused at preflight, naming the variant.
 """
@@ -155,6 +155,17 @@ class Unpacked:
         """[N, K] in `dtype`, computed in float32 and rounded once (what the Triton kernel multiplies by)."""
         idx = self.g_idx.long()
         return ((self.q.float() - self.zeros.float()[:, idx]) * self.scales.float()[:, idx]).to(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class IntExperts:
+    """MoE experts held packed (`moe.Experts.keep_int`): what `fused_moe` needs besides the packed w13 / w2
+    (int32 [E, N, K * bits / 32]) and their float32 scales [E, N, groups]."""
+
+    w13_zero: torch.Tensor  # uint8 [E, 2I, groups of H]
+    w2_zero: torch.Tensor  # uint8 [E, H, groups of I]
+    group_size: int  # -1: one group per output channel
+    bits: int
 
 
 def dequantize_kept(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g_idx: torch.Tensor | None,

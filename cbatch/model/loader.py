@@ -100,6 +100,9 @@ def build_model(spec: ModelSpec, max_positions: int, device: torch.device, dtype
             _keep_fp8(model, name, model.spec, backend)
         for name in sorted(int_modules):
             module = model.get_submodule(name)
+            if isinstance(module, Experts):
+                module.keep_int(spec.quant.packed)
+                continue
             parent, _, leaf = name.rpartition(".")
             packed = Int4Linear(module.in_features, module.out_features, module.bias is not None, spec.quant.packed, backend)
             setattr(model.get_submodule(parent), leaf, packed)

@@ -27,7 +27,7 @@ _DOWN = ("down_proj", "w2")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)$")
 _TEXT_DECODER = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")  # multimodal Gemma 3
 FP8_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts")  # kept in FP8 on the GPU path
-INT_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # kept packed on the GPU path (experts: dequantized)
+INT_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts")  # kept packed on the GPU path
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +150,10 @@ def kept_fp8_modules(index: TensorIndex, spec: ModelSpec) -> set[str]:
 
 def kept_int_module(layer: str, spec: ModelSpec) -> str | None:
     """Our module that packed checkpoint layer `layer` (e.g. model.layers.0.self_attn.q_proj) fills, where the
-    GPU path keeps it packed (`Int4Linear`: the dense decoder matmuls); None: dequantized at load."""
+    GPU path keeps it packed (`Int4Linear`: the decoder matmuls; `Experts.keep_int`: the experts, unless
+    act-order, whose per-expert g_idx they do not hold); None: dequantized at load."""
     placed = place(f"{layer}.weight", spec)
-    if placed is None or placed[0].expert is not None or placed[0].slot != "weight":
+    if placed is None or (placed[0].expert is not None and spec.quant.packed.act_order):
         return None
     module = placed[0].module
     return module if module.rpartition(".")[2] in INT_MODULES else None

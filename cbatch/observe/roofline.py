@@ -97,9 +97,10 @@ def hardware_estimate(spec: ModelSpec, dtype_bytes: int, samples: list[StepSampl
 
 
 def stored_bytes_per_weight(model) -> float:
-    """Bytes per weight of a live model's matrices as stored: FP8 ones at 1; packed int ones (layers.Int4Linear)
-    at their words, scales and zeros over the in x out weights they hold."""
+    """Bytes per weight of a live model's matrices as stored: FP8 ones at 1; packed int ones (layers.Int4Linear,
+    packed experts) at their words, scales and zeros over the weights they hold."""
     from cbatch.model.layers import Int4Linear
+    from cbatch.model.moe import Experts
 
     stored = weights = 0
     for module in model.modules():
@@ -107,6 +108,10 @@ def stored_bytes_per_weight(model) -> float:
         if isinstance(module, Int4Linear):
             stored += sum(p.numel() * p.element_size() for p in own)
             weights += module.in_features * module.out_features
+            continue
+        if isinstance(module, Experts) and module.w13_zero is not None:
+            stored += sum(p.numel() * p.element_size() for p in own)
+            weights += (module.w13.numel() + module.w2.numel()) * (32 // module.int_layout[1])
             continue
         for p in own:
             if p.dim() >= 2:  # the matrices (FP8 ones included)
