@@ -224,33 +224,42 @@ def test_a_split_that_cuts_a_group_is_refused_naming_it():
         check_tensor_parallel(spec, 4)
 
 
-def test_packed_shards_are_the_slices_of_the_whole(int_checkpoint):
+@pytest.mark.parametrize("arch, variant", [("llama", "awq-g32"), ("qwen3_moe", "ct-w4-channel-asym")])
+def test_packed_shards_are_the_slices_of_the_whole(arch, variant, int_checkpoint):
     """The GPU path keeps layers packed: each rank's packed rows (column-parallel) or words and groups
-    (row-parallel) dequantize to its slice of the whole layer."""
+    (row-parallel) dequantize to its slice of the whole layer, experts included."""
     from cbatch.model.backend.triton_backend import TritonBackend
     from cbatch.model.int4 import dequantize_kept
     from cbatch.model.layers import Int4Linear
     from cbatch.model.loader import load_model, read_checkpoint
     from test_tensor_parallel import _Rank
 
-    quant, _ = int_checkpoint("llama", "awq-g32")
+    quant, _ = int_checkpoint(arch, variant)
     ckpt = read_checkpoint(quant)
     models = [load_model(ckpt, 64, torch.device("cpu"), torch.float32, TritonBackend(), comm=_Rank(r, w))
               for r, w in ((0, 1), (0, 2), (1, 2))]
 
     def dense(model, name):
         m = model.get_submodule(name)
+        if name.endswith("experts"):  # expert 3's down projection
+            group = m.w2.shape[2] * 8 if m.int_layout[0] == -1 else m.int_layout[0]
+            return dequantize_kept(m.w2[3], m.w2_scale[3], m.w2_zero[3], None, group, 4, torch.float32)
         assert isinstance(m, Int4Linear)
         return dequantize_kept(m.weight, m.weight_scale, m.weight_zero, m.weight_g_idx, m.group_size, m.bits, torch.float32)
 
-    for name, dim in (("layers.0.self_attn.o_proj", 1), ("layers.1.mlp.down_proj", 1), ("layers.0.mlp.gate_up_proj", 0)):
+    names = [("layers.0.self_attn.o_proj", 1), ("layers.0.self_attn.qkv_proj", None)]
+    names += [("layers.1.mlp.experts", 1)] if arch == "qwen3_moe" else [("layers.1.mlp.down_proj", 1), ("layers.0.mlp.gate_up_proj", 0)]
+    for name, dim in names:
         whole, halves = dense(models[0], name), [dense(m, name) for m in models[1:]]
         if dim == 1:
             assert torch.equal(torch.cat(halves, dim=1), whole)
-        else:  # gate | up, each split: rank r holds gate[r] | up[r]
+        elif dim == 0:  # gate | up, each split: rank r holds gate[r] | up[r]
             gate, up = whole.chunk(2)
             assert torch.equal(halves[0], torch.cat([gate.chunk(2)[0], up.chunk(2)[0]]))
             assert torch.equal(halves[1], torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
+        else:  # q | k | v: each rank a half of every part
+            assert sum(h.shape[0] for h in halves) == whole.shape[0]
+            assert all(any(torch.equal(row, w) for w in whole) for h in halves for row in h[:4])
 
 
 # ---- the GPU path: packed weights through the W4A16 GEMM ---------------------------------------------------
