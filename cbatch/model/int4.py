@@ -16,8 +16,9 @@ Stored layouts (K: input features, N: output features, g: group size, G = K / g 
 Every one dequantizes as weight[n, k] = (q[n, k] - zero[n, g_idx[k]]) x scale[n, g_idx[k]] with q and zero
 unsigned b-bit integers (a symmetric layout's zero is 2^(b-1)).
 
-Canonical form (`Unpacked`, and what `Int4Linear` and packed `Experts` hold, words packed along K): q uint8 [N, K], scales float32 [N, G], zeros uint8
-[N, G], g_idx int32 [K]. Anything else (3- or 8-bit AWQ/GPTQ, AWQ's GEMV layouts, act-order whose g_idx does
+Canonical form (`Unpacked`): q uint8 [N, K], scales float32 [N, G], zeros uint8 [N, G], g_idx int32 [K]. The GPU
+path's `Int4Linear` and packed `Experts` hold q packed into int32 words in order along K (`pack_int32`), the
+scales and zeros as they are, and g_idx only with act-order. Anything else (3- or 8-bit AWQ/GPTQ, AWQ's GEMV layouts, act-order whose g_idx does
 not fill its groups, activation quantization) is refused at preflight, naming the variant.
 """
 from __future__ import annotations
@@ -121,24 +122,30 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> PackedQuant:
 # ---- unpacking ----------------------------------------------------------------------------------------------
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """2-D int32 words -> their unsigned `bits`-bit values as uint8, spread along `dim` (0, or -1: the last):
-    value i of word j lands at index j * 32/bits + order[i] (order None: i)."""
+    value i of word j lands at index j * 32/bits + order[i] (order None: i). One value slot at a time, so the
+    temporaries are a word tensor's size (a 70B layer's are 30 MB, not 1 GB)."""
     per = 32 // bits
-    slot = torch.arange(per) if order is None else torch.argsort(torch.tensor(order))  # the value at each index
-    shifts = (slot * bits).to(torch.int32).to(packed.device)
-    mask = (1 << bits) - 1
-    if dim == 0:
-        return ((packed.unsqueeze(1) >> shifts[:, None]) & mask).flatten(0, 1).to(torch.uint8)  # [words * per, cols]
-    return ((packed.unsqueeze(-1) >> shifts) & mask).flatten(-2).to(torch.uint8)  # [rows, words * per]
+    order = order or tuple(range(per))
+    rows, cols = packed.shape
+    shape = (rows * per, cols) if dim == 0 else (rows, cols * per)
+    out = torch.empty(shape, dtype=torch.uint8, device=packed.device)
+    for i, index in enumerate(order):
+        values = ((packed >> (bits * i)) & ((1 << bits) - 1)).to(torch.uint8)
+        if dim == 0:
+            out[index::per] = values
+        else:
+            out[:, index::per] = values
+    return out
 
 
 def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """The inverse of `unpack_int32` (order None): unsigned `bits`-bit values along `dim` (a multiple of
-    32/bits) -> int32 words."""
+    32/bits) -> int32 words (the top value's bits wrap into the sign bit)."""
     per = 32 // bits
-    v = values.to(torch.int64).movedim(dim, -1)
-    v = v.unflatten(-1, (-1, per)) << (torch.arange(per, device=v.device) * bits)
-    words = v.sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    v = values.movedim(dim, -1)
+    words = v[..., 0::per].to(torch.int32)
+    for i in range(1, per):
+        words |= v[..., i::per].to(torch.int32) << (bits * i)
     return words.movedim(-1, dim).contiguous()
 
 
