@@ -18,8 +18,9 @@ unsigned b-bit integers (a symmetric layout's zero is 2^(b-1)).
 
 Canonical form (`Unpacked`): q uint8 [N, K], scales float32 [N, G], zeros uint8 [N, G], g_idx int32 [K]. The GPU
 path's `Int4Linear` and packed `Experts` hold q packed into int32 words in order along K (`pack_int32`), the
-scales and zeros as they are, and g_idx only with act-order. Anything else (3- or 8-bit AWQ/GPTQ, AWQ's GEMV layouts, act-order whose g_idx does
-not fill its groups, activation quantization) is refused at preflight, naming the variant.
+scales and zeros as they are, and g_idx only with act-order. Anything else (3- or 8-bit AWQ/GPTQ, AWQ's GEMV
+layouts, act-order whose g_idx does not fill its groups, activation quantization) is refused at preflight,
+naming the variant.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ class PackedQuant:
 
     def describe(self) -> str:
         group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
-        return f"{self.format} int{self.bits} ({group}, {'sym' if self.symmetric else 'asym'}{', act-order' if self.act_order else ''})"
+        order = ", act-order" if self.act_order else ""
+        return f"{self.format} int{self.bits} ({group}, {'sym' if self.symmetric else 'asym'}{order})"
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size == -1 else -(-in_features // self.group_size)
