@@ -152,6 +152,9 @@ _CT_W4 = quantization_config(FORMATS["ct-w4-g128"])
                                               "input_activations": {"num_bits": 8, "type": "int"}}}}, r"quantized activations \(W4A8\)"),
     ({**_CT_W4, "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}}},
      "int weight strategy 'tensor'"),
+    ({**_CT_W4, "sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}},
+     "compressed-tensors sparsity format 'sparse-24-bitmask'"),
+    ({**_CT_W4, "format": "marlin-24"}, "compressed-tensors format 'marlin-24'"),
 ])
 def test_unsupported_variants_are_refused_by_name(qconfig, message):
     with pytest.raises(UnsupportedModelError, match=message):

@@ -93,6 +93,9 @@ def parse_quantization(qc: dict[str, Any] | None) -> QuantSpec | None:
     if method == "fp8":
         return _fp8(qc)
     if method == "compressed-tensors":
+        sparsity = qc.get("sparsity_config") or {}
+        if sparsity.get("format", "dense") != "dense":
+            raise _refuse(f"compressed-tensors sparsity format {sparsity['format']!r}")
         return _compressed_tensors(qc)
     if method in ("awq", "gptq"):
         return QuantSpec(method, None, "weight_scale", parse_awq(qc) if method == "awq" else parse_gptq(qc))
