@@ -60,19 +60,18 @@ def quantize(weight: torch.Tensor, v: Variant, seed: int = 0):
         g_idx[perm] = torch.arange(k) // group
     else:
         g_idx = torch.arange(k) // group
-    scales = torch.empty(n, groups)
-    zeros = torch.empty(n, groups, dtype=torch.int64)
-    for g in range(groups):
-        cols = weight[:, g_idx == g]
-        if v.sym:
-            scales[:, g] = cols.abs().amax(1).clamp_min(1e-6) / ((top + 1) // 2 - 1)
-            zeros[:, g] = (top + 1) // 2
-        else:
-            lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
-            scales[:, g] = ((hi - lo) / top).clamp_min(1e-6)
-            # GPTQ v1 stores zero - 1 in a nibble: a zero of 0 cannot be stored (its packer's known flaw)
-            lowest = 1 if v.format == "gptq" and not v.gptq_v2 else 0
-            zeros[:, g] = torch.round(-lo / scales[:, g].half().float()).clamp(lowest, top).long()
+    # each group's columns side by side: [N, G, group] (a short last group padded with one of its own columns)
+    order = torch.sort(g_idx, stable=True).indices
+    padded = torch.cat([order, order[-1:].expand(groups * group - k)]) if groups * group > k else order
+    cols = weight[:, padded].view(n, groups, group)
+    lowest = 1 if v.format == "gptq" and not v.gptq_v2 else 0  # GPTQ v1 stores zero - 1: a zero of 0 cannot be stored
+    if v.sym:
+        scales = cols.abs().amax(2).clamp_min(1e-6) / ((top + 1) // 2 - 1)
+        zeros = torch.full((n, groups), (top + 1) // 2, dtype=torch.int64)
+    else:
+        lo, hi = cols.amin(2).clamp(max=0), cols.amax(2).clamp(min=0)
+        scales = ((hi - lo) / top).clamp_min(1e-6)
+        zeros = torch.round(-lo / scales.half().float()).clamp(lowest, top).long()
     scales = scales.half()
     q = torch.round(weight / scales.float()[:, g_idx] + zeros[:, g_idx]).clamp(0, top).long()
     return q, scales, zeros, g_idx

@@ -248,7 +248,7 @@ def test_packed_shards_are_the_slices_of_the_whole(arch, variant, int_checkpoint
             group = m.w2.shape[2] * 8 if m.int_layout[0] == -1 else m.int_layout[0]
             return dequantize_kept(m.w2[3], m.w2_scale[3], m.w2_zero[3], None, group, 4, torch.float32)
         assert isinstance(m, Int4Linear)
-        return dequantize_kept(m.weight, m.weight_scale, m.weight_zero, m.weight_g_idx, m.group_size, m.bits, torch.float32)
+        return dequantize_kept(m.weight, m.weight_scale, m.weight_zero, m.weight_perm, m.group_size, m.bits, torch.float32)
 
     names = [("layers.0.self_attn.o_proj", 1), ("layers.0.self_attn.qkv_proj", None)]
     names += [("layers.1.mlp.experts", 1)] if arch == "qwen3_moe" else [("layers.1.mlp.down_proj", 1), ("layers.0.mlp.gate_up_proj", 0)]

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from cbatch.kernels import w4a16_linear  # noqa: E402
-from cbatch.model.int4 import dequantize_kept, pack_int32  # noqa: E402
+from cbatch.model.int4 import Unpacked, dequantize_kept, pack_int32, sort_by_group  # noqa: E402
 from helpers import TRITON_INTERPRET, kernel_device  # noqa: E402
 
 DEVICE = kernel_device()
@@ -21,7 +21,8 @@ EPS = {torch.float16: 2**-11, torch.bfloat16: 2**-8, torch.float32: 2**-24}
 
 
 def packed_layer(n: int, k: int, group: int, bits: int, act_order: bool, sym: bool, seed: int):
-    """(weight int32 [N, K*bits/32], scale float32 [N, G], zero uint8 [N, G], g_idx int32 [K] | None, group size)."""
+    """(weight int32 [N, K*bits/32], scale float32 [N, G], zero uint8 [N, G], perm int32 [K] | None, group size,
+    the float32 weight [N, K] in the inputs' order, computed here from q and the act-order g_idx)."""
     gen = torch.Generator().manual_seed(seed)
     group = k if group == -1 else group
     groups = -(-k // group)
@@ -30,22 +31,27 @@ def packed_layer(n: int, k: int, group: int, bits: int, act_order: bool, sym: bo
     scale = torch.rand(n, groups, generator=gen) * 0.02 + 0.005
     zero = torch.full((n, groups), (top + 1) // 2, dtype=torch.uint8) if sym else \
         torch.randint(0, top + 1, (n, groups), generator=gen, dtype=torch.uint8)
-    g_idx = None
+    g_idx = torch.arange(k) // group
     if act_order:
-        g_idx = torch.empty(k, dtype=torch.int32)
-        g_idx[torch.randperm(k, generator=gen)] = (torch.arange(k) // group).to(torch.int32)
-    return pack_int32(q, bits, 1), scale, zero, g_idx, group
+        g_idx = torch.empty(k, dtype=torch.int64)
+        g_idx[torch.randperm(k, generator=gen)] = torch.arange(k) // group
+    dense = (q.float() - zero.float()[:, g_idx]) * scale[:, g_idx]  # [N, K]
+    if not act_order:
+        return pack_int32(q, bits, 1), scale, zero, None, group, dense
+    q_sorted, perm = sort_by_group(Unpacked(q, scale, zero, g_idx.to(torch.int32)))
+    return pack_int32(q_sorted, bits, 1), scale, zero, perm, group, dense
 
 
 def check(m: int, n: int, k: int, group: int, bits: int, act_order: bool, sym: bool, dtype: torch.dtype,
           bias: bool = False, seed: int = 0):
-    weight, scale, zero, g_idx, group_size = packed_layer(n, k, group, bits, act_order, sym, seed)
+    weight, scale, zero, perm, group_size, dense = packed_layer(n, k, group, bits, act_order, sym, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
-    w = dequantize_kept(weight, scale, zero, g_idx, group_size, bits, dtype)  # [N, K] as the kernel rounds it
+    w = dense.to(dtype)  # [N, K] as the kernel rounds it
+    assert torch.equal(dequantize_kept(weight, scale, zero, perm, group_size, bits, dtype), w)  # the torch reference
     ref = x.double() @ w.double().t() + (b.double() if bias else 0)
-    args = [t.to(DEVICE) if t is not None else None for t in (x, weight, scale, zero, g_idx)]
+    args = [t.to(DEVICE) if t is not None else None for t in (x, weight, scale, zero, perm)]
     out = w4a16_linear(*args, group_size, bits, b.to(DEVICE) if bias else None).cpu()
     assert out.dtype == dtype and out.shape == (m, n)
     # fp32 accumulation over K products, then one rounding to x's dtype: a few ulps of the result's scale
@@ -74,7 +80,7 @@ def test_w8a16_and_a_ragged_group():
 
 def test_w4a16_a_wrong_weight_would_show():
     """The check is tight enough to catch a nibble-order slip: swapping two values of each word fails it."""
-    weight, scale, zero, g_idx, group = packed_layer(16, 64, 32, 4, False, False, seed=9)
+    weight, scale, zero, _, group, _ = packed_layer(16, 64, 32, 4, False, False, seed=9)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).half()
     nib = torch.stack([(weight >> (4 * i)) & 15 for i in range(8)], -1)
     swapped = pack_int32(nib[..., [1, 0, 2, 3, 4, 5, 6, 7]].flatten(-2).to(torch.uint8), 4, 1)
@@ -85,7 +91,7 @@ def test_w4a16_a_wrong_weight_would_show():
 
 
 def test_w4a16_refuses_mismatched_shapes():
-    weight, scale, zero, _, group = packed_layer(16, 64, 32, 4, False, True, seed=0)
+    weight, scale, zero, _, group, _ = packed_layer(16, 64, 32, 4, False, True, seed=0)
     with pytest.raises(ValueError, match="does not fit a 4-bit packed weight"):
         w4a16_linear(torch.zeros(2, 32, dtype=torch.float16, device=DEVICE), weight.to(DEVICE), scale.to(DEVICE),
                      zero.to(DEVICE), None, group, 4)
@@ -108,9 +114,9 @@ def test_w4a16_on_each_formats_layout_as_the_loader_repacks_it(variant):
     u = unpack(packed, stored.get, "layer")
     group = k if packed.group_size == -1 else packed.group_size
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(6)).half()
-    g_idx = u.g_idx if packed.act_order else None
+    q, perm = sort_by_group(u) if packed.act_order else (u.q, None)
     out = w4a16_linear(*(t.to(DEVICE) if t is not None else None
-                         for t in (x, pack_int32(u.q, v.bits, 1), u.scales, u.zeros, g_idx)), group, v.bits).cpu()
+                         for t in (x, pack_int32(q, v.bits, 1), u.scales, u.zeros, perm)), group, v.bits).cpu()
     ref = x.double() @ u.dequantize(torch.float16).double().t()
     magnitude = x.double().abs() @ u.dequantize(torch.float16).double().abs().t()
     assert ((out.double() - ref).abs() / magnitude).max() <= 2 * EPS[torch.float16] + 64 * EPS[torch.float32]
@@ -131,7 +137,7 @@ def test_fused_moe_with_packed_experts_matches_the_dequantized_experts(group, bi
     s13, s2 = (torch.stack([layer[1] for layer in stack]) for stack in layers)
     z13, z2 = (torch.stack([layer[2] for layer in stack]) for stack in layers)
     packed = IntExperts(z13, z2, group, bits)
-    dense = [torch.stack([dequantize_kept(*layer[:3], None, layer[4], bits, dtype) for layer in stack]) for stack in layers]
+    dense = [torch.stack([layer[5].to(dtype) for layer in stack]) for stack in layers]
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])

@@ -18,7 +18,9 @@ unsigned b-bit integers (a symmetric layout's zero is 2^(b-1)).
 
 Canonical form (`Unpacked`): q uint8 [N, K], scales float32 [N, G], zeros uint8 [N, G], g_idx int32 [K]. The GPU
 path's `Int4Linear` and packed `Experts` hold q packed into int32 words in order along K (`pack_int32`), the
-scales and zeros as they are, and g_idx only with act-order. Anything else (3- or 8-bit AWQ/GPTQ, AWQ's GEMV
+scales and zeros as they are. An act-order layer is held with its input rows sorted by group (each group
+`group_size` rows in a row, so row k' is in group k' // group_size) and `perm` int32 [K]: sorted row k' is
+input k = perm[k'] (the GPU kernel reads x through it; q/k/v and gate/up share their input, hence their perm). Anything else (3- or 8-bit AWQ/GPTQ, AWQ's GEMV
 layouts, act-order whose g_idx does not fill its groups, activation quantization) is refused at preflight,
 naming the variant.
 """
@@ -177,13 +179,25 @@ class IntExperts:
     bits: int
 
 
-def dequantize_kept(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g_idx: torch.Tensor | None,
+def dequantize_kept(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, perm: torch.Tensor | None,
                     group_size: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """An `Int4Linear`'s packed weight (int32 [N, K*bits/32]) -> [N, K] in `dtype` (float32 math, one rounding)."""
+    """An `Int4Linear`'s packed weight (int32 [N, K*bits/32], act-order: sorted rows and their `perm`) -> [N, K]
+    in `dtype`, in the inputs' order (float32 math, one rounding)."""
     q = unpack_int32(weight, bits, -1)
     k = q.shape[1]
-    idx = (torch.arange(k, device=q.device) // group_size) if g_idx is None else g_idx.long()
-    return Unpacked(q, scale.float(), zero, idx).dequantize(dtype)
+    sorted_weight = Unpacked(q, scale.float(), zero, torch.arange(k, device=q.device) // group_size).dequantize(dtype)
+    if perm is None:
+        return sorted_weight
+    out = torch.empty_like(sorted_weight)
+    out[:, perm.long()] = sorted_weight
+    return out
+
+
+def sort_by_group(u: Unpacked) -> tuple[torch.Tensor, torch.Tensor]:
+    """An act-order layer's (q with its input rows sorted by group [N, K], perm int32 [K]: sorted row k' is
+    input perm[k']). The sort is stable, so layers sharing a g_idx share the perm."""
+    perm = torch.sort(u.g_idx, stable=True).indices
+    return u.q[:, perm], perm.to(torch.int32)
 
 
 def _sequential_groups(k: int, quant: PackedQuant, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -225,15 +239,15 @@ def unpack(quant: PackedQuant, get: Callable[[str], torch.Tensor | None], name: 
 
 
 # ---- the checkpoint as the loader reads it ------------------------------------------------------------------
-KEPT_PARTS = ("weight", "weight_scale", "weight_zero", "weight_g_idx")  # a kept layer's tensors, our names
+KEPT_PARTS = ("weight", "weight_scale", "weight_zero", "weight_perm")  # a kept layer's tensors, our names
 
 
 class PackedTensorView:
     """A `TensorIndex` of a packed checkpoint as the loader reads it: each packed layer's stored tensors are
     replaced by `<layer>.weight`, dequantized (float32), or, for the layers `keep(layer)` holds packed (the
     GPU path's `Int4Linear`), by KEPT_PARTS in canonical form: weight int32 [N, K/(32/b)] (b-bit values in
-    order along K), weight_scale float32 [N, G], weight_zero uint8 [N, G], weight_g_idx int32 [K] (act-order
-    only). Every
+    order along K; act-order: rows sorted by group), weight_scale float32 [N, G], weight_zero uint8 [N, G],
+    weight_perm int32 [K] (act-order only: `sort_by_group`). Every
     other tensor reads through unchanged. The parts of one layer are read one after another: the last
     unpacked layer is cached."""
 
@@ -269,8 +283,10 @@ class PackedTensorView:
         u = self.unpacked(layer)
         if part == "weight" and layer + ".weight_scale" not in self._virtual:
             return u.dequantize(torch.float32)
-        return {"weight": lambda: pack_int32(u.q, self.quant.bits, 1), "weight_scale": lambda: u.scales,
-                "weight_zero": lambda: u.zeros, "weight_g_idx": lambda: u.g_idx}[part]()
+        if part == "weight":
+            return pack_int32(sort_by_group(u)[0] if self.quant.act_order else u.q, self.quant.bits, 1)
+        return {"weight_scale": lambda: u.scales, "weight_zero": lambda: u.zeros,
+                "weight_perm": lambda: sort_by_group(u)[1]}[part]()
 
     def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         if name not in self._virtual:
@@ -357,14 +373,14 @@ def _check_g_idx(g_idx: torch.Tensor, quant: PackedQuant, k: int, name: str) -> 
 def stored_bytes_per_weight(index, quant: PackedQuant, spec, dtype_bytes: int) -> float:
     """Bytes per weight of the matrices a GPU run of this checkpoint holds, from the headers' real sizes: the
     layers kept packed (`Int4Linear`) at bits/8 per weight plus float32 scales, uint8 zeros per group (and
-    an act-order g_idx); layers dequantized at load (MoE experts) and every float matrix at `dtype_bytes`."""
+    an act-order perm); layers dequantized at load (MoE experts) and every float matrix at `dtype_bytes`."""
     from cbatch.model.weights import kept_int_module
 
     marker, companions = PACKED_TENSORS[quant.format]
     layers = {n.removesuffix("." + marker) for n in index.file_of if n.endswith("." + marker)}
     beside = {f"{layer}.{c}" for layer in layers for c in companions}
     stored = weights = 0
-    kept: set[str] = set()  # our modules: q/k/v (gate/up) share one g_idx
+    kept: set[str] = set()  # our modules: q/k/v (gate/up) share one perm
     for name in index.file_of:
         layer = name.removesuffix("." + marker)
         if layer in layers:

@@ -163,8 +163,8 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
         if target not in params:
             raise ModelLoadError(f"{index.file_of[name].name}: tensor {name} has no place in a {spec.architecture}")
         param = params[target].data
-        if kind == "g_idx":  # act-order: q/k/v (gate/up) share their input, so their g_idx agree
-            filled[target] = _load_g_idx(index, name, param, filled[target])
+        if kind == "perm":  # act-order: q/k/v (gate/up) share their input, so their g_idx (and perm) agree
+            filled[target] = _load_perm(index, name, param, filled[target])
             continue
         pieces = shard.pieces(placement, kind, spec, param.dim())
         if pieces is not None and placement.module in int_keep:
@@ -209,12 +209,12 @@ def _load_pieces(index: TensorIndex, name: str, placement: Placement, param: tor
     return written
 
 
-def _load_g_idx(index, name: str, param: torch.Tensor, filled: int) -> int:
-    g_idx = index.get(name)
-    if filled and not torch.equal(param, g_idx):
+def _load_perm(index, name: str, param: torch.Tensor, filled: int) -> int:
+    perm = index.get(name)
+    if filled and not torch.equal(param, perm):
         raise ModelLoadError(f"{index.file_of[name].name}: {name} orders its input rows unlike the layers packed "
                              f"with it (act-order g_idx differ); cbatch packs q/k/v and gate/up into one matmul")
-    param.copy_(g_idx)
+    param.copy_(perm)
     return param.numel()
 
 

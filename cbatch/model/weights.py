@@ -43,7 +43,7 @@ class Placement:
     def param(self, kind: str) -> str:
         """Our parameter for a tensor of this `kind` (weight | bias | scale); scales are `<slot>_scale`."""
         leaf = {"weight": self.slot, "bias": "bias", "scale": f"{self.slot}_scale", "zero": f"{self.slot}_zero",
-                "g_idx": f"{self.slot}_g_idx"}[kind]
+                "perm": f"{self.slot}_perm"}[kind]
         return f"{self.module}.{leaf}"
 
     def block_rows(self, rows_per_block: int) -> Placement:
@@ -119,7 +119,7 @@ def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
         return None
     if spec.quant is not None and kind == spec.quant.scale_suffix:
         kind = "scale"
-    elif spec.quant is not None and spec.quant.packed is not None and kind in ("weight_zero", "weight_g_idx"):
+    elif spec.quant is not None and spec.quant.packed is not None and kind in ("weight_zero", "weight_perm"):
         kind = kind.removeprefix("weight_")  # a packed layer kept packed (int4.PackedTensorView)
     if name in ("model.embed_tokens.weight", "model.norm.weight"):
         return Placement(module.removeprefix("model.")), kind
@@ -131,7 +131,7 @@ def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
     layer, rest = match.groups()
     if rest.endswith(".experts") and kind in ("gate_up_proj", "down_proj"):  # transformers 5's stacked experts
         return Placement(f"layers.{layer}.mlp.experts", "w13" if kind == "gate_up_proj" else "w2"), "weight"
-    if kind not in ("weight", "bias", "scale", "zero", "g_idx"):
+    if kind not in ("weight", "bias", "scale", "zero", "perm"):
         return None
     placement = _layer_place(f"layers.{layer}.", rest, spec)
     return None if placement is None else (placement, kind)

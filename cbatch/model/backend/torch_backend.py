@@ -143,12 +143,12 @@ class TorchBackend:
         return linear(x, dequantize(weight, scale, block, x.dtype), bias)
 
     def int_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                   g_idx: torch.Tensor | None, group_size: int, bits: int, bias: torch.Tensor | None) -> torch.Tensor:
+                   perm: torch.Tensor | None, group_size: int, bits: int, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ dequantize(packed weight).T (+ bias): the reference for the Triton kernel (the CPU path
         dequantizes at load)."""
         from cbatch.model.int4 import dequantize_kept
 
-        return linear(x, dequantize_kept(weight, scale, zero, g_idx, group_size, bits, x.dtype), bias)
+        return linear(x, dequantize_kept(weight, scale, zero, perm, group_size, bits, x.dtype), bias)
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: str, w13_scale: torch.Tensor | None = None,

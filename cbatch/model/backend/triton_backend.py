@@ -117,10 +117,10 @@ class TritonBackend:
 
         return fp8_linear(x, weight, scale, block, bias)
 
-    def int_linear(self, x, weight, scale, zero, g_idx, group_size: int, bits: int, bias) -> torch.Tensor:
+    def int_linear(self, x, weight, scale, zero, perm, group_size: int, bits: int, bias) -> torch.Tensor:
         from cbatch.kernels import w4a16_linear
 
-        return w4a16_linear(x, weight, scale, zero, g_idx, group_size, bits, bias)
+        return w4a16_linear(x, weight, scale, zero, perm, group_size, bits, bias)
 
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, activation: str, w13_scale=None, w2_scale=None,
                   block: tuple[int, int] | None = None, int_experts=None) -> torch.Tensor:
