@@ -3,7 +3,7 @@
 # device call (the device kills a command after 600 s: every part plans <= 540 s, every step runs under its
 # own `timeout`, and each part installs what it needs, so parts run in any order on a fresh or warm machine).
 #
-#   bash benchmarks/gpu_session.sh PART        PART: all | speed | peer | kernels | suite | parity | bench | e2e | e2e-more | e2e-sync
+#   bash benchmarks/gpu_session.sh PART        PART: all | speed | peer | kernels | suite | parity | bench | e2e | e2e-more | e2e-sync | int4
 #   bash benchmarks/gpu_session.sh --list      the parts, their steps and time budgets
 #   bash benchmarks/gpu_session.sh --cpu-dry-run [PART...]   every part (or those named) on this CPU (Triton interpreter, tiny shapes,
 #                                              a few requests): the same files and summary, to catch shell
@@ -14,8 +14,9 @@
 # 1 + 7 files (the limit is 8), two folders deep at most. cbatch's figures are printed and written before any peer runs.
 #
 # Expected device time per part (budgets are the timeouts): kernels ~4 min, suite ~4, parity ~3, bench ~3,
-# e2e ~5, e2e-more ~5, e2e-sync ~3 (e2e with --no-async-scheduling: the overlap's gain). The GPU issue's order:
-# kernels, suite, parity, e2e, bench, e2e-more, e2e-sync.
+# e2e ~5, e2e-more ~5, e2e-sync ~3 (e2e with --no-async-scheduling: the overlap's gain), int4 ~7 (the W4A16 GEMM
+# against bf16 matmul on 70B shapes, and e2e's workload on an AWQ-g128 copy of the model: its tok/s against
+# e2e's). The GPU issue's order: kernels, suite, parity, e2e, bench, e2e-more, e2e-sync; then int4.
 #
 # Carry (device tool `carry`): .carry (SmolLM2's tokenizer for the CLI tests; `python benchmarks/make_carry.py`
 # builds it) and .whl (wheels of what the image lacks: xgrammar and the structured-output tests' packages; make_carry.py
@@ -40,12 +41,13 @@ declare -A PLAN=(
   [e2e]="make_model:90 greedy_vs_hf:420"
   [e2e-more]="make_model:90 cbatch_temp06:210 cbatch_fp8:210"
   [e2e-sync]="make_model:90 cbatch_sync:210"
+  [int4]="make_model:60 make_int4:120 w4a16_gemm:120 cbatch_int4:210"
   [speed]="make_model:60 profile_bf16:100 profile_fp8:70 decode_kernels:110"
   [peer]="make_model:60 hf_vs_cbatch:150"
   [gpu-tests]="gpu_tests:150"
   [all]="make_model:40 profile_bf16:90 profile_fp8:60 decode_kernels:110 hf_vs_cbatch:120"
 )
-PARTS="all speed peer gpu-tests kernels suite parity bench e2e e2e-more e2e-sync"
+PARTS="all speed peer gpu-tests kernels suite parity bench e2e e2e-more e2e-sync int4"
 ALL_LIMIT_S=420  # the GPU issue: `all` in at most 7 minutes
 KERNEL_TESTS="tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_kernels_compile.py tests/test_compile_count.py tests/test_triton_e2e.py tests/test_fp8_kv.py"
 MODEL=/tmp/qwen3-0.6b-random
@@ -75,7 +77,7 @@ step() {  # step NAME CMD...   (budget from the plan; dry runs get the same budg
     echo "--- $PART/$name: $verdict in ${took} s of ${budget} s"
     grep -E '^run [0-9]+/' "$LOGS/$name.log" | cut -c1-400  # compare_peers: each engine's figures, cbatch first
     case $name in  # the profiles' and kernel tables' figures whole, the rest's last lines
-      profile_*|decode_kernels) grep -v -E '^(USDT|STAGE|\[W)' "$LOGS/$name.log" | tail -n 90 | cut -c1-220 ;;
+      profile_*|decode_kernels|w4a16_gemm) grep -v -E '^(USDT|STAGE|\[W)' "$LOGS/$name.log" | tail -n 90 | cut -c1-220 ;;
       *) tail -n "${TAIL_LINES:-12}" "$LOGS/$name.log" | cut -c1-220 ;;
     esac
   } | tee -a "$SUMMARY"
@@ -221,6 +223,13 @@ part_e2e_more() {
 part_e2e_sync() {  # the e2e workload with asynchronous scheduling off: its gain is e2e's tok/s over this one's
   step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
   step cbatch_sync $py benchmarks/compare_peers.py $(e2e_args) --engines cbatch --engine-arg cbatch:async_scheduling=false --run-timeout 200 --json "$LOGS/e2e_sync.json"
+}
+
+part_int4() {  # 4-bit weights: the GEMM against bf16 matmul, then e2e's workload on an AWQ-g128 copy (cbatch alone)
+  step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
+  step make_int4 $py tests/int_checkpoints.py "$(model_dir)" "$(model_dir)-awq-g128" awq-g128
+  step w4a16_gemm $py benchmarks/w4a16_gemm.py $( [ $DRY = 1 ] && echo --cpu-smoke ) --out "$LOGS/w4a16_gemm.txt"
+  step cbatch_int4 $py benchmarks/compare_peers.py $(e2e_args | sed "s#--model [^ ]*#--model $(model_dir)-awq-g128#") --engines cbatch --run-timeout 200 --json "$LOGS/e2e_int4.json"
 }
 
 run_part() {

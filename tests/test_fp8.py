@@ -114,9 +114,9 @@ _SHAPE = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "hidd
 
 
 @pytest.mark.parametrize("qconfig, message", [
-    ({"quant_method": "gptq", "bits": 4}, "quantization 'gptq' is not supported; cbatch loads fp8"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantization 'bitsandbytes' is not supported; cbatch loads fp8"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, "fp8 scale_fmt 'ue8m0'"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}, "format 'pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}, "pack-quantized with 0 different weight layouts"),
     ({"quant_method": "compressed-tensors", "format": "naive-quantized", "config_groups": {
         "group_0": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}, "8-bit int weights"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {

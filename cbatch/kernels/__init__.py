@@ -11,6 +11,7 @@
     gelu_tanh_and_mul   GELU-tanh gated activation (Gemma)
     fused_moe           mixture-of-experts MLP: tokens sorted by expert, one grouped GEMM per projection
     fp8_linear          x @ W.T with W stored in FP8 and dequantized per tile (per-channel or block scales)
+    w4a16_linear        x @ W.T with W packed 4/8-bit integers (AWQ, GPTQ, compressed-tensors), unpacked in registers
 
 Importing this package never needs a GPU (Triton imports on CPU). Where Triton itself is missing
 (e.g. macOS), the names still import and raise ImportError when called, so the engine's CPU path keeps
@@ -43,11 +44,13 @@ except ImportError as _err:  # pragma: no cover - exercised only where triton is
     gelu_tanh_and_mul = _missing("gelu_tanh_and_mul")
     fused_moe = _missing("fused_moe")
     fp8_linear = _missing("fp8_linear")
+    w4a16_linear = _missing("w4a16_linear")
     HAS_TRITON = False
 else:
     from .activation import gelu_tanh_and_mul, silu_and_mul
     from .grouped_gemm import fp8_linear, fused_moe
     from .kv_store import store_kv
+    from .w4a16 import w4a16_linear
     from .paged_attention import paged_attention
     from .rmsnorm import fused_add_rms_norm, rms_norm
     from .rope_store import norm_rope_store
@@ -74,4 +77,5 @@ __all__ = [
     "rms_norm",
     "silu_and_mul",
     "store_kv",
+    "w4a16_linear",
 ]

@@ -31,9 +31,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 _TL_TYPE = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-    torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
+    torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8",
 }
-_MODULES = ("paged_attention", "kv_store", "rmsnorm", "rotary", "activation", "rope_store", "sampler", "grouped_gemm")
+_MODULES = ("paged_attention", "kv_store", "rmsnorm", "rotary", "activation", "rope_store", "sampler", "grouped_gemm", "w4a16")
 
 
 class _Recorder:
@@ -140,6 +140,7 @@ def _drive():
                             16, 8, head_dim, [1] * 64, 2048, cache_dtype=cache_dtype, decode_tiles=tiles)
     yield from _drive_small_ops()
     yield from _drive_models()
+    yield from _drive_w4a16()
 
 
 def _drive_small_ops():
@@ -212,6 +213,42 @@ def _drive_models():
     x = torch.empty(64, 256)
     fused_moe(x, torch.empty(8, 96, 256), torch.empty(8, 256, 48), torch.rand(64, 2), torch.randint(0, 8, (64, 2)), "gelu_tanh")
     yield "fused_moe fp32 (tests only)"
+
+
+def _drive_w4a16():
+    """The W4A16 GEMM on a 70B layer (8192 -> 28672): decode and prefill tiles, groups in order (128) and
+    per channel, act-order, int8, a bias; fp32 for the tests."""
+    from cbatch.kernels import w4a16_linear
+
+    n, k = 28672, 8192
+    weight = torch.empty(n, k // 8, dtype=torch.int32)
+    scale, zero = torch.empty(n, k // 128), torch.empty(n, k // 128, dtype=torch.uint8)
+    for tokens in (1, 4096):
+        x = torch.empty(tokens, k, dtype=torch.bfloat16)
+        w4a16_linear(x, weight, scale, zero, None, 128, 4)
+        yield f"w4a16 g128 {n}x{k} T={tokens}"
+        w4a16_linear(x, weight, scale, zero, torch.empty(k, dtype=torch.int32), 128, 4)
+        yield f"w4a16 g128 act-order {n}x{k} T={tokens}"
+    x = torch.empty(16, k, dtype=torch.float16)
+    w4a16_linear(x, weight, torch.empty(n, 1), torch.empty(n, 1, dtype=torch.uint8), None, k, 4,
+                 torch.empty(n, dtype=torch.float16))
+    yield "w4a16 per channel + bias fp16"
+    w4a16_linear(x, torch.empty(n, k // 4, dtype=torch.int32), scale, zero, None, 128, 8)
+    yield "w8a16 g128 fp16"
+    w4a16_linear(torch.empty(80, 128), torch.empty(40, 16, dtype=torch.int32), torch.empty(40, 4),
+                 torch.empty(40, 4, dtype=torch.uint8), None, 32, 4)
+    yield "w4a16 fp32 (tests only)"
+    from cbatch.kernels import fused_moe
+    from cbatch.model.int4 import IntExperts
+
+    for tokens in (8, 2048):  # Qwen3-30B-A3B's experts packed, group 128
+        x = torch.empty(tokens, 2048, dtype=torch.bfloat16)
+        weights, ids = torch.rand(tokens, 8).to(torch.bfloat16), torch.randint(0, 128, (tokens, 8))
+        w13, w2 = torch.empty(128, 1536, 256, dtype=torch.int32), torch.empty(128, 2048, 96, dtype=torch.int32)
+        s13, s2 = torch.empty(128, 1536, 16), torch.empty(128, 2048, 6)
+        fused_moe(x, w13, w2, weights, ids, "silu", s13, s2, None,
+                  IntExperts(s13.to(torch.uint8), s2.to(torch.uint8), 128, 4))
+        yield f"fused_moe Qwen3-30B-A3B int4 g128 T={tokens}"
 
 
 def main(arch: int = 90) -> int:

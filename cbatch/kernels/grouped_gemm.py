@@ -23,6 +23,8 @@ fp8_linear is the same kernel without the sort: one "expert", rows in order.
 
 FP8: B tiles are loaded as float8_e4m3fn, multiplied by their scales in fp32 and rounded to the
 activations' dtype before the dot, i.e. the tensor cores see exactly `quant.dequantize`'s weights.
+Packed int experts (AWQ / GPTQ / compressed-tensors, `int4.IntExperts`): B tiles are unpacked from int32 words
+and dequantized per group the same way (as kernels/w4a16.py does for a dense layer).
 """
 
 from __future__ import annotations
@@ -34,15 +36,16 @@ import triton.language as tl
 from ._utils import check_launchable, interpreting, next_pow2, on_device
 from .activation import gelu_tanh_and_mul, silu_and_mul
 
-_SCALE_NONE, _SCALE_CHANNEL, _SCALE_BLOCK = 0, 1, 2
+_SCALE_NONE, _SCALE_CHANNEL, _SCALE_BLOCK, _SCALE_INT = 0, 1, 2, 3
 
 
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr,  # [rows of A, K]
-    b_ptr,  # [E, N, K] (E = 1 unless SORTED)
+    b_ptr,  # [E, N, K] (E = 1 unless SORTED); SCALE == 3: int32 [E, N, K / (32 / BITS)], packed along K
     c_ptr,  # [rows of C, N]
-    scale_ptr,  # SCALE: fp32 [E, N] or [E, ceil(N / SBN), ceil(K / SBK)]
+    scale_ptr,  # SCALE: fp32 [E, N] or [E, ceil(N / SBN), ceil(K / SBK)]; SCALE == 3: fp32 [E, N, groups]
+    zero_ptr,  # SCALE == 3: uint8 [E, N, groups], laid out as the scales
     bias_ptr,  # HAS_BIAS: [N]
     sorted_ids_ptr,  # SORTED: int32 [padded rows]: an assignment id, or M for padding
     block_expert_ptr,  # SORTED: int32 [row blocks]: the expert of each block of BLOCK_M sorted rows
@@ -59,9 +62,11 @@ def _grouped_gemm_kernel(
     SORTED: tl.constexpr,
     MUL_ROUTE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    SCALE: tl.constexpr,  # 0: plain weights; 1: FP8 per channel; 2: FP8 per block
+    SCALE: tl.constexpr,  # 0: plain weights; 1: FP8 per channel; 2: FP8 per block; 3: packed ints per group
     SBN: tl.constexpr,  # block scale rows (SCALE == 2)
     SBK: tl.constexpr,  # block scale columns (SCALE == 2)
+    GROUP: tl.constexpr,  # SCALE == 3: input rows per group; BLOCK_K divides it (or one group spans K)
+    BITS: tl.constexpr,  # SCALE == 3: 4 or 8
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,  # interpreter only: bf16 dots in fp32 (numpy has no bf16 matmul)
 ):
@@ -90,7 +95,15 @@ def _grouped_gemm_kernel(
         k_ok = offs_k < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        b = tl.load(b_base + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        if SCALE == 3:  # unpack and dequantize in registers (as kernels/w4a16.py)
+            words = tl.load(b_base + (offs_k // (32 // BITS))[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)
+            q = (words >> ((offs_k % (32 // BITS)) * BITS)[:, None]) & ((1 << BITS) - 1)  # [BLOCK_K, BLOCK_N]
+            sz = expert * stride_se + offs_n * stride_sn + (k0 // GROUP) * stride_sk
+            s = tl.load(scale_ptr + sz, mask=n_ok, other=0.0)[None, :]
+            z = tl.load(zero_ptr + sz, mask=n_ok, other=0)[None, :]
+            b = ((q.to(tl.float32) - z.to(tl.float32)) * s).to(a.dtype)
+        else:
+            b = tl.load(b_base + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if SCALE == 1:
             s = tl.load(scale_ptr + expert * stride_se + offs_n * stride_sn, mask=n_ok, other=0.0)
             b = (b.to(tl.float32) * s[None, :]).to(a.dtype)
@@ -147,18 +160,22 @@ def _tiles(rows: int, n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int
 
 
 def _launch(a, b, c, rows, *, scale=None, block=None, bias=None, sorted_rows=None, a_row_div=1,
-            route_weights=None, block_m=None) -> None:
-    """c[rows, N] = a @ b[e].T per row block (`sorted_rows`: the output of `sort_by_expert`)."""
-    num_experts, n, k = b.shape
+            route_weights=None, block_m=None, zero=None, group=0, bits=4) -> None:
+    """c[rows, N] = a @ b[e].T per row block (`sorted_rows`: the output of `sort_by_expert`); `zero`: b holds
+    packed `bits`-bit ints with per-`group` scales and zeros [E, N, groups]."""
+    num_experts, n, k = b.shape[0], b.shape[1], a.shape[1]
     bm, bn, bk = _tiles(rows, n, k, a.dtype)
     bm = block_m or bm
+    if zero is not None and group < k:
+        bk = min(bk, group)  # powers of two >= 16: a K step stays inside one group
     sorted_ids, block_expert, used_rows = sorted_rows if sorted_rows is not None else (c, c, c)
     grid_m = block_expert.shape[0] if sorted_rows is not None else triton.cdiv(rows, bm)
     scale_kind = _SCALE_NONE if scale is None else (_SCALE_CHANNEL if block is None else _SCALE_BLOCK)
+    scale_kind = _SCALE_INT if zero is not None else scale_kind
     s_strides = (0, 0, 0) if scale is None else (scale.stride(0), scale.stride(1), scale.stride(2) if scale.dim() == 3 else 0)
     with on_device(a.device):
         _grouped_gemm_kernel[(grid_m, triton.cdiv(n, bn))](
-            a, b, c, scale if scale is not None else c, bias if bias is not None else c,
+            a, b, c, scale if scale is not None else c, zero if zero is not None else c, bias if bias is not None else c,
             sorted_ids, block_expert, used_rows, route_weights if route_weights is not None else c,
             rows, n, k,
             a.stride(0), b.stride(0), b.stride(1), c.stride(0), *s_strides,
@@ -170,6 +187,8 @@ def _launch(a, b, c, rows, *, scale=None, block=None, bias=None, sorted_rows=Non
             SCALE=scale_kind,
             SBN=block[0] if block else 1,
             SBK=block[1] if block else 1,
+            GROUP=group or 1,
+            BITS=bits,
             DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
             DOT_UPCAST=interpreting() and a.dtype == torch.bfloat16,
             num_warps=4,
@@ -187,6 +206,17 @@ def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block) 
         raise ValueError(f"scale {tuple(scale.shape)} does not fit weight {tuple(w.shape)} with block {block}")
 
 
+def _int_args(k: int, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, int_experts) -> dict:
+    """`_launch`'s arguments for packed int experts of K inputs, after checking their shapes."""
+    bits = int_experts.bits
+    if w.dtype != torch.int32 or w.shape[2] * (32 // bits) != k or scale.shape != zero.shape or \
+            scale.shape[:2] != w.shape[:2] or not (scale.is_contiguous() and zero.is_contiguous()):
+        raise ValueError(f"packed {bits}-bit experts {tuple(w.shape)} {w.dtype} with scale {tuple(scale.shape)} and "
+                         f"zero {tuple(zero.shape)} do not fit {k} inputs")
+    group = k if int_experts.group_size == -1 else int_experts.group_size
+    return {"zero": zero, "group": group, "bits": bits}
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ dequantize(weight [N, K], scale).T (+ bias) -> [T, N] in x's dtype."""
@@ -200,10 +230,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
-    """x [T, H] through each token's top-k experts (w13 [E, 2I, H], w2 [E, H, I]) -> [T, H] in x's dtype."""
-    _check(x, w13, w13_scale, block)
-    _check(x.new_empty(0, w2.shape[2]), w2, w2_scale, block)
+              w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+              int_experts=None) -> torch.Tensor:
+    """x [T, H] through each token's top-k experts (w13 [E, 2I, H], w2 [E, H, I]) -> [T, H] in x's dtype.
+    `int_experts` (int4.IntExperts): w13 / w2 are packed ints [E, N, K * bits / 32] with float32 scales
+    (w13_scale / w2_scale) and its uint8 zeros, [E, N, groups] each."""
+    if int_experts is None:
+        _check(x, w13, w13_scale, block)
+        _check(x.new_empty(0, w2.shape[2]), w2, w2_scale, block)
+        int_args13 = int_args2 = {}
+    else:
+        int_args13 = _int_args(x.shape[1], w13, w13_scale, int_experts.w13_zero, int_experts)
+        int_args2 = _int_args(w2.shape[2] * (32 // int_experts.bits), w2, w2_scale, int_experts.w2_zero, int_experts)
     check_launchable(x, w13, w2, topk_weights, topk_ids)
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
@@ -215,9 +253,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     sorted_rows = sort_by_expert(ids, w13.shape[0], block_m)
     inter = torch.empty((assignments, w13.shape[1]), dtype=x.dtype, device=x.device)  # [T * k, 2I]
     _launch(x, w13, inter, assignments, scale=w13_scale, block=block, sorted_rows=sorted_rows,
-            a_row_div=top_k, block_m=block_m)
+            a_row_div=top_k, block_m=block_m, **int_args13)
     act = gelu_tanh_and_mul(inter) if activation == "gelu_tanh" else silu_and_mul(inter)  # [T * k, I]
     down = torch.empty((assignments, w2.shape[1]), dtype=x.dtype, device=x.device)  # [T * k, H]
     _launch(act, w2, down, assignments, scale=w2_scale, block=block, sorted_rows=sorted_rows,
-            route_weights=weights, block_m=block_m)
+            route_weights=weights, block_m=block_m, **int_args2)
     return down.view(num_tokens, top_k, -1).sum(dim=1)

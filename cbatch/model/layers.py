@@ -9,6 +9,7 @@ from torch import nn
 
 from cbatch.model.backend import Backend
 from cbatch.model.onednn import linear, packed_linear, prepack_weight
+from cbatch.model.int4 import PackedQuant
 from cbatch.model.quant import FP8_DTYPE
 
 
@@ -68,6 +69,36 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
+
+
+class Int4Linear(nn.Module):
+    """A linear layer whose weight stays packed (the GPU path: a quarter of bf16's bytes at 4 bits): `bits`-bit
+    unsigned values, 32/bits per int32 in order along the input dimension (weight int32 [N, K*bits/32]),
+    per-group scales float32 [N, G] and zeros uint8 [N, G]; row k is in group k // group_size. Act-order
+    checkpoints are held with their input rows sorted by group and `weight_perm` int32 [K] (row k' multiplies
+    input perm[k']: int4.sort_by_group). The backend's `int_linear`
+    dequantizes inside the matmul: w[n, k] = (q[n, k] - zero[n, g]) x scale[n, g]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, quant: PackedQuant, backend: Backend) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        groups = quant.groups(in_features)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // quant.per_int32, dtype=torch.int32),
+                                   requires_grad=False)
+        # float32 scales: the checkpoint's fp16/bf16 scales exactly (G / K of the weights: 3% more bytes at group 128)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, groups, dtype=torch.float32), requires_grad=False)
+        self.weight_zero = nn.Parameter(torch.empty(out_features, groups, dtype=torch.uint8), requires_grad=False)
+        self.weight_perm = None
+        if quant.act_order:
+            self.weight_perm = nn.Parameter(torch.empty(in_features, dtype=torch.int32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.group_size = in_features if quant.group_size == -1 else quant.group_size
+        self.bits = quant.bits
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.int_linear(x, self.weight, self.weight_scale, self.weight_zero, self.weight_perm,
+                                       self.group_size, self.bits, self.bias)
 
 
 class MLP(nn.Module):

@@ -12,13 +12,14 @@ import torch
 
 from cbatch.model.backend import Backend
 from cbatch.model.errors import ModelLoadError, UnsupportedModelError
-from cbatch.model.layers import Fp8Linear
+from cbatch.model.int4 import PackedTensorView, check_packed
+from cbatch.model.layers import Fp8Linear, Int4Linear
 from cbatch.model.llama import LlamaForCausalLM
 from cbatch.model.moe import Experts
 from cbatch.model.quant import FP8_DTYPE, channel_scales, dequantize
 from cbatch.model.shard import Piece, Shard
 from cbatch.model.spec import ModelSpec, parse_spec, read_config
-from cbatch.model.weights import Placement, TensorIndex, kept_fp8_modules, place
+from cbatch.model.weights import Placement, TensorIndex, kept_fp8_modules, kept_int_module, place
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
 
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,7 +62,9 @@ def read_checkpoint(model_dir: Path) -> Checkpoint:
     spec = parse_spec(raw, generation)
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
-        _check_fp8(TensorIndex(files), spec, model_dir)
+        index = TensorIndex(files)
+        _check_fp8(index, spec, model_dir)
+        _check_packed(index, spec, model_dir)
     return Checkpoint(model_dir, spec, raw)
 
 
@@ -86,14 +89,23 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(spec: ModelSpec, max_positions: int, device: torch.device, dtype: torch.dtype,
-                backend: Backend, fp8_modules: set[str] = frozenset(), comm: Communicator = SINGLE_RANK) -> LlamaForCausalLM:
+                backend: Backend, fp8_modules: set[str] = frozenset(), comm: Communicator = SINGLE_RANK,
+                int_modules: set[str] = frozenset()) -> LlamaForCausalLM:
     """An empty (uninitialised) model in place on `device`, computing through `backend` (one tensor-parallel
     rank's share of it with `comm` of several ranks); the modules named in `fp8_modules` hold FP8 weights and
-    scales (`Fp8Linear`, `Experts.keep_fp8`)."""
+    scales (`Fp8Linear`, `Experts.keep_fp8`), those in `int_modules` packed integer weights (`Int4Linear`)."""
     with _default_dtype(dtype), torch.device("meta"):
         model = LlamaForCausalLM(spec, max_positions, backend, comm)
         for name in sorted(fp8_modules):
             _keep_fp8(model, name, model.spec, backend)
+        for name in sorted(int_modules):
+            module = model.get_submodule(name)
+            if isinstance(module, Experts):
+                module.keep_int(spec.quant.packed)
+                continue
+            parent, _, leaf = name.rpartition(".")
+            packed = Int4Linear(module.in_features, module.out_features, module.bias is not None, spec.quant.packed, backend)
+            setattr(model.get_submodule(parent), leaf, packed)
     model = model.to_empty(device=device)
     model.build_rope_cache(device)
     return model.eval().requires_grad_(False)
@@ -121,7 +133,18 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
     index = TensorIndex(files)
     spec = ckpt.spec  # the full model's: placements are found in it, then cut to this rank's share
     keep = kept_fp8_modules(index, spec) if backend.keeps_fp8_weights else set()
-    model = build_model(spec, max_positions, device, dtype, backend, keep, comm)
+    int_keep: set[str] = set()
+    if spec.quant is not None and spec.quant.packed is not None:
+        packed = spec.quant.packed
+
+        def keep_packed(layer: str) -> bool:  # Int4Linear where the backend takes packed weights
+            module = kept_int_module(layer, spec) if backend.keeps_int_weights else None
+            if module is not None:
+                int_keep.add(module)
+            return module is not None
+
+        index = PackedTensorView(index, packed, keep_packed)  # the other packed layers read dequantized
+    model = build_model(spec, max_positions, device, dtype, backend, keep, comm, int_keep)
     params = dict(model.named_parameters())
     filled = {name: 0 for name in params}  # elements written per parameter
     _zero_vocab_padding(model, spec.vocab_size, filled)
@@ -133,14 +156,19 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
     shard = Shard(comm.rank, comm.world)
     for name in names:
         placed = place(name, spec)
-        if placed is None or (placed[1] == "scale" and not _kept(placed[0], keep)):
+        if placed is None or (placed[1] == "scale" and not _kept(placed[0], keep | int_keep)):
             continue  # unused, or the scale of a weight dequantized below
         placement, kind = placed
         target = placement.param(kind)
         if target not in params:
             raise ModelLoadError(f"{index.file_of[name].name}: tensor {name} has no place in a {spec.architecture}")
         param = params[target].data
+        if kind == "perm":  # act-order: q/k/v (gate/up) share their input, so their g_idx (and perm) agree
+            filled[target] = _load_perm(index, name, param, filled[target])
+            continue
         pieces = shard.pieces(placement, kind, spec, param.dim())
+        if pieces is not None and placement.module in int_keep:
+            pieces = _packed_pieces(pieces, kind, spec.quant.packed)
         if pieces is None:
             filled[target] += _load_whole(index, name, placement, kind, param, spec)
         else:
@@ -181,6 +209,30 @@ def _load_pieces(index: TensorIndex, name: str, placement: Placement, param: tor
     return written
 
 
+def _load_perm(index, name: str, param: torch.Tensor, filled: int) -> int:
+    perm = index.get(name)
+    if filled and not torch.equal(param, perm):
+        raise ModelLoadError(f"{index.file_of[name].name}: {name} orders its input rows unlike the layers packed "
+                             f"with it (act-order g_idx differ); cbatch packs q/k/v and gate/up into one matmul")
+    param.copy_(perm)
+    return param.numel()
+
+
+def _packed_pieces(pieces: list[Piece], kind: str, packed) -> list[Piece] | None:
+    """A tensor-parallel rank's pieces of a packed layer: output rows as they are; input columns (row-parallel)
+    counted in int32 words for the weight and in groups for scales and zeros (whole groups: `check_tensor_parallel`;
+    one per-channel group: every rank holds it)."""
+    if not pieces or pieces[0].dim == 0 or kind == "bias":
+        return pieces
+    if kind == "weight":
+        unit = packed.per_int32
+    elif packed.group_size == -1:
+        return None
+    else:
+        unit = packed.group_size
+    return [Piece(p.dim, p.src_start // unit, p.src_stop // unit, p.dst_start // unit) for p in pieces]
+
+
 def _check_shape(index: TensorIndex, name: str, tensor: torch.Tensor, dest: torch.Tensor) -> None:
     if tuple(tensor.shape) != tuple(dest.shape):
         raise ModelLoadError(
@@ -214,12 +266,23 @@ def _check_fp8(index: TensorIndex, spec: ModelSpec, path: Path) -> None:
         raise UnsupportedModelError(f"{path}: {other} is {index.dtype_of[other]}; cbatch reads float8_e4m3fn (F8_E4M3) weights")
 
 
+def _check_packed(index: TensorIndex, spec: ModelSpec, path: Path) -> None:
+    if spec.quant is not None and spec.quant.packed is not None:
+        check_packed(index, spec.quant.packed, path)
+        return
+    packed = next((n for n in index.file_of if n.endswith((".qweight", ".weight_packed"))), None)
+    if packed is not None:
+        raise ModelLoadError(f"{path}: {packed} is a packed integer weight but config.json has no quantization_config")
+
+
 def _read(index: TensorIndex, name: str, placement: Placement, kind: str, dest: torch.Tensor,
           spec: ModelSpec) -> torch.Tensor:
     """The checkpoint tensor as `dest` takes it: FP8 dequantized for a float parameter, a scale reshaped
     to our layout (per channel [rows], or the block rows of a packed part)."""
     tensor = index.get(name)
     block = spec.quant.block if spec.quant is not None else None
+    if kind == "zero" or (kind == "scale" and spec.quant.packed is not None):
+        return tensor  # a packed layer's, already in our layout (int4.PackedTensorView)
     if kind == "scale":
         return _scale_rows(tensor, placement, dest, block, name)
     if tensor.dtype == FP8_DTYPE and dest.dtype != FP8_DTYPE:

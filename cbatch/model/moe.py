@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from cbatch.model.backend import Backend
+from cbatch.model.int4 import IntExperts, PackedQuant
 from cbatch.model.layers import MLP, Linear
 from cbatch.model.quant import FP8_DTYPE
 from cbatch.model.spec import ModelSpec
@@ -28,6 +29,9 @@ class Experts(nn.Module):
         self.w13_scale: nn.Parameter | None = None  # FP8 only: [E, 2I] per channel or [E, 2I/bn, H/bk] per block
         self.w2_scale: nn.Parameter | None = None
         self.block: tuple[int, int] | None = None
+        self.w13_zero: nn.Parameter | None = None  # packed ints only: uint8 [E, 2I, groups], [E, H, groups]
+        self.w2_zero: nn.Parameter | None = None
+        self.int_layout: tuple[int, int] = (0, 0)  # packed ints: (group_size, bits)
 
     def keep_fp8(self, block: tuple[int, int] | None) -> None:
         """Holds the weights in FP8 with their scales (the GPU path). Called before the weights exist (meta device)."""
@@ -38,6 +42,26 @@ class Experts(nn.Module):
             setattr(self, name, nn.Parameter(torch.empty(weight.shape, dtype=FP8_DTYPE), requires_grad=False))
             shape = (experts, rows) if block is None else (experts, -(-rows // block[0]), -(-cols // block[1]))
             setattr(self, f"{name}_scale", nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False))
+
+
+    def keep_int(self, quant: PackedQuant) -> None:
+        """Holds the weights packed (the GPU path): int32 [E, N, K * bits / 32] with float32 scales and uint8 zeros
+        [E, N, groups]. Called before the weights exist (meta device)."""
+        self.int_layout = (quant.group_size, quant.bits)
+        for name in ("w13", "w2"):
+            experts, rows, cols = getattr(self, name).shape
+            groups = quant.groups(cols)
+            setattr(self, name, nn.Parameter(torch.empty(experts, rows, cols // quant.per_int32, dtype=torch.int32),
+                                             requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(torch.empty(experts, rows, groups, dtype=torch.float32),
+                                                        requires_grad=False))
+            setattr(self, f"{name}_zero", nn.Parameter(torch.empty(experts, rows, groups, dtype=torch.uint8),
+                                                       requires_grad=False))
+
+    def int_experts(self) -> IntExperts | None:
+        if self.w13_zero is None:
+            return None
+        return IntExperts(self.w13_zero, self.w2_zero, *self.int_layout)
 
 
 class SparseMoeBlock(nn.Module):
@@ -71,7 +95,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         e = self.experts
-        out = self.backend.fused_moe(x, e.w13, e.w2, weights, ids, self.activation, e.w13_scale, e.w2_scale, e.block)
+        out = self.backend.fused_moe(x, e.w13, e.w2, weights, ids, self.activation, e.w13_scale, e.w2_scale, e.block,
+                                     e.int_experts())
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -12,6 +12,9 @@ Both scales multiply: weight = fp8 value x scale. Activations are never quantize
 model computes in its dtype with the dequantized weights, so a static activation scheme's `input_scale`
 and a kv_cache_scheme's `k_scale`/`v_scale` are not used.
 
+Integer weight-only checkpoints (AWQ, GPTQ, compressed-tensors pack-quantized) are described in
+cbatch/model/int4.py; their QuantSpec carries the `packed` layout.
+
 Inside cbatch every scale is per output channel ([..., N]; a per-tensor scale is broadcast to its rows so
 q/k/v with different scales pack into one matrix) or per block ([..., ceil(N / bn), ceil(K / bk)]).
 """
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 
 from cbatch.model.errors import UnsupportedModelError
+from cbatch.model.int4 import SUPPORTED_PACKED, PackedQuant, parse_awq, parse_compressed_tensors, parse_gptq
 
 FP8_DTYPE = torch.float8_e4m3fn
 SUPPORTED_QUANTIZATION = ("fp8 (per-tensor or block scales)", "compressed-tensors float8 (tensor, channel or block scales)")
@@ -32,13 +36,14 @@ UNUSED_QUANT_TENSORS = ("input_scale", "k_scale", "v_scale", "output_scale")
 
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
-    method: str  # fp8 | compressed-tensors
+    method: str  # fp8 | compressed-tensors | awq | gptq
     block: tuple[int, int] | None  # (rows, cols) a block scale covers; None: per-tensor or per-channel scales
     scale_suffix: str  # the scale tensor beside each `weight`: weight_scale_inv (fp8) | weight_scale
+    packed: PackedQuant | None = None  # integer weights (int4.py); None: FP8
 
 
 def _refuse(what: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"{what} is not supported; cbatch loads {' and '.join(SUPPORTED_QUANTIZATION)}")
+    return UnsupportedModelError(f"{what} is not supported; cbatch loads {', '.join(SUPPORTED_QUANTIZATION + SUPPORTED_PACKED)}")
 
 
 def _block(value: Any, what: str) -> tuple[int, int] | None:
@@ -59,6 +64,8 @@ def _fp8(qc: dict[str, Any]) -> QuantSpec:
 
 def _compressed_tensors(qc: dict[str, Any]) -> QuantSpec:
     fmt = qc.get("format")
+    if fmt == "pack-quantized":
+        return QuantSpec("compressed-tensors", None, "weight_scale", parse_compressed_tensors(qc))
     if fmt not in ("float-quantized", "naive-quantized"):
         raise _refuse(f"compressed-tensors format {fmt!r}")
     layouts = set()
@@ -86,7 +93,12 @@ def parse_quantization(qc: dict[str, Any] | None) -> QuantSpec | None:
     if method == "fp8":
         return _fp8(qc)
     if method == "compressed-tensors":
+        sparsity = qc.get("sparsity_config") or {}
+        if sparsity.get("format", "dense") != "dense":
+            raise _refuse(f"compressed-tensors sparsity format {sparsity['format']!r}")
         return _compressed_tensors(qc)
+    if method in ("awq", "gptq"):
+        return QuantSpec(method, None, "weight_scale", parse_awq(qc) if method == "awq" else parse_gptq(qc))
     raise _refuse(f"quantization {method!r}")
 
 

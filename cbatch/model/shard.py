@@ -151,6 +151,27 @@ def check_tensor_parallel(spec: ModelSpec, world: int) -> None:
     if kv % world and world % kv:
         raise ConfigError("tensor_parallel_size", f"{world} and the model's {kv} KV heads do not divide one another; "
                                                   f"use a divisor or a multiple of {kv}")
-    if spec.quant is not None:
+    if spec.quant is not None and spec.quant.packed is not None:
+        _check_packed_split(spec, world)
+    elif spec.quant is not None:
         raise ConfigError("tensor_parallel_size", "FP8 checkpoints run on one rank only for now; "
                                                   "use --tensor-parallel-size 1")
+
+
+def _check_packed_split(spec: ModelSpec, world: int) -> None:
+    """An integer checkpoint splits its row-parallel inputs (o_proj, down_proj, the experts' w2) on whole groups
+    (and whole int32 words); act-order ones, whose groups are scattered over the input rows, run on one rank."""
+    packed = spec.quant.packed
+    if packed.act_order:
+        raise ConfigError("tensor_parallel_size", f"{packed.describe()} checkpoints run on one rank only for now "
+                                                  f"(act-order groups span the input rows); use --tensor-parallel-size 1")
+    unit = packed.per_int32 if packed.group_size == -1 else max(packed.group_size, packed.per_int32)
+    inputs = [("o_proj input (attention heads x head_dim)", spec.q_size), ("down_proj input (MLP width)", spec.intermediate_size)]
+    if spec.moe is not None:
+        inputs += [("experts' down_proj input", spec.moe.intermediate_size),
+                   ("shared expert's down_proj input", spec.moe.shared_expert_size)]
+    for what, size in inputs:
+        if size and (size // world) % unit:
+            raise ConfigError("tensor_parallel_size", f"{world} ranks split the {what} of {size} into {size // world} "
+                                                      f"rows, not whole groups of {unit} ({packed.describe()}); use "
+                                                      f"a size that leaves each rank a multiple of {unit}")

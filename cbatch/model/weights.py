@@ -27,6 +27,7 @@ _DOWN = ("down_proj", "w2")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)$")
 _TEXT_DECODER = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")  # multimodal Gemma 3
 FP8_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts")  # kept in FP8 on the GPU path
+INT_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts")  # kept packed on the GPU path
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,8 @@ class Placement:
 
     def param(self, kind: str) -> str:
         """Our parameter for a tensor of this `kind` (weight | bias | scale); scales are `<slot>_scale`."""
-        leaf = {"weight": self.slot, "bias": "bias", "scale": f"{self.slot}_scale"}[kind]
+        leaf = {"weight": self.slot, "bias": "bias", "scale": f"{self.slot}_scale", "zero": f"{self.slot}_zero",
+                "perm": f"{self.slot}_perm"}[kind]
         return f"{self.module}.{leaf}"
 
     def block_rows(self, rows_per_block: int) -> Placement:
@@ -71,6 +73,9 @@ class TensorIndex:
 
     def get(self, name: str) -> torch.Tensor:
         return self._open[self.file_of[name]].get_tensor(name)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._open[self.file_of[name]].get_slice(name).get_shape())
 
     def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of dimension `dim` only, read from the file (a tensor-parallel rank's share)."""
@@ -114,6 +119,8 @@ def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
         return None
     if spec.quant is not None and kind == spec.quant.scale_suffix:
         kind = "scale"
+    elif spec.quant is not None and spec.quant.packed is not None and kind in ("weight_zero", "weight_perm"):
+        kind = kind.removeprefix("weight_")  # a packed layer kept packed (int4.PackedTensorView)
     if name in ("model.embed_tokens.weight", "model.norm.weight"):
         return Placement(module.removeprefix("model.")), kind
     if name == "lm_head.weight":
@@ -124,7 +131,7 @@ def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
     layer, rest = match.groups()
     if rest.endswith(".experts") and kind in ("gate_up_proj", "down_proj"):  # transformers 5's stacked experts
         return Placement(f"layers.{layer}.mlp.experts", "w13" if kind == "gate_up_proj" else "w2"), "weight"
-    if kind not in ("weight", "bias", "scale"):
+    if kind not in ("weight", "bias", "scale", "zero", "perm"):
         return None
     placement = _layer_place(f"layers.{layer}.", rest, spec)
     return None if placement is None else (placement, kind)
@@ -139,3 +146,14 @@ def kept_fp8_modules(index: TensorIndex, spec: ModelSpec) -> set[str]:
         if placed is not None and placed[1] == "weight" and placed[0].module.rpartition(".")[2] in FP8_MODULES:
             modules.add(placed[0].module)
     return modules
+
+
+def kept_int_module(layer: str, spec: ModelSpec) -> str | None:
+    """Our module that packed checkpoint layer `layer` (e.g. model.layers.0.self_attn.q_proj) fills, where the
+    GPU path keeps it packed (`Int4Linear`: the decoder matmuls; `Experts.keep_int`: the experts, unless
+    act-order, whose per-expert g_idx they do not hold); None: dequantized at load."""
+    placed = place(f"{layer}.weight", spec)
+    if placed is None or (placed[0].expert is not None and spec.quant.packed.act_order):
+        return None
+    module = placed[0].module
+    return module if module.rpartition(".")[2] in INT_MODULES else None

@@ -96,14 +96,37 @@ def hardware_estimate(spec: ModelSpec, dtype_bytes: int, samples: list[StepSampl
     return out
 
 
+def stored_bytes_per_weight(model) -> float:
+    """Bytes per weight of a live model's matrices as stored: FP8 ones at 1; packed int ones (layers.Int4Linear,
+    packed experts) at their words, scales and zeros over the weights they hold."""
+    from cbatch.model.layers import Int4Linear
+    from cbatch.model.moe import Experts
+
+    stored = weights = 0
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if p is not getattr(module, "bias", None)]
+        if isinstance(module, Int4Linear):
+            stored += sum(p.numel() * p.element_size() for p in own)
+            weights += module.in_features * module.out_features
+            continue
+        if isinstance(module, Experts) and module.w13_zero is not None:
+            stored += sum(p.numel() * p.element_size() for p in own)
+            weights += (module.w13.numel() + module.w2.numel()) * (32 // module.int_layout[1])
+            continue
+        for p in own:
+            if p.dim() >= 2:  # the matrices (FP8 ones included)
+                stored += p.numel() * p.element_size()
+                weights += p.numel()
+    return stored / max(1, weights)
+
+
 def engine_hardware(engine, samples: list[StepSample], forward_seconds: float) -> dict[str, Any]:
     """`hardware_estimate` for a live engine (device name read from CUDA when it runs there)."""
     import torch
 
     name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None
     dtype_bytes = torch.finfo(engine.dtype).bits // 8
-    params = [p for p in engine.runner.model.parameters() if p.dim() >= 2]  # the matrices (FP8 ones included)
-    weight_bytes = sum(p.numel() * p.element_size() for p in params) / max(1, sum(p.numel() for p in params))
+    weight_bytes = stored_bytes_per_weight(engine.runner.model)
     estimate = hardware_estimate(engine.spec, dtype_bytes, samples, forward_seconds, name, dtype_bytes == 2,
                                  weight_bytes=weight_bytes or dtype_bytes)
     tuning = {"kernel_tuning": engine.kernel_tuning} if getattr(engine, "kernel_tuning", None) else {}

@@ -9,6 +9,7 @@ Default cost model (no --cost-from): the roofline counting of cbatch/observe/roo
 over the device's peaks, at fixed efficiencies (assumptions, not measurements):
 
     per_step          = weight bytes / (bandwidth x BANDWIDTH_EFFICIENCY) + step_overhead_s
+                        (an AWQ / GPTQ / compressed-tensors int checkpoint on a GPU: its packed sizes)
     per_prefill_token = layer FLOPs per token / (peak FLOP/s x flop_efficiency)
     per_decode_token  = (layer + lm_head FLOPs per token) / (peak FLOP/s x flop_efficiency)
     per_context_token = KV bytes per token / (bandwidth x BANDWIDTH_EFFICIENCY)
@@ -81,9 +82,8 @@ class DeviceKind:
         elif self.memory_gib is None:
             blocks = memory.cpu_kv_blocks(config, spec, kv_dtype, max_model_len)
         else:
-            dtype_bytes = torch.finfo(dtype).bits // 8
             # this rank's matrices (a vocab-parallel embedding and lm_head: a 1/N share of each)
-            weights = (spec.num_params() + spec.vocab_size * spec.hidden_size * (2 / ranks - 1)) * dtype_bytes
+            weights = (spec.num_params() + spec.vocab_size * spec.hidden_size * (2 / ranks - 1)) * gpu_bytes_per_weight(model)
             weights += CUDA_CONTEXT_BYTES
             try:
                 blocks = memory.kv_blocks_in_gpu_memory(config, spec, kv_dtype, max_model_len, self.memory_gib * 2**30,
@@ -98,7 +98,7 @@ class DeviceKind:
                             f"or --device-kind one of cpu, {', '.join(preset_names())}")
         dtype_bytes = torch.finfo(model.dtype).bits // 8
         spec = Shard(0, ranks).local_spec(model.spec)
-        work = ModelWork.of(spec, dtype_bytes)
+        work = ModelWork.of(spec, dtype_bytes, gpu_bytes_per_weight(model) if self.memory_gib else dtype_bytes)
         all_reduce = spec.num_layers * 2 * 2 * (ranks - 1) / ranks * spec.hidden_size * dtype_bytes
         peak = self.peak_tflops * (FP32_SHARE_OF_PEAK if dtype_bytes == 4 and self.memory_gib else 1.0)
         flops = peak * 1e12 * self.flop_efficiency
@@ -111,6 +111,20 @@ class DeviceKind:
             per_decode_token=(work.layer_flops_per_token + work.head_flops_per_token / ranks) / flops
             + all_reduce / (NVLINK_TB_S * 1e12 * BANDWIDTH_EFFICIENCY),
         )
+
+
+def gpu_bytes_per_weight(model: ResolvedModel) -> float:
+    """Bytes a GPU run stores per weight: the compute dtype's, or for an AWQ / GPTQ / compressed-tensors int
+    checkpoint the packed layers' real sizes (int4.stored_bytes_per_weight, from the safetensors headers)."""
+    dtype_bytes = torch.finfo(model.dtype).bits // 8
+    quant = model.spec.quant
+    if model.checkpoint is None or quant is None or quant.packed is None:
+        return float(dtype_bytes)
+    from cbatch.model.int4 import stored_bytes_per_weight
+    from cbatch.model.weights import TensorIndex
+
+    files = sorted(model.checkpoint.path.glob("*.safetensors"))
+    return stored_bytes_per_weight(TensorIndex(files), quant.packed, model.spec, dtype_bytes) if files else float(dtype_bytes)
 
 
 def activation_estimate(config: EngineConfig, model: ResolvedModel) -> float:

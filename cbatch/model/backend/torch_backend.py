@@ -40,6 +40,7 @@ class TorchBackend:
     needs_warmup = False  # nothing compiles per step shape
     fused_sampling = False  # the torch sampler
     keeps_fp8_weights = False  # FP8 checkpoints are dequantized once, at load
+    keeps_int_weights = False  # so are AWQ / GPTQ / compressed-tensors int checkpoints
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state = _TorchStepState.build(meta)
@@ -147,9 +148,18 @@ class TorchBackend:
         """x @ dequantize(weight).T (+ bias): the reference for the Triton kernel (the CPU path dequantizes at load)."""
         return linear(x, dequantize(weight, scale, block, x.dtype), bias)
 
+    def int_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                   perm: torch.Tensor | None, group_size: int, bits: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ dequantize(packed weight).T (+ bias): the reference for the Triton kernel (the CPU path
+        dequantizes at load)."""
+        from cbatch.model.int4 import dequantize_kept
+
+        return linear(x, dequantize_kept(weight, scale, zero, perm, group_size, bits, x.dtype), bias)
+
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: str, w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+                  w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                  int_experts=None) -> torch.Tensor:
         """Experts on their own tokens only: x [T, H], w13 [E, 2I, H] (gate | up), w2 [E, H, I],
         topk_weights/ids [T, k] -> [T, H] = sum_j w_j * expert_j(x). Each expert runs once on its tokens
         gathered; a token's k contributions are then summed in ascending expert order, as HF's eager loop
@@ -167,14 +177,25 @@ class TorchBackend:
                 continue
             assignments = order[start : start + n]
             start += n
-            gate_up = linear(x[assignments // top_k], _expert_weight(w13, w13_scale, block, expert, x.dtype))  # [n, 2I]
+            zeros = (None, None) if int_experts is None else (int_experts.w13_zero, int_experts.w2_zero)
+            gate_up = linear(x[assignments // top_k],
+                             _expert_weight(w13, w13_scale, block, expert, x.dtype, zeros[0], int_experts))  # [n, 2I]
             act = self.gelu_tanh_and_mul(gate_up) if activation == "gelu_tanh" else self.silu_and_mul(gate_up)
-            down = linear(act, _expert_weight(w2, w2_scale, block, expert, x.dtype))  # [n, H]
+            down = linear(act, _expert_weight(w2, w2_scale, block, expert, x.dtype, zeros[1], int_experts))  # [n, H]
             contributions[assignments] = (down * weights[assignments]).to(x.dtype)
         return contributions.view(num_tokens, top_k, -1).sum(dim=1)
 
 
-def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, block, expert: int, dtype: torch.dtype) -> torch.Tensor:
+def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, block, expert: int, dtype: torch.dtype,
+                   zero: torch.Tensor | None = None, int_experts=None) -> torch.Tensor:
+    """Expert `expert`'s weight in `dtype`: as held, or dequantized from FP8 or from packed ints (the Triton
+    kernels' reference; the CPU path dequantizes at load)."""
+    if int_experts is not None:
+        from cbatch.model.int4 import dequantize_kept
+
+        k = w.shape[2] * (32 // int_experts.bits)
+        group = k if int_experts.group_size == -1 else int_experts.group_size
+        return dequantize_kept(w[expert], scale[expert], zero[expert], None, group, int_experts.bits, dtype)
     return w[expert] if scale is None else dequantize(w[expert], scale[expert], block, dtype)
 
 

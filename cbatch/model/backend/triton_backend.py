@@ -26,6 +26,7 @@ class TritonBackend:
     needs_warmup = True  # Triton compiles a kernel variant per shape class on its first launch
     fused_sampling = True  # the one-pass sampling kernel runs where these kernels do
     keeps_fp8_weights = True  # fp8_linear and fused_moe dequantize FP8 weights tile by tile
+    keeps_int_weights = True  # int_linear (the W4A16 GEMM) unpacks int4/int8 weights in registers
 
     def __init__(self) -> None:
         self.decode_tiles = None  # DecodeTiles once `tune` ran; None: the kernel's own policy
@@ -116,11 +117,16 @@ class TritonBackend:
 
         return fp8_linear(x, weight, scale, block, bias)
 
+    def int_linear(self, x, weight, scale, zero, perm, group_size: int, bits: int, bias) -> torch.Tensor:
+        from cbatch.kernels import w4a16_linear
+
+        return w4a16_linear(x, weight, scale, zero, perm, group_size, bits, bias)
+
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, activation: str, w13_scale=None, w2_scale=None,
-                  block: tuple[int, int] | None = None) -> torch.Tensor:
+                  block: tuple[int, int] | None = None, int_experts=None) -> torch.Tensor:
         from cbatch.kernels import fused_moe
 
-        return fused_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block)
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block, int_experts)
 
 
 def _unavailable(device: torch.device) -> str | None:
