@@ -172,7 +172,7 @@ def run(**values: Any) -> None:
         **{name: values[name] for name in ("token_ids", "overwrite", "allow_errors", "report", "quiet", "lookahead",
                                            "display", "plot", "progress_interval", "result_cache", "retry_errors",
                                            "reasoning_split", "output_format", "keep_columns", "allow_duplicate_ids",
-                                           "part_rows", "part_format")},
+                                           "part_rows", "part_format", "task", "pooling", "normalize", "dimensions")},
     )
 
     def job() -> int:

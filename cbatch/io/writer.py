@@ -16,7 +16,8 @@ from cbatch.config import UserError
 OUTPUT_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 COLUMNS = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 LOGPROB_COLUMNS = ("token_logprobs", "top_logprobs", "prompt_token_ids", "prompt_token_logprobs", "prompt_top_logprobs")
-OPTIONAL_COLUMNS = ("sample_index", "reasoning") + LOGPROB_COLUMNS
+TASK_COLUMNS = ("embedding", "score", "label", "probs", "reward")  # prefill-only jobs' (--task: engine/pooling.py)
+OPTIONAL_COLUMNS = ("sample_index", "reasoning") + LOGPROB_COLUMNS + TASK_COLUMNS
 COLUMN_DEFAULTS = {"sample_index": 0}
 OUTPUT_COLUMNS = COLUMNS + ("completion_token_ids",) + OPTIONAL_COLUMNS  # every column the output may have of its own
 
@@ -59,7 +60,7 @@ def output_columns(token_ids: bool, present: Collection[str] = ()) -> list[str]:
         return [name for name in names if name in present]
 
     return (["id", *some("sample_index"), "completion", *some("reasoning"), *COLUMNS[2:]]
-            + (["completion_token_ids"] if token_ids else []) + some(*LOGPROB_COLUMNS))
+            + (["completion_token_ids"] if token_ids else []) + some(*LOGPROB_COLUMNS) + some(*TASK_COLUMNS))
 
 
 def _arrow_types() -> dict[str, Any]:
@@ -72,6 +73,8 @@ def _arrow_types() -> dict[str, Any]:
         "finish_reason": pa.string(), "prompt_tokens": pa.int64(), "completion_tokens": pa.int64(), "error": pa.string(),
         "completion_token_ids": ids, "token_logprobs": logprobs, "top_logprobs": pa.list_(top),
         "prompt_token_ids": ids, "prompt_token_logprobs": logprobs, "prompt_top_logprobs": pa.list_(top),
+        "embedding": pa.list_(pa.float32()), "score": pa.float64(), "label": pa.string(),
+        "probs": pa.list_(pa.float32()), "reward": pa.float64(),
     }
 
 
