@@ -41,9 +41,14 @@ def random_texts(n: int, seed: int, min_words: int = 2, max_words: int = 40) -> 
 def make_st_embedding(path: Path, pooling: str = "lasttoken", seed: int = 0, normalize: bool = True) -> Path:
     """A Qwen3 bare decoder with random weights (a wide init: decisive), saved as a sentence-transformers model
     whose pooling is `pooling` (lasttoken | mean | cls), with a Normalize module when `normalize`."""
+    import warnings
+
     import transformers
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.models import Normalize, Pooling, Transformer
+
+    with warnings.catch_warnings():  # (sentence-transformers 6 moved the modules; 3-5 have them here only)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from sentence_transformers.models import Normalize, Pooling, Transformer
 
     base = path.parent / f"{path.name}-base"
     torch.manual_seed(seed)
@@ -52,7 +57,8 @@ def make_st_embedding(path: Path, pooling: str = "lasttoken", seed: int = 0, nor
     make_tokenizer(base)
     body = Transformer(str(base), max_seq_length=512)
     modes = {"lasttoken": "lasttoken", "mean": "mean", "cls": "cls"}
-    modules = [body, Pooling(body.get_word_embedding_dimension(), pooling_mode=modes[pooling])]
+    dim = body.get_embedding_dimension() if hasattr(body, "get_embedding_dimension") else body.get_word_embedding_dimension()
+    modules = [body, Pooling(dim, pooling_mode=modes[pooling])]
     if normalize:
         modules.append(Normalize())
     SentenceTransformer(modules=modules, device="cpu").save(str(path))

@@ -64,6 +64,8 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
         settings={"engine": asdict(prepared.config), "defaults": asdict(options.defaults), "dtype": str(engine.dtype),
                   "device": str(engine.device), "input": str(options.input), "output": str(options.output)},
     )
+    if options.task != "generate":  # a prefill-only job: its summary gives rows/s and prompt tokens/s
+        report["task"] = options.task
     return conclude_job(options, prepared, report, code)
 
 

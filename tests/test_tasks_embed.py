@@ -1,0 +1,222 @@
+"""Prefill-only tasks (issue 37): embeddings, cross-encoder and bi-encoder scores, classification and reward heads
+against sentence-transformers and HF transformers (float32, CPU), batch and chunking invariance, and the CLI
+(`--task`, OpenAI /v1/embeddings lines, bad rows, refusals)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from embed_models import hf_classifier_logits, make_classifier, make_st_embedding, random_texts
+from helpers import make_engine
+from ops_jobs import read_jsonl, read_output, run_inprocess, write_jsonl
+
+from cbatch.config import SamplingParams
+from cbatch.engine.pooling import PoolingParams
+
+LAST = PoolingParams("embed", "last", normalize=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("embed")
+    return {"st_last": make_st_embedding(root / "st_last", "lasttoken"),
+            "st_mean": make_st_embedding(root / "st_mean", "mean", seed=3, normalize=False),
+            "cls3": make_classifier(root / "cls3", 3, "qwen3"),
+            "reward": make_classifier(root / "reward", 1, "llama", seed=2)}
+
+
+def pooled(path: Path, texts: list[str], pooling: PoolingParams, pairs: bool = False, **settings) -> torch.Tensor:
+    """cbatch's results of `texts` (or pairs), all queued at once: [N, D] float32."""
+    settings = {"num_kv_blocks": 400, "block_size": 4, **settings}
+    engine = make_engine(path, **settings)
+    tok = engine.tokenizer
+    seqs = [engine.add_request(tok.encode(*t) if pairs else tok.encode(t), SamplingParams(), seq_id=i, pooling=pooling)
+            for i, t in enumerate(texts)]
+    while engine.has_unfinished():
+        engine.step()
+    outs = [engine.output_of(s) for s in seqs]
+    assert all(o.finish_reason == "stop" and o.token_ids == [] for o in outs)
+    return torch.tensor([o.pooled for o in outs], dtype=torch.float32)
+
+
+def st_encode(path: Path, texts: list[str]) -> torch.Tensor:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_tensor=True, batch_size=8).float()
+
+
+def test_last_token_embeddings_match_sentence_transformers(models):
+    texts = random_texts(10, seed=0)
+    ours, ref = pooled(models["st_last"], texts, LAST, max_num_batched_tokens=32), st_encode(models["st_last"], texts)
+    cos = torch.nn.functional.cosine_similarity(ours, ref, dim=1)
+    assert cos.min() >= 0.99999
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    assert (ours @ ours.T).fill_diagonal_(0).abs().max() < 0.99  # decisive: the texts' embeddings differ
+
+
+def test_mean_pooling_matches_and_chunking_changes_nothing(models):
+    texts = random_texts(8, seed=1, min_words=20, max_words=60)
+    mean = PoolingParams("embed", "mean")
+    whole = pooled(models["st_mean"], texts, mean, max_num_batched_tokens=2048)
+    chunked = pooled(models["st_mean"], texts, mean, max_num_batched_tokens=7)  # prompts cut in 7-token chunks
+    # the pooled sums are exact across chunks; the hidden states themselves differ in their last bits when a
+    # prompt is cut differently (the CPU matmuls pick their kernels by the number of rows)
+    torch.testing.assert_close(whole, chunked, atol=2e-6, rtol=1e-6)
+    ref = st_encode(models["st_mean"], texts)
+    assert torch.nn.functional.cosine_similarity(whole, ref, dim=1).min() >= 0.99999
+    torch.testing.assert_close(whole, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_rows_embedding_is_the_same_alone_and_in_a_batch(models):
+    """Bit for bit alone and in a full batch; chunked (its prompt cut in 5-token pieces) to float32's last bits."""
+    texts = random_texts(12, seed=2)
+    batch = pooled(models["st_last"], texts, LAST)
+    for i in (0, 5):
+        alone = pooled(models["st_last"], [texts[i]], LAST)
+        chunked = pooled(models["st_last"], [texts[i]], LAST, max_num_batched_tokens=5)
+        assert torch.equal(alone[0], batch[i])
+        torch.testing.assert_close(chunked[0], batch[i], atol=2e-6, rtol=1e-6)
+        assert torch.dot(chunked[0], batch[i]) >= 0.99999
+
+
+def test_cls_pooling_dimensions_and_normalize(models):
+    texts = random_texts(4, seed=3)
+    raw = pooled(models["st_last"], texts, PoolingParams("embed", "cls"), max_num_batched_tokens=6)
+    cut = pooled(models["st_last"], texts, PoolingParams("embed", "cls", normalize=True, dimensions=16))
+    torch.testing.assert_close(cut, torch.nn.functional.normalize(raw[:, :16], dim=1), atol=1e-6, rtol=1e-6)
+    # cls reads the first token: texts opening with the same word share it (causal attention)
+    same = pooled(models["st_last"], ["w7 w1 w2", "w7 w9"], PoolingParams("embed", "cls"))
+    assert torch.equal(same[0], same[1])
+
+
+def test_classification_and_reward_heads_match_hf(models):
+    texts = random_texts(9, seed=4)
+    probs = torch.softmax(pooled(models["cls3"], texts, PoolingParams("classify", head=True), max_num_batched_tokens=16), 1)
+    ref = torch.softmax(hf_classifier_logits(models["cls3"], texts), 1)
+    torch.testing.assert_close(probs, ref, atol=1e-5, rtol=0)
+    assert len(set(probs.argmax(1).tolist())) > 1  # decisive: not one label for every text
+    reward = pooled(models["reward"], texts, PoolingParams("reward", head=True))
+    ref = hf_classifier_logits(models["reward"], texts)
+    torch.testing.assert_close(reward, ref, atol=1e-5, rtol=1e-6)
+    assert reward.std() > 0.5
+
+
+def test_cross_encoder_scores_pairs_as_hf(models):
+    pairs = list(zip(random_texts(6, seed=5), random_texts(6, seed=6)))
+    ours = pooled(models["reward"], pairs, PoolingParams("score", head=True), pairs=True)
+    ref = hf_classifier_logits(models["reward"], pairs)
+    torch.testing.assert_close(torch.sigmoid(ours), torch.sigmoid(ref), atol=1e-5, rtol=0)
+
+
+# ---- the CLI ----------------------------------------------------------------------------------------------
+def run(*args) -> tuple[int, str, str]:
+    return run_inprocess("run", *map(str, args), "--display", "none")
+
+
+def test_cli_embed_jsonl_and_parquet(models, tmp_path):
+    texts = random_texts(5, seed=7, max_words=20)
+    rows = [{"id": f"r{i}", "input": t} for i, t in enumerate(texts)]
+    rows += [{"id": "empty", "input": "  "}, {"id": "long", "input": " ".join(["w3"] * 40)}]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.parquet"
+    code, stdout, stderr = run(src, "--out", out, "--model", models["st_last"], "--task", "embed", "--max-model-len", "32",
+                               "--allow-errors")
+    assert code == 0, stderr
+    assert "embed:" in stdout and "rows/s" in stdout
+    import pyarrow.parquet as pq
+
+    assert str(pq.read_schema(out).field("embedding").type) == "list<element: float>"
+    got = read_output(out)
+    ref = st_encode(models["st_last"], texts)
+    torch.testing.assert_close(torch.tensor([r["embedding"] for r in got[:5]]), ref, atol=1e-5, rtol=1e-5)
+    assert got[5]["finish_reason"] == "error" and "empty" in got[5]["error"] and got[5]["embedding"] is None
+    assert got[6]["finish_reason"] == "error" and "context is 32" in got[6]["error"]
+
+
+def test_cli_openai_embeddings_round_trip(models, tmp_path):
+    texts = random_texts(3, seed=8)
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": "tiny-embed", "input": t, **({"dimensions": 8} if i == 2 else {})}}
+             for i, t in enumerate(texts)]
+    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {"input": "w1", "foo": 1}})
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    code, _, stderr = run(src, "--out", out, "--model", models["st_last"], "--task", "embed", "--output-format", "openai",
+                          "--allow-errors")
+    assert code == 0, stderr
+    got = read_jsonl(out)
+    assert [g["custom_id"] for g in got] == ["c0", "c1", "c2", "bad"]
+    ref = st_encode(models["st_last"], texts)
+    for i, line in enumerate(got[:3]):
+        body = line["response"]["body"]
+        assert line["response"]["status_code"] == 200 and body["object"] == "list" and body["model"] == "tiny-embed"
+        vector = torch.tensor(body["data"][0]["embedding"])
+        expected = ref[i] if i < 2 else torch.nn.functional.normalize(
+            pooled(models["st_last"], [texts[2]], PoolingParams("embed", "last"))[0, :8], dim=0)
+        torch.testing.assert_close(vector, expected, atol=1e-5, rtol=1e-5)
+        assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] == len(texts[i].split()) + 1
+    assert got[3]["response"]["status_code"] == 400 and "body.foo" in got[3]["response"]["body"]["error"]["message"]
+
+
+def test_cli_score_classify_reward(models, tmp_path):
+    pairs = list(zip(random_texts(3, seed=9), random_texts(3, seed=10)))
+    src = write_jsonl(tmp_path / "pairs.jsonl", [{"text_1": a, "text_2": b} for a, b in pairs[:2]]
+                      + [{"query": pairs[2][0], "document": pairs[2][1]}])
+    code, _, stderr = run(src, "--out", tmp_path / "bi.jsonl", "--model", models["st_last"], "--task", "score")
+    assert code == 0, stderr
+    emb = st_encode(models["st_last"], [t for p in pairs for t in p])
+    cos = torch.nn.functional.cosine_similarity(emb[0::2], emb[1::2], dim=1)
+    torch.testing.assert_close(torch.tensor([r["score"] for r in read_jsonl(tmp_path / "bi.jsonl")]), cos.float(),
+                               atol=1e-5, rtol=0)
+    code, _, stderr = run(src, "--out", tmp_path / "cross.jsonl", "--model", models["reward"], "--task", "score")
+    assert code == 0, stderr
+    ref = torch.sigmoid(hf_classifier_logits(models["reward"], pairs))[:, 0]
+    torch.testing.assert_close(torch.tensor([r["score"] for r in read_jsonl(tmp_path / "cross.jsonl")]), ref,
+                               atol=1e-5, rtol=0)
+    texts = random_texts(4, seed=11)
+    src = write_jsonl(tmp_path / "texts.jsonl", [{"text": t} for t in texts])
+    code, _, stderr = run(src, "--out", tmp_path / "cls.jsonl", "--model", models["cls3"], "--task", "classify")
+    assert code == 0, stderr
+    got = read_jsonl(tmp_path / "cls.jsonl")
+    ref = torch.softmax(hf_classifier_logits(models["cls3"], texts), 1)
+    torch.testing.assert_close(torch.tensor([r["probs"] for r in got]), ref, atol=1e-5, rtol=0)
+    assert [r["label"] for r in got] == [f"class_{i}" for i in ref.argmax(1).tolist()]
+    code, _, stderr = run(src, "--out", tmp_path / "rm.jsonl", "--model", models["reward"], "--task", "reward")
+    assert code == 0, stderr
+    ref = hf_classifier_logits(models["reward"], texts)[:, 0]
+    torch.testing.assert_close(torch.tensor([r["reward"] for r in read_jsonl(tmp_path / "rm.jsonl")]), ref,
+                               atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("model,task,extra,message", [
+    ("cls3", "embed", [], "has no pooling config (sentence-transformers modules.json with a Pooling module); give --pooling last"),
+    ("cls3", "generate", [], "has no language-model head; use --task classify, reward or score"),
+    ("st_last", "classify", [], "needs a sequence classification head"),
+    ("cls3", "reward", [], "this Qwen3ForSequenceClassification has 3 labels, use --task classify"),
+    ("st_last", "embed", ["--dimensions", "65"], "--dimensions: between 1 and the model's hidden size 64"),
+])
+def test_cli_refuses_a_task_the_model_cannot_do(models, tmp_path, model, task, extra, message):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"input": "w1 w2", "prompt": "w1 w2"}])
+    code, _, stderr = run(src, "--out", tmp_path / "o.jsonl", "--model", models[model], "--task", task, *extra)
+    assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_cli_resume_and_result_cache_keep_embeddings(models, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"input": t} for t in random_texts(4, seed=12)])
+    cache = tmp_path / "cache"
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for out in (first, second):
+        code, stdout, stderr = run(src, "--out", out, "--model", models["st_last"], "--task", "embed",
+                                   "--result-cache", cache)
+        assert code == 0, stderr
+    assert "4 from the result cache" in stdout
+    assert [r["embedding"] for r in read_jsonl(first)] == [r["embedding"] for r in read_jsonl(second)]
+    # another task setting is another identity: nothing from the cache
+    code, stdout, stderr = run(src, "--out", tmp_path / "c.jsonl", "--model", models["st_last"], "--task", "embed",
+                               "--dimensions", "8", "--result-cache", cache)
+    assert code == 0 and "from the result cache" not in stdout, stderr
+    assert all(len(r["embedding"]) == 8 for r in read_jsonl(tmp_path / "c.jsonl"))
