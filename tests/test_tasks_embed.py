@@ -58,7 +58,7 @@ def test_last_token_embeddings_match_sentence_transformers(models):
 
 
 def test_mean_pooling_matches_and_chunking_changes_nothing(models):
-    texts = random_texts(8, seed=1, min_words=20, max_words=60)
+    texts = random_texts(4, seed=1, min_words=20, max_words=40)
     mean = PoolingParams("embed", "mean")
     whole = pooled(models["st_mean"], texts, mean, max_num_batched_tokens=2048)
     chunked = pooled(models["st_mean"], texts, mean, max_num_batched_tokens=7)  # prompts cut in 7-token chunks

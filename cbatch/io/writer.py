@@ -16,10 +16,12 @@ from cbatch.config import UserError
 OUTPUT_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 COLUMNS = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 LOGPROB_COLUMNS = ("token_logprobs", "top_logprobs", "prompt_token_ids", "prompt_token_logprobs", "prompt_top_logprobs")
-TASK_COLUMNS = ("embedding", "score", "label", "probs", "reward")  # prefill-only jobs' (--task: engine/pooling.py)
-OPTIONAL_COLUMNS = ("sample_index", "reasoning") + LOGPROB_COLUMNS + TASK_COLUMNS
+OPTIONAL_COLUMNS = ("sample_index", "reasoning") + LOGPROB_COLUMNS
 COLUMN_DEFAULTS = {"sample_index": 0}
 OUTPUT_COLUMNS = COLUMNS + ("completion_token_ids",) + OPTIONAL_COLUMNS  # every column the output may have of its own
+# a prefill-only job's own columns (--task: engine/pooling.py), besides OUTPUT_COLUMNS; a generation job's input
+# may carry columns of these names into its output (--keep-columns)
+TASK_COLUMNS = ("embedding", "score", "label", "probs", "reward")
 
 
 class OutputError(UserError):

@@ -25,7 +25,7 @@ from cbatch.io.partitions import PartitionedOutput, PartPlan
 from cbatch.io.pooling_rows import INPUT_FIELDS
 from cbatch.io.reader import PROMPT_FIELDS, InputFile, describe_places, find_duplicate_id, inspect_input, open_input
 from cbatch.io.state import JobState, StateError, file_digest, settings_digest
-from cbatch.io.writer import OUTPUT_COLUMNS, check_writable, output_columns, output_format, written_columns
+from cbatch.io.writer import OUTPUT_COLUMNS, TASK_COLUMNS, check_writable, output_columns, output_format, written_columns
 from cbatch.model.loader import ModelLoadError
 from cbatch.model.spec import UnsupportedModelError
 from cbatch.run.deadline import Deadline
@@ -114,7 +114,10 @@ def validate_paths(options: JobOptions) -> tuple[JobFormats, int]:
             raise JobError(f"--out {options.output} is the input file; choose another --out")
         total_rows = inspect_input(source, fields=INPUT_FIELDS.get(options.task, PROMPT_FIELDS))
         # a name the output has already is refused; a Parquet INPUT must have the kept columns, in types cbatch carries
-        keep = KeepColumns.parse(options.keep_columns, OPENAI_LINE_FIELDS if openai_lines else OUTPUT_COLUMNS)
+        own = OUTPUT_COLUMNS + (TASK_COLUMNS if options.task != "generate" else ())
+        keep = KeepColumns.parse(options.keep_columns, OPENAI_LINE_FIELDS if openai_lines else own)
+        if options.retry_errors and options.task != "generate":
+            raise JobError(f"--retry-errors: not available for --task {options.task} yet; run again with --overwrite")
         kept_types = parquet_kept_types(keep, source.path) if keep is not None and source.format == "parquet" else None
         if not options.allow_duplicate_ids:
             check_unique_ids(source)
