@@ -220,3 +220,16 @@ def test_cli_resume_and_result_cache_keep_embeddings(models, tmp_path):
                                "--dimensions", "8", "--result-cache", cache)
     assert code == 0 and "from the result cache" not in stdout, stderr
     assert all(len(r["embedding"]) == 8 for r in read_jsonl(tmp_path / "c.jsonl"))
+
+
+def test_plan_predicts_a_prefill_only_job(models, tmp_path):
+    texts = random_texts(6, seed=13)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"input": t} for t in texts] + [{"input": ""}])
+    report = tmp_path / "plan.json"
+    code, stdout, stderr = run_inprocess("plan", str(src), "--model", str(models["st_last"]), "--task", "embed",
+                                         "--allow-errors", "--no-search", "--report", str(report))
+    assert code == 0, stderr
+    assert "rows/s" in stdout and "7 rows: 6 would run, 1 error rows" in stdout
+    plan = json.loads(report.read_text())
+    assert plan["task"] == "embed" and plan["predicted"]["output_tokens"] == 0
+    assert plan["predicted"]["prompt_tokens"] == sum(len(t.split()) + 1 for t in texts)

@@ -232,7 +232,8 @@ def plan(**values: Any) -> None:
         input=values["input"], engine=engine_config(values, PLAN_FLAGS, seed=job_seed(values)),
         defaults=sampling_defaults(values), deadline=job_deadline(values),
         **{name: values[name] for name in ("cost_from", "lengths_from", "device_kind", "report", "search",
-                                           "allow_errors", "quiet", "lookahead", "result_cache")},
+                                           "allow_errors", "quiet", "lookahead", "result_cache", "task", "pooling",
+                                           "normalize", "dimensions")},
     )
     exit_for(lambda: run_plan(options), resumable=False)
 

@@ -236,7 +236,8 @@ RUN_FLAGS = (JOB_FLAGS[:2] + engine_flags("longest-first") + SAMPLING_FLAGS + JO
              + ACROSS_JOBS_FLAGS + RAY_FLAGS)
 BENCH_COMMAND_FLAGS = BENCH_FLAGS[:7] + engine_flags(None) + BENCH_FLAGS[7:]
 PLAN_FLAGS = (JOB_FLAGS[:1] + engine_flags("longest-first") + SAMPLING_FLAGS + PLAN_OWN_FLAGS
-              + flags_named(JOB_FLAGS, "allow_errors", "quiet", "lookahead") + DEADLINE_FLAGS[:2] + ACROSS_JOBS_FLAGS[:1])
+              + flags_named(JOB_FLAGS, "allow_errors", "quiet", "lookahead") + DEADLINE_FLAGS[:2] + ACROSS_JOBS_FLAGS[:1]
+              + TASK_FLAGS)
 ALL_FLAGS = RUN_FLAGS + BENCH_COMMAND_FLAGS + PLAN_FLAGS
 
 

@@ -19,6 +19,7 @@ from cbatch.bench.simulator import CostModel, SimulatedRunner
 from cbatch.config import SAMPLING_FIELDS, EngineConfig, SamplingParams
 from cbatch.engine import memory
 from cbatch.engine.engine import Engine
+from cbatch.engine.pooling import PoolingParams
 from cbatch.engine.resolve import ResolvedModel
 from cbatch.engine.step import StepOutput, StepPlan
 from cbatch.engine.sequence import Sequence
@@ -67,13 +68,14 @@ class PlannedEngine(Engine):
     accepted: dict[int, tuple[array, SamplingParams]] = field(default_factory=dict)  # for the search: 4 B a token
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None,
-                    samples: Sequence_[int] | None = None) -> Sequence:
-        seq = super().add_request(prompt_ids, params, seq_id, samples)
+                    samples: Sequence_[int] | None = None, pooling: PoolingParams | None = None) -> Sequence:
+        seq = super().add_request(prompt_ids, params, seq_id, samples, pooling)
         if not seq.is_finished:
             for sample in seq.samples:  # each sample its own planned length (as each draws its own tokens)
                 sample.stop = None
                 key = seq.seq_id * params.n + sample.sample_index
-                self.runner.targets[sample.seq_id] = self.lengths.of(key, params, bool(self.spec.eos_token_ids))
+                self.runner.targets[sample.seq_id] = (1 if pooling is not None else  # prefill-only: the prompt alone
+                                                      self.lengths.of(key, params, bool(self.spec.eos_token_ids)))
             self.accepted[seq.seq_id] = (array("i", prompt_ids), params)
         return seq
 
@@ -89,6 +91,7 @@ class PlanSetup:
     lengths: OutputLengths
     defaults: SamplingParams
     lookahead: int
+    pooling: PoolingParams | None = None  # a prefill-only job's settings (--task)
 
 
 @dataclass(slots=True)
@@ -131,7 +134,7 @@ def simulate_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup
         dtype=setup.model.dtype, model_dir=setup.model.checkpoint.path, lengths=setup.lengths,
     )
     metrics = JobMetrics(total_rows=total_rows, clock=lambda: engine.runner.forward_seconds)
-    executor = LocalExecutor(engine, setup.defaults, metrics, setup.lookahead, cache)
+    executor = LocalExecutor(engine, setup.defaults, metrics, setup.lookahead, cache, pooling=setup.pooling)
     errors: list[RowResult] = []
 
     def store(result: RowResult) -> bool:

@@ -306,7 +306,9 @@ class LocalExecutor:
             return None
         del self._rows[index]
         task = self.pooling.task
-        if len(row.vectors) == 2:
+        if None in row.vectors.values():
+            columns = {}  # a simulated engine (`cbatch plan`) computes no vectors
+        elif len(row.vectors) == 2:
             columns = {"score": cosine(row.vectors[0], row.vectors[1])}
         else:
             columns = task_columns(task, row.vectors[0], self.engine.spec.labels if self.engine.spec else ())

@@ -270,8 +270,9 @@ def preflight(options: JobOptions) -> PreparedJob | None:
     return PreparedJob(total_rows, config, model, fingerprint, state, formats, pooling)
 
 
-def resolve_task(options: JobOptions, model: ResolvedModel) -> PoolingParams | None:
-    """The job's --task settings against the model (run/tasks.py); a task the model cannot do is a JobError."""
+def resolve_task(options: Any, model: ResolvedModel) -> PoolingParams | None:
+    """The job's --task settings against the model (run/tasks.py); a task the model cannot do is a JobError.
+    `options`: a JobOptions, or `cbatch plan`'s PlanOptions (the same task fields)."""
     try:
         return job_pooling(options.task, options.pooling, options.normalize, options.dimensions,
                            model.checkpoint.spec, model.checkpoint.path)
