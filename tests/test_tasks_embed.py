@@ -233,3 +233,26 @@ def test_plan_predicts_a_prefill_only_job(models, tmp_path):
     plan = json.loads(report.read_text())
     assert plan["task"] == "embed" and plan["predicted"]["output_tokens"] == 0
     assert plan["predicted"]["prompt_tokens"] == sum(len(t.split()) + 1 for t in texts)
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_mean_pooling_survives_preemption(models, preemption):
+    """Generation rows growing in a small pool preempt the prefill-only rows admitted after them, mid-prompt: a
+    recomputed one starts its sums over, a swapped one keeps them; the vectors are the same as without."""
+    texts = random_texts(6, seed=14, min_words=25, max_words=40)
+    mean = PoolingParams("embed", "mean")
+    reference = pooled(models["st_mean"], texts, mean)
+    engine = make_engine(models["st_mean"], num_kv_blocks=40, block_size=4, max_num_batched_tokens=8,
+                         preemption=preemption, swap_space_gb=0.01)
+    tok = engine.tokenizer
+    for i in range(3):  # 3 x (12 + 60) tokens: more than the pool once they have grown
+        engine.add_request(tok.encode(random_texts(1, 20 + i, 11, 11)[0]), SamplingParams(max_tokens=60, ignore_eos=True),
+                           seq_id=100 + i)
+    seqs = [engine.add_request(tok.encode(t), SamplingParams(), seq_id=i, pooling=mean) for i, t in enumerate(texts)]
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.scheduler.stats
+    assert stats.preemptions > 0 and max(s.num_preemptions for s in seqs) > 0
+    assert (stats.swap_preemptions > 0) == (preemption == "swap")
+    got = torch.tensor([engine.output_of(s).pooled for s in seqs])
+    torch.testing.assert_close(got, reference, atol=2e-6, rtol=1e-6)

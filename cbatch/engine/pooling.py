@@ -62,7 +62,7 @@ class Pooler:
 
     def pool(self, hidden: torch.Tensor, rows: list[PoolRow],
              head: Callable[[torch.Tensor], torch.Tensor] | None) -> dict[int, torch.Tensor]:
-        """hidden [T, H] (the step's final hidden states) -> {seq_id: float32 vector on the host} for every row
+        """hidden [T, H] (the step's final hidden states) -> {seq_id: float32 vector on hidden's device} for every row
         whose chunk reaches the end of its prompt. Each vector is finished row by row (the head's matmul on one
         row at a time), so a row's result never depends on the others in the batch."""
         done: dict[int, torch.Tensor] = {}
@@ -86,7 +86,7 @@ class Pooler:
                 vector = (self._partial.pop(seq.seq_id) / prompt_len).float()
             else:
                 vector = self._partial.pop(seq.seq_id)
-            done[seq.seq_id] = finish_vector(vector, seq.pooling, head, hidden.dtype).cpu()
+            done[seq.seq_id] = finish_vector(vector, seq.pooling, head, hidden.dtype)
         return done
 
 

@@ -464,7 +464,9 @@ class PendingStep:
         has_logprobs = self.logprobs.sampled or self.logprobs.prompt
         if self.pool_ends:
             tokens.update(dict.fromkeys(self.pool_ends, 0))
-        return StepOutput(tokens, self.logprobs if has_logprobs else None, self.pooled or None)
+        # NOTE: read back here, not at launch: asynchronous scheduling builds the next step in between
+        pooled = {seq_id: v.to("cpu") for seq_id, v in self.pooled.items()} if self.pooled else None
+        return StepOutput(tokens, self.logprobs if has_logprobs else None, pooled)
 
 
 @dataclass(slots=True)
