@@ -256,3 +256,21 @@ def test_mean_pooling_survives_preemption(models, preemption):
     assert (stats.swap_preemptions > 0) == (preemption == "swap")
     got = torch.tensor([engine.output_of(s).pooled for s in seqs])
     torch.testing.assert_close(got, reference, atol=2e-6, rtol=1e-6)
+
+
+def test_cli_openai_score_lines(models, tmp_path):
+    pairs = list(zip(random_texts(2, seed=15), random_texts(2, seed=16)))
+    lines = [{"custom_id": f"s{i}", "method": "POST", "url": "/v1/score", "body": {"model": "ce", "text_1": a, "text_2": b}}
+             for i, (a, b) in enumerate(pairs)]
+    lines.append({"custom_id": "wrong-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "w1"}})
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    code, _, stderr = run(src, "--out", out, "--model", models["reward"], "--task", "score", "--output-format", "openai",
+                          "--allow-errors")
+    assert code == 0, stderr
+    got = read_jsonl(out)
+    ref = torch.sigmoid(hf_classifier_logits(models["reward"], pairs))[:, 0]
+    scores = [g["response"]["body"]["data"][0]["score"] for g in got[:2]]
+    torch.testing.assert_close(torch.tensor(scores), ref, atol=1e-5, rtol=0)
+    assert got[0]["response"]["body"]["data"][0]["object"] == "score" and got[0]["response"]["body"]["model"] == "ce"
+    assert got[2]["response"]["status_code"] == 400 and "/v1/score" in got[2]["response"]["body"]["error"]["message"]
