@@ -8,13 +8,16 @@ same run. Prints rows/s of each, their ratio, and the cosine between the two on 
 
 The model: a random Qwen3 decoder saved as a sentence-transformers model (last-token pooling + Normalize, the
 Qwen3-Embedding layout) with the tests' word-level tokenizer (tests/embed_models.py): no download. Timings
-on a shared machine are noisy: the ratio of the two, taken in one run, is the figure; absolute rows/s need a
-quiet machine.
+on a shared machine are noisy: the ratio of the two, taken in one run (alternated, medians), is the figure;
+absolute rows/s need a quiet machine. On an oversubscribed machine (load above the core count) multi-threaded
+runs penalize cbatch's many smaller ops (one OpenMP barrier each) far more than encode's few large ones:
+compare with --threads 1 there, and with the machine's threads on a quiet one.
 """
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -61,7 +64,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's choice)")
+    ap.add_argument("--repeats", type=int, default=3, help="alternated runs of each; medians reported")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--budget", type=int, default=2048, help="cbatch's --max-num-batched-tokens")
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/cbatch-embed-bench"))
@@ -87,15 +91,21 @@ def main() -> int:
     batch_size = min(tuned, key=tuned.get)
     print(f"sentence-transformers batch size tuned on {len(sample)} rows: {batch_size} "
           f"({', '.join(f'{bs}: {s:.2f}s' for bs, s in tuned.items())})")
-    st_seconds, st_out = run_st(st, texts, batch_size)
-    cb_seconds, cb_out = run_cbatch(model, texts, args.max_num_seqs, args.budget)
+    st_times, cb_times = [], []
+    for _ in range(args.repeats):  # alternated, so both see the same machine; medians
+        st_seconds, st_out = run_st(st, texts, batch_size)
+        cb_seconds, cb_out = run_cbatch(model, texts, args.max_num_seqs, args.budget)
+        st_times.append(st_seconds)
+        cb_times.append(cb_seconds)
+    st_seconds, cb_seconds = statistics.median(st_times), statistics.median(cb_times)
     cosine = torch.nn.functional.cosine_similarity(cb_out, st_out, dim=1).min().item()
     tokens = sum(len(t.split()) + 1 for t in texts)
     print(f"{args.rows} rows, {tokens} tokens ({args.min_tokens}..{args.max_tokens} per row), hidden {args.hidden}, "
           f"{args.layers} layers, {torch.get_num_threads()} threads")
     print(f"sentence-transformers encode: {args.rows / st_seconds:8.1f} rows/s  ({st_seconds:.1f}s)")
     print(f"cbatch (prefill-only engine): {args.rows / cb_seconds:8.1f} rows/s  ({cb_seconds:.1f}s)")
-    print(f"ratio cbatch / sentence-transformers: {st_seconds / cb_seconds:.2f}x   min cosine {cosine:.6f}")
+    print(f"ratio cbatch / sentence-transformers: {st_seconds / cb_seconds:.2f}x (medians of {args.repeats}; "
+          f"ratios per pair: {', '.join(f'{s / c:.2f}' for s, c in zip(st_times, cb_times))})   min cosine {cosine:.6f}")
     return 0
 
 
