@@ -13,7 +13,7 @@ from embed_models import hf_classifier_logits, make_classifier, make_st_embeddin
 from helpers import make_engine
 from ops_jobs import read_jsonl, read_output, run_inprocess, write_jsonl
 
-from cbatch.config import SamplingParams
+from cbatch.config import SamplingParams, UserError
 from cbatch.engine.pooling import PoolingParams
 
 LAST = PoolingParams("embed", "last", normalize=True)
@@ -274,3 +274,17 @@ def test_cli_openai_score_lines(models, tmp_path):
     torch.testing.assert_close(torch.tensor(scores), ref, atol=1e-5, rtol=0)
     assert got[0]["response"]["body"]["data"][0]["object"] == "score" and got[0]["response"]["body"]["model"] == "ce"
     assert got[2]["response"]["status_code"] == 400 and "/v1/score" in got[2]["response"]["body"]["error"]["message"]
+
+
+def test_library_api(models):
+    from cbatch import LLM
+
+    texts = random_texts(3, seed=17)
+    llm = LLM(model=str(models["st_last"]), device="cpu", use_tqdm=False, num_kv_blocks=200)
+    torch.testing.assert_close(torch.tensor(llm.embed(texts)), st_encode(models["st_last"], texts), atol=1e-5, rtol=1e-5)
+    assert len(llm.score(texts[:2], texts[1:])) == 2
+    cls = LLM(model=str(models["cls3"]), device="cpu", use_tqdm=False, num_kv_blocks=200).classify(texts)
+    ref = torch.softmax(hf_classifier_logits(models["cls3"], texts), 1)
+    torch.testing.assert_close(torch.tensor([c["probs"] for c in cls]), ref, atol=1e-5, rtol=0)
+    with pytest.raises(UserError, match="give --pooling"):
+        LLM(model=str(models["cls3"]), device="cpu", use_tqdm=False, num_kv_blocks=200).embed(texts)

@@ -22,7 +22,7 @@ from cbatch.plan.simulate import PlanSetup, Simulation, fastest, search, simulat
 from cbatch.run.deadline import Deadline
 from cbatch.run.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
 from cbatch.run.preflight import JobError, resolve_or_fail, resolve_task
-from cbatch.run.tasks import pooling_settings
+from cbatch.engine.tasks import pooling_settings
 from cbatch.run.result_cache import DEFAULT_CACHE_LIMIT, RowCache, open_row_cache
 
 MAX_ERRORS_SHOWN = 50  # printed; --report lists every one
@@ -43,7 +43,7 @@ class PlanOptions:
     lookahead: int = 16384
     result_cache: Path | None = None  # rows found there are not simulated (the run would copy them)
     deadline: Deadline | None = None  # the run's --max-wall-time / --deadline: a prediction past it is warned of
-    task: str = "generate"  # --task and its settings, as the run's (run/tasks.py)
+    task: str = "generate"  # --task and its settings, as the run's (engine/tasks.py)
     pooling: str | None = None
     normalize: bool | None = None
     dimensions: int | None = None

@@ -29,7 +29,7 @@ from cbatch.run.interrupt import Interrupt
 from cbatch.run.preflight import JobError, JobOptions, PreparedJob, preflight
 from cbatch.run.result_cache import open_row_cache
 from cbatch.run.results import RowResult
-from cbatch.run.tasks import pooling_settings
+from cbatch.engine.tasks import pooling_settings
 
 DisplayFactory = Callable[[JobMetrics, JobOptions], Display]
 

@@ -30,7 +30,7 @@ from cbatch.model.loader import ModelLoadError
 from cbatch.model.spec import UnsupportedModelError
 from cbatch.run.deadline import Deadline
 from cbatch.run.result_cache import DEFAULT_CACHE_LIMIT, CacheLimit
-from cbatch.run.tasks import job_pooling, pooling_settings
+from cbatch.engine.tasks import job_pooling, pooling_settings
 
 
 # the sampling fields a job's fingerprint has always held in full
@@ -66,7 +66,7 @@ class JobOptions:
     deadline: Deadline | None = None  # --max-wall-time / --deadline: when the job stops starting rows
     part_rows: int = 100_000  # --out DIR: input rows per part file
     part_format: str = "parquet"  # --out DIR: the part files' format (parquet | jsonl)
-    task: str = "generate"  # --task: generate | embed | score | classify | reward (run/tasks.py)
+    task: str = "generate"  # --task: generate | embed | score | classify | reward (engine/tasks.py)
     pooling: str | None = None  # --pooling (prefill-only tasks; None: the model's own)
     normalize: bool | None = None  # --normalize / --no-normalize (None: the model's own)
     dimensions: int | None = None  # --dimensions (Matryoshka)
@@ -271,7 +271,7 @@ def preflight(options: JobOptions) -> PreparedJob | None:
 
 
 def resolve_task(options: Any, model: ResolvedModel) -> PoolingParams | None:
-    """The job's --task settings against the model (run/tasks.py); a task the model cannot do is a JobError.
+    """The job's --task settings against the model (engine/tasks.py); a task the model cannot do is a JobError.
     `options`: a JobOptions, or `cbatch plan`'s PlanOptions (the same task fields)."""
     try:
         return job_pooling(options.task, options.pooling, options.normalize, options.dimensions,

@@ -287,7 +287,7 @@ def open_row_cache(folder: Path | None, limit: CacheLimit, model: ResolvedModel,
         raise ResultCacheError(f"--result-cache {folder}: cannot fingerprint the model ({exc})") from None
     identity = generation_identity(fingerprint, config, model.dtype, model.device, model.max_model_len)
     identity["reasoning_split"] = reasoning_split
-    if task is not None:  # a prefill-only job (run/tasks.py): its settings make its rows' results
+    if task is not None:  # a prefill-only job (engine/tasks.py): its settings make its rows' results
         identity["task"] = task
     return RowCache(cache, identity, config.seed)
 
