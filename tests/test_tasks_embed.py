@@ -288,3 +288,25 @@ def test_library_api(models):
     torch.testing.assert_close(torch.tensor([c["probs"] for c in cls]), ref, atol=1e-5, rtol=0)
     with pytest.raises(UserError, match="give --pooling"):
         LLM(model=str(models["cls3"]), device="cpu", use_tqdm=False, num_kv_blocks=200).embed(texts)
+
+
+def test_policies_and_the_prefix_cache(models):
+    """Every admission policy gives the same vectors; last-token pooling takes prefix-cache hits (rows sharing a
+    prefix compute it once), mean pooling takes none (it reads every position)."""
+    shared = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20"
+    texts = [f"{shared} {t}" for t in random_texts(6, seed=18, max_words=10)]
+    reference = pooled(models["st_last"], texts, LAST, enable_prefix_cache=False)
+    for policy in ("static", "prefix"):
+        assert torch.equal(pooled(models["st_last"], texts, LAST, policy=policy, max_num_seqs=3, enable_prefix_cache=False),
+                           reference)
+    for pooling, hits in ((LAST, True), (PoolingParams("embed", "mean"), False)):
+        engine = make_engine(models["st_last"], num_kv_blocks=400, block_size=4)
+        seqs = []
+        for i, text in enumerate(texts):  # one at a time: each row finds the ones before it cached
+            seqs.append(engine.add_request(engine.tokenizer.encode(text), SamplingParams(), seq_id=i, pooling=pooling))
+            while engine.has_unfinished():
+                engine.step()
+        assert (engine.scheduler.stats.prefix_cache_hit_tokens > 0) == hits
+        if hits:
+            got = torch.tensor([engine.output_of(s).pooled for s in seqs])
+            torch.testing.assert_close(got, reference, atol=2e-6, rtol=1e-6)
