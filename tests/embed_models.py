@@ -66,10 +66,12 @@ def make_st_embedding(path: Path, pooling: str = "lasttoken", seed: int = 0, nor
 
 
 def make_classifier(path: Path, num_labels: int, arch: str = "qwen3", seed: int = 1) -> Path:
-    """A `*ForSequenceClassification` checkpoint (Qwen3 or Llama) with `num_labels` outputs and named labels."""
+    """A `*ForSequenceClassification` checkpoint (Qwen3, Llama, Qwen2, Mistral, Gemma 2) with `num_labels` outputs
+    and named labels."""
     import transformers
 
-    cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}[arch]
+    cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig, "gemma2": transformers.Gemma2Config}[arch]
     labels = {i: f"class_{i}" for i in range(num_labels)}
     config = cls(**EMBED_BASE, num_labels=num_labels, id2label=labels, label2id={v: k for k, v in labels.items()})
     torch.manual_seed(seed)

@@ -310,3 +310,11 @@ def test_policies_and_the_prefix_cache(models):
         if hits:
             got = torch.tensor([engine.output_of(s).pooled for s in seqs])
             torch.testing.assert_close(got, reference, atol=2e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gemma2"])
+def test_other_families_classification_heads(tmp_path, arch):
+    path = make_classifier(tmp_path / arch, 2, arch, seed=5)
+    texts = random_texts(4, seed=19)
+    probs = torch.softmax(pooled(path, texts, PoolingParams("classify", head=True)), 1)
+    torch.testing.assert_close(probs, torch.softmax(hf_classifier_logits(path, texts), 1), atol=1e-5, rtol=0)
