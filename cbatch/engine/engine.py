@@ -157,6 +157,11 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
+    def extra_seq_id(self) -> int:
+        """A seq_id no row has (negative, as forked samples'): a request of a row beyond its own (a bi-encoder
+        score row's second text)."""
+        return next(self._child_ids)
+
     def _sequence(self, seq_id: int, row_index: int, sample_index: int, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         seq = Sequence(seq_id=seq_id, prompt_ids=prompt_ids, params=params, eos_ids=self._eos_ids, row_index=row_index,
                        sample_index=sample_index)

@@ -151,7 +151,7 @@ class LocalExecutor:
         request = parse_pooling_row(index, raw, self.pooling.task)
         pooling = self.pooling if request.dimensions is None else replace(self.pooling, dimensions=request.dimensions)
         if pooling.dimensions is not None and self.engine.spec is not None and pooling.dimensions > self.engine.spec.hidden_size:
-            raise RowError(f"dimensions must be at most the model's {self.engine.spec.hidden_size}, got {pooling.dimensions}")
+            raise RowError(f"body.dimensions must be at most the model's {self.engine.spec.hidden_size}, got {pooling.dimensions}")
         bi_encoder = request.pair is not None and not pooling.head
         prompts = ([self._pooling_ids(request, text) for text in request.pair] if bi_encoder
                    else [self._pooling_ids(request, None)])
@@ -167,7 +167,7 @@ class LocalExecutor:
         self.metrics.submitted_rows += 1
         seqs = [self.engine.add_request(prompts[0], self.defaults, seq_id=index, pooling=pooling)]
         if bi_encoder:
-            second = next(self.engine._child_ids)  # negative: never a row's
+            second = self.engine.extra_seq_id()  # (negative: never a row's)
             self._halves[second] = index
             seqs.append(self.engine.add_request(prompts[1], self.defaults, seq_id=second, pooling=pooling))
         for seq in seqs:
