@@ -318,3 +318,28 @@ def test_other_families_classification_heads(tmp_path, arch):
     texts = random_texts(4, seed=19)
     probs = torch.softmax(pooled(path, texts, PoolingParams("classify", head=True)), 1)
     torch.testing.assert_close(probs, torch.softmax(hf_classifier_logits(path, texts), 1), atol=1e-5, rtol=0)
+
+
+def test_sentence_transformers_configs(tmp_path):
+    """Both spellings of the pooling config; a module cbatch does not apply is refused by name."""
+    from cbatch.model.errors import UnsupportedModelError
+    from cbatch.model.pooling_config import ModelPooling, model_pooling
+
+    def folder(name: str, modules: list[str], pooling: dict) -> Path:
+        path = tmp_path / name
+        (path / "1_Pooling").mkdir(parents=True)
+        entries = [{"idx": i, "name": str(i), "path": "1_Pooling" if kind == "Pooling" else f"{i}_{kind}",
+                    "type": f"sentence_transformers.models.{kind}"} for i, kind in enumerate(modules)]
+        (path / "modules.json").write_text(json.dumps(entries))
+        (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+        return path
+
+    old = folder("old", ["Transformer", "Pooling"], {"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False})
+    assert model_pooling(old) == ModelPooling("mean", normalize=False)
+    new = folder("new", ["Transformer", "Pooling", "Normalize"], {"pooling_mode": "cls"})
+    assert model_pooling(new) == ModelPooling("cls", normalize=True)
+    assert model_pooling(tmp_path) is None  # no modules.json: no config of its own
+    with pytest.raises(UnsupportedModelError, match="module Dense is not supported"):
+        model_pooling(folder("dense", ["Transformer", "Pooling", "Dense"], {"pooling_mode": "mean"}))
+    with pytest.raises(UnsupportedModelError, match="pooling max is not supported"):
+        model_pooling(folder("max", ["Transformer", "Pooling"], {"pooling_mode": "max"}))
