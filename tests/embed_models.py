@@ -15,7 +15,7 @@ EMBED_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_h
                   initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 
 
-def make_tokenizer(path: Path, append_eos: bool = True):
+def make_tokenizer(path: Path, append_eos: bool = True, chat: bool = False):
     """A word-level fast tokenizer: "w0 w1 ..." -> ids 4.. ; `append_eos`: a post-processor appends <eos> (id 2)
     to every text, as Qwen3-Embedding's does; a pair is `a <eos> b <eos>`."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -29,6 +29,9 @@ def make_tokenizer(path: Path, append_eos: bool = True):
                                                            special_tokens=[("<eos>", 2)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
                                    unk_token="<unk>", padding_side="right")
+    if chat:  # a chat template (roles become <unk>): reward models read chats (sentence-transformers 6 would use it)
+        fast.chat_template = ("{% for m in messages %}<bos> {{ m['role'] }} {{ m['content'] }} <eos> {% endfor %}"
+                              "{% if add_generation_prompt %}<bos> assistant {% endif %}")
     fast.save_pretrained(path)
     return fast
 
@@ -79,7 +82,7 @@ def make_classifier(path: Path, num_labels: int, arch: str = "qwen3", seed: int 
     with torch.no_grad():  # a decisive head: the default init (std 0.3) is already wide; scale up for spread
         model.score.weight.mul_(3.0)
     model.save_pretrained(path)
-    make_tokenizer(path)
+    make_tokenizer(path, chat=True)
     return path
 
 

@@ -343,3 +343,26 @@ def test_sentence_transformers_configs(tmp_path):
         model_pooling(folder("dense", ["Transformer", "Pooling", "Dense"], {"pooling_mode": "mean"}))
     with pytest.raises(UnsupportedModelError, match="pooling max is not supported"):
         model_pooling(folder("max", ["Transformer", "Pooling"], {"pooling_mode": "max"}))
+
+
+def test_reward_of_chat_rows(models, tmp_path):
+    """A reward model rates a conversation: `messages` rendered with the chat template, no generation prompt."""
+    import transformers
+
+    texts = random_texts(6, seed=21)
+    chats = [[{"role": "user", "content": texts[i]}, {"role": "assistant", "content": texts[i + 3]}] for i in range(3)]
+    src = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c} for c in chats] + [{"messages": []}])
+    out = tmp_path / "rm.jsonl"
+    code, _, stderr = run(src, "--out", out, "--model", models["reward"], "--task", "reward", "--allow-errors")
+    assert code == 0, stderr
+    got = read_jsonl(out)
+    tok = transformers.AutoTokenizer.from_pretrained(models["reward"])
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(models["reward"], dtype=torch.float32).eval()
+    for chat, row in zip(chats, got):
+        ids = tok.apply_chat_template(chat, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        assert row["prompt_tokens"] == len(ids)
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+        assert abs(row["reward"] - ref) < 1e-5
+    assert got[3]["finish_reason"] == "error" and "messages" in got[3]["error"]

@@ -1,6 +1,7 @@
 """Rows of prefill-only jobs (--task embed | score | classify | reward), in and out.
 
-In: `{"input" | "text" | "prompt": "...", "id"?}` or `{"prompt_token_ids": [...]}`; score rows give a pair,
+In: `{"input" | "text" | "prompt": "...", "id"?}` or `{"prompt_token_ids": [...]}` (classify and reward also
+`{"messages": [...]}`: a chat, rendered with the chat template, no generation prompt); score rows give a pair,
 `text_1` + `text_2` (vLLM's names) or `query` + `document`. OpenAI Batch lines: `url` "/v1/embeddings" with
 `body.input` (one string or one list of token ids) and optional `dimensions`, `encoding_format` "float";
 "/v1/score" with `body.text_1` / `body.text_2` (vLLM's score API); "/v1/classify" and "/v1/pooling" with
@@ -15,17 +16,17 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbatch.io.rows import RowError, row_id_of
+from cbatch.io.rows import RowError, parse_messages, row_id_of
 from cbatch.io.writer import TASK_COLUMNS
 
 TEXT_FIELDS = ("input", "text", "prompt")
 PAIR_FIELDS = (("text_1", "text_2"), ("query", "document"))
 URL_OF_TASK = {"embed": "/v1/embeddings", "score": "/v1/score", "classify": "/v1/classify", "reward": "/v1/pooling"}
-INPUT_FIELDS = {"score": ("text_1", "query", "body"), **{t: (*TEXT_FIELDS, "prompt_token_ids", "body")
-                                                         for t in ("embed", "classify", "reward")}}  # INPUT's probe
+INPUT_FIELDS = {"score": ("text_1", "query", "body"), "embed": (*TEXT_FIELDS, "prompt_token_ids", "body"),
+                **{t: (*TEXT_FIELDS, "prompt_token_ids", "messages", "body") for t in ("classify", "reward")}}  # INPUT's probe
 _BODY_FIELDS = {"embed": ("model", "input", "dimensions", "encoding_format", "user"),
                 "score": ("model", "text_1", "text_2", "user"),
-                "classify": ("model", "input", "user"), "reward": ("model", "input", "user")}
+                "classify": ("model", "input", "messages", "user"), "reward": ("model", "input", "messages", "user")}
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class PoolingRow:
     text: str | None = None
     pair: tuple[str, str] | None = None
     token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # classify, reward: a chat, rendered with the chat template
     dimensions: int | None = None  # an OpenAI line's own `dimensions` (embed)
     echo: dict[str, Any] = field(default_factory=dict)  # an OpenAI line's `model`, and that it is one
 
@@ -55,10 +57,14 @@ def parse_pooling_row(index: int, row: dict[str, Any] | str, task: str) -> Pooli
     if task == "score":
         out.pair = _pair(row)
         return out
-    given = [k for k in (*TEXT_FIELDS, "prompt_token_ids") if row.get(k) is not None]
+    chats = task in ("classify", "reward")  # a reward model rates a conversation
+    given = [k for k in (*TEXT_FIELDS, "prompt_token_ids", *(["messages"] if chats else [])) if row.get(k) is not None]
     if len(given) != 1:
-        names = "`input` (text) or `prompt_token_ids`"
+        names = "`input` (text), `messages` (a chat) or `prompt_token_ids`" if chats else "`input` (text) or `prompt_token_ids`"
         raise RowError(f"missing input: give {names}" if not given else f"give only one of {names} (got {', '.join(given)})")
+    if given[0] == "messages":
+        out.messages = parse_messages(row["messages"])
+        return out
     value = row[given[0]]
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value) and value:
         out.token_ids = list(value)

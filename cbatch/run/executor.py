@@ -184,6 +184,11 @@ class LocalExecutor:
             ids = request.token_ids
         elif tokenizer is None:
             raise RowError("this model has no tokenizer; give `prompt_token_ids` instead of text")
+        elif request.messages is not None:
+            try:
+                ids = encode_messages(tokenizer, request.messages, generation_prompt=False)
+            except Exception as exc:  # no chat template, a template raising on odd roles
+                raise RowError(f"could not render `messages` ({type(exc).__name__}: {exc})") from None
         elif text is not None or request.pair is None:
             ids = list(tokenizer.encode(text if text is not None else request.text))
         else:
