@@ -17,7 +17,7 @@ class TaskError(UserError):
 
 
 def job_pooling(task: str, pooling: str | None, normalize: bool | None, dimensions: int | None, spec: ModelSpec,
-                model_dir: Path) -> PoolingParams | None:
+                model_dir: Path | None) -> PoolingParams | None:
     """The job's prefill-only settings (None for --task generate); raises TaskError for a task the model cannot
     do. Embedding models pool as their own config says unless --pooling / --normalize say otherwise; a
     classification head reads the last token (HF's *ForSequenceClassification)."""
@@ -44,7 +44,8 @@ def job_pooling(task: str, pooling: str | None, normalize: bool | None, dimensio
         if normalize is not None or dimensions is not None:
             raise TaskError(f"--normalize and --dimensions are for embeddings; leave them out for --task {task}")
         return PoolingParams(task, pooling or "last", head=True)
-    own = model_pooling(model_dir)  # embed, or score with a bi-encoder (the cosine of two embeddings)
+    # embed, or score with a bi-encoder (the cosine of two embeddings); a weightless shape has no folder
+    own = model_pooling(model_dir) if model_dir is not None else None
     if pooling is None and own is None:
         raise TaskError(f"--task {task}: this {arch} has no pooling config (sentence-transformers modules.json with a "
                         "Pooling module); give --pooling last, mean or cls")
