@@ -23,12 +23,15 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text))
 
 
-def encode_messages(tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """A chat rendered with the model's chat template, the assistant's turn opened; `template_kwargs` are
-    extra template variables (e.g. {"enable_thinking": False} for Qwen3)."""
+def encode_messages(tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
+                    generation_prompt: bool = True) -> list[int]:
+    """A chat rendered with the model's chat template, the assistant's turn opened (`generation_prompt`; a reward
+    model or classifier reads the chat as it is); `template_kwargs` are extra template variables (e.g.
+    {"enable_thinking": False} for Qwen3)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; give `prompt` text instead of `messages`")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                        **(template_kwargs or {}))
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]

@@ -74,10 +74,10 @@ def _engine_trace(path, settings: dict) -> list:
     build = engine.runner._build
 
     def recording_build(plan):
-        inputs, sampling_seqs, prompt_seqs = build(plan)
+        inputs, sampling_seqs, prompt_seqs, *pool_rows = build(plan)
         steps.append(([np.asarray(getattr(inputs, k)).tolist() if k not in ("prompt_rows",) else inputs.prompt_rows
                        for k in inputs.__slots__], [s.seq_id for s in sampling_seqs], [s.seq_id for s in prompt_seqs]))
-        return inputs, sampling_seqs, prompt_seqs
+        return (inputs, sampling_seqs, prompt_seqs, *pool_rows)
 
     engine.runner._build = recording_build
     rng = random.Random(11)

@@ -172,7 +172,7 @@ def run(**values: Any) -> None:
         **{name: values[name] for name in ("token_ids", "overwrite", "allow_errors", "report", "quiet", "lookahead",
                                            "display", "plot", "progress_interval", "result_cache", "retry_errors",
                                            "reasoning_split", "output_format", "keep_columns", "allow_duplicate_ids",
-                                           "part_rows", "part_format")},
+                                           "part_rows", "part_format", "task", "pooling", "normalize", "dimensions")},
     )
 
     def job() -> int:
@@ -232,7 +232,8 @@ def plan(**values: Any) -> None:
         input=values["input"], engine=engine_config(values, PLAN_FLAGS, seed=job_seed(values)),
         defaults=sampling_defaults(values), deadline=job_deadline(values),
         **{name: values[name] for name in ("cost_from", "lengths_from", "device_kind", "report", "search",
-                                           "allow_errors", "quiet", "lookahead", "result_cache")},
+                                           "allow_errors", "quiet", "lookahead", "result_cache", "task", "pooling",
+                                           "normalize", "dimensions")},
     )
     exit_for(lambda: run_plan(options), resumable=False)
 

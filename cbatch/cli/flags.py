@@ -147,6 +147,17 @@ JOB_FLAGS = [
     Flag("progress_interval", float, 10.0, "Seconds between plain progress lines (logs, cron).", JOB),
 ]
 
+TASK_FLAGS = [  # prefill-only jobs (docs/tasks.md)
+    Flag("task", str, "generate", "generate | embed | score | classify | reward (embed, score, classify, reward: one "
+         "prefill per row, no decoding; docs/tasks.md).", JOB),
+    Flag("pooling", Optional[str], None, "--task embed / bi-encoder score: last | mean | cls (default: the model's "
+         "sentence-transformers config).", JOB),
+    Flag("normalize", Optional[bool], None, "--task embed: L2-normalize the embeddings (default: as the model's "
+         "config says).", JOB, decls=("--normalize/--no-normalize",)),
+    Flag("dimensions", Optional[int], None, "--task embed: keep the first N dimensions (Matryoshka), then normalize.",
+         JOB, metavar="N"),
+]
+
 DEADLINE_FLAGS = [
     Flag("max_wall_time", Optional[str], None, "End the job this long after it starts (90m, 2h, 1h30m): rows not "
          "finished by then become `expired` error rows (exit 75); the same command again runs only those.", JOB,
@@ -221,11 +232,12 @@ def flags_named(flags: list[Flag], *names: str) -> list[Flag]:
     return [by_name[name] for name in names]
 
 
-RUN_FLAGS = (JOB_FLAGS[:2] + engine_flags("longest-first") + SAMPLING_FLAGS + JOB_FLAGS[2:] + DEADLINE_FLAGS
+RUN_FLAGS = (JOB_FLAGS[:2] + engine_flags("longest-first") + SAMPLING_FLAGS + JOB_FLAGS[2:] + TASK_FLAGS + DEADLINE_FLAGS
              + ACROSS_JOBS_FLAGS + RAY_FLAGS)
 BENCH_COMMAND_FLAGS = BENCH_FLAGS[:7] + engine_flags(None) + BENCH_FLAGS[7:]
 PLAN_FLAGS = (JOB_FLAGS[:1] + engine_flags("longest-first") + SAMPLING_FLAGS + PLAN_OWN_FLAGS
-              + flags_named(JOB_FLAGS, "allow_errors", "quiet", "lookahead") + DEADLINE_FLAGS[:2] + ACROSS_JOBS_FLAGS[:1])
+              + flags_named(JOB_FLAGS, "allow_errors", "quiet", "lookahead") + DEADLINE_FLAGS[:2] + ACROSS_JOBS_FLAGS[:1]
+              + TASK_FLAGS)
 ALL_FLAGS = RUN_FLAGS + BENCH_COMMAND_FLAGS + PLAN_FLAGS
 
 

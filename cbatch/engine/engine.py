@@ -23,6 +23,7 @@ from cbatch.config import Constraint, EngineConfig, SamplingParams
 from cbatch.engine.batching import ClosedAdmission
 from cbatch.engine.kv_blocks import BlockPool
 from cbatch.engine.logprobs import Logprobs
+from cbatch.engine.pooling import PoolingParams
 from cbatch.engine.scheduler import Scheduler
 from cbatch.engine.step import StepInfo, StepOutput, StepPlan
 from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -64,6 +65,7 @@ class RequestOutput:
     sample_index: int = 0
     logprobs: Logprobs | None = None  # of `token_ids`, when asked
     prompt_logprobs: Logprobs | None = None  # of prompt tokens 1.., when asked
+    pooled: list[float] | None = None  # a prefill-only request's result: its embedding, or its head's logits
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,7 @@ class Engine:
         self.grammars: Grammars | None = None  # structured output: built at the first constrained request
         self._next_id = 0
         self._child_ids = itertools.count(-1, -1)  # seq_ids of forked samples: negative, never a row's
+        self._prefill_params: dict[int, tuple[SamplingParams, SamplingParams]] = {}  # id -> (settings, prefill-only's)
         self.reset()
 
     def close(self) -> None:
@@ -124,11 +127,14 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None,
-                    samples: Seq[int] | None = None) -> Sequence:
+                    samples: Seq[int] | None = None, pooling: PoolingParams | None = None) -> Sequence:
         """Queues a request; a request that cannot run comes back already finished with an error.
 
         `samples`: which of its `params.n` samples to run (default all; a resumed row may need only some):
-        the first is the returned parent, the others its `children`."""
+        the first is the returned parent, the others its `children`. `pooling`: a prefill-only request
+        (engine/pooling.py): one sample, one (dummy) output position that ends it with its prompt."""
+        if pooling is not None:  # (one object per distinct settings: the host step checks each object once)
+            params = self._prefill_params.setdefault(id(params), (params, _prefill_only(params)))[1]
         if seq_id is None:
             seq_id = self._next_id
         self._next_id = max(self._next_id, seq_id + 1)
@@ -140,6 +146,7 @@ class Engine:
         if not samples or samples[0] < 0 or samples[-1] >= params.n:
             raise ValueError(f"samples must be some of 0..{params.n - 1}, got {samples}")
         seq = self._sequence(seq_id, seq_id, samples[0], prompt_ids, params)
+        seq.pooling = pooling
         seq.children = [self._sequence(next(self._child_ids), seq_id, i, prompt_ids, params) for i in samples[1:]]
         self.scheduler.add(seq)
         return seq
@@ -154,6 +161,11 @@ class Engine:
         if error is None and params.constraint is not None:
             error = self._grammar_error(params.constraint)
         return prompt_ids, error
+
+    def extra_seq_id(self) -> int:
+        """A seq_id no row has (negative, as forked samples'): a request of a row beyond its own (a bi-encoder
+        score row's second text)."""
+        return next(self._child_ids)
 
     def _sequence(self, seq_id: int, row_index: int, sample_index: int, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         seq = Sequence(seq_id=seq_id, prompt_ids=prompt_ids, params=params, eos_ids=self._eos_ids, row_index=row_index,
@@ -206,6 +218,7 @@ class Engine:
         if not plan:
             return self._idle()
         out = self.runner.execute(plan)
+        _take_pooled(plan, out)
         return self.scheduler.update(plan, out.tokens, out.logprobs)
 
     def _step_ahead(self) -> list[Sequence]:
@@ -233,6 +246,7 @@ class Engine:
 
     def _resolve(self, plan: StepPlan, pending) -> list[Sequence]:
         out = pending.result()
+        _take_pooled(plan, out)
         return self.scheduler.resolve(plan, out.tokens, out.logprobs)
 
     def _idle(self) -> list[Sequence]:
@@ -244,23 +258,24 @@ class Engine:
         return []
 
     def output_of(self, seq: Sequence) -> RequestOutput:
-        token_ids = seq.result_ids
+        token_ids = seq.result_ids if seq.pooling is None else []  # (a prefill-only request's token is a dummy)
         return RequestOutput(
             seq_id=seq.seq_id,
             prompt_token_ids=seq.prompt_ids,
             token_ids=token_ids,
             text=self._text(seq, token_ids),
-            finish_reason=seq.finish_reason.value if seq.finish_reason else "error",
+            finish_reason=_finish_reason(seq),
             error=seq.error,
             row_index=seq.row_index,
             sample_index=seq.sample_index,
             logprobs=seq.logprobs.head(len(token_ids)) if seq.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs,
+            pooled=seq.pooled.tolist() if seq.pooled is not None else None,
         )
 
     def _text(self, seq: Sequence, token_ids: list[int]) -> str | None:
         """The completion's text: up to its stop string; without the stop token that ended it (vLLM)."""
-        if self.tokenizer is None or seq.finish_reason is FinishReason.ERROR:
+        if self.tokenizer is None or seq.finish_reason is FinishReason.ERROR or seq.pooling is not None:
             return None
         stopped_by_string = seq.stop is not None and seq.stop.match_from is not None
         if stopped_by_string:
@@ -270,6 +285,29 @@ class Engine:
         if seq.finish_reason is FinishReason.STOP and token_ids and token_ids[-1] in seq.params.stop_token_ids:
             token_ids = token_ids[:-1]
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _finish_reason(seq: Sequence) -> str:
+    """A finished sequence's reason; a prefill-only request that ran is complete: "stop"."""
+    if seq.finish_reason is None or seq.finish_reason is FinishReason.ERROR:
+        return "error"
+    return "stop" if seq.pooling is not None else seq.finish_reason.value
+
+
+def _prefill_only(params: SamplingParams) -> SamplingParams:
+    """A pooling request's settings: one sample, one output position (the dummy that ends it), EOS moot."""
+    if params.max_tokens == 1 and params.n == 1 and params.ignore_eos and params.min_tokens == 0:
+        return params
+    return replace(params, max_tokens=1, n=1, ignore_eos=True, min_tokens=0)
+
+
+def _take_pooled(plan: StepPlan, out: StepOutput) -> None:
+    """Hands each prefill-only request ending in `plan` its result (the runner's pooled vector), before the
+    update that finishes it."""
+    if out.pooled:
+        for seq, _ in plan.scheduled:
+            if seq.seq_id in out.pooled:
+                seq.pooled = out.pooled[seq.seq_id]
 
 
 def make_scheduler(config: EngineConfig, kv: KVPool, max_model_len: int) -> Scheduler:

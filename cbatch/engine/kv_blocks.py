@@ -160,7 +160,7 @@ def prefix_hits(pool: BlockPool, seq: Sequence) -> list[int]:
     logits to sample from (k hit blocks leave num_tokens - k * block_size >= 1 tokens). None for a
     sequence that still needs its prompt's log-probabilities: they come from computing every position.
     """
-    if not pool.enable_caching or seq.num_computed or seq.host_block_ids or seq.prompt_logprobs_missing:
+    if not pool.enable_caching or seq.num_computed or seq.host_block_ids or seq.needs_every_position:
         return []
     count = (seq.num_tokens - 1) // pool.block_size
     hashes = _block_hashes(pool, seq, count)
@@ -197,7 +197,7 @@ def hashes_completed(pool: BlockPool, seq: Sequence, num_new: int) -> list[int]:
 def first_missing_hash(pool: BlockPool, seq: Sequence, num_hits: int) -> int | None:
     """The hash of the first of a starting `seq`'s full blocks the cache did not have (None: no such
     block, or `seq` resumes with KV of its own)."""
-    if (not pool.enable_caching or seq.num_computed or seq.host_block_ids or seq.prompt_logprobs_missing
+    if (not pool.enable_caching or seq.num_computed or seq.host_block_ids or seq.needs_every_position
             or num_hits >= (seq.num_tokens - 1) // pool.block_size):
         return None
     return _block_hashes(pool, seq, num_hits + 1)[num_hits]

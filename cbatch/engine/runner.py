@@ -18,6 +18,7 @@ from cbatch.model.backend import AttentionMetadata, Backend, kv_cache_shape
 from cbatch.engine.cpu_memory import keep_freed_memory, lazily_zeroed
 from cbatch.engine.fast_sampling import fused_covers, sample_batch
 from cbatch.engine.logprobs import prompt_logprobs
+from cbatch.engine.pooling import Pooler
 from cbatch.engine.sampler import SamplingBatch
 from cbatch.engine.sampling_inputs import SamplingInputs
 from cbatch.engine.step import StepLogprobs, StepOutput, StepPlan
@@ -134,6 +135,7 @@ class ModelRunner:
         self.forward_seconds = 0.0  # time inside the model call, for the report
         self._last_sampled: torch.Tensor | None = None  # int64 [N] on the device: the last launched step's tokens
         self._last_row: dict[int, int] = {}  # seq_id -> its row in `_last_sampled`
+        self.pooler = Pooler()  # prefill-only requests' partial pools (mean sums, cls vectors)
 
     def idle(self) -> None:
         pass  # nothing to compute (a step waiting for arrivals)
@@ -184,7 +186,7 @@ class ModelRunner:
             # the next step's placeholders read these on the device: each sequence's row in `sampled`
             self._last_sampled = sampled
             self._last_row = dict(zip([seq.seq_id for seq in step.seqs], range(len(step.seqs))))
-        return PendingStep(step.seqs, *tokens_to_host(sampled), step.logprobs, self)
+        return PendingStep(step.seqs, *tokens_to_host(sampled), step.logprobs, self, step.pool_ends, step.pooled)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> "StepLogits":
@@ -195,8 +197,9 @@ class ModelRunner:
         for seq in plan.preempted + plan.finished:
             self.block_tables.release(seq)
             self.sampling.release(seq)
+            self.pooler.forget(seq)
         self.begin_step()
-        inputs, sampling_seqs, prompt_seqs = self._build(plan)
+        inputs, sampling_seqs, prompt_seqs, pool_rows = self._build(plan)
         if self.peers is not None:
             self.peers.send_step(inputs)
         sampling = self.sampling.build(sampling_seqs) if sampling_seqs else None
@@ -204,7 +207,10 @@ class ModelRunner:
             sampling.grammar_masks = self.token_masks.start(sampling_seqs)
         hidden, logits, tokens, prompt = self.run_step(inputs, sampling)
         logprobs = StepLogprobs(prompt={seq.seq_id: lp for seq, lp in zip(prompt_seqs, prompt)})
-        return StepLogits(sampling_seqs, logits, sampling, logprobs, tokens)
+        pooled = self.pooler.pool(hidden, pool_rows, self.model.classify) if pool_rows else {}
+        # every pooling row whose chunk ends its sequence gets a dummy token (prompt end, or static padding)
+        ends = [seq.seq_id for seq, num_new, _ in pool_rows if seq.num_computed + num_new == seq.num_tokens]
+        return StepLogits(sampling_seqs, logits, sampling, logprobs, tokens, ends, pooled)
 
     def begin_step(self) -> None:
         """Starts a step's host -> device copies (before any of its inputs or sampling settings is made): on a
@@ -271,9 +277,9 @@ class ModelRunner:
             blocks = self._host_kv.index_select(dim, host).to(self.device, non_blocking=True)
             cache.index_copy_(dim, dev.to(self.device), blocks)
 
-    def _build(self, plan: StepPlan) -> tuple["StepInputs", list[Sequence], list[Sequence]]:
+    def _build(self, plan: StepPlan) -> tuple["StepInputs", list[Sequence], list[Sequence], list]:
         """(the step's inputs as host arrays, the sequences that sample in logits-row order, the sequences
-        whose prompt log-probabilities this step computes, in `prompt_rows` order)."""
+        whose prompt log-probabilities this step computes, in `prompt_rows` order, the pooling rows)."""
         ordered, starts, q_lens = _batch_order(plan.scheduled, self.backend.groups_decodes)
         n = len(ordered)
         seqs = [seq for seq, _ in ordered]
@@ -304,7 +310,7 @@ class ModelRunner:
         inputs = StepInputs(flat.token_ids, positions, cu_q, seq_lens, np.ascontiguousarray(table), slots,
                             flat.logits_rows, flat.prompt_rows, plan.copies, plan.swap_out, plan.swap_in,
                             flat.placeholder_rows, flat.placeholder_sources)
-        return inputs, flat.sampling_seqs, flat.prompt_seqs
+        return inputs, flat.sampling_seqs, flat.prompt_seqs, flat.pool_rows
 
 
 @dataclass(slots=True)
@@ -320,6 +326,7 @@ class _FlatRows:
     # asynchronous scheduling: the flat rows whose token the step in flight samples, and each one's row in its tokens
     placeholder_rows: list[int] = field(default_factory=list)
     placeholder_sources: list[int] = field(default_factory=list)
+    pool_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)  # prefill-only: (seq, chunk, first row)
 
     def add_row(self, seq: Sequence, num_new: int, offset: int) -> None:
         """Any row: its chunk's tokens from flat row `offset` on; it samples if the chunk reaches its end."""
@@ -331,6 +338,9 @@ class _FlatRows:
             self.token_ids.append(token)
         else:
             self.token_ids.extend(seq.tokens(seq.num_computed, seq.num_computed + num_new))
+        if seq.pooling is not None:  # prefill-only: its chunk goes to the pooler, never to the sampler
+            self.pool_rows.append((seq, num_new, offset))
+            return
         if seq.prompt_logprobs is not None and seq.prompt_logprobs_missing:  # (the cheap test first)
             for first_row, targets in _prompt_logprob_rows(seq, num_new, offset):
                 self.prompt_seqs.append(seq)
@@ -362,7 +372,7 @@ def _decode_tokens(rows: list[tuple[Sequence, int]]) -> list[int | None]:
     (One pass of inlined tests: it runs over every row.)"""
     return [(s.output_ids or s.prompt_ids)[-1]
             if n == 1 and s.num_computed + 1 == s.prompt_len + len(s.output_ids)
-            and not (s.children and not s.forked) and s.prompt_logprobs is None else None
+            and not (s.children and not s.forked) and s.prompt_logprobs is None and s.pooling is None else None
             for s, n in rows]
 
 
@@ -439,6 +449,8 @@ class PendingStep:
     ready: torch.cuda.Event | None  # recorded behind the copy (None: on a CPU, nothing to wait for)
     logprobs: StepLogprobs
     runner: ModelRunner  # the wait for the device counts as its model time
+    pool_ends: list[int] = field(default_factory=list)  # prefill-only rows ending this step: a dummy token each
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # their results (engine/pooling.py)
 
     def result(self) -> StepOutput:
         """Waits for the step (and no later one); its tokens by sequence id (and the log-probabilities asked for)."""
@@ -450,7 +462,11 @@ class PendingStep:
             tokens = dict(zip([seq.seq_id for seq in self.seqs], self.tokens.tolist()))
             self.runner.forward_seconds += time.perf_counter() - start
         has_logprobs = self.logprobs.sampled or self.logprobs.prompt
-        return StepOutput(tokens, self.logprobs if has_logprobs else None)
+        if self.pool_ends:
+            tokens.update(dict.fromkeys(self.pool_ends, 0))
+        # NOTE: read back here, not at launch: asynchronous scheduling builds the next step in between
+        pooled = {seq_id: v.to("cpu") for seq_id, v in self.pooled.items()} if self.pooled else None
+        return StepOutput(tokens, self.logprobs if has_logprobs else None, pooled)
 
 
 @dataclass(slots=True)
@@ -460,6 +476,8 @@ class StepLogits:
     sampling: SamplingBatch | None  # None when no row samples
     logprobs: StepLogprobs  # this step's prompt log-probabilities (`execute` adds the sampled tokens')
     tokens: torch.Tensor | None = None  # int64 [N] when already sampled (inside a decode graph)
+    pool_ends: list[int] = field(default_factory=list)  # prefill-only rows ending this step
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> float32 result
 
 
 def _prompt_logprob_rows(seq: Sequence, num_new: int, first_row: int) -> list[tuple[int, list[int]]]:

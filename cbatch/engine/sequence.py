@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from cbatch.config import SamplingParams
 from cbatch.engine.logprobs import Logprobs
+from cbatch.engine.pooling import PoolingParams
 from cbatch.engine.stop import StopChecker
 from cbatch.engine.structured import GrammarState
 
@@ -70,6 +71,10 @@ class Sequence:
     forked: bool = False  # the children have been forked (they run on their own from then on)
     logprobs: Logprobs | None = None  # of the output tokens, when params.logprobs is set
     prompt_logprobs: Logprobs | None = None  # of prompt tokens 1.. (token 0 has none), when params.prompt_logprobs is set
+    # a prefill-only request (embed, score, classify, reward: engine/pooling.py): ends with its prompt; `pooled`
+    # is its float32 result (an embedding or the head's logits), set by the engine from the step that ends it
+    pooling: PoolingParams | None = None
+    pooled: object = None
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.prompt_ids)
@@ -128,6 +133,12 @@ class Sequence:
     def samples(self) -> list["Sequence"]:
         """This row's sequences in sample order: the parent, then its children."""
         return [self, *self.children]
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Every prompt position must be computed here (no prefix-cache hits): prompt log-probabilities not all
+        computed yet, or a pooling that reads every position (mean, cls)."""
+        return self.prompt_logprobs_missing or (self.pooling is not None and self.pooling.every_position)
 
     @property
     def prompt_logprobs_missing(self) -> bool:

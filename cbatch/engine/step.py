@@ -82,3 +82,6 @@ class StepOutput:
 
     tokens: Mapping[int, int]  # seq_id -> sampled token, for every sequence whose chunk reached its end
     logprobs: StepLogprobs | None = None  # None: no sequence asked
+    # prefill-only requests whose prompt ended this step: seq_id -> float32 result (engine/pooling.py); their
+    # `tokens` entry is a dummy the scheduler appends, which ends them (max_tokens 1)
+    pooled: Mapping[int, object] | None = None

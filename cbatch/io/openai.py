@@ -199,6 +199,8 @@ def _completion_body(samples: list[dict[str, Any]], digest: str, model: str, cre
 def output_line(samples: list[dict[str, Any]], model: str, created: int) -> dict[str, Any]:
     """A finished row's records (one per sample, in sample order) -> its OpenAI batch output line (a failed
     row: an error-file line)."""
+    from cbatch.io.pooling_rows import pooling_body, task_of_record  # (it imports io/rows.py, which imports this)
+
     first = samples[0]
     digest = _request_digest(first)
     failed = next((r for r in samples if r["finish_reason"] in FAILED), None)
@@ -207,6 +209,8 @@ def output_line(samples: list[dict[str, Any]], model: str, created: int) -> dict
         body = {"error": {"message": failed.get("error") or "failed", "type": "invalid_request_error",
                           "param": None, "code": "batch_expired" if expired else None}}
         status = 408 if expired else 400
+    elif task_of_record(first) is not None:  # a prefill-only job's row (io/pooling_rows.py)
+        body, status = pooling_body(first, task_of_record(first), model, created), 200
     else:
         body, status = _completion_body(samples, digest, model, created), 200
     return {"id": f"batch_req_{digest}", "custom_id": first["id"],

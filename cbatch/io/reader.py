@@ -221,8 +221,9 @@ def _parse_line(line_no: int, raw: bytes) -> "dict[str, Any] | str":
     return value if isinstance(value, dict) else f"line {line_no}: expected a JSON object, got {type(value).__name__}"
 
 
-def _open_parquet(part: InputPart):
-    """The ParquetFile, checked to be readable and to have a prompt column."""
+def _open_parquet(part: InputPart, fields: tuple[str, ...] = ()):
+    """The ParquetFile, checked to be readable and to have one of `fields`' columns (none: no column check; the
+    job's preflight checked them)."""
     import pyarrow.parquet as pq
 
     path = part.name
@@ -231,10 +232,9 @@ def _open_parquet(part: InputPart):
     except Exception as exc:  # pyarrow raises several types for damaged files
         raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
     columns = set(pf.schema_arrow.names)
-    if not columns & set(PROMPT_FIELDS):
-        raise InputError(
-            f"{path}: no `prompt` or `messages` column (columns: {', '.join(sorted(columns)) or 'none'}); add one"
-        )
+    if fields and not columns & set(fields):
+        named = "`prompt` or `messages`" if fields == PROMPT_FIELDS else " or ".join(f"`{f}`" for f in fields)
+        raise InputError(f"{path}: no {named} column (columns: {', '.join(sorted(columns)) or 'none'}); add one")
     return pf
 
 
@@ -255,18 +255,19 @@ def _parquet_rows(part: InputPart) -> Iterator[dict[str, Any]]:
             index += 1
 
 
-def inspect_input(source: InputFile, probe_rows: int = 200) -> int:
+def inspect_input(source: InputFile, probe_rows: int = 200, fields: tuple[str, ...] = PROMPT_FIELDS) -> int:
     """Checks, before any work, that INPUT is a usable prompts file (each part); returns its number of rows.
 
     JSONL: one pass counting non-blank lines; at least one of the first `probe_rows` rows must carry
     a prompt field (a file where none does is not a prompts file: a bad job, not bad rows).
-    Parquet: the metadata, and a `prompt`/`messages` column.
+    Parquet: the metadata, and a `prompt`/`messages` column. `fields`: the input fields of the job's task
+    (a prefill-only job's differ: io/pooling_rows.py).
     """
     total = 0
     for part in source.parts:
         path = part.name
         if part.format == "parquet":
-            count = _open_parquet(part).metadata.num_rows
+            count = _open_parquet(part, fields).metadata.num_rows
         else:
             count, seen_prompt, first_problem = 0, False, None
             for line_no, raw in _lines(part):
@@ -274,13 +275,16 @@ def inspect_input(source: InputFile, probe_rows: int = 200) -> int:
                     continue
                 if count < probe_rows and not seen_prompt:
                     row = _parse_line(line_no, raw)
-                    seen_prompt = isinstance(row, dict) and any(k in row for k in PROMPT_FIELDS)
+                    seen_prompt = isinstance(row, dict) and any(k in row for k in fields)
                     if first_problem is None and isinstance(row, str):
                         first_problem = row
                 count += 1
             if count and not seen_prompt:
                 within = "no row" if count <= probe_rows else f"none of the first {probe_rows} rows"
                 hint = f" (first problem: {first_problem})" if first_problem else ""
+                if fields != PROMPT_FIELDS:
+                    raise InputError(f"{path}: {within} has any of the fields {', '.join(fields)}{hint}; "
+                                     "each line needs one, e.g. {\"input\": \"...\"}")
                 raise InputError(
                     f"{path}: {within} has a `prompt`, `messages` or `prompt_token_ids` field{hint}; "
                     "each line needs one, e.g. {\"prompt\": \"...\"}"

@@ -83,6 +83,11 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams) -
     return request
 
 
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    """A row's `messages`, checked (raises RowError naming the message and field)."""
+    return _messages(value)
+
+
 def _messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise RowError("`messages` must be a non-empty list of {\"role\", \"content\"} objects")

@@ -19,6 +19,9 @@ LOGPROB_COLUMNS = ("token_logprobs", "top_logprobs", "prompt_token_ids", "prompt
 OPTIONAL_COLUMNS = ("sample_index", "reasoning") + LOGPROB_COLUMNS
 COLUMN_DEFAULTS = {"sample_index": 0}
 OUTPUT_COLUMNS = COLUMNS + ("completion_token_ids",) + OPTIONAL_COLUMNS  # every column the output may have of its own
+# a prefill-only job's own columns (--task: engine/pooling.py), besides OUTPUT_COLUMNS; a generation job's input
+# may carry columns of these names into its output (--keep-columns)
+TASK_COLUMNS = ("embedding", "score", "label", "probs", "reward")
 
 
 class OutputError(UserError):
@@ -59,7 +62,7 @@ def output_columns(token_ids: bool, present: Collection[str] = ()) -> list[str]:
         return [name for name in names if name in present]
 
     return (["id", *some("sample_index"), "completion", *some("reasoning"), *COLUMNS[2:]]
-            + (["completion_token_ids"] if token_ids else []) + some(*LOGPROB_COLUMNS))
+            + (["completion_token_ids"] if token_ids else []) + some(*LOGPROB_COLUMNS) + some(*TASK_COLUMNS))
 
 
 def _arrow_types() -> dict[str, Any]:
@@ -72,6 +75,8 @@ def _arrow_types() -> dict[str, Any]:
         "finish_reason": pa.string(), "prompt_tokens": pa.int64(), "completion_tokens": pa.int64(), "error": pa.string(),
         "completion_token_ids": ids, "token_logprobs": logprobs, "top_logprobs": pa.list_(top),
         "prompt_token_ids": ids, "prompt_token_logprobs": logprobs, "prompt_top_logprobs": pa.list_(top),
+        "embedding": pa.list_(pa.float32()), "score": pa.float64(), "label": pa.string(),
+        "probs": pa.list_(pa.float32()), "reward": pa.float64(),
     }
 
 

@@ -141,7 +141,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(decoder_layer(spec, i, backend, comm) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend, unit_offset=spec.norm_unit_offset)
         vocab_rows = self.embed_tokens.weight.shape[0]
-        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, vocab_rows, bias=False)
+        self.lm_head = Linear(spec.hidden_size, vocab_rows, bias=False) if spec.head == "lm" and not spec.tie_word_embeddings else None
+        # a sequence classification head: [num_labels, hidden] on a pooled (last-token) hidden state
+        self.score = Linear(spec.hidden_size, spec.num_labels, bias=False) if spec.head == "classify" else None
         self.max_positions = max_positions
         self.rope_tables: list[torch.Tensor] = []  # set by `build_rope_cache` once the device is known
 
@@ -168,10 +170,16 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
-        if self.lm_head is None:
+        if self.lm_head is None and self.spec.generates:
             self.packed_logits_weight = prepack_weight(self.embed_tokens.weight)
 
     packed_logits_weight: torch.Tensor | None = None
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] pooled hidden states -> float32 logits [N, num_labels] of the classification head."""
+        if self.score is None:
+            raise ValueError(f"this {self.spec.architecture} has no classification head")
+        return self.score(pooled).float()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab] (only for the rows that sample)."""

@@ -29,6 +29,18 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # prefill-only checkpoints (engine/pooling.py): a classification head `score` [num_labels, hidden] on the last
+    # token (classify, reward, cross-encoder score), or the bare decoder (hidden states: embeddings)
+    "LlamaForSequenceClassification": "llama",
+    "MistralForSequenceClassification": "mistral",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
+    "Gemma2ForSequenceClassification": "gemma2",
+    "LlamaModel": "llama",
+    "MistralModel": "mistral",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
+    "Gemma2Model": "gemma2",
 }
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF name -> backend activation
 # transformers' Gemma3TextConfig defaults: hub configs of Gemma3ForConditionalGeneration state only the
@@ -84,6 +96,14 @@ class ModelSpec:
     sandwich_norms: bool = False  # Gemma: RMSNorm after attention and after the MLP too, before the residual add
     moe: MoESpec | None = None
     quant: QuantSpec | None = None
+    head: str = "lm"  # lm (logits over the vocabulary) | classify (`score`: num_labels logits) | none (hidden states)
+    num_labels: int = 0  # classify: the head's outputs
+    labels: tuple[str, ...] = ()  # classify: config.json's id2label, in id order
+
+    @property
+    def generates(self) -> bool:
+        """The checkpoint has logits over the vocabulary (its own lm_head, or tied embeddings)."""
+        return self.head == "lm" or (self.head == "none" and self.tie_word_embeddings)
 
     @property
     def q_size(self) -> int:
@@ -335,4 +355,16 @@ def _parse(cfg: dict[str, Any], arch: str, family: str, generation_cfg: dict[str
         moe=_moe_spec(cfg, family, num_layers),
         quant=parse_quantization(cfg.get("quantization_config")),
         **_gemma_switches(cfg, family, hidden),
+        **_head(cfg, arch),
     )
+
+
+def _head(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The checkpoint's head: a sequence classification head (num_labels from config.json, default 2 as HF),
+    none (a bare decoder: `*Model`), or the language-model head."""
+    if arch.endswith("ForSequenceClassification"):
+        id2label = cfg.get("id2label") or {}
+        num_labels = int(cfg.get("num_labels") or len(id2label) or 2)
+        labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels))
+        return dict(head="classify", num_labels=num_labels, labels=labels)
+    return dict(head="none") if arch.endswith("Model") else {}

@@ -26,6 +26,7 @@ _GATE_UP = {"gate_proj": 0, "up_proj": 1, "w1": 0, "w3": 1}  # w1/w3: Mixtral's 
 _DOWN = ("down_proj", "w2")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)$")
 _TEXT_DECODER = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")  # multimodal Gemma 3
+_BARE_DECODER = ("layers.", "embed_tokens.", "norm.")
 FP8_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts")  # kept in FP8 on the GPU path
 INT_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts")  # kept packed on the GPU path
 
@@ -114,6 +115,8 @@ def _layer_place(prefix: str, rest: str, spec: ModelSpec) -> Placement | None:
 def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
     """HF tensor name -> (where it goes, its kind: weight | bias | scale), or None for tensors we do not use."""
     name = _TEXT_DECODER.sub("model.", name).replace("language_model.lm_head.", "lm_head.", 1)
+    if name.startswith(_BARE_DECODER):  # a bare decoder saved alone (`Qwen3Model`, sentence-transformers)
+        name = "model." + name
     module, _, kind = name.rpartition(".")
     if kind in UNUSED_QUANT_TENSORS or "rotary_emb" in name:
         return None
@@ -124,7 +127,9 @@ def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
     if name in ("model.embed_tokens.weight", "model.norm.weight"):
         return Placement(module.removeprefix("model.")), kind
     if name == "lm_head.weight":
-        return None if spec.tie_word_embeddings else (Placement("lm_head"), kind)
+        return None if spec.tie_word_embeddings or spec.head != "lm" else (Placement("lm_head"), kind)
+    if module == "score" and spec.head == "classify":  # a sequence classification head
+        return Placement("score"), kind
     match = _LAYER.match(module)
     if match is None:
         return None

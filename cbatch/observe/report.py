@@ -184,10 +184,18 @@ def summary_line(report: dict[str, Any]) -> str:
         f"cbatch: {rows}, {r['error']} errors"
         + (f" ({r['resumed']} from an earlier run)" if r.get("resumed") else "")
         + (f" ({r['cached']} from the result cache)" if r.get("cached") else "")
-        + f" | {report['tokens']['output']} output tokens in {report['time']['wall_seconds']:.1f}s"
-        f" = {t['output_tokens_per_s']:.1f} tok/s ({t['total_tokens_per_s']:.1f} total)"
-        f" | occupancy {u['mean_batch_occupancy']:.0%}, peak KV {u['peak_kv_usage']:.0%}, preemptions {u['preemptions']}"
+        + (_prefill_only_rates(report) if report.get("task", "generate") != "generate" else
+           f" | {report['tokens']['output']} output tokens in {report['time']['wall_seconds']:.1f}s"
+           f" = {t['output_tokens_per_s']:.1f} tok/s ({t['total_tokens_per_s']:.1f} total)")
+        + f" | occupancy {u['mean_batch_occupancy']:.0%}, peak KV {u['peak_kv_usage']:.0%}, preemptions {u['preemptions']}"
     )
+
+
+def _prefill_only_rates(report: dict[str, Any]) -> str:
+    """A prefill-only job's (--task embed, ...) rates: rows and prompt tokens per second (it has no output tokens)."""
+    t = report["throughput"]
+    return (f" | {report['task']}: {report['tokens']['prompt']} prompt tokens in {report['time']['wall_seconds']:.1f}s"
+            f" = {t['requests_per_s']:.1f} rows/s, {t['prompt_tokens_per_s']:.1f} prompt tok/s")
 
 
 def summary_table(report: dict[str, Any]):

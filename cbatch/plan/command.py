@@ -11,16 +11,19 @@ from typing import Any
 from cbatch.bench.simulator import CostModel, cost_settings
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine.resolve import ResolvedModel, engine_backend
-from cbatch.io.reader import InputFile, inspect_input, iter_rows, open_input
+from cbatch.io.pooling_rows import INPUT_FIELDS
+from cbatch.io.reader import PROMPT_FIELDS, InputFile, inspect_input, iter_rows, open_input
 from cbatch.io.state import StorageError
 from cbatch.io.writer import check_writable
 from cbatch.observe.report import write_report
 from cbatch.plan.devices import DeviceKind, device_kind
 from cbatch.plan.lengths import OutputLengths
-from cbatch.plan.simulate import CheckedRows, PlanSetup, Simulation, check_rows, fastest, search, simulate_checked
+from cbatch.plan.simulate import (CheckedRows, PlanSetup, Simulation, check_rows, fastest, search, simulate_checked,
+                                  simulate_every_row)
 from cbatch.run.deadline import Deadline
 from cbatch.run.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
-from cbatch.run.preflight import JobError, resolve_or_fail
+from cbatch.run.preflight import JobError, resolve_or_fail, resolve_task
+from cbatch.engine.tasks import pooling_settings
 from cbatch.run.result_cache import DEFAULT_CACHE_LIMIT, RowCache, open_row_cache
 
 MAX_ERRORS_SHOWN = 50  # printed; --report lists every one
@@ -41,6 +44,10 @@ class PlanOptions:
     lookahead: int = 16384
     result_cache: Path | None = None  # rows found there are not simulated (the run would copy them)
     deadline: Deadline | None = None  # the run's --max-wall-time / --deadline: a prediction past it is warned of
+    task: str = "generate"  # --task and its settings, as the run's (engine/tasks.py)
+    pooling: str | None = None
+    normalize: bool | None = None
+    dimensions: int | None = None
 
 
 def run_plan(options: PlanOptions) -> int:
@@ -48,14 +55,19 @@ def run_plan(options: PlanOptions) -> int:
     source, total_rows = check_paths(options)
     kind = device_kind(options.device_kind, options.engine)
     model = resolve_or_fail(options.engine, device=kind.device)
+    pooling = resolve_task(options, model)
     engine_backend(options.engine, kind.device)  # a backend the run could not use fails here, as there
     config = replace(options.engine, model=str(model.checkpoint.path))
     cost, cost_source = cost_model(options, kind, model)
     lengths = (OutputLengths.from_report(options.lengths_from, config.seed) if options.lengths_from is not None
                else OutputLengths(source="max_tokens, an upper bound"))
-    setup = PlanSetup(model, kind, plan_tokenizer(model), cost, lengths, options.defaults, options.lookahead)
-    checked = check_rows(iter_rows(source), config, setup, total_rows, plan_cache(options, kind, model, config))
-    first = simulate_checked(checked, config, setup)
+    setup = PlanSetup(model, kind, plan_tokenizer(model), cost, lengths, options.defaults, options.lookahead, pooling)
+    cache = plan_cache(options, kind, model, config, pooling_settings(pooling))
+    if pooling is None:
+        checked = check_rows(iter_rows(source), config, setup, total_rows, cache)
+        first = simulate_checked(checked, config, setup)
+    else:
+        checked, first = simulate_every_row(iter_rows(source), config, setup, total_rows, cache)
     simulations = search(first, checked, setup) if options.search and checked.sample else [first]
     plan = plan_report(options, setup, cost_source, checked, simulations)
     print_plan(plan, options.quiet)
@@ -77,7 +89,7 @@ def check_paths(options: PlanOptions) -> tuple[InputFile, int]:
         if options.report is not None:
             check_writable(options.report, flag="--report")
         source = open_input(options.input)
-        return source, inspect_input(source)
+        return source, inspect_input(source, fields=INPUT_FIELDS.get(options.task, PROMPT_FIELDS))
     except ValueError as exc:
         raise JobError(str(exc)) from None
 
@@ -99,7 +111,8 @@ def cost_model(options: PlanOptions, kind: DeviceKind, model: ResolvedModel) -> 
                                       "--cost-from a real run's report makes it accurate")
 
 
-def plan_cache(options: PlanOptions, kind: DeviceKind, model: ResolvedModel, config: EngineConfig) -> RowCache | None:
+def plan_cache(options: PlanOptions, kind: DeviceKind, model: ResolvedModel, config: EngineConfig,
+               task: dict | None = None) -> RowCache | None:
     """--result-cache, for lookups only; consulted only for a plan of this machine (the key names the device)."""
     if options.result_cache is None:
         return None
@@ -107,7 +120,7 @@ def plan_cache(options: PlanOptions, kind: DeviceKind, model: ResolvedModel, con
         print(f"cbatch plan: --result-cache is not consulted: the plan is for {kind.name}, not this machine, and "
               "cached rows are keyed by their device", file=sys.stderr)
         return None
-    return open_row_cache(options.result_cache, DEFAULT_CACHE_LIMIT, model, config, writable=False)
+    return open_row_cache(options.result_cache, DEFAULT_CACHE_LIMIT, model, config, writable=False, task=task)
 
 
 def plan_report(options: PlanOptions, setup: PlanSetup, cost_source: str, checked: CheckedRows,
@@ -120,7 +133,8 @@ def plan_report(options: PlanOptions, setup: PlanSetup, cost_source: str, checke
         "dtype": str(setup.model.dtype), "max_model_len": setup.model.max_model_len,
         "settings": {"engine": asdict(first.config), "defaults": asdict(options.defaults)},
         "cost_model": {**cost_settings(setup.cost), "source": cost_source},
-        "output_lengths": setup.lengths.source,
+        "output_lengths": setup.lengths.source if setup.pooling is None else f"none (--task {options.task}: prefill only)",
+        **({"task": options.task} if setup.pooling is not None else {}),
         "requests": {"total": total, "ok": total - len(errors), "error": len(errors), "cached": checked.cached},
         "errors": [{"index": r.index, "id": r.row_id, "error": r.error} for r in errors],
         "predicted": first.predicted(),
@@ -155,8 +169,9 @@ def print_plan(plan: dict[str, Any], quiet: bool) -> None:
             print(f"  ... and {len(plan['errors']) - MAX_ERRORS_SHOWN} more (every one is in --report)")
     print(f"predicted on {plan['device_kind']}, {plan['dtype'].removeprefix('torch.')} (costs: "
           f"{plan['cost_model']['source']}; output lengths: {plan['output_lengths']}):")
-    print(f"  wall {p['wall_seconds']:,.1f} s, {p['output_tokens_per_s']:,.1f} output tok/s "
-          f"({p['total_tokens_per_s']:,.1f} total), {p['steps']:,} steps, occupancy {p['mean_batch_occupancy']:.0%}, "
+    rates = (f"{p['requests_per_s']:,.1f} rows/s, {p['total_tokens_per_s']:,.1f} prompt tok/s" if "task" in plan else
+             f"{p['output_tokens_per_s']:,.1f} output tok/s ({p['total_tokens_per_s']:,.1f} total)")
+    print(f"  wall {p['wall_seconds']:,.1f} s, {rates}, {p['steps']:,} steps, occupancy {p['mean_batch_occupancy']:.0%}, "
           f"peak KV {p['peak_kv_usage']:.0%} of {p['num_kv_blocks']:,} blocks, {p['preemptions']} preemptions"
           + (f", prefix cache hits {p['prefix_cache_hit_rate']:.0%}" if p["prefix_cache_hit_rate"] else ""))
     best = plan["search"]["best"]

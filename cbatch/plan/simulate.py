@@ -24,6 +24,7 @@ from cbatch.bench.simulator import CostModel, SimulatedRunner
 from cbatch.config import SAMPLING_FIELDS, EngineConfig, SamplingParams
 from cbatch.engine import memory
 from cbatch.engine.engine import Engine
+from cbatch.engine.pooling import PoolingParams
 from cbatch.engine.resolve import ResolvedModel
 from cbatch.engine.step import StepOutput, StepPlan
 from cbatch.engine.sequence import Sequence
@@ -72,13 +73,14 @@ class PlannedEngine(Engine):
     lengths: OutputLengths = field(default_factory=OutputLengths)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None,
-                    samples: Sequence_[int] | None = None) -> Sequence:
-        seq = super().add_request(prompt_ids, params, seq_id, samples)
+                    samples: Sequence_[int] | None = None, pooling: PoolingParams | None = None) -> Sequence:
+        seq = super().add_request(prompt_ids, params, seq_id, samples, pooling)
         if not seq.is_finished:
             for sample in seq.samples:  # each sample its own planned length (as each draws its own tokens)
                 sample.stop = None
                 key = seq.seq_id * params.n + sample.sample_index
-                self.runner.targets[sample.seq_id] = self.lengths.of(key, params, bool(self.spec.eos_token_ids))
+                self.runner.targets[sample.seq_id] = (1 if pooling is not None else  # prefill-only: the prompt alone
+                                                      self.lengths.of(key, params, bool(self.spec.eos_token_ids)))
         return seq
 
 
@@ -93,6 +95,7 @@ class PlanSetup:
     lengths: OutputLengths
     defaults: SamplingParams
     lookahead: int
+    pooling: PoolingParams | None = None  # a prefill-only job's settings (--task)
 
 
 RowSample = dict[int, tuple[array, SamplingParams]]  # row index -> (prompt token ids: 4 B a token, settings)
@@ -186,12 +189,12 @@ def check_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, t
 
 
 def simulate_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, num_rows: int,
-                  scale: float = 1.0) -> Simulation:
+                  scale: float = 1.0, cache: RowCache | None = None) -> tuple[Simulation, int]:
     """Pass 2: the rows (checked ones, replayed) through LocalExecutor and the planned engine, driven by the job's
-    own loop."""
+    own loop; (the simulation, the rows copied from `cache`: a prefill-only plan's single pass consults it)."""
     engine = planned_engine(config, setup)
     metrics = JobMetrics(total_rows=num_rows, clock=lambda: engine.runner.forward_seconds)
-    executor = LocalExecutor(engine, setup.defaults, metrics, setup.lookahead)
+    executor = LocalExecutor(engine, setup.defaults, metrics, setup.lookahead, cache, pooling=setup.pooling)
     errors: list[RowResult] = []
 
     def store(result: RowResult) -> bool:
@@ -203,7 +206,7 @@ def simulate_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup
     report = build_report(metrics, engine.scheduler.stats, wall_seconds=metrics.now(), max_num_seqs=engine.config.max_num_seqs,
                           num_kv_blocks=engine.pool.num_blocks, settings={}, time_unit=setup.cost.unit)
     admitted = max((sample.t for sample in metrics.series if sample.waiting > 0), default=0.0)
-    return Simulation(engine.config, errors, report, scale, drain=metrics.now() - admitted)
+    return Simulation(engine.config, errors, report, scale, drain=metrics.now() - admitted), metrics.cached_rows
 
 
 def replay(sample: RowSample, defaults: SamplingParams) -> Callable[[], Iterator[RawRow]]:
@@ -222,7 +225,18 @@ def replay(sample: RowSample, defaults: SamplingParams) -> Callable[[], Iterator
 
 
 def simulate_checked(checked: CheckedRows, config: EngineConfig, setup: PlanSetup) -> Simulation:
-    return simulate_rows(replay(checked.sample, setup.defaults)(), config, setup, len(checked.sample), checked.scale)
+    return simulate_rows(replay(checked.sample, setup.defaults)(), config, setup, len(checked.sample), checked.scale)[0]
+
+
+def simulate_every_row(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, total_rows: int,
+                       cache: RowCache | None = None) -> tuple[CheckedRows, Simulation]:
+    """A prefill-only job (--task): every row through the run's loop in one pass, checked and simulated (its rows
+    are not replayed: a bi-encoder score row is two requests), so neither sampled nor searched."""
+    simulation, cached = simulate_rows(rows, config, setup, total_rows, cache=cache)
+    errors = sorted(simulation.errors, key=lambda r: r.index)
+    simulation.errors = []  # (the job's own errors: the checked rows', not a setting's)
+    ran = simulation.report["requests"]["total"] - len(errors) - cached
+    return CheckedRows(total_rows, errors, cached, ran, {}), simulation
 
 
 def search(first: Simulation, checked: CheckedRows, setup: PlanSetup) -> list[Simulation]:

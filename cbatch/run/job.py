@@ -29,6 +29,7 @@ from cbatch.run.interrupt import Interrupt
 from cbatch.run.preflight import JobError, JobOptions, PreparedJob, preflight
 from cbatch.run.result_cache import open_row_cache
 from cbatch.run.results import RowResult
+from cbatch.engine.tasks import pooling_settings
 
 DisplayFactory = Callable[[JobMetrics, JobOptions], Display]
 
@@ -44,7 +45,7 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
     if prepared is None:
         return EXIT_OK
     cache = open_row_cache(options.result_cache, options.result_cache_limit, prepared.model, prepared.config,
-                           reasoning_split=options.reasoning_split)
+                           reasoning_split=options.reasoning_split, task=pooling_settings(prepared.pooling))
     engine = load_engine(prepared, make_engine)
     # the engine's config has the step limits it runs with (a GPU sizes them from memory): displays and
     # the report show those
@@ -52,7 +53,7 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
     prepared = replace(prepared, config=engine.config)
     metrics = JobMetrics(total_rows=prepared.total_rows)
     executor = LocalExecutor(engine, options.defaults, metrics, options.lookahead, cache, options.reasoning_split,
-                             keep=prepared.formats.keep)
+                             keep=prepared.formats.keep, pooling=prepared.pooling)
     try:
         code = run_rows(options, prepared, executor, metrics, make_progress or make_display)
     finally:
@@ -63,6 +64,8 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
         settings={"engine": asdict(prepared.config), "defaults": asdict(options.defaults), "dtype": str(engine.dtype),
                   "device": str(engine.device), "input": str(options.input), "output": str(options.output)},
     )
+    if options.task != "generate":  # a prefill-only job: its summary gives rows/s and prompt tokens/s
+        report["task"] = options.task
     return conclude_job(options, prepared, report, code)
 
 

@@ -274,7 +274,7 @@ class RowCache:
 
 
 def open_row_cache(folder: Path | None, limit: CacheLimit, model: ResolvedModel, config: EngineConfig,
-                   writable: bool = True, reasoning_split: bool = True) -> RowCache | None:
+                   writable: bool = True, reasoning_split: bool = True, task: dict | None = None) -> RowCache | None:
     """The job's view of the cache at `folder` (None without --result-cache); before the model loads,
     so a bad folder is refused before anything is written. `writable=False`: lookups only (`cbatch plan`).
     `reasoning_split` (--no-reasoning-split) changes a record's columns, so it is part of the identity."""
@@ -287,6 +287,8 @@ def open_row_cache(folder: Path | None, limit: CacheLimit, model: ResolvedModel,
         raise ResultCacheError(f"--result-cache {folder}: cannot fingerprint the model ({exc})") from None
     identity = generation_identity(fingerprint, config, model.dtype, model.device, model.max_model_len)
     identity["reasoning_split"] = reasoning_split
+    if task is not None:  # a prefill-only job (engine/tasks.py): its settings make its rows' results
+        identity["task"] = task
     return RowCache(cache, identity, config.seed)
 
 

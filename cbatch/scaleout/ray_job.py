@@ -32,6 +32,7 @@ from cbatch.observe.metrics import EngineSnapshot, JobMetrics
 from cbatch.observe.report import build_report
 from cbatch.run.exit_codes import EXIT_OK
 from cbatch.run.job import conclude_job, run_rows
+from cbatch.engine.pooling import PoolingParams
 from cbatch.run.preflight import JobError, JobOptions, preflight
 from cbatch.run.results import RowResult
 from cbatch.scaleout import require_ray
@@ -191,10 +192,12 @@ class RayExecutor:
     the queue; the job's store keeps each row once, whatever was retried."""
 
     def __init__(self, options: JobOptions, ray_options: RayOptions, ray, metrics: JobMetrics,
-                 on_block: Callable[["RayExecutor"], None] | None = None, state: JobState | None = None) -> None:
+                 on_block: Callable[["RayExecutor"], None] | None = None, state: JobState | None = None,
+                 pooling: PoolingParams | None = None) -> None:
         """`on_block(executor)` (tests, monitoring) runs once the rows of each block that came back are
         stored (at the start of the next poll); it may read the job's `state`."""
         self.options = options
+        self.pooling = pooling  # a prefill-only job's settings (--task), for every replica's executor
         self.state = state
         self.ray_options = ray_options
         self.ray = ray
@@ -235,7 +238,8 @@ class RayExecutor:
         crash = self.ray_options.crash
         crash_at_step = crash[1] if crash is not None and crash[0] == handle.number else None
         handle.actor = self._actor_class.remote(self._config, self.options.defaults, handle.number,
-                                                crash_at_step=crash_at_step, reasoning_split=self.options.reasoning_split)
+                                                crash_at_step=crash_at_step, reasoning_split=self.options.reasoning_split,
+                                                pooling=self.pooling)
         self.replicas.append(handle)
         return handle
 
@@ -424,7 +428,7 @@ def run_ray_job(options: JobOptions, ray_options: RayOptions, make_progress=None
     ray = require_ray()
     started_ray = connect(ray, ray_options.address, token_source)
     metrics = JobMetrics(total_rows=prepared.total_rows)
-    executor = RayExecutor(options, ray_options, ray, metrics, on_block, prepared.state)
+    executor = RayExecutor(options, ray_options, ray, metrics, on_block, prepared.state, prepared.pooling)
     try:
         executor.start_replicas()
         code = run_rows(options, prepared, executor, metrics, make_progress or make_display)
@@ -433,4 +437,6 @@ def run_ray_job(options: JobOptions, ray_options: RayOptions, make_progress=None
         executor.stop_replicas()
         if started_ray:
             ray.shutdown()
+    if options.task != "generate":  # a prefill-only job: its summary gives rows/s and prompt tokens/s
+        report["task"] = options.task
     return conclude_job(options, prepared, report, code, f" | {executor.shape['replicas']} Ray replica(s)")

@@ -22,6 +22,7 @@ from cbatch.engine.stats import SchedulerStats
 from cbatch.io.reader import RawRow
 from cbatch.observe.metrics import EngineSnapshot, JobMetrics
 from cbatch.run.driver import count
+from cbatch.engine.pooling import PoolingParams
 from cbatch.run.executor import LocalExecutor
 from cbatch.run.results import RowResult
 
@@ -73,11 +74,12 @@ class BlockResult:
 class Replica:
     def __init__(self, config: EngineConfig, defaults: SamplingParams, replica: int = 0,
                  make_engine: Callable[[EngineConfig], Engine] = build_engine, crash_at_step: int | None = None,
-                 reasoning_split: bool = True) -> None:
+                 reasoning_split: bool = True, pooling: PoolingParams | None = None) -> None:
         """`crash_at_step` (fault injection, for tests): the process dies once its engine has taken that
         many steps, in the middle of a block, as an OOM-killed worker would."""
         self.config = config
         self.reasoning_split = reasoning_split
+        self.pooling = pooling  # a prefill-only job (--task embed, ...): its settings
         self.crash_at_step = crash_at_step
         self.defaults = defaults
         self.replica = replica
@@ -92,7 +94,8 @@ class Replica:
         with self._lock:
             if self._engine is None:
                 engine = self._make_engine(self.config)
-                self.executor = LocalExecutor(engine, self.defaults, JobMetrics(), reasoning_split=self.reasoning_split)
+                self.executor = LocalExecutor(engine, self.defaults, JobMetrics(), reasoning_split=self.reasoning_split,
+                                              pooling=self.pooling)
                 self.stats = ReplicaStats(
                     replica=self.replica, host=socket.gethostname(), device=str(engine.device),
                     num_kv_blocks=engine.pool.num_blocks, max_num_seqs=engine.config.max_num_seqs,
