@@ -50,6 +50,8 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
     if config.async_scheduling is None:  # where the host can run ahead of the device
         config = replace(config, async_scheduling=device.type == "cuda" and comm.world == 1)
     runner = make_runner(config, kv.num_blocks, kv.num_host_blocks)
+    if config.loras:  # before the graphs and the warm-up: the adapted layers hold their slots from here on
+        runner.lora = load_loras(config, model)
     if device.type == "cuda" and model.backend.supports_cuda_graphs and not config.enforce_eager:
         runner.capture_decode_graphs(config.max_num_seqs, resolved.max_model_len)
     if device.type == "cuda" and model.backend.needs_warmup:
@@ -62,6 +64,15 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
         tokenizer = load_tokenizer(model_dir)
     return Engine(config, runner, kv, resolved.max_model_len, spec=spec, tokenizer=tokenizer, device=device,
                   dtype=dtype, model_dir=model_dir, kernel_tuning=tuning)
+
+
+def load_loras(config: EngineConfig, model):
+    """The job's LoRA adapters (checked against the model again: preflight did it once) in their slots."""
+    from cbatch.lora.adapter import load_adapter
+    from cbatch.lora.runtime import LoraSlots
+
+    adapters = [load_adapter(name, path, model.spec, config.max_lora_rank) for name, path in config.loras]
+    return LoraSlots(model, adapters, config.max_loras, config.max_lora_rank)
 
 
 # start-up tuning times decode steps of this many sequences at this context (capped by max_model_len): the

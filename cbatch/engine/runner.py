@@ -111,6 +111,7 @@ class ModelRunner:
         self.num_host_blocks = num_host_blocks  # swap space in blocks; allocated at the first swap
         self.token_masks = TokenMasks(spec.vocab_size, device)  # structured output
         self._host_kv: torch.Tensor | None = None
+        self.lora = None  # cbatch.lora.runtime.LoraSlots when the job has LoRA adapters (build.py)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Captures the decode graphs (on every tensor-parallel rank: the collectives are captured too)."""
@@ -226,7 +227,14 @@ class ModelRunner:
         tokens = logits = None
         num_tokens, num_sampling = len(inputs.token_ids), len(inputs.logits_rows)
         # a decode graph needs every row to sample once, in batch order (no sample forks off a 1-token chunk)
-        if self.graphs is not None and num_sampling == num_tokens and self.graphs.can_run(batch.meta, num_tokens):
+        if self.lora is not None:  # each token's adapter slot for the adapted layers (none: the base model)
+            if inputs.lora_slots is None:
+                self.lora.step.clear()
+            else:
+                self.lora.step.set(inputs.lora_slots, self.lora.num_slots, self.device)
+        # the decode graphs hold the base model only: steps with adapter rows run eagerly
+        if (self.graphs is not None and num_sampling == num_tokens and inputs.lora_slots is None
+                and self.graphs.can_run(batch.meta, num_tokens)):
             hidden, tokens = self.graphs.run(batch.input_ids, batch.positions, batch.meta, sampling)
             if not (self.fused_sampling and fused_covers(sampling)):
                 tokens = None
@@ -303,8 +311,17 @@ class ModelRunner:
         slots = table[token_seq, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
         inputs = StepInputs(flat.token_ids, positions, cu_q, seq_lens, np.ascontiguousarray(table), slots,
                             flat.logits_rows, flat.prompt_rows, plan.copies, plan.swap_out, plan.swap_in,
-                            flat.placeholder_rows, flat.placeholder_sources)
+                            flat.placeholder_rows, flat.placeholder_sources, self._lora_slots(seqs, q_lens))
         return inputs, flat.sampling_seqs, flat.prompt_seqs
+
+    def _lora_slots(self, seqs: list[Sequence], q_lens: np.ndarray) -> np.ndarray | None:
+        """int32 [T]: each token's adapter slot (-1: the base model), or None when no row of the step has one."""
+        if self.lora is None:
+            return None
+        adapters = [seq.params.lora for seq in seqs]
+        if all(name is None for name in adapters):
+            return None
+        return self.lora.token_slots(adapters, q_lens)
 
 
 @dataclass(slots=True)
@@ -384,6 +401,7 @@ class StepInputs:
     swap_in: list[tuple[int, int]]  # (host slot, device block)
     placeholder_rows: list[int] = field(default_factory=list)  # flat rows whose token the last step samples
     placeholder_sources: list[int] = field(default_factory=list)  # and each one's row in that step's tokens
+    lora_slots: np.ndarray | None = None  # int32 [T]: each token's LoRA adapter slot (-1: base); None: no adapter rows
 
     def to_device(self, dev: torch.device, block_size: int, last_sampled: torch.Tensor | None = None,
                   staging: HostStaging | None = None) -> "_Batch":

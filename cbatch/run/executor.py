@@ -16,7 +16,7 @@ from cbatch.io.outcomes import EXPIRED
 from cbatch.engine.sequence import Sequence
 from cbatch.io.columns import KeepColumns
 from cbatch.io.reader import RawRow
-from cbatch.io.rows import RowError, RowRequest, parse_row, row_id_of
+from cbatch.io.rows import RowError, RowRequest, parse_row, row_id_of, with_lora
 from cbatch.observe.metrics import JobMetrics, RequestTiming, engine_snapshot, engine_step_sample
 from cbatch.run.result_cache import RowCache
 from cbatch.run.results import RowResult
@@ -114,6 +114,8 @@ class LocalExecutor:
         try:
             request = parse_row(index, raw, self.defaults)
             echo = request.echo
+            if request.params.lora is None and echo.get("model") in self.engine.lora_names:
+                request.params = with_lora(request.params, echo["model"])  # OpenAI lines: `model` names the adapter
             prompt_ids = tokenize_request(self.engine, request)
             hit = self.cache.lookup(index, request.row_id, prompt_ids, request.params) if self.cache else None
             if hit is None:

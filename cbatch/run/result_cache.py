@@ -287,6 +287,10 @@ def open_row_cache(folder: Path | None, limit: CacheLimit, model: ResolvedModel,
         raise ResultCacheError(f"--result-cache {folder}: cannot fingerprint the model ({exc})") from None
     identity = generation_identity(fingerprint, config, model.dtype, model.device, model.max_model_len)
     identity["reasoning_split"] = reasoning_split
+    if config.loras:  # a row's adapter is in its settings (`lora`); what the adapter holds is here
+        from cbatch.lora.registry import adapter_digests
+
+        identity["loras"] = adapter_digests(config.loras, model.spec, config.max_lora_rank)
     return RowCache(cache, identity, config.seed)
 
 
