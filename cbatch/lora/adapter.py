@@ -110,7 +110,16 @@ def read_config(name: str, path: Path) -> dict:
     for key in ("layer_replication", "megatron_config"):
         if config.get(key):
             raise _fail(name, f"sets {key}", "cbatch does not apply it; merge the adapter into the model instead")
+    targets = config.get("target_modules")
+    if isinstance(targets, list):  # (a regex string is checked by the tensors it saved)
+        other = next((t for t in targets if t.rpartition(".")[2] not in PROJECTIONS), None)
+        if other is not None:
+            raise _fail(name, f"targets {other}, which cbatch cannot adapt", _TARGETS_FIX)
     return config
+
+
+_TARGETS_FIX = ("cbatch applies LoRA to q/k/v/o_proj and gate/up/down_proj of the decoder layers; retrain without "
+                "that target or merge the adapter into the model")
 
 
 def _pattern_value(patterns: dict, module_name: str, default):
@@ -137,10 +146,8 @@ def load_adapter(name: str, path: str | Path, spec: ModelSpec, max_rank: int) ->
         for key in f.keys():
             match = _TENSOR.match(key)
             if match is None:
-                target = key.split(".lora_")[0].removeprefix("base_model.model.")
-                raise _fail(name, f"targets {target}, which cbatch cannot adapt",
-                            "cbatch applies LoRA to q/k/v/o_proj and gate/up/down_proj of the decoder layers; "
-                            "retrain without that target or merge the adapter into the model")
+                target = re.sub(r"\.(lora_\w+|base_layer)\..*$|\.weight$", "", key).removeprefix("base_model.model.")
+                raise _fail(name, f"targets {target}, which cbatch cannot adapt", _TARGETS_FIX)
             layer, block, proj, which = int(match[1]), match[2], match[3], match[4]
             if proj not in PROJECTIONS or (block == "self_attn") != (PROJECTIONS[proj][0] in ("qkv_proj", "o_proj")):
                 raise _fail(name, f"targets layers.{layer}.{block}.{proj}, which cbatch cannot adapt",
