@@ -22,7 +22,9 @@ def add_lora_torch(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch
                    groups: list[tuple[int, slice | torch.Tensor]]) -> None:
     """The same, one slot at a time: `groups` (slot, its tokens' rows: a slice, or an index tensor)."""
     for slot, rows in groups:
-        if isinstance(rows, slice):
-            out[rows] += linear(linear(x[rows], a[slot]), b[slot])
-        else:
-            out.index_add_(0, rows, linear(linear(x.index_select(0, rows), a[slot]), b[slot]))
+        if isinstance(rows, slice):  # (the common case: admission groups rows by adapter)
+            out[rows].addmm_(linear(x[rows], a[slot]), b[slot].t())
+        else:  # NOTE: each token is in one group, so its rows are distinct: a gather and a scatter (index_add_
+            # is many times slower on CPU)
+            delta = linear(linear(x.index_select(0, rows), a[slot]), b[slot])
+            out.index_copy_(0, rows, out.index_select(0, rows).add_(delta))
