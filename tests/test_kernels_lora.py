@@ -41,3 +41,25 @@ def test_segmented_delta_matches_torch(dtype):
     assert not torch.allclose(ref[~untouched], base.float()[~untouched], atol=1e-2)  # the deltas are real
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol * 10)
+
+
+def test_warm_up_runs_every_module_once(tiny_checkpoints, tmp_path):
+    """LoraSlots.warm_up (what a GPU engine runs before serving) goes through every adapted module's delta."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from cbatch.lora.adapter import load_adapter
+    from cbatch.lora.runtime import LoraSlots
+    from helpers import make_engine
+
+    engine = make_engine(tiny_checkpoints["llama"])
+    model = engine.runner.model
+    tensors = {f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{ab}.weight": torch.ones(shape)
+               for i in range(model.spec.num_layers) for ab, shape in (("A", (4, 64)), ("B", (64, 4)))}
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 4, "target_modules": ["q_proj"]}))
+    slots = LoraSlots(model, [load_adapter("x", tmp_path, model.spec, 8)], 2, 8)
+    assert len(slots.targets) == model.spec.num_layers
+    slots.warm_up()
+    assert slots.step.active is False  # the model's own step state is untouched

@@ -228,3 +228,22 @@ def test_plan_counts_rows_per_adapter_and_refuses_unknown(model_case, tmp_path):
     assert {k: v["rows"] for k, v in plan["lora"].items()} == {"a": 2, "b": 2, "base": 2}
     assert [e["index"] for e in plan["errors"]] == [len(PROMPTS)] and "lora 'nope'" in plan["errors"][0]["error"]
     assert "rows per LoRA adapter: a 2, b 2, base 2" in out
+
+
+def test_lora_flags(tmp_path, model_case):
+    from cbatch.config import UserError
+    from cbatch.lora.registry import job_adapters
+
+    _, folders, *_ = model_case("llama")
+    assert job_adapters(["x=/a", " y = /b "], None) == (("x", "/a"), ("y", "/b"))
+    for bad, message in ((["x"], "write NAME=PATH"), (["=p"], "write NAME=PATH"), (["a b=p"], "may hold"),
+                         (["x=/a", "x=/b"], "given twice")):
+        with pytest.raises(UserError, match=message):
+            job_adapters(bad, None)
+    shelf = tmp_path / "shelf"
+    for name, path in folders.items():
+        shutil.copytree(path, shelf / name)
+    (shelf / "notes").mkdir()  # not an adapter: left out
+    assert job_adapters(["z=/z"], shelf) == (("z", "/z"), ("a", str(shelf / "a")), ("b", str(shelf / "b")))
+    with pytest.raises(UserError, match="--lora-dir .*no such folder"):
+        job_adapters(None, tmp_path / "missing")

@@ -52,6 +52,8 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
     runner = make_runner(config, kv.num_blocks, kv.num_host_blocks)
     if config.loras:  # before the graphs and the warm-up: the adapted layers hold their slots from here on
         runner.lora = load_loras(config, model)
+        if device.type == "cuda":
+            runner.lora.warm_up()  # the shrink / expand kernels compile now, not mid-run
     if device.type == "cuda" and model.backend.supports_cuda_graphs and not config.enforce_eager:
         runner.capture_decode_graphs(config.max_num_seqs, resolved.max_model_len)
     if device.type == "cuda" and model.backend.needs_warmup:

@@ -27,7 +27,9 @@ PROJECTIONS: dict[str, tuple[str, int]] = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
 }
 PACKED = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}  # our module -> its number of parts
-_TENSOR = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# (a multimodal Gemma 3's text decoder: `model.language_model.layers` or `language_model.model.layers`)
+_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|model\.)layers\."
+                     r"(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
 class LoraError(UserError):

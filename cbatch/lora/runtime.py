@@ -144,6 +144,20 @@ class LoraSlots:
         return np.repeat(row_slots, q_lens)
 
     @torch.no_grad()
+    def warm_up(self) -> None:
+        """Runs every adapted module's delta once on a dummy token (a GPU engine compiles the Triton kernels now,
+        not mid-run: each module shape is one shrink and one expand variant). Slot 0's factors are whatever it
+        holds; the outputs are thrown away."""
+        step = LoraStep()
+        step.set(np.zeros(1, dtype=np.int32), self.num_slots, self.device)
+        from cbatch.lora.ops import add_lora
+
+        for target in self.targets.values():
+            x = torch.zeros(1, target.a.shape[2], device=self.device, dtype=self.dtype)
+            out = torch.zeros(1, target.b.shape[1], device=self.device, dtype=self.dtype)
+            add_lora(x, out, target.a, target.b, step)
+
+    @torch.no_grad()
     def _load(self, slot: int, adapter: LoraAdapter) -> None:
         r = self.max_rank
         for (layer, name), target in self.targets.items():
