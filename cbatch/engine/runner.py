@@ -231,7 +231,8 @@ class ModelRunner:
             if inputs.lora_slots is None:
                 self.lora.step.clear()
             else:
-                self.lora.step.set(inputs.lora_slots, self.lora.num_slots, self.device)
+                self.lora.step.set(inputs.lora_slots, self.lora.num_slots, self.device,
+                                   None if self.staging is None else self.staging.to_device)
         # the decode graphs hold the base model only: steps with adapter rows run eagerly
         if (self.graphs is not None and num_sampling == num_tokens and inputs.lora_slots is None
                 and self.graphs.can_run(batch.meta, num_tokens)):

@@ -36,8 +36,11 @@ class LoraStep:
     slot_starts: torch.Tensor | None = None  # int32 [S] where each slot's tokens start in `sorted_tokens`
     max_count: int = 0  # the most tokens of any slot (the kernels' grid)
 
-    def set(self, token_slots: np.ndarray, num_slots: int, device: torch.device) -> None:
-        """token_slots: int [T], -1 for base-model tokens."""
+    def set(self, token_slots: np.ndarray, num_slots: int, device: torch.device, put=None) -> None:
+        """token_slots: int [T], -1 for base-model tokens. `put`: host array -> device tensor (the runner's
+        pinned staging on a GPU, so asynchronous scheduling never waits for the device); the groups (the torch
+        path's) only off the GPU."""
+        put = put or (lambda array: torch.from_numpy(array).to(device))
         adapted = token_slots >= 0
         self.active = bool(adapted.any())
         self.groups = []
@@ -47,17 +50,17 @@ class LoraStep:
         counts = np.bincount(token_slots[adapted], minlength=num_slots).astype(np.int32)
         starts = np.zeros(num_slots, dtype=np.int32)
         np.cumsum(counts[:-1], out=starts[1:])
+        self.max_count = int(counts.max())
+        self.sorted_tokens, self.slot_counts, self.slot_starts = put(order.astype(np.int32)), put(counts), put(starts)
+        if device.type == "cuda":
+            return
         for slot in np.flatnonzero(counts).tolist():
             rows = order[starts[slot] : starts[slot] + counts[slot]]
             first, last = int(rows[0]), int(rows[-1])
             if last - first + 1 == len(rows):
                 self.groups.append((slot, slice(first, last + 1)))
             else:
-                self.groups.append((slot, torch.from_numpy(rows.astype(np.int64)).to(device)))
-        self.sorted_tokens = torch.from_numpy(order.astype(np.int32)).to(device)
-        self.slot_counts = torch.from_numpy(counts).to(device)
-        self.slot_starts = torch.from_numpy(starts).to(device)
-        self.max_count = int(counts.max())
+                self.groups.append((slot, put(rows.astype(np.int64))))
 
     def clear(self) -> None:
         self.active = False
