@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/lora_bench.py [--adapters 4 --rows 64 --rank 16 --rounds 3]
 
-A random-weight Llama shape (--hidden, --layers; float32 on the CPU) and --adapters random PEFT adapters of rank
+A random-weight Llama shape (--hidden, --layers; float32 on the CPU, bfloat16 with --device cuda) and --adapters random PEFT adapters of rank
 --rank on all seven projections (written as PEFT folders: adapter_config.json + adapter_model.safetensors). The
 job: --rows rows per adapter plus --rows base-model rows, shuffled, each generating --output-len tokens (EOS
 ignored). Three engines run the same rows, in turn, --rounds times (medians; the machine's other load hits all
@@ -21,6 +21,7 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,7 +43,7 @@ def model_config(args) -> dict:
                 hidden_size=args.hidden, intermediate_size=args.hidden * 3, num_hidden_layers=args.layers,
                 num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 128),
                 max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                torch_dtype="float32", eos_token_id=2)
+                torch_dtype="float32" if args.device == "cpu" else "bfloat16", eos_token_id=2)
 
 
 def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
@@ -85,6 +86,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU: the Triton kernels; bfloat16)")
     args = p.parse_args()
     rng = random.Random(args.seed)
     low, high = map(int, args.prompt_len.split(":"))
@@ -96,12 +98,11 @@ def main() -> None:
     (folder / "config.json").write_text(json.dumps(model_config(args)))
     spec = parse_spec(model_config(args), {})
     loras = tuple((name, str(write_adapter(folder / name, spec, args.rank, i))) for i, name in enumerate(names))
-    base_config = EngineConfig(device="cpu", max_num_seqs=args.max_num_seqs)
+    base_config = EngineConfig(device=args.device, max_num_seqs=args.max_num_seqs)
     resolved = resolve_model(base_config, spec)
     base = build_engine(base_config, resolved, random_weights_seed=args.seed)
-    adapted = build_engine(EngineConfig(device="cpu", max_num_seqs=args.max_num_seqs, loras=loras,
-                                        max_lora_rank=args.rank, max_loras=args.adapters), resolved,
-                           random_weights_seed=args.seed)
+    adapted = build_engine(replace(base_config, loras=loras, max_lora_rank=args.rank, max_loras=args.adapters),
+                           resolved, random_weights_seed=args.seed)
     base_rows = [(prompt, None) for prompt, _ in rows]
     runs = {"base": [], "grouped": [], "ungrouped": []}
     for _ in range(args.rounds):
@@ -111,8 +112,9 @@ def main() -> None:
             seconds, tokens = run_job(engine, job, args.output_len)
             runs[name].append(tokens / seconds)
     print(f"{len(rows)} rows ({args.adapters} adapters x {args.rows} + {args.rows} base, shuffled), prompts {args.prompt_len}, "
-          f"{args.output_len} output tokens each; Llama hidden {args.hidden}, {args.layers} layers, float32, "
-          f"rank {args.rank} on q/k/v/o/gate/up/down; {torch.get_num_threads()} threads; median of {args.rounds}")
+          f"{args.output_len} output tokens each; Llama hidden {args.hidden}, {args.layers} layers, {resolved.dtype}, "
+          f"rank {args.rank} on q/k/v/o/gate/up/down; {args.device} ({torch.get_num_threads()} threads); "
+          f"median of {args.rounds}")
     print("| job | output tok/s | share of base |")
     print("|---|---|---|")
     base_rate = statistics.median(runs["base"])

@@ -34,6 +34,8 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
         comm, peers = start_group(config, resolved)
     model = load_rank_model(config, resolved, comm, device, random_weights_seed, show_progress)
     kv_dtype = memory.kv_cache_dtype(config, dtype)
+    # LoRA adapters: their slots in the adapted layers, allocated before the KV pool is sized from what is free
+    lora = load_loras(config, model) if config.loras else None
     tuning = tune_kernels(config, resolved, model.backend, kv_dtype, comm)  # before memory is sized
 
     def make_runner(sized: EngineConfig, num_blocks: int, num_host_blocks: int = 0) -> ModelRunner:
@@ -50,10 +52,10 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
     if config.async_scheduling is None:  # where the host can run ahead of the device
         config = replace(config, async_scheduling=device.type == "cuda" and comm.world == 1)
     runner = make_runner(config, kv.num_blocks, kv.num_host_blocks)
-    if config.loras:  # before the graphs and the warm-up: the adapted layers hold their slots from here on
-        runner.lora = load_loras(config, model)
+    if lora is not None:  # before the graphs and the warm-up
+        runner.lora = lora
         if device.type == "cuda":
-            runner.lora.warm_up()  # the shrink / expand kernels compile now, not mid-run
+            lora.warm_up()  # the shrink / expand kernels compile now, not mid-run
     if device.type == "cuda" and model.backend.supports_cuda_graphs and not config.enforce_eager:
         runner.capture_decode_graphs(config.max_num_seqs, resolved.max_model_len)
     if device.type == "cuda" and model.backend.needs_warmup:
