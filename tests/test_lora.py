@@ -247,3 +247,28 @@ def test_lora_flags(tmp_path, model_case):
     assert job_adapters(["z=/z"], shelf) == (("z", "/z"), ("a", str(shelf / "a")), ("b", str(shelf / "b")))
     with pytest.raises(UserError, match="--lora-dir .*no such folder"):
         job_adapters(None, tmp_path / "missing")
+
+
+def test_result_cache_keys_rows_by_adapter_files(model_case, tmp_path):
+    """A row is copied from --result-cache only under the same adapter name and the same adapter files."""
+    checkpoint, folders, peft_tokens, *_ = model_case("llama")
+    adapter = shutil.copytree(folders["a"], tmp_path / "a")
+    rows = [{"id": f"r{i}", "prompt_token_ids": PROMPTS[i], **({"lora": "a"} if i else {})} for i in range(2)]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    flags = ["--model", str(checkpoint), "--device", "cpu", "--max-tokens", str(MAX_TOKENS), "--token-ids", "--quiet",
+             "--result-cache", str(tmp_path / "cache")]
+
+    def run(name: str, *more: str) -> dict:
+        report = tmp_path / f"{name}.json"
+        code, _, err = run_inprocess("run", str(source), "--out", str(tmp_path / f"{name}.jsonl"), "--report",
+                                     str(report), *flags, *more)
+        assert code == 0, err
+        assert read_jsonl(tmp_path / f"{name}.jsonl")[1]["completion_token_ids"] == peft_tokens[1]
+        return json.loads(report.read_text())["requests"]
+
+    assert run("first", "--lora", f"a={adapter}")["cached"] == 0
+    assert run("again", "--lora", f"a={adapter}")["cached"] == 2
+    other = json.loads((adapter / "adapter_config.json").read_text())
+    other["lora_alpha"] = other["lora_alpha"]  # the same values, other bytes: a changed file is another adapter
+    (adapter / "adapter_config.json").write_text(json.dumps(other, indent=1))
+    assert run("changed", "--lora", f"a={adapter}")["cached"] == 0
