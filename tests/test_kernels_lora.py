@@ -19,8 +19,8 @@ def test_segmented_delta_matches_torch(dtype):
     g = torch.Generator().manual_seed(0)
     num_tokens, in_size, out_size, slots, rank_cols = 37, 48, 80, 3, 24
     x = torch.randn(num_tokens, in_size, generator=g).to(dtype)
-    a = (torch.randn(slots, in_size, rank_cols, generator=g) * 0.3).to(dtype)
-    b = (torch.randn(slots, rank_cols, out_size, generator=g) * 0.3).to(dtype)
+    a = (torch.randn(slots, rank_cols, in_size, generator=g) * 0.3).to(dtype)
+    b = (torch.randn(slots, out_size, rank_cols, generator=g) * 0.3).to(dtype)
     base = torch.randn(num_tokens, out_size, generator=g).to(dtype)
     rng = np.random.default_rng(1)
     token_slots = rng.integers(-1, slots, num_tokens).astype(np.int32)
@@ -33,7 +33,7 @@ def test_segmented_delta_matches_torch(dtype):
     per_token = base.clone().double()  # the definition, token by token
     for t, slot in enumerate(token_slots.tolist()):
         if slot >= 0:
-            per_token[t] += x[t].double() @ a[slot].double() @ b[slot].double()
+            per_token[t] += b[slot].double() @ (a[slot].double() @ x[t].double())
     torch.testing.assert_close(ref.double(), per_token, rtol=1e-5, atol=1e-4)
     dev = torch.device(DEVICE)
     to = lambda t: t.to(dev)  # noqa: E731

@@ -3,8 +3,8 @@
 The step's adapted tokens are sorted by adapter slot (`sorted_tokens`, with `slot_counts` / `slot_starts`
 per slot); program (m, n, slot) takes the m-th tile of that slot's tokens, so every tile multiplies one
 adapter's factors:
-    lora_shrink   y[tokens] = x[tokens] @ a[slot]          a [S, in, N] -> y float32 [T, N]
-    lora_expand   out[tokens] += y[tokens] @ b[slot]        b [S, N, out] (added in out's dtype, in place)
+    lora_shrink   y[tokens] = x[tokens] @ a[slot].T          a [S, N, in] -> y float32 [T, N]
+    lora_expand   out[tokens] += y[tokens] @ b[slot].T        b [S, out, N] (added in out's dtype, in place)
 Base-model tokens are in no slot and are never touched. A token belongs to one slot: no two programs write
 the same output element. Grids depend on the step's largest slot (`max_count`), never on a compiled size.
 """
@@ -22,13 +22,13 @@ _BM = 16  # tokens per tile (tl.dot needs 16 or more)
 @triton.jit
 def _lora_gemm_kernel(
     x_ptr,  # [T, K]: the input rows (shrink: x; expand: y)
-    w_ptr,  # [S, K, N], N contiguous: the slots' factors (shrink: a; expand: b)
+    w_ptr,  # [S, N, K]: the slots' factors (shrink: a; expand: b)
     out_ptr,  # [T, N]: written (shrink) or added to (expand)
     tok_ptr,  # int32 [T']: adapted tokens' rows, by slot
     count_ptr,  # int32 [S]
     start_ptr,  # int32 [S]
     n_size, k_size,
-    stride_x, stride_ws, stride_wk, stride_out,
+    stride_x, stride_ws, stride_wn, stride_out,
     ACCUMULATE: tl.constexpr,  # expand: out += result (in out's dtype); shrink: out = result (float32)
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -51,7 +51,7 @@ def _lora_gemm_kernel(
             offs_k = k0 + tl.arange(0, BK)
             k_ok = offs_k < k_size
             x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_base + offs_k[:, None] * stride_wk + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :],
+            w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :],
                         other=0.0)  # [BK, BN]
             if DOT_UPCAST:
                 acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
@@ -69,7 +69,7 @@ def _lora_gemm_kernel(
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_tokens: torch.Tensor,
             slot_counts: torch.Tensor, slot_starts: torch.Tensor, max_count: int, accumulate: bool) -> None:
     device = check_launchable(x, w, out, sorted_tokens)
-    num_slots, k_size, n_size = w.shape
+    num_slots, n_size, k_size = w.shape
     if max_count == 0 or n_size == 0:
         return
     block_n = max(16, min(64, next_pow2(n_size)))
@@ -88,17 +88,17 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_tokens: 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, slot_counts: torch.Tensor,
                 slot_starts: torch.Tensor, max_count: int) -> torch.Tensor:
-    """x [T, in], a [S, in, N] -> float32 [T, N]: each adapted token's x @ a[its slot] (other rows: zeros)."""
+    """x [T, in], a [S, N, in] -> float32 [T, N]: each adapted token's x @ a[its slot].T (other rows: zeros)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.zeros(x.shape[0], a.shape[2], dtype=torch.float32, device=x.device)
+    y = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
     _launch(x, a, y, sorted_tokens, slot_counts, slot_starts, max_count, accumulate=False)
     return y
 
 
 def lora_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_tokens: torch.Tensor,
                 slot_counts: torch.Tensor, slot_starts: torch.Tensor, max_count: int) -> torch.Tensor:
-    """out [T, out] += y @ b[slot] for each adapted token (in place); y float32 [T, N], b [S, N, out]."""
+    """out [T, out] += y @ b[slot].T for each adapted token (in place); y float32 [T, N], b [S, out, N]."""
     if out.stride(-1) != 1:
         raise ValueError("lora_expand adds into a row-contiguous output")
     _launch(y, b, out, sorted_tokens, slot_counts, slot_starts, max_count, accumulate=True)

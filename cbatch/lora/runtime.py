@@ -1,12 +1,11 @@
 """LoRA at run time: a fixed number of adapter slots (--max-loras) in every adapted linear layer, the step's
 token -> slot map, and the delta added to the layer's output.
 
-Every adapted module (`Linear.lora`, a `LoraTarget`) holds its slots' stacked factors, transposed (PEFT's
-A^T and B^T: both matmuls take a plain row-major right operand)
-    a [S, in, P * R]    b [S, P * R, out]     (S = --max-loras, P = the module's packed parts, R = --max-lora-rank)
-with part p's factors at rank columns/rows [p * R, p * R + r) and at its output columns of b; everything else is
+Every adapted module (`Linear.lora`, a `LoraTarget`) holds its slots' stacked factors
+    a [S, P * R, in]    b [S, out, P * R]     (S = --max-loras, P = the module's packed parts, R = --max-lora-rank)
+with part p's factors at rank rows/columns [p * R, p * R + r) and at its output rows of b; everything else is
 zero, and each part's scale is folded into its b. So one adapter's delta on a packed module is two matmuls:
-    out[tokens] += (x[tokens] @ a[slot]) @ b[slot]
+    out[tokens] += (x[tokens] @ a[slot].T) @ b[slot].T
 Zero padding adds exact zeros: the result is that of the adapter's own rank.
 
 The scheduler keeps at most S adapters among a step's rows (cbatch/lora/admission.py); `LoraSlots.assign`
@@ -75,8 +74,8 @@ class LoraTarget:
                  device: torch.device, dtype: torch.dtype) -> None:
         self.step = step
         self.rank = rank  # R: each part's rank columns
-        self.a = torch.zeros(num_slots, in_size, parts * rank, device=device, dtype=dtype)  # [S, in, P * R]
-        self.b = torch.zeros(num_slots, parts * rank, out_size, device=device, dtype=dtype)  # [S, P * R, out]
+        self.a = torch.zeros(num_slots, parts * rank, in_size, device=device, dtype=dtype)  # [S, P * R, in]
+        self.b = torch.zeros(num_slots, out_size, parts * rank, device=device, dtype=dtype)  # [S, out, P * R]
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [T, out] += each adapted token's delta (in place); x [T, in]."""
@@ -157,8 +156,8 @@ class LoraSlots:
         from cbatch.lora.ops import add_lora
 
         for target in self.targets.values():
-            x = torch.zeros(1, target.a.shape[1], device=self.device, dtype=self.dtype)
-            out = torch.zeros(1, target.b.shape[2], device=self.device, dtype=self.dtype)
+            x = torch.zeros(1, target.a.shape[2], device=self.device, dtype=self.dtype)
+            out = torch.zeros(1, target.b.shape[1], device=self.device, dtype=self.dtype)
             add_lora(x, out, target.a, target.b, step)
 
     @torch.no_grad()
@@ -170,7 +169,7 @@ class LoraSlots:
             starts = np.cumsum([0, *self._out_sizes[name]]).tolist()
             for part, lp in adapter.parts.get((layer, name), {}).items():
                 rank = lp.a.shape[0]
-                target.a[slot, :, part * r : part * r + rank].copy_(lp.a.t())
-                target.b[slot, part * r : part * r + rank, starts[part] : starts[part + 1]].copy_((lp.b * lp.scale).t())
+                target.a[slot, part * r : part * r + rank].copy_(lp.a)
+                target.b[slot, starts[part] : starts[part + 1], part * r : part * r + rank].copy_(lp.b * lp.scale)
         self.resident[slot] = adapter.name
         self.loads += 1
