@@ -10,8 +10,8 @@ three alike):
     base        every row on the base model (an engine without adapters)
     grouped     the rows with their adapters, admission grouped by adapter (the default)
     ungrouped   the same, --no-lora-grouping (admission in longest-first order, adapters mixed in every step)
-Prints output tok/s of each and the adapter runs' share of the base model's. A shared or noisy machine distorts
-the absolute figures; the final ratio needs a quiet machine.
+Prints output tok/s of each (wall clock, and per CPU-second of this process: less distorted by other processes on a
+shared machine) and the adapter runs' share of the base model's. The final figures need a quiet machine.
 """
 from __future__ import annotations
 
@@ -63,14 +63,14 @@ def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
     return folder
 
 
-def run_job(engine, rows: list[tuple[list[int], str | None]], output_len: int) -> tuple[float, int]:
-    """(seconds, output tokens) of the rows run to completion."""
+def run_job(engine, rows: list[tuple[list[int], str | None]], output_len: int) -> tuple[float, float, int]:
+    """(wall seconds, this process's CPU seconds, output tokens) of the rows run to completion."""
     for prompt, adapter in rows:
         engine.add_request(prompt, SamplingParams(max_tokens=output_len, ignore_eos=True, lora=adapter))
-    start, tokens = time.perf_counter(), 0
+    start, cpu, tokens = time.perf_counter(), time.process_time(), 0
     while engine.has_unfinished():
         tokens += sum(len(s.output_ids) for s in engine.step())
-    return time.perf_counter() - start, tokens
+    return time.perf_counter() - start, time.process_time() - cpu, tokens
 
 
 def main() -> None:
@@ -87,7 +87,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU: the Triton kernels; bfloat16)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
     low, high = map(int, args.prompt_len.split(":"))
     names = [f"adapter{i}" for i in range(args.adapters)]
@@ -104,23 +107,23 @@ def main() -> None:
     adapted = build_engine(replace(base_config, loras=loras, max_lora_rank=args.rank, max_loras=args.adapters),
                            resolved, random_weights_seed=args.seed)
     base_rows = [(prompt, None) for prompt, _ in rows]
-    runs = {"base": [], "grouped": [], "ungrouped": []}
+    runs: dict[str, list[tuple[float, float]]] = {"base": [], "grouped": [], "ungrouped": []}
     for _ in range(args.rounds):
         for name, engine, job in (("base", base, base_rows), ("grouped", adapted, rows), ("ungrouped", adapted, rows)):
             if engine is adapted:
                 engine.reset(lora_grouping=name == "grouped")
-            seconds, tokens = run_job(engine, job, args.output_len)
-            runs[name].append(tokens / seconds)
+            seconds, cpu, tokens = run_job(engine, job, args.output_len)
+            runs[name].append((tokens / seconds, tokens / cpu))
     print(f"{len(rows)} rows ({args.adapters} adapters x {args.rows} + {args.rows} base, shuffled), prompts {args.prompt_len}, "
           f"{args.output_len} output tokens each; Llama hidden {args.hidden}, {args.layers} layers, {resolved.dtype}, "
           f"rank {args.rank} on q/k/v/o/gate/up/down; {args.device} ({torch.get_num_threads()} threads); "
           f"median of {args.rounds}")
-    print("| job | output tok/s | share of base |")
-    print("|---|---|---|")
-    base_rate = statistics.median(runs["base"])
+    print("| job | output tok/s | share of base | output tok per CPU-second | share of base |")
+    print("|---|---|---|---|---|")
+    base_wall, base_cpu = (statistics.median(r[i] for r in runs["base"]) for i in (0, 1))
     for name, rates in runs.items():
-        rate = statistics.median(rates)
-        print(f"| {name} | {rate:,.1f} | {rate / base_rate:.0%} |")
+        wall, cpu = (statistics.median(r[i] for r in rates) for i in (0, 1))
+        print(f"| {name} | {wall:,.1f} | {wall / base_wall:.0%} | {cpu:,.1f} | {cpu / base_cpu:.0%} |")
 
 
 if __name__ == "__main__":

@@ -283,7 +283,8 @@ class ModelRunner:
     def _build(self, plan: StepPlan) -> tuple["StepInputs", list[Sequence], list[Sequence]]:
         """(the step's inputs as host arrays, the sequences that sample in logits-row order, the sequences
         whose prompt log-probabilities this step computes, in `prompt_rows` order)."""
-        ordered, starts, q_lens = _batch_order(plan.scheduled, self.backend.groups_decodes)
+        row_slots = self._row_slots(plan.scheduled)  # LoRA: each row's adapter slot (plan order), or None
+        ordered, starts, q_lens, order = _batch_order(plan.scheduled, self.backend.groups_decodes, row_slots)
         n = len(ordered)
         seqs = [seq for seq, _ in ordered]
         rows = self.block_tables.sync(seqs)
@@ -312,17 +313,18 @@ class ModelRunner:
         slots = table[token_seq, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
         inputs = StepInputs(flat.token_ids, positions, cu_q, seq_lens, np.ascontiguousarray(table), slots,
                             flat.logits_rows, flat.prompt_rows, plan.copies, plan.swap_out, plan.swap_in,
-                            flat.placeholder_rows, flat.placeholder_sources, self._lora_slots(seqs, q_lens))
+                            flat.placeholder_rows, flat.placeholder_sources,
+                            None if row_slots is None else np.repeat(row_slots[order], q_lens))
         return inputs, flat.sampling_seqs, flat.prompt_seqs
 
-    def _lora_slots(self, seqs: list[Sequence], q_lens: np.ndarray) -> np.ndarray | None:
-        """int32 [T]: each token's adapter slot (-1: the base model), or None when no row of the step has one."""
+    def _row_slots(self, scheduled: list[tuple[Sequence, int]]) -> np.ndarray | None:
+        """int32 [B]: each scheduled row's LoRA adapter slot (-1: the base model), or None when no row has one."""
         if self.lora is None:
             return None
-        adapters = [seq.params.lora for seq in seqs]
+        adapters = [seq.params.lora for seq, _ in scheduled]
         if all(name is None for name in adapters):
             return None
-        return self.lora.token_slots(adapters, q_lens)
+        return self.lora.row_slots(adapters)
 
 
 @dataclass(slots=True)
@@ -494,24 +496,29 @@ def _prompt_logprob_rows(seq: Sequence, num_new: int, first_row: int) -> list[tu
     return [(first_row + start - seq.num_computed, seq.prompt_ids[start + 1 : end + 1])]
 
 
-def _batch_order(scheduled: list[tuple[Sequence, int]], by_context: bool) -> tuple[list[tuple[Sequence, int]], np.ndarray, np.ndarray]:
-    """The plan's rows in batch order, with their computed counts and chunk lengths (int64 arrays in that order):
-    decodes first (`by_context`: shortest context first), then prefill chunks, each in plan order (a stable
-    sort). TorchBackend attends neighbouring decode rows together (`groups_decodes`), so similar lengths pad
-    less, and its groups become slices of the batch. Otherwise the order is free: sampled tokens go back by
-    sequence id. (A decode-only step in plan order is the plan itself: no sort.)"""
+def _batch_order(scheduled: list[tuple[Sequence, int]], by_context: bool, adapters: np.ndarray | None = None
+                 ) -> tuple[list[tuple[Sequence, int]], np.ndarray, np.ndarray, np.ndarray | slice]:
+    """The plan's rows in batch order, with their computed counts and chunk lengths (int64 arrays in that order)
+    and the order (plan indices, or a whole slice): decodes first (`by_context`: shortest context first), then
+    prefill chunks, each in plan order (a stable sort). TorchBackend attends neighbouring decode rows together
+    (`groups_decodes`), so similar lengths pad less, and its groups become slices of the batch. Otherwise the
+    order is free: sampled tokens go back by sequence id, and rows of one LoRA adapter (`adapters`: each row's
+    slot) are put together, so each adapter's delta takes one slice of the batch. (A decode-only step in plan
+    order is the plan itself: no sort.)"""
     n = len(scheduled)
     computed = np.fromiter([seq.num_computed for seq, _ in scheduled], np.int64, n)
     q_lens = np.fromiter([num_new for _, num_new in scheduled], np.int64, n)
     decode = q_lens == 1
     if by_context:
         key = np.where(decode, computed, np.iinfo(np.int64).max)
+    elif adapters is not None:
+        key = (~decode) * (int(adapters.max()) + 2) + adapters
     elif decode.all():
-        return scheduled, computed, q_lens
+        return scheduled, computed, q_lens, slice(None)
     else:
         key = ~decode
     order = np.argsort(key, kind="stable")
-    return [scheduled[i] for i in order.tolist()], computed[order], q_lens[order]
+    return [scheduled[i] for i in order.tolist()], computed[order], q_lens[order], order
 
 
 class _Batch:

@@ -139,12 +139,11 @@ class LoraSlots:
             self._last_used[slot] = self._clock
         return slot_of
 
-    def token_slots(self, row_adapters: list[str | None], q_lens: np.ndarray) -> np.ndarray:
-        """int32 [T]: each token's slot (-1: the base model), rows in batch order with q_lens tokens each."""
+    def row_slots(self, row_adapters: list[str | None]) -> np.ndarray:
+        """int32 [B]: each row's slot (-1: the base model), its adapter made resident."""
         names = {n for n in row_adapters if n is not None}
         slot_of = self.assign(names) if names else {}
-        row_slots = np.array([-1 if n is None else slot_of[n] for n in row_adapters], dtype=np.int32)
-        return np.repeat(row_slots, q_lens)
+        return np.array([-1 if n is None else slot_of[n] for n in row_adapters], dtype=np.int32)
 
     @torch.no_grad()
     def warm_up(self) -> None:
