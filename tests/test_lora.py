@@ -272,3 +272,26 @@ def test_result_cache_keys_rows_by_adapter_files(model_case, tmp_path):
     other["lora_alpha"] = other["lora_alpha"]  # the same values, other bytes: a changed file is another adapter
     (adapter / "adapter_config.json").write_text(json.dumps(other, indent=1))
     assert run("changed", "--lora", f"a={adapter}")["cached"] == 0
+
+
+def test_partial_run_refuses_to_resume_with_a_changed_adapter(model_case, tmp_path):
+    """A job's state (a partial run) records each adapter's file hashes; the same job after an adapter file changed
+    is refused at preflight, naming the adapter; with the adapter as it was, it resumes."""
+    from cbatch.config import EngineConfig
+    from cbatch.run.preflight import JobError, JobOptions, preflight
+
+    checkpoint, folders, *_ = model_case("llama")
+    adapters = {name: shutil.copytree(path, tmp_path / name) for name, path in folders.items()}
+    source = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": PROMPTS[0], "lora": "b"}])
+    engine = EngineConfig(model=str(checkpoint), device="cpu", loras=loras(adapters))
+    options = JobOptions(input=source, output=tmp_path / "out.jsonl", engine=engine, defaults=SamplingParams())
+    state = preflight(options).state
+    state.open(False)
+    state.close()  # a partial run: its state folder and manifest, no OUTPUT
+    config = adapters["b"] / "adapter_config.json"
+    original = config.read_text()
+    config.write_text(original.replace("{", "{ ", 1))  # other bytes
+    with pytest.raises(JobError, match=r"a partial run for .* used the LoRA adapter 'b' with other files"):
+        preflight(options)
+    config.write_text(original)
+    assert preflight(options) is not None  # resumable again
