@@ -110,8 +110,8 @@ def main() -> None:
     runs: dict[str, list[tuple[float, float]]] = {"base": [], "grouped": [], "ungrouped": []}
     for _ in range(args.rounds):
         for name, engine, job in (("base", base, base_rows), ("grouped", adapted, rows), ("ungrouped", adapted, rows)):
-            if engine is adapted:
-                engine.reset(lora_grouping=name == "grouped")
+            # a fresh scheduler and block pool each run: no prefix-cache hits from the previous round
+            engine.reset(**({"lora_grouping": name == "grouped"} if engine is adapted else {}))
             seconds, cpu, tokens = run_job(engine, job, args.output_len)
             runs[name].append((tokens / seconds, tokens / cpu))
     print(f"{len(rows)} rows ({args.adapters} adapters x {args.rows} + {args.rows} base, shuffled), prompts {args.prompt_len}, "

@@ -24,6 +24,9 @@ from cbatch.lora.adapter import PACKED, LoraAdapter, module_in_size, module_out_
 from cbatch.model.spec import ModelSpec
 
 
+MAX_RUNS = 4  # an adapter's tokens in at most this many contiguous runs take a slice each; more are gathered
+
+
 @dataclass(slots=True)
 class LoraStep:
     """One step's tokens by slot: `groups` (slot, the flat rows of its tokens: a slice when contiguous, else an
@@ -56,9 +59,10 @@ class LoraStep:
             return
         for slot in np.flatnonzero(counts).tolist():
             rows = order[starts[slot] : starts[slot] + counts[slot]]
-            first, last = int(rows[0]), int(rows[-1])
-            if last - first + 1 == len(rows):
-                self.groups.append((slot, slice(first, last + 1)))
+            breaks = np.flatnonzero(np.diff(rows) != 1) + 1  # where a contiguous run of its rows ends
+            if len(breaks) < MAX_RUNS:  # a slice per run (the runner puts an adapter's decodes and prefills together)
+                bounds = [0, *breaks.tolist(), len(rows)]
+                self.groups += [(slot, slice(int(rows[i]), int(rows[j - 1]) + 1)) for i, j in zip(bounds, bounds[1:])]
             else:
                 self.groups.append((slot, put(rows.astype(np.int64))))
 
