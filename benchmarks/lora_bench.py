@@ -78,6 +78,8 @@ def main() -> None:
     p.add_argument("--adapters", type=int, default=4)
     p.add_argument("--rows", type=int, default=64, help="rows per adapter, and base-model rows")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--max-loras", type=int, default=None, help="adapter slots (default: --adapters; fewer makes rows "
+                   "wait for a slot, where grouping matters most)")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
@@ -104,7 +106,8 @@ def main() -> None:
     base_config = EngineConfig(device=args.device, max_num_seqs=args.max_num_seqs)
     resolved = resolve_model(base_config, spec)
     base = build_engine(base_config, resolved, random_weights_seed=args.seed)
-    adapted = build_engine(replace(base_config, loras=loras, max_lora_rank=args.rank, max_loras=args.adapters),
+    adapted = build_engine(replace(base_config, loras=loras, max_lora_rank=args.rank,
+                                   max_loras=args.max_loras or args.adapters),
                            resolved, random_weights_seed=args.seed)
     base_rows = [(prompt, None) for prompt, _ in rows]
     runs: dict[str, list[tuple[float, float]]] = {"base": [], "grouped": [], "ungrouped": []}
@@ -116,7 +119,7 @@ def main() -> None:
             runs[name].append((tokens / seconds, tokens / cpu))
     print(f"{len(rows)} rows ({args.adapters} adapters x {args.rows} + {args.rows} base, shuffled), prompts {args.prompt_len}, "
           f"{args.output_len} output tokens each; Llama hidden {args.hidden}, {args.layers} layers, {resolved.dtype}, "
-          f"rank {args.rank} on q/k/v/o/gate/up/down; {args.device} ({torch.get_num_threads()} threads); "
+          f"rank {args.rank} on q/k/v/o/gate/up/down, {args.max_loras or args.adapters} slots; {args.device} ({torch.get_num_threads()} threads); "
           f"median of {args.rounds}")
     print("| job | output tok/s | share of base | output tok per CPU-second | share of base |")
     print("|---|---|---|---|---|")
