@@ -124,7 +124,7 @@ class LoraSlots:
         self.resident: list[str | None] = [None] * num_slots  # slot -> adapter name
         self._last_used = [0] * num_slots
         self._clock = 0
-        self.loads = 0  # adapter copies into a slot (the report)
+        self.loads = 0  # adapter copies into a slot (tests, benchmarks)
 
     def assign(self, names: set[str]) -> dict[str, int]:
         """A slot for each adapter of a step (at most `num_slots`: the scheduler's limit), loading the ones
