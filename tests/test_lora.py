@@ -60,15 +60,15 @@ def model_case(tiny_checkpoints, family_checkpoint, tmp_path_factory):
         folders = {a: make_adapter(checkpoint, root / a, seed, **cfg) for seed, (a, cfg) in enumerate(ADAPTERS.items())}
         base = hf_model(checkpoint)
         base_tokens = [hf_greedy(base, p, MAX_TOKENS) for p in PROMPTS]
-        peft_tokens, merged_tokens = [], []
-        for prompt, adapter, own in zip(PROMPTS, ROW_ADAPTERS, base_tokens):
-            if adapter is None:
-                peft_tokens.append(own)
-                merged_tokens.append(own)
-                continue
-            model = PeftModel.from_pretrained(hf_model(checkpoint), folders[adapter]).eval()
-            peft_tokens.append(hf_greedy(model, prompt, MAX_TOKENS))
-            merged_tokens.append(hf_greedy(model.merge_and_unload(), prompt, MAX_TOKENS))
+        peft_tokens, merged_tokens = list(base_tokens), list(base_tokens)  # base rows: the base model's
+        for adapter, folder in folders.items():
+            rows = [i for i, a in enumerate(ROW_ADAPTERS) if a == adapter]
+            model = PeftModel.from_pretrained(hf_model(checkpoint), folder).eval()
+            for i in rows:
+                peft_tokens[i] = hf_greedy(model, PROMPTS[i], MAX_TOKENS)
+            merged = model.merge_and_unload()
+            for i in rows:
+                merged_tokens[i] = hf_greedy(merged, PROMPTS[i], MAX_TOKENS)
         cache[name] = (checkpoint, folders, peft_tokens, merged_tokens, base_tokens)
         return cache[name]
 
