@@ -74,6 +74,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks each layer is split across (one process per rank; cbatch/parallel)
     # schedule step N+1 while the device runs step N; None = on for CUDA with one rank (build_engine decides)
     async_scheduling: bool | None = None
+    # LoRA adapters rows may name (docs/lora.md): (name, PEFT folder) each; at most max_loras in one step
+    loras: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4  # adapter slots: distinct adapters among one step's rows
+    max_lora_rank: int = 16  # the largest adapter rank the slots hold
+    lora_grouping: bool = True  # admission takes the waiting rows adapter by adapter (fewer adapters per step)
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, fix: str) -> None:
@@ -107,6 +112,12 @@ class EngineConfig:
               "does not work with --tensor-parallel-size > 1 yet (the workers need each step's tokens); leave it off")
         check(self.priority_aging_steps is None or self.priority_aging_steps >= 0, "priority_aging_steps",
               "must be a non-negative number of steps (0 = no aging)")
+        check(self.max_loras >= 1, "max_loras", "must be at least 1")
+        check(self.max_lora_rank >= 1, "max_lora_rank", "must be at least 1")
+        names = [name for name, _ in self.loras]
+        check(len(set(names)) == len(names), "lora", "names an adapter twice; give each adapter one name")
+        check(not (self.loras and self.tensor_parallel_size > 1), "lora",
+              "LoRA adapters do not work with --tensor-parallel-size > 1 yet; run on one rank")
 
 
 _INT64 = 2**63  # sampling settings become int64 tensors
@@ -142,8 +153,8 @@ class SamplingParams:
     stop_token_ids banned) -> repetition / frequency / presence penalties -> temperature -> min_p ->
     top-k / top-p -> the seeded draw. Log-probabilities are of the raw logits (vLLM v1's default).
 
-    Every field but `constraint` has an entry in SAMPLING_FIELDS (below): its checks, its row field, flag and
-    OpenAI body field. A new setting is a field here, an entry there, and the code that applies it.
+    Every field but `constraint` and `lora` (a name of the job's adapters: engine.py checks it) has an entry in
+    SAMPLING_FIELDS (below): its checks, its row field, flag and OpenAI body field. A new setting is a field here, an entry there, and the code that applies it.
     """
 
     max_tokens: int = 256
@@ -167,6 +178,7 @@ class SamplingParams:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra chat template variables
     truncate_prompt_tokens: int | None = None  # k: a longer prompt runs on its last k tokens
     constraint: Constraint | None = None  # structured output: the completion must match it
+    lora: str | None = None  # the LoRA adapter the row runs with (a name of EngineConfig.loras); None = the base model
 
     def problem(self) -> tuple[str, str] | None:
         """(field, a sentence naming it and what is wrong) for the first unusable setting, or None."""

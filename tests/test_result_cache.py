@@ -142,7 +142,8 @@ def test_key_covers_the_identity_and_every_sampling_field():
                     "ignore_eos": True, "priority": 1, "n": 2, "repetition_penalty": 1.1, "presence_penalty": 0.5,
                     "frequency_penalty": 0.5, "min_p": 0.1, "min_tokens": 2, "stop_token_ids": [7],
                     "logit_bias": {3: 1.0}, "logprobs": 2, "prompt_logprobs": 1,
-                    "chat_template_kwargs": {"enable_thinking": False}, "constraint": Constraint("regex", "[ab]+")}
+                    "chat_template_kwargs": {"enable_thinking": False}, "constraint": Constraint("regex", "[ab]+"),
+                    "lora": "adapter-a"}
     # a field not listed above (added since) gets a value by its kind (cbatch/config.py's SAMPLING_FIELDS)
     of_kind = {INT: 3, NUMBER: 0.25, BOOL: True, STRINGS: ["y"], TOKEN_IDS: [7], TOKEN_BIASES: {3: 1.0}, OBJECT: {"k": 1}}
     for f in fields(SamplingParams):

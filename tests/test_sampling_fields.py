@@ -20,7 +20,7 @@ BAD = {INT: "x", NUMBER: "x", BOOL: "yes", STRINGS: 5, TOKEN_IDS: ["x"], TOKEN_B
 
 
 def test_every_sampling_params_field_is_in_the_table():
-    assert {f.name for f in fields(SamplingParams)} - {"constraint"} == set(SAMPLING_FIELDS)
+    assert {f.name for f in fields(SamplingParams)} - {"constraint", "lora"} == set(SAMPLING_FIELDS)
     assert all(spec.kind in GOOD for spec in SAMPLING_FIELDS.values())
 
 

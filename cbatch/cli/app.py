@@ -68,10 +68,16 @@ def exit_for(action: Callable[[], int], resumable: bool = True) -> NoReturn:
 
 
 def engine_config(values: dict[str, Any], flags: list[Flag], **overrides: Any) -> EngineConfig:
+    from cbatch.lora.registry import job_adapters
+
     try:
+        if values.get("lora") or values.get("lora_dir"):  # --lora NAME=PATH, --lora-dir
+            overrides["loras"] = job_adapters(values.get("lora"), values.get("lora_dir"))
         return EngineConfig(**{**fields_of(flags, values, ENGINE_FIELDS), **overrides})
     except ConfigError as exc:
         fail(f"{flag_of(exc.field)}: {exc.reason}")
+    except UserError as exc:
+        fail(str(exc))
 
 
 def sampling_defaults(values: dict[str, Any]) -> SamplingParams:

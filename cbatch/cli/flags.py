@@ -17,6 +17,7 @@ ENGINE, SAMPLING, JOB, RAY, WORKLOAD, SIMULATOR, ACROSS_JOBS, PLAN = (
     "Engine", "Sampling defaults (a row's own fields win)", "Job", "Scale-out on Ray (needs the ray extra)",
     "Workload", "Simulator (--simulate)", "Across jobs (docs/nightly.md)", "Plan",
 )
+LORA = "LoRA adapters (docs/lora.md)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +90,27 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
         Flag("priority_aging_steps", int, 1000, "A waiting row gains one priority class per this many steps (0 = no aging).",
              ENGINE, field="priority_aging_steps"),
     ]
+    flags += LORA_FLAGS
     if policy_default is not None:
         flags.insert(8, Flag("policy", str, policy_default, "Admission: longest-first | fcfs | static | prefix (rows opening "
                              "with the same tokens together, longest-first inside).", ENGINE, field="policy"))
     return flags
+
+
+# the adapters (cbatch/lora/registry.py makes EngineConfig.loras of the first two)
+LORA_FLAGS = [
+    Flag("lora", Optional[List[str]], None, "A LoRA adapter rows may use: NAME=PATH of a PEFT folder (repeatable); a "
+         "row's `lora` field (or an OpenAI line's `model`) names it, rows without one use the base model.", LORA,
+         metavar="NAME=PATH"),
+    Flag("lora_dir", Optional[Path], None, "A folder of PEFT adapter folders, each named by its folder name.", LORA,
+         metavar="DIR"),
+    Flag("max_loras", int, 4, "Most distinct adapters in one step (their slots); rows of others wait.", LORA,
+         field="max_loras"),
+    Flag("max_lora_rank", int, 16, "The largest adapter rank (an adapter above it is refused before the job starts).",
+         LORA, field="max_lora_rank"),
+    Flag("lora_grouping", bool, True, "Admit waiting rows adapter by adapter (fewer adapters per step).", LORA,
+         decls=("--lora-grouping/--no-lora-grouping",), field="lora_grouping"),
+]
 
 
 # A flag for every sampling field (cbatch/config.py's table), typed by how the field is carried: JSON kinds

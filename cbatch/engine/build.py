@@ -39,6 +39,8 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
         comm, peers = start_group(config, resolved)
     model = load_rank_model(config, resolved, comm, device, random_weights_seed, show_progress)
     kv_dtype = memory.kv_cache_dtype(config, dtype)
+    # LoRA adapters: their slots in the adapted layers, allocated before the KV pool is sized from what is free
+    lora = load_loras(config, model) if config.loras else None
     tuning = tune_kernels(config, resolved, model.backend, kv_dtype, comm)  # before memory is sized
 
     def make_runner(sized: EngineConfig, num_blocks: int, num_host_blocks: int = 0) -> ModelRunner:
@@ -55,6 +57,10 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
     if config.async_scheduling is None:  # where the host can run ahead of the device
         config = replace(config, async_scheduling=device.type == "cuda" and comm.world == 1)
     runner = make_runner(config, kv.num_blocks, kv.num_host_blocks)
+    if lora is not None:  # before the graphs and the warm-up
+        runner.lora = lora
+        if device.type == "cuda":
+            lora.warm_up()  # the shrink / expand kernels compile now, not mid-run
     if device.type == "cuda" and model.backend.supports_cuda_graphs and not config.enforce_eager:
         runner.capture_decode_graphs(graph_batch_limit(config), resolved.max_model_len)
     if device.type == "cuda" and model.backend.needs_warmup:
@@ -67,6 +73,15 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
         tokenizer = load_tokenizer(model_dir)
     return Engine(config, runner, kv, resolved.max_model_len, spec=spec, tokenizer=tokenizer, device=device,
                   dtype=dtype, model_dir=model_dir, kernel_tuning=tuning)
+
+
+def load_loras(config: EngineConfig, model):
+    """The job's LoRA adapters (checked against the model again: preflight did it once) in their slots."""
+    from cbatch.lora.adapter import load_adapter
+    from cbatch.lora.runtime import LoraSlots
+
+    adapters = [load_adapter(name, path, model.spec, config.max_lora_rank) for name, path in config.loras]
+    return LoraSlots(model, adapters, config.max_loras, config.max_lora_rank)
 
 
 # start-up tuning times decode steps of this many sequences at this context (capped by max_model_len): the

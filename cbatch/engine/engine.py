@@ -160,6 +160,8 @@ class Engine:
             error = "stop strings need a tokenizer; this model has none"
         if error is None and params.constraint is not None:
             error = self._grammar_error(params.constraint)
+        if error is None and params.lora is not None:
+            error = self.lora_error(params.lora)
         return prompt_ids, error
 
     def extra_seq_id(self) -> int:
@@ -175,6 +177,19 @@ class Engine:
         if params.constraint is not None:  # each sample its own matcher (checked by `_grammar_error` first)
             seq.grammar = self.grammars.start(params.constraint)
         return seq
+
+    @property
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters rows may name (--lora, --lora-dir)."""
+        return [name for name, _ in self.config.loras]
+
+    def lora_error(self, name: str) -> str | None:
+        """None when `name` is one of the job's adapters; else the error naming it and the fix."""
+        if name in self.lora_names:
+            return None
+        known = f"its adapters are {', '.join(self.lora_names)}" if self.config.loras else "it has none"
+        return (f"lora {name!r}: no LoRA adapter of that name in this job ({known}); give it with "
+                f"--lora {name}=PATH, or fix the row's `lora`")
 
     def _grammar_error(self, constraint: Constraint) -> str | None:
         """None when the constraint compiles (once per engine: `Grammars` caches it); else the error naming
@@ -316,10 +331,17 @@ def make_scheduler(config: EngineConfig, kv: KVPool, max_model_len: int) -> Sche
     from cbatch.engine.policy import PreemptionPolicy, PriorityOrder, get_policy
 
     pool = BlockPool(kv.num_blocks, config.block_size, enable_caching=config.enable_prefix_cache)
+    policy, admission = get_policy(config.policy), ADMISSIONS[config.admission]()
+    if config.loras:  # at most --max-loras adapters among the running rows; waiting rows taken adapter by adapter
+        from cbatch.lora.admission import AdapterLimit, grouped_by_adapter
+
+        admission = AdapterLimit(admission, config.max_loras)
+        if config.lora_grouping:
+            policy = replace(policy, new_key=grouped_by_adapter(policy.new_key))
     return Scheduler(
-        get_policy(config.policy), pool, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
+        policy, pool, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
         priority=PriorityOrder(config.priority_aging_steps), preemption=PreemptionPolicy(config.preemption),
-        admission=ADMISSIONS[config.admission](), num_host_blocks=kv.num_host_blocks,
+        admission=admission, num_host_blocks=kv.num_host_blocks,
     )
 
 

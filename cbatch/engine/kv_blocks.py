@@ -24,10 +24,12 @@ from typing import Iterable
 
 from cbatch.engine.sequence import Sequence
 
-BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
+# (parent block's hash, this block's token ids); a first block's parent is the row's LoRA adapter (None: the base
+# model), so rows of different adapters never share KV: the same tokens make different keys under another adapter
+BlockKey = tuple[int | str | None, tuple[int, ...]]
 
 
-def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+def block_hash(parent: int | str | None, tokens: tuple[int, ...]) -> int:
     """Chained hash of one full block: depends on every token of the prefix it ends. Python's own tuple
     hash: the cache lives and dies with its process, and a collision costs a miss, never a wrong KV
     (`lookup` compares the stored key)."""
@@ -147,7 +149,7 @@ def _block_hashes(pool: BlockPool, seq: Sequence, count: int) -> list[int]:
     hashes, keys, size = seq.block_hashes, seq.block_keys, pool.block_size
     while len(hashes) < count:
         i = len(hashes)
-        key = (hashes[i - 1] if i else None), tuple(seq.tokens(i * size, (i + 1) * size))
+        key = (hashes[i - 1] if i else seq.params.lora), tuple(seq.tokens(i * size, (i + 1) * size))
         keys.append(key)
         hashes.append(block_hash(*key))
     return hashes

@@ -112,6 +112,7 @@ class ModelRunner:
         self.num_host_blocks = num_host_blocks  # swap space in blocks; allocated at the first swap
         self.token_masks = TokenMasks(spec.vocab_size, device)  # structured output
         self._host_kv: torch.Tensor | None = None
+        self.lora = None  # cbatch.lora.runtime.LoraSlots when the job has LoRA adapters (build.py)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Captures the decode graphs (on every tensor-parallel rank: the collectives are captured too)."""
@@ -232,7 +233,15 @@ class ModelRunner:
         tokens = logits = None
         num_tokens, num_sampling = len(inputs.token_ids), len(inputs.logits_rows)
         # a decode graph needs every row to sample once, in batch order (no sample forks off a 1-token chunk)
-        if self.graphs is not None and num_sampling == num_tokens and self.graphs.can_run(batch.meta, num_tokens):
+        if self.lora is not None:  # each token's adapter slot for the adapted layers (none: the base model)
+            if inputs.lora_slots is None:
+                self.lora.step.clear()
+            else:
+                self.lora.step.set(inputs.lora_slots, self.lora.num_slots, self.device,
+                                   None if self.staging is None else self.staging.to_device)
+        # the decode graphs hold the base model only: steps with adapter rows run eagerly
+        if (self.graphs is not None and num_sampling == num_tokens and inputs.lora_slots is None
+                and self.graphs.can_run(batch.meta, num_tokens)):
             hidden, tokens = self.graphs.run(batch.input_ids, batch.positions, batch.meta, sampling)
             if not (self.fused_sampling and fused_covers(sampling)):
                 tokens = None
@@ -280,7 +289,8 @@ class ModelRunner:
     def _build(self, plan: StepPlan) -> tuple["StepInputs", list[Sequence], list[Sequence], list]:
         """(the step's inputs as host arrays, the sequences that sample in logits-row order, the sequences
         whose prompt log-probabilities this step computes, in `prompt_rows` order, the pooling rows)."""
-        ordered, starts, q_lens = _batch_order(plan.scheduled, self.backend.groups_decodes)
+        row_slots = self._row_slots(plan.scheduled)  # LoRA: each row's adapter slot (plan order), or None
+        ordered, starts, q_lens, order = _batch_order(plan.scheduled, self.backend.groups_decodes, row_slots)
         n = len(ordered)
         seqs = [seq for seq, _ in ordered]
         rows = self.block_tables.sync(seqs)
@@ -309,8 +319,18 @@ class ModelRunner:
         slots = table[token_seq, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
         inputs = StepInputs(flat.token_ids, positions, cu_q, seq_lens, np.ascontiguousarray(table), slots,
                             flat.logits_rows, flat.prompt_rows, plan.copies, plan.swap_out, plan.swap_in,
-                            flat.placeholder_rows, flat.placeholder_sources)
+                            flat.placeholder_rows, flat.placeholder_sources,
+                            None if row_slots is None else np.repeat(row_slots[order], q_lens))
         return inputs, flat.sampling_seqs, flat.prompt_seqs, flat.pool_rows
+
+    def _row_slots(self, scheduled: list[tuple[Sequence, int]]) -> np.ndarray | None:
+        """int32 [B]: each scheduled row's LoRA adapter slot (-1: the base model), or None when no row has one."""
+        if self.lora is None:
+            return None
+        adapters = [seq.params.lora for seq, _ in scheduled]
+        if all(name is None for name in adapters):
+            return None
+        return self.lora.row_slots(adapters)
 
 
 @dataclass(slots=True)
@@ -394,6 +414,7 @@ class StepInputs:
     swap_in: list[tuple[int, int]]  # (host slot, device block)
     placeholder_rows: list[int] = field(default_factory=list)  # flat rows whose token the last step samples
     placeholder_sources: list[int] = field(default_factory=list)  # and each one's row in that step's tokens
+    lora_slots: np.ndarray | None = None  # int32 [T]: each token's LoRA adapter slot (-1: base); None: no adapter rows
 
     def to_device(self, dev: torch.device, block_size: int, last_sampled: torch.Tensor | None = None,
                   staging: HostStaging | None = None) -> "_Batch":
@@ -493,24 +514,29 @@ def _prompt_logprob_rows(seq: Sequence, num_new: int, first_row: int) -> list[tu
     return [(first_row + start - seq.num_computed, seq.prompt_ids[start + 1 : end + 1])]
 
 
-def _batch_order(scheduled: list[tuple[Sequence, int]], by_context: bool) -> tuple[list[tuple[Sequence, int]], np.ndarray, np.ndarray]:
-    """The plan's rows in batch order, with their computed counts and chunk lengths (int64 arrays in that order):
-    decodes first (`by_context`: shortest context first), then prefill chunks, each in plan order (a stable
-    sort). TorchBackend attends neighbouring decode rows together (`groups_decodes`), so similar lengths pad
-    less, and its groups become slices of the batch. Otherwise the order is free: sampled tokens go back by
-    sequence id. (A decode-only step in plan order is the plan itself: no sort.)"""
+def _batch_order(scheduled: list[tuple[Sequence, int]], by_context: bool, adapters: np.ndarray | None = None
+                 ) -> tuple[list[tuple[Sequence, int]], np.ndarray, np.ndarray, np.ndarray | slice]:
+    """The plan's rows in batch order, with their computed counts and chunk lengths (int64 arrays in that order)
+    and the order (plan indices, or a whole slice): decodes first (`by_context`: shortest context first), then
+    prefill chunks, each in plan order (a stable sort). TorchBackend attends neighbouring decode rows together
+    (`groups_decodes`), so similar lengths pad less, and its groups become slices of the batch. Otherwise the
+    order is free: sampled tokens go back by sequence id, and rows of one LoRA adapter (`adapters`: each row's
+    slot) are put together, so each adapter's delta takes one slice of the batch. (A decode-only step in plan
+    order is the plan itself: no sort.)"""
     n = len(scheduled)
     computed = np.fromiter([seq.num_computed for seq, _ in scheduled], np.int64, n)
     q_lens = np.fromiter([num_new for _, num_new in scheduled], np.int64, n)
     decode = q_lens == 1
     if by_context:
         key = np.where(decode, computed, np.iinfo(np.int64).max)
+    elif adapters is not None:
+        key = (~decode) * (int(adapters.max()) + 2) + adapters
     elif decode.all():
-        return scheduled, computed, q_lens
+        return scheduled, computed, q_lens, slice(None)
     else:
         key = ~decode
     order = np.argsort(key, kind="stable")
-    return [scheduled[i] for i in order.tolist()], computed[order], q_lens[order]
+    return [scheduled[i] for i in order.tolist()], computed[order], q_lens[order], order
 
 
 class _Batch:

@@ -8,7 +8,7 @@ from cbatch.engine.step import StepInfo
 # Why waiting work was not admitted in a step (one reason per step, counted in SchedulerStats).
 STALL_REASONS = (
     "no_free_blocks", "token_budget", "max_num_seqs", "reserved", "after_preemption", "static_group", "prefix_pending",
-    "closed",
+    "closed", "max_loras",
 )
 
 
@@ -43,6 +43,7 @@ class SchedulerStats:
     stalled_static_group: int = 0
     stalled_prefix_pending: int = 0  # the head shares a prefix block another sequence computes this step
     stalled_closed: int = 0  # admission closed (the job's deadline came: nothing new starts)
+    stalled_max_loras: int = 0  # the head's LoRA adapter would be one more than --max-loras among the running rows
     # queue wait (steps from arrival to first scheduling) per priority class
     wait_steps_by_priority: dict[int, list[int]] = field(default_factory=dict)
 

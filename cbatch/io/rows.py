@@ -77,6 +77,11 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams) -
     else:
         request.prompt_token_ids = _token_ids(row["prompt_token_ids"])
     request.params = sampling_from_row(row, defaults)
+    lora = row.get("lora")
+    if lora is not None:
+        if not isinstance(lora, str) or not lora:
+            raise RowError(f"`lora` must be the name of a LoRA adapter of the job (a string), got {lora!r}")
+        request.params = with_lora(request.params, lora)
     request.echo = {"object": response_object or ("chat.completion" if request.messages else "text_completion")}
     if isinstance(row.get("model"), str):
         request.echo["model"] = row["model"]
@@ -86,6 +91,22 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams) -
 def parse_messages(value: Any) -> list[dict[str, Any]]:
     """A row's `messages`, checked (raises RowError naming the message and field)."""
     return _messages(value)
+
+
+_WITH_LORA: dict[tuple[int, str], tuple[SamplingParams, SamplingParams]] = {}  # (id(params), adapter) -> both
+
+
+def with_lora(params: SamplingParams, lora: str) -> SamplingParams:
+    """`params` for the LoRA adapter `lora`; rows that share settings share the result too (the host step checks
+    each distinct settings object once per step: cbatch/config.py's distinct_params)."""
+    key = (id(params), lora)
+    cached = _WITH_LORA.get(key)
+    if cached is not None and cached[0] is params:
+        return cached[1]
+    adapted = replace(params, lora=lora)
+    if len(_WITH_LORA) < 4096:
+        _WITH_LORA[key] = (params, adapted)
+    return adapted
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:

@@ -222,6 +222,10 @@ class JobState:
             return "a different input file"
         if previous.get("settings") != self.fingerprint["settings"]:
             return "different generation settings (model, dtype, device, seed, sampling flags)"
+        adapters = sorted({k for k in {*previous, *self.fingerprint} if k.startswith("lora:")})
+        changed = [k[5:] for k in adapters if previous.get(k) != self.fingerprint.get(k)]
+        if changed:  # LoRA adapters (cbatch/lora): added, removed, or their files changed
+            return f"the LoRA adapter {changed[0]!r} with other files (or without it)"
         return None
 
     # ---- start -----------------------------------------------------------------------------------

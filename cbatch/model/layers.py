@@ -37,6 +37,7 @@ class Linear(nn.Linear):
     prepacked matmul once `prepack()` has run."""
 
     packed: torch.Tensor | None = None
+    lora = None  # cbatch.lora.runtime.LoraTarget: the job's adapters add their deltas to the output
 
     def prepack(self) -> None:
         """Swaps the weight for its prepacked copy (CPU only; a no-op where unavailable). The plain
@@ -47,9 +48,8 @@ class Linear(nn.Linear):
             self.weight = None  # nothing may use the plain weight from here on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return linear(x, self.weight, self.bias)
+        out = packed_linear(x, self.packed, self.bias) if self.packed is not None else linear(x, self.weight, self.bias)
+        return out if self.lora is None else self.lora.add(x, out)
 
 
 class Fp8Linear(nn.Module):
@@ -67,8 +67,11 @@ class Fp8Linear(nn.Module):
         self.block = block
         self.backend = backend
 
+    lora = None  # as Linear's
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
+        out = self.backend.fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
+        return out if self.lora is None else self.lora.add(x, out)
 
 
 class Int4Linear(nn.Module):

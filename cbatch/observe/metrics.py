@@ -92,6 +92,9 @@ class JobMetrics:
     engine: EngineSnapshot = field(default_factory=EngineSnapshot)
     submitted_rows: int = 0  # rows handed to an engine, and their max_tokens: the ETA before any row is done
     submitted_max_tokens: int = 0
+    # jobs with LoRA adapters: adapter name ("base" for the base model) -> {"rows", "prompt_tokens", "output_tokens"}
+    # of the rows generated (not resumed or cached)
+    lora_usage: dict[str, dict[str, int]] = field(default_factory=dict)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # raw StepSamples, newest last
     steps_recorded: int = 0
     _buckets: list[StepSample] = field(default_factory=list)  # closed, each `_bucket_width` steps
@@ -145,6 +148,13 @@ class JobMetrics:
             return self.recent[-1 - back].t
         index = (step - 1) // self._bucket_width
         return self._buckets[index].t if index < len(self._buckets) else self._open.t
+
+    def count_adapter(self, adapter: str | None, prompt_tokens: int, output_tokens: int, row_done: bool) -> None:
+        """One generated sample of a job with adapters, under its adapter (None: the base model)."""
+        usage = self.lora_usage.setdefault(adapter or "base", {"rows": 0, "prompt_tokens": 0, "output_tokens": 0})
+        usage["rows"] += row_done
+        usage["prompt_tokens"] += prompt_tokens
+        usage["output_tokens"] += output_tokens
 
     def add_timing(self, timing: RequestTiming) -> None:
         """Keeps `timing` for the latency percentiles: all of them up to MAX_TIMINGS, then a uniform

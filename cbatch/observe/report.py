@@ -54,6 +54,8 @@ def build_report(
         "lengths": length_quantiles(metrics),
         "series": time_series(metrics.series, max_num_seqs, num_kv_blocks),
     }
+    if metrics.lora_usage:  # LoRA adapters: rows and tokens per adapter ("base": the base model's rows)
+        report["lora"] = {name: dict(usage) for name, usage in sorted(metrics.lora_usage.items())}
     if hardware is not None:
         report["hardware"] = hardware
     return report

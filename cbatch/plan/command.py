@@ -58,6 +58,10 @@ def run_plan(options: PlanOptions) -> int:
     pooling = resolve_task(options, model)
     engine_backend(options.engine, kind.device)  # a backend the run could not use fails here, as there
     config = replace(options.engine, model=str(model.checkpoint.path))
+    if config.loras:  # every adapter folder checked against the model as a run's preflight does (no model weights)
+        from cbatch.lora.registry import adapter_digests
+
+        adapter_digests(config.loras, model.spec, config.max_lora_rank)
     cost, cost_source = cost_model(options, kind, model)
     lengths = (OutputLengths.from_report(options.lengths_from, config.seed) if options.lengths_from is not None
                else OutputLengths(source="max_tokens, an upper bound"))
@@ -138,6 +142,7 @@ def plan_report(options: PlanOptions, setup: PlanSetup, cost_source: str, checke
         "requests": {"total": total, "ok": total - len(errors), "error": len(errors), "cached": checked.cached},
         "errors": [{"index": r.index, "id": r.row_id, "error": r.error} for r in errors],
         "predicted": first.predicted(),
+        **({"lora": first.report["lora"]} if "lora" in first.report else {}),  # rows and tokens per adapter
         "search": {
             "best": best.predicted(),
             "tried": [{"max_num_seqs": s.config.max_num_seqs, "max_num_batched_tokens": s.config.max_num_batched_tokens,
@@ -167,6 +172,8 @@ def print_plan(plan: dict[str, Any], quiet: bool) -> None:
             print(f"  {row['id']}: {row['error']}")
         if len(plan["errors"]) > MAX_ERRORS_SHOWN:
             print(f"  ... and {len(plan['errors']) - MAX_ERRORS_SHOWN} more (every one is in --report)")
+    if "lora" in plan:
+        print("rows per LoRA adapter: " + ", ".join(f"{name} {u['rows']}" for name, u in plan["lora"].items()))
     print(f"predicted on {plan['device_kind']}, {plan['dtype'].removeprefix('torch.')} (costs: "
           f"{plan['cost_model']['source']}; output lengths: {plan['output_lengths']}):")
     rates = (f"{p['requests_per_s']:,.1f} rows/s, {p['total_tokens_per_s']:,.1f} prompt tok/s" if "task" in plan else

@@ -18,7 +18,7 @@ from cbatch.engine.sequence import Sequence
 from cbatch.io.columns import KeepColumns
 from cbatch.io.pooling_rows import PoolingRow, parse_pooling_row
 from cbatch.io.reader import RawRow
-from cbatch.io.rows import RowError, RowRequest, parse_row, row_id_of
+from cbatch.io.rows import RowError, RowRequest, parse_row, row_id_of, with_lora
 from cbatch.observe.metrics import JobMetrics, RequestTiming, engine_snapshot, engine_step_sample
 from cbatch.run.result_cache import RowCache
 from cbatch.run.results import RowResult
@@ -132,6 +132,8 @@ class LocalExecutor:
         try:
             request = parse_row(index, raw, self.defaults)
             echo = request.echo
+            if request.params.lora is None and echo.get("model") in self.engine.lora_names:
+                request.params = with_lora(request.params, echo["model"])  # OpenAI lines: `model` names the adapter
             prompt_ids = tokenize_request(self.engine, request)
             hit = self.cache.lookup(index, request.row_id, prompt_ids, request.params) if self.cache else None
         except Exception as exc:  # RowError, or a tokenizer check on this row alone: never the job
@@ -302,6 +304,8 @@ class LocalExecutor:
             return result
         timing = self._timing(seq, row, len(out.prompt_token_ids), len(out.token_ids))
         completion, columns = self._columns(out)
+        if self.engine.config.loras:
+            metrics.count_adapter(seq.params.lora, len(out.prompt_token_ids), len(out.token_ids), not row.left)
         return RowResult(
             seq.row_index, row.row_id, out.finish_reason, completion=completion, prompt_tokens=len(out.prompt_token_ids),
             completion_tokens=len(out.token_ids), completion_token_ids=out.token_ids, timing=timing,

@@ -194,7 +194,13 @@ def job_fingerprint(options: JobOptions, model: ResolvedModel, source: InputFile
         settings["output"] = {"format": options.output_format, "keep_columns": options.keep_columns}
     if pooling is not None:  # a prefill-only job (absent for generate: old digests hold)
         settings["task"] = pooling_settings(pooling)
-    return {"input": input_digest(source or open_input(options.input)), "settings": settings_digest(settings)}
+    fingerprint = {"input": input_digest(source or open_input(options.input)), "settings": settings_digest(settings)}
+    if options.engine.loras:  # each adapter's files, checked whole (absent without adapters: old digests hold)
+        from cbatch.lora.registry import adapter_digests
+
+        digests = adapter_digests(options.engine.loras, model.spec, options.engine.max_lora_rank)
+        fingerprint.update({f"lora:{name}": digest for name, digest in digests.items()})
+    return fingerprint
 
 
 def input_digest(source: InputFile) -> str:

@@ -289,6 +289,10 @@ def open_row_cache(folder: Path | None, limit: CacheLimit, model: ResolvedModel,
     identity["reasoning_split"] = reasoning_split
     if task is not None:  # a prefill-only job (engine/tasks.py): its settings make its rows' results
         identity["task"] = task
+    if config.loras:  # a row's adapter is in its settings (`lora`); what the adapter holds is here
+        from cbatch.lora.registry import adapter_digests
+
+        identity["loras"] = adapter_digests(config.loras, model.spec, config.max_lora_rank)
     return RowCache(cache, identity, config.seed)
 
 
