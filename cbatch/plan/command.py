@@ -142,13 +142,21 @@ def plan_report(options: PlanOptions, setup: PlanSetup, cost_source: str, checke
         "requests": {"total": total, "ok": total - len(errors), "error": len(errors), "cached": checked.cached},
         "errors": [{"index": r.index, "id": r.row_id, "error": r.error} for r in errors],
         "predicted": first.predicted(),
-        **({"lora": first.report["lora"]} if "lora" in first.report else {}),  # rows and tokens per adapter
+        **({"lora": adapter_usage(checked, first)} if checked.adapters else {}),  # rows and tokens per adapter
         "search": {
             "best": best.predicted(),
             "tried": [{"max_num_seqs": s.config.max_num_seqs, "max_num_batched_tokens": s.config.max_num_batched_tokens,
                        "wall_seconds": s.wall, "error_rows": len(s.errors)} for s in simulations],
         },
     }
+
+
+def adapter_usage(checked: CheckedRows, first: Simulation) -> dict[str, dict[str, int]]:
+    """Rows per LoRA adapter (every row checked), with the simulated rows' tokens scaled to the job."""
+    simulated = first.report.get("lora", {})
+    return {name: {"rows": rows, **{k: round(simulated.get(name, {}).get(k, 0) * first.scale)
+                                    for k in ("prompt_tokens", "output_tokens")}}
+            for name, rows in sorted(checked.adapters.items())}
 
 
 def deadline_warning(plan: dict[str, Any], deadline: Deadline, unit: str) -> str | None:

@@ -110,6 +110,7 @@ class CheckedRows:
     cached: int  # rows the run would copy from the result cache
     accepted: int  # rows that would run
     sample: RowSample  # the rows the simulations schedule: every accepted row, or an even sample of them
+    adapters: dict[str, int] = field(default_factory=dict)  # rows that would run per LoRA adapter ("base": none)
 
     @property
     def scale(self) -> float:
@@ -183,6 +184,8 @@ def check_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, t
             checked.errors.append(RowResult.failed(index, prepared.request.row_id, error, len(prompt_ids)))
             continue
         checked.accepted += 1
+        if engine.config.loras:
+            checked.adapters[params.lora or "base"] = checked.adapters.get(params.lora or "base", 0) + 1
         if index % every == 0:
             checked.sample[index] = (array("i", prompt_ids), params)
     return checked
@@ -219,6 +222,8 @@ def replay(sample: RowSample, defaults: SamplingParams) -> Callable[[], Iterator
                 continue
             # (getattr, not dataclasses.asdict: that deep-copies every field of every row of every simulation)
             settings = {k: v for k in SAMPLING_FIELDS if (v := getattr(params, k)) is not None and v != getattr(defaults, k)}
+            if params.lora is not None:  # (a row field, not a sampling one)
+                settings["lora"] = params.lora
             yield index, {"prompt_token_ids": list(prompt_ids), **settings}
 
     return rows

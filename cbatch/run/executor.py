@@ -305,7 +305,7 @@ class LocalExecutor:
         timing = self._timing(seq, row, len(out.prompt_token_ids), len(out.token_ids))
         completion, columns = self._columns(out)
         if self.engine.config.loras:
-            metrics.count_adapter(seq.params.lora, len(out.prompt_token_ids), len(out.token_ids), not row.left)
+            self.metrics.count_adapter(seq.params.lora, len(out.prompt_token_ids), len(out.token_ids), not row.left)
         return RowResult(
             seq.row_index, row.row_id, out.finish_reason, completion=completion, prompt_tokens=len(out.prompt_token_ids),
             completion_tokens=len(out.token_ids), completion_token_ids=out.token_ids, timing=timing,
