@@ -3,7 +3,7 @@
 # device call (the device kills a command after 600 s: every part plans <= 540 s, every step runs under its
 # own `timeout`, and each part installs what it needs, so parts run in any order on a fresh or warm machine).
 #
-#   bash benchmarks/gpu_session.sh PART        PART: all | speed | peer | kernels | suite | parity | bench | e2e | e2e-more | e2e-sync | int4
+#   bash benchmarks/gpu_session.sh PART        PART: all | speed | peer | kernels | suite | parity | bench | e2e | e2e-more | e2e-sync | int4 | lora
 #   bash benchmarks/gpu_session.sh --list      the parts, their steps and time budgets
 #   bash benchmarks/gpu_session.sh --cpu-dry-run [PART...]   every part (or those named) on this CPU (Triton interpreter, tiny shapes,
 #                                              a few requests): the same files and summary, to catch shell
@@ -16,7 +16,9 @@
 # Expected device time per part (budgets are the timeouts): kernels ~4 min, suite ~4, parity ~3, bench ~3,
 # e2e ~5, e2e-more ~5, e2e-sync ~3 (e2e with --no-async-scheduling: the overlap's gain), int4 ~7 (the W4A16 GEMM
 # against bf16 matmul on 70B shapes, and e2e's workload on an AWQ-g128 copy of the model: its tok/s against
-# e2e's). The GPU issue's order: kernels, suite, parity, e2e, bench, e2e-more, e2e-sync; then int4.
+# e2e's), lora ~3 (4 adapters x 128 rows + 128 base rows against the base model alone, grouped and ungrouped,
+# the Triton shrink/expand kernels). The GPU issue's order: kernels, suite, parity, e2e, bench, e2e-more, e2e-sync;
+# then int4, lora.
 #
 # Carry (device tool `carry`): .carry (SmolLM2's tokenizer for the CLI tests; `python benchmarks/make_carry.py`
 # builds it) and .whl (wheels of what the image lacks: xgrammar and the structured-output tests' packages; make_carry.py
@@ -42,12 +44,13 @@ declare -A PLAN=(
   [e2e-more]="make_model:90 cbatch_temp06:210 cbatch_fp8:210"
   [e2e-sync]="make_model:90 cbatch_sync:210"
   [int4]="make_model:60 make_int4:120 w4a16_gemm:120 cbatch_int4:210"
+  [lora]="lora_bench:300"
   [speed]="make_model:60 profile_bf16:100 profile_fp8:70 decode_kernels:110"
   [peer]="make_model:60 hf_vs_cbatch:150"
   [gpu-tests]="gpu_tests:150"
   [all]="make_model:40 profile_bf16:90 profile_fp8:60 decode_kernels:110 hf_vs_cbatch:120"
 )
-PARTS="all speed peer gpu-tests kernels suite parity bench e2e e2e-more e2e-sync int4"
+PARTS="all speed peer gpu-tests kernels suite parity bench e2e e2e-more e2e-sync int4 lora"
 ALL_LIMIT_S=420  # the GPU issue: `all` in at most 7 minutes
 KERNEL_TESTS="tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_kernels_compile.py tests/test_compile_count.py tests/test_triton_e2e.py tests/test_fp8_kv.py"
 MODEL=/tmp/qwen3-0.6b-random
@@ -230,6 +233,15 @@ part_int4() {  # 4-bit weights: the GEMM against bf16 matmul, then e2e's workloa
   step make_int4 $py tests/int_checkpoints.py "$(model_dir)" "$(model_dir)-awq-g128" awq-g128
   step w4a16_gemm $py benchmarks/w4a16_gemm.py $( [ $DRY = 1 ] && echo --cpu-smoke ) --out "$LOGS/w4a16_gemm.txt"
   step cbatch_int4 $py benchmarks/compare_peers.py $(e2e_args | sed "s#--model [^ ]*#--model $(model_dir)-awq-g128#") --engines cbatch --run-timeout 200 --json "$LOGS/e2e_int4.json"
+}
+
+part_lora() {  # LoRA adapters per row (issue 36): 4 adapters x rows + base rows against the base model alone, grouped and not
+  if [ $DRY = 1 ]; then
+    step lora_bench $py benchmarks/lora_bench.py --rows 4 --prompt-len 8 --output-len 4 --rounds 1 --hidden 64 --layers 2
+  else
+    step lora_bench $py benchmarks/lora_bench.py --device cuda --hidden 1024 --layers 8 --rows 128 --prompt-len 256 \
+      --output-len 128 --max-num-seqs 256 --rounds 3
+  fi
 }
 
 run_part() {
