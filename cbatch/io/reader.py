@@ -52,8 +52,8 @@ class InputPart:
 
 @dataclass(frozen=True, slots=True)
 class InputFile:
-    """INPUT as every reader takes it: one file, or the files of a folder or a glob (sorted by path), all of one
-    format. Rows are numbered across the files in that order: a row's index is its place in the whole input,
+    """INPUT as every reader takes it: one file, or the files of a folder or a glob (sorted by path), JSONL or
+    Parquet each. Rows are numbered across the files in that order: a row's index is its place in the whole input,
     stable as long as the files are (the job's fingerprint holds every file's digest)."""
 
     given: str  # what the user gave: a file, a folder or a pattern (or a URL of one)
@@ -61,7 +61,9 @@ class InputFile:
 
     @property
     def format(self) -> str:
-        return self.parts[0].format
+        """jsonl | parquet, or mixed (a folder of both: each file read by its own reader, rows as dicts alike)."""
+        formats = {part.format for part in self.parts}
+        return formats.pop() if len(formats) == 1 else "mixed"
 
     @property
     def path(self) -> Path:
@@ -117,9 +119,6 @@ def open_input(given: "str | Path") -> InputFile:
 
 
 def _input_of(given: str, parts: tuple[InputPart, ...]) -> InputFile:
-    formats = {p.format for p in parts}
-    if len(formats) > 1:
-        raise InputError(f"{given}: the input mixes JSONL and Parquet files; give one format at a time")
     for part in parts:
         check_readable(part)
     return InputFile(given, parts)
