@@ -304,7 +304,8 @@ def test_a_bench_run_honours_every_engine_flag_its_report_names(tmp_path, monkey
     run = runs[0]
     wanted = EngineConfig(device="cpu", policy="fcfs", **{field: value for _, _, field, value in OTHER_FLAGS}, **asked)
     # (auto settings appear as what ran: asynchronous scheduling is off on a CPU, CUDA graphs stop at the 8 prompts)
-    assert run["settings"]["engine"] == {**asdict(wanted), "async_scheduling": False, "cuda_graph_max_batch": 8}
+    asked_settings = json.loads(json.dumps({**asdict(wanted), "async_scheduling": False, "cuda_graph_max_batch": 8}))
+    assert run["settings"]["engine"] == asked_settings  # (through JSON, as the report holds them: tuples are lists)
     # --shared-prefix adds a run of the same policy without the prefix cache, when the cache is on
     assert len(runs) == len(schedulers) == (2 if wanted.enable_prefix_cache else 1)
 
