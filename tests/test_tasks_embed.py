@@ -100,7 +100,7 @@ def test_classification_and_reward_heads_match_hf(models):
     assert len(set(probs.argmax(1).tolist())) > 1  # decisive: not one label for every text
     reward = pooled(models["reward"], texts, PoolingParams("reward", head=True))
     ref = hf_classifier_logits(models["reward"], texts)
-    torch.testing.assert_close(reward, ref, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(reward, ref, atol=1e-5, rtol=1e-5)  # a raw logit: relative float32 rounding
     assert reward.std() > 0.5
 
 
