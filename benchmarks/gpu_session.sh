@@ -237,9 +237,9 @@ part_int4() {  # 4-bit weights: the GEMM against bf16 matmul, then e2e's workloa
 
 part_lora() {  # LoRA adapters per row (issue 36): 4 adapters x rows + base rows against the base model alone, grouped and not
   if [ $DRY = 1 ]; then
-    step lora_bench $py benchmarks/lora_bench.py --rows 4 --prompt-len 8 --output-len 4 --rounds 1 --hidden 64 --layers 2
+    step lora_bench $py benchmarks/lora_bench.py --rows 4 --prompt-len 8:16 --output-len 4 --rounds 1 --hidden 64 --layers 2 --vocab 512
   else
-    step lora_bench $py benchmarks/lora_bench.py --device cuda --hidden 1024 --layers 8 --rows 128 --prompt-len 256 \
+    step lora_bench $py benchmarks/lora_bench.py --device cuda --hidden 1024 --layers 8 --rows 128 --prompt-len 128:512 \
       --output-len 128 --max-num-seqs 256 --rounds 3
   fi
 }
