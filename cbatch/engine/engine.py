@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol, Sequence as Seq
+from typing import Any, Iterable, Protocol, Sequence as Seq
 
 import torch
 
@@ -206,12 +206,15 @@ class Engine:
 
     def _token_error(self, params: SamplingParams) -> str | None:
         """A stop_token_ids or logit_bias token outside the model's vocabulary."""
+        return (self.vocabulary_error("stop_token_ids", params.stop_token_ids)
+                or self.vocabulary_error("logit_bias", params.logit_bias))
+
+    def vocabulary_error(self, what: str, tokens: Iterable[int]) -> str | None:
+        """The message naming `what` when one of `tokens` is outside the model's vocabulary; else None (and always
+        None for a model without a spec)."""
         vocab = self.spec.vocab_size if self.spec is not None else None
-        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
-            outside = next((t for t in tokens if vocab is not None and t >= vocab), None)
-            if outside is not None:
-                return f"{name} has token id {outside}, outside the model's vocabulary (ids 0..{vocab - 1})"
-        return None
+        outside = next((t for t in tokens if t >= vocab), None) if vocab else None
+        return None if outside is None else f"{what} has token id {outside}, outside the model's vocabulary (ids 0..{vocab - 1})"
 
     def close_admission(self) -> None:
         """No request starts from now on (a job's deadline): the waiting ones leave the queue unfinished (their

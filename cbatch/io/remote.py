@@ -43,7 +43,7 @@ def list_files(url: str, glob_chars: set[str], is_input_name: Callable[[str], bo
     fs, path = _filesystem(url)
     try:
         if glob_chars & set(path):
-            files = sorted(p for p in fs.glob(path) if fs.isfile(p))
+            files = sorted(p for p, entry in fs.glob(path, detail=True).items() if entry.get("type") == "file")
             if not files:
                 raise RemoteInputError(f"{url}: the pattern matches no file")
         elif fs.isdir(path):
@@ -65,10 +65,10 @@ def list_files(url: str, glob_chars: set[str], is_input_name: Callable[[str], bo
 def check_readable(fs: Any, path: str) -> None:
     url = url_of(fs, path)
     try:
-        exists, is_file = fs.exists(path), fs.isfile(path)
+        kind = fs.info(path).get("type")  # one request (exists and isfile would make two)
+    except FileNotFoundError:
+        raise RemoteInputError(f"{url}: no such input file") from None
     except Exception as exc:
         raise RemoteInputError(f"{url}: cannot reach the input ({type(exc).__name__}: {exc})") from None
-    if not exists:
-        raise RemoteInputError(f"{url}: no such input file")
-    if not is_file:
+    if kind != "file":
         raise RemoteInputError(f"{url}: the input is not a file")

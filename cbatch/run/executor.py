@@ -64,10 +64,8 @@ def tokenize_request(engine: Engine, request: RowRequest) -> list[int]:
                 ids = encode_text(tokenizer, request.prompt)
         except Exception as exc:  # a chat template raising on odd roles, a tokenizer edge case
             raise RowError(f"could not tokenize the prompt ({type(exc).__name__}: {exc})") from None
-    vocab = engine.spec.vocab_size if engine.spec is not None else None
-    outside = next((t for t in ids if t >= vocab), None) if vocab else None
-    if outside is not None:
-        raise RowError(f"the prompt has token id {outside}, outside the model's vocabulary (ids 0..{vocab - 1})")
+    if (error := engine.vocabulary_error("the prompt", ids)) is not None:
+        raise RowError(error)
     return ids
 
 
@@ -212,7 +210,7 @@ class LocalExecutor:
     def _pooling_ids(self, request: PoolingRow, text: str | None) -> list[int]:
         """A prefill-only request's token ids: its own, its text's or (`text` None with a pair: a cross-encoder)
         its pair's, tokenized as HF and sentence-transformers do (the tokenizer's special tokens added)."""
-        tokenizer, spec = self.engine.tokenizer, self.engine.spec
+        tokenizer = self.engine.tokenizer
         if request.token_ids is not None:
             ids = request.token_ids
         elif tokenizer is None:
@@ -226,9 +224,8 @@ class LocalExecutor:
             ids = list(tokenizer.encode(text if text is not None else request.text))
         else:
             ids = list(tokenizer.encode(*request.pair))
-        outside = next((t for t in ids if spec is not None and t >= spec.vocab_size), None)
-        if outside is not None:
-            raise RowError(f"the input has token id {outside}, outside the model's vocabulary (ids 0..{spec.vocab_size - 1})")
+        if (error := self.engine.vocabulary_error("the input", ids)) is not None:
+            raise RowError(error)
         return ids
 
     def end_of_input(self) -> None:
