@@ -75,6 +75,11 @@ class InputFile:
         return part.name if len(self.parts) == 1 else part.path.name
 
     @property
+    def name(self) -> str:
+        """How a message names the whole input: what the user gave (several files), or its one file's path or URL."""
+        return self.given if len(self.parts) > 1 else self.parts[0].name
+
+    @property
     def local(self) -> bool:
         return self.parts[0].fs is None
 
@@ -290,8 +295,7 @@ def inspect_input(source: InputFile, probe_rows: int = 200, fields: tuple[str, .
                 )
         total += count
     if total == 0:
-        where = source.given if len(source.parts) > 1 else source.parts[0].name
-        raise InputError(f"{where}: the input has no rows; give at least one row with a `prompt` or `messages` field")
+        raise InputError(f"{source.name}: the input has no rows; give at least one row with a `prompt` or `messages` field")
     return total
 
 

@@ -146,8 +146,7 @@ def check_unique_ids(source: InputFile) -> None:
     duplicate = find_duplicate_id(source)
     if duplicate is not None:
         row_id, first, second = duplicate
-        where = source.given if len(source.parts) > 1 else source.path
-        raise JobError(f"{where}: {describe_places(first, second)} have the same id {row_id!r}; give every row "
+        raise JobError(f"{source.name}: {describe_places(first, second)} have the same id {row_id!r}; give every row "
                        "its own `id`/`custom_id`, or pass --allow-duplicate-ids")
 
 
