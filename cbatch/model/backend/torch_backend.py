@@ -171,13 +171,13 @@ class TorchBackend:
         order = flat_ids.argsort(stable=True)  # assignments (token * k + j) grouped by expert
         counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
         contributions = torch.empty((num_tokens * top_k, x.shape[1]), dtype=x.dtype, device=x.device)
+        zeros = (None, None) if int_experts is None else (int_experts.w13_zero, int_experts.w2_zero)
         start = 0
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
             assignments = order[start : start + n]
             start += n
-            zeros = (None, None) if int_experts is None else (int_experts.w13_zero, int_experts.w2_zero)
             gate_up = linear(x[assignments // top_k],
                              _expert_weight(w13, w13_scale, block, expert, x.dtype, zeros[0], int_experts))  # [n, 2I]
             act = self.gelu_tanh_and_mul(gate_up) if activation == "gelu_tanh" else self.silu_and_mul(gate_up)
