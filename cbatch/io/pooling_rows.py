@@ -16,7 +16,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbatch.io.rows import RowError, parse_messages, row_id_of
+from cbatch.io.rows import RowError, parse_messages, row_id_of, text_field
 from cbatch.io.writer import TASK_COLUMNS
 
 TEXT_FIELDS = ("input", "text", "prompt")
@@ -69,9 +69,9 @@ def parse_pooling_row(index: int, row: dict[str, Any] | str, task: str) -> Pooli
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value) and value:
         out.token_ids = list(value)
     elif isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        out.text = _text(given[0], value[0])
+        out.text = text_field(given[0], value[0])
     elif isinstance(value, str):
-        out.text = _text(given[0], value)
+        out.text = text_field(given[0], value)
     else:
         raise RowError(f"`{given[0]}` must be one string or one non-empty list of token ids (one input per row)")
     return out
@@ -107,20 +107,8 @@ def _pair(row: dict[str, Any]) -> tuple[str, str]:
             missing = first if row.get(first) is None else second if row.get(second) is None else None
             if missing is not None:
                 raise RowError(f"missing `{missing}`: a score row gives both `{first}` and `{second}`")
-            return _text(first, row[first]), _text(second, row[second])
+            return text_field(first, row[first]), text_field(second, row[second])
     raise RowError("missing pair: a score row gives `text_1` and `text_2` (or `query` and `document`)")
-
-
-def _text(name: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise RowError(f"`{name}` must be a string, got {type(value).__name__}")
-    if not value.strip():
-        raise RowError(f"`{name}` is empty")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise RowError(f"`{name}` is not valid Unicode text (an unpaired surrogate at character {exc.start})") from None
-    return value
 
 
 # ---- output -----------------------------------------------------------------------------------------

@@ -67,11 +67,7 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams) -
         raise RowError(f"give only one of `prompt`, `messages`, `prompt_token_ids` (got {', '.join(given)})")
     field = given[0]
     if field == "prompt":
-        if not isinstance(row["prompt"], str):
-            raise RowError(f"`prompt` must be a string, got {type(row['prompt']).__name__}")
-        if not row["prompt"].strip():
-            raise RowError("`prompt` is empty")
-        request.prompt = _text("prompt", row["prompt"])
+        request.prompt = text_field("prompt", row["prompt"])
     elif field == "messages":
         request.messages = _messages(row["messages"])
     else:
@@ -125,6 +121,15 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             raise RowError(f"`messages[{i}].content` must be a string")
         out.append({"role": _text(f"messages[{i}].role", message["role"]), "content": _text(f"messages[{i}].content", content)})
     return out
+
+
+def text_field(field: str, value: Any) -> str:
+    """A row's text field: a string, not blank, valid Unicode (raises RowError naming the field)."""
+    if not isinstance(value, str):
+        raise RowError(f"`{field}` must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise RowError(f"`{field}` is empty")
+    return _text(field, value)
 
 
 def _text(field: str, value: str) -> str:
