@@ -15,9 +15,14 @@ PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 ADMISSION_MODES: tuple[str, ...] = ("optimistic", "reserve")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 # The names of what the layers above register (tests/test_registries.py holds them to these): admission policies
-# (cbatch/engine/policy.py, the default first) and compute backends (cbatch/model/backend/, besides `auto`).
+# (cbatch/engine/policy.py, the default first) and compute backends.
 POLICIES: tuple[str, ...] = ("longest-first", "fcfs", "static", "prefix")
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "cpu", "torch", "triton")
+# A compute backend is a file cbatch/model/backend/NAME_backend.py that registers NAME: the names are read from the
+# file names (importing the backends would import torch, which the command line keeps out of its start-up).
+BACKEND_FILE_SUFFIX = "_backend.py"
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", *sorted(
+    path.name.removesuffix(BACKEND_FILE_SUFFIX)
+    for path in (Path(__file__).parent / "model" / "backend").glob(f"*{BACKEND_FILE_SUFFIX}")))
 
 
 def cache_root() -> Path:
@@ -57,7 +62,7 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None  # CPU memory budget for the KV pool; None = automatic
     gpu_memory_utilization: float = 0.9  # share of GPU memory cbatch may use (weights + activations + KV)
     policy: str = "longest-first"  # admission order: longest-first | fcfs | static
-    attention_backend: str = "auto"  # auto (triton on CUDA, cpu on CPU: torch without a C++ compiler) | cpu | torch | triton
+    attention_backend: str = "auto"  # auto (triton on CUDA, cpu on CPU: torch without a C++ compiler) | ATTENTION_BACKENDS
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0  # seed for requests that give none
     num_threads: int | None = None  # CPU threads for torch; None = torch's default

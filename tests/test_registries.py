@@ -21,7 +21,8 @@ def test_admission_policies_are_the_configs_names_default_first():
     assert tuple(POLICY_BY_NAME) == POLICIES
 
 
-def test_registered_backends_are_the_configs_names_besides_auto():
+def test_each_backend_file_registers_its_name_and_the_config_accepts_exactly_those():
+    # NAME_backend.py registers NAME: config.ATTENTION_BACKENDS, read from the file names, matches the registry
     assert ATTENTION_BACKENDS[0] == "auto"
     assert sorted(registered()) == sorted(ATTENTION_BACKENDS[1:])
 

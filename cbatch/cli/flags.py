@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Optional
 
 import typer
 
-from cbatch.config import (BOOL, INT, JSON_KINDS, LIST_KINDS, NUMBER, OBJECT, SAMPLING_FIELDS, STRINGS, TOKEN_BIASES,
+from cbatch.config import (ATTENTION_BACKENDS, BOOL, INT, JSON_KINDS, LIST_KINDS, NUMBER, OBJECT, SAMPLING_FIELDS, STRINGS, TOKEN_BIASES,
                            TOKEN_IDS, SamplingField)
 
 ENGINE, SAMPLING, JOB, RAY, WORKLOAD, SIMULATOR, ACROSS_JOBS, PLAN = (
@@ -62,8 +62,8 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
              "slightly less exact).", ENGINE, field="kv_cache_dtype"),
         Flag("num_kv_blocks", Optional[int], None, "Force the KV pool size in blocks (default: from memory).", ENGINE,
              field="num_kv_blocks"),
-        Flag("attention_backend", str, "auto", "auto | cpu | torch | triton (auto: triton on CUDA; on a CPU, cpu: compiled decode attention, torch where no C++ compiler is found).", ENGINE,
-             field="attention_backend"),
+        Flag("attention_backend", str, "auto", f"{' | '.join(ATTENTION_BACKENDS)} (auto: the fastest backend that "
+             "runs on the device; docs/ARCHITECTURE.md).", ENGINE, field="attention_backend"),
         Flag("max_model_len", Optional[int], None, "Cap on prompt + completion tokens (default: the model's).", ENGINE,
              field="max_model_len"),
         Flag("tensor_parallel_size", int, 1, "Split each layer across N GPUs (N CPU processes on CPU): models bigger "

@@ -8,12 +8,16 @@ the registry (registry.py), and asked what it can do through the flags of the `B
     TorchBackend   plain torch: the reference, and the CPU path where no C++ compiler is found
     TritonBackend  `cbatch.kernels`: the GPU path (CPU tensors only under TRITON_INTERPRET=1)
 
-Adding a backend: its own module, which ends by registering it, and one import line below (that registers it);
-its name joins config.ATTENTION_BACKENDS.
+Adding a backend is one file, NAME_backend.py in this folder, ending with its `register("NAME", ...)` call:
+config.ATTENTION_BACKENDS reads the names from the file names, and this package imports every such file (which
+registers it).
 """
 from __future__ import annotations
 
-# importing a backend's module registers it (CpuBackend, TorchBackend, TritonBackend)
+import importlib
+from pathlib import Path
+
+from cbatch.config import BACKEND_FILE_SUFFIX
 from cbatch.fp8_kv import FP8_KV_DTYPE
 from cbatch.model.backend.cpu_backend import CpuBackend
 from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVLayer, kv_cache_shape
@@ -22,6 +26,9 @@ from cbatch.model.backend.registry import BackendUnavailable, auto_choice, backe
 from cbatch.model.backend.rotary import RotaryStep
 from cbatch.model.backend.torch_backend import TorchBackend
 from cbatch.model.backend.triton_backend import TritonBackend
+
+for _path in sorted(Path(__file__).parent.glob(f"*{BACKEND_FILE_SUFFIX}")):  # registers each backend
+    importlib.import_module(f"{__name__}.{_path.stem}")
 
 __all__ = [
     "AttentionLayer", "AttentionMetadata", "Backend", "BackendUnavailable", "CpuBackend", "FP8_KV_DTYPE", "KVLayer",

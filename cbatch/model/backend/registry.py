@@ -1,8 +1,8 @@
 """The compute backends by their --attention-backend name: how to make each, and where it runs.
 
-Each backend's own file registers it (`register`, its last lines) when cbatch/model/backend/__init__.py imports
-it; nothing else changes the registry. Its names are config.ATTENTION_BACKENDS besides `auto`
-(tests/test_registries.py holds them to each other).
+Each backend's own file, NAME_backend.py, registers it as NAME (`register`, its last lines) when
+cbatch/model/backend/__init__.py imports it; nothing else changes the registry. config.ATTENTION_BACKENDS reads the
+same names from the file names (tests/test_registries.py holds them to each other).
 
 `auto` picks, among the backends made for the device's type, the first registered one that can run there; a
 fallback backend (plain torch) only where none of the others can, with a note for each one it passed over.
