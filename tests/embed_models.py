@@ -86,15 +86,17 @@ def make_classifier(path: Path, num_labels: int, arch: str = "qwen3", seed: int 
     return path
 
 
-def hf_classifier_logits(path: Path, texts: list[str] | list[tuple[str, str]]) -> torch.Tensor:
-    """HF's logits of each text (or pair), one at a time (no padding): [N, num_labels] float32."""
+def hf_classifier_logits(path: Path, texts: list[str] | list[tuple[str, str]],
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """HF's logits of each text (or pair), one at a time (no padding), computed in `dtype` (float64: the model's
+    exact value, to which float32 results of any summation order are compared): [N, num_labels] float32."""
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).eval()
     out = []
     with torch.no_grad():
         for text in texts:
             enc = tok(*text, return_tensors="pt") if isinstance(text, tuple) else tok(text, return_tensors="pt")
             out.append(model(**enc).logits[0])
-    return torch.stack(out)
+    return torch.stack(out).float()

@@ -61,6 +61,76 @@ def _decode_through_both(dtype, heads, kv_heads, head_dim, window, softcap) -> t
     return outs[0], outs[1]
 
 
+def _prefill_step(backend, dtype, heads, kv_heads, head_dim, lens, cached, window=None, seed=0):
+    """One step's attention through `backend` in `dtype`: fresh prompts of `lens` tokens (flat, one after another)
+    and, for each entry of `cached`, a chunk of `cached[i][0]` tokens after `cached[i][1]` tokens already in the
+    cache; q a strided view of the packed projection. Every input holds bfloat16 values whatever `dtype` (so a
+    float32 run is the exact reference of a bfloat16 one). Returns out [T, Hq, D] as float32."""
+    gen = torch.Generator().manual_seed(seed)
+    block_size = 8
+    chunks = [(n, 0) for n in lens] + list(cached)  # (query tokens, cached context)
+    cols = max(-(-(q + c) // block_size) for q, c in chunks)
+    table = torch.arange(len(chunks) * cols, dtype=torch.int32).view(len(chunks), cols)
+    kv = KVLayer(*(torch.randn(kv_cache_shape(len(chunks) * cols, block_size, kv_heads, head_dim), generator=gen)
+                   .bfloat16().to(dtype) for _ in range(2)))
+    num_tokens = sum(q for q, _ in chunks)
+    width = (heads + 2 * kv_heads) * head_dim
+    # each chunk's rows drawn from its own seed: a prompt's inputs do not depend on the others in the step
+    qkv = torch.cat([torch.randn(n, width, generator=torch.Generator().manual_seed(seed * 1000 + b)) * 2
+                     for b, (n, _) in enumerate(chunks)]).bfloat16().to(dtype)  # peaked softmaxes and flat ones
+    q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    k_new, v_new = (qkv[:, s : s + kv_heads * head_dim].reshape(num_tokens, kv_heads, head_dim)
+                    for s in (heads * head_dim, (heads + kv_heads) * head_dim))
+    positions = [torch.arange(c, c + n) for n, c in chunks]  # the cache positions this step writes
+    slots = torch.cat([table[b].long()[pos // block_size] * block_size + pos % block_size
+                       for b, pos in enumerate(positions)])
+    query_lens = [n for n, _ in chunks]
+    seq_lens = [n + c for n, c in chunks]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table, slot_mapping=slots,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_host=query_lens, seq_lens_host=seq_lens,
+        block_size=block_size)
+    backend.prepare(meta)
+    return backend.attend(q, k_new, v_new, kv, meta, head_dim**-0.5, window, None).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 32), (4, 4, 64), (6, 2, 80), (2, 1, 128)])
+def test_compiled_prefill_kernel_matches_the_torch_path(dtype, heads, kv_heads, head_dim):
+    """Fresh prompts of many lengths (two of one length: the torch path's batched SDPA call; past the kernel's
+    128-token tasks and 32-key tiles; 80: a head that is not whole vectors) beside chunks after cached context
+    (those stay on the torch path) in one step: CpuBackend's compiled causal kernel against TorchBackend."""
+    lens, cached = [2, 5, 33, 33, 140, 300], [(7, 9), (20, 40)]
+    got = _prefill_step(CpuBackend(), dtype, heads, kv_heads, head_dim, lens, cached)
+    # bfloat16: the kernel computes in float32 and rounds once, so the reference is the float32 torch path on the
+    # same values (the bfloat16 torch path rounds its scores and probabilities too: further from both)
+    want = _prefill_step(TorchBackend(), torch.float32, heads, kv_heads, head_dim, lens, cached)
+    assert want.abs().mean() > 0.05  # real values, not zeros
+    fresh = sum(lens)  # the chunks after cached context run the torch path in the given dtype
+    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2**-8, atol=1e-5)  # one rounding
+    torch.testing.assert_close(got[:fresh], want[:fresh], **tol)
+    torch.testing.assert_close(got[fresh:], want[fresh:], **(tol if dtype == torch.float32 else dict(rtol=0.1, atol=0.1)))
+
+
+def test_a_fresh_prompts_attention_is_the_same_bits_alone_and_among_others():
+    """Batch invariance of the compiled prefill kernel: a prompt's rows do not depend on the other prompts of
+    the step (their number, lengths, or its place among them)."""
+    alone = _prefill_step(CpuBackend(), torch.float32, 8, 2, 32, [150], [], seed=3)
+    among = _prefill_step(CpuBackend(), torch.float32, 8, 2, 32, [150, 7, 150, 300], [], seed=3)
+    assert alone.abs().mean() > 0.05
+    assert torch.equal(among[:150], alone)
+
+
+def test_a_sliding_window_prefill_stays_on_the_torch_path():
+    """The compiled prefill kernel is plainly causal: a windowed layer (Gemma 2/3, Mistral) keeps the torch
+    path, bit for bit."""
+    want = _prefill_step(TorchBackend(), torch.float32, 4, 2, 64, [40, 3, 90], [], window=16)
+    got = _prefill_step(CpuBackend(), torch.float32, 4, 2, 64, [40, 3, 90], [], window=16)
+    assert want.abs().mean() > 0.05
+    assert torch.equal(got, want)
+
+
 def _tolerance(dtype):
     """float32: the sum of squares runs in another order than torch's mean (an ulp or two of the result);
     bfloat16: that can move a value across a rounding boundary (one bfloat16 ulp, 2^-7 relative)."""

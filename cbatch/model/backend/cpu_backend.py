@@ -1,8 +1,8 @@
-"""The CPU path: the plain-torch backend with its decode attention, RMSNorm (with the residual add) and
-SiLU-and-multiply replaced by the compiled kernels (cpu_kernels.py); the decode attention reads each row's K
-and V once, in place. Prefill chunks, the KV store, rotary, the fp8 cache and every other op stay on the torch
-path (TorchBackend), which remains the reference the kernels are tested against; so does any input whose
-dtype or layout a kernel does not take."""
+"""The CPU path: the plain-torch backend with its decode attention, fresh prompts' causal attention, RMSNorm
+(with the residual add) and SiLU-and-multiply replaced by the compiled kernels (cpu_kernels.py); the decode
+attention reads each row's K and V once, in place. Prefill chunks after cached context, the KV store, rotary,
+the fp8 cache and every other op stay on the torch path (TorchBackend), which remains the reference the kernels
+are tested against; so does any input whose dtype or layout a kernel does not take."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +10,7 @@ import torch
 from cbatch.model.backend import cpu_kernels
 from cbatch.model.backend.metadata import AttentionMetadata
 from cbatch.model.backend.registry import register
-from cbatch.model.backend.torch_backend import TorchBackend, _CacheReader, _Scoring
+from cbatch.model.backend.torch_backend import TorchBackend, _CacheReader, _Scoring, _TorchStepState
 
 
 class CpuBackend(TorchBackend):
@@ -28,6 +28,25 @@ class CpuBackend(TorchBackend):
             state.decode_rows_i32 = torch.tensor(state.decode_rows, dtype=torch.int32)
         cpu_kernels.decode_attention(q, cache.kv.k, cache.kv.v, meta.block_table, meta.seq_lens, meta.query_start_loc,
                                      state.decode_rows_i32, out, scoring.scale, scoring.sliding_window, scoring.softcap)
+
+    def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        cache: _CacheReader, scoring: _Scoring, state: _TorchStepState) -> None:
+        """Every fresh prompt (no cached context) in one call of the compiled causal kernel, whatever their
+        lengths; chunks after cached context, and what the kernel does not take, on the torch path."""
+        if (cache.scaled or not cpu_kernels.supports(q.dtype) or scoring.softcap is not None
+                or scoring.sliding_window is not None):
+            super().attend_prefills(q, k, v, out, cache, scoring, state)
+            return
+        if state.fresh_i32 is None:  # once per step, shared by every layer
+            fresh = [c for group in state.fresh_groups for c in group.chunks] + [c for c in state.prefills if c.slots is None]
+            state.fresh_i32 = (torch.tensor([c.start for c in fresh], dtype=torch.int32),
+                               torch.tensor([c.q_len for c in fresh], dtype=torch.int32))
+        starts, lens = state.fresh_i32
+        if starts.numel():
+            cpu_kernels.prefill_attention(q, k, v, out, starts, lens, scoring.scale)
+        for chunk in state.prefills:
+            if chunk.slots is not None:
+                chunk.attend(q, k, v, cache, out, scoring)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
         fused = cpu_kernels.rms_norm(x, weight, eps, unit_offset)

@@ -16,6 +16,7 @@
 // storage dtype (float32 or bfloat16), softmax in float32, and the output rounded once to the storage dtype.
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -196,6 +197,158 @@ void decode(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
     }
 }
 
+// Causal attention of fresh prompts (no cached context before them): prompt p is flat rows starts[p] ..
+// starts[p] + lens[p] - 1 of q [T, Hq, D], k and v [T, Hkv, D] (row strides q/k/v_row_stride, heads contiguous);
+// out [T, Hq, D] contiguous. A prompt's result depends on that prompt alone (its tiling starts at its first
+// token; tasks never share sums), so it is the same bits in any batch. Scores and softmax in float32.
+// One vector register of floats, loaded and stored at any float alignment: 16 with AVX-512, else 8.
+#if defined(__AVX512F__)
+constexpr int32_t VEC = 16;
+#else
+constexpr int32_t VEC = 8;
+#endif
+typedef float vecf __attribute__((vector_size(VEC * 4), aligned(4)));
+constexpr int32_t PREFILL_KEYS = 2 * VEC;     // keys per score tile: the transposed K panel's width
+constexpr int32_t PREFILL_ROWS = 4;      // query rows per tile (a token's heads of one KV head, then the next token's)
+constexpr int32_t PREFILL_TOKENS = 128;  // query tokens per task: a long prompt's work spreads over threads
+constexpr int32_t PREFILL_OUT_DIMS = 2 * VEC; // output dims accumulated at once (the accumulators stay in registers)
+
+struct PrefillScratch {
+    std::vector<float> k_panels;  // [ceil(keys / PREFILL_KEYS), D, PREFILL_KEYS]: K transposed, zero past the keys
+    std::vector<float> values;    // [keys, D rounded up to VEC]: zero past D
+    std::vector<float> queries;   // [PREFILL_ROWS, D]
+    std::vector<float> probs;     // [PREFILL_ROWS, keys rounded up to PREFILL_KEYS]
+};
+
+// One task: the queries of tokens first_token .. last_token - 1 of one prompt against KV head kv_head.
+template <typename T, int HEAD_DIM>
+void prefill_task(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_stride, const T* v, int64_t v_row_stride,
+                  T* out, int32_t start, int32_t first_token, int32_t last_token, int32_t kv_head, int32_t num_heads,
+                  int32_t num_kv_heads, int32_t runtime_head_dim, float scale, PrefillScratch& s) {
+    const int32_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
+    const int32_t group = num_heads / num_kv_heads;
+    const int32_t keys = last_token;  // causal: the last query sees keys 0 .. last_token - 1
+    const int32_t panels = (keys + PREFILL_KEYS - 1) / PREFILL_KEYS;
+    const int32_t padded = panels * PREFILL_KEYS;
+    s.k_panels.assign(static_cast<size_t>(panels) * head_dim * PREFILL_KEYS, 0.0f);
+    const int32_t padded_dim = (head_dim + VEC - 1) / VEC * VEC;
+    s.values.assign(static_cast<size_t>(keys) * padded_dim, 0.0f);
+    s.queries.resize(static_cast<size_t>(PREFILL_ROWS) * head_dim);
+    s.probs.resize(static_cast<size_t>(PREFILL_ROWS) * padded);
+    for (int32_t j = 0; j < keys; ++j) {
+        const T* kj = k + static_cast<int64_t>(start + j) * k_row_stride + static_cast<int64_t>(kv_head) * head_dim;
+        const T* vj = v + static_cast<int64_t>(start + j) * v_row_stride + static_cast<int64_t>(kv_head) * head_dim;
+        float* panel = s.k_panels.data() + static_cast<size_t>(j / PREFILL_KEYS) * head_dim * PREFILL_KEYS + j % PREFILL_KEYS;
+        for (int32_t d = 0; d < head_dim; ++d) panel[d * PREFILL_KEYS] = load(kj, d);
+        for (int32_t d = 0; d < head_dim; ++d) s.values[static_cast<size_t>(j) * padded_dim + d] = load(vj, d);
+    }
+    // query rows in (token, head) order; a tile is PREFILL_ROWS consecutive rows, its keys those of its last token
+    const int64_t total_rows = static_cast<int64_t>(last_token - first_token) * group;
+    for (int64_t row0 = 0; row0 < total_rows; row0 += PREFILL_ROWS) {
+        const int32_t rows = static_cast<int32_t>(total_rows - row0 < PREFILL_ROWS ? total_rows - row0 : PREFILL_ROWS);
+        int32_t token_of[PREFILL_ROWS], head_of[PREFILL_ROWS];
+        for (int32_t r = 0; r < PREFILL_ROWS; ++r) {  // rows past the end repeat the last one (computed, not stored)
+            const int64_t row = row0 + (r < rows ? r : rows - 1);
+            token_of[r] = first_token + static_cast<int32_t>(row / group);
+            head_of[r] = kv_head * group + static_cast<int32_t>(row % group);
+            const T* src = q + static_cast<int64_t>(start + token_of[r]) * q_row_stride + static_cast<int64_t>(head_of[r]) * head_dim;
+            for (int32_t d = 0; d < head_dim; ++d) s.queries[r * head_dim + d] = load(src, d);
+        }
+        const int32_t span = token_of[PREFILL_ROWS - 1] + 1;  // keys the tile's last token sees
+        const int32_t span_panels = (span + PREFILL_KEYS - 1) / PREFILL_KEYS;
+        const int32_t stride = span_panels * PREFILL_KEYS;  // probs row stride for this tile
+        const float* qf = s.queries.data();
+        for (int32_t p = 0; p < span_panels; ++p) {  // scores: acc[r] = q_r . k_j for one panel's keys j
+            const float* panel = s.k_panels.data() + static_cast<size_t>(p) * head_dim * PREFILL_KEYS;
+            vecf acc[PREFILL_ROWS][PREFILL_KEYS / VEC] = {};
+            for (int32_t d = 0; d < head_dim; ++d) {
+                const vecf* kd = reinterpret_cast<const vecf*>(panel + d * PREFILL_KEYS);
+#pragma GCC unroll 8
+                for (int32_t r = 0; r < PREFILL_ROWS; ++r) {
+                    const float x = qf[r * head_dim + d];
+#pragma GCC unroll 8
+                    for (int32_t c = 0; c < PREFILL_KEYS / VEC; ++c) acc[r][c] += x * kd[c];
+                }
+            }
+#pragma GCC unroll 8
+            for (int32_t r = 0; r < PREFILL_ROWS; ++r)
+#pragma GCC unroll 8
+                for (int32_t c = 0; c < PREFILL_KEYS / VEC; ++c)
+                    *reinterpret_cast<vecf*>(s.probs.data() + r * stride + p * PREFILL_KEYS + c * VEC) = acc[r][c] * scale;
+        }
+        float inv_sum[PREFILL_ROWS];
+        for (int32_t r = 0; r < PREFILL_ROWS; ++r) {  // softmax over the row's own keys; 0 past them
+            float* pr = s.probs.data() + r * stride;
+            const int32_t own = token_of[r] + 1;
+            float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+            for (int32_t j = 0; j < own; ++j) mx = pr[j] > mx ? pr[j] : mx;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int32_t j = 0; j < own; ++j) {
+                pr[j] = exp_approx(pr[j] - mx);
+                sum += pr[j];
+            }
+            for (int32_t j = own; j < span; ++j) pr[j] = 0.0f;
+            inv_sum[r] = 1.0f / sum;
+        }
+        // out_r = sum_j p[r, j] v_j / sum_r, PREFILL_OUT_DIMS dims at a time (whole vectors of the padded values)
+        for (int32_t d0 = 0; d0 < padded_dim; d0 += PREFILL_OUT_DIMS) {
+            const int32_t vecs = (padded_dim - d0 < PREFILL_OUT_DIMS ? padded_dim - d0 : PREFILL_OUT_DIMS) / VEC;
+            vecf acc[PREFILL_ROWS][PREFILL_OUT_DIMS / VEC] = {};
+            for (int32_t j = 0; j < span; ++j) {
+                const vecf* vj = reinterpret_cast<const vecf*>(s.values.data() + static_cast<size_t>(j) * padded_dim + d0);
+#pragma GCC unroll 8
+                for (int32_t r = 0; r < PREFILL_ROWS; ++r) {
+                    const float w = s.probs[r * stride + j];
+                    if (vecs == PREFILL_OUT_DIMS / VEC) {
+#pragma GCC unroll 8
+                        for (int32_t c = 0; c < PREFILL_OUT_DIMS / VEC; ++c) acc[r][c] += w * vj[c];
+                    } else {
+                        for (int32_t c = 0; c < vecs; ++c) acc[r][c] += w * vj[c];
+                    }
+                }
+            }
+            for (int32_t r = 0; r < rows; ++r) {
+                T* dst = out + (static_cast<int64_t>(start + token_of[r]) * num_heads + head_of[r]) * head_dim + d0;
+                for (int32_t d = 0; d < vecs * VEC && d0 + d < head_dim; ++d) store(dst, d, acc[r][d / VEC][d % VEC] * inv_sum[r]);
+            }
+        }
+    }
+}
+
+template <typename T>
+void prefill(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_stride, const T* v, int64_t v_row_stride,
+             T* out, const int32_t* starts, const int32_t* lens, int32_t num_prompts, int32_t num_heads,
+             int32_t num_kv_heads, int32_t head_dim, float scale, int32_t num_threads) {
+    auto* attend = head_dim == 32    ? &prefill_task<T, 32>
+                   : head_dim == 64  ? &prefill_task<T, 64>
+                   : head_dim == 128 ? &prefill_task<T, 128>
+                                     : &prefill_task<T, 0>;
+    struct Task {
+        int32_t prompt, first, last, kv_head;
+    };
+    std::vector<Task> tasks;  // the costliest first (their keys), so the threads finish together
+    for (int32_t p = 0; p < num_prompts; ++p)
+        for (int32_t first = 0; first < lens[p]; first += PREFILL_TOKENS)
+            for (int32_t h = 0; h < num_kv_heads; ++h)
+                tasks.push_back({p, first, first + PREFILL_TOKENS < lens[p] ? first + PREFILL_TOKENS : lens[p], h});
+    std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
+        return static_cast<int64_t>(a.last - a.first) * a.last > static_cast<int64_t>(b.last - b.first) * b.last;
+    });
+    const int32_t n = static_cast<int32_t>(tasks.size());
+#pragma omp parallel num_threads(num_threads) if (n > 1)
+    {
+        PrefillScratch scratch;
+#pragma omp for schedule(dynamic, 1)
+        for (int32_t i = 0; i < n; ++i) {
+            const Task& t = tasks[i];
+            attend(q, q_row_stride, k, k_row_stride, v, v_row_stride, out, starts[t.prompt], t.first, t.last,
+                   t.kv_head, num_heads, num_kv_heads, head_dim, scale, scratch);
+        }
+    }
+}
+
 // RMSNorm rows with HF's numerics: h = float(x) (x = x + residual first, rounded to the dtype, when given);
 // h * 1 / sqrt(mean(h^2) + eps) rounded to the dtype, then times the weight in the dtype; with unit_offset
 // (Gemma) h * inv * (1 + float(weight)), rounded once.
@@ -271,6 +424,27 @@ int cbatch_decode_attention(int32_t dtype, const void* q, int64_t q_row_stride, 
                static_cast<const uint16_t*>(v_cache), block_table, table_stride, seq_lens, query_start, rows,
                num_rows, static_cast<uint16_t*>(out), num_heads, num_kv_heads, head_dim, block_size, scale,
                sliding_window, softcap, num_threads);
+        return 0;
+    }
+    return 2;
+}
+
+// starts/lens int32 [num_prompts]: each fresh prompt's first flat row and length. Returns 2 for an unknown dtype.
+int cbatch_prefill_attention(int32_t dtype, const void* q, int64_t q_row_stride, const void* k, int64_t k_row_stride,
+                             const void* v, int64_t v_row_stride, void* out, const int32_t* starts,
+                             const int32_t* lens, int32_t num_prompts, int32_t num_heads, int32_t num_kv_heads,
+                             int32_t head_dim, float scale, int32_t num_threads) {
+    if (num_heads % num_kv_heads != 0) return 1;
+    if (dtype == 0) {
+        prefill(static_cast<const float*>(q), q_row_stride, static_cast<const float*>(k), k_row_stride,
+                static_cast<const float*>(v), v_row_stride, static_cast<float*>(out), starts, lens, num_prompts,
+                num_heads, num_kv_heads, head_dim, scale, num_threads);
+        return 0;
+    }
+    if (dtype == 1) {
+        prefill(static_cast<const uint16_t*>(q), q_row_stride, static_cast<const uint16_t*>(k), k_row_stride,
+                static_cast<const uint16_t*>(v), v_row_stride, static_cast<uint16_t*>(out), starts, lens,
+                num_prompts, num_heads, num_kv_heads, head_dim, scale, num_threads);
         return 0;
     }
     return 2;

@@ -1,4 +1,4 @@
-"""The CPU path's compiled kernels (cpu_kernels.cpp): paged decode attention, RMSNorm with the residual add,
+"""The CPU path's compiled kernels (cpu_kernels.cpp): paged decode attention, fresh prompts' causal attention, RMSNorm with the residual add,
 SiLU-and-multiply. Built once per machine kind with the system C++ compiler and called through ctypes.
 
 Why compiled: the plain-torch decode attention gathers every row's blocks into a padded copy, transposes it and
@@ -36,6 +36,8 @@ _I32, _I64, _F32, _PTR = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.
 _SIGNATURES = {  # each kernel's argument types (cpu_kernels.cpp); every kernel returns an int status, 0 = done
     "cbatch_decode_attention": [_I32, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I32, _PTR,
                                 _I32, _I32, _I32, _I32, _F32, _I32, _F32, _I32],
+    "cbatch_prefill_attention": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32,
+                                 _F32, _I32],
     "cbatch_rms_norm": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32, _I32],
     "cbatch_silu_and_mul": [_I32, _PTR, _I64, _PTR, _I64, _I32, _I32],
 }
@@ -72,7 +74,7 @@ def _compile(target: Path, flags: list[str]) -> None:
     # build beside the target, then rename: processes building at once (tensor-parallel ranks) never see half a file
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        cmd = [compiler, "-O3", *flags, "-fno-math-errno", "-fopenmp", "-std=c++17", "-shared", "-fPIC", str(SOURCE),
+        cmd = [compiler, "-O3", *flags, "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC", str(SOURCE),
                "-o", str(built)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -144,6 +146,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), query_start.data_ptr(),
         rows.data_ptr(), rows.numel(), out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale,
         sliding_window or 0, softcap or 0.0, torch.get_num_threads())
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, starts: torch.Tensor,
+                      lens: torch.Tensor, scale: float) -> None:
+    """out[rows of prompt p] = causal attention of fresh prompt p over its own tokens, for every p: its flat rows
+    starts[p] .. starts[p] + lens[p] - 1 of q [T, Hq, D], k and v [T, Hkv, D] (rows may be strided, heads
+    contiguous); out [T, Hq, D] contiguous, same dtype; starts, lens int32 [P]. Each prompt's result is its own
+    (the same bits in any batch)."""
+    num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    for x in (q, k, v):
+        assert x.stride(2) == 1 and x.stride(1) == head_dim and x.dtype == q.dtype
+    assert out.is_contiguous() and out.dtype == q.dtype
+    assert starts.dtype == lens.dtype == torch.int32 and starts.is_contiguous() and lens.is_contiguous()
+    _call("cbatch_prefill_attention", _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+          v.data_ptr(), v.stride(0), out.data_ptr(), starts.data_ptr(), lens.data_ptr(), starts.numel(), num_heads,
+          num_kv_heads, head_dim, scale, torch.get_num_threads())
 
 
 def _rows(x: torch.Tensor) -> int | None:

@@ -84,6 +84,13 @@ class TorchBackend:
         scoring = _Scoring(scale, sliding_window, softcap)
         if state.decode_rows:
             self.attend_decodes(q, out, cache, scoring, meta)
+        self.attend_prefills(q, k, v, out, cache, scoring, state)
+        return out
+
+    def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        cache: "_CacheReader", scoring: "_Scoring", state: "_TorchStepState") -> None:
+        """out[rows] for every prefill chunk: fresh prompts of one length in one SDPA call, the rest one by one.
+        k, v [T, Hkv, D]: this step's keys and values (what a fresh prompt attends to)."""
         for group in state.fresh_groups:
             if group.batchable(q.dtype, scoring):
                 group.attend(q, k, v, out, scoring)
@@ -92,7 +99,6 @@ class TorchBackend:
                     chunk.attend(q, k, v, cache, out, scoring)
         for chunk in state.prefills:
             chunk.attend(q, k, v, cache, out, scoring)
-        return out
 
     def attend_decodes(self, q: torch.Tensor, out: torch.Tensor, cache: "_CacheReader", scoring: "_Scoring",
                        meta: AttentionMetadata) -> None:
@@ -435,6 +441,7 @@ class _TorchStepState:
     fresh_groups: list[_FreshPrefills]
     _groups: list[_DecodeGroup] | None = None
     decode_rows_i32: torch.Tensor | None = None  # int32 [n]: `decode_rows` for the compiled kernel (CpuBackend)
+    fresh_i32: tuple[torch.Tensor, torch.Tensor] | None = None  # int32 (starts, lens) of the fresh prompts (CpuBackend)
 
     def decode_groups(self, meta: AttentionMetadata) -> list[_DecodeGroup]:
         """The decode rows, shortest context first, in groups of DECODE_GROUP_ROWS: built on first use and shared
