@@ -1,6 +1,6 @@
 """The CPU backend's compiled kernels (cbatch/model/backend/cpu_kernels.cpp) against the plain-torch path they
-replace (TorchBackend, the reference), on random inputs: decode attention, RMSNorm with and without the residual
-add (Gemma's unit offset too), SiLU-and-multiply, in float32 and bfloat16, with strided inputs; inputs a kernel
+replace (TorchBackend, the reference), on random inputs: decode attention, fresh prompts' causal attention,
+RMSNorm with and without the residual add (Gemma's unit offset too), rotary, SiLU-and-multiply, in float32 and bfloat16, with strided inputs; inputs a kernel
 does not take fall back to the torch ops. The model-level greedy parity with HF runs through this backend too
 (auto on CPU): tests/test_model_parity.py, test_model_families.py, test_smollm2.py."""
 from __future__ import annotations
@@ -167,18 +167,43 @@ def test_silu_and_mul_matches_the_torch_path(dtype):
     torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_head_norms_and_rotary_read_the_packed_projection_in_place(dtype):
+    """Qwen3's q/k norms and the rotary on per-head views of the packed projection (heads D apart, tokens a
+    projection row apart): the norm within the RMSNorm tolerance, the rotary the torch path's bits."""
+    gen = torch.Generator().manual_seed(2)
+    tokens, heads, kv_heads, head_dim = 37, 8, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    weight = (torch.randn(head_dim, generator=gen) * 0.3 + 1).to(dtype)
+    assert cpu_kernels.rms_norm(q, weight, 1e-6, False) is not None  # the kernel takes the view
+    torch.testing.assert_close(CpuBackend().rms_norm(q, weight, 1e-6), TorchBackend().rms_norm(q, weight, 1e-6),
+                               **_tolerance(dtype))
+    table = torch.randn(100, head_dim, generator=gen)  # the model's (cos | sin) angles table
+    rope = TorchBackend().rotary(torch.randint(0, 100, (tokens,), generator=gen), table, dtype)
+    (q_want, k_want), (q_got, k_got) = (b.apply_rotary(q, k, rope) for b in (TorchBackend(), CpuBackend()))
+    assert q_want.abs().mean() > 0.3
+    assert torch.equal(q_got, q_want) and torch.equal(k_got, k_want)
+    assert cpu_kernels.rotary(q, rope.cos, rope.sin) is not None
+
+
 def test_inputs_the_kernels_do_not_take_fall_back_to_torch():
-    """float16, and a per-head q view whose rows are not one uniform stride: the torch ops, same results."""
+    """float16, rows that are not one uniform run of groups, partial rotary: the torch ops, same results."""
     gen = torch.Generator().manual_seed(1)
     x16 = torch.randn(5, 64, generator=gen).half()
     w16 = torch.ones(64, dtype=torch.float16)
     assert cpu_kernels.rms_norm(x16, w16, 1e-6, False) is None
     torch.testing.assert_close(CpuBackend().rms_norm(x16, w16, 1e-6), TorchBackend().rms_norm(x16, w16, 1e-6))
-    qkv = torch.randn(6, (4 + 2 * 2) * 16, generator=gen)
-    q = qkv[:, : 4 * 16].view(6, 4, 16)  # heads 16 apart, tokens 128 apart
-    assert cpu_kernels.rms_norm(q, torch.ones(16), 1e-6, False) is None
-    torch.testing.assert_close(CpuBackend().rms_norm(q, torch.ones(16), 1e-6), TorchBackend().rms_norm(q, torch.ones(16), 1e-6))
+    x = torch.randn(3, 6, 4, 16, generator=gen)[:, ::2]  # groups of 4 rows, but the groups are not evenly spaced
+    assert cpu_kernels.rms_norm(x.transpose(0, 1), torch.ones(16), 1e-6, False) is None
+    torch.testing.assert_close(CpuBackend().rms_norm(x.transpose(0, 1), torch.ones(16), 1e-6),
+                               TorchBackend().rms_norm(x.transpose(0, 1), torch.ones(16), 1e-6))
     assert cpu_kernels.silu_and_mul(torch.randn(4, 10, generator=gen).t()) is None  # columns: no unit stride
+    q, k = torch.randn(5, 4, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
+    rope = TorchBackend().rotary(torch.arange(5), torch.randn(10, 8, generator=gen), torch.float32)  # 8 of 16 dims
+    (q_want, k_want), (q_got, k_got) = (b.apply_rotary(q, k, rope) for b in (TorchBackend(), CpuBackend()))
+    assert torch.equal(q_got, q_want) and torch.equal(k_got, k_want)
 
 
 def test_without_a_compiler_auto_keeps_the_torch_path_and_says_so_once(tmp_path, monkeypatch, capsys):

@@ -1,8 +1,9 @@
 """The CPU path: the plain-torch backend with its decode attention, fresh prompts' causal attention, RMSNorm
-(with the residual add) and SiLU-and-multiply replaced by the compiled kernels (cpu_kernels.py); the decode
-attention reads each row's K and V once, in place. Prefill chunks after cached context, the KV store, rotary,
-the fp8 cache and every other op stay on the torch path (TorchBackend), which remains the reference the kernels
-are tested against; so does any input whose dtype or layout a kernel does not take."""
+(with the residual add), rotary and SiLU-and-multiply replaced by the compiled kernels (cpu_kernels.py); the
+decode attention reads each row's K and V once, in place; rotary and the per-head q/k norms read the packed
+projection in place too. Prefill chunks after cached context, the KV store, partial rotary, the fp8 cache and
+every other op stay on the torch path (TorchBackend), which remains the reference the kernels are tested
+against; so does any input whose dtype or layout a kernel does not take."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from cbatch.model.backend import cpu_kernels
 from cbatch.model.backend.metadata import AttentionMetadata
 from cbatch.model.backend.registry import register
+from cbatch.model.backend.rotary import RotaryStep
 from cbatch.model.backend.torch_backend import TorchBackend, _CacheReader, _Scoring, _TorchStepState
 
 
@@ -56,6 +58,13 @@ class CpuBackend(TorchBackend):
                      unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         fused = cpu_kernels.rms_norm(x, weight, eps, unit_offset, residual)
         return fused if fused is not None else super().add_rms_norm(x, residual, weight, eps, unit_offset)
+
+    def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, rope: RotaryStep) -> tuple[torch.Tensor, torch.Tensor]:
+        if rope.cos.shape[-1] == q.shape[-1]:  # full rotary (partial rotary keeps the torch path)
+            q_rotated, k_rotated = cpu_kernels.rotary(q, rope.cos, rope.sin), cpu_kernels.rotary(k, rope.cos, rope.sin)
+            if q_rotated is not None and k_rotated is not None:
+                return q_rotated, k_rotated
+        return super().apply_rotary(q, k, rope)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         fused = cpu_kernels.silu_and_mul(gate_up)

@@ -352,12 +352,15 @@ void prefill(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_stride,
 // RMSNorm rows with HF's numerics: h = float(x) (x = x + residual first, rounded to the dtype, when given);
 // h * 1 / sqrt(mean(h^2) + eps) rounded to the dtype, then times the weight in the dtype; with unit_offset
 // (Gemma) h * inv * (1 + float(weight)), rounded once.
+// x's rows come in groups of x_group_rows, x_stride apart within a group and x_group_stride between groups
+// (a per-head view [T, H, D] of a packed projection: H rows D apart, tokens a projection row apart).
 template <typename T>
-void rms_norm(const T* x, int64_t x_stride, const T* residual, int64_t residual_stride, T* residual_out,
-              const T* weight, T* out, int64_t rows, int32_t hidden, float eps, bool unit_offset, int32_t num_threads) {
+void rms_norm(const T* x, int64_t x_stride, int64_t x_group_rows, int64_t x_group_stride, const T* residual,
+              int64_t residual_stride, T* residual_out, const T* weight, T* out, int64_t rows, int32_t hidden,
+              float eps, bool unit_offset, int32_t num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * hidden >= 65536) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-        const T* xr = x + r * x_stride;
+        const T* xr = x + (r / x_group_rows) * x_group_stride + (r % x_group_rows) * x_stride;
         T* dst = out + r * hidden;
         float sum_sq = 0.0f;
         if (residual != nullptr) {
@@ -380,6 +383,36 @@ void rms_norm(const T* x, int64_t x_stride, const T* residual, int64_t residual_
         }
     }
 }
+
+// NeoX rotary (HF's rotate_half) on rows of x: out = x * cos + (x2 | x1) * sin, with rotate_half's sign in
+// sin's first half, each product and the sum rounded to the dtype as torch's three ops do (no fused multiply-add:
+// the same bits as the torch path). x's rows: `heads` per token, x_stride apart; tokens x_token_stride apart;
+// cos/sin [T, D] contiguous in the dtype; out [T, heads, D] contiguous.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <typename T>
+void rotary(const T* x, int64_t x_stride, int64_t x_token_stride, const T* cos, const T* sin, T* out,
+            int64_t tokens, int32_t heads, int32_t head_dim, int32_t num_threads) {
+    const int32_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (tokens * heads * head_dim >= 65536) schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const T* c = cos + t * head_dim;
+        const T* s = sin + t * head_dim;
+        for (int32_t h = 0; h < heads; ++h) {
+            const T* xr = x + t * x_token_stride + h * x_stride;
+            T* dst = out + (t * heads + h) * head_dim;
+#pragma omp simd
+            for (int32_t d = 0; d < head_dim; ++d) {
+                const int32_t swapped = d < half ? d + half : d - half;
+                T a, b;
+                store(&a, 0, load(xr, d) * load(c, d));
+                store(&b, 0, load(xr, swapped) * load(s, d));
+                store(dst, d, load(&a, 0) + load(&b, 0));
+            }
+        }
+    }
+}
+#pragma GCC pop_options
 
 // out [rows, width] = silu(gate) * up for gate_up [rows, 2 * width] (gate | up); silu(g) = g / (1 + exp(-g)),
 // rounded to the dtype before the multiply, as torch's two ops are.
@@ -451,19 +484,36 @@ int cbatch_prefill_attention(int32_t dtype, const void* q, int64_t q_row_stride,
 }
 
 // residual may be null (no add); residual_out is then unused. Returns 2 for an unknown dtype.
-int cbatch_rms_norm(int32_t dtype, const void* x, int64_t x_stride, const void* residual, int64_t residual_stride,
-                    void* residual_out, const void* weight, void* out, int64_t rows, int32_t hidden, float eps,
-                    int32_t unit_offset, int32_t num_threads) {
+int cbatch_rms_norm(int32_t dtype, const void* x, int64_t x_stride, int64_t x_group_rows, int64_t x_group_stride,
+                    const void* residual, int64_t residual_stride, void* residual_out, const void* weight, void* out,
+                    int64_t rows, int32_t hidden, float eps, int32_t unit_offset, int32_t num_threads) {
+    if (x_group_rows < 1) return 1;
     if (dtype == 0) {
-        rms_norm(static_cast<const float*>(x), x_stride, static_cast<const float*>(residual), residual_stride,
+        rms_norm(static_cast<const float*>(x), x_stride, x_group_rows, x_group_stride, static_cast<const float*>(residual), residual_stride,
                  static_cast<float*>(residual_out), static_cast<const float*>(weight), static_cast<float*>(out), rows,
                  hidden, eps, unit_offset != 0, num_threads);
         return 0;
     }
     if (dtype == 1) {
-        rms_norm(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(residual), residual_stride,
+        rms_norm(static_cast<const uint16_t*>(x), x_stride, x_group_rows, x_group_stride, static_cast<const uint16_t*>(residual), residual_stride,
                  static_cast<uint16_t*>(residual_out), static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out),
                  rows, hidden, eps, unit_offset != 0, num_threads);
+        return 0;
+    }
+    return 2;
+}
+
+int cbatch_rotary(int32_t dtype, const void* x, int64_t x_stride, int64_t x_token_stride, const void* cos,
+                  const void* sin, void* out, int64_t tokens, int32_t heads, int32_t head_dim, int32_t num_threads) {
+    if (head_dim % 2 != 0) return 1;
+    if (dtype == 0) {
+        rotary(static_cast<const float*>(x), x_stride, x_token_stride, static_cast<const float*>(cos),
+               static_cast<const float*>(sin), static_cast<float*>(out), tokens, heads, head_dim, num_threads);
+        return 0;
+    }
+    if (dtype == 1) {
+        rotary(static_cast<const uint16_t*>(x), x_stride, x_token_stride, static_cast<const uint16_t*>(cos),
+               static_cast<const uint16_t*>(sin), static_cast<uint16_t*>(out), tokens, heads, head_dim, num_threads);
         return 0;
     }
     return 2;

@@ -38,7 +38,8 @@ _SIGNATURES = {  # each kernel's argument types (cpu_kernels.cpp); every kernel 
                                 _I32, _I32, _I32, _I32, _F32, _I32, _F32, _I32],
     "cbatch_prefill_attention": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32,
                                  _F32, _I32],
-    "cbatch_rms_norm": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32, _I32],
+    "cbatch_rms_norm": [_I32, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32, _I32],
+    "cbatch_rotary": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
     "cbatch_silu_and_mul": [_I32, _PTR, _I64, _PTR, _I64, _I32, _I32],
 }
 
@@ -166,24 +167,36 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
 
 def _rows(x: torch.Tensor) -> int | None:
     """The row stride of x seen as [rows, last dim] with unit inner stride, or None if it is not such a view."""
+    layout = _row_groups(x)
+    return layout[0] if layout is not None and layout[1] * layout[0] == layout[2] else None
+
+
+def _row_groups(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """x seen as rows of its last dim (unit stride) in groups: (row stride within a group, rows per group, stride
+    between groups); None if it is not such a view. A contiguous [R, D] is one run: (D, R, D * R); a per-head view
+    [T, H, D] of a packed projection: (D, H, projection width)."""
     if x.dim() < 1 or x.stride(-1) != 1:
         return None
     if x.dim() == 1:
-        return x.shape[0]
+        return x.shape[0], 1, x.shape[0]
     inner = x.stride(-2)
-    for dim in range(x.dim() - 2):  # the leading dims must be one uniform run of rows
-        if x.stride(dim) != inner * math.prod(x.shape[dim + 1 : -1]):
+    group_rows = x.shape[-2]
+    if x.dim() == 2:
+        return inner, group_rows, inner * group_rows
+    group_stride = x.stride(-3)
+    for dim in range(x.dim() - 3):  # the leading dims must be one uniform run of groups
+        if x.stride(dim) != group_stride * math.prod(x.shape[dim + 1 : -2]):
             return None
-    return inner
+    return inner, group_rows, group_stride
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(norm(x [+ residual]), x + residual or None) with HF's numerics; None when the layout or dtype is not one
-    the kernel takes (the caller then runs the torch ops)."""
-    x_stride = _rows(x)
+    the kernel takes (the caller then runs the torch ops). x may be a per-head view of a packed projection."""
+    x_layout = _row_groups(x)
     r_stride = _rows(residual) if residual is not None else 0
-    if (x_stride is None or r_stride is None or not supports(x.dtype) or weight.dtype != x.dtype
+    if (x_layout is None or r_stride is None or not supports(x.dtype) or weight.dtype != x.dtype
             or not weight.is_contiguous() or (residual is not None and residual.dtype != x.dtype)):
         return None
     hidden = x.shape[-1]
@@ -191,11 +204,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     out = torch.empty(x.shape, dtype=x.dtype)
     summed = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
     _call(
-        "cbatch_rms_norm", _DTYPE_CODES[x.dtype], x.data_ptr(), x_stride,
+        "cbatch_rms_norm", _DTYPE_CODES[x.dtype], x.data_ptr(), *x_layout,
         residual.data_ptr() if residual is not None else None, r_stride,
         summed.data_ptr() if summed is not None else None, weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
         int(unit_offset), torch.get_num_threads())
     return out, summed
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """x [T, H, D] rotated (NeoX, rotate_half's sign folded into sin) with the torch path's bits; cos, sin [T, 1, D]
+    in x's dtype. None when the layout or dtype is not one the kernel takes."""
+    layout = _row_groups(x)
+    if (layout is None or x.dim() != 3 or not supports(x.dtype) or x.shape[-1] % 2 or cos.dtype != x.dtype
+            or sin.dtype != x.dtype or not cos.is_contiguous() or not sin.is_contiguous()
+            or cos.shape != (x.shape[0], 1, x.shape[2]) or sin.shape != cos.shape):
+        return None
+    row_stride, heads, token_stride = layout
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _call("cbatch_rotary", _DTYPE_CODES[x.dtype], x.data_ptr(), row_stride, token_stride, cos.data_ptr(), sin.data_ptr(),
+          out.data_ptr(), x.shape[0], heads, x.shape[2], torch.get_num_threads())
+    return out
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
