@@ -154,7 +154,7 @@ def test_tokens_sampled_in_a_graph_outlive_the_next_replay(tiny_checkpoints, mon
     graphs = engine.runner.graphs = ReplayedGraphs(engine.runner)
     engine.runner.fused_sampling = True  # the graph's tokens are the step's (as with the Triton backend on a GPU)
     monkeypatch.setattr(runner_module, "fused_covers", lambda batch: True)
-    monkeypatch.setattr(runner_module, "sample_batch", lambda logits, batch, fused: (sample_step(logits, batch).tokens,
+    monkeypatch.setattr(runner_module, "sample_batch", lambda logits, batch, fused, **_: (sample_step(logits, batch).tokens,
                                                                                        [None] * logits.shape[0]))
     assert outputs(engine, prompts, params) == expected
     assert graphs.replays > 10 and engine.steps_ahead > 10

@@ -45,6 +45,27 @@ def test_tuned_decode_tiles_keep_greedy_parity(pick, tiny_checkpoints):
     assert len({tuple(t) for t in expected}) > 1
 
 
+@pytest.mark.parametrize("split_sampler", [True, False])
+def test_split_sampler_keeps_the_torch_samplers_tokens(split_sampler, tiny_checkpoints, monkeypatch):
+    """The sampling kernel with each row's vocabulary split across programs (128-id tiles here: the 384-id
+    vocab in 3 splits) and without (--no-split-sampler): the torch backend's greedy and seeded tokens."""
+    from cbatch.kernels import sampler as kernel_sampler
+
+    monkeypatch.setattr(kernel_sampler, "_BLOCK", 128)
+    chosen = []
+    auto = kernel_sampler.auto_num_splits
+    monkeypatch.setattr(kernel_sampler, "auto_num_splits", lambda *args: chosen.append(auto(*args)) or chosen[-1])
+    path = tiny_checkpoints["qwen3"]
+    prompts = random_prompts(4, vocab=384, seed=23, max_len=20)
+    params = [SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.8 * (i % 2), seed=100 + i) for i in range(4)]
+    settings = dict(device=DEVICE, max_num_batched_tokens=24, block_size=8)
+    expected = generate(make_engine(path, attention_backend="torch", **settings), prompts, params)
+    got = generate(make_engine(path, attention_backend="triton", split_sampler=split_sampler, **settings), prompts, params)
+    assert got == expected
+    assert (max(chosen) == 3) if split_sampler else chosen == []  # split on: auto, 3 splits; off: 1, never auto
+    assert len({tuple(t) for t in expected}) == 4
+
+
 def test_engines_with_different_backends_coexist(tiny_checkpoints):
     """The backend is the engine's own object: building a Triton engine leaves a torch engine's numerics
     (bit for bit) and its ops untouched, and both run interleaved in one process."""

@@ -79,6 +79,9 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
         Flag("kernel_tuning", bool, True, "GPU: time a few tile shapes of decode attention at start-up and keep the "
              "fastest (a few seconds, cached per device in ~/.cache/cbatch).", ENGINE,
              decls=("--kernel-tuning/--no-kernel-tuning",), field="tune_kernels"),
+        Flag("split_sampler", bool, True, "GPU: the sampling kernel splits each row's vocabulary across programs "
+             "(off: one program per row; the same tokens, slower for batches below ~4 rows per SM).", ENGINE,
+             decls=("--split-sampler/--no-split-sampler",), field="split_sampler"),
         Flag("prefix_cache", bool, True, "Reuse the KV of prompt prefixes shared between rows.", ENGINE,
              decls=("--prefix-cache/--no-prefix-cache",), field="enable_prefix_cache"),
         Flag("preemption", str, "recompute", "When KV runs out: recompute | swap (to host memory) | auto (swap long ones).",

@@ -46,7 +46,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
     def make_runner(sized: EngineConfig, num_blocks: int, num_host_blocks: int = 0) -> ModelRunner:
         settings = dict(num_kv_blocks=num_blocks, block_size=sized.block_size, max_num_seqs=sized.max_num_seqs,
                         max_model_len=resolved.max_model_len, dtype=dtype, job_seed=sized.seed,
-                        num_host_blocks=num_host_blocks, kv_dtype=kv_dtype)
+                        num_host_blocks=num_host_blocks, kv_dtype=kv_dtype, split_sampler=sized.split_sampler)
         if peers is not None:
             peers.send_runner(**settings)  # the workers build the same runner over their shares
         runner = ModelRunner(model, device=device, **settings)

@@ -40,6 +40,7 @@ class DecodeGraphs:
         block_size: int,
         device: torch.device,
         sample_in_graph: bool = True,
+        sample_splits: int | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -57,6 +58,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
         self.sample_in_graph = sample_in_graph
+        self.sample_splits = sample_splits  # fused_sample's num_splits (None: from the bucket's size and the SMs)
         self.temperatures = torch.zeros(max_bs, dtype=torch.float32, device=device)  # padding rows: greedy
         self.seeds = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.out_positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
@@ -112,7 +114,8 @@ class DecodeGraphs:
             from cbatch.kernels import fused_sample
 
             logits = self.model.compute_logits(hidden)  # [bs, vocab] float32, freed into the pool
-            fused_sample(logits, self.temperatures[:bs], self.seeds[:bs], self.out_positions[:bs], out=self.tokens[:bs])
+            fused_sample(logits, self.temperatures[:bs], self.seeds[:bs], self.out_positions[:bs], out=self.tokens[:bs],
+                         num_splits=self.sample_splits)
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return meta.max_query_len == 1 and num_tokens <= self.max_batch and bool(self.graphs)

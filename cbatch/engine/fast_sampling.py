@@ -43,12 +43,15 @@ def kernel_inputs(batch: SamplingBatch, device: torch.device) -> tuple[torch.Ten
             batch.on_device(batch.positions, torch.int64, device))
 
 
-def sample_batch(logits: torch.Tensor, batch: SamplingBatch, fused: bool) -> tuple[torch.Tensor, list[Logprobs | None]]:
+def sample_batch(logits: torch.Tensor, batch: SamplingBatch, fused: bool,
+                 num_splits: int | None = None) -> tuple[torch.Tensor, list[Logprobs | None]]:
     """(token ids int64 [N], each row's log-probabilities or None) for float32 logits [N, vocab]: the kernel
-    when `fused` and it covers the batch (no row asks for log-probabilities then), else `sample_step`."""
+    when `fused` and it covers the batch (no row asks for log-probabilities then), else `sample_step`.
+    num_splits: the kernel's programs per row (None: as many as fill the GPU; 1: no split)."""
     if fused and fused_covers(batch):
         from cbatch.kernels import fused_sample
 
-        return fused_sample(logits, *kernel_inputs(batch, logits.device)), [None] * logits.shape[0]
+        tokens = fused_sample(logits, *kernel_inputs(batch, logits.device), num_splits=num_splits)
+        return tokens, [None] * logits.shape[0]
     out = sample_step(logits, batch)
     return out.tokens, out.logprobs

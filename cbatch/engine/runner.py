@@ -77,6 +77,7 @@ class ModelRunner:
         job_seed: int = 0,
         num_host_blocks: int = 0,
         kv_dtype: torch.dtype | None = None,
+        split_sampler: bool = True,
     ) -> None:
         spec = model.spec
         self.model = model
@@ -87,6 +88,8 @@ class ModelRunner:
         # the GPU path samples with the one-pass kernel where it covers the batch (cbatch/engine/fast_sampling.py)
         # (not under tensor parallelism: there the logits are gathered from the ranks outside the graph)
         self.fused_sampling = self.backend.fused_sampling and model.comm.world == 1
+        # the kernel's programs per row: None = enough to fill the GPU (EngineConfig.split_sampler), 1 = no split
+        self.sampler_splits: int | None = None if split_sampler else 1
         self.peers = None  # tensor parallelism: the other ranks (cbatch.engine.tensor_parallel.Peers), sent every step
         self.staging = HostStaging(device) if device.type == "cuda" else None  # pinned, non-blocking input copies
         # One allocation for every layer's K and V
@@ -122,7 +125,7 @@ class ModelRunner:
             self.peers.send_capture(max_num_seqs, max_model_len)
 
         graphs = DecodeGraphs(self.model, self.backend, self.kv, max_num_seqs, max_model_len, self.block_size, self.device,
-                              sample_in_graph=self.fused_sampling)
+                              sample_in_graph=self.fused_sampling, sample_splits=self.sampler_splits)
         graphs.capture_all()
         self.graphs = graphs
 
@@ -181,7 +184,7 @@ class ModelRunner:
                 # scheduling launches before this step's tokens are read (a device copy, queued like a kernel)
                 sampled, logprobs = step.tokens.clone(), [None] * len(step.seqs)
             else:
-                sampled, logprobs = sample_batch(step.logits, step.sampling, self.fused_sampling)
+                sampled, logprobs = sample_batch(step.logits, step.sampling, self.fused_sampling, self.sampler_splits)
             self.forward_seconds += time.perf_counter() - start
             step.logprobs.sampled.update((seq.seq_id, lp) for seq, lp in zip(step.seqs, logprobs) if lp is not None)
             # the next step's placeholders read these on the device: each sequence's row in `sampled`
