@@ -74,6 +74,9 @@ class EngineConfig:
     # GPU: the sampling kernel splits each row's vocabulary over several programs (about 4 per SM in all), then
     # reduces the partials per row; off: one program per row. The tokens are the same either way.
     split_sampler: bool = True
+    # GPU, bfloat16/float16 models: the lm_head GEMM writes float32 logits (soft-capping then in float32); off: HF's
+    # logits, rounded to the model's dtype (soft-capped there), then float32. Greedy near-ties may differ.
+    fp32_logits: bool = True
     enable_prefix_cache: bool = True  # share computed full KV blocks between requests with the same prefix
     preemption: str = "recompute"  # recompute | swap | auto (swap victims whose recompute would be long)
     swap_space_gb: float = 4.0  # host memory for swapped-out KV blocks

@@ -82,6 +82,9 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
         Flag("split_sampler", bool, True, "GPU: the sampling kernel splits each row's vocabulary across programs "
              "(off: one program per row; the same tokens, slower for batches below ~4 rows per SM).", ENGINE,
              decls=("--split-sampler/--no-split-sampler",), field="split_sampler"),
+        Flag("fp32_logits", bool, True, "GPU, bfloat16/float16: float32 logits straight from the lm_head matmul "
+             "(off: HF's logits rounded to the model's dtype; greedy near-ties may differ).", ENGINE,
+             decls=("--fp32-logits/--no-fp32-logits",), field="fp32_logits"),
         Flag("prefix_cache", bool, True, "Reuse the KV of prompt prefixes shared between rows.", ENGINE,
              decls=("--prefix-cache/--no-prefix-cache",), field="enable_prefix_cache"),
         Flag("preemption", str, "recompute", "When KV runs out: recompute | swap (to host memory) | auto (swap long ones).",

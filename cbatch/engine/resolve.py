@@ -85,4 +85,5 @@ def load_rank_model(config: EngineConfig, resolved: ResolvedModel, comm: Communi
         init_random_weights(model, random_weights_seed)
     if device.type == "cpu":
         model.prepack_for_cpu()
+    model.fp32_logits = config.fp32_logits  # GPU, 16-bit: float32 logits from the lm_head GEMM
     return model

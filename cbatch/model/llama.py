@@ -26,6 +26,15 @@ from cbatch.model.spec import ModelSpec
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
 
 
+# where torch.mm(a, b, out_dtype=torch.float32) runs for bfloat16/float16 a, b: CUDA (aten::mm.dtype, torch >= 2.8)
+FLOAT32_OUT_DEVICES: tuple[str, ...] = ("cuda",) if hasattr(torch.ops.aten.mm, "dtype") else ()
+
+
+def mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for 16-bit a, b, written in float32 by the GEMM (cuBLAS accumulates in float32 anyway)."""
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
 @dataclass(slots=True)
 class KVCacheView:
     """The per-layer K and V caches the attention layers write to and read from."""
@@ -174,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
             self.packed_logits_weight = prepack_weight(self.embed_tokens.weight)
 
     packed_logits_weight: torch.Tensor | None = None
+    # GPU, 16-bit activations: the lm_head GEMM writes float32 (EngineConfig.fp32_logits; load_rank_model sets it)
+    fp32_logits: bool = True
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """[N, hidden] pooled hidden states -> float32 logits [N, num_labels] of the classification head."""
@@ -182,8 +193,20 @@ class LlamaForCausalLM(nn.Module):
         return self.score(pooled).float()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab] (only for the rows that sample)."""
-        if self.lm_head is not None:
+        """[N, hidden] -> float32 logits [N, vocab] (only for the rows that sample).
+
+        With `fp32_logits`, bfloat16/float16 activations on CUDA: one cuBLAS GEMM of the 16-bit hidden states
+        and weight with a float32 output (its accumulator's value, not rounded to 16 bits): no [N, vocab]
+        16-bit tensor written, read back and converted (for 256 rows x 151,936 ids, 156 MB of traffic less per
+        step), and the logits are the float32 model's to the GEMM's rounding instead of 8 (bf16) or 11 (fp16)
+        bits. HF computes 16-bit logits, so a greedy near-tie can go the other way than HF's; the parity
+        tests run in float32, where nothing changes (`--no-fp32-logits` gives HF's rounding). Gemma 2's
+        final soft-capping then runs in float32 too (HF: tanh in the activations' dtype, kept when off).
+        Tensor parallelism gathers the ranks' float32 logits. The CPU path is unchanged."""
+        weight = self._fp32_logits_weight(hidden)
+        if weight is not None:
+            logits = mm_float32(hidden, weight.t())
+        elif self.lm_head is not None:
             logits = self.lm_head(hidden)
         elif self.packed_logits_weight is not None:
             logits = packed_linear(hidden, self.packed_logits_weight)
@@ -192,6 +215,19 @@ class LlamaForCausalLM(nn.Module):
         if self.comm.world > 1:  # each rank's vocab rows side by side, the padding past the vocab cut
             logits = self.comm.all_gather(logits)[:, : self.spec.vocab_size]
         cap = self.spec.final_softcap
-        if cap is not None:  # Gemma 2, in the activations' dtype as HF
+        if cap is not None:  # Gemma 2, in the logits' dtype: the activations' as HF, or float32 (fp32_logits)
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    def _fp32_logits_weight(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits weight [vocab rows, hidden] when the float32-output GEMM applies, else None."""
+        if not (self.fp32_logits and hidden.device.type in FLOAT32_OUT_DEVICES
+                and hidden.dtype in (torch.bfloat16, torch.float16)):
+            return None
+        if self.lm_head is None:  # tied embeddings
+            weight = self.embed_tokens.weight
+        elif type(self.lm_head) is Linear and self.lm_head.lora is None and self.lm_head.bias is None:
+            weight = self.lm_head.weight  # (None once prepacked: the CPU's)
+        else:
+            weight = None
+        return weight if weight is not None and weight.dtype == hidden.dtype else None

@@ -187,6 +187,8 @@ def job_fingerprint(options: JobOptions, model: ResolvedModel, source: InputFile
     }
     if options.engine.kv_cache_dtype != "auto":  # fp8 KV changes completions (absent for auto: old digests hold)
         settings["kv_cache_dtype"] = options.engine.kv_cache_dtype
+    if not options.engine.fp32_logits:  # 16-bit logits on a GPU can change a near-tie (absent when on)
+        settings["fp32_logits"] = False
     if not options.reasoning_split:
         settings["reasoning_split"] = False
     if options.output_format != "cbatch" or options.keep_columns is not None:  # what the records hold

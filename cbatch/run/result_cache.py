@@ -107,6 +107,8 @@ def generation_identity(model_fingerprint: str, config: EngineConfig, dtype: tor
         "model": model_fingerprint, "dtype": str(dtype), "device": device_kind(device),
         "attention_backend": backend_name(config.attention_backend, device), "max_model_len": max_model_len,
         "kv_cache_dtype": config.kv_cache_dtype, "torch": torch.__version__, "cbatch": cbatch_version,
+        # 16-bit logits on a GPU can change a near-tie (absent when on: the keys written before the switch hold)
+        **({} if config.fp32_logits else {"fp32_logits": False}),
     }
 
 
