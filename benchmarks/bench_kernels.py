@@ -13,8 +13,9 @@ Prints (and with --out writes) tables of
       rotary embedding, SwiGLU, and the attention prologue: Qwen3's per-head q/k RMSNorm + rotary + KV store
       against both eager torch and the unfused kernels), T = 256 / 4096 tokens, hidden 1024 (Qwen3-0.6B
       shapes) / 4096 (Llama-3-8B shapes), with the speedup;
-  (c) sampling 256 rows x 151,936 vocab (Qwen3): the one-pass kernel against the torch sampler, greedy and
-      temperature 0.6.
+  (c) sampling 256 and 32 rows x 151,936 vocab (Qwen3): the kernel with the vocabulary split across programs
+      (auto, what the engine runs) and with one program per row (--no-split-sampler), against the torch
+      sampler, greedy and temperature 0.6; logits bytes / time as a fraction of the copy bandwidth.
 Timing: CUDA events around replays of a CUDA graph holding `inner` back-to-back calls (GPU time, no launch
 overhead; --no-graphs times plain launches), after warm-up; the median over repeats, per call.
 Before timing, decode attention is checked against a float32 PyTorch reference (a wrong kernel is not timed).
@@ -393,27 +394,38 @@ def bench_prologue(kernels, copy_bw, token_counts, rows):
         add_row(rows, "  ... vs unfused kernels", tokens, 1024, nbytes, copy_bw, fused, unfused)
 
 
-def bench_sampling(kernels, rows, num_rows: int, vocab: int):
-    """One-pass sampling kernel vs the torch sampler (greedy argmax / temperature 0.6 with the seeded noise)."""
+def bench_sampling(kernels, rows, copy_bw: float, batches: tuple[int, ...], vocab: int):
+    """The sampling kernel with each row's vocabulary split across programs (auto: ~4 programs per SM; what the
+    engine runs) and with one program per row (--no-split-sampler), against the torch sampler (greedy argmax /
+    temperature 0.6 with the seeded noise). The split and unsplit tokens must be identical."""
     from cbatch.engine.sampler import SamplingBatch, sample
+    from cbatch.kernels.sampler import auto_num_splits
 
     g = torch.Generator(device=DEVICE).manual_seed(1)
-    logits = torch.randn(num_rows, vocab, device=DEVICE, generator=g) * 3
-    for label, temp in (("greedy", 0.0), ("temperature 0.6", 0.6)):
-        batch = SamplingBatch([temp] * num_rows, [1.0] * num_rows, [0] * num_rows, list(range(num_rows)), [5] * num_rows)
-        temps = torch.full((num_rows,), temp, device=DEVICE)
-        seeds = torch.arange(num_rows, device=DEVICE)
-        positions = torch.full((num_rows,), 5, device=DEVICE, dtype=torch.int64)
-        got = kernels.fused_sample(logits, temps, seeds, positions)
-        want = sample(logits, batch)
-        same = (got == want).float().mean().item()
-        if same < 0.99:
-            raise SystemExit(f"fused sampler ({label}) agrees with the torch sampler on only {same:.1%} of rows")
-        t_fused = time_ms(lambda: kernels.fused_sample(logits, temps, seeds, positions))
-        t_torch = time_ms(lambda: sample(logits, batch)) if temp == 0 or DEVICE == "cpu" else _time_eager(lambda: sample(logits, batch))
-        nbytes = num_rows * vocab * 4
-        rows.append([label, f"{num_rows}", f"{vocab}", f"{nbytes / 1e6:.1f}", f"{t_torch * 1e3:.1f}",
-                     f"{t_fused * 1e3:.1f}", f"{t_torch / t_fused:.2f}x", f"{same:.1%}"])
+    for num_rows in batches:
+        logits = torch.randn(num_rows, vocab, device=DEVICE, generator=g) * 3
+        splits = auto_num_splits(num_rows, vocab, logits.device)
+        for label, temp in (("greedy", 0.0), ("temperature 0.6", 0.6)):
+            batch = SamplingBatch([temp] * num_rows, [1.0] * num_rows, [0] * num_rows, list(range(num_rows)), [5] * num_rows)
+            temps = torch.full((num_rows,), temp, device=DEVICE)
+            seeds = torch.arange(num_rows, device=DEVICE)
+            positions = torch.full((num_rows,), 5, device=DEVICE, dtype=torch.int64)
+            got = kernels.fused_sample(logits, temps, seeds, positions)
+            unsplit = kernels.fused_sample(logits, temps, seeds, positions, num_splits=1)
+            if not torch.equal(got, unsplit):
+                raise SystemExit(f"sampler ({label}, {num_rows} rows): {splits} splits and one program per row differ")
+            want = sample(logits, batch)
+            same = (got == want).float().mean().item()
+            if same < 0.99:
+                raise SystemExit(f"fused sampler ({label}) agrees with the torch sampler on only {same:.1%} of rows")
+            t_split = time_ms(lambda: kernels.fused_sample(logits, temps, seeds, positions))
+            t_one = time_ms(lambda: kernels.fused_sample(logits, temps, seeds, positions, num_splits=1))
+            t_torch = (time_ms(lambda: sample(logits, batch)) if temp == 0 or DEVICE == "cpu"
+                       else _time_eager(lambda: sample(logits, batch)))
+            nbytes = num_rows * vocab * 4
+            rows.append([label, f"{num_rows}", f"{vocab}", f"{splits}", f"{nbytes / 1e6:.1f}", f"{t_torch * 1e3:.1f}",
+                         f"{t_one * 1e3:.1f}", f"{t_split * 1e3:.1f}", f"{t_one / t_split:.2f}x",
+                         f"{nbytes / (t_split * 1e-3) / copy_bw:.0%}", f"{t_torch / t_split:.2f}x", f"{same:.1%}"])
 
 
 def _time_eager(fn, repeats: int = 10) -> float:
@@ -546,9 +558,11 @@ def main() -> int:
             ["kernel", "tokens", "hidden", "MB", "eager us", "fused us", "speedup", "fused of copy BW"], rows))
         print(out[-1], flush=True)
     rows = []
-    bench_sampling(kernels, rows, *((4, 3000) if args.cpu_smoke else (256, 151936)))
-    out.append(format_table("(c) sampling: one-pass kernel vs the torch sampler (float32 logits)",
-                            ["mode", "rows", "vocab", "MB logits", "torch us", "fused us", "speedup", "same tokens"], rows))
+    bench_sampling(kernels, rows, copy_bw, *(((4,), 3000) if args.cpu_smoke else ((256, 32), 151936)))
+    out.append(format_table("(c) sampling kernel (float32 logits): vocabulary split across programs (auto) vs one "
+                            "program per row (--no-split-sampler) vs the torch sampler",
+                            ["mode", "rows", "vocab", "splits", "MB logits", "torch us", "1 prog/row us", "split us",
+                             "split gain", "split of copy BW", "vs torch", "same as torch"], rows))
     print(out[-1], flush=True)
 
     write_tables(args.out, out)

@@ -180,7 +180,10 @@ def _drive_small_ops():
     yield "store_kv fp8"
     fused_sample(torch.empty(256, 151936), torch.empty(256), torch.empty(256, dtype=torch.int64),
                  torch.empty(256, dtype=torch.int64))
-    yield "fused_sample vocab 151936"
+    yield "fused_sample vocab 151936 (3 splits + reduce)"
+    fused_sample(torch.empty(256, 151936), torch.empty(256), torch.empty(256, dtype=torch.int64),
+                 torch.empty(256, dtype=torch.int64), num_splits=1)
+    yield "fused_sample vocab 151936 (one program per row)"
 
 
 def _drive_models():
