@@ -52,7 +52,7 @@ declare -A PLAN=(
 )
 PARTS="all speed peer gpu-tests kernels suite parity bench e2e e2e-more e2e-sync int4 lora"
 ALL_LIMIT_S=420  # the GPU issue: `all` in at most 7 minutes
-KERNEL_TESTS="tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_kernels_compile.py tests/test_compile_count.py tests/test_triton_e2e.py tests/test_fp8_kv.py"
+KERNEL_TESTS="tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_kernels_sampler.py tests/test_fp32_logits.py tests/test_kernels_compile.py tests/test_compile_count.py tests/test_triton_e2e.py tests/test_fp8_kv.py"
 MODEL=/tmp/qwen3-0.6b-random
 
 plan_of() { echo "${PLAN[$1]}"; }
@@ -156,7 +156,7 @@ part_peer() {
 
 # gpu-tests: the kernel tests (no engines: each test's GPU memory is small, so 4 xdist workers share the card)
 # and the GPU-only engine tests, counted (passed / failed / skipped) in the summary
-GPU_TESTS="tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_async_scheduling.py::test_a_steps_tokens_wait_for_that_step_alone"
+GPU_TESTS="tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_kernels_sampler.py tests/test_fp32_logits.py tests/test_async_scheduling.py::test_a_steps_tokens_wait_for_that_step_alone"
 part_gpu_tests() {
   if [ $DRY = 1 ]; then
     step gpu_tests $py -m pytest -p no:cacheprovider -rfE tests/test_kernels_fused.py -k "rotary and dtype0" tests/test_async_scheduling.py::test_a_steps_tokens_wait_for_that_step_alone
