@@ -184,7 +184,8 @@ class ModelRunner:
                 # scheduling launches before this step's tokens are read (a device copy, queued like a kernel)
                 sampled, logprobs = step.tokens.clone(), [None] * len(step.seqs)
             else:
-                sampled, logprobs = sample_batch(step.logits, step.sampling, self.fused_sampling, self.sampler_splits)
+                sampled, logprobs = sample_batch(step.logits, step.sampling, self.fused_sampling,
+                                                 num_splits=self.sampler_splits)
             self.forward_seconds += time.perf_counter() - start
             step.logprobs.sampled.update((seq.seq_id, lp) for seq, lp in zip(step.seqs, logprobs) if lp is not None)
             # the next step's placeholders read these on the device: each sequence's row in `sampled`
