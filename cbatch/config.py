@@ -71,6 +71,9 @@ class EngineConfig:
     # it can run at once (its rows x n): a 256-row job captures 20 graphs, not 68 up to 1024 (a larger batch runs eager)
     cuda_graph_max_batch: int | None = None
     tune_kernels: bool = True  # GPU: time decode attention's tile candidates at start-up, keep the fastest (cached)
+    # GPU: decode attention cuts long contexts into key segments when a step has few sequences (split-KV,
+    # kernels/paged_attention.auto_num_splits); False: one program per (sequence, kv head), to measure the gain
+    split_kv: bool = True
     enable_prefix_cache: bool = True  # share computed full KV blocks between requests with the same prefix
     preemption: str = "recompute"  # recompute | swap | auto (swap victims whose recompute would be long)
     swap_space_gb: float = 4.0  # host memory for swapped-out KV blocks

@@ -79,6 +79,9 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
         Flag("kernel_tuning", bool, True, "GPU: time a few tile shapes of decode attention at start-up and keep the "
              "fastest (a few seconds, cached per device in ~/.cache/cbatch).", ENGINE,
              decls=("--kernel-tuning/--no-kernel-tuning",), field="tune_kernels"),
+        Flag("split_kv", bool, True, "GPU: decode attention cuts long contexts into key segments when a step has few "
+             "sequences (fewer than 6 programs per SM); --no-split-kv measures what that gains.", ENGINE,
+             decls=("--split-kv/--no-split-kv",), field="split_kv"),
         Flag("prefix_cache", bool, True, "Reuse the KV of prompt prefixes shared between rows.", ENGINE,
              decls=("--prefix-cache/--no-prefix-cache",), field="enable_prefix_cache"),
         Flag("preemption", str, "recompute", "When KV runs out: recompute | swap (to host memory) | auto (swap long ones).",
