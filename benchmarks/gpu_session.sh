@@ -130,7 +130,7 @@ step() {  # step NAME CMD...   (budget from the plan, or $STEP_BUDGET; dry runs 
 
 in_setup() {  # a setup command, killed at setup's deadline (SETUP_END); skipped past it
   local left=$((SETUP_END - SECONDS))
-  [ "$left" -gt 0 ] || { echo "setup: past its ${SETUP_S} s, skipped: $1"; return 124; }
+  [ "$left" -gt 0 ] || { echo "setup: past its ${SETUP_S} s, skipped: $1" >&2; return 124; }
   timeout --kill-after=1 "$left" "$@"
 }
 
