@@ -29,7 +29,7 @@ skipped because its guard, the time left before the last R seconds, is under --m
 cbatch first, on N requests of the same seed and lengths inside those R seconds, so a ratio always comes back:
 
     python benchmarks/compare_peers.py --device cuda ... --num-requests 256 --engines cbatch,hf-cb --repeats 1 \
-        --deadline 140 --fallback-requests 32 --fallback-reserve 85 --min-peer-guard 60
+        --deadline 135 --fallback-requests 32 --fallback-reserve 85 --min-peer-guard 70
 
 The compute floor is the workload's FLOPs (2 x linear-layer parameters x tokens, plus causal attention,
 plus logits only for sampled tokens) over the best GEMM rate measured here at the model's shapes.
@@ -352,8 +352,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="with --deadline and --fallback-requests: the last S seconds are kept for the fallback; the "
                         "first comparison's runs are guarded by what is left before them")
     p.add_argument("--min-peer-guard", type=float, default=0.0, metavar="S",
-                   help="a peer's run whose guard would be shorter than S is not started (reported as skipped): it "
-                        "could not finish, and the fallback gets on sooner")
+                   help="in the first comparison, a peer's run whose guard would be shorter than S is not started "
+                        "(reported as skipped): it could not finish, and the fallback gets on sooner. Not applied "
+                        "to the fallback's runs, its last chance.")
     p.add_argument("--keep-logs", default=None, metavar="DIR",
                    help="write each run's stderr (vLLM's and llama.cpp's own logs) to DIR/ENTRY-REPEAT.log")
     args = p.parse_args(argv)
@@ -410,11 +411,11 @@ class Budget:
 
 
 def run_all(args: argparse.Namespace, entries: list[Entry], workload_path: Path, flops: float, budget: Budget,
-            keep: float, out: "JsonOut", tag: str) -> tuple[dict, dict]:
+            keep: float, min_peer_guard: float, out: "JsonOut", tag: str) -> tuple[dict, dict]:
     """Every entry `--repeats` times, interleaved, then the GEMM probe per dtype (last: a probe that fails
     costs no engine's figures). Each run's line is printed, and --json rewritten, as soon as it ends. Every run
     is guarded by the time `budget` leaves before its last `keep` seconds; a peer's run with less than
-    --min-peer-guard (or any run with no time) is skipped and reported, not started."""
+    `min_peer_guard` (or any run with no time) is skipped and reported, not started."""
     pythons = {e.engine: python_for(e.engine, args) for e in entries}
     runs: dict[str, list[dict]] = {e.label: [] for e in entries}
     probes: dict[str, dict] = {}
@@ -422,7 +423,7 @@ def run_all(args: argparse.Namespace, entries: list[Entry], workload_path: Path,
         for entry in entries:
             time.sleep(args.cooldown)
             guard = budget.guard(args.run_timeout, keep)
-            floor = args.min_peer_guard if entry.engine != "cbatch" else 0.0
+            floor = min_peer_guard if entry.engine != "cbatch" else 0.0
             if guard is not None and (guard <= 0 or guard < floor):
                 res = {"error": f"{max(guard, 0):.0f} s left for it before the deadline"
                        + (f" less the fallback's {keep:.0f} s" if keep else "")
@@ -469,7 +470,7 @@ class JsonOut:
 
 
 def compare(args: argparse.Namespace, entries: list[Entry], model_dir: str, spec: dict, num_requests: int,
-            budget: Budget, keep: float, out: JsonOut) -> dict[str, list[dict]]:
+            budget: Budget, keep: float, min_peer_guard: float, out: JsonOut) -> dict[str, list[dict]]:
     """One comparison on `num_requests` requests: the runs, then the machine, the workload and the table."""
     wl = make_workload(num_requests, args.seed, args.prompt_range, spec["vocab_size"], args.output_mix)
     flops = workload_flops(spec, wl)
@@ -479,7 +480,8 @@ def compare(args: argparse.Namespace, entries: list[Entry], model_dir: str, spec
                                              "output_lens": wl.output_lens, "extra": default_extra(args),
                                              "temperature": args.temperature}))
         load_before = os.getloadavg()
-        probes, runs = run_all(args, entries, workload_path, flops, budget, keep, out, f"{num_requests} requests")
+        probes, runs = run_all(args, entries, workload_path, flops, budget, keep, min_peer_guard, out,
+                               f"{num_requests} requests")
         load_after = os.getloadavg()
 
     floor_s = {dt: flops / (probe["gflops"] * 1e9) for dt, probe in probes.items() if "gflops" in probe}
@@ -532,14 +534,15 @@ def main(argv: list[str] | None = None) -> None:
     budget, out = Budget(args.deadline), JsonOut(args)
     fallback = args.fallback_requests
     keep = args.fallback_reserve if fallback and args.deadline is not None else 0.0
-    runs = compare(args, entries, model_dir, spec, args.num_requests, budget, keep, out.start(None))
+    # --min-peer-guard skips a hopeless peer run of the first comparison only: the fallback's is its last chance
+    runs = compare(args, entries, model_dir, spec, args.num_requests, budget, keep, args.min_peer_guard, out.start(None))
     ratios = ratio_lines(entries, runs, args.num_requests)
     missing = unfinished_peers(entries, runs)
     if missing and fallback:
         left = f" ({budget.left():.0f} s left)" if budget.deadline is not None else ""
         print(f"\n{', '.join(e.label for e in missing)} did not finish {args.num_requests} requests: the same "
               f"comparison on {fallback} requests{left}\n", flush=True)
-        runs = compare(args, entries, model_dir, spec, fallback, budget, 0.0, out.start("fallback"))
+        runs = compare(args, entries, model_dir, spec, fallback, budget, 0.0, 0.0, out.start("fallback"))
         ratios += ratio_lines(entries, runs, fallback)
     if len(entries) > 1:  # last: the kit's summary keeps a step's last lines
         print()

@@ -118,7 +118,6 @@ step() {  # step NAME CMD...   (budget from the plan, or $STEP_BUDGET; dry runs 
   {
     echo "--- $PART/$name: $verdict in ${took} s of ${budget} s"
     grep -E '^run [0-9]+/' "$LOGS/$name.log" | cut -c1-400  # compare_peers: each engine's figures, cbatch first
-    grep -E '^ratio ' "$LOGS/$name.log"  # compare_peers: cbatch / each peer, on the request count that finished
     case $name in  # the profiles' and kernel tables' figures whole, the rest's last lines
       profile_*|decode_kernels|w4a16_gemm) grep -v -E '^(USDT|STAGE|\[W)' "$LOGS/$name.log" | tail -n 90 | cut -c1-220 ;;
       *) tail -n "${TAIL_LINES:-12}" "$LOGS/$name.log" | cut -c1-220 ;;

@@ -141,10 +141,11 @@ def test_a_peer_that_does_not_finish_is_compared_again_on_fewer_requests(peers, 
     json_path = tmp_path / "out.json"
     argv = ["--model", str(_fake_model(tmp_path)), "--engines", "cbatch,hf-cb", "--repeats", "1", "--cooldown", "0",
             "--num-requests", "8", "--prompt-len", "4,8", "--output-len", "2,4", "--deadline", "100",
-            "--fallback-requests", "3", "--fallback-reserve", "60", "--min-peer-guard", "50", "--json", str(json_path)]
+            "--fallback-requests", "3", "--fallback-reserve", "60", "--min-peer-guard", "200", "--json", str(json_path)]
     peers.main(argv)
     engine_calls = [(name, n) for name, n, _ in calls if name != "gemm"]
-    assert engine_calls == [("cbatch", 8), ("cbatch", 3), ("hf-cb", 3)]  # hf-cb at 8: 40 s left < 50: skipped
+    # hf-cb at 8: 40 s left < 200: skipped; at 3 (the fallback, its last chance) the minimum does not apply
+    assert engine_calls == [("cbatch", 8), ("cbatch", 3), ("hf-cb", 3)]
     assert all(t is not None and t <= 100 for _, _, t in calls)
     out = capsys.readouterr().out
     assert "run 1/1 hf-cb [8 requests]: SKIPPED" in out and "FAILED" not in out
@@ -154,7 +155,7 @@ def test_a_peer_that_does_not_finish_is_compared_again_on_fewer_requests(peers, 
 
     # with time for it, the peer runs at 256 (here 8), guarded by the deadline less the reserve; no fallback
     calls.clear()
-    peers.main([a if a != "50" else "10" for a in argv])
+    peers.main([a if a != "200" else "10" for a in argv])
     assert [(name, n) for name, n, _ in calls if name != "gemm"] == [("cbatch", 8), ("hf-cb", 8)]
     assert 0 < calls[1][2] <= 40
     assert capsys.readouterr().out.rstrip().splitlines()[-1] == "ratio cbatch / hf-cb: 20.00x output tok/s on 8 requests"
