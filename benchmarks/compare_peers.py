@@ -29,7 +29,7 @@ skipped because its guard, the time left before the last R seconds, is under --m
 cbatch first, on N requests of the same seed and lengths inside those R seconds, so a ratio always comes back:
 
     python benchmarks/compare_peers.py --device cuda ... --num-requests 256 --engines cbatch,hf-cb --repeats 1 \
-        --deadline 135 --fallback-requests 32 --fallback-reserve 85 --min-peer-guard 70
+        --deadline 145 --fallback-requests 32 --fallback-reserve 85 --min-peer-guard 70
 
 The compute floor is the workload's FLOPs (2 x linear-layer parameters x tokens, plus causal attention,
 plus logits only for sampled tokens) over the best GEMM rate measured here at the model's shapes.

@@ -60,7 +60,7 @@ declare -A PLAN=(
   [gpu-tests]="gpu_tests:150"
   # the last step takes what the steps before it left of their budgets too (elastic_budget): the peer's
   # 256-request attempt gets the slack
-  [all]="make_model:30 profile_bf16:80 profile_fp8:45 decode_kernels:40 host_step:25 hf_vs_cbatch:140"
+  [all]="make_model:30 profile_bf16:80 profile_fp8:45 decode_kernels:40 host_step:15 hf_vs_cbatch:150"
 )
 PARTS="all speed peer gpu-tests kernels suite parity bench e2e e2e-more e2e-sync e2e-split int4 lora"
 # what a step does inside its budget, where that is more than one thing (printed with the plan): PART/STEP
