@@ -518,10 +518,11 @@ def main() -> int:
     if args.cpu_smoke:
         configs = [(2, 40, None), (2, 1100, None), (2, 1100, 1)]
     elif args.quick:
-        configs = [(64, 512, None), (256, 2048, None), (8, 8192, None), (8, 8192, 1)]
+        # 64 x 8192 split (policy: 2 segments, 3.9 programs per SM) and forced unsplit: the split policy's gain
+        configs = [(64, 512, None), (256, 2048, None), (64, 8192, None), (64, 8192, 1), (8, 8192, None), (8, 8192, 1)]
     else:
         configs = [(bs, ctx, None) for bs in (64, 256) for ctx in (512, 2048, 8192)]
-        configs += [(8, 8192, None), (8, 8192, 1), (16, 4096, None), (16, 4096, 1)]
+        configs += [(64, 8192, 1), (8, 8192, None), (8, 8192, 1), (16, 4096, None), (16, 4096, 1)]
     bench_decode(kernels, copy_bw, configs, rows)
     out.append(format_table(
         f"(a) decode paged attention, bf16, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads x {HEAD_DIM}, block {BLOCK_SIZE}",

@@ -23,6 +23,14 @@ reported as failed and the others go on; each run's figures are printed (and --j
 it ends, so a failing peer never costs cbatch's figures. cbatch's runs also report its steps, mean batch
 occupancy and the Triton kernels compiled inside the timed window (0 after a GPU engine's warm-up).
 
+A slow peer within a fixed time (the GPU kit's one call): `--deadline S` bounds the whole comparison, and with
+`--fallback-requests N --fallback-reserve R` a peer that does not finish --num-requests (timed out, failed, or
+skipped because its guard, the time left before the last R seconds, is under --min-peer-guard) is compared again,
+cbatch first, on N requests of the same seed and lengths inside those R seconds, so a ratio always comes back:
+
+    python benchmarks/compare_peers.py --device cuda ... --num-requests 256 --engines cbatch,hf-cb --repeats 1 \
+        --deadline 145 --fallback-requests 32 --fallback-reserve 85 --min-peer-guard 70
+
 The compute floor is the workload's FLOPs (2 x linear-layer parameters x tokens, plus causal attention,
 plus logits only for sampled tokens) over the best GEMM rate measured here at the model's shapes.
 """
@@ -34,11 +42,12 @@ import os
 import platform
 import random
 import statistics
+import math
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_ENGINES = ("cbatch", "hf-cb", "hf-static")
@@ -177,9 +186,9 @@ def python_for(engine: str, args: argparse.Namespace) -> str:
 
 
 def spawn(what: list[str], python: str, args: argparse.Namespace, workload_path: Path, dtype: str,
-          log: Path | None = None) -> dict:
+          log: Path | None = None, timeout: float | None = None) -> dict:
     """Runs peer_engines.py (`--engine NAME` or `--probe gemm`) in a fresh process; its result plus `process_s`
-    (the whole process's wall time), or {"error", "log"} when it fails or outlasts --run-timeout (the other
+    (the whole process's wall time), or {"error", "log"} when it fails or outlasts `timeout` seconds (the other
     runs go on). Its stderr goes to `log` if given."""
     result_path = workload_path.parent / f"{what[1]}-{time.monotonic_ns()}.json"
     cmd = [python, str(WORKER), *what, "--workload", str(workload_path), "--result", str(result_path),
@@ -190,10 +199,10 @@ def spawn(what: list[str], python: str, args: argparse.Namespace, workload_path:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (project, env.get("PYTHONPATH")) if p)
     started = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.run_timeout)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        return {"error": f"timed out after {args.run_timeout:.0f} s", "log": stderr[-3000:]}
+        return {"error": f"timed out after {timeout:.0f} s", "timed_out": True, "log": stderr[-3000:]}
     process_s = time.perf_counter() - started
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -241,6 +250,8 @@ def succeeded(rows: list[dict]) -> list[dict]:
 
 def run_line(res: dict) -> str:
     """One run's figures, printed as soon as it ends (cbatch's also its steps, occupancy and compiles)."""
+    if res.get("skipped"):
+        return f"SKIPPED ({res['error']})"
     if "error" in res:
         return f"FAILED ({res['error']}): {res.get('log', '')[-600:]}"
     line = (f"{res['wall_s']:.2f} s, {res['output_tok_s']:.1f} output tok/s, {res['total_tok_s']:.1f} total tok/s, "
@@ -331,6 +342,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="every request samples at this temperature, seeded by its index (default 0: greedy)")
     p.add_argument("--run-timeout", type=float, default=None, metavar="S",
                    help="seconds before one run is killed and reported failed (the others go on)")
+    p.add_argument("--deadline", type=float, default=None, metavar="S",
+                   help="seconds the whole comparison may take: no run's guard reaches past it (a run with no time "
+                        "left is skipped and reported)")
+    p.add_argument("--fallback-requests", type=int, default=None, metavar="N",
+                   help="a peer that does not finish --num-requests (timed out, failed or skipped): the same "
+                        "comparison again on N requests (same seed and lengths), so a ratio comes back")
+    p.add_argument("--fallback-reserve", type=float, default=0.0, metavar="S",
+                   help="with --deadline and --fallback-requests: the last S seconds are kept for the fallback; the "
+                        "first comparison's runs are guarded by what is left before them")
+    p.add_argument("--min-peer-guard", type=float, default=0.0, metavar="S",
+                   help="in the first comparison, a peer's run whose guard would be shorter than S is not started "
+                        "(reported as skipped): it could not finish, and the fallback gets on sooner. Not applied "
+                        "to the fallback's runs, its last chance.")
     p.add_argument("--keep-logs", default=None, metavar="DIR",
                    help="write each run's stderr (vLLM's and llama.cpp's own logs) to DIR/ENTRY-REPEAT.log")
     args = p.parse_args(argv)
@@ -343,6 +367,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.num_requests, args.prompt_range, args.repeats, args.output_mix = 16, (16, 64), 1, ((1.0, 8, 32),)
     if args.cooldown is None:
         args.cooldown = 0.0 if args.quick or args.device == "cuda" else 20.0
+    if args.fallback_requests is not None and not 1 <= args.fallback_requests:
+        p.error("--fallback-requests must be at least 1")
     return args
 
 
@@ -366,44 +392,87 @@ def default_gguf() -> Path:
     return f32 if f32.is_file() else default_gguf_file()
 
 
-def run_all(args: argparse.Namespace, entries: list[Entry], workload_path: Path, flops: float) -> tuple[dict, dict]:
+@dataclass
+class Budget:
+    """Seconds left before --deadline (infinite without one), less what is kept for a later comparison."""
+
+    deadline: float | None
+    started: float = field(default_factory=time.monotonic)
+
+    def left(self, keep: float = 0.0) -> float:
+        if self.deadline is None:
+            return math.inf
+        return self.deadline - (time.monotonic() - self.started) - keep
+
+    def guard(self, run_timeout: float | None, keep: float = 0.0) -> float | None:
+        """A run's timeout: --run-timeout, shortened to the time left (None: no limit)."""
+        limit = min(run_timeout if run_timeout is not None else math.inf, self.left(keep))
+        return None if limit == math.inf else limit
+
+
+def run_all(args: argparse.Namespace, entries: list[Entry], workload_path: Path, flops: float, budget: Budget,
+            keep: float, min_peer_guard: float, out: "JsonOut", tag: str) -> tuple[dict, dict]:
     """Every entry `--repeats` times, interleaved, then the GEMM probe per dtype (last: a probe that fails
-    costs no engine's figures). Each run's line is printed, and --json rewritten, as soon as it ends."""
+    costs no engine's figures). Each run's line is printed, and --json rewritten, as soon as it ends. Every run
+    is guarded by the time `budget` leaves before its last `keep` seconds; a peer's run with less than
+    `min_peer_guard` (or any run with no time) is skipped and reported, not started."""
     pythons = {e.engine: python_for(e.engine, args) for e in entries}
     runs: dict[str, list[dict]] = {e.label: [] for e in entries}
     probes: dict[str, dict] = {}
     for r in range(args.repeats):
         for entry in entries:
             time.sleep(args.cooldown)
-            log = Path(args.keep_logs) / f"{entry.label}-{r + 1}.log" if args.keep_logs else None
-            res = spawn(["--engine", entry.engine], pythons[entry.engine], args, workload_path, entry.dtype, log)
+            guard = budget.guard(args.run_timeout, keep)
+            floor = min_peer_guard if entry.engine != "cbatch" else 0.0
+            if guard is not None and (guard <= 0 or guard < floor):
+                res = {"error": f"{max(guard, 0):.0f} s left for it before the deadline"
+                       + (f" less the fallback's {keep:.0f} s" if keep else "")
+                       + (f", under --min-peer-guard {floor:.0f} s" if floor else ""), "skipped": True}
+            else:
+                log = Path(args.keep_logs) / f"{entry.label}-{tag}-{r + 1}.log" if args.keep_logs else None
+                res = spawn(["--engine", entry.engine], pythons[entry.engine], args, workload_path, entry.dtype, log,
+                            timeout=guard)
             res["load_1min"] = os.getloadavg()[0]
             runs[entry.label].append(res)
-            print(f"run {r + 1}/{args.repeats} {entry.label}: {run_line(res)}", flush=True)
-            write_json(args, runs, probes, flops)
+            print(f"run {r + 1}/{args.repeats} {entry.label} [{tag}]: {run_line(res)}", flush=True)
+            out.write(runs, probes, flops)
     for dt in dict.fromkeys(e.dtype for e in entries):
-        probes[dt] = spawn(["--probe", "gemm"], sys.executable, args, workload_path, dt)
-    write_json(args, runs, probes, flops)
+        guard = budget.guard(args.run_timeout, keep)
+        if guard is not None and guard < 10:  # a GEMM probe's process needs a few seconds; the floor is optional
+            probes[dt] = {"error": "skipped: no time left before the deadline"}
+            continue
+        probes[dt] = spawn(["--probe", "gemm"], sys.executable, args, workload_path, dt, timeout=guard)
+    out.write(runs, probes, flops)
     return probes, runs
 
 
-def write_json(args: argparse.Namespace, runs: dict[str, list[dict]], probes: dict[str, dict], flops: float) -> None:
-    if not args.json:
-        return
-    slim = {label: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for label, rs in runs.items()}
-    Path(args.json).write_text(json.dumps({"runs": slim, "gemm_gflops": {dt: p.get("by_path") for dt, p in probes.items()},
-                                           "flops": flops, "args": vars(args), "machine": machine_lines(args.isa, "")},
-                                          indent=2, default=str))
+class JsonOut:
+    """--json: the first comparison's figures at the top level (as before), a fallback's under "fallback";
+    rewritten after every run."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.doc, self.section = args, {}, None
+
+    def start(self, section: str | None) -> "JsonOut":
+        self.section = section
+        return self
+
+    def write(self, runs: dict[str, list[dict]], probes: dict[str, dict], flops: float) -> None:
+        if not self.args.json:
+            return
+        slim = {label: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for label, rs in runs.items()}
+        part = {"runs": slim, "gemm_gflops": {dt: p.get("by_path") for dt, p in probes.items()}, "flops": flops}
+        if self.section is None:
+            self.doc.update(part, args=vars(self.args), machine=machine_lines(self.args.isa, ""))
+        else:
+            self.doc[self.section] = part
+        Path(self.args.json).write_text(json.dumps(self.doc, indent=2, default=str))
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    entries = parse_entries(args.engines, args.dtype)
-    from cbatch.model.default_model import default_model_dir
-
-    model_dir = str(Path(args.model).resolve()) if args.model else str(default_model_dir())
-    spec = json.loads((Path(model_dir) / "config.json").read_text())
-    wl = make_workload(args.num_requests, args.seed, args.prompt_range, spec["vocab_size"], args.output_mix)
+def compare(args: argparse.Namespace, entries: list[Entry], model_dir: str, spec: dict, num_requests: int,
+            budget: Budget, keep: float, min_peer_guard: float, out: JsonOut) -> dict[str, list[dict]]:
+    """One comparison on `num_requests` requests: the runs, then the machine, the workload and the table."""
+    wl = make_workload(num_requests, args.seed, args.prompt_range, spec["vocab_size"], args.output_mix)
     flops = workload_flops(spec, wl)
     with tempfile.TemporaryDirectory(prefix="cbatch-peers-") as tmp:
         workload_path = Path(tmp) / "workload.json"
@@ -411,7 +480,8 @@ def main(argv: list[str] | None = None) -> None:
                                              "output_lens": wl.output_lens, "extra": default_extra(args),
                                              "temperature": args.temperature}))
         load_before = os.getloadavg()
-        probes, runs = run_all(args, entries, workload_path, flops)
+        probes, runs = run_all(args, entries, workload_path, flops, budget, keep, min_peer_guard, out,
+                               f"{num_requests} requests")
         load_after = os.getloadavg()
 
     floor_s = {dt: flops / (probe["gflops"] * 1e9) for dt, probe in probes.items() if "gflops" in probe}
@@ -433,6 +503,51 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average (1/5/15 min): before {'/'.join(f'{x:.2f}' for x in load_before)}, "
           f"after {'/'.join(f'{x:.2f}' for x in load_after)}; medians of {args.repeats} interleaved repeats\n")
     print_table(entries, runs, floor_s, greedy=not args.temperature)
+    return runs
+
+
+def unfinished_peers(entries: list[Entry], runs: dict[str, list[dict]]) -> list[Entry]:
+    """The entries after the first that have no successful run (timed out, failed or skipped)."""
+    return [e for e in entries[1:] if not succeeded(runs[e.label])]
+
+
+def ratio_lines(entries: list[Entry], runs: dict[str, list[dict]], num_requests: int) -> list[str]:
+    """`ratio A / B: R x output tok/s on N requests` for the first entry against each peer that finished."""
+    first = entries[0]
+    if not succeeded(runs[first.label]):
+        return []
+
+    def med(label: str) -> float:
+        return statistics.median(r["output_tok_s"] for r in succeeded(runs[label]))
+
+    return [f"ratio {first.label} / {e.label}: {med(first.label) / med(e.label):.2f}x output tok/s on {num_requests} "
+            "requests" for e in entries[1:] if succeeded(runs[e.label])]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    entries = parse_entries(args.engines, args.dtype)
+    from cbatch.model.default_model import default_model_dir
+
+    model_dir = str(Path(args.model).resolve()) if args.model else str(default_model_dir())
+    spec = json.loads((Path(model_dir) / "config.json").read_text())
+    budget, out = Budget(args.deadline), JsonOut(args)
+    fallback = args.fallback_requests
+    keep = args.fallback_reserve if fallback and args.deadline is not None else 0.0
+    # --min-peer-guard skips a hopeless peer run of the first comparison only: the fallback's is its last chance
+    runs = compare(args, entries, model_dir, spec, args.num_requests, budget, keep, args.min_peer_guard, out.start(None))
+    ratios = ratio_lines(entries, runs, args.num_requests)
+    missing = unfinished_peers(entries, runs)
+    if missing and fallback:
+        left = f" ({budget.left():.0f} s left)" if budget.deadline is not None else ""
+        print(f"\n{', '.join(e.label for e in missing)} did not finish {args.num_requests} requests: the same "
+              f"comparison on {fallback} requests{left}\n", flush=True)
+        runs = compare(args, entries, model_dir, spec, fallback, budget, 0.0, 0.0, out.start("fallback"))
+        ratios += ratio_lines(entries, runs, fallback)
+    if len(entries) > 1:  # last: the kit's summary keeps a step's last lines
+        print()
+        for line in ratios or [f"ratio: none ({entries[0].label} or every peer failed)"]:
+            print(line)
 
 
 if __name__ == "__main__":

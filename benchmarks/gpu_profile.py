@@ -106,8 +106,11 @@ def step_class(decode_rows: int, prefill_tokens: int) -> str:
 
 
 def timed_run(engine, workload, temperature: float, floor_of) -> dict:
-    """The whole workload once; every engine.step() call timed and classed by the step it launched."""
+    """The whole workload once; every engine.step() call timed and classed by the step it launched. Also the
+    Triton kernel variants compiled inside the timed window (`jit_stats.compiled_variants`, the count
+    compare_peers' lines give: 0 after a GPU engine's warm-up) and the process's peak GPU memory so far."""
     from cbatch.config import SamplingParams
+    from cbatch.kernels.jit_stats import compiled_variants
 
     engine.reset()
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=temperature,
@@ -115,8 +118,10 @@ def timed_run(engine, workload, temperature: float, floor_of) -> dict:
     for ids, p in zip(workload.prompts, params):
         engine.add_request(ids, p)
     steps = []
-    sync = torch.cuda.synchronize if engine.device is not None and engine.device.type == "cuda" else (lambda: None)
+    cuda = engine.device is not None and engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
+    compiles = compiled_variants()
     t_start = last = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
@@ -126,6 +131,7 @@ def timed_run(engine, workload, temperature: float, floor_of) -> dict:
         last = now
     sync()
     wall = time.perf_counter() - t_start
+    compiles = compiled_variants() - compiles
     stats = engine.scheduler.stats
     by_class: dict[str, list] = defaultdict(list)
     for dt, tokens, prefill, context in steps:
@@ -149,6 +155,8 @@ def timed_run(engine, workload, temperature: float, floor_of) -> dict:
         "steps": len(steps), "steps_scheduled_ahead": engine.steps_ahead,
         "mean_occupancy": stats.occupancy_sum / max(1, stats.steps),
         "bandwidth_floor_s": floor_total, "fraction_of_floor": floor_total / wall, "classes": classes,
+        "kernel_compiles_in_window": compiles,
+        "peak_gpu_mb": torch.cuda.max_memory_allocated(engine.device) / 2**20 if cuda else None,
     }
 
 
@@ -258,7 +266,9 @@ def print_timed(run: dict) -> None:
     print(f"\ntemperature {run['temperature']}: {run['output_tok_s']:,.0f} output tok/s ({run['total_tok_s']:,.0f} total), "
           f"{run['wall_s']:.2f} s, {run['steps']} steps ({run['steps_scheduled_ahead']} scheduled ahead), "
           f"occupancy {run['mean_occupancy']:.1f}; bandwidth floor {run['bandwidth_floor_s']:.2f} s = "
-          f"{run['fraction_of_floor']:.0%} of it reached")
+          f"{run['fraction_of_floor']:.0%} of it reached; kernel compiles in the timed window: "
+          f"{run['kernel_compiles_in_window']}; peak GPU "
+          + (f"{run['peak_gpu_mb']:,.0f} MB" if run["peak_gpu_mb"] is not None else "n/a (CPU)"))
     print(f"  {'step class':<24} {'steps':>6} {'wall share':>10} {'median ms':>10} {'floor ms':>9} {'floor/time':>10} {'tokens':>7}")
     for cls, c in run["classes"].items():
         print(f"  {cls:<24} {c['steps']:>6} {c['share_of_wall']:>10.1%} {c['median_ms']:>10.3f} "

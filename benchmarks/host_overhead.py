@@ -48,17 +48,18 @@ def measure(running: int, steps: int, prompt_len: int, clock, async_order: bool,
                           max_num_batched_tokens=max(running, 8192), num_kv_blocks=blocks)
     engine = build_engine(config, resolve_model(config, spec))
     runner, torch_backend = engine.runner, TorchBackend()
-    runner._untouched = None  # as on a GPU: no first-use zeroing of KV blocks (a CPU-only page-touch cost)
     times: dict[str, list[float]] = {"schedule": [], "build": [], "torch_prepare": [], "whole": []}
     timing = {"on": False}
 
-    def host_only_launch(plan):
+    def host_only_launch(plan):  # ModelRunner.forward's host part (keep in step with it), then a constant token
         for seq in plan.preempted + plan.finished:
             runner.block_tables.release(seq)
             runner.sampling.release(seq)
+            runner.pooler.forget(seq)
+        runner.begin_step()
         t0 = clock()
-        inputs, sampling_seqs, _ = runner._build(plan)
-        batch = inputs.to_device(runner.device, runner.block_size, runner._last_sampled)  # host copies on a GPU
+        inputs, sampling_seqs, _, _ = runner._build(plan)
+        batch = inputs.to_device(runner.device, runner.block_size, runner._last_sampled, runner.staging)  # host copies on a GPU
         runner.sampling.build(sampling_seqs)  # the sampling settings (and seeds) the runner builds each step
         runner._last_sampled = torch.full((len(sampling_seqs),), 7, dtype=torch.int64)
         runner._last_row = dict(zip([seq.seq_id for seq in sampling_seqs], range(len(sampling_seqs))))  # as `launch`
@@ -82,9 +83,12 @@ def measure(running: int, steps: int, prompt_len: int, clock, async_order: bool,
     runner.launch = host_only_launch
     runner.execute = lambda plan: host_only_launch(plan).result()
     engine.scheduler.schedule = timed_schedule
-    shared = SamplingParams(max_tokens=10**6, ignore_eos=True)
+    # enough tokens to decode through the measured steps (not 10**6: admission refuses a request whose prompt +
+    # max_tokens cannot fit the pool even alone, and the pool holds prompt + steps per sequence)
+    max_tokens = steps + 8
+    shared = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(running):
-        params = SamplingParams(max_tokens=10**6, ignore_eos=True) if per_row_params else shared
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True) if per_row_params else shared
         engine.add_request([(i * 31 + j) % 40000 + 100 for j in range(prompt_len)], params)
     while any(s.num_computed < s.prompt_len for s in engine.scheduler.running) or engine.scheduler.num_waiting:
         engine.step()  # prefill everyone (through the same fake step)

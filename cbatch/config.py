@@ -77,6 +77,9 @@ class EngineConfig:
     # GPU, bfloat16/float16 models: the lm_head GEMM writes float32 logits (soft-capping then in float32); off: HF's
     # logits, rounded to the model's dtype (soft-capped there), then float32. Greedy near-ties may differ.
     fp32_logits: bool = True
+    # GPU: decode attention cuts long contexts into key segments when a step has few sequences (split-KV,
+    # kernels/paged_attention.auto_num_splits); False: one program per (sequence, kv head), to measure the gain
+    split_kv: bool = True
     enable_prefix_cache: bool = True  # share computed full KV blocks between requests with the same prefix
     preemption: str = "recompute"  # recompute | swap | auto (swap victims whose recompute would be long)
     swap_space_gb: float = 4.0  # host memory for swapped-out KV blocks

@@ -80,3 +80,82 @@ def test_peak_memory_counts_child_processes(engines):
         assert engines.process_tree_peak_rss_mb() >= alone + 300
     finally:
         child.communicate("")
+
+
+def test_engine_args_are_typed_as_json(peers):
+    """--engine-arg values reach the engines as JSON types (the GPU run of issue 40 found every value cast to int)."""
+    extra = peers.parse_extra(["hf-cb:max_batch_tokens=4096", "hf-cb:use_cuda_graph=false", "hf-cb:max_memory_percent=0.5",
+                               "hf-cb:attn_implementation=sdpa", "cbatch:kv_cache_dtype=fp8", "cbatch:max_model_len=2048",
+                               "cbatch:async_scheduling=true", "cbatch:cuda_graph_max_batch=null"])
+    assert extra == {"hf-cb": {"max_batch_tokens": 4096, "use_cuda_graph": False, "max_memory_percent": 0.5,
+                               "attn_implementation": "sdpa"},
+                     "cbatch": {"kv_cache_dtype": "fp8", "max_model_len": 2048, "async_scheduling": True,
+                                "cuda_graph_max_batch": None}}
+    assert type(extra["hf-cb"]["max_batch_tokens"]) is int and type(extra["hf-cb"]["use_cuda_graph"]) is bool
+    with pytest.raises(SystemExit, match="ENGINE:KEY=VALUE"):
+        peers.parse_extra(["max_batch_tokens=4096"])
+    with pytest.raises(SystemExit, match="engine must be one of"):
+        peers.parse_extra(["hf:max_batch_tokens=4096"])
+
+
+def test_hf_cb_settings_are_its_gpu_defaults_overridden_by_the_engine_args(engines, peers):
+    pytest.importorskip("transformers")
+    attn, settings = engines.hf_cb_settings({}, on_gpu=True)
+    assert attn == "sdpa" and settings == engines.HF_CB_GPU_DEFAULTS
+    assert settings is not engines.HF_CB_GPU_DEFAULTS  # a copy: a run's overrides never change the defaults
+    extra = peers.parse_extra(["hf-cb:max_batch_tokens=512", "hf-cb:use_cuda_graph=false",
+                               "hf-cb:attn_implementation=eager"])["hf-cb"]
+    attn, settings = engines.hf_cb_settings(extra, on_gpu=True)
+    assert attn == "eager" and "attn_implementation" not in settings
+    assert settings == {**engines.HF_CB_GPU_DEFAULTS, "max_batch_tokens": 512, "use_cuda_graph": False}
+    assert engines.hf_cb_settings({"max_batch_tokens": 512}, on_gpu=False) == (None, {"max_batch_tokens": 512})
+    with pytest.raises(SystemExit, match="no_such_field"):
+        engines.hf_cb_settings({"no_such_field": 1}, on_gpu=True)
+
+
+def _fake_model(tmp_path: Path) -> Path:
+    config = {"vocab_size": 500, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(__import__("json").dumps(config))
+    return tmp_path
+
+
+def _fake_run(num_requests: int, tok_s: float) -> dict:
+    return {"wall_s": 1.0, "output_tok_s": tok_s, "total_tok_s": 2 * tok_s, "process_s": 2.0, "peak_rss_mb": 1.0,
+            "peak_gpu_mb": None, "weights": None, "dense": True, "about": "fake", "outputs": [[1]] * num_requests}
+
+
+def test_a_peer_that_does_not_finish_is_compared_again_on_fewer_requests(peers, tmp_path, monkeypatch, capsys):
+    """The kit's peer step: cbatch first, the peer at 256 guarded by what the deadline leaves before the fallback's
+    reserve (here: under --min-peer-guard, so not started), then both on the fallback's requests, and a ratio."""
+    calls = []
+
+    def spawn(what, python, args, workload_path, dtype, log=None, timeout=None):
+        n = len(__import__("json").loads(Path(workload_path).read_text())["prompts"])
+        calls.append((what[1], n, timeout))
+        if what[0] == "--probe":
+            return {"error": "no probe here"}
+        return _fake_run(n, 1000.0 if what[1] == "cbatch" else 50.0)
+
+    monkeypatch.setattr(peers, "spawn", spawn)
+    json_path = tmp_path / "out.json"
+    argv = ["--model", str(_fake_model(tmp_path)), "--engines", "cbatch,hf-cb", "--repeats", "1", "--cooldown", "0",
+            "--num-requests", "8", "--prompt-len", "4,8", "--output-len", "2,4", "--deadline", "100",
+            "--fallback-requests", "3", "--fallback-reserve", "60", "--min-peer-guard", "200", "--json", str(json_path)]
+    peers.main(argv)
+    engine_calls = [(name, n) for name, n, _ in calls if name != "gemm"]
+    # hf-cb at 8: 40 s left < 200: skipped; at 3 (the fallback, its last chance) the minimum does not apply
+    assert engine_calls == [("cbatch", 8), ("cbatch", 3), ("hf-cb", 3)]
+    assert all(t is not None and t <= 100 for _, _, t in calls)
+    out = capsys.readouterr().out
+    assert "run 1/1 hf-cb [8 requests]: SKIPPED" in out and "FAILED" not in out
+    assert out.rstrip().splitlines()[-1] == "ratio cbatch / hf-cb: 20.00x output tok/s on 3 requests"
+    doc = __import__("json").loads(json_path.read_text())
+    assert doc["runs"]["hf-cb"][0]["skipped"] and doc["fallback"]["runs"]["hf-cb"][0]["output_tok_s"] == 50.0
+
+    # with time for it, the peer runs at 256 (here 8), guarded by the deadline less the reserve; no fallback
+    calls.clear()
+    peers.main([a if a != "200" else "10" for a in argv])
+    assert [(name, n) for name, n, _ in calls if name != "gemm"] == [("cbatch", 8), ("hf-cb", 8)]
+    assert 0 < calls[1][2] <= 40
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == "ratio cbatch / hf-cb: 20.00x output tok/s on 8 requests"

@@ -123,3 +123,31 @@ def test_a_candidate_that_disagrees_never_wins(tmp_path, monkeypatch):
     timer = FakeTimes(candidates)
     result = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "t.json", time_us=timer)
     assert broken not in timer.calls and result.tiles == candidates[-2]
+
+
+def test_the_described_shape_is_the_one_tuned():
+    """The engine's 256 x 2048 step of Qwen3-0.6B (8 kv heads x 128) fits the synthetic budget whole, bf16 (2 GiB of
+    K and V) and fp8; a short budget (a GPU with little free memory) shortens the context, and the key says so."""
+    from cbatch.engine.build import TUNING_BATCH, TUNING_CONTEXT
+
+    for kv_dtype in (torch.bfloat16, FP8):
+        qwen3 = tuning.DecodeShape(16, 8, 128, 16, torch.bfloat16, kv_dtype, TUNING_BATCH, TUNING_CONTEXT)
+        assert tuning.fitted_shape(qwen3, tuning.MAX_SYNTHETIC_BYTES) == qwen3
+    assert qwen3.kv_bytes_per_key * TUNING_BATCH * TUNING_CONTEXT == 1 << 30  # fp8: 1 GiB
+    short = tuning.fitted_shape(qwen3, 256 << 20)
+    assert short.context == 512 and short.batch == TUNING_BATCH
+    assert "context 512" in short.key("GPU") and "context 2048" in qwen3.key("GPU")
+    assert tuning.synthetic_budget(torch.device("cpu")) == tuning.MAX_SYNTHETIC_BYTES
+
+
+def test_an_fp8_shape_tunes_on_data_drawn_on_the_device(tmp_path):
+    """fp8 K/V are drawn through half-precision slabs (no RNG kernel for fp8): finite, varied values, and every
+    candidate agrees with the first on them."""
+    shape = tuning.DecodeShape(**{**SHAPE.__dict__, "kv_dtype": FP8})
+    call, check = tuning._synthetic_launch(shape, torch.device(DEVICE))
+    out = check(decode_tile_candidates(64, True)[0])
+    assert torch.isfinite(out).all() and out.std() > 0
+    candidates = decode_tile_candidates(64, True)
+    timer = FakeTimes(candidates)
+    result = tuning.tune_decode_attention(shape, torch.device(DEVICE), cache_path=tmp_path / "t.json", time_us=timer)
+    assert timer.calls == candidates and result.tiles == candidates[-1]

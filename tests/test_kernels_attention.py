@@ -163,12 +163,40 @@ def test_decode_long_context_auto_split(num_splits):
 
 
 def test_auto_split_policy():
-    dev = torch.device("cpu")  # 132 SMs assumed
-    assert pa_mod._auto_num_splits(8, 8, 1, 8192, dev) == 9  # 64 programs -> ceil(528 / 64)
-    assert pa_mod._auto_num_splits(8, 8, 1, 2048, dev) == 4  # capped by 2048 // 512 keys per split
-    assert pa_mod._auto_num_splits(256, 8, 1, 8192, dev) == 1  # 2048 programs fill the GPU
-    assert pa_mod._auto_num_splits(8, 8, 1, 700, dev) == 1  # context too short to be worth it
+    """Split-KV below SPLIT_BELOW_PROGRAMS_PER_SM (6) programs per SM (issue 40: "fewer than about 6"; it was 2):
+    one program per (sequence, kv head) keeps too few loads in flight to fill HBM, so a decode batch of Qwen3's
+    8 kv heads splits below 99 sequences on 132 SMs, into enough segments for 6 programs per SM (>= 512 keys
+    each, at most 16)."""
+    assert pa_mod.SPLIT_BELOW_PROGRAMS_PER_SM == 6
+    split = pa_mod.auto_num_splits
+    assert split(8, 8, 8192, 132) == 13  # 64 programs -> ceil(792 / 64)
+    assert split(8, 8, 2048, 132) == 4  # capped by 2048 // 512 keys per split
+    assert split(64, 8, 8192, 132) == 2  # 512 programs = 3.9 per SM: split (the old rule, < 2 per SM, did not)
+    assert split(98, 8, 2048, 132) == 2  # 784 programs, just below 6 per SM
+    assert split(99, 8, 2048, 132) == 1  # 792 = 6 per SM: no split
+    assert split(256, 8, 8192, 132) == 1  # 2048 programs fill the GPU
+    assert split(8, 8, 700, 132) == 1  # context too short to be worth it
+    assert split(1, 8, 1 << 20, 132) == 16  # never more than _MAX_SPLITS
+    assert split(64, 8, 8192, 78) == 1  # a GPU with fewer SMs: 512 programs are 6.6 per SM
+    dev = torch.device("cpu")  # the launch's wrapper: 132 SMs assumed off a GPU
+    assert pa_mod._auto_num_splits(8, 8, 1, 8192, dev) == 13
     assert pa_mod._auto_num_splits(8, 8, 16, 8192, dev) == 1  # batches with prefill rows never split
+
+
+# what the policy picks at decode shapes of a 132-SM GPU with Qwen3's 8 kv heads (batch, context): 2, 4, 7, 13
+POLICY_SPLITS = sorted({pa_mod.auto_num_splits(b, 8, ctx, 132) for b, ctx in ((64, 8192), (32, 8192), (16, 8192),
+                                                                               (8, 8192))})
+
+
+@pytest.mark.parametrize("num_splits", POLICY_SPLITS)
+def test_decode_split_counts_the_policy_picks(num_splits):
+    """The split path at each count the policy picks on a GPU (forced here: small shapes, so the interpreter stays
+    quick), against the reference: contexts of 1 to ~20 key tiles, so at 7 and 13 splits short sequences leave
+    segments empty and long ones cut mid-block; GQA 2 as Qwen3-0.6B (16 q / 8 kv heads, scaled down)."""
+    assert num_splits >= 2
+    spec = [(1, 1), (1, 40), (1, 333), (1, 610)]
+    batch = make_batch(spec, 4, 2, 64, 16, torch.float32, seed=40 + num_splits)
+    run_and_check(batch, torch.float32, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

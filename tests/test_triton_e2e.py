@@ -137,3 +137,25 @@ def test_overestimated_bounds_and_forced_splits_are_exact():
     loose = paged_attention(q, k_cache, v_cache, torch.empty_like(q), qsl, lens, table, 0.125, 1, 4096, num_splits=8)
     assert torch.isfinite(loose).all()
     assert (loose - tight).norm() / tight.norm() < 1e-5
+
+
+def test_no_split_kv_launches_decode_attention_unsplit(tiny_checkpoints, monkeypatch):
+    """--no-split-kv (EngineConfig.split_kv=False): every attention launch forces one key segment, so the kit can
+    time split-KV's gain end to end; by default the kernel's policy decides (num_splits=None)."""
+    import cbatch.kernels
+    from cbatch.engine.resolve import engine_backend
+    from cbatch.config import EngineConfig
+
+    assert engine_backend(EngineConfig(attention_backend="triton"), torch.device(DEVICE)).split_kv
+    assert not engine_backend(EngineConfig(attention_backend="torch"), torch.device("cpu")).split_kv  # never splits
+    real, seen = cbatch.kernels.paged_attention, []
+
+    def recording(*args, num_splits=None, **kwargs):
+        seen.append(num_splits)
+        return real(*args, num_splits=num_splits, **kwargs)
+
+    monkeypatch.setattr(cbatch.kernels, "paged_attention", recording)
+    engine = make_engine(tiny_checkpoints["qwen3"], attention_backend="triton", split_kv=False, block_size=8)
+    assert engine.runner.model.backend.split_kv is False
+    generate(engine, random_prompts(2, vocab=384, seed=5, max_len=12), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert seen and set(seen) == {1}

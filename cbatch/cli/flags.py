@@ -85,6 +85,9 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
         Flag("fp32_logits", bool, True, "GPU, bfloat16/float16: float32 logits straight from the lm_head matmul "
              "(off: HF's logits rounded to the model's dtype; greedy near-ties may differ).", ENGINE,
              decls=("--fp32-logits/--no-fp32-logits",), field="fp32_logits"),
+        Flag("split_kv", bool, True, "GPU: decode attention cuts long contexts into key segments when a step has few "
+             "sequences (fewer than 6 programs per SM); --no-split-kv measures what that gains.", ENGINE,
+             decls=("--split-kv/--no-split-kv",), field="split_kv"),
         Flag("prefix_cache", bool, True, "Reuse the KV of prompt prefixes shared between rows.", ENGINE,
              decls=("--prefix-cache/--no-prefix-cache",), field="enable_prefix_cache"),
         Flag("preemption", str, "recompute", "When KV runs out: recompute | swap (to host memory) | auto (swap long ones).",

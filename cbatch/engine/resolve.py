@@ -66,6 +66,8 @@ def engine_backend(config: EngineConfig, device: torch.device) -> Backend:
         backend = make_backend(config.attention_backend, device)
     except BackendUnavailable as exc:
         raise ConfigError("attention_backend", f"{config.attention_backend}: {exc}") from None
+    if not config.split_kv:  # every rank's backend (tensor-parallel workers build theirs here too)
+        backend.split_kv = False
     if config.attention_backend == "auto":
         for note in auto_choice(device)[1]:
             print(f"cbatch: note: {note}", file=sys.stderr)

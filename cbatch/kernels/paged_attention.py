@@ -40,7 +40,8 @@ import triton.language as tl
 from ._utils import check_kv_cache_dtype, check_launchable, interpreting, next_pow2, on_device
 from .activation import tanh
 
-# Split-KV policy (decode-only batches). See _auto_num_splits.
+# Split-KV policy (decode-only batches). See auto_num_splits.
+SPLIT_BELOW_PROGRAMS_PER_SM = 6  # fewer (sequence x kv head) programs per SM than this: cut the keys into segments
 _MIN_KEYS_PER_SPLIT = 512  # below this a segment's fixed cost (q load, partial write, merge) starts to show
 _MAX_SPLITS = 16  # a power of 2 (the merge kernel's tile)
 _DEFAULT_NUM_SMS = 132  # H100 SXM; used only when the inputs are not on a CUDA device (interpreter)
@@ -341,27 +342,33 @@ def _select_tiles(head_dim_pad: int, group: int, max_query_len: int, is_fp32: bo
     return block_m, tile_n, 4, 3
 
 
+def auto_num_splits(batch: int, num_kv_heads: int, context: int, num_sms: int) -> int:
+    """Key segments per (sequence, kv head) of a decode-only launch of `batch` sequences at up to `context` keys
+    on a GPU with `num_sms` SMs (a pure function: tests and benchmarks ask it about any GPU).
+
+    A decode launch has batch * num_kv_heads programs (the GQA group's query heads share one program: they are
+    the rows of its tile), each streaming one sequence's K/V for one head. A program keeps a bounded number of
+    loads in flight, so with fewer than SPLIT_BELOW_PROGRAMS_PER_SM programs per SM the HBM pipe is not kept
+    full (the issue's "fewer than about 6"; Qwen3-0.6B's 8 kv heads on 132 SMs: below 99 sequences). Then each
+    sequence's keys are cut into enough segments to reach that many programs per SM, but never segments shorter
+    than _MIN_KEYS_PER_SPLIT keys (per-segment overhead: reading q, writing HEAD_DIM+1 fp32 per row, the merge
+    kernel) and never more than _MAX_SPLITS.
+    """
+    programs = max(1, batch * num_kv_heads)
+    if programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
+        return 1
+    want = -(-SPLIT_BELOW_PROGRAMS_PER_SM * num_sms // programs)
+    splits = min(want, context // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS)
+    return splits if splits >= 2 else 1
+
+
 def _auto_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
                      device: torch.device) -> int:
-    """How many key segments per (sequence, kv head) for a launch.
-
-    Only decode-only batches split: a batch with prefill rows has many query blocks and its time is
-    dominated by prefill compute. A decode launch has num_seqs * num_kv_heads programs, each streaming
-    one sequence's K/V for one head. With fewer than ~2 programs per SM the HBM pipe is not kept busy
-    (each program has a bounded number of loads in flight), so split until there are ~4 programs per SM,
-    but never make a segment shorter than _MIN_KEYS_PER_SPLIT keys (per-segment overhead: reading q,
-    writing HEAD_DIM+1 fp32 per row, the merge kernel) and never more than _MAX_SPLITS.
-    Uses host integers only (no device sync).
-    """
+    """auto_num_splits for a launch on `device`; batches with prefill rows never split (they have many query
+    blocks, and their time is prefill compute). Host integers only (no device sync)."""
     if max_query_len > 1:
         return 1
-    sms = _num_sms(device)
-    programs = max(1, num_seqs * num_kv_heads)
-    if programs >= 2 * sms:
-        return 1
-    want = -(-4 * sms // programs)
-    splits = min(want, max_seq_len // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS)
-    return splits if splits >= 2 else 1
+    return auto_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(device))
 
 
 def _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale) -> bool:

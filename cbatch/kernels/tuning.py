@@ -9,7 +9,10 @@ choice is cached per device, stack and shape in
 `$XDG_CACHE_HOME/cbatch/kernel_tuning.json` (default `~/.cache/...`), so a second start pays nothing.
 
 The timing runs on synthetic data of one layer's size (random queries, keys and values, a shuffled block
-table): decode attention's time depends on the shapes, not the values.
+table): decode attention's time depends on the shapes, not the values. It is drawn on the device itself (a seeded
+generator there: no CPU fill, no host-to-device copy) and sized so that the described shape is the one timed
+(Qwen3-0.6B's 256 x 2048 in bf16 is 2 GiB) unless the device's free memory is short; the engine tunes before it
+sizes its KV pool (cbatch/engine/build.py), so the synthetic K/V is freed before the pool takes its memory.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -28,7 +31,9 @@ import triton
 
 from .paged_attention import DecodeTiles, decode_tile_candidates, paged_attention
 
-MAX_SYNTHETIC_BYTES = 1 << 30  # the timed K/V of one layer; the context is shortened to fit
+MAX_SYNTHETIC_BYTES = 4 << 30  # the timed K/V of one layer at most; the context is shortened to fit
+MAX_FREE_SHARE = 0.25  # ... and at most this share of the device's free memory (the weights are loaded already)
+_FILL_CHUNK = 1 << 26  # elements per half-precision slab when filling an fp8 cache (no RNG kernel for fp8)
 AGREEMENT = 1e-2  # a candidate whose output differs from the first's by more (relative) is refused
 
 
@@ -44,6 +49,10 @@ class DecodeShape:
     kv_dtype: torch.dtype
     batch: int  # decoding sequences
     context: int  # keys per sequence
+
+    @property
+    def kv_bytes_per_key(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize  # K and V
 
     def key(self, device_name: str) -> str:
         return (f"{device_name} | torch {torch.__version__} | triton {triton.__version__} | "
@@ -80,6 +89,7 @@ def tune_decode_attention(shape: DecodeShape, device: torch.device, *, cache_pat
     of several). Every
     candidate's output is compared with the first's before it may win. Candidates after `budget_s` seconds
     are skipped (the first is always timed)."""
+    shape = fitted_shape(shape, synthetic_budget(device))  # the shape timed is the one the key and report name
     kv_scaled = shape.kv_dtype.itemsize == 1
     candidates = decode_tile_candidates(shape.head_dim, kv_scaled)
     default = candidates[0]
@@ -111,21 +121,45 @@ def tune_decode_attention(shape: DecodeShape, device: torch.device, *, cache_pat
     return result
 
 
+def synthetic_budget(device: torch.device) -> int:
+    """Bytes the synthetic K/V may take on `device`: MAX_SYNTHETIC_BYTES, or less where the GPU's free memory is short."""
+    if device.type != "cuda":
+        return MAX_SYNTHETIC_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return min(MAX_SYNTHETIC_BYTES, int(free * MAX_FREE_SHARE))
+
+
+def fitted_shape(shape: DecodeShape, budget_bytes: int) -> DecodeShape:
+    """`shape`, its context shortened where batch x context keys of K and V would exceed `budget_bytes`."""
+    context = max(1, min(shape.context, budget_bytes // max(1, shape.batch * shape.kv_bytes_per_key)))
+    return shape if context == shape.context else replace(shape, context=context)
+
+
+def _random(size: tuple[int, ...], dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """Standard-normal values of `dtype`, drawn on `device` (fp8 through half-precision slabs of bounded size)."""
+    if dtype.itemsize >= 2:
+        return torch.randn(size, generator=gen, device=device, dtype=dtype)
+    out = torch.empty(size, dtype=dtype, device=device)
+    for part in out.view(-1).split(_FILL_CHUNK):
+        part.copy_(torch.randn(part.numel(), generator=gen, device=device, dtype=torch.float16))
+    return out
+
+
 def _synthetic_launch(shape: DecodeShape, device: torch.device):
-    """(call(tiles) -> None, check(tiles) -> output) over one random decode batch of `shape` on `device`."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    elem = shape.kv_dtype.itemsize
-    per_key = 2 * shape.num_kv_heads * shape.head_dim * elem  # K and V
-    context = max(1, min(shape.context, MAX_SYNTHETIC_BYTES // max(1, shape.batch * per_key)))
+    """(call(tiles) -> None, check(tiles) -> output) over one random decode batch of `shape` on `device`, every
+    tensor made there from a seeded generator on that device."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    context = shape.context
     blocks_per_seq = -(-context // shape.block_size)
     num_blocks = shape.batch * blocks_per_seq
     cache_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-    k = torch.randn(cache_shape, generator=gen).to(device, shape.kv_dtype)
-    v = torch.randn(cache_shape, generator=gen).to(device, shape.kv_dtype)
-    scales = torch.full((shape.num_kv_heads,), 0.5, device=device) if elem == 1 else None  # fp8: dequantised
-    q = torch.randn(shape.batch, shape.num_q_heads, shape.head_dim, generator=gen).to(device, shape.q_dtype)
+    k = _random(cache_shape, shape.kv_dtype, device, gen)
+    v = _random(cache_shape, shape.kv_dtype, device, gen)
+    scales = torch.full((shape.num_kv_heads,), 0.5, device=device) if shape.kv_dtype.itemsize == 1 else None
+    q = _random((shape.batch, shape.num_q_heads, shape.head_dim), shape.q_dtype, device, gen)
     out = torch.empty_like(q)
-    block_table = torch.randperm(num_blocks, generator=gen).view(shape.batch, blocks_per_seq).to(device, torch.int32)
+    block_table = torch.randperm(num_blocks, generator=gen, device=device).view(shape.batch, blocks_per_seq)
+    block_table = block_table.to(torch.int32)
     seq_lens = torch.full((shape.batch,), context, dtype=torch.int32, device=device)
     query_start_loc = torch.arange(shape.batch + 1, dtype=torch.int32, device=device)
     scale = shape.head_dim ** -0.5
@@ -187,4 +221,4 @@ def _write_cache(path: Path, key: str, entry: dict) -> None:
             os.unlink(f.name)
 
 
-__all__ = ["DecodeShape", "TuningResult", "default_cache_path", "tune_decode_attention"]
+__all__ = ["DecodeShape", "TuningResult", "default_cache_path", "fitted_shape", "synthetic_budget", "tune_decode_attention"]

@@ -15,6 +15,9 @@ class Backend(Protocol):
     name: str  # its --attention-backend name: for reports and fingerprints, never for decisions
     supports_cuda_graphs: bool  # no per-step host state: decode steps may run as captured CUDA graphs
     groups_decodes: bool  # attends neighbouring decode rows together: the runner orders them by context length
+    # decode attention may cut a sequence's keys across programs when a step has few (split-KV); the engine sets it
+    # False for --no-split-kv (EngineConfig.split_kv). False where attention never splits.
+    split_kv: bool
     supports_tuning: bool  # has `tune(shape: kernels.tuning.DecodeShape, device) -> TuningResult` (start-up tuning)
     needs_warmup: bool  # compiles a kernel variant per step shape on first launch: a GPU engine runs them all first
     fused_sampling: bool  # runs where the Triton kernels run: the runner may sample with the one-pass kernel

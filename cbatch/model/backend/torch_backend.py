@@ -35,6 +35,7 @@ class TorchBackend:
 
     name = "torch"
     supports_cuda_graphs = False  # `prepare` builds per-step host state that a graph cannot capture
+    split_kv = False  # attention is one torch call per row group: nothing to split
     supports_tuning = False  # nothing to tune at start-up (no `tune`)
     groups_decodes = True  # decode rows in groups of similar context: slices of the batch when it is so ordered
     needs_warmup = False  # nothing compiles per step shape

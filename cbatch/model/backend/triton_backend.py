@@ -22,6 +22,7 @@ class TritonBackend:
     name = "triton"
     supports_cuda_graphs = True  # no per-step host state: every layer reads the metadata's tensors
     groups_decodes = False  # one program per (row, head group): any row order
+    split_kv = True  # paged_attention's auto_num_splits (off: EngineConfig.split_kv, set by engine_backend)
     supports_tuning = True  # `tune`: decode attention's tiles timed on the device at start-up
     needs_warmup = True  # Triton compiles a kernel variant per shape class on its first launch
     fused_sampling = True  # the one-pass sampling kernel runs where these kernels do
@@ -58,6 +59,7 @@ class TritonBackend:
             meta.query_start_loc, meta.seq_lens, meta.block_table,
             layer.scale, meta.max_query_len, meta.max_seq_len, sliding_window=layer.sliding_window,
             softcap=layer.softcap, k_scale=kv.k_scale, v_scale=kv.v_scale, decode_tiles=self.decode_tiles,
+            num_splits=None if self.split_kv else 1,
         )
 
     def _prologue(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
