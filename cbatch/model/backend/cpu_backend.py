@@ -1,9 +1,9 @@
-"""The CPU path: the plain-torch backend with its decode attention, fresh prompts' causal attention, RMSNorm
+"""The CPU path: the plain-torch backend with its decode attention, prefill chunks' causal attention, RMSNorm
 (with the residual add), rotary and SiLU-and-multiply replaced by the compiled kernels (cpu_kernels.py); the
-decode attention reads each row's K and V once, in place; rotary and the per-head q/k norms read the packed
-projection in place too. Prefill chunks after cached context, the KV store, partial rotary, the fp8 cache and
-every other op stay on the torch path (TorchBackend), which remains the reference the kernels are tested
-against; so does any input whose dtype or layout a kernel does not take."""
+attention kernels read K and V in place, and rotary and the per-head q/k norms read the packed projection in
+place too. The KV store, partial rotary, the fp8 cache, sliding windows and soft-caps in prefill, and every other
+op stay on the torch path (TorchBackend), which remains the reference the kernels are tested against; so does
+any input whose dtype or layout a kernel does not take."""
 from __future__ import annotations
 
 import torch
@@ -32,23 +32,22 @@ class CpuBackend(TorchBackend):
                                      state.decode_rows_i32, out, scoring.scale, scoring.sliding_window, scoring.softcap)
 
     def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        cache: _CacheReader, scoring: _Scoring, state: _TorchStepState) -> None:
-        """Every fresh prompt (no cached context) in one call of the compiled causal kernel, whatever their
-        lengths; chunks after cached context, and what the kernel does not take, on the torch path."""
+                        cache: _CacheReader, scoring: _Scoring, meta: AttentionMetadata) -> None:
+        """Every prefill chunk of the step, fresh or after cached context, in one call of the compiled causal
+        kernel, whatever their lengths; what the kernel does not take on the torch path."""
         if (cache.scaled or not cpu_kernels.supports(q.dtype) or scoring.softcap is not None
-                or scoring.sliding_window is not None):
-            super().attend_prefills(q, k, v, out, cache, scoring, state)
+                or scoring.sliding_window is not None or meta.block_table.dtype != torch.int32):
+            super().attend_prefills(q, k, v, out, cache, scoring, meta)
             return
-        if state.fresh_i32 is None:  # once per step, shared by every layer
-            fresh = [c for group in state.fresh_groups for c in group.chunks] + [c for c in state.prefills if c.slots is None]
-            state.fresh_i32 = (torch.tensor([c.start for c in fresh], dtype=torch.int32),
-                               torch.tensor([c.q_len for c in fresh], dtype=torch.int32))
-        starts, lens = state.fresh_i32
-        if starts.numel():
-            cpu_kernels.prefill_attention(q, k, v, out, starts, lens, scoring.scale)
-        for chunk in state.prefills:
-            if chunk.slots is not None:
-                chunk.attend(q, k, v, cache, out, scoring)
+        state: _TorchStepState = meta.backend_state
+        if state.chunks_i32 is None:  # once per step, shared by every layer
+            chunks = [c for group in state.fresh_groups for c in group.chunks] + state.prefills
+            state.chunks_i32 = torch.tensor([[c.start for c in chunks], [c.q_len for c in chunks],
+                                             [c.ctx - c.q_len for c in chunks], [c.seq_row for c in chunks]],
+                                            dtype=torch.int32).reshape(4, len(chunks))
+        if state.chunks_i32.shape[1]:
+            cpu_kernels.prefill_attention(q, k, v, out, state.chunks_i32, scoring.scale, cache.kv.k, cache.kv.v,
+                                          meta.block_table)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
         fused = cpu_kernels.rms_norm(x, weight, eps, unit_offset)

@@ -197,10 +197,13 @@ void decode(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
     }
 }
 
-// Causal attention of fresh prompts (no cached context before them): prompt p is flat rows starts[p] ..
-// starts[p] + lens[p] - 1 of q [T, Hq, D], k and v [T, Hkv, D] (row strides q/k/v_row_stride, heads contiguous);
-// out [T, Hq, D] contiguous. A prompt's result depends on that prompt alone (its tiling starts at its first
-// token; tasks never share sums), so it is the same bits in any batch. Scores and softmax in float32.
+// Causal attention of prefill chunks: chunk p is flat rows starts[p] .. starts[p] + lens[p] - 1 of q [T, Hq, D],
+// k and v [T, Hkv, D] (row strides q/k/v_row_stride, heads contiguous), after cached[p] tokens of its sequence
+// already in the paged cache (k/v_cache [num_blocks, block_size, Hkv, D], that sequence's block table row
+// block_table + table_rows[p] * table_stride; 0 for a fresh prompt); out [T, Hq, D] contiguous. Every query
+// row's sums run over key panels counted from the sequence's first token, in one order: a row's result depends
+// only on its sequence's keys and values up to it, the same bits in any batch and under any chunking. Scores and
+// softmax in float32.
 // One vector register of floats, loaded and stored at any float alignment: 16 with AVX-512, else 8.
 #if defined(__AVX512F__)
 constexpr int32_t VEC = 16;
@@ -220,14 +223,40 @@ struct PrefillScratch {
     std::vector<float> probs;     // [PREFILL_ROWS, keys rounded up to PREFILL_KEYS]
 };
 
-// One task: the queries of tokens first_token .. last_token - 1 of one prompt against KV head kv_head.
+// Where a chunk's keys come from: its first `cached` positions in the paged cache, the rest its own flat rows.
+template <typename T>
+struct ChunkKeys {
+    const T *k, *v;  // the step's flat keys/values, row strides below
+    int64_t k_row_stride, v_row_stride;
+    int32_t start, cached;  // the chunk's first flat row; tokens before it in the cache
+    const T *k_cache, *v_cache;
+    const int32_t* table;  // the sequence's block table row (read only below `cached`)
+    int32_t block_size;
+
+    // key/value j (a position in the sequence) of kv head h, D wide
+    const T* key(int32_t j, int32_t h, int32_t num_kv_heads, int32_t head_dim) const {
+        return j < cached ? k_cache + cache_offset(j, h, num_kv_heads, head_dim)
+                          : k + static_cast<int64_t>(start + j - cached) * k_row_stride + static_cast<int64_t>(h) * head_dim;
+    }
+    const T* value(int32_t j, int32_t h, int32_t num_kv_heads, int32_t head_dim) const {
+        return j < cached ? v_cache + cache_offset(j, h, num_kv_heads, head_dim)
+                          : v + static_cast<int64_t>(start + j - cached) * v_row_stride + static_cast<int64_t>(h) * head_dim;
+    }
+    int64_t cache_offset(int32_t j, int32_t h, int32_t num_kv_heads, int32_t head_dim) const {
+        const int64_t slot = static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size;
+        return (slot * num_kv_heads + h) * head_dim;
+    }
+};
+
+// One task: the queries of chunk tokens first_token .. last_token - 1 against KV head kv_head.
 template <typename T, int HEAD_DIM>
-void prefill_task(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_stride, const T* v, int64_t v_row_stride,
-                  T* out, int32_t start, int32_t first_token, int32_t last_token, int32_t kv_head, int32_t num_heads,
-                  int32_t num_kv_heads, int32_t runtime_head_dim, float scale, PrefillScratch& s) {
+void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, T* out, int32_t first_token,
+                  int32_t last_token, int32_t kv_head, int32_t num_heads, int32_t num_kv_heads,
+                  int32_t runtime_head_dim, float scale, PrefillScratch& s) {
     const int32_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
     const int32_t group = num_heads / num_kv_heads;
-    const int32_t keys = last_token;  // causal: the last query sees keys 0 .. last_token - 1
+    const int32_t start = src.start, cached = src.cached;
+    const int32_t keys = cached + last_token;  // causal: the last query sees keys 0 .. cached + last_token - 1
     const int32_t panels = (keys + PREFILL_KEYS - 1) / PREFILL_KEYS;
     const int32_t padded = panels * PREFILL_KEYS;
     s.k_panels.assign(static_cast<size_t>(panels) * head_dim * PREFILL_KEYS, 0.0f);
@@ -236,8 +265,8 @@ void prefill_task(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_st
     s.queries.resize(static_cast<size_t>(PREFILL_ROWS) * head_dim);
     s.probs.resize(static_cast<size_t>(PREFILL_ROWS) * padded);
     for (int32_t j = 0; j < keys; ++j) {
-        const T* kj = k + static_cast<int64_t>(start + j) * k_row_stride + static_cast<int64_t>(kv_head) * head_dim;
-        const T* vj = v + static_cast<int64_t>(start + j) * v_row_stride + static_cast<int64_t>(kv_head) * head_dim;
+        const T* kj = src.key(j, kv_head, num_kv_heads, head_dim);
+        const T* vj = src.value(j, kv_head, num_kv_heads, head_dim);
         float* panel = s.k_panels.data() + static_cast<size_t>(j / PREFILL_KEYS) * head_dim * PREFILL_KEYS + j % PREFILL_KEYS;
         for (int32_t d = 0; d < head_dim; ++d) panel[d * PREFILL_KEYS] = load(kj, d);
         for (int32_t d = 0; d < head_dim; ++d) s.values[static_cast<size_t>(j) * padded_dim + d] = load(vj, d);
@@ -254,7 +283,7 @@ void prefill_task(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_st
             const T* src = q + static_cast<int64_t>(start + token_of[r]) * q_row_stride + static_cast<int64_t>(head_of[r]) * head_dim;
             for (int32_t d = 0; d < head_dim; ++d) s.queries[r * head_dim + d] = load(src, d);
         }
-        const int32_t span = token_of[PREFILL_ROWS - 1] + 1;  // keys the tile's last token sees
+        const int32_t span = cached + token_of[PREFILL_ROWS - 1] + 1;  // keys the tile's last token sees
         const int32_t span_panels = (span + PREFILL_KEYS - 1) / PREFILL_KEYS;
         const int32_t stride = span_panels * PREFILL_KEYS;  // probs row stride for this tile
         const float* qf = s.queries.data();
@@ -279,7 +308,7 @@ void prefill_task(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_st
         float inv_sum[PREFILL_ROWS];
         for (int32_t r = 0; r < PREFILL_ROWS; ++r) {  // softmax over the row's own keys; 0 past them
             float* pr = s.probs.data() + r * stride;
-            const int32_t own = token_of[r] + 1;
+            const int32_t own = cached + token_of[r] + 1;
             float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
             for (int32_t j = 0; j < own; ++j) mx = pr[j] > mx ? pr[j] : mx;
@@ -319,23 +348,31 @@ void prefill_task(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_st
 
 template <typename T>
 void prefill(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_stride, const T* v, int64_t v_row_stride,
-             T* out, const int32_t* starts, const int32_t* lens, int32_t num_prompts, int32_t num_heads,
-             int32_t num_kv_heads, int32_t head_dim, float scale, int32_t num_threads) {
+             const T* k_cache, const T* v_cache, const int32_t* block_table, int64_t table_stride, int32_t block_size,
+             T* out, const int32_t* starts, const int32_t* lens, const int32_t* cached, const int32_t* table_rows,
+             int32_t num_chunks, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, float scale,
+             int32_t num_threads) {
     auto* attend = head_dim == 32    ? &prefill_task<T, 32>
                    : head_dim == 64  ? &prefill_task<T, 64>
                    : head_dim == 128 ? &prefill_task<T, 128>
                                      : &prefill_task<T, 0>;
+    std::vector<ChunkKeys<T>> chunks;
+    for (int32_t p = 0; p < num_chunks; ++p)
+        chunks.push_back({k, v, k_row_stride, v_row_stride, starts[p], cached[p], k_cache, v_cache,
+                          cached[p] > 0 ? block_table + static_cast<int64_t>(table_rows[p]) * table_stride : nullptr,
+                          block_size});
     struct Task {
-        int32_t prompt, first, last, kv_head;
+        int32_t chunk, first, last, kv_head;
+        int64_t cost;  // query tokens x keys
     };
-    std::vector<Task> tasks;  // the costliest first (their keys), so the threads finish together
-    for (int32_t p = 0; p < num_prompts; ++p)
+    std::vector<Task> tasks;  // the costliest first, so the threads finish together
+    for (int32_t p = 0; p < num_chunks; ++p)
         for (int32_t first = 0; first < lens[p]; first += PREFILL_TOKENS)
-            for (int32_t h = 0; h < num_kv_heads; ++h)
-                tasks.push_back({p, first, first + PREFILL_TOKENS < lens[p] ? first + PREFILL_TOKENS : lens[p], h});
-    std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
-        return static_cast<int64_t>(a.last - a.first) * a.last > static_cast<int64_t>(b.last - b.first) * b.last;
-    });
+            for (int32_t h = 0; h < num_kv_heads; ++h) {
+                const int32_t last = first + PREFILL_TOKENS < lens[p] ? first + PREFILL_TOKENS : lens[p];
+                tasks.push_back({p, first, last, h, static_cast<int64_t>(last - first) * (cached[p] + last)});
+            }
+    std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
     const int32_t n = static_cast<int32_t>(tasks.size());
 #pragma omp parallel num_threads(num_threads) if (n > 1)
     {
@@ -343,8 +380,8 @@ void prefill(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_stride,
 #pragma omp for schedule(dynamic, 1)
         for (int32_t i = 0; i < n; ++i) {
             const Task& t = tasks[i];
-            attend(q, q_row_stride, k, k_row_stride, v, v_row_stride, out, starts[t.prompt], t.first, t.last,
-                   t.kv_head, num_heads, num_kv_heads, head_dim, scale, scratch);
+            attend(q, q_row_stride, chunks[t.chunk], out, t.first, t.last, t.kv_head, num_heads, num_kv_heads,
+                   head_dim, scale, scratch);
         }
     }
 }
@@ -462,22 +499,28 @@ int cbatch_decode_attention(int32_t dtype, const void* q, int64_t q_row_stride, 
     return 2;
 }
 
-// starts/lens int32 [num_prompts]: each fresh prompt's first flat row and length. Returns 2 for an unknown dtype.
+// starts/lens/cached/table_rows int32 [num_chunks]. k/v_cache and block_table may be null when no chunk has
+// cached context. Returns 2 for an unknown dtype.
 int cbatch_prefill_attention(int32_t dtype, const void* q, int64_t q_row_stride, const void* k, int64_t k_row_stride,
-                             const void* v, int64_t v_row_stride, void* out, const int32_t* starts,
-                             const int32_t* lens, int32_t num_prompts, int32_t num_heads, int32_t num_kv_heads,
+                             const void* v, int64_t v_row_stride, const void* k_cache, const void* v_cache,
+                             const int32_t* block_table, int64_t table_stride, int32_t block_size, void* out,
+                             const int32_t* starts, const int32_t* lens, const int32_t* cached,
+                             const int32_t* table_rows, int32_t num_chunks, int32_t num_heads, int32_t num_kv_heads,
                              int32_t head_dim, float scale, int32_t num_threads) {
-    if (num_heads % num_kv_heads != 0) return 1;
+    if (num_heads % num_kv_heads != 0 || block_size < 1) return 1;
     if (dtype == 0) {
         prefill(static_cast<const float*>(q), q_row_stride, static_cast<const float*>(k), k_row_stride,
-                static_cast<const float*>(v), v_row_stride, static_cast<float*>(out), starts, lens, num_prompts,
-                num_heads, num_kv_heads, head_dim, scale, num_threads);
+                static_cast<const float*>(v), v_row_stride, static_cast<const float*>(k_cache),
+                static_cast<const float*>(v_cache), block_table, table_stride, block_size, static_cast<float*>(out),
+                starts, lens, cached, table_rows, num_chunks, num_heads, num_kv_heads, head_dim, scale, num_threads);
         return 0;
     }
     if (dtype == 1) {
         prefill(static_cast<const uint16_t*>(q), q_row_stride, static_cast<const uint16_t*>(k), k_row_stride,
-                static_cast<const uint16_t*>(v), v_row_stride, static_cast<uint16_t*>(out), starts, lens,
-                num_prompts, num_heads, num_kv_heads, head_dim, scale, num_threads);
+                static_cast<const uint16_t*>(v), v_row_stride, static_cast<const uint16_t*>(k_cache),
+                static_cast<const uint16_t*>(v_cache), block_table, table_stride, block_size,
+                static_cast<uint16_t*>(out), starts, lens, cached, table_rows, num_chunks, num_heads, num_kv_heads,
+                head_dim, scale, num_threads);
         return 0;
     }
     return 2;

@@ -1,5 +1,6 @@
-"""The CPU path's compiled kernels (cpu_kernels.cpp): paged decode attention, fresh prompts' causal attention, RMSNorm with the residual add,
-SiLU-and-multiply. Built once per machine kind with the system C++ compiler and called through ctypes.
+"""The CPU path's compiled kernels (cpu_kernels.cpp): paged decode attention, prefill chunks' causal attention,
+RMSNorm with the residual add, rotary, SiLU-and-multiply. Built once per machine kind with the system C++
+compiler and called through ctypes.
 
 Why compiled: the plain-torch decode attention gathers every row's blocks into a padded copy, transposes it and
 runs two tiny batched matmuls and a softmax, per layer: about five passes over K and V where one suffices
@@ -36,8 +37,8 @@ _I32, _I64, _F32, _PTR = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.
 _SIGNATURES = {  # each kernel's argument types (cpu_kernels.cpp); every kernel returns an int status, 0 = done
     "cbatch_decode_attention": [_I32, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I32, _PTR,
                                 _I32, _I32, _I32, _I32, _F32, _I32, _F32, _I32],
-    "cbatch_prefill_attention": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32,
-                                 _F32, _I32],
+    "cbatch_prefill_attention": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I32, _PTR, _PTR,
+                                 _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32, _F32, _I32],
     "cbatch_rms_norm": [_I32, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32, _I32],
     "cbatch_rotary": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
     "cbatch_silu_and_mul": [_I32, _PTR, _I64, _PTR, _I64, _I32, _I32],
@@ -149,20 +150,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         sliding_window or 0, softcap or 0.0, torch.get_num_threads())
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, starts: torch.Tensor,
-                      lens: torch.Tensor, scale: float) -> None:
-    """out[rows of prompt p] = causal attention of fresh prompt p over its own tokens, for every p: its flat rows
-    starts[p] .. starts[p] + lens[p] - 1 of q [T, Hq, D], k and v [T, Hkv, D] (rows may be strided, heads
-    contiguous); out [T, Hq, D] contiguous, same dtype; starts, lens int32 [P]. Each prompt's result is its own
-    (the same bits in any batch)."""
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, chunks: torch.Tensor,
+                      scale: float, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                      block_table: torch.Tensor | None = None) -> None:
+    """out[rows of chunk p] = causal attention of chunk p's queries over its sequence's keys, for every p.
+
+    chunks int32 [4, P]: each chunk's first flat row, length, tokens before it in the cache, and block table row.
+    q [T, Hq, D], k and v [T, Hkv, D] the step's (rows may be strided, heads contiguous); a chunk's cached keys are
+    read from k_cache/v_cache [num_blocks, block_size, Hkv, D] (contiguous) through block_table int32 [B, cols];
+    out [T, Hq, D] contiguous, same dtype. A row's result depends on its sequence alone: the same bits in any
+    batch and under any chunking."""
     num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k.shape[1]
     for x in (q, k, v):
         assert x.stride(2) == 1 and x.stride(1) == head_dim and x.dtype == q.dtype
     assert out.is_contiguous() and out.dtype == q.dtype
-    assert starts.dtype == lens.dtype == torch.int32 and starts.is_contiguous() and lens.is_contiguous()
+    assert chunks.dtype == torch.int32 and chunks.is_contiguous() and chunks.shape[0] == 4
+    block_size = 1
+    if k_cache is not None:
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype == v_cache.dtype
+        assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
+        block_size = k_cache.shape[1]
+    else:
+        assert not bool(chunks[2].any()), "chunks after cached context need the cache"
+    cache_ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     _call("cbatch_prefill_attention", _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
-          v.data_ptr(), v.stride(0), out.data_ptr(), starts.data_ptr(), lens.data_ptr(), starts.numel(), num_heads,
-          num_kv_heads, head_dim, scale, torch.get_num_threads())
+          v.data_ptr(), v.stride(0), cache_ptr(k_cache), cache_ptr(v_cache), cache_ptr(block_table),
+          block_table.stride(0) if block_table is not None else 0, block_size, out.data_ptr(), chunks[0].data_ptr(),
+          chunks[1].data_ptr(), chunks[2].data_ptr(), chunks[3].data_ptr(), chunks.shape[1], num_heads, num_kv_heads,
+          head_dim, scale, torch.get_num_threads())
 
 
 def _rows(x: torch.Tensor) -> int | None:

@@ -85,13 +85,14 @@ class TorchBackend:
         scoring = _Scoring(scale, sliding_window, softcap)
         if state.decode_rows:
             self.attend_decodes(q, out, cache, scoring, meta)
-        self.attend_prefills(q, k, v, out, cache, scoring, state)
+        self.attend_prefills(q, k, v, out, cache, scoring, meta)
         return out
 
     def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        cache: "_CacheReader", scoring: "_Scoring", state: "_TorchStepState") -> None:
+                        cache: "_CacheReader", scoring: "_Scoring", meta: AttentionMetadata) -> None:
         """out[rows] for every prefill chunk: fresh prompts of one length in one SDPA call, the rest one by one.
-        k, v [T, Hkv, D]: this step's keys and values (what a fresh prompt attends to)."""
+        k, v [T, Hkv, D]: this step's keys and values (what a fresh prompt attends to), already in the cache."""
+        state: _TorchStepState = meta.backend_state
         for group in state.fresh_groups:
             if group.batchable(q.dtype, scoring):
                 group.attend(q, k, v, out, scoring)
@@ -336,6 +337,7 @@ class _PrefillChunk:
 
     start: int  # first flat query row
     q_len: int
+    seq_row: int  # the sequence's row in the step's batch (its block table row)
     ctx: int  # context length after this chunk
     slots: torch.Tensor | None  # int64 [ctx] cache slots of the whole context, None for a fresh prefill
     device: torch.device
@@ -442,7 +444,7 @@ class _TorchStepState:
     fresh_groups: list[_FreshPrefills]
     _groups: list[_DecodeGroup] | None = None
     decode_rows_i32: torch.Tensor | None = None  # int32 [n]: `decode_rows` for the compiled kernel (CpuBackend)
-    fresh_i32: tuple[torch.Tensor, torch.Tensor] | None = None  # int32 (starts, lens) of the fresh prompts (CpuBackend)
+    chunks_i32: torch.Tensor | None = None  # int32 [4, P]: every prefill chunk for the compiled kernel (CpuBackend)
 
     def decode_groups(self, meta: AttentionMetadata) -> list[_DecodeGroup]:
         """The decode rows, shortest context first, in groups of DECODE_GROUP_ROWS: built on first use and shared
@@ -473,7 +475,7 @@ class _TorchStepState:
                 pos = torch.arange(ctx, device=device)
                 table = meta.block_table[b, : -(-ctx // block_size)].long()
                 slots = table[pos // block_size] * block_size + pos % block_size
-            prefills.append(_PrefillChunk(starts[b], q_len, ctx, slots, device))
+            prefills.append(_PrefillChunk(starts[b], q_len, b, ctx, slots, device))
         fresh_groups, prefills = _group_fresh(prefills, device)
         return cls(store_all, store_rows, store_slots, starts, decode_rows, prefills, fresh_groups)
 
