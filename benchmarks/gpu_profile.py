@@ -361,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
         how = "cached" if t["cached"] else f"tuned in {t['seconds']:.1f} s"
         print(f"start-up tuning: decode attention {t['decode_attention']} (default {t['policy_default']}; {how}); "
               f"us per candidate: {t['times_us']}", flush=True)
+        if t.get("decode_gemm"):
+            from cbatch.observe.report import describe_gemm_tuning
+
+            print(f"start-up tuning: decode GEMMs: {describe_gemm_tuning(t['decode_gemm'])}; us per candidate: "
+                  f"{t['decode_gemm']['times_us']}", flush=True)
 
     def save() -> None:
         if args.json:

@@ -5,7 +5,7 @@
 # step runs under its own `timeout`, and each part installs what it needs, so parts run in any order on a fresh
 # or warm machine).
 #
-#   bash benchmarks/gpu_session.sh PART        PART: all | speed | peer | gpu-tests | kernels | suite | parity | bench | e2e | e2e-more | e2e-sync | e2e-split | int4 | lora
+#   bash benchmarks/gpu_session.sh PART        PART: all | speed | peer | gpu-tests | kernels | suite | parity | bench | e2e | e2e-more | e2e-sync | e2e-split | e2e-gemm | int4 | lora
 #   bash benchmarks/gpu_session.sh --list      the parts, their steps, time budgets and worst cases
 #   bash benchmarks/gpu_session.sh --cpu-dry-run [PART...]   every part (or those named) on this CPU (Triton interpreter, tiny shapes,
 #                                              a few requests): the same files and summary, to catch shell
@@ -17,7 +17,7 @@
 #
 # Expected device time per part (budgets are the timeouts): kernels ~4 min, suite ~4, parity ~3, bench ~3,
 # e2e ~5, e2e-more ~5, e2e-sync ~3 (e2e with --no-async-scheduling: the overlap's gain), e2e-split ~3 (e2e with
-# --no-split-kv: the split-KV policy's gain), int4 ~7 (the W4A16 GEMM
+# --no-split-kv: the split-KV policy's gain), e2e-gemm ~3 (e2e with --no-decode-gemm: the tuned decode GEMMs' gain), int4 ~7 (the W4A16 GEMM
 # against bf16 matmul on 70B shapes, and e2e's workload on an AWQ-g128 copy of the model: its tok/s against
 # e2e's), lora ~3 (4 adapters x 128 rows + 128 base rows against the base model alone, grouped and ungrouped,
 # the Triton shrink/expand kernels). The GPU issue's order: kernels, suite, parity, e2e, bench, e2e-more, e2e-sync;
@@ -55,6 +55,7 @@ declare -A PLAN=(
   [int4]="make_model:50 make_int4:120 w4a16_gemm:120 cbatch_int4:200"
   [lora]="lora_bench:300"
   [e2e-split]="make_model:90 cbatch_no_split:210"
+  [e2e-gemm]="make_model:90 cbatch_no_gemm:210"
   [speed]="make_model:60 profile_bf16:100 profile_fp8:70 decode_kernels:110"
   [peer]="make_model:40 hf_vs_cbatch:450"
   [gpu-tests]="gpu_tests:150"
@@ -62,7 +63,7 @@ declare -A PLAN=(
   # 256-request attempt gets the slack
   [all]="make_model:30 profile_bf16:80 profile_fp8:45 decode_kernels:40 host_step:15 hf_vs_cbatch:150"
 )
-PARTS="all speed peer gpu-tests kernels suite parity bench e2e e2e-more e2e-sync e2e-split int4 lora"
+PARTS="all speed peer gpu-tests kernels suite parity bench e2e e2e-more e2e-sync e2e-split e2e-gemm int4 lora"
 # what a step does inside its budget, where that is more than one thing (printed with the plan): PART/STEP
 PEER_NOTE="cbatch, then hf-cb, on 256 requests; hf-cb guarded by what is left before the fallback's 85 s (skipped under 70 s); if it does not finish: both on 32 requests in those 85 s"
 declare -A STEP_NOTE=(
@@ -73,7 +74,7 @@ declare -A STEP_NOTE=(
   [all/hf_vs_cbatch]="$PEER_NOTE; also takes what the steps before it left unused"
   [peer/hf_vs_cbatch]="$PEER_NOTE"
 )
-KERNEL_TESTS="tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_kernels_sampler.py tests/test_fp32_logits.py tests/test_kernels_compile.py tests/test_compile_count.py tests/test_triton_e2e.py tests/test_fp8_kv.py"
+KERNEL_TESTS="tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_kernels_sampler.py tests/test_kernels_gemm.py tests/test_fp32_logits.py tests/test_kernels_compile.py tests/test_compile_count.py tests/test_triton_e2e.py tests/test_fp8_kv.py"
 MODEL=/tmp/qwen3-0.6b-random
 
 plan_of() { echo "${PLAN[$1]}"; }
@@ -217,7 +218,7 @@ part_peer() {  # the peer with time for its 256-request attempt (~320 s of guard
 
 # gpu-tests: the kernel tests (no engines: each test's GPU memory is small, so 4 xdist workers share the card)
 # and the GPU-only engine tests, counted (passed / failed / skipped) in the summary
-GPU_TESTS="tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_kernels_sampler.py tests/test_fp32_logits.py tests/test_async_scheduling.py::test_a_steps_tokens_wait_for_that_step_alone"
+GPU_TESTS="tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_kernels_sampler.py tests/test_kernels_gemm.py tests/test_fp32_logits.py tests/test_async_scheduling.py::test_a_steps_tokens_wait_for_that_step_alone"
 part_gpu_tests() {
   if [ $DRY = 1 ]; then
     step gpu_tests $py -m pytest -p no:cacheprovider -rfE tests/test_kernels_fused.py -k "rotary and dtype0" tests/test_async_scheduling.py::test_a_steps_tokens_wait_for_that_step_alone
@@ -300,6 +301,11 @@ part_e2e_sync() {  # the e2e workload with asynchronous scheduling off: its gain
 part_e2e_split() {  # the e2e workload with split-KV off (--no-split-kv): the split policy's gain is e2e's tok/s over this one's
   step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
   step cbatch_no_split $py benchmarks/compare_peers.py $(e2e_args) --engines cbatch --engine-arg cbatch:split_kv=false --run-timeout 200 --json "$LOGS/e2e_no_split.json"
+}
+
+part_e2e_gemm() {  # the e2e workload with cuBLAS for every GEMM (--no-decode-gemm): the tuned decode GEMMs' gain is e2e's tok/s over this one's
+  step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
+  step cbatch_no_gemm $py benchmarks/compare_peers.py $(e2e_args) --engines cbatch --engine-arg cbatch:decode_gemm=false --run-timeout 200 --json "$LOGS/e2e_no_gemm.json"
 }
 
 part_int4() {  # 4-bit weights: the GEMM against bf16 matmul, then e2e's workload on an AWQ-g128 copy (cbatch alone)

@@ -71,6 +71,9 @@ class EngineConfig:
     # it can run at once (its rows x n): a 256-row job captures 20 graphs, not 68 up to 1024 (a larger batch runs eager)
     cuda_graph_max_batch: int | None = None
     tune_kernels: bool = True  # GPU: time decode attention's tile candidates at start-up, keep the fastest (cached)
+    # GPU, with tune_kernels: time a Triton GEMM's tile configs against cuBLAS per layer shape and decode batch size
+    # (<= 256 rows) at start-up; decode steps' CUDA graphs run it where it was faster (kernels/gemm.py). Off: cuBLAS
+    decode_gemm: bool = True
     # GPU: the sampling kernel splits each row's vocabulary over several programs (about 4 per SM in all), then
     # reduces the partials per row; off: one program per row. The tokens are the same either way.
     split_sampler: bool = True

@@ -159,3 +159,30 @@ def test_no_split_kv_launches_decode_attention_unsplit(tiny_checkpoints, monkeyp
     assert engine.runner.model.backend.split_kv is False
     generate(engine, random_prompts(2, vocab=384, seed=5, max_len=12), SamplingParams(max_tokens=2, ignore_eos=True))
     assert seen and set(seen) == {1}
+
+
+@pytest.mark.parametrize("split_k", [False, True])
+def test_tuned_decode_gemms_keep_greedy_parity(split_k, tiny_checkpoints, monkeypatch):
+    """Start-up tuning hands the decoder layers Triton GEMMs (on a GPU, inside the decode graphs; here set by hand,
+    every batch size, eager): the same greedy tokens as the torch backend, the kernel called for every layer."""
+    import cbatch.kernels.gemm as gemm
+    from cbatch.model.layers import Linear
+    from cbatch.model.llama import LlamaForCausalLM
+
+    path = tiny_checkpoints["qwen3"]
+    prompts = random_prompts(4, vocab=384, seed=24, max_len=30)
+    settings = dict(device=DEVICE, max_num_batched_tokens=24, block_size=8)
+    expected = generate(make_engine(path, attention_backend="torch", **settings), prompts, PARAMS)
+    # on a CPU the loader swaps each weight for its oneDNN-prepacked copy; the GEMM needs the plain one
+    monkeypatch.setattr(LlamaForCausalLM, "prepack_for_cpu", lambda self: None)
+    engine = make_engine(path, attention_backend="triton", **settings)
+    model = engine.runner.model
+    config = next(c for c in gemm.GEMM_CANDIDATES if (c.split_k > 1) == split_k and c.block_m == 16)
+    real, calls = gemm.decode_linear, []
+    monkeypatch.setattr(gemm, "decode_linear", lambda *args: calls.append(args[3]) or real(*args))
+    linears = [m for m in model.layers.modules() if type(m) is Linear]  # qkv, o, gate_up, down
+    for m in linears:
+        m.gemm = gemm.DecodeGemm({bucket: config for bucket in gemm.ROW_BUCKETS}, graphs_only=False)
+    assert generate(engine, prompts, PARAMS) == expected
+    assert len(calls) >= len(linears) and set(calls) == {config}
+    assert len({tuple(t) for t in expected}) > 1

@@ -79,6 +79,9 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
         Flag("kernel_tuning", bool, True, "GPU: time a few tile shapes of decode attention at start-up and keep the "
              "fastest (a few seconds, cached per device in ~/.cache/cbatch).", ENGINE,
              decls=("--kernel-tuning/--no-kernel-tuning",), field="tune_kernels"),
+        Flag("decode_gemm", bool, True, "GPU: with --kernel-tuning, time a Triton GEMM against cuBLAS per layer shape "
+             "and decode batch size (<= 256 rows) at start-up and run it in the decode steps where it was faster "
+             "(off: cuBLAS for every GEMM).", ENGINE, decls=("--decode-gemm/--no-decode-gemm",), field="decode_gemm"),
         Flag("split_sampler", bool, True, "GPU: the sampling kernel splits each row's vocabulary across programs "
              "(off: one program per row; the same tokens, slower for batches below ~4 rows per SM).", ENGINE,
              decls=("--split-sampler/--no-split-sampler",), field="split_sampler"),

@@ -15,6 +15,7 @@ from cbatch.engine.runner import ModelRunner
 from cbatch.engine.tensor_parallel import start_group
 from cbatch.engine.warmup import warm_up
 from cbatch.model.backend import Backend
+from cbatch.model.layers import Linear
 from cbatch.model.spec import ModelSpec
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
 
@@ -41,7 +42,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
     kv_dtype = memory.kv_cache_dtype(config, dtype)
     # LoRA adapters: their slots in the adapted layers, allocated before the KV pool is sized from what is free
     lora = load_loras(config, model) if config.loras else None
-    tuning = tune_kernels(config, resolved, model.backend, kv_dtype, comm)  # before memory is sized
+    tuning = tune_kernels(config, resolved, model.backend, kv_dtype, comm, model)  # before memory is sized
 
     def make_runner(sized: EngineConfig, num_blocks: int, num_host_blocks: int = 0) -> ModelRunner:
         settings = dict(num_kv_blocks=num_blocks, block_size=sized.block_size, max_num_seqs=sized.max_num_seqs,
@@ -90,9 +91,10 @@ TUNING_BATCH, TUNING_CONTEXT = 256, 2048
 
 
 def tune_kernels(config: EngineConfig, resolved: ResolvedModel, backend: Backend, kv_dtype: torch.dtype,
-                 comm: Communicator) -> dict | None:
+                 comm: Communicator, model=None) -> dict | None:
     """Start-up tuning where the backend has it (the GPU's Triton kernels), on one rank (tensor-parallel ranks
-    keep the kernels' own policy); what was chosen, for the report, or None."""
+    keep the kernels' own policy): decode attention's tiles, then (`config.decode_gemm`) cuBLAS or the Triton
+    GEMM per decode layer shape of `model`; what was chosen, for the report, or None."""
     device, spec = resolved.device, resolved.spec
     if not (config.tune_kernels and backend.supports_tuning and device.type == "cuda" and comm.world == 1):
         return None
@@ -102,7 +104,34 @@ def tune_kernels(config: EngineConfig, resolved: ResolvedModel, backend: Backend
                         kv_dtype, TUNING_BATCH, min(resolved.max_model_len, TUNING_CONTEXT))
     result = backend.tune(shape, device).describe()
     torch.cuda.empty_cache()  # the synthetic K/V go back before the KV pool is sized
+    # the Triton GEMM runs inside the decode graphs only (kernels/gemm.DecodeGemm): none, nothing to tune
+    graphs = backend.supports_cuda_graphs and not config.enforce_eager
+    linears = decode_gemm_layers(model) if config.decode_gemm and graphs and model is not None else []
+    if linears:
+        result["decode_gemm"] = backend.tune_linears(linears, device, gemm_buckets(config)).describe()
+        torch.cuda.empty_cache()
     return result
+
+
+def gemm_buckets(config: EngineConfig) -> tuple[int, ...]:
+    """The decode GEMM's batch buckets a run can reach: up to the first that holds the largest decode graph (the
+    job's rows when it says, else max_num_seqs when set; else all of them)."""
+    from cbatch.kernels.gemm import ROW_BUCKETS
+
+    limit = config.cuda_graph_max_batch or config.max_num_seqs
+    if not limit:
+        return ROW_BUCKETS
+    return tuple(b for b in ROW_BUCKETS if b < limit) + tuple(b for b in ROW_BUCKETS if b >= limit)[:1]
+
+
+def decode_gemm_layers(model) -> list[Linear]:
+    """The decoder layers' plain 16-bit linear layers (qkv, o, gate_up, down: a decode step's GEMMs; not the
+    lm_head, whose float32-logits GEMM is its own, nor FP8 / int4 layers, which have their kernels)."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return []
+    return [m for m in layers.modules() if type(m) is Linear and m.weight is not None
+            and m.weight.dtype in (torch.bfloat16, torch.float16)]
 
 
 def _kv_pool(config: EngineConfig, resolved: ResolvedModel, spec: ModelSpec, kv_dtype: torch.dtype,

@@ -12,6 +12,7 @@
     fused_moe           mixture-of-experts MLP: tokens sorted by expert, one grouped GEMM per projection
     fp8_linear          x @ W.T with W stored in FP8 and dequantized per tile (per-channel or block scales)
     w4a16_linear        x @ W.T with W packed 4/8-bit integers (AWQ, GPTQ, compressed-tensors), unpacked in registers
+    decode_linear       x @ W.T for decode-sized batches (small-M tiles, split-K); start-up tuning picks it or cuBLAS
 
 Importing this package never needs a GPU (Triton imports on CPU). Where Triton itself is missing
 (e.g. macOS), the names still import and raise ImportError when called, so the engine's CPU path keeps
@@ -45,12 +46,14 @@ except ImportError as _err:  # pragma: no cover - exercised only where triton is
     fused_moe = _missing("fused_moe")
     fp8_linear = _missing("fp8_linear")
     w4a16_linear = _missing("w4a16_linear")
+    decode_linear = _missing("decode_linear")
     HAS_TRITON = False
 else:
     from .activation import gelu_tanh_and_mul, silu_and_mul
     from .grouped_gemm import fp8_linear, fused_moe
     from .kv_store import store_kv
     from .w4a16 import w4a16_linear
+    from .gemm import decode_linear
     from .paged_attention import paged_attention
     from .rmsnorm import fused_add_rms_norm, rms_norm
     from .rope_store import norm_rope_store
@@ -67,6 +70,7 @@ else:
 __all__ = [
     "HAS_TRITON",
     "apply_rotary",
+    "decode_linear",
     "fp8_linear",
     "fused_moe",
     "gelu_tanh_and_mul",

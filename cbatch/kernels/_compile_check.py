@@ -1,6 +1,7 @@
 """Compile the kernels for Hopper (sm_90) without a GPU, as real calls would launch them.
 
     python -m cbatch.kernels._compile_check          # prints one line per kernel variant
+    python -m cbatch.kernels._compile_check 90 gemm  # only the variants whose label holds "gemm"
 
 Triton's interpreter (what the tests use on a CPU machine) never lowers a kernel, so code that runs
 there can still fail to compile for a GPU (scalar/tensor type mismatches in loops, unsupported ops, tile
@@ -33,7 +34,8 @@ _TL_TYPE = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
     torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8",
 }
-_MODULES = ("paged_attention", "kv_store", "rmsnorm", "rotary", "activation", "rope_store", "sampler", "grouped_gemm", "w4a16")
+_MODULES = ("paged_attention", "kv_store", "rmsnorm", "rotary", "activation", "rope_store", "sampler", "grouped_gemm", "w4a16",
+            "gemm")
 
 
 class _Recorder:
@@ -87,7 +89,7 @@ def compile_call(jit_fn, args, kwargs, arch: int = 90):
             constexprs[name] = value
         else:
             signature[name], div16 = _arg_spec(value)
-            if div16:
+            if div16 and not getattr(param, "do_not_specialize", False):  # as the JIT: no hint for those
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(jit_fn, signature, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
@@ -141,6 +143,7 @@ def _drive():
     yield from _drive_small_ops()
     yield from _drive_models()
     yield from _drive_w4a16()
+    yield from _drive_gemm()
 
 
 def _drive_small_ops():
@@ -254,7 +257,29 @@ def _drive_w4a16():
         yield f"fused_moe Qwen3-30B-A3B int4 g128 T={tokens}"
 
 
-def main(arch: int = 90) -> int:
+def _drive_gemm():
+    """The decode GEMM (kernels/gemm.py): every tuning candidate on Qwen3-0.6B's layer shapes at 64 and 256 rows
+    (split-K adds the reduce kernel), a bias, fp16; fp32 for the tests."""
+    from cbatch.kernels.gemm import GEMM_CANDIDATES, decode_linear
+
+    shapes = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+    for config in GEMM_CANDIDATES:
+        for rows in (r for r in (64, 256) if config.fits(r)):  # every candidate fits 64 rows
+            for name, (n, k) in shapes.items():
+                decode_linear(torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16),
+                              None, config)
+                yield f"decode gemm {config} {name} M={rows}"
+    decode_linear(torch.empty(8, 1024, dtype=torch.bfloat16), torch.empty(1000, 1024, dtype=torch.bfloat16),
+                  torch.empty(1000, dtype=torch.bfloat16), GEMM_CANDIDATES[1])
+    yield "decode gemm bf16 + bias, split-K, N=1000"
+    decode_linear(torch.empty(8, 896, dtype=torch.float16), torch.empty(4864, 896, dtype=torch.float16), None,
+                  GEMM_CANDIDATES[0])
+    yield "decode gemm fp16 4864x896"
+    decode_linear(torch.empty(8, 96), torch.empty(40, 96), torch.empty(40), GEMM_CANDIDATES[3])
+    yield "decode gemm fp32 (tests only)"
+
+
+def main(arch: int = 90, only: str | None = None) -> int:
     modules = [importlib.import_module(f"cbatch.kernels.{m}") for m in _MODULES]
     recorders = {}
     for mod in modules:
@@ -268,6 +293,10 @@ def main(arch: int = 90) -> int:
     failures = 0
     seen = set()
     for label in _drive():
+        if only is not None and only not in label:
+            for rec in recorders.values():
+                rec.calls.clear()
+            continue
         for name, rec in recorders.items():
             for args, kwargs in rec.calls:
                 t0 = time.time()
@@ -290,4 +319,4 @@ def main(arch: int = 90) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 90))
+    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 90, sys.argv[2] if len(sys.argv) > 2 else None))

@@ -13,6 +13,13 @@ table): decode attention's time depends on the shapes, not the values. It is dra
 generator there: no CPU fill, no host-to-device copy) and sized so that the described shape is the one timed
 (Qwen3-0.6B's 256 x 2048 in bf16 is 2 GiB) unless the device's free memory is short; the engine tunes before it
 sizes its KV pool (cbatch/engine/build.py), so the synthetic K/V is freed before the pool takes its memory.
+
+The decode GEMMs (`tune_decode_gemms`): per distinct layer shape (N, K, dtype, bias) and batch bucket (16 ... 256
+rows), cuBLAS (F.linear) against the Triton candidates of `kernels/gemm.py`, on the layer's own weights and
+random rows, each timed as a CUDA graph replay (where the decode step runs them: no host launch cost in the
+time). Triton is kept only where it timed faster than cuBLAS. Bounded by GEMM_BUDGET_S (candidates after it are
+skipped; such a shape is tuned again next start, when Triton's own cache has the compiled variants), cached in
+the same file, one key per shape and bucket.
 """
 from __future__ import annotations
 
@@ -27,14 +34,18 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 import triton
 
+from .gemm import GEMM_CANDIDATES, ROW_BUCKETS, DecodeGemm, GemmConfig, decode_linear
 from .paged_attention import DecodeTiles, decode_tile_candidates, paged_attention
 
 MAX_SYNTHETIC_BYTES = 4 << 30  # the timed K/V of one layer at most; the context is shortened to fit
 MAX_FREE_SHARE = 0.25  # ... and at most this share of the device's free memory (the weights are loaded already)
 _FILL_CHUNK = 1 << 26  # elements per half-precision slab when filling an fp8 cache (no RNG kernel for fp8)
 AGREEMENT = 1e-2  # a candidate whose output differs from the first's by more (relative) is refused
+GEMM_BUDGET_S = 2.5  # the decode GEMMs' tuning, all shapes together (mostly Triton compiles on a first start)
+GEMM_MARGIN = 0.98  # a Triton GEMM replaces cuBLAS only below this share of cuBLAS's time (not on noise)
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,7 @@ class DecodeShape:
         return 2 * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize  # K and V
 
     def key(self, device_name: str) -> str:
-        return (f"{device_name} | torch {torch.__version__} | triton {triton.__version__} | "
+        return (f"{_stack_key(device_name)} | "
                 f"q {self.num_q_heads} kv {self.num_kv_heads} x {self.head_dim}, block {self.block_size}, "
                 f"{str(self.q_dtype).removeprefix('torch.')} / {str(self.kv_dtype).removeprefix('torch.')} KV, "
                 f"batch {self.batch} x context {self.context}")
@@ -73,6 +84,15 @@ class TuningResult:
     def describe(self) -> dict:
         return {"decode_attention": str(self.tiles), "policy_default": str(self.default), "cached": self.cached,
                 "seconds": round(self.seconds, 2), "times_us": self.times_us, "shape": self.shape}
+
+
+def _stack_key(device_name: str) -> str:
+    """The part of every cache key that names the device and the stack (a new driver of either: tune again)."""
+    return f"{device_name} | torch {torch.__version__} | triton {triton.__version__}"
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def default_cache_path() -> Path:
@@ -93,8 +113,7 @@ def tune_decode_attention(shape: DecodeShape, device: torch.device, *, cache_pat
     kv_scaled = shape.kv_dtype.itemsize == 1
     candidates = decode_tile_candidates(shape.head_dim, kv_scaled)
     default = candidates[0]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    key = shape.key(name)
+    key = shape.key(_device_name(device))
     cache_path = cache_path or default_cache_path()
     cached = _read_cache(cache_path).get(key)
     if cached is not None:
@@ -119,6 +138,128 @@ def tune_decode_attention(shape: DecodeShape, device: torch.device, *, cache_pat
     result = TuningResult(best, default, times, time.perf_counter() - start, False, key)
     _write_cache(cache_path, key, {"tiles": asdict(best), "times_us": times})
     return result
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """One decode GEMM problem: a layer shape (weight [n, k] of `dtype`, with or without bias) at batches of up to
+    `rows` rows (a bucket of `gemm.ROW_BUCKETS`)."""
+
+    n: int
+    k: int
+    dtype: torch.dtype
+    bias: bool
+    rows: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.n}x{self.k}{'+bias' if self.bias else ''} M<={self.rows}"
+
+    def key(self, device_name: str) -> str:
+        return (f"{_stack_key(device_name)} | gemm {str(self.dtype).removeprefix('torch.')} "
+                f"N {self.n} K {self.k}{' + bias' if self.bias else ''}, rows <= {self.rows}")
+
+
+@dataclass
+class GemmTuningResult:
+    choices: dict[GemmShape, GemmConfig | None]  # None: cuBLAS
+    times_us: dict[str, dict[str, float]] = field(default_factory=dict)  # shape label -> candidate -> us
+    seconds: float = 0.0  # spent tuning (0 when every shape came from the cache)
+    cached: bool = False  # every shape from the cache
+    complete: bool = True  # every candidate timed (False: the budget ran out; tuned again next start)
+
+    def gemm_for(self, weight: torch.Tensor, bias: torch.Tensor | None) -> DecodeGemm | None:
+        """The layer's `DecodeGemm` (its choice per bucket), or None where cuBLAS won every bucket."""
+        picks = {s.rows: c for s, c in self.choices.items()
+                 if (s.n, s.k, s.dtype, s.bias) == (weight.shape[0], weight.shape[1], weight.dtype, bias is not None)}
+        return DecodeGemm(picks) if any(c is not None for c in picks.values()) else None
+
+    def describe(self) -> dict:
+        return {"triton": sum(c is not None for c in self.choices.values()), "shapes": len(self.choices),
+                "chosen": {s.label: str(c) if c is not None else "cublas" for s, c in self.choices.items()},
+                "cached": self.cached, "complete": self.complete, "seconds": round(self.seconds, 2),
+                "times_us": self.times_us}
+
+
+def gemm_shapes(weights: list[tuple[torch.Tensor, torch.Tensor | None]],
+                buckets: tuple[int, ...] = ROW_BUCKETS) -> dict[GemmShape, tuple[torch.Tensor, torch.Tensor | None]]:
+    """The distinct problems of these layers' (weight, bias): one per shape and bucket, the first layer's tensors."""
+    problems: dict[GemmShape, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for weight, bias in weights:
+        for rows in buckets:
+            shape = GemmShape(weight.shape[0], weight.shape[1], weight.dtype, bias is not None, rows)
+            problems.setdefault(shape, (weight, bias))
+    return problems
+
+
+def tune_decode_gemms(weights: list[tuple[torch.Tensor, torch.Tensor | None]], device: torch.device, *,
+                      cache_path: Path | None = None, budget_s: float = GEMM_BUDGET_S,
+                      buckets: tuple[int, ...] = ROW_BUCKETS,
+                      time_us: Callable[[tuple[GemmShape, str], Callable[[], None]], float] | None = None,
+                      ) -> GemmTuningResult:
+    """cuBLAS or a Triton config for each distinct (layer shape, batch bucket) of `weights` (the layers' own
+    (weight [N, K], bias) on `device`), from the cache file when it has a complete entry.
+
+    `time_us((shape, candidate), fn)` times one call of fn in microseconds (default: replays of a CUDA graph of
+    fn); candidate is "cublas" or str(GemmConfig). cuBLAS is timed first on every shape; then the Triton
+    candidates one by one over every shape they fit (one compile each), until `budget_s` has passed. A
+    candidate whose output disagrees with cuBLAS's (or that fails on this device) is never chosen."""
+    name = _device_name(device)
+    cache_path = cache_path or default_cache_path()
+    cache = _read_cache(cache_path)
+    problems = gemm_shapes(weights, buckets)
+    by_name = {str(c): c for c in GEMM_CANDIDATES}
+    choices: dict[GemmShape, GemmConfig | None] = {}
+    times: dict[str, dict[str, float]] = {}
+    todo = []
+    for shape in problems:
+        entry = cache.get(shape.key(name))
+        if entry and entry.get("complete") and (entry.get("choice") == "cublas" or entry.get("choice") in by_name):
+            choices[shape] = by_name.get(entry["choice"])
+            times[shape.label] = entry.get("times_us", {})
+        else:
+            todo.append(shape)
+    if not todo:
+        return GemmTuningResult(choices, times, 0.0, True, True)
+    start = time.perf_counter()
+    time_us = time_us or _graph_time_us
+    gen = torch.Generator(device=device).manual_seed(0)
+    runs = {}
+    for shape in todo:
+        weight, bias = problems[shape]
+        x = torch.randn(shape.rows, shape.k, generator=gen, device=device, dtype=shape.dtype)
+        runs[shape] = x, weight, bias, F.linear(x, weight, bias).float()
+        times[shape.label] = {"cublas": time_us((shape, "cublas"), lambda x=x, w=weight, b=bias: F.linear(x, w, b))}
+    skipped: list[GemmConfig] = []
+    for config in GEMM_CANDIDATES:
+        fitting = [shape for shape in todo if config.fits(shape.rows)]
+        if not fitting:
+            continue
+        if time.perf_counter() - start > budget_s:
+            skipped.append(config)
+            continue
+        for shape in fitting:
+            x, weight, bias, reference = runs[shape]
+            try:
+                out = decode_linear(x, weight, bias, config)
+            except Exception:  # noqa: BLE001 - a variant this device cannot run (shared memory, registers): never chosen
+                continue
+            if not _agrees(out.float(), reference):
+                continue  # the tests hold every candidate to torch's matmul; this guards the device
+            times[shape.label][str(config)] = time_us(
+                (shape, str(config)), lambda x=x, w=weight, b=bias, c=config: decode_linear(x, w, b, c))
+    complete = True
+    for shape in todo:
+        measured = times[shape.label]
+        best = min(measured, key=measured.get)
+        if best != "cublas" and measured[best] >= GEMM_MARGIN * measured["cublas"]:
+            best = "cublas"
+        choices[shape] = by_name.get(best)
+        shape_complete = not any(c.fits(shape.rows) for c in skipped)
+        complete = complete and shape_complete
+        cache[shape.key(name)] = {"choice": best, "times_us": measured, "complete": shape_complete}
+    _write_entries(cache_path, {shape.key(name): cache[shape.key(name)] for shape in todo})
+    return GemmTuningResult(choices, times, time.perf_counter() - start, False, complete)
 
 
 def synthetic_budget(device: torch.device) -> int:
@@ -186,15 +327,37 @@ def _cuda_time_us(tiles: DecodeTiles, fn: Callable[[], None], repeats: int = 7, 
     """Median microseconds per call, CUDA events around `inner` calls (the first call compiled already)."""
     fn()
     torch.cuda.synchronize()
+
+    def run() -> None:
+        for _ in range(inner):
+            fn()
+
+    return _median_event_us(run, inner, repeats)
+
+
+def _graph_time_us(what, fn: Callable[[], None], repeats: int = 7, inner: int = 10) -> float:
+    """Median microseconds per call of fn replayed from a CUDA graph of `inner` calls: what a decode step's graph
+    pays for it (a few-microsecond GEMM launched eagerly would time the host's launch instead)."""
+    fn()  # compiles (Triton) and warms up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    return _median_event_us(graph.replay, inner, repeats)
+
+
+def _median_event_us(run: Callable[[], None], calls: int, repeats: int) -> float:
+    """Median over `repeats` of the microseconds per call of run() (which makes `calls` calls), by CUDA events."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(inner):
-            fn()
+        run()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / inner)
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
 
 
@@ -209,8 +372,13 @@ def _read_cache(path: Path) -> dict:
 def _write_cache(path: Path, key: str, entry: dict) -> None:
     """Adds `key` to the cache file (whole: temp file + rename). A cache that cannot be written (read-only home,
     full disk) only means tuning again next time."""
+    _write_entries(path, {key: entry})
+
+
+def _write_entries(path: Path, entries: dict[str, dict]) -> None:
+    """`_write_cache` for several keys at once (one rewrite of the file)."""
     data = _read_cache(path)
-    data[key] = entry
+    data.update(entries)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
@@ -221,4 +389,5 @@ def _write_cache(path: Path, key: str, entry: dict) -> None:
             os.unlink(f.name)
 
 
-__all__ = ["DecodeShape", "TuningResult", "default_cache_path", "fitted_shape", "synthetic_budget", "tune_decode_attention"]
+__all__ = ["DecodeShape", "GemmShape", "GemmTuningResult", "TuningResult", "default_cache_path", "fitted_shape",
+           "gemm_shapes", "synthetic_budget", "tune_decode_attention", "tune_decode_gemms"]

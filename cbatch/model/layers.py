@@ -1,6 +1,7 @@
 """Building blocks shared by every family: the modules hold parameters, the backend (cbatch.model.backend)
 computes. RMSNorm, the gated MLP's activation and FP8 matmuls call the backend the model was built with;
-plain linear layers run on oneDNN on CPU (`Linear`, through cbatch/model/onednn.py).
+plain linear layers run on oneDNN on CPU (`Linear`, through cbatch/model/onednn.py), on cuBLAS on a GPU, or in a
+decode step's CUDA graph on the Triton GEMM where start-up tuning timed it faster (`Linear.gemm`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     lora = None  # cbatch.lora.runtime.LoraTarget: the job's adapters add their deltas to the output
+    # cbatch.kernels.gemm.DecodeGemm: start-up tuning's Triton GEMM for decode-sized batches where it timed faster
+    # than cuBLAS (GPU, `--decode-gemm`; engine/build.py sets it); None: F.linear
+    gemm = None
 
     def prepack(self) -> None:
         """Swaps the weight for its prepacked copy (CPU only; a no-op where unavailable). The plain
@@ -48,7 +52,12 @@ class Linear(nn.Linear):
             self.weight = None  # nothing may use the plain weight from here on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = packed_linear(x, self.packed, self.bias) if self.packed is not None else linear(x, self.weight, self.bias)
+        if self.packed is not None:
+            out = packed_linear(x, self.packed, self.bias)
+        elif self.gemm is not None:
+            out = self.gemm(x, self.weight, self.bias)
+        else:
+            out = linear(x, self.weight, self.bias)
         return out if self.lora is None else self.lora.add(x, out)
 
 

@@ -237,4 +237,15 @@ def summary_table(report: dict[str, Any]):
             how = "cached" if tuning["cached"] else f"tuned in {tuning['seconds']:.1f} s"
             table.add_row("kernels", f"decode attention {tuning['decode_attention']} ({how}; "
                                      f"default {tuning['policy_default']})")
+            if gemm := tuning.get("decode_gemm"):
+                table.add_row("decode GEMMs", describe_gemm_tuning(gemm))
     return table
+
+
+def describe_gemm_tuning(gemm: dict) -> str:
+    """One line of what the decode GEMMs' start-up tuning chose (`GemmTuningResult.describe()`)."""
+    how = "cached" if gemm["cached"] else f"tuned in {gemm['seconds']:.1f} s" + ("" if gemm["complete"] else ", partly")
+    triton = {label: pick for label, pick in gemm["chosen"].items() if pick != "cublas"}
+    picks = "; ".join(f"{label} {pick}" for label, pick in triton.items())
+    return (f"Triton for {gemm['triton']} of {gemm['shapes']} (layer shape, batch) pairs, cuBLAS for the rest ({how})"
+            + (f": {picks}" if picks else ""))

@@ -23,7 +23,7 @@ class TritonBackend:
     supports_cuda_graphs = True  # no per-step host state: every layer reads the metadata's tensors
     groups_decodes = False  # one program per (row, head group): any row order
     split_kv = True  # paged_attention's auto_num_splits (off: EngineConfig.split_kv, set by engine_backend)
-    supports_tuning = True  # `tune`: decode attention's tiles timed on the device at start-up
+    supports_tuning = True  # `tune` / `tune_linears`: decode attention's tiles, the decode GEMMs, timed at start-up
     needs_warmup = True  # Triton compiles a kernel variant per shape class on its first launch
     fused_sampling = True  # the one-pass sampling kernel runs where these kernels do
     keeps_fp8_weights = True  # fp8_linear and fused_moe dequantize FP8 weights tile by tile
@@ -39,6 +39,18 @@ class TritonBackend:
 
         result = tune_decode_attention(shape, device)
         self.decode_tiles = result.tiles
+        return result
+
+    def tune_linears(self, linears, device: torch.device, buckets: tuple[int, ...]):
+        """Times cuBLAS against the Triton decode GEMM's candidates for these `layers.Linear` modules' shapes at
+        decode batch sizes up to each of `buckets` on `device`; each layer whose shape Triton won at some batch
+        size gets its `DecodeGemm` (used inside the decode CUDA graphs). Returns the `GemmTuningResult`. Before
+        any capture."""
+        from cbatch.kernels.tuning import tune_decode_gemms
+
+        result = tune_decode_gemms([(m.weight, m.bias) for m in linears], device, buckets=buckets)
+        for m in linears:
+            m.gemm = result.gemm_for(m.weight, m.bias)
         return result
 
     def prepare(self, meta: AttentionMetadata) -> None:
