@@ -209,6 +209,22 @@ def test_decode_gemm_runs_triton_only_in_a_graph_capture_unless_told(monkeypatch
     assert eager(torch.randn(40, 32), w, b).item() == 1.0 and calls == [config]  # 64-row bucket: cuBLAS
 
 
+def test_the_eager_passes_before_a_capture_launch_the_graphs_kernel(monkeypatch):
+    """Inside graph_warmup (DecodeGraphs' two passes before each capture) a graphs-only DecodeGemm launches the
+    Triton kernel as the capture will, so its module is loaded outside the capture (loading one during a capture
+    is a CUDA error, and with the tuning read from the cache nothing else launches it first); after it, eager
+    calls are back on F.linear."""
+    calls = []
+    monkeypatch.setattr(gemm, "decode_linear", lambda *args: calls.append(args[3]) or torch.zeros(1))
+    monkeypatch.setattr(gemm.F, "linear", lambda x, w, b: torch.ones(1))
+    w, b = layer(8, 32, torch.float32, True, seed=1)
+    config = gemm_candidates(16)[0]
+    engine_gemm = DecodeGemm({16: config, 64: None})
+    with gemm.graph_warmup():
+        assert engine_gemm(torch.randn(4, 32), w, b).item() == 0.0 and calls == [config]
+    assert engine_gemm(torch.randn(4, 32), w, b).item() == 1.0 and calls == [config]
+
+
 def _fake_model():
     """A model-like object: two decoder layers of plain Linear (bf16, with and without bias), an lm_head outside."""
     from cbatch.model.layers import Linear

@@ -98,8 +98,11 @@ class DecodeGraphs:
         meta = self._meta(bs)
         ctx = ForwardContext(self.kv, meta)
         self.backend.prepare(meta)
-        for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
-            self._step(bs, ctx)
+        from cbatch.kernels.gemm import graph_warmup
+
+        with graph_warmup():  # Triton compiles, autotunes and loads every module the capture records, outside it
+            for _ in range(2):
+                self._step(bs, ctx)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

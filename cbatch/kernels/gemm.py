@@ -19,6 +19,8 @@ specialised on (one compiled variant per config for every batch size): the launc
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -180,6 +182,23 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
+# set while the eager passes before a CUDA graph capture run (`graph_warmup`): they take the graph's kernels
+_WARMING_UP_A_GRAPH: contextvars.ContextVar[bool] = contextvars.ContextVar("cbatch_graph_warmup", default=False)
+
+
+@contextlib.contextmanager
+def graph_warmup():
+    """The eager passes just before a CUDA graph capture launch the kernels the capture will record (a graphs-only
+    Triton GEMM too), so Triton loads their modules there: loading a module during a capture is an error
+    ("operation not permitted when stream is capturing"), and when the tuning came from the cache nothing else
+    has launched them in this process."""
+    token = _WARMING_UP_A_GRAPH.set(True)
+    try:
+        yield
+    finally:
+        _WARMING_UP_A_GRAPH.reset(token)
+
+
 class DecodeGemm:
     """One layer shape's choice per batch bucket: a `GemmConfig` where the Triton kernel timed faster than cuBLAS
     at start-up, None (cuBLAS) elsewhere. `layers.Linear` calls it in place of F.linear.
@@ -204,11 +223,12 @@ class DecodeGemm:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         config = self.config_for(x.shape[0]) if x.dim() == 2 else None
         if config is not None and self.graphs_only:
-            config = config if x.is_cuda and torch.cuda.is_current_stream_capturing() else None
+            in_graph = _WARMING_UP_A_GRAPH.get() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+            config = config if in_graph else None
         if config is None or x.stride(-1) != 1:
             return F.linear(x, weight, bias)
         return decode_linear(x, weight, bias, config)
 
 
 __all__ = ["DecodeGemm", "GEMM_CANDIDATES", "GemmConfig", "MAX_ROWS", "ROW_BUCKETS", "decode_linear",
-           "gemm_candidates"]
+           "gemm_candidates", "graph_warmup"]
