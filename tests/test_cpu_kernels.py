@@ -61,7 +61,7 @@ def _decode_through_both(dtype, heads, kv_heads, head_dim, window, softcap) -> t
     return outs[0], outs[1]
 
 
-def _prefill_step(backend, dtype, heads, kv_heads, head_dim, lens, cached, window=None, seed=0):
+def _prefill_step(backend, dtype, heads, kv_heads, head_dim, lens, cached, window=None, seed=0, softcap=None):
     """One step's attention through `backend` in `dtype`: fresh prompts of `lens` tokens (flat, one after another)
     and, for each entry of `cached`, a chunk of `cached[i][0]` tokens after `cached[i][1]` tokens already in the
     cache; q a strided view of the packed projection. Every input holds bfloat16 values whatever `dtype` (so a
@@ -92,7 +92,7 @@ def _prefill_step(backend, dtype, heads, kv_heads, head_dim, lens, cached, windo
         max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_host=query_lens, seq_lens_host=seq_lens,
         block_size=block_size)
     backend.prepare(meta)
-    return backend.attend(q, k_new, v_new, kv, meta, head_dim**-0.5, window, None).float()
+    return backend.attend(q, k_new, v_new, kv, meta, head_dim**-0.5, window, softcap).float()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -130,7 +130,7 @@ def test_a_prompts_attention_is_the_same_bits_in_one_chunk_or_after_cached_conte
     assert torch.equal(cached, whole[190:])
 
 
-def _prompt_twice(heads, kv_heads, head_dim, length, split):
+def _prompt_twice(heads, kv_heads, head_dim, length, split, window=None):
     """(rows of one prompt attended whole, rows split.. of it attended as a chunk after `split` cached tokens)."""
     gen = torch.Generator().manual_seed(11)
     block_size, cols = 16, -(-length // 16)
@@ -154,17 +154,26 @@ def _prompt_twice(heads, kv_heads, head_dim, length, split):
             seq_lens_host=[length], block_size=block_size)
         backend = CpuBackend()
         backend.prepare(meta)
-        outs.append(backend.attend(q[first:], k[first:], v[first:], kv, meta, head_dim**-0.5, None, None))
+        outs.append(backend.attend(q[first:], k[first:], v[first:], kv, meta, head_dim**-0.5, window, None))
     return outs[0], outs[1]
 
 
-def test_a_sliding_window_prefill_stays_on_the_torch_path():
-    """The compiled prefill kernel is plainly causal: a windowed layer (Gemma 2/3, Mistral) keeps the torch
-    path, bit for bit."""
-    want = _prefill_step(TorchBackend(), torch.float32, 4, 2, 64, [40, 3, 90], [], window=16)
-    got = _prefill_step(CpuBackend(), torch.float32, 4, 2, 64, [40, 3, 90], [], window=16)
+@pytest.mark.parametrize("window, softcap", [(16, None), (None, 20.0), (40, 5.0)])
+def test_windowed_and_soft_capped_prefill_match_the_torch_path(window, softcap):
+    """Gemma 2/3, Mistral, Phi-3: a sliding window (a query sees its last `window` keys: across key panels and
+    tasks, and past cached context) and Gemma 2's soft-capped scores, fresh prompts and chunks after context."""
+    lens, cached = [3, 40, 150], [(20, 90), (9, 12)]
+    backends = (TorchBackend(), CpuBackend())
+    want, got = (_prefill_step(b, torch.float32, 4, 2, 64, lens, cached, window=window, softcap=softcap, seed=4)
+                 for b in backends)
     assert want.abs().mean() > 0.05
-    assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_a_windowed_prompt_is_the_same_bits_in_one_chunk_or_after_cached_context():
+    whole, cached = _prompt_twice(4, 2, 64, 300, 170, window=50)
+    assert whole.abs().mean() > 0.05
+    assert torch.equal(cached, whole[170:])
 
 
 def _tolerance(dtype):

@@ -1,9 +1,9 @@
-"""The CPU path: the plain-torch backend with its decode attention, prefill chunks' causal attention, RMSNorm
-(with the residual add), rotary and SiLU-and-multiply replaced by the compiled kernels (cpu_kernels.py); the
-attention kernels read K and V in place, and rotary and the per-head q/k norms read the packed projection in
-place too. The KV store, partial rotary, the fp8 cache, sliding windows and soft-caps in prefill, and every other
-op stay on the torch path (TorchBackend), which remains the reference the kernels are tested against; so does
-any input whose dtype or layout a kernel does not take."""
+"""The CPU path: the plain-torch backend with its decode attention, prefill chunks' causal attention (sliding
+windows and soft-caps too), RMSNorm (with the residual add), rotary and SiLU-and-multiply replaced by the
+compiled kernels (cpu_kernels.py); the attention kernels read K and V in place, and rotary and the per-head q/k
+norms read the packed projection in place too. The KV store, partial rotary, the fp8 cache and every other op
+stay on the torch path (TorchBackend), which remains the reference the kernels are tested against; so does any
+input whose dtype or layout a kernel does not take."""
 from __future__ import annotations
 
 import torch
@@ -35,8 +35,7 @@ class CpuBackend(TorchBackend):
                         cache: _CacheReader, scoring: _Scoring, meta: AttentionMetadata) -> None:
         """Every prefill chunk of the step, fresh or after cached context, in one call of the compiled causal
         kernel, whatever their lengths; what the kernel does not take on the torch path."""
-        if (cache.scaled or not cpu_kernels.supports(q.dtype) or scoring.softcap is not None
-                or scoring.sliding_window is not None or meta.block_table.dtype != torch.int32):
+        if cache.scaled or not cpu_kernels.supports(q.dtype) or meta.block_table.dtype != torch.int32:
             super().attend_prefills(q, k, v, out, cache, scoring, meta)
             return
         state: _TorchStepState = meta.backend_state
@@ -47,7 +46,7 @@ class CpuBackend(TorchBackend):
                                             dtype=torch.int32).reshape(4, len(chunks))
         if state.chunks_i32.shape[1]:
             cpu_kernels.prefill_attention(q, k, v, out, state.chunks_i32, scoring.scale, cache.kv.k, cache.kv.v,
-                                          meta.block_table)
+                                          meta.block_table, scoring.sliding_window, scoring.softcap)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
         fused = cpu_kernels.rms_norm(x, weight, eps, unit_offset)

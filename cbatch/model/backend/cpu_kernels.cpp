@@ -248,15 +248,23 @@ struct ChunkKeys {
     }
 };
 
-// One task: the queries of chunk tokens first_token .. last_token - 1 against KV head kv_head.
+// One task: the queries of chunk tokens first_token .. last_token - 1 against KV head kv_head. A query at sequence
+// position i sees keys first_key(i) .. i (sliding_window > 0: the last sliding_window of them); softcap > 0:
+// scores softcap * tanh(score / softcap) (Gemma 2), before the mask as HF.
 template <typename T, int HEAD_DIM>
 void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, T* out, int32_t first_token,
                   int32_t last_token, int32_t kv_head, int32_t num_heads, int32_t num_kv_heads,
-                  int32_t runtime_head_dim, float scale, PrefillScratch& s) {
+                  int32_t runtime_head_dim, float scale, int32_t sliding_window, float softcap, PrefillScratch& s) {
     const int32_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
     const int32_t group = num_heads / num_kv_heads;
     const int32_t start = src.start, cached = src.cached;
-    const int32_t keys = cached + last_token;  // causal: the last query sees keys 0 .. cached + last_token - 1
+    auto first_key = [sliding_window](int32_t pos) {
+        return sliding_window > 0 && pos >= sliding_window ? pos + 1 - sliding_window : 0;
+    };
+    auto panel_start = [](int32_t key) { return key / PREFILL_KEYS * PREFILL_KEYS; };
+    // the task's keys key0 .. cached + last_token - 1; panels counted from the sequence's first token
+    const int32_t key0 = panel_start(first_key(cached + first_token));
+    const int32_t keys = cached + last_token - key0;
     const int32_t panels = (keys + PREFILL_KEYS - 1) / PREFILL_KEYS;
     const int32_t padded = panels * PREFILL_KEYS;
     s.k_panels.assign(static_cast<size_t>(panels) * head_dim * PREFILL_KEYS, 0.0f);
@@ -264,12 +272,12 @@ void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, T* 
     s.values.assign(static_cast<size_t>(keys) * padded_dim, 0.0f);
     s.queries.resize(static_cast<size_t>(PREFILL_ROWS) * head_dim);
     s.probs.resize(static_cast<size_t>(PREFILL_ROWS) * padded);
-    for (int32_t j = 0; j < keys; ++j) {
-        const T* kj = src.key(j, kv_head, num_kv_heads, head_dim);
-        const T* vj = src.value(j, kv_head, num_kv_heads, head_dim);
-        float* panel = s.k_panels.data() + static_cast<size_t>(j / PREFILL_KEYS) * head_dim * PREFILL_KEYS + j % PREFILL_KEYS;
+    for (int32_t jj = 0; jj < keys; ++jj) {  // key key0 + jj at panel jj / PREFILL_KEYS
+        const T* kj = src.key(key0 + jj, kv_head, num_kv_heads, head_dim);
+        const T* vj = src.value(key0 + jj, kv_head, num_kv_heads, head_dim);
+        float* panel = s.k_panels.data() + static_cast<size_t>(jj / PREFILL_KEYS) * head_dim * PREFILL_KEYS + jj % PREFILL_KEYS;
         for (int32_t d = 0; d < head_dim; ++d) panel[d * PREFILL_KEYS] = load(kj, d);
-        for (int32_t d = 0; d < head_dim; ++d) s.values[static_cast<size_t>(j) * padded_dim + d] = load(vj, d);
+        for (int32_t d = 0; d < head_dim; ++d) s.values[static_cast<size_t>(jj) * padded_dim + d] = load(vj, d);
     }
     // query rows in (token, head) order; a tile is PREFILL_ROWS consecutive rows, its keys those of its last token
     const int64_t total_rows = static_cast<int64_t>(last_token - first_token) * group;
@@ -283,11 +291,13 @@ void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, T* 
             const T* src = q + static_cast<int64_t>(start + token_of[r]) * q_row_stride + static_cast<int64_t>(head_of[r]) * head_dim;
             for (int32_t d = 0; d < head_dim; ++d) s.queries[r * head_dim + d] = load(src, d);
         }
-        const int32_t span = cached + token_of[PREFILL_ROWS - 1] + 1;  // keys the tile's last token sees
-        const int32_t span_panels = (span + PREFILL_KEYS - 1) / PREFILL_KEYS;
-        const int32_t stride = span_panels * PREFILL_KEYS;  // probs row stride for this tile
+        // the tile's keys, relative to key0: from its first row's first panel to its last row's key (exclusive)
+        const int32_t lo = panel_start(first_key(cached + token_of[0])) - key0;
+        const int32_t hi = cached + token_of[PREFILL_ROWS - 1] + 1 - key0;
+        const int32_t hi_padded = (hi + PREFILL_KEYS - 1) / PREFILL_KEYS * PREFILL_KEYS;
+        const int32_t stride = padded;  // probs row stride: every key the task holds
         const float* qf = s.queries.data();
-        for (int32_t p = 0; p < span_panels; ++p) {  // scores: acc[r] = q_r . k_j for one panel's keys j
+        for (int32_t p = lo / PREFILL_KEYS; p < hi_padded / PREFILL_KEYS; ++p) {  // scores: acc[r] = q_r . k_j
             const float* panel = s.k_panels.data() + static_cast<size_t>(p) * head_dim * PREFILL_KEYS;
             vecf acc[PREFILL_ROWS][PREFILL_KEYS / VEC] = {};
             for (int32_t d = 0; d < head_dim; ++d) {
@@ -306,26 +316,31 @@ void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, T* 
                     *reinterpret_cast<vecf*>(s.probs.data() + r * stride + p * PREFILL_KEYS + c * VEC) = acc[r][c] * scale;
         }
         float inv_sum[PREFILL_ROWS];
-        for (int32_t r = 0; r < PREFILL_ROWS; ++r) {  // softmax over the row's own keys; 0 past them
+        for (int32_t r = 0; r < PREFILL_ROWS; ++r) {  // softmax over the row's own keys; 0 at the tile's others
             float* pr = s.probs.data() + r * stride;
-            const int32_t own = cached + token_of[r] + 1;
+            const int32_t own_lo = first_key(cached + token_of[r]) - key0, own_hi = cached + token_of[r] + 1 - key0;
+            if (softcap > 0.0f)
+                for (int32_t j = own_lo; j < own_hi; ++j) pr[j] = softcap * std::tanh(pr[j] / softcap);
             float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
-            for (int32_t j = 0; j < own; ++j) mx = pr[j] > mx ? pr[j] : mx;
+            for (int32_t j = own_lo; j < own_hi; ++j) mx = pr[j] > mx ? pr[j] : mx;
+            for (int32_t j = lo; j < own_lo; ++j) pr[j] = 0.0f;
+#pragma omp simd
+            for (int32_t j = own_lo; j < own_hi; ++j) pr[j] = exp_approx(pr[j] - mx);
+            for (int32_t j = own_hi; j < hi_padded; ++j) pr[j] = 0.0f;
+            // the sum in whole vectors over panels counted from the sequence's first key, lanes added in order:
+            // the same bits wherever the row's tile or task starts (leading panels add exact zeros)
+            vecf lanes = {};
+            for (int32_t j = lo; j < hi_padded; j += VEC) lanes += *reinterpret_cast<const vecf*>(pr + j);
             float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int32_t j = 0; j < own; ++j) {
-                pr[j] = exp_approx(pr[j] - mx);
-                sum += pr[j];
-            }
-            for (int32_t j = own; j < span; ++j) pr[j] = 0.0f;
+            for (int32_t i = 0; i < VEC; ++i) sum += lanes[i];
             inv_sum[r] = 1.0f / sum;
         }
         // out_r = sum_j p[r, j] v_j / sum_r, PREFILL_OUT_DIMS dims at a time (whole vectors of the padded values)
         for (int32_t d0 = 0; d0 < padded_dim; d0 += PREFILL_OUT_DIMS) {
             const int32_t vecs = (padded_dim - d0 < PREFILL_OUT_DIMS ? padded_dim - d0 : PREFILL_OUT_DIMS) / VEC;
             vecf acc[PREFILL_ROWS][PREFILL_OUT_DIMS / VEC] = {};
-            for (int32_t j = 0; j < span; ++j) {
+            for (int32_t j = lo; j < hi; ++j) {
                 const vecf* vj = reinterpret_cast<const vecf*>(s.values.data() + static_cast<size_t>(j) * padded_dim + d0);
 #pragma GCC unroll 8
                 for (int32_t r = 0; r < PREFILL_ROWS; ++r) {
@@ -351,7 +366,7 @@ void prefill(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_stride,
              const T* k_cache, const T* v_cache, const int32_t* block_table, int64_t table_stride, int32_t block_size,
              T* out, const int32_t* starts, const int32_t* lens, const int32_t* cached, const int32_t* table_rows,
              int32_t num_chunks, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, float scale,
-             int32_t num_threads) {
+             int32_t sliding_window, float softcap, int32_t num_threads) {
     auto* attend = head_dim == 32    ? &prefill_task<T, 32>
                    : head_dim == 64  ? &prefill_task<T, 64>
                    : head_dim == 128 ? &prefill_task<T, 128>
@@ -381,7 +396,7 @@ void prefill(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_stride,
         for (int32_t i = 0; i < n; ++i) {
             const Task& t = tasks[i];
             attend(q, q_row_stride, chunks[t.chunk], out, t.first, t.last, t.kv_head, num_heads, num_kv_heads,
-                   head_dim, scale, scratch);
+                   head_dim, scale, sliding_window, softcap, scratch);
         }
     }
 }
@@ -500,19 +515,21 @@ int cbatch_decode_attention(int32_t dtype, const void* q, int64_t q_row_stride, 
 }
 
 // starts/lens/cached/table_rows int32 [num_chunks]. k/v_cache and block_table may be null when no chunk has
-// cached context. Returns 2 for an unknown dtype.
+// cached context. sliding_window <= 0: none; softcap <= 0: none. Returns 2 for an unknown dtype.
 int cbatch_prefill_attention(int32_t dtype, const void* q, int64_t q_row_stride, const void* k, int64_t k_row_stride,
                              const void* v, int64_t v_row_stride, const void* k_cache, const void* v_cache,
                              const int32_t* block_table, int64_t table_stride, int32_t block_size, void* out,
                              const int32_t* starts, const int32_t* lens, const int32_t* cached,
                              const int32_t* table_rows, int32_t num_chunks, int32_t num_heads, int32_t num_kv_heads,
-                             int32_t head_dim, float scale, int32_t num_threads) {
+                             int32_t head_dim, float scale, int32_t sliding_window, float softcap,
+                             int32_t num_threads) {
     if (num_heads % num_kv_heads != 0 || block_size < 1) return 1;
     if (dtype == 0) {
         prefill(static_cast<const float*>(q), q_row_stride, static_cast<const float*>(k), k_row_stride,
                 static_cast<const float*>(v), v_row_stride, static_cast<const float*>(k_cache),
                 static_cast<const float*>(v_cache), block_table, table_stride, block_size, static_cast<float*>(out),
-                starts, lens, cached, table_rows, num_chunks, num_heads, num_kv_heads, head_dim, scale, num_threads);
+                starts, lens, cached, table_rows, num_chunks, num_heads, num_kv_heads, head_dim, scale, sliding_window,
+                softcap, num_threads);
         return 0;
     }
     if (dtype == 1) {
@@ -520,7 +537,7 @@ int cbatch_prefill_attention(int32_t dtype, const void* q, int64_t q_row_stride,
                 static_cast<const uint16_t*>(v), v_row_stride, static_cast<const uint16_t*>(k_cache),
                 static_cast<const uint16_t*>(v_cache), block_table, table_stride, block_size,
                 static_cast<uint16_t*>(out), starts, lens, cached, table_rows, num_chunks, num_heads, num_kv_heads,
-                head_dim, scale, num_threads);
+                head_dim, scale, sliding_window, softcap, num_threads);
         return 0;
     }
     return 2;

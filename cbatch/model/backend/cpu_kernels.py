@@ -38,7 +38,7 @@ _SIGNATURES = {  # each kernel's argument types (cpu_kernels.cpp); every kernel 
     "cbatch_decode_attention": [_I32, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I32, _PTR,
                                 _I32, _I32, _I32, _I32, _F32, _I32, _F32, _I32],
     "cbatch_prefill_attention": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I32, _PTR, _PTR,
-                                 _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32, _F32, _I32],
+                                 _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32, _F32, _I32, _F32, _I32],
     "cbatch_rms_norm": [_I32, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32, _I32],
     "cbatch_rotary": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
     "cbatch_silu_and_mul": [_I32, _PTR, _I64, _PTR, _I64, _I32, _I32],
@@ -152,14 +152,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, chunks: torch.Tensor,
                       scale: float, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-                      block_table: torch.Tensor | None = None) -> None:
+                      block_table: torch.Tensor | None = None, sliding_window: int | None = None,
+                      softcap: float | None = None) -> None:
     """out[rows of chunk p] = causal attention of chunk p's queries over its sequence's keys, for every p.
 
     chunks int32 [4, P]: each chunk's first flat row, length, tokens before it in the cache, and block table row.
     q [T, Hq, D], k and v [T, Hkv, D] the step's (rows may be strided, heads contiguous); a chunk's cached keys are
     read from k_cache/v_cache [num_blocks, block_size, Hkv, D] (contiguous) through block_table int32 [B, cols];
-    out [T, Hq, D] contiguous, same dtype. A row's result depends on its sequence alone: the same bits in any
-    batch and under any chunking."""
+    out [T, Hq, D] contiguous, same dtype. sliding_window: a query sees only the last that many keys; softcap:
+    scores softcap * tanh(score / softcap) (Gemma 2). A row's result depends on its sequence alone: the same bits
+    in any batch and under any chunking."""
     num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k.shape[1]
     for x in (q, k, v):
         assert x.stride(2) == 1 and x.stride(1) == head_dim and x.dtype == q.dtype
@@ -177,7 +179,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
           v.data_ptr(), v.stride(0), cache_ptr(k_cache), cache_ptr(v_cache), cache_ptr(block_table),
           block_table.stride(0) if block_table is not None else 0, block_size, out.data_ptr(), chunks[0].data_ptr(),
           chunks[1].data_ptr(), chunks[2].data_ptr(), chunks[3].data_ptr(), chunks.shape[1], num_heads, num_kv_heads,
-          head_dim, scale, torch.get_num_threads())
+          head_dim, scale, sliding_window or 0, softcap or 0.0, torch.get_num_threads())
 
 
 def _rows(x: torch.Tensor) -> int | None:
