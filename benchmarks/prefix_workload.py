@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cbatch.model.cpu_features import cpu_flags, vector_isa_flags
+
 HERE = Path(__file__).resolve().parent
 BLOCK = 16
 
@@ -39,15 +41,6 @@ def write_rows(path: Path, rows: int, prefixes: int, prefix_len: int, max_tokens
             f.write(json.dumps(item) + "\n")
 
 
-def cpu_flags() -> str:
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return "?"
-    import re
-    return " ".join(sorted(set(re.findall(r"avx512[a-z_0-9]*|amx[a-z_0-9]*|avx2", text))))
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=4096)
@@ -61,7 +54,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    print(f"cpu flags: {cpu_flags()}; load average before: {os.getloadavg()[0]:.2f}")
+    print(f"cpu flags: {' '.join(vector_isa_flags(cpu_flags())) or '?'}; load average before: {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = Path(args.model)
