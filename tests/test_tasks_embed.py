@@ -138,18 +138,24 @@ def test_cli_embed_jsonl_and_parquet(models, tmp_path):
     assert got[6]["finish_reason"] == "error" and "context is 32" in got[6]["error"]
 
 
+def run_openai_lines(tmp_path: Path, lines: list[dict], model: Path, task: str) -> list[dict]:
+    """The OUTPUT lines of `cbatch run` on OpenAI Batch `lines` with --output-format openai (bad lines as error
+    lines: --allow-errors); the run must exit 0."""
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    code, _, stderr = run(src, "--out", out, "--model", model, "--task", task, "--output-format", "openai",
+                          "--allow-errors")
+    assert code == 0, stderr
+    return read_jsonl(out)
+
+
 def test_cli_openai_embeddings_round_trip(models, tmp_path):
     texts = random_texts(3, seed=8)
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/embeddings",
               "body": {"model": "tiny-embed", "input": t, **({"dimensions": 8} if i == 2 else {})}}
              for i, t in enumerate(texts)]
     lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {"input": "w1", "foo": 1}})
-    src = write_jsonl(tmp_path / "in.jsonl", lines)
-    out = tmp_path / "out.jsonl"
-    code, _, stderr = run(src, "--out", out, "--model", models["st_last"], "--task", "embed", "--output-format", "openai",
-                          "--allow-errors")
-    assert code == 0, stderr
-    got = read_jsonl(out)
+    got = run_openai_lines(tmp_path, lines, models["st_last"], "embed")
     assert [g["custom_id"] for g in got] == ["c0", "c1", "c2", "bad"]
     ref = st_encode(models["st_last"], texts)
     for i, line in enumerate(got[:3]):
@@ -266,12 +272,7 @@ def test_cli_openai_score_lines(models, tmp_path):
     lines = [{"custom_id": f"s{i}", "method": "POST", "url": "/v1/score", "body": {"model": "ce", "text_1": a, "text_2": b}}
              for i, (a, b) in enumerate(pairs)]
     lines.append({"custom_id": "wrong-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "w1"}})
-    src = write_jsonl(tmp_path / "in.jsonl", lines)
-    out = tmp_path / "out.jsonl"
-    code, _, stderr = run(src, "--out", out, "--model", models["reward"], "--task", "score", "--output-format", "openai",
-                          "--allow-errors")
-    assert code == 0, stderr
-    got = read_jsonl(out)
+    got = run_openai_lines(tmp_path, lines, models["reward"], "score")
     ref = torch.sigmoid(hf_classifier_logits(models["reward"], pairs))[:, 0]
     scores = [g["response"]["body"]["data"][0]["score"] for g in got[:2]]
     torch.testing.assert_close(torch.tensor(scores), ref, atol=1e-5, rtol=0)
