@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -78,3 +79,14 @@ def check_kv_cache_dtype(dtype: torch.dtype, k_cache: torch.Tensor, v_cache: tor
         if scale is None or scale.shape != (num_kv_heads,) or scale.dtype != torch.float32:
             raise ValueError(f"an fp8 cache needs {name}: float32 [{num_kv_heads}] (one scale per kv head)")
     return True
+
+
+DEFAULT_NUM_SMS = 132  # H100 SXM / H200: used only when the inputs are not on a CUDA device (interpreter)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of `device` (DEFAULT_NUM_SMS off CUDA): what the kernels' split policies fill."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_NUM_SMS

@@ -29,7 +29,6 @@ Work decomposition (ideas after vLLM's unified Triton attention; this is an inde
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -37,14 +36,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_kv_cache_dtype, check_launchable, interpreting, next_pow2, on_device
+from ._utils import check_kv_cache_dtype, check_launchable, interpreting, next_pow2, on_device, sm_count
 from .activation import tanh
 
 # Split-KV policy (decode-only batches). See auto_num_splits.
 SPLIT_BELOW_PROGRAMS_PER_SM = 6  # fewer (sequence x kv head) programs per SM than this: cut the keys into segments
 _MIN_KEYS_PER_SPLIT = 512  # below this a segment's fixed cost (q load, partial write, merge) starts to show
 _MAX_SPLITS = 16  # a power of 2 (the merge kernel's tile)
-_DEFAULT_NUM_SMS = 132  # H100 SXM; used only when the inputs are not on a CUDA device (interpreter)
 
 
 @triton.jit
@@ -296,13 +294,6 @@ def decode_tile_candidates(head_dim: int, kv_scaled: bool) -> list[DecodeTiles]:
     return [own] + [c for c in dict.fromkeys(others) if c != own]
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _DEFAULT_NUM_SMS
-
-
 def _select_tiles(head_dim_pad: int, group: int, max_query_len: int, is_fp32: bool = False,
                   kv_scaled: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, TILE_N, num_warps, num_stages) for a launch (num_stages: Triton's software-pipelining depth
@@ -368,7 +359,7 @@ def _auto_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_s
     blocks, and their time is prefill compute). Host integers only (no device sync)."""
     if max_query_len > 1:
         return 1
-    return auto_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(device))
+    return auto_num_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(device))
 
 
 def _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale) -> bool:

@@ -24,18 +24,15 @@ graphs sample inside the graph) and one compiled variant serves every batch and 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_launchable, on_device
+from ._utils import check_launchable, on_device, sm_count
 
 _BLOCK = 2048  # vocab ids per tile: 8 KiB of fp32 logits
 _MAX_SPLITS = 128  # a power of 2 (the reduce kernel's tile); >= the tiles of a 262,144 vocab
 _PROGRAMS_PER_SM = 4  # the split's target: enough loads in flight per SM to stream the logits
-_DEFAULT_NUM_SMS = 132  # H100 SXM / H200; used only when the inputs are not on a CUDA device (interpreter)
 
 
 @triton.jit
@@ -152,19 +149,12 @@ def _reduce_splits_kernel(
     tl.store(out_ptr + r, tl.load(part_id_ptr + r * num_splits + first))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _DEFAULT_NUM_SMS
-
-
 def auto_num_splits(num_rows: int, vocab: int, device: torch.device) -> int:
     """Splits per row for a launch: about _PROGRAMS_PER_SM programs per SM (256 rows on 132 SMs: 3 splits of
     25 tiles at a 151,936 vocab; a single row: one split per tile), never more splits than tiles or than
     _MAX_SPLITS, 1 once the rows alone fill the GPU. Host integers only (no device sync)."""
     tiles = -(-vocab // _BLOCK)
-    want = -(-_PROGRAMS_PER_SM * _num_sms(device) // max(1, num_rows))
+    want = -(-_PROGRAMS_PER_SM * sm_count(device) // max(1, num_rows))
     return max(1, min(want, tiles, _MAX_SPLITS))
 
 
