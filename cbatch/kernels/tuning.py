@@ -240,16 +240,13 @@ def tune_decode_gemms(weights: list[tuple[torch.Tensor, torch.Tensor | None]], d
             continue
         for shape in fitting:
             x, weight, bias, reference = runs[shape]
+            # a variant this device cannot run (shared memory, registers) or capture in a graph is never chosen
             try:
-                out = decode_linear(x, weight, bias, config)
-            except Exception:  # noqa: BLE001 - a variant this device cannot run (shared memory, registers): never chosen
-                continue
-            if not _agrees(out.float(), reference):
-                continue  # the tests hold every candidate to torch's matmul; this guards the device
-            try:
+                if not _agrees(decode_linear(x, weight, bias, config).float(), reference):
+                    continue  # the tests hold every candidate to torch's matmul; this guards the device
                 times[shape.label][str(config)] = time_us(
                     (shape, str(config)), lambda x=x, w=weight, b=bias, c=config: decode_linear(x, w, b, c))
-            except Exception:  # noqa: BLE001 - a candidate whose graph capture fails is never chosen
+            except Exception:  # noqa: BLE001
                 continue
     complete = True
     for shape in todo:

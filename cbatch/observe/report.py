@@ -234,17 +234,21 @@ def summary_table(report: dict[str, Any]):
                     f"{hw['bandwidth_utilization']:.1%} of {hw['peak_gb_per_s']:.0f} GB/s peak on {hw['device_name']})"
         table.add_row("hardware (est.)", line)
         if tuning := hw.get("kernel_tuning"):
-            how = "cached" if tuning["cached"] else f"tuned in {tuning['seconds']:.1f} s"
-            table.add_row("kernels", f"decode attention {tuning['decode_attention']} ({how}; "
+            table.add_row("kernels", f"decode attention {tuning['decode_attention']} ({_tuned_how(tuning)}; "
                                      f"default {tuning['policy_default']})")
             if gemm := tuning.get("decode_gemm"):
                 table.add_row("decode GEMMs", describe_gemm_tuning(gemm))
     return table
 
 
+def _tuned_how(tuning: dict) -> str:
+    """Where a start-up tuning's choice came from: the cache, or timing (how long)."""
+    return "cached" if tuning["cached"] else f"tuned in {tuning['seconds']:.1f} s"
+
+
 def describe_gemm_tuning(gemm: dict) -> str:
     """One line of what the decode GEMMs' start-up tuning chose (`GemmTuningResult.describe()`)."""
-    how = "cached" if gemm["cached"] else f"tuned in {gemm['seconds']:.1f} s" + ("" if gemm["complete"] else ", partly")
+    how = _tuned_how(gemm) + ("" if gemm["cached"] or gemm["complete"] else ", partly")
     triton = {label: pick for label, pick in gemm["chosen"].items() if pick != "cublas"}
     picks = "; ".join(f"{label} {pick}" for label, pick in triton.items())
     return (f"Triton for {gemm['triton']} of {gemm['shapes']} (layer shape, batch) pairs, cuBLAS for the rest ({how})"

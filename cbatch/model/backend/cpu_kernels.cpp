@@ -220,7 +220,7 @@ struct PrefillScratch {
     std::vector<float> k_panels;  // [ceil(keys / PREFILL_KEYS), D, PREFILL_KEYS]: K transposed, zero past the keys
     std::vector<float> values;    // [keys, D rounded up to VEC]: zero past D
     std::vector<float> queries;   // [PREFILL_ROWS, D]
-    std::vector<float> probs;     // [PREFILL_ROWS, keys rounded up to PREFILL_KEYS]
+    std::vector<float> probs;     // [PREFILL_ROWS, the task's keys rounded up to PREFILL_KEYS]
 };
 
 // Where a chunk's keys come from: its first `cached` positions in the paged cache, the rest its own flat rows.
@@ -235,16 +235,18 @@ struct ChunkKeys {
 
     // key/value j (a position in the sequence) of kv head h, D wide
     const T* key(int32_t j, int32_t h, int32_t num_kv_heads, int32_t head_dim) const {
-        return j < cached ? k_cache + cache_offset(j, h, num_kv_heads, head_dim)
-                          : k + static_cast<int64_t>(start + j - cached) * k_row_stride + static_cast<int64_t>(h) * head_dim;
+        return at(k, k_row_stride, k_cache, j, h, num_kv_heads, head_dim);
     }
     const T* value(int32_t j, int32_t h, int32_t num_kv_heads, int32_t head_dim) const {
-        return j < cached ? v_cache + cache_offset(j, h, num_kv_heads, head_dim)
-                          : v + static_cast<int64_t>(start + j - cached) * v_row_stride + static_cast<int64_t>(h) * head_dim;
+        return at(v, v_row_stride, v_cache, j, h, num_kv_heads, head_dim);
     }
-    int64_t cache_offset(int32_t j, int32_t h, int32_t num_kv_heads, int32_t head_dim) const {
+
+  private:
+    const T* at(const T* flat, int64_t row_stride, const T* cache, int32_t j, int32_t h, int32_t num_kv_heads,
+                int32_t head_dim) const {
+        if (j >= cached) return flat + static_cast<int64_t>(start + j - cached) * row_stride + static_cast<int64_t>(h) * head_dim;
         const int64_t slot = static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size;
-        return (slot * num_kv_heads + h) * head_dim;
+        return cache + (slot * num_kv_heads + h) * head_dim;
     }
 };
 
@@ -295,7 +297,6 @@ void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, T* 
         const int32_t lo = panel_start(first_key(cached + token_of[0])) - key0;
         const int32_t hi = cached + token_of[PREFILL_ROWS - 1] + 1 - key0;
         const int32_t hi_padded = (hi + PREFILL_KEYS - 1) / PREFILL_KEYS * PREFILL_KEYS;
-        const int32_t stride = padded;  // probs row stride: every key the task holds
         const float* qf = s.queries.data();
         for (int32_t p = lo / PREFILL_KEYS; p < hi_padded / PREFILL_KEYS; ++p) {  // scores: acc[r] = q_r . k_j
             const float* panel = s.k_panels.data() + static_cast<size_t>(p) * head_dim * PREFILL_KEYS;
@@ -313,11 +314,11 @@ void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, T* 
             for (int32_t r = 0; r < PREFILL_ROWS; ++r)
 #pragma GCC unroll 8
                 for (int32_t c = 0; c < PREFILL_KEYS / VEC; ++c)
-                    *reinterpret_cast<vecf*>(s.probs.data() + r * stride + p * PREFILL_KEYS + c * VEC) = acc[r][c] * scale;
+                    *reinterpret_cast<vecf*>(s.probs.data() + r * padded + p * PREFILL_KEYS + c * VEC) = acc[r][c] * scale;
         }
         float inv_sum[PREFILL_ROWS];
         for (int32_t r = 0; r < PREFILL_ROWS; ++r) {  // softmax over the row's own keys; 0 at the tile's others
-            float* pr = s.probs.data() + r * stride;
+            float* pr = s.probs.data() + r * padded;
             const int32_t own_lo = first_key(cached + token_of[r]) - key0, own_hi = cached + token_of[r] + 1 - key0;
             if (softcap > 0.0f)
                 for (int32_t j = own_lo; j < own_hi; ++j) pr[j] = softcap * std::tanh(pr[j] / softcap);
@@ -344,7 +345,7 @@ void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, T* 
                 const vecf* vj = reinterpret_cast<const vecf*>(s.values.data() + static_cast<size_t>(j) * padded_dim + d0);
 #pragma GCC unroll 8
                 for (int32_t r = 0; r < PREFILL_ROWS; ++r) {
-                    const float w = s.probs[r * stride + j];
+                    const float w = s.probs[r * padded + j];
                     if (vecs == PREFILL_OUT_DIMS / VEC) {
 #pragma GCC unroll 8
                         for (int32_t c = 0; c < PREFILL_OUT_DIMS / VEC; ++c) acc[r][c] += w * vj[c];
