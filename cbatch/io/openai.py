@@ -108,15 +108,21 @@ def _check_body_field(name: str, value: Any) -> None:
     raise RequestError(f"body.{name}: {spec.note} is {when} by cbatch; {fix}")
 
 
-def request_fields(row: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """An OpenAI batch line -> (the row fields cbatch reads, the response object: chat.completion or
-    text_completion). Raises RequestError naming the first field it cannot honour."""
+def batch_body(row: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI batch line's `body`, after the checks every endpoint shares: method POST, body a JSON object."""
     method = row.get("method", "POST")
     if method != "POST":
         raise RequestError(f'method: must be "POST", got {method!r}')
     body = row["body"]
     if not isinstance(body, dict):
         raise RequestError(f"body: must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def request_fields(row: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """An OpenAI batch line -> (the row fields cbatch reads, the response object: chat.completion or
+    text_completion). Raises RequestError naming the first field it cannot honour."""
+    body = batch_body(row)
     url = row.get("url")
     if url is None:
         url = CHAT_URL if "messages" in body else COMPLETIONS_URL
@@ -229,4 +235,4 @@ def write_openai_lines(path: Path, records: Iterable[dict[str, Any]], model: str
 
 
 __all__ = ["BODY_FIELDS", "BodyField", "CHAT_URL", "COMPLETIONS_URL", "ENVELOPE_FIELDS", "OPENAI_LINE_FIELDS", "RequestError",
-           "is_openai_request", "output_line", "output_model_name", "request_fields", "write_openai_lines"]
+           "batch_body", "is_openai_request", "output_line", "output_model_name", "request_fields", "write_openai_lines"]

@@ -16,6 +16,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from cbatch.io.openai import RequestError, batch_body
 from cbatch.io.rows import RowError, parse_messages, row_id_of, text_field
 from cbatch.io.writer import TASK_COLUMNS
 
@@ -78,13 +79,13 @@ def parse_pooling_row(index: int, row: dict[str, Any] | str, task: str) -> Pooli
 
 
 def _body(row: dict[str, Any], task: str) -> dict[str, Any]:
-    url, body = row.get("url"), row["body"]
-    if row.get("method", "POST") != "POST":
-        raise RowError(f'method: must be "POST", got {row.get("method")!r}')
+    try:
+        body = batch_body(row)
+    except RequestError as exc:
+        raise RowError(str(exc)) from None
+    url = row.get("url")
     if url is not None and url != URL_OF_TASK[task]:
         raise RowError(f"url: --task {task} takes {URL_OF_TASK[task]!r} lines, got {url!r}")
-    if not isinstance(body, dict):
-        raise RowError(f"body: must be a JSON object, got {type(body).__name__}")
     unknown = next((k for k in body if k not in _BODY_FIELDS[task]), None)
     if unknown is not None:
         raise RowError(f"body.{unknown}: not a field cbatch knows for {URL_OF_TASK[task]}; remove it")
