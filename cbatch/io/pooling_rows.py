@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cbatch.io.openai import RequestError, batch_body
-from cbatch.io.rows import RowError, parse_messages, row_id_of, text_field
+from cbatch.io.rows import RowError, is_token_ids, parse_messages, row_id_of, text_field
 from cbatch.io.writer import TASK_COLUMNS
 
 TEXT_FIELDS = ("input", "text", "prompt")
@@ -67,7 +67,7 @@ def parse_pooling_row(index: int, row: dict[str, Any] | str, task: str) -> Pooli
         out.messages = parse_messages(row["messages"])
         return out
     value = row[given[0]]
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value) and value:
+    if is_token_ids(value):
         out.token_ids = list(value)
     elif isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         out.text = text_field(given[0], value[0])

@@ -141,12 +141,14 @@ def _text(field: str, value: str) -> str:
     return value
 
 
+def is_token_ids(value: Any) -> bool:
+    """A non-empty list of non-negative integers (booleans are not ids)."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value))
+
+
 def _token_ids(value: Any) -> list[int]:
-    if (
-        not isinstance(value, list)
-        or not value
-        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
-    ):
+    if not is_token_ids(value):
         raise RowError("`prompt_token_ids` must be a non-empty list of non-negative integers")
     return list(value)
 
