@@ -361,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
         how = "cached" if t["cached"] else f"tuned in {t['seconds']:.1f} s"
         print(f"start-up tuning: decode attention {t['decode_attention']} (default {t['policy_default']}; {how}); "
               f"us per candidate: {t['times_us']}", flush=True)
+        if t.get("kv_splits"):
+            from cbatch.observe.report import describe_split_tuning
+
+            print(f"start-up tuning: split-KV {describe_split_tuning(t['kv_splits'])}; score per rule (1.0 per probe "
+                  f"is the fastest): {t['kv_splits']['scores']}; us per split count: {t['kv_splits']['times_us']}",
+                  flush=True)
         if t.get("decode_gemm"):
             from cbatch.observe.report import describe_gemm_tuning
 

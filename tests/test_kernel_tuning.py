@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 import cbatch.kernels.tuning as tuning  # noqa: E402
-from cbatch.kernels.paged_attention import DecodeTiles, decode_tile_candidates  # noqa: E402
+from cbatch.kernels.paged_attention import DecodeTiles, SplitRule, decode_tile_candidates  # noqa: E402
 from cbatch.kernels import paged_attention  # noqa: E402
 from helpers import kernel_device  # noqa: E402
 from test_kernels_attention import dequantize, make_batch, quantize, reference_attention, rel_err  # noqa: E402
@@ -151,3 +151,101 @@ def test_an_fp8_shape_tunes_on_data_drawn_on_the_device(tmp_path):
     timer = FakeTimes(candidates)
     result = tuning.tune_decode_attention(shape, torch.device(DEVICE), cache_path=tmp_path / "t.json", time_us=timer)
     assert timer.calls == candidates and result.tiles == candidates[-1]
+
+
+# Split-KV tuning on a tiny model (2 kv heads) and a 1-SM "GPU", so short contexts split: the pool holds 4
+# sequences of 64 keys; probes of 2 and 4 sequences at 32 and 64 keys.
+SPLIT_SHAPE = tuning.DecodeShape(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, q_dtype=torch.bfloat16,
+                                 kv_dtype=torch.bfloat16, batch=4, context=64)
+RULES = [SplitRule(6, 512), SplitRule(8, 16), SplitRule(16, 8)]  # default first: it never splits here
+
+
+@pytest.fixture
+def small_probes(monkeypatch):
+    monkeypatch.setattr(tuning, "SPLIT_PROBE_BATCHES", (2, 4))
+    monkeypatch.setattr(tuning, "SPLIT_PROBE_CONTEXTS", (32, 64))
+
+
+class SplitTimes:
+    """time_us for split counts: made-up microseconds per count (100 for the counts not named); the calls in order."""
+
+    def __init__(self, **us: float) -> None:
+        self.us = {int(count.removeprefix("s")): t for count, t in us.items()}
+        self.calls: list[tuple[int, int, int]] = []
+
+    def __call__(self, what: tuple[int, int, int], fn) -> float:
+        fn()
+        self.calls.append(what)
+        return self.us.get(what[2], 100.0)
+
+
+def tune_splits(tmp_path, timer, **kwargs):
+    return tuning.tune_decode_splits(SPLIT_SHAPE, decode_tile_candidates(64, False)[0], torch.device(DEVICE), 64,
+                                     cache_path=tmp_path / "t.json", rules=RULES, num_sms=1, time_us=timer, **kwargs)
+
+
+def test_split_probes_are_where_the_rules_disagree(small_probes):
+    """(2 x 32): 4 programs, rule (8, 16) wants 2 segments, (16, 8) 4; (4 x 32): 8 programs, only (16, 8) splits."""
+    probes = tuning.split_probes(SPLIT_SHAPE, 64, 1, RULES)
+    assert probes == {(2, 32): [1, 2, 4], (2, 64): [1, 2, 4], (4, 32): [1, 2], (4, 64): [1, 2]}
+    assert (2, 64) not in tuning.split_probes(SPLIT_SHAPE, 32, 1, RULES)  # past the model's limit
+
+
+def test_the_rule_closest_to_the_fastest_wins_and_is_cached(tmp_path, small_probes):
+    timer = SplitTimes(s4=50.0)  # 4 segments fastest where offered; elsewhere the counts tie
+    result = tune_splits(tmp_path, timer)
+    assert result.rule == SplitRule(16, 8) and result.default == RULES[0] and result.complete and not result.cached
+    assert sorted(timer.calls) == sorted((b, c, s) for (b, c), counts in
+                                         tuning.split_probes(SPLIT_SHAPE, 64, 1, RULES).items() for s in counts)
+    assert result.scores[str(SplitRule(16, 8))] < result.scores[str(RULES[0])]
+
+    def never(what, fn):
+        raise AssertionError("a cached rule is not timed again")
+
+    again = tune_splits(tmp_path, never)
+    assert again.cached and again.rule == result.rule
+    from cbatch.observe.report import describe_split_tuning
+
+    line = describe_split_tuning(result.describe())
+    assert line.startswith(str(SplitRule(16, 8))) and f"default {RULES[0]}" in line and "tuned in" in line
+    assert describe_split_tuning(again.describe()) == f"{SplitRule(16, 8)} (cached; default {RULES[0]})"
+
+
+def test_the_default_rule_stays_when_splitting_does_not_pay(tmp_path, small_probes):
+    result = tune_splits(tmp_path, SplitTimes(s1=50.0))
+    assert result.rule == RULES[0] and min(result.scores, key=result.scores.get) == str(RULES[0])
+
+
+def test_a_split_count_that_disagrees_is_never_picked(tmp_path, small_probes, monkeypatch):
+    """4 segments are fastest, then 2, but 4 is made to compute something else: the rule that needs 4 cannot win."""
+    real = tuning.paged_attention
+
+    def broken_at_four(*args, num_splits=None, **kwargs):
+        out = real(*args, num_splits=num_splits, **kwargs)
+        if num_splits == 4:
+            out.mul_(-1.0)
+        return out
+
+    monkeypatch.setattr(tuning, "paged_attention", broken_at_four)
+    timer = SplitTimes(s4=30.0, s2=50.0)
+    result = tune_splits(tmp_path, timer)
+    assert all(s != 4 for _, _, s in timer.calls)
+    assert str(SplitRule(16, 8)) not in result.scores and result.rule == SplitRule(8, 16)
+
+
+def test_the_split_budget_stops_after_the_first_probe(tmp_path, small_probes):
+    timer = SplitTimes(s4=50.0)
+    result = tune_splits(tmp_path, timer, budget_s=0.0)
+    assert {(b, c) for b, c, _ in timer.calls} == {(2, 32)} and not result.complete
+    assert not tune_splits(tmp_path, SplitTimes(s4=50.0)).cached  # an incomplete entry is tuned again
+
+
+def test_every_split_count_tuning_offers_matches_the_reference(small_probes):
+    """The synthetic launches tuning times: each count it offers at each probe against float64 attention."""
+    pool = tuning._SyntheticKV(SPLIT_SHAPE, torch.device(DEVICE))
+    tiles = decode_tile_candidates(64, False)[0]
+    for (batch, context), counts in tuning.split_probes(SPLIT_SHAPE, 64, 1, RULES).items():
+        call, check = pool.launch(batch, context)
+        reference = check(tiles, 1).double()
+        for splits in counts[1:]:
+            assert rel_err(check(tiles, splits), reference) < 1e-2

@@ -250,7 +250,8 @@ def test_the_switch(decode_gemm, monkeypatch):
     class Backend:
         supports_tuning = True
 
-        def tune(self, shape, device):
+        def tune(self, shape, device, max_context):
+            assert max_context == 64  # the model's limit: split-KV's probes stop there
             return SimpleNamespace(describe=lambda: {"decode_attention": "tiles"})
 
         supports_cuda_graphs = True

@@ -45,6 +45,27 @@ def test_tuned_decode_tiles_keep_greedy_parity(pick, tiny_checkpoints):
     assert len({tuple(t) for t in expected}) > 1
 
 
+def test_a_tuned_split_rule_keeps_greedy_parity(tiny_checkpoints, monkeypatch):
+    """Start-up tuning hands the backend a split-KV rule (on a GPU; here set by hand, with 8-key segments so these
+    short contexts split): decode steps cut keys into segments, and the greedy tokens stay the torch backend's."""
+    import importlib
+
+    pa_mod = importlib.import_module("cbatch.kernels.paged_attention")  # the module: the package exports the function
+    splits = []
+    auto = pa_mod._auto_num_splits
+    monkeypatch.setattr(pa_mod, "_auto_num_splits", lambda *args: splits.append(auto(*args)) or splits[-1])
+    path = tiny_checkpoints["qwen3"]
+    prompts = random_prompts(4, vocab=384, seed=24, max_len=30)
+    settings = dict(device=DEVICE, max_num_batched_tokens=24, block_size=8)
+    expected = generate(make_engine(path, attention_backend="torch", **settings), prompts, PARAMS)
+    engine = make_engine(path, attention_backend="triton", **settings)
+    engine.runner.model.backend.split_rule = pa_mod.SplitRule(programs_per_sm=6, min_keys=8)
+    splits.clear()
+    assert generate(engine, prompts, PARAMS) == expected
+    assert max(splits) >= 2
+    assert len({tuple(t) for t in expected}) > 1
+
+
 @pytest.mark.parametrize("split_sampler", [True, False])
 def test_split_sampler_keeps_the_torch_samplers_tokens(split_sampler, tiny_checkpoints, monkeypatch):
     """The sampling kernel with each row's vocabulary split across programs (128-id tiles here: the 384-id

@@ -102,7 +102,7 @@ def tune_kernels(config: EngineConfig, resolved: ResolvedModel, backend: Backend
 
     shape = DecodeShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, config.block_size, resolved.dtype,
                         kv_dtype, TUNING_BATCH, min(resolved.max_model_len, TUNING_CONTEXT))
-    result = backend.tune(shape, device).describe()
+    result = backend.tune(shape, device, resolved.max_model_len).describe()
     torch.cuda.empty_cache()  # the synthetic K/V go back before the KV pool is sized
     # the Triton GEMM runs inside the decode graphs only (kernels/gemm.DecodeGemm): none, nothing to tune
     graphs = backend.supports_cuda_graphs and not config.enforce_eager

@@ -24,7 +24,9 @@ Work decomposition (ideas after vLLM's unified Triton attention; this is an inde
   * Online softmax in fp32 in the log2 domain (scores pre-multiplied by scale * log2(e), exp2).
   * Split-KV (flash-decoding): with few (sequence x kv head) programs and long contexts, a third grid
     axis cuts each sequence's key tiles into num_splits segments; each writes its normalised partial
-    output and log2-sum-exp, and a second small kernel merges them.
+    output and log2-sum-exp, and a second small kernel merges them. A sequence of c keys uses only
+    min(num_splits, c // split_min_keys) of the segments (the rest exit at once): a CUDA graph captured
+    for the longest context splits each replay's sequences by their own length (`SplitRule`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import triton.language as tl
 from ._utils import check_kv_cache_dtype, check_launchable, interpreting, next_pow2, on_device, sm_count
 from .activation import tanh
 
-# Split-KV policy (decode-only batches). See auto_num_splits.
+# Split-KV policy (decode-only batches): the default SplitRule. See auto_num_splits.
 SPLIT_BELOW_PROGRAMS_PER_SM = 6  # fewer (sequence x kv head) programs per SM than this: cut the keys into segments
 _MIN_KEYS_PER_SPLIT = 512  # below this a segment's fixed cost (q load, partial write, merge) starts to show
 _MAX_SPLITS = 16  # a power of 2 (the merge kernel's tile)
@@ -76,7 +78,7 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 # Runtime sizes that change from step to step are never specialised on (Triton would otherwise compile a new
 # variant whenever one happens to be 1 or a multiple of 16): see cbatch/kernels/jit_stats.py.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "split_min_keys", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -92,6 +94,7 @@ def _paged_attention_kernel(
     scale_log2,  # softmax scale * log2(e)
     num_seqs,
     num_splits,  # key segments per (sequence, kv head); 1 unless SPLIT
+    split_min_keys,  # SPLIT: a sequence of c keys fills min(num_splits, c // split_min_keys) segments (at least 1)
     num_q_heads,
     sliding_window,  # only read when USE_WINDOW
     softcap_log2,  # only read when SOFTCAP: attention-logit soft-cap * log2(e)
@@ -162,7 +165,8 @@ def _paged_attention_kernel(
     tile_hi = tl.cdiv(key_hi, TILE_N)
     if SPLIT:
         # Segments cut the sequence's whole key range, so every query block of a sequence sees the same cuts.
-        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), num_splits)
+        segments = tl.minimum(num_splits, tl.maximum(seq_len // split_min_keys, 1))  # the later ones stay empty
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), segments)
         tile_lo = tl.maximum(tile_lo, split * tiles_per_split)
         tile_hi = tl.minimum(tile_hi, (split + 1) * tiles_per_split)
 
@@ -333,7 +337,48 @@ def _select_tiles(head_dim_pad: int, group: int, max_query_len: int, is_fp32: bo
     return block_m, tile_n, 4, 3
 
 
-def auto_num_splits(batch: int, num_kv_heads: int, context: int, num_sms: int) -> int:
+@dataclass(frozen=True)
+class SplitRule:
+    """When a decode-only launch cuts each sequence's keys into segments, and into how many: below
+    `programs_per_sm` (sequence x kv head) programs per SM, enough segments to reach that many, none shorter
+    than `min_keys` keys, at most _MAX_SPLITS. The default is the policy's; `kernels/tuning.py` picks one per
+    engine from `split_rule_candidates` by timing them on the device.
+
+    The segment floor holds twice: on the host (a launch for contexts up to C has at most C // min_keys
+    segments) and in the kernel (a sequence of c keys fills min(segments, max(c // min_keys, 1)) of them). So a
+    decode CUDA graph, captured once for the longest context, gives each replay's sequence the rule's split for
+    its own length: num_splits(B, H, C) capped that way is num_splits(B, H, c), since the programs-per-SM part
+    does not depend on the context (tests/test_kernels_attention.py holds every rule to this)."""
+
+    programs_per_sm: int = SPLIT_BELOW_PROGRAMS_PER_SM
+    min_keys: int = _MIN_KEYS_PER_SPLIT
+
+    def __str__(self) -> str:
+        return f"split below {self.programs_per_sm} programs/SM into segments of >= {self.min_keys} keys"
+
+    def num_splits(self, batch: int, num_kv_heads: int, context: int, num_sms: int) -> int:
+        """Key segments per (sequence, kv head) for `batch` sequences of up to `context` keys on `num_sms` SMs."""
+        programs = max(1, batch * num_kv_heads)
+        if programs >= self.programs_per_sm * num_sms:
+            return 1
+        want = -(-self.programs_per_sm * num_sms // programs)
+        splits = min(want, context // self.min_keys, _MAX_SPLITS)
+        return splits if splits >= 2 else 1
+
+
+DEFAULT_SPLIT_RULE = SplitRule()
+
+
+def split_rule_candidates() -> list[SplitRule]:
+    """What start-up tuning weighs for split-KV, the policy's rule first: programs-per-SM targets around the
+    default's 6 and segment floors of 256 to 1024 keys (a segment's fixed cost against the parallelism it buys
+    differs by GPU and by head size)."""
+    rules = [SplitRule(p, k) for p in (2, 4, 6, 8, 12) for k in (256, 512, 1024)]
+    return [DEFAULT_SPLIT_RULE] + [r for r in rules if r != DEFAULT_SPLIT_RULE]
+
+
+def auto_num_splits(batch: int, num_kv_heads: int, context: int, num_sms: int,
+                    rule: SplitRule = DEFAULT_SPLIT_RULE) -> int:
     """Key segments per (sequence, kv head) of a decode-only launch of `batch` sequences at up to `context` keys
     on a GPU with `num_sms` SMs (a pure function: tests and benchmarks ask it about any GPU).
 
@@ -343,23 +388,19 @@ def auto_num_splits(batch: int, num_kv_heads: int, context: int, num_sms: int) -
     full (the issue's "fewer than about 6"; Qwen3-0.6B's 8 kv heads on 132 SMs: below 99 sequences). Then each
     sequence's keys are cut into enough segments to reach that many programs per SM, but never segments shorter
     than _MIN_KEYS_PER_SPLIT keys (per-segment overhead: reading q, writing HEAD_DIM+1 fp32 per row, the merge
-    kernel) and never more than _MAX_SPLITS.
+    kernel) and never more than _MAX_SPLITS. Those are the default `rule`'s numbers; start-up tuning may pick
+    another.
     """
-    programs = max(1, batch * num_kv_heads)
-    if programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
-        return 1
-    want = -(-SPLIT_BELOW_PROGRAMS_PER_SM * num_sms // programs)
-    splits = min(want, context // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS)
-    return splits if splits >= 2 else 1
+    return rule.num_splits(batch, num_kv_heads, context, num_sms)
 
 
 def _auto_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
-                     device: torch.device) -> int:
+                     device: torch.device, rule: SplitRule = DEFAULT_SPLIT_RULE) -> int:
     """auto_num_splits for a launch on `device`; batches with prefill rows never split (they have many query
     blocks, and their time is prefill compute). Host integers only (no device sync)."""
     if max_query_len > 1:
         return 1
-    return auto_num_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(device))
+    return auto_num_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(device), rule)
 
 
 def _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale) -> bool:
@@ -395,12 +436,14 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
     softcap: float | None = None,
     decode_tiles: DecodeTiles | None = None,
+    split_rule: SplitRule | None = None,
 ) -> torch.Tensor:
     """Causal attention of the flat batch `q` against the paged KV cache; writes and returns `out`.
 
     max_query_len / max_seq_len are host-side upper bounds of the per-sequence q_len / seq_len (they pick
     tile shapes and the split count; nothing is read back from the device). num_splits forces the
-    split-KV factor (1 = no split); None chooses automatically.
+    split-KV factor (1 = no split) and cuts segments evenly; None chooses by `split_rule` (default: the
+    policy's, DEFAULT_SPLIT_RULE), whose segment floor also holds inside the kernel.
     An fp8 cache (float8_e4m3fn) needs k_scale / v_scale, fp32 [num_kv_heads]: key = cache value x k_scale.
     softcap (Gemma 2): scores are soft-capped, cap * tanh(scale * q.k / cap), before the mask.
     With an fp8 cache and bf16 q both dots run in fp16: e4m3 -> fp16 is one packed conversion where e4m3 -> bf16
@@ -433,8 +476,11 @@ def paged_attention(
     use_window = sliding_window is not None
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    split_min_keys = 1  # a forced split count: every sequence of at least num_splits keys fills every segment
     if num_splits is None:
-        num_splits = _auto_num_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len, device)
+        rule = split_rule or DEFAULT_SPLIT_RULE
+        num_splits = _auto_num_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len, device, rule)
+        split_min_keys = rule.min_keys
     if not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{_MAX_SPLITS}, got {num_splits}")
 
@@ -455,6 +501,7 @@ def paged_attention(
             float(scale) * math.log2(math.e),
             num_seqs,
             num_splits,
+            split_min_keys,
             num_q_heads,
             int(sliding_window) if use_window else 0,
             float(softcap or 1.0) * math.log2(math.e),

@@ -14,6 +14,14 @@ generator there: no CPU fill, no host-to-device copy) and sized so that the desc
 (Qwen3-0.6B's 256 x 2048 in bf16 is 2 GiB) unless the device's free memory is short; the engine tunes before it
 sizes its KV pool (cbatch/engine/build.py), so the synthetic K/V is freed before the pool takes its memory.
 
+Split-KV (`tune_decode_splits`): when decode attention cuts a sequence's keys into segments, and into how many, is
+a `paged_attention.SplitRule` (a programs-per-SM target and a minimum segment length). With the chosen tiles,
+each split count that some candidate rule gives is timed at a few (batch, context) probes (the batches a decode
+graph holds when the GPU is not full, contexts up to the model's limit); each rule is scored by how far its
+picks are from the fastest at every probe (the sum of time / best time), and the default rule is kept unless
+another scores clearly better. The rule then decides on the host (per launch) and in the kernel (per sequence,
+by its own length), so a graph captured once splits every context as the rule says.
+
 The decode GEMMs (`tune_decode_gemms`): per distinct layer shape (N, K, dtype, bias) and batch bucket (16 ... 256
 rows), cuBLAS (F.linear) against the Triton candidates of `kernels/gemm.py`, on the layer's own weights and
 random rows, each timed as a CUDA graph replay (where the decode step runs them: no host launch cost in the
@@ -38,7 +46,9 @@ import torch.nn.functional as F
 import triton
 
 from .gemm import GEMM_CANDIDATES, ROW_BUCKETS, DecodeGemm, GemmConfig, decode_linear
-from .paged_attention import DecodeTiles, decode_tile_candidates, paged_attention
+from ._utils import sm_count
+from .paged_attention import (DecodeTiles, SplitRule, decode_tile_candidates, paged_attention,
+                              split_rule_candidates)
 
 MAX_SYNTHETIC_BYTES = 4 << 30  # the timed K/V of one layer at most; the context is shortened to fit
 MAX_FREE_SHARE = 0.25  # ... and at most this share of the device's free memory (the weights are loaded already)
@@ -46,6 +56,10 @@ _FILL_CHUNK = 1 << 26  # elements per half-precision slab when filling an fp8 ca
 AGREEMENT = 1e-2  # a candidate whose output differs from the first's by more (relative) is refused
 GEMM_BUDGET_S = 2.5  # the decode GEMMs' tuning, all shapes together (mostly Triton compiles on a first start)
 GEMM_MARGIN = 0.98  # a Triton GEMM replaces cuBLAS only below this share of cuBLAS's time (not on noise)
+SPLIT_BUDGET_S = 3.0  # split-KV's tuning (one compile of the split variant and its merge, then ~50 short timings)
+SPLIT_MARGIN = 0.98  # another rule replaces the default only below this share of the default's score
+SPLIT_PROBE_BATCHES = (4, 16, 32, 64, 128)  # decode batches where some candidate rule splits on today's GPUs
+SPLIT_PROBE_CONTEXTS = (512, 2048, 8192)  # keys per sequence (those past the model's limit are left out)
 
 
 @dataclass(frozen=True)
@@ -81,9 +95,30 @@ class TuningResult:
     cached: bool = False
     shape: str = ""
 
+    splits: SplitTuningResult | None = None  # split-KV's rule, when tuned (`tune_decode_splits`)
+
     def describe(self) -> dict:
-        return {"decode_attention": str(self.tiles), "policy_default": str(self.default), "cached": self.cached,
-                "seconds": round(self.seconds, 2), "times_us": self.times_us, "shape": self.shape}
+        described = {"decode_attention": str(self.tiles), "policy_default": str(self.default), "cached": self.cached,
+                     "seconds": round(self.seconds, 2), "times_us": self.times_us, "shape": self.shape}
+        if self.splits is not None:
+            described["kv_splits"] = self.splits.describe()
+        return described
+
+
+@dataclass
+class SplitTuningResult:
+    rule: SplitRule  # the choice
+    default: SplitRule  # the policy's
+    scores: dict[str, float] = field(default_factory=dict)  # rule -> sum over probes of its time / the best time
+    times_us: dict[str, dict[int, float]] = field(default_factory=dict)  # probe label -> split count -> us
+    seconds: float = 0.0  # spent tuning (0 when cached)
+    cached: bool = False
+    complete: bool = True  # every probe timed (False: the budget ran out; tuned again next start)
+
+    def describe(self) -> dict:
+        return {"rule": str(self.rule), "policy_default": str(self.default), "cached": self.cached,
+                "complete": self.complete, "seconds": round(self.seconds, 2), "scores": self.scores,
+                "times_us": self.times_us}
 
 
 def _stack_key(device_name: str) -> str:
@@ -138,6 +173,75 @@ def tune_decode_attention(shape: DecodeShape, device: torch.device, *, cache_pat
     result = TuningResult(best, default, times, time.perf_counter() - start, False, key)
     _write_cache(cache_path, key, {"tiles": asdict(best), "times_us": times})
     return result
+
+
+def split_probes(shape: DecodeShape, max_context: int, num_sms: int,
+                 rules: list[SplitRule]) -> dict[tuple[int, int], list[int]]:
+    """(batch, context) -> the split counts to time there: the probes where the candidate rules disagree, each
+    with 1 (no split, the reference) and every count some rule gives."""
+    probes = {}
+    for batch in SPLIT_PROBE_BATCHES:
+        for context in SPLIT_PROBE_CONTEXTS:
+            if context > max_context:
+                continue
+            counts = sorted({1} | {r.num_splits(batch, shape.num_kv_heads, context, num_sms) for r in rules})
+            if len(counts) > 1:
+                probes[(batch, context)] = counts
+    return probes
+
+
+def tune_decode_splits(shape: DecodeShape, tiles: DecodeTiles, device: torch.device, max_context: int, *,
+                       cache_path: Path | None = None, budget_s: float = SPLIT_BUDGET_S,
+                       rules: list[SplitRule] | None = None, num_sms: int | None = None,
+                       time_us: Callable[[tuple[int, int, int], Callable[[], None]], float] | None = None,
+                       ) -> SplitTuningResult:
+    """The split-KV rule for decode launches of `shape`'s model with `tiles` on `device`, contexts up to
+    `max_context` (from the cache file when it has a complete entry).
+
+    `time_us((batch, context, splits), fn)` times one call of fn in microseconds (default: CUDA events). Probes
+    (`split_probes`) are timed in order, each count's output checked against the unsplit one first; the probes
+    after `budget_s` seconds are left out of every rule's score (and the choice is tuned again next start)."""
+    rules = rules or split_rule_candidates()
+    default = rules[0]
+    num_sms = num_sms or sm_count(device)
+    key = (f"{shape.key(_device_name(device))} | kv splits, {tiles}, {num_sms} SMs, contexts <= {max_context}, "
+           f"rules {'; '.join(map(str, rules))}")
+    cache_path = cache_path or default_cache_path()
+    entry = _read_cache(cache_path).get(key)
+    by_name = {str(r): r for r in rules}
+    if entry and entry.get("complete") and entry.get("rule") in by_name:
+        return SplitTuningResult(by_name[entry["rule"]], default, entry.get("scores", {}), entry.get("times_us", {}),
+                                 0.0, True, True)
+    start = time.perf_counter()
+    time_us = time_us or _cuda_time_us
+    pool = _SyntheticKV(fitted_shape(shape, synthetic_budget(device)), device)
+    measured: dict[tuple[int, int], dict[int, float]] = {}
+    complete = True
+    for (batch, context), counts in split_probes(shape, max_context, num_sms, rules).items():
+        if not pool.fits(batch, context):
+            continue  # the device's free memory is short: only the probes that fit
+        if measured and time.perf_counter() - start > budget_s:
+            complete = False
+            break
+        call, check = pool.launch(batch, context)
+        reference = check(tiles, 1)
+        times = {}
+        for splits in counts:
+            if splits > 1 and not _agrees(check(tiles, splits), reference):
+                continue  # never chosen at this probe: the tests hold every count to the reference
+            times[splits] = time_us((batch, context, splits), lambda s=splits: call(tiles, s))
+        measured[(batch, context)] = times
+    scores = {}
+    for rule in rules:
+        picks = {probe: rule.num_splits(probe[0], shape.num_kv_heads, probe[1], num_sms) for probe in measured}
+        if all(picks[p] in measured[p] for p in measured):
+            scores[str(rule)] = round(sum(measured[p][picks[p]] / min(measured[p].values()) for p in measured), 4)
+    best = min((r for r in rules if str(r) in scores), key=lambda r: scores[str(r)], default=default)
+    if str(default) in scores and scores[str(best)] >= SPLIT_MARGIN * scores[str(default)]:
+        best = default
+    times_us = {f"batch {b} x context {c}": {s: round(t, 2) for s, t in ts.items()} for (b, c), ts in measured.items()}
+    _write_cache(cache_path, key, {"rule": str(best), "scores": scores, "times_us": times_us, "complete": complete})
+    return SplitTuningResult(best, default, scores, times_us, time.perf_counter() - start, False, complete)
 
 
 @dataclass(frozen=True)
@@ -286,35 +390,51 @@ def _random(size: tuple[int, ...], dtype: torch.dtype, device: torch.device, gen
     return out
 
 
+class _SyntheticKV:
+    """One layer's random K/V cache on `device` with room for `shape.batch` sequences of `shape.context` keys,
+    every tensor drawn there from a seeded generator (no CPU fill, no host-to-device copy); timed launches of any
+    batch x context that fits read it through a shuffled block table."""
+
+    def __init__(self, shape: DecodeShape, device: torch.device) -> None:
+        self.shape, self.device = shape, device
+        self.gen = torch.Generator(device=device).manual_seed(0)
+        self.num_blocks = shape.batch * -(-shape.context // shape.block_size)
+        cache_shape = (self.num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        self.k = _random(cache_shape, shape.kv_dtype, device, self.gen)
+        self.v = _random(cache_shape, shape.kv_dtype, device, self.gen)
+        self.scales = torch.full((shape.num_kv_heads,), 0.5, device=device) if shape.kv_dtype.itemsize == 1 else None
+        self.order = torch.randperm(self.num_blocks, generator=self.gen, device=device).to(torch.int32)
+
+    def fits(self, batch: int, context: int) -> bool:
+        return batch * -(-context // self.shape.block_size) <= self.num_blocks
+
+    def launch(self, batch: int, context: int):
+        """(call(tiles, num_splits), check(tiles, num_splits) -> output) for `batch` random queries at `context`
+        keys each; num_splits None: the kernel's own choice."""
+        shape, device = self.shape, self.device
+        blocks_per_seq = -(-context // shape.block_size)
+        block_table = self.order[: batch * blocks_per_seq].view(batch, blocks_per_seq)
+        q = _random((batch, shape.num_q_heads, shape.head_dim), shape.q_dtype, device, self.gen)
+        out = torch.empty_like(q)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        scale = shape.head_dim ** -0.5
+
+        def call(tiles: DecodeTiles, num_splits: int | None = None) -> None:
+            paged_attention(q, self.k, self.v, out, query_start_loc, seq_lens, block_table, scale, 1, context,
+                            num_splits=num_splits, k_scale=self.scales, v_scale=self.scales, decode_tiles=tiles)
+
+        def check(tiles: DecodeTiles, num_splits: int | None = None) -> torch.Tensor:
+            out.fill_(float("nan"))
+            call(tiles, num_splits)
+            return out.float().clone()
+
+        return call, check
+
+
 def _synthetic_launch(shape: DecodeShape, device: torch.device):
-    """(call(tiles) -> None, check(tiles) -> output) over one random decode batch of `shape` on `device`, every
-    tensor made there from a seeded generator on that device."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    context = shape.context
-    blocks_per_seq = -(-context // shape.block_size)
-    num_blocks = shape.batch * blocks_per_seq
-    cache_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-    k = _random(cache_shape, shape.kv_dtype, device, gen)
-    v = _random(cache_shape, shape.kv_dtype, device, gen)
-    scales = torch.full((shape.num_kv_heads,), 0.5, device=device) if shape.kv_dtype.itemsize == 1 else None
-    q = _random((shape.batch, shape.num_q_heads, shape.head_dim), shape.q_dtype, device, gen)
-    out = torch.empty_like(q)
-    block_table = torch.randperm(num_blocks, generator=gen, device=device).view(shape.batch, blocks_per_seq)
-    block_table = block_table.to(torch.int32)
-    seq_lens = torch.full((shape.batch,), context, dtype=torch.int32, device=device)
-    query_start_loc = torch.arange(shape.batch + 1, dtype=torch.int32, device=device)
-    scale = shape.head_dim ** -0.5
-
-    def call(tiles: DecodeTiles) -> None:
-        paged_attention(q, k, v, out, query_start_loc, seq_lens, block_table, scale, 1, context,
-                        k_scale=scales, v_scale=scales, decode_tiles=tiles)
-
-    def check(tiles: DecodeTiles) -> torch.Tensor:
-        out.fill_(float("nan"))
-        call(tiles)
-        return out.float().clone()
-
-    return call, check
+    """(call(tiles), check(tiles) -> output) over one random decode batch of `shape` on `device`."""
+    return _SyntheticKV(shape, device).launch(shape.batch, shape.context)
 
 
 def _agrees(out: torch.Tensor, reference: torch.Tensor) -> bool:
@@ -323,7 +443,7 @@ def _agrees(out: torch.Tensor, reference: torch.Tensor) -> bool:
     return ((out - reference).norm() / reference.norm().clamp_min(1e-12)).item() < AGREEMENT
 
 
-def _cuda_time_us(tiles: DecodeTiles, fn: Callable[[], None], repeats: int = 7, inner: int = 3) -> float:
+def _cuda_time_us(what, fn: Callable[[], None], repeats: int = 7, inner: int = 3) -> float:
     """Median microseconds per call, CUDA events around `inner` calls (the first call compiled already)."""
     fn()
     torch.cuda.synchronize()
@@ -389,5 +509,6 @@ def _write_entries(path: Path, entries: dict[str, dict]) -> None:
             os.unlink(f.name)
 
 
-__all__ = ["DecodeShape", "GemmShape", "GemmTuningResult", "TuningResult", "default_cache_path", "fitted_shape",
-           "gemm_shapes", "synthetic_budget", "tune_decode_attention", "tune_decode_gemms"]
+__all__ = ["DecodeShape", "GemmShape", "GemmTuningResult", "SplitTuningResult", "TuningResult", "default_cache_path",
+           "fitted_shape", "gemm_shapes", "split_probes", "synthetic_budget", "tune_decode_attention",
+           "tune_decode_gemms", "tune_decode_splits"]

@@ -236,6 +236,8 @@ def summary_table(report: dict[str, Any]):
         if tuning := hw.get("kernel_tuning"):
             table.add_row("kernels", f"decode attention {tuning['decode_attention']} ({_tuned_how(tuning)}; "
                                      f"default {tuning['policy_default']})")
+            if splits := tuning.get("kv_splits"):
+                table.add_row("split-KV", describe_split_tuning(splits))
             if gemm := tuning.get("decode_gemm"):
                 table.add_row("decode GEMMs", describe_gemm_tuning(gemm))
     return table
@@ -244,6 +246,14 @@ def summary_table(report: dict[str, Any]):
 def _tuned_how(tuning: dict) -> str:
     """Where a start-up tuning's choice came from: the cache, or timing (how long)."""
     return "cached" if tuning["cached"] else f"tuned in {tuning['seconds']:.1f} s"
+
+
+def describe_split_tuning(splits: dict) -> str:
+    """One line of the split-KV rule start-up tuning chose (`SplitTuningResult.describe()`)."""
+    how = _tuned_how(splits) + ("" if splits["cached"] or splits["complete"] else ", partly")
+    if splits["rule"] == splits["policy_default"]:
+        return f"the default, {splits['rule']} ({how})"
+    return f"{splits['rule']} ({how}; default {splits['policy_default']})"
 
 
 def describe_gemm_tuning(gemm: dict) -> str:

@@ -18,8 +18,9 @@ class Backend(Protocol):
     # decode attention may cut a sequence's keys across programs when a step has few (split-KV); the engine sets it
     # False for --no-split-kv (EngineConfig.split_kv). False where attention never splits.
     split_kv: bool
-    # has `tune(shape: kernels.tuning.DecodeShape, device) -> TuningResult` and `tune_linears(linears, device,
-    # buckets) -> GemmTuningResult` (start-up tuning: decode attention's tiles; cuBLAS or a Triton GEMM per decode layer shape)
+    # has `tune(shape: kernels.tuning.DecodeShape, device, max_context) -> TuningResult` and `tune_linears(linears,
+    # device, buckets) -> GemmTuningResult` (start-up tuning: decode attention's tiles and split-KV rule; cuBLAS or a
+    # Triton GEMM per decode layer shape)
     supports_tuning: bool
     needs_warmup: bool  # compiles a kernel variant per step shape on first launch: a GPU engine runs them all first
     fused_sampling: bool  # runs where the Triton kernels run: the runner may sample with the one-pass kernel

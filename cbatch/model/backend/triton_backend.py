@@ -31,14 +31,19 @@ class TritonBackend:
 
     def __init__(self) -> None:
         self.decode_tiles = None  # DecodeTiles once `tune` ran; None: the kernel's own policy
+        self.split_rule = None  # paged_attention.SplitRule once `tune` ran (with split_kv); None: the policy's
 
-    def tune(self, shape, device: torch.device):
-        """Times decode attention's candidate tiles on `shape` (a `kernels.tuning.DecodeShape`) on `device` and
-        keeps the fastest for every later launch; returns the `TuningResult`. Before any CUDA graph is captured."""
-        from cbatch.kernels.tuning import tune_decode_attention
+    def tune(self, shape, device: torch.device, max_context: int):
+        """Times decode attention's candidate tiles on `shape` (a `kernels.tuning.DecodeShape`) on `device`, then
+        (split_kv) the split-KV rules with the winning tiles at contexts up to `max_context`, and keeps both for
+        every later launch; returns the `TuningResult`. Before any CUDA graph is captured."""
+        from cbatch.kernels.tuning import tune_decode_attention, tune_decode_splits
 
         result = tune_decode_attention(shape, device)
         self.decode_tiles = result.tiles
+        if self.split_kv:
+            result.splits = tune_decode_splits(shape, result.tiles, device, max_context)
+            self.split_rule = result.splits.rule
         return result
 
     def tune_linears(self, linears, device: torch.device, buckets: tuple[int, ...]):
@@ -71,7 +76,7 @@ class TritonBackend:
             meta.query_start_loc, meta.seq_lens, meta.block_table,
             layer.scale, meta.max_query_len, meta.max_seq_len, sliding_window=layer.sliding_window,
             softcap=layer.softcap, k_scale=kv.k_scale, v_scale=kv.v_scale, decode_tiles=self.decode_tiles,
-            num_splits=None if self.split_kv else 1,
+            num_splits=None if self.split_kv else 1, split_rule=self.split_rule,
         )
 
     def _prologue(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
