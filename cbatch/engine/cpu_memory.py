@@ -47,18 +47,15 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
     Anonymous mmap memory reads as zeros and the kernel maps a page on its first write, so a KV pool
     sized for the whole memory budget costs only what the job's sequences fill, and the attention,
-    which reads whole blocks (padding masked), never meets non-finite garbage. Transparent huge pages
-    are requested where the kernel offers them (fewer page faults as the pool fills).
+    which reads whole blocks (padding masked), never meets non-finite garbage. No transparent huge pages
+    are requested: on the VMs measured a fresh process's first huge-page faults cost 0.5-1.2 s per GB the
+    pool fills (4 KiB pages: 0.18 s), and the TLB misses they save were not measurable in the decode steps
+    (benchmarks/NOTES.md, "The KV pool without huge pages").
     """
     if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no private anonymous mappings; zero it up front
         return torch.zeros(shape, dtype=dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     # private: a forked child (a Ray or multiprocessing worker) gets its own copy-on-write pages, not shared ones
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buffer.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # kernels without THP
-            pass
     # frombuffer keeps `buffer` alive for as long as the tensor (or any view of it) lives
     return torch.frombuffer(buffer, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
