@@ -31,32 +31,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def _onednn_prepack_works() -> bool:
-    """oneDNN's weight prepacking (what inductor's CPU backend uses) exists and agrees with F.linear."""
+def _onednn_prepack_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes whose weights oneDNN prepacks here (what inductor's CPU backend uses), each checked against
+    F.linear on its own: CPUs without AVX-512 (or AVX-NE-CONVERT) refuse bfloat16 but prepack float32."""
     if not _ONEDNN_LINEAR:
-        return False
-    try:
-        for dtype in (torch.float32, torch.bfloat16):
+        return frozenset()
+    works = set()
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.1)):
+        try:
             x, w = torch.randn(3, 32).to(dtype), torch.randn(8, 32).to(dtype)
             got = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
-            if not torch.allclose(got.float(), F.linear(x, w).float(), atol=0.1 if dtype == torch.bfloat16 else 1e-4):
-                return False
-        return True
-    except (AttributeError, RuntimeError):
-        return False
+            if torch.allclose(got.float(), F.linear(x, w).float(), atol=tol):
+                works.add(dtype)
+        except (AttributeError, RuntimeError):  # no such op in this build, or this ISA cannot run the dtype's path
+            pass
+    return frozenset(works)
 
 
-_ONEDNN_PREPACK = _onednn_prepack_works()
+_PREPACK_DTYPES = _onednn_prepack_dtypes()
 
 
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of a CPU float32/bfloat16 [out, in] weight for `packed_linear`, or None where
-    prepacking is unavailable. The copy is opaque: only `packed_linear` can use it (anything else raises).
+    prepacking is unavailable for its dtype. The copy is opaque: only `packed_linear` can use it (anything else raises).
 
     Why: unpacked, oneDNN reorders the weight on every call; prepacked, decode-sized matmuls run
     markedly faster and prefill-sized ones as fast as before (benchmarks/NOTES.md, session 2).
     """
-    if not _ONEDNN_PREPACK or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+    if weight.device.type != "cpu" or weight.dtype not in _PREPACK_DTYPES:
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
