@@ -198,7 +198,9 @@ def tune_decode_splits(shape: DecodeShape, tiles: DecodeTiles, device: torch.dev
     """The split-KV rule for decode launches of `shape`'s model with `tiles` on `device`, contexts up to
     `max_context` (from the cache file when it has a complete entry).
 
-    `time_us((batch, context, splits), fn)` times one call of fn in microseconds (default: CUDA events). Probes
+    `time_us((batch, context, splits), fn)` times one call of fn in microseconds (default: replays of a CUDA graph
+    of fn, as the decode graphs run it: a small probe's ~10 us launch timed eagerly would time the host's two
+    launches of a split, not the GPU's work). Probes
     (`split_probes`) are timed in order, each count's output checked against the unsplit one first; the probes
     after `budget_s` seconds are left out of every rule's score (and the choice is tuned again next start)."""
     rules = rules or split_rule_candidates()
@@ -213,7 +215,7 @@ def tune_decode_splits(shape: DecodeShape, tiles: DecodeTiles, device: torch.dev
         return SplitTuningResult(by_name[entry["rule"]], default, entry.get("scores", {}), entry.get("times_us", {}),
                                  0.0, True, True)
     start = time.perf_counter()
-    time_us = time_us or _cuda_time_us
+    time_us = time_us or _graph_time_us
     pool = _SyntheticKV(fitted_shape(shape, synthetic_budget(device)), device)
     measured: dict[tuple[int, int], dict[int, float]] = {}
     complete = True
