@@ -233,6 +233,21 @@ def test_a_split_count_that_disagrees_is_never_picked(tmp_path, small_probes, mo
     assert str(SplitRule(16, 8)) not in result.scores and result.rule == SplitRule(8, 16)
 
 
+def test_a_split_count_the_device_cannot_run_is_never_picked(tmp_path, small_probes, monkeypatch):
+    """A split variant that fails on this device (here: made to raise, as a launch past the GPU's shared memory
+    would) leaves its rule unscored; tuning goes on."""
+    real = tuning.paged_attention
+
+    def fails_at_four(*args, num_splits=None, **kwargs):
+        if num_splits == 4:
+            raise RuntimeError("out of resource: shared memory")
+        return real(*args, num_splits=num_splits, **kwargs)
+
+    monkeypatch.setattr(tuning, "paged_attention", fails_at_four)
+    result = tune_splits(tmp_path, SplitTimes(s4=30.0, s2=50.0))
+    assert str(SplitRule(16, 8)) not in result.scores and result.rule == SplitRule(8, 16) and result.complete
+
+
 def test_the_split_budget_stops_after_the_first_probe(tmp_path, small_probes):
     timer = SplitTimes(s4=50.0)
     result = tune_splits(tmp_path, timer, budget_s=0.0)
