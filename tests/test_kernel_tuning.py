@@ -125,6 +125,29 @@ def test_a_candidate_that_disagrees_never_wins(tmp_path, monkeypatch):
     assert broken not in timer.calls and result.tiles == candidates[-2]
 
 
+def test_a_candidate_the_device_cannot_run_is_skipped(tmp_path, monkeypatch):
+    """The fastest candidate fails to launch here (made to raise, as one past a smaller GPU's shared memory
+    would): the tuner goes on without it; the policy's own tiles failing is an error."""
+    candidates = decode_tile_candidates(64, False)
+    real = tuning.paged_attention
+
+    def fails_for(bad):
+        def launch(*args, decode_tiles=None, **kwargs):
+            if decode_tiles == bad:
+                raise RuntimeError("out of resource: shared memory")
+            return real(*args, decode_tiles=decode_tiles, **kwargs)
+        return launch
+
+    monkeypatch.setattr(tuning, "paged_attention", fails_for(candidates[-1]))
+    timer = FakeTimes(candidates)
+    result = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "t.json", time_us=timer)
+    assert candidates[-1] not in timer.calls and result.tiles == candidates[-2]
+    monkeypatch.setattr(tuning, "paged_attention", fails_for(candidates[0]))
+    with pytest.raises(RuntimeError, match="out of resource"):
+        tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "u.json",
+                                     time_us=FakeTimes(candidates))
+
+
 def test_the_described_shape_is_the_one_tuned():
     """The engine's 256 x 2048 step of Qwen3-0.6B (8 kv heads x 128) fits the synthetic budget whole, bf16 (2 GiB of
     K and V) and fp8; a short budget (a GPU with little free memory) shortens the context, and the key says so."""
