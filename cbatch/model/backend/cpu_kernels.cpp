@@ -20,6 +20,10 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define CBATCH_DOTS8 1  // decode's eight-token dot products below (x86-64-v3 and v4 builds)
+#endif
 
 namespace {
 
@@ -62,6 +66,30 @@ inline float exp_approx(float x) {
     return x < -87.0f ? 0.0f : (x > 88.0f ? INFINITY : y * two_n);
 }
 
+#ifdef CBATCH_DOTS8
+// Lane j of the result: the sum of a[j]'s eight lanes. Eight dot products' horizontal sums in seven shuffling
+// adds (one each would take five): hadd pairs neighbours within each 128-bit half, twice, which leaves a[0..3]'s
+// half-sums in one register and a[4..7]'s in the other; adding the 128-bit halves finishes them.
+inline __m256 sum_lanes8(const __m256* a) {
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// scores[0..7] = scale * (q . k_j) for the eight keys k_j = keys + j * key_stride (HEAD_DIM floats each, a
+// multiple of 8): eight accumulators in registers, then one transposed sum.
+template <int HEAD_DIM>
+inline void dots8(const float* q, const float* keys, int64_t key_stride, float scale, float* scores) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int d = 0; d < HEAD_DIM; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(keys + j * key_stride + d), acc[j]);
+    }
+    _mm256_storeu_ps(scores, _mm256_mul_ps(sum_lanes8(acc), _mm256_set1_ps(scale)));
+}
+#endif
+
 // One (row, KV head): the G query heads of that KV head against the row's context. HEAD_DIM > 0 is the head
 // dimension known at compile time (the inner loops unroll to whole vectors); 0 reads it from `head_dim`.
 template <typename T, int HEAD_DIM>
@@ -90,6 +118,27 @@ void decode_one(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_c
         const T* k_block = k_head + static_cast<int64_t>(table[t0 / block_size]) * block_size * token_stride;
         const int32_t lo = t0 < first ? first : t0, hi = t0 + block_size < ctx ? t0 + block_size : ctx;
         int32_t t = lo;
+#ifdef CBATCH_DOTS8
+        if constexpr (HEAD_DIM > 0 && HEAD_DIM % 8 == 0) {
+            for (; t + 8 <= hi; t += 8) {  // eight tokens at once, their sums transposed into one vector
+                const T* k_first = k_block + static_cast<int64_t>(t - t0) * token_stride;
+                const float* keys;
+                int64_t key_stride;
+                float converted[8 * (HEAD_DIM > 0 ? HEAD_DIM : 8)];
+                if constexpr (std::is_same_v<T, float>) {
+                    keys = k_first, key_stride = token_stride;
+                } else {  // converted once here, not once per query head
+                    for (int32_t j = 0; j < 8; ++j)
+#pragma omp simd
+                        for (int32_t d = 0; d < HEAD_DIM; ++d)
+                            converted[j * HEAD_DIM + d] = load(k_first + j * token_stride, d);
+                    keys = converted, key_stride = HEAD_DIM;
+                }
+                for (int32_t g = 0; g < group; ++g)
+                    dots8<HEAD_DIM>(qf + g * HEAD_DIM, keys, key_stride, scale, scores + g * span + (t - first));
+            }
+        }
+#endif
         for (; t + 4 <= hi; t += 4) {  // four tokens at once: four independent dot products in flight
             const float *k0, *k1, *k2, *k3;
             float converted[4 * (HEAD_DIM > 0 ? HEAD_DIM : 512)];
