@@ -190,13 +190,14 @@ def small_probes(monkeypatch):
 
 
 class SplitTimes:
-    """time_us for split counts: made-up microseconds per count (100 for the counts not named); the calls in order."""
+    """time_us for split launches: made-up microseconds per launch split count (100 for those not named); the
+    calls (batch, context, splits, segments filled) in order."""
 
     def __init__(self, **us: float) -> None:
         self.us = {int(count.removeprefix("s")): t for count, t in us.items()}
-        self.calls: list[tuple[int, int, int]] = []
+        self.calls: list[tuple[int, int, int, int]] = []
 
-    def __call__(self, what: tuple[int, int, int], fn) -> float:
+    def __call__(self, what: tuple[int, int, int, int], fn) -> float:
         fn()
         self.calls.append(what)
         return self.us.get(what[2], 100.0)
@@ -207,19 +208,27 @@ def tune_splits(tmp_path, timer, **kwargs):
                                      cache_path=tmp_path / "t.json", rules=RULES, num_sms=1, time_us=timer, **kwargs)
 
 
-def test_split_probes_are_where_the_rules_disagree(small_probes):
-    """(2 x 32): 4 programs, rule (8, 16) wants 2 segments, (16, 8) 4; (4 x 32): 8 programs, only (16, 8) splits."""
+def test_split_probes_are_where_the_rules_launches_differ(small_probes):
+    """(2 x 32): 4 programs, rule (8, 16) splits in 2, (16, 8) in 4; (4 x 32): 8 programs, only (16, 8) splits.
+    A launch is split for the longest context (64): (16, 16) splits 2 rows in 4, of which 32 keys fill 2."""
     probes = tuning.split_probes(SPLIT_SHAPE, 64, 1, RULES)
-    assert probes == {(2, 32): [1, 2, 4], (2, 64): [1, 2, 4], (4, 32): [1, 2], (4, 64): [1, 2]}
+    assert {p: sorted(launches) for p, launches in probes.items()} == {
+        (2, 32): [(1, 1), (2, 2), (4, 4)], (2, 64): [(1, 1), (2, 2), (4, 4)], (4, 32): [(1, 1), (2, 2)],
+        (4, 64): [(1, 1), (2, 2)]}
+    assert probes[(2, 32)][(4, 4)] == SplitRule(16, 8)  # each launch with a rule that makes it
     assert (2, 64) not in tuning.split_probes(SPLIT_SHAPE, 32, 1, RULES)  # past the model's limit
+    wider = tuning.split_probes(SPLIT_SHAPE, 64, 1, RULES + [SplitRule(16, 16)])
+    assert sorted(wider[(2, 32)]) == [(1, 1), (2, 2), (4, 2), (4, 4)] and sorted(wider[(2, 64)]) == sorted(probes[(2, 64)])
+    half_pool = SPLIT_SHAPE.__class__(**{**SPLIT_SHAPE.__dict__, "batch": 2})  # 2 x 64 keys: 8 blocks
+    assert sorted(tuning.split_probes(half_pool, 64, 1, RULES)) == [(2, 32), (2, 64), (4, 32)]  # 4 x 64: 16 blocks
 
 
 def test_the_rule_closest_to_the_fastest_wins_and_is_cached(tmp_path, small_probes):
     timer = SplitTimes(s4=50.0)  # 4 segments fastest where offered; elsewhere the counts tie
     result = tune_splits(tmp_path, timer)
     assert result.rule == SplitRule(16, 8) and result.default == RULES[0] and result.complete and not result.cached
-    assert sorted(timer.calls) == sorted((b, c, s) for (b, c), counts in
-                                         tuning.split_probes(SPLIT_SHAPE, 64, 1, RULES).items() for s in counts)
+    assert sorted(timer.calls) == sorted((b, c, *launch) for (b, c), launches in
+                                         tuning.split_probes(SPLIT_SHAPE, 64, 1, RULES).items() for launch in launches)
     assert result.scores[str(SplitRule(16, 8))] < result.scores[str(RULES[0])]
 
     def never(what, fn):
@@ -252,7 +261,7 @@ def test_a_split_count_that_disagrees_is_never_picked(tmp_path, small_probes, mo
     monkeypatch.setattr(tuning, "paged_attention", broken_at_four)
     timer = SplitTimes(s4=30.0, s2=50.0)
     result = tune_splits(tmp_path, timer)
-    assert all(s != 4 for _, _, s in timer.calls)
+    assert all(n != 4 for _, _, n, _ in timer.calls)
     assert str(SplitRule(16, 8)) not in result.scores and result.rule == SplitRule(8, 16)
 
 
@@ -274,16 +283,22 @@ def test_a_split_count_the_device_cannot_run_is_never_picked(tmp_path, small_pro
 def test_the_split_budget_stops_after_the_first_probe(tmp_path, small_probes):
     timer = SplitTimes(s4=50.0)
     result = tune_splits(tmp_path, timer, budget_s=0.0)
-    assert {(b, c) for b, c, _ in timer.calls} == {(2, 32)} and not result.complete
+    assert {(b, c) for b, c, *_ in timer.calls} == {(2, 32)} and not result.complete
     assert not tune_splits(tmp_path, SplitTimes(s4=50.0)).cached  # an incomplete entry is tuned again
 
 
-def test_every_split_count_tuning_offers_matches_the_reference(small_probes):
-    """The synthetic launches tuning times: each count it offers at each probe against float64 attention."""
+def test_every_launch_tuning_offers_matches_the_reference(small_probes):
+    """The synthetic launches tuning times, each at each probe, against the unsplit one (itself held to float64
+    attention in tests/test_kernels_attention.py); (4, 2): a launch split in 4 whose sequences fill 2 segments
+    (the other two only mark themselves empty) gives the bits of a launch split in 2."""
     pool = tuning._SyntheticKV(SPLIT_SHAPE, torch.device(DEVICE))
     tiles = decode_tile_candidates(64, False)[0]
-    for (batch, context), counts in tuning.split_probes(SPLIT_SHAPE, 64, 1, RULES).items():
+    probes = tuning.split_probes(SPLIT_SHAPE, 64, 1, RULES + [SplitRule(16, 16)])
+    for (batch, context), launches in probes.items():
         call, check = pool.launch(batch, context)
         reference = check(tiles, 1).double()
-        for splits in counts[1:]:
-            assert rel_err(check(tiles, splits), reference) < 1e-2
+        for (splits, filled), rule in launches.items():
+            out = check(tiles, splits, rule)
+            assert torch.isfinite(out).all() and rel_err(out, reference) < 1e-2, (batch, context, splits, filled)
+    call, check = pool.launch(2, 32)
+    assert torch.equal(check(tiles, 4, SplitRule(16, 16)), check(tiles, 2))

@@ -183,17 +183,17 @@ def test_auto_split_policy():
     assert pa_mod._auto_num_splits(8, 8, 16, 8192, dev) == 1  # batches with prefill rows never split
 
 
-def test_a_graph_launch_splits_each_sequence_by_its_own_length():
+@pytest.mark.parametrize("rule", [pa_mod.SplitRule(6, 64), pa_mod.SplitRule(2, 128), pa_mod.SplitRule(6, 256)])
+def test_a_graph_launch_splits_each_sequence_by_its_own_length(rule):
     """A decode graph is captured for the longest context (max_seq_len = the model's limit) and replayed at any
     lengths: the rule's segment floor, held in the kernel too, gives each sequence the split count the rule gives
-    its own length. So the graph's launch (16 segments on the host) and an eager launch sized for these contexts
-    (9) cut every sequence alike: bitwise the same output, and the reference's."""
-    rule = pa_mod.SplitRule(programs_per_sm=6, min_keys=64)
+    its own length (the segments it does not fill only mark themselves empty). So the graph's launch (more
+    segments on the host) and an eager launch sized for these contexts cut every sequence alike: bitwise the
+    same output, and the reference's."""
     spec = [(1, 1), (1, 40), (1, 100), (1, 333), (1, 610)]
     batch = make_batch(spec, 4, 2, 64, 16, torch.float32, seed=61)
     dev = torch.device(DEVICE)
-    assert pa_mod._auto_num_splits(5, 2, 1, 2048, dev, rule) == 16
-    assert pa_mod._auto_num_splits(5, 2, 1, 610, dev, rule) == 9
+    assert pa_mod._auto_num_splits(5, 2, 1, 2048, dev, rule) > pa_mod._auto_num_splits(5, 2, 1, 610, dev, rule) > 1
     outs = []
     for max_seq_len in (2048, 610):
         out = torch.full_like(batch["q"], float("nan"))
@@ -207,16 +207,18 @@ def test_a_graph_launch_splits_each_sequence_by_its_own_length():
 
 
 def test_every_candidate_rule_splits_a_shorter_context_as_its_own():
-    """The invariant behind the graph launch above, for every rule start-up tuning may pick: capping the split
-    count for the longest context C at a sequence's own c // min_keys segments (at least 1), as the kernel does,
-    gives the rule's count for c."""
+    """The invariant behind the graph launch above, for every rule start-up tuning may pick: the segments a
+    sequence of c keys fills in a launch split for the longest context C (`SplitRule.segments`, the kernel's
+    formula) are the rule's split count for c."""
     for rule in pa_mod.split_rule_candidates():
         for batch in (1, 3, 8, 20, 64, 128, 256):
             for num_sms in (78, 132):
                 longest = rule.num_splits(batch, 8, 32768, num_sms)
                 for context in (1, 255, 256, 511, 512, 700, 1024, 2047, 2048, 5000, 8192, 32768):
-                    in_kernel = min(longest, max(context // rule.min_keys, 1)) if longest > 1 else 1
-                    assert in_kernel == rule.num_splits(batch, 8, context, num_sms), (rule, batch, context)
+                    filled = rule.segments(longest, context) if longest > 1 else 1
+                    assert filled == rule.num_splits(batch, 8, context, num_sms), (rule, batch, context)
+    with pytest.raises(ValueError, match="min_keys"):
+        pa_mod.SplitRule(6, 0)
 
 
 # what the policy picks at decode shapes of a 132-SM GPU with Qwen3's 8 kv heads (batch, context): 2, 4, 7, 13

@@ -27,8 +27,24 @@ def test_triton_backend_matches_torch_backend(arch, tiny_checkpoints):
     assert got == expected
 
 
+def tuned_backend(monkeypatch, **choice) -> None:
+    """Every TritonBackend built from here on starts with `choice` (decode_tiles, split_rule) as if start-up tuning
+    had picked it: set before a GPU engine captures its decode graphs, which then run it. Engines built with these
+    take tune_kernels=False, so a GPU's own tuning does not replace it."""
+    from cbatch.model.backend.triton_backend import TritonBackend
+
+    init = TritonBackend.__init__
+
+    def init_tuned(self) -> None:
+        init(self)
+        for name, value in choice.items():
+            setattr(self, name, value)
+
+    monkeypatch.setattr(TritonBackend, "__init__", init_tuned)
+
+
 @pytest.mark.parametrize("pick", [-1, -2])
-def test_tuned_decode_tiles_keep_greedy_parity(pick, tiny_checkpoints):
+def test_tuned_decode_tiles_keep_greedy_parity(pick, tiny_checkpoints, monkeypatch):
     """Start-up tuning hands the backend other decode tiles (on a GPU; here set by hand): the same greedy tokens."""
     from cbatch.kernels.paged_attention import decode_tile_candidates
 
@@ -36,18 +52,18 @@ def test_tuned_decode_tiles_keep_greedy_parity(pick, tiny_checkpoints):
     prompts = random_prompts(4, vocab=384, seed=22, max_len=30)
     settings = dict(device=DEVICE, max_num_batched_tokens=24, block_size=8)
     expected = generate(make_engine(path, attention_backend="torch", **settings), prompts, PARAMS)
-    engine = make_engine(path, attention_backend="triton", **settings)
-    backend = engine.runner.model.backend
-    head_dim = engine.spec.head_dim
-    backend.decode_tiles = decode_tile_candidates(head_dim, False)[pick]
-    assert backend.decode_tiles != decode_tile_candidates(head_dim, False)[0]
+    candidates = decode_tile_candidates(32, False)  # the tiny qwen3's heads
+    tuned_backend(monkeypatch, decode_tiles=candidates[pick])
+    engine = make_engine(path, attention_backend="triton", tune_kernels=False, **settings)
+    assert engine.spec.head_dim == 32 and engine.runner.model.backend.decode_tiles == candidates[pick] != candidates[0]
     assert generate(engine, prompts, PARAMS) == expected
     assert len({tuple(t) for t in expected}) > 1
 
 
 def test_a_tuned_split_rule_keeps_greedy_parity(tiny_checkpoints, monkeypatch):
     """Start-up tuning hands the backend a split-KV rule (on a GPU; here set by hand, with 8-key segments so these
-    short contexts split): decode steps cut keys into segments, and the greedy tokens stay the torch backend's."""
+    short contexts split): decode steps (and, on a GPU, the decode graphs' captures) cut keys into segments, and
+    the greedy tokens stay the torch backend's."""
     import importlib
 
     pa_mod = importlib.import_module("cbatch.kernels.paged_attention")  # the module: the package exports the function
@@ -58,9 +74,8 @@ def test_a_tuned_split_rule_keeps_greedy_parity(tiny_checkpoints, monkeypatch):
     prompts = random_prompts(4, vocab=384, seed=24, max_len=30)
     settings = dict(device=DEVICE, max_num_batched_tokens=24, block_size=8)
     expected = generate(make_engine(path, attention_backend="torch", **settings), prompts, PARAMS)
-    engine = make_engine(path, attention_backend="triton", **settings)
-    engine.runner.model.backend.split_rule = pa_mod.SplitRule(programs_per_sm=6, min_keys=8)
-    splits.clear()
+    tuned_backend(monkeypatch, split_rule=pa_mod.SplitRule(programs_per_sm=6, min_keys=8))
+    engine = make_engine(path, attention_backend="triton", tune_kernels=False, **settings)
     assert generate(engine, prompts, PARAMS) == expected
     assert max(splits) >= 2
     assert len({tuple(t) for t in expected}) > 1

@@ -50,7 +50,7 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     which reads whole blocks (padding masked), never meets non-finite garbage. No transparent huge pages
     are requested: on the VMs measured a fresh process's first huge-page faults cost 0.5-1.2 s per GB the
     pool fills (4 KiB pages: 0.18 s), and the TLB misses they save were not measurable in the decode steps
-    (benchmarks/NOTES.md, "The KV pool without huge pages").
+    (benchmarks/NOTES.md, "cbatch against vLLM's CPU build on 2026-11-26").
     """
     if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no private anonymous mappings; zero it up front
         return torch.zeros(shape, dtype=dtype)

@@ -25,7 +25,8 @@ Work decomposition (ideas after vLLM's unified Triton attention; this is an inde
   * Split-KV (flash-decoding): with few (sequence x kv head) programs and long contexts, a third grid
     axis cuts each sequence's key tiles into num_splits segments; each writes its normalised partial
     output and log2-sum-exp, and a second small kernel merges them. A sequence of c keys uses only
-    min(num_splits, c // split_min_keys) of the segments (the rest exit at once): a CUDA graph captured
+    min(num_splits, c // split_min_keys) of the segments (at least one); the others only mark themselves
+    empty (log2-sum-exp -inf, no partial output, which the merge then does not read): a CUDA graph captured
     for the longest context splits each replay's sequences by their own length (`SplitRule`).
 """
 
@@ -146,14 +147,6 @@ def _paged_attention_kernel(
     q_pos = ctx_len + tok  # [BLOCK_M] absolute position of each row's token
     row = (q_start + tok).to(tl.int64)  # [BLOCK_M] row in q / out
 
-    q = tl.load(
-        q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )  # [BLOCK_M, HEAD_DIM_PAD]
-    if F16_DOTS:  # the K/V tiles convert to q's dtype: e4m3 -> fp16 is one packed instruction
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)  # [BLOCK_M, HEAD_DIM_PAD]
-
     # Key range this program needs: [key_lo, key_hi). Causality bounds it by the block's last token;
     # the window by its first token.
     last_tok = tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -165,10 +158,22 @@ def _paged_attention_kernel(
     tile_hi = tl.cdiv(key_hi, TILE_N)
     if SPLIT:
         # Segments cut the sequence's whole key range, so every query block of a sequence sees the same cuts.
-        segments = tl.minimum(num_splits, tl.maximum(seq_len // split_min_keys, 1))  # the later ones stay empty
+        segments = tl.minimum(num_splits, tl.maximum(seq_len // split_min_keys, 1))  # SplitRule.segments
+        if split >= segments:  # a segment this sequence does not fill: marked empty for the merge, nothing read
+            part = (row * num_q_heads + head) * num_splits + split  # [BLOCK_M]
+            tl.store(lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            return
         tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), segments)
         tile_lo = tl.maximum(tile_lo, split * tiles_per_split)
         tile_hi = tl.minimum(tile_hi, (split + 1) * tiles_per_split)
+
+    q = tl.load(
+        q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM_PAD]
+    if F16_DOTS:  # the K/V tiles convert to q's dtype: e4m3 -> fp16 is one packed instruction
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)  # [BLOCK_M, HEAD_DIM_PAD]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
@@ -261,7 +266,7 @@ def _merge_splits_kernel(
     w = tl.exp2(lse - m)  # [SPLITS_PAD] weight of each segment; 0 for empty segments
     parts = tl.load(
         part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-        mask=s_ok[:, None],
+        mask=(s_ok & (lse > float("-inf")))[:, None],  # an empty segment wrote no partial output (unset memory)
         other=0.0,
     )  # [SPLITS_PAD, HEAD_DIM_PAD]
     total = tl.sum(w, 0)
@@ -353,6 +358,10 @@ class SplitRule:
     programs_per_sm: int = SPLIT_BELOW_PROGRAMS_PER_SM
     min_keys: int = _MIN_KEYS_PER_SPLIT
 
+    def __post_init__(self) -> None:
+        if self.programs_per_sm < 1 or self.min_keys < 1:
+            raise ValueError(f"SplitRule needs programs_per_sm and min_keys >= 1, got {self}")
+
     def __str__(self) -> str:
         return f"split below {self.programs_per_sm} programs/SM into segments of >= {self.min_keys} keys"
 
@@ -364,6 +373,11 @@ class SplitRule:
         want = -(-self.programs_per_sm * num_sms // programs)
         splits = min(want, context // self.min_keys, _MAX_SPLITS)
         return splits if splits >= 2 else 1
+
+    def segments(self, launch_splits: int, context: int) -> int:
+        """The segments a sequence of `context` keys fills in a launch of `launch_splits` (the kernel's rule:
+        min(launch_splits, context // min_keys), at least one)."""
+        return min(launch_splits, max(context // self.min_keys, 1))
 
 
 DEFAULT_SPLIT_RULE = SplitRule()
@@ -442,8 +456,9 @@ def paged_attention(
 
     max_query_len / max_seq_len are host-side upper bounds of the per-sequence q_len / seq_len (they pick
     tile shapes and the split count; nothing is read back from the device). num_splits forces the
-    split-KV factor (1 = no split) and cuts segments evenly; None chooses by `split_rule` (default: the
-    policy's, DEFAULT_SPLIT_RULE), whose segment floor also holds inside the kernel.
+    split-KV factor (1 = no split); None chooses by `split_rule` (default: the policy's, DEFAULT_SPLIT_RULE).
+    The rule's segment floor also holds inside the kernel, per sequence; with num_splits forced and no rule,
+    every sequence of at least num_splits keys fills every segment.
     An fp8 cache (float8_e4m3fn) needs k_scale / v_scale, fp32 [num_kv_heads]: key = cache value x k_scale.
     softcap (Gemma 2): scores are soft-capped, cap * tanh(scale * q.k / cap), before the mask.
     With an fp8 cache and bf16 q both dots run in fp16: e4m3 -> fp16 is one packed conversion where e4m3 -> bf16
@@ -476,11 +491,12 @@ def paged_attention(
     use_window = sliding_window is not None
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    split_min_keys = 1  # a forced split count: every sequence of at least num_splits keys fills every segment
     if num_splits is None:
         rule = split_rule or DEFAULT_SPLIT_RULE
         num_splits = _auto_num_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len, device, rule)
         split_min_keys = rule.min_keys
+    else:  # forced: with a rule, its segment floor (what a graph sized for longer contexts runs); else none
+        split_min_keys = split_rule.min_keys if split_rule is not None else 1
     if not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{_MAX_SPLITS}, got {num_splits}")
 

@@ -16,10 +16,11 @@ sizes its KV pool (cbatch/engine/build.py), so the synthetic K/V is freed before
 
 Split-KV (`tune_decode_splits`): when decode attention cuts a sequence's keys into segments, and into how many, is
 a `paged_attention.SplitRule` (a programs-per-SM target and a minimum segment length). With the chosen tiles,
-each split count that some candidate rule gives is timed at a few (batch, context) probes (the batches a decode
-graph holds when the GPU is not full, contexts up to the model's limit); each rule is scored by how far its
-picks are from the fastest at every probe (the sum of time / best time), and the default rule is kept unless
-another scores clearly better. The rule then decides on the host (per launch) and in the kernel (per sequence,
+each launch that some candidate rule makes is timed at a few (batch, context) probes (the batches a decode graph
+holds when the GPU is not full, contexts up to the model's limit), as the decode graph runs it: split for the
+model's limit, each sequence filling the segments the rule gives its own length. Each rule is scored by how far
+its launches are from the fastest at every probe (the sum of time / best time), and the default rule is kept
+unless another scores clearly better. The rule then decides on the host (per launch) and in the kernel (per sequence,
 by its own length), so a graph captured once splits every context as the rule says.
 
 The decode GEMMs (`tune_decode_gemms`): per distinct layer shape (N, K, dtype, bias) and batch bucket (16 ... 256
@@ -56,7 +57,7 @@ _FILL_CHUNK = 1 << 26  # elements per half-precision slab when filling an fp8 ca
 AGREEMENT = 1e-2  # a candidate whose output differs from the first's by more (relative) is refused
 GEMM_BUDGET_S = 2.5  # the decode GEMMs' tuning, all shapes together (mostly Triton compiles on a first start)
 GEMM_MARGIN = 0.98  # a Triton GEMM replaces cuBLAS only below this share of cuBLAS's time (not on noise)
-SPLIT_BUDGET_S = 3.0  # split-KV's tuning (one compile of the split variant and its merge, then ~50 short timings)
+SPLIT_BUDGET_S = 3.0  # split-KV's tuning (one compile of the split variant and its merge, then a few dozen timings)
 SPLIT_MARGIN = 0.98  # another rule replaces the default only below this share of the default's score
 SPLIT_PROBE_BATCHES = (4, 16, 32, 64, 128)  # decode batches where some candidate rule splits on today's GPUs
 SPLIT_PROBE_CONTEXTS = (512, 2048, 8192)  # keys per sequence (those past the model's limit are left out)
@@ -110,7 +111,7 @@ class SplitTuningResult:
     rule: SplitRule  # the choice
     default: SplitRule  # the policy's
     scores: dict[str, float] = field(default_factory=dict)  # rule -> sum over probes of its time / the best time
-    times_us: dict[str, dict[int, float]] = field(default_factory=dict)  # probe label -> split count -> us
+    times_us: dict[str, dict[str, float]] = field(default_factory=dict)  # probe label -> launch label -> us
     seconds: float = 0.0  # spent tuning (0 when cached)
     cached: bool = False
     complete: bool = True  # every probe timed (False: the budget ran out; tuned again next start)
@@ -181,34 +182,50 @@ def tune_decode_attention(shape: DecodeShape, device: torch.device, *, cache_pat
     return result
 
 
+Launch = tuple[int, int]  # a split-KV decode launch as a graph runs it: (its splits, the segments a probe fills)
+
+
 def split_probes(shape: DecodeShape, max_context: int, num_sms: int,
-                 rules: list[SplitRule]) -> dict[tuple[int, int], list[int]]:
-    """(batch, context) -> the split counts to time there: the probes where the candidate rules disagree, each
-    with 1 (no split, the reference) and every count some rule gives."""
+                 rules: list[SplitRule]) -> dict[tuple[int, int], dict[Launch, SplitRule]]:
+    """(batch, context) -> the launches to time there, each with a rule that makes it: where the rules' launches
+    differ, among the probes that fit the synthetic pool `shape` describes.
+
+    A launch is what a decode graph of `batch` rows runs at that context: its split count is the rule's for the
+    longest context (`max_context`, what the graph was captured for), and each sequence fills the segments
+    the rule gives its own length. (1, 1) is the unsplit launch, the reference, always included."""
+    pool_blocks = shape.batch * -(-shape.context // shape.block_size)
     probes = {}
     for batch in SPLIT_PROBE_BATCHES:
         for context in SPLIT_PROBE_CONTEXTS:
-            if context > max_context:
+            if context > max_context or batch * -(-context // shape.block_size) > pool_blocks:
                 continue
-            counts = sorted({1} | {r.num_splits(batch, shape.num_kv_heads, context, num_sms) for r in rules})
-            if len(counts) > 1:
-                probes[(batch, context)] = counts
+            launches: dict[Launch, SplitRule] = {(1, 1): rules[0]}
+            for rule in rules:
+                launches.setdefault(_launch(rule, batch, context, shape.num_kv_heads, max_context, num_sms), rule)
+            if len(launches) > 1:
+                probes[(batch, context)] = launches
     return probes
+
+
+def _launch(rule: SplitRule, batch: int, context: int, num_kv_heads: int, max_context: int, num_sms: int) -> Launch:
+    splits = rule.num_splits(batch, num_kv_heads, max_context, num_sms)
+    return (splits, rule.segments(splits, context)) if splits > 1 else (1, 1)
 
 
 def tune_decode_splits(shape: DecodeShape, tiles: DecodeTiles, device: torch.device, max_context: int, *,
                        cache_path: Path | None = None, budget_s: float = SPLIT_BUDGET_S,
                        rules: list[SplitRule] | None = None, num_sms: int | None = None,
-                       time_us: Callable[[tuple[int, int, int], Callable[[], None]], float] | None = None,
+                       time_us: Callable[[tuple[int, int, int, int], Callable[[], None]], float] | None = None,
                        ) -> SplitTuningResult:
     """The split-KV rule for decode launches of `shape`'s model with `tiles` on `device`, contexts up to
     `max_context` (from the cache file when it has a complete entry).
 
-    `time_us((batch, context, splits), fn)` times one call of fn in microseconds (default: replays of a CUDA graph
-    of fn, as the decode graphs run it: a small probe's ~10 us launch timed eagerly would time the host's two
-    launches of a split, not the GPU's work). Probes
-    (`split_probes`) are timed in order, each count's output checked against the unsplit one first; the probes
-    after `budget_s` seconds are left out of every rule's score (and the choice is tuned again next start)."""
+    `time_us((batch, context, splits, segments), fn)` times one call of fn in microseconds (default: replays of a
+    CUDA graph of fn, as the decode graphs run it: a small probe's ~10 us launch timed eagerly would time the
+    host's two launches of a split, not the GPU's work). Probes (`split_probes`) are timed in order, each
+    launch's output checked against the unsplit one first; the probes after `budget_s` seconds, or that the
+    device's free memory could not hold, are left out of every rule's score (and the choice is tuned again
+    next start)."""
     rules = rules or split_rule_candidates()
     default = rules[0]
     num_sms = num_sms or sm_count(device)
@@ -220,40 +237,47 @@ def tune_decode_splits(shape: DecodeShape, tiles: DecodeTiles, device: torch.dev
     if entry and entry.get("complete") and entry.get("rule") in by_name:
         return SplitTuningResult(by_name[entry["rule"]], default, entry.get("scores", {}), entry.get("times_us", {}),
                                  0.0, True, True)
+    probes = split_probes(shape, max_context, num_sms, rules)
+    if not probes:  # every rule launches alike here (short contexts, or a batch that fills the GPU): nothing to time
+        return SplitTuningResult(default, default, {}, {}, 0.0, False, True)
     start = time.perf_counter()
     time_us = time_us or _graph_time_us
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the tile tuning's synthetic K/V, so the free memory below counts it free
     pool = _SyntheticKV(fitted_shape(shape, synthetic_budget(device)), device)
-    measured: dict[tuple[int, int], dict[int, float]] = {}
+    measured: dict[tuple[int, int], dict[Launch, float]] = {}
     complete = True
-    for (batch, context), counts in split_probes(shape, max_context, num_sms, rules).items():
+    for (batch, context), launches in probes.items():
         if not pool.fits(batch, context):
-            continue  # the device's free memory is short: only the probes that fit
+            complete = False  # the device's free memory is short: only the probes that fit
+            continue
         if measured and time.perf_counter() - start > budget_s:
             complete = False
             break
         call, check = pool.launch(batch, context)
         reference = check(tiles, 1)
         times = {}
-        for splits in counts:
-            # a count that disagrees, or that this device cannot run or capture, is never chosen at this probe
+        for launch, rule in launches.items():
+            # a launch that disagrees, or that this device cannot run or capture, is never chosen at this probe
             try:
-                if splits > 1 and not _agrees(check(tiles, splits), reference):
-                    continue  # the tests hold every count to the reference; this guards the device
-                times[splits] = time_us((batch, context, splits), lambda s=splits: call(tiles, s))
+                if launch != (1, 1) and not _agrees(check(tiles, launch[0], rule), reference):
+                    continue  # the tests hold every launch to the reference; this guards the device
+                times[launch] = time_us((batch, context, *launch), lambda n=launch[0], r=rule: call(tiles, n, r))
             except Exception:  # noqa: BLE001
-                if splits == 1:
+                if launch == (1, 1):
                     raise  # the unsplit launch is what every decode step runs: its failure is no tuning matter
                 continue
         measured[(batch, context)] = times
     scores = {}
     for rule in rules:
-        picks = {probe: rule.num_splits(probe[0], shape.num_kv_heads, probe[1], num_sms) for probe in measured}
+        picks = {p: _launch(rule, p[0], p[1], shape.num_kv_heads, max_context, num_sms) for p in measured}
         if all(picks[p] in measured[p] for p in measured):
             scores[str(rule)] = round(sum(measured[p][picks[p]] / min(measured[p].values()) for p in measured), 4)
     best = min((r for r in rules if str(r) in scores), key=lambda r: scores[str(r)], default=default)
     if str(default) in scores and scores[str(best)] >= SPLIT_MARGIN * scores[str(default)]:
         best = default
-    times_us = {f"batch {b} x context {c}": {s: round(t, 2) for s, t in ts.items()} for (b, c), ts in measured.items()}
+    times_us = {f"batch {b} x context {c}": {f"{n} splits, {seg} filled": round(t, 2) for (n, seg), t in ts.items()}
+                for (b, c), ts in measured.items()}
     _write_cache(cache_path, key, {"rule": str(best), "scores": scores, "times_us": times_us, "complete": complete})
     return SplitTuningResult(best, default, scores, times_us, time.perf_counter() - start, False, complete)
 
@@ -423,8 +447,8 @@ class _SyntheticKV:
         return batch * -(-context // self.shape.block_size) <= self.num_blocks
 
     def launch(self, batch: int, context: int):
-        """(call(tiles, num_splits), check(tiles, num_splits) -> output) for `batch` random queries at `context`
-        keys each; num_splits None: the kernel's own choice."""
+        """(call(tiles, num_splits, rule), check(tiles, num_splits, rule) -> output) for `batch` random queries at
+        `context` keys each; num_splits None: the kernel's own choice; rule: paged_attention's split_rule."""
         shape, device = self.shape, self.device
         blocks_per_seq = -(-context // shape.block_size)
         block_table = self.order[: batch * blocks_per_seq].view(batch, blocks_per_seq)
@@ -434,13 +458,14 @@ class _SyntheticKV:
         query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
         scale = shape.head_dim ** -0.5
 
-        def call(tiles: DecodeTiles, num_splits: int | None = None) -> None:
+        def call(tiles: DecodeTiles, num_splits: int | None = None, rule: SplitRule | None = None) -> None:
             paged_attention(q, self.k, self.v, out, query_start_loc, seq_lens, block_table, scale, 1, context,
-                            num_splits=num_splits, k_scale=self.scales, v_scale=self.scales, decode_tiles=tiles)
+                            num_splits=num_splits, k_scale=self.scales, v_scale=self.scales, decode_tiles=tiles,
+                            split_rule=rule)
 
-        def check(tiles: DecodeTiles, num_splits: int | None = None) -> torch.Tensor:
+        def check(tiles: DecodeTiles, num_splits: int | None = None, rule: SplitRule | None = None) -> torch.Tensor:
             out.fill_(float("nan"))
-            call(tiles, num_splits)
+            call(tiles, num_splits, rule)
             return out.float().clone()
 
         return call, check

@@ -67,9 +67,10 @@ inline float exp_approx(float x) {
 }
 
 #ifdef CBATCH_DOTS8
-// Lane j of the result: the sum of a[j]'s eight lanes. Eight dot products' horizontal sums in seven shuffling
-// adds (one each would take five): hadd pairs neighbours within each 128-bit half, twice, which leaves a[0..3]'s
-// half-sums in one register and a[4..7]'s in the other; adding the 128-bit halves finishes them.
+// Lane j of the result: the sum of a[j]'s eight lanes. Eight dot products' horizontal sums in six hadds, two
+// 128-bit permutes and an add (one at a time would take about five shuffles and adds each): hadd pairs
+// neighbours within each 128-bit half, twice, which leaves a[0..3]'s half-sums in one register and a[4..7]'s in
+// the other; adding the matching 128-bit halves finishes them.
 inline __m256 sum_lanes8(const __m256* a) {
     const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
