@@ -357,19 +357,15 @@ def main(argv: list[str] | None = None) -> int:
           f"(max_num_seqs {engine.config.max_num_seqs}, {engine.pool.num_blocks} KV blocks, KV {result['kv_cache_dtype']}); "
           f"weights {w_bytes / 1e9:.2f} GB, KV {kv_token / 1024:.0f} KiB/token", flush=True)
     if engine.kernel_tuning:
-        t = engine.kernel_tuning
-        how = "cached" if t["cached"] else f"tuned in {t['seconds']:.1f} s"
-        print(f"start-up tuning: decode attention {t['decode_attention']} (default {t['policy_default']}; {how}); "
-              f"us per candidate: {t['times_us']}", flush=True)
-        if t.get("kv_splits"):
-            from cbatch.observe.report import describe_split_tuning
+        from cbatch.observe.report import describe_attention_tuning, describe_gemm_tuning, describe_split_tuning
 
+        t = engine.kernel_tuning
+        print(f"start-up tuning: {describe_attention_tuning(t)}; us per candidate: {t['times_us']}", flush=True)
+        if t.get("kv_splits"):
             print(f"start-up tuning: split-KV {describe_split_tuning(t['kv_splits'])}; score per rule (1.0 per probe "
-                  f"is the fastest): {t['kv_splits']['scores']}; us per split count: {t['kv_splits']['times_us']}",
+                  f"is the fastest): {t['kv_splits']['scores']}; us per launch: {t['kv_splits']['times_us']}",
                   flush=True)
         if t.get("decode_gemm"):
-            from cbatch.observe.report import describe_gemm_tuning
-
             print(f"start-up tuning: decode GEMMs: {describe_gemm_tuning(t['decode_gemm'])}; us per candidate: "
                   f"{t['decode_gemm']['times_us']}", flush=True)
 

@@ -80,6 +80,10 @@ class DecodeShape:
     def kv_bytes_per_key(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize  # K and V
 
+    def blocks(self, batch: int, context: int) -> int:
+        """Cache blocks that `batch` sequences of `context` keys take."""
+        return batch * -(-context // self.block_size)
+
     def key(self, device_name: str) -> str:
         return (f"{_stack_key(device_name)} | "
                 f"q {self.num_q_heads} kv {self.num_kv_heads} x {self.head_dim}, block {self.block_size}, "
@@ -193,11 +197,11 @@ def split_probes(shape: DecodeShape, max_context: int, num_sms: int,
     A launch is what a decode graph of `batch` rows runs at that context: its split count is the rule's for the
     longest context (`max_context`, what the graph was captured for), and each sequence fills the segments
     the rule gives its own length. (1, 1) is the unsplit launch, the reference, always included."""
-    pool_blocks = shape.batch * -(-shape.context // shape.block_size)
+    pool_blocks = shape.blocks(shape.batch, shape.context)
     probes = {}
     for batch in SPLIT_PROBE_BATCHES:
         for context in SPLIT_PROBE_CONTEXTS:
-            if context > max_context or batch * -(-context // shape.block_size) > pool_blocks:
+            if context > max_context or shape.blocks(batch, context) > pool_blocks:
                 continue
             launches: dict[Launch, SplitRule] = {(1, 1): rules[0]}
             for rule in rules:
@@ -436,7 +440,7 @@ class _SyntheticKV:
     def __init__(self, shape: DecodeShape, device: torch.device) -> None:
         self.shape, self.device = shape, device
         self.gen = torch.Generator(device=device).manual_seed(0)
-        self.num_blocks = shape.batch * -(-shape.context // shape.block_size)
+        self.num_blocks = shape.blocks(shape.batch, shape.context)
         cache_shape = (self.num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
         self.k = _random(cache_shape, shape.kv_dtype, device, self.gen)
         self.v = _random(cache_shape, shape.kv_dtype, device, self.gen)
@@ -444,13 +448,13 @@ class _SyntheticKV:
         self.order = torch.randperm(self.num_blocks, generator=self.gen, device=device).to(torch.int32)
 
     def fits(self, batch: int, context: int) -> bool:
-        return batch * -(-context // self.shape.block_size) <= self.num_blocks
+        return self.shape.blocks(batch, context) <= self.num_blocks
 
     def launch(self, batch: int, context: int):
         """(call(tiles, num_splits, rule), check(tiles, num_splits, rule) -> output) for `batch` random queries at
         `context` keys each; num_splits None: the kernel's own choice; rule: paged_attention's split_rule."""
         shape, device = self.shape, self.device
-        blocks_per_seq = -(-context // shape.block_size)
+        blocks_per_seq = shape.blocks(1, context)
         block_table = self.order[: batch * blocks_per_seq].view(batch, blocks_per_seq)
         q = _random((batch, shape.num_q_heads, shape.head_dim), shape.q_dtype, device, self.gen)
         out = torch.empty_like(q)

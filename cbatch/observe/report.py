@@ -234,8 +234,7 @@ def summary_table(report: dict[str, Any]):
                     f"{hw['bandwidth_utilization']:.1%} of {hw['peak_gb_per_s']:.0f} GB/s peak on {hw['device_name']})"
         table.add_row("hardware (est.)", line)
         if tuning := hw.get("kernel_tuning"):
-            table.add_row("kernels", f"decode attention {tuning['decode_attention']} ({_tuned_how(tuning)}; "
-                                     f"default {tuning['policy_default']})")
+            table.add_row("kernels", describe_attention_tuning(tuning))
             if splits := tuning.get("kv_splits"):
                 table.add_row("split-KV", describe_split_tuning(splits))
             if gemm := tuning.get("decode_gemm"):
@@ -244,13 +243,21 @@ def summary_table(report: dict[str, Any]):
 
 
 def _tuned_how(tuning: dict) -> str:
-    """Where a start-up tuning's choice came from: the cache, or timing (how long)."""
-    return "cached" if tuning["cached"] else f"tuned in {tuning['seconds']:.1f} s"
+    """Where a start-up tuning's choice came from: the cache, or timing (how long; "partly" where its budget ran
+    out before every candidate was timed)."""
+    if tuning["cached"]:
+        return "cached"
+    return f"tuned in {tuning['seconds']:.1f} s" + ("" if tuning.get("complete", True) else ", partly")
+
+
+def describe_attention_tuning(tuning: dict) -> str:
+    """One line of the decode attention tiles start-up tuning chose (`TuningResult.describe()`)."""
+    return f"decode attention {tuning['decode_attention']} ({_tuned_how(tuning)}; default {tuning['policy_default']})"
 
 
 def describe_split_tuning(splits: dict) -> str:
     """One line of the split-KV rule start-up tuning chose (`SplitTuningResult.describe()`)."""
-    how = _tuned_how(splits) + ("" if splits["cached"] or splits["complete"] else ", partly")
+    how = _tuned_how(splits)
     if splits["rule"] == splits["policy_default"]:
         return f"the default, {splits['rule']} ({how})"
     return f"{splits['rule']} ({how}; default {splits['policy_default']})"
@@ -258,7 +265,7 @@ def describe_split_tuning(splits: dict) -> str:
 
 def describe_gemm_tuning(gemm: dict) -> str:
     """One line of what the decode GEMMs' start-up tuning chose (`GemmTuningResult.describe()`)."""
-    how = _tuned_how(gemm) + ("" if gemm["cached"] or gemm["complete"] else ", partly")
+    how = _tuned_how(gemm)
     triton = {label: pick for label, pick in gemm["chosen"].items() if pick != "cublas"}
     picks = "; ".join(f"{label} {pick}" for label, pick in triton.items())
     return (f"Triton for {gemm['triton']} of {gemm['shapes']} (layer shape, batch) pairs, cuBLAS for the rest ({how})"
