@@ -6,6 +6,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -23,6 +24,12 @@ BACKEND_FILE_SUFFIX = "_backend.py"
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", *sorted(
     path.name.removesuffix(BACKEND_FILE_SUFFIX)
     for path in (Path(__file__).parent / "model" / "backend").glob(f"*{BACKEND_FILE_SUFFIX}")))
+# A task is a file cbatch/tasks/NAME_task.py that registers NAME (cbatch/tasks/__init__.py): read from the file names
+# in the same way, `generate` (the default) first.
+TASK_FILE_SUFFIX = "_task.py"
+TASKS: tuple[str, ...] = ("generate", *sorted(
+    name for path in (Path(__file__).parent / "tasks").glob(f"*{TASK_FILE_SUFFIX}")
+    if (name := path.name.removesuffix(TASK_FILE_SUFFIX)) != "generate"))
 
 
 def cache_root() -> Path:
@@ -37,7 +44,7 @@ class UserError(ValueError):
 
 class ConfigError(UserError):
     """A bad setting. `field` is the EngineConfig or SamplingParams field at fault (the command line names
-    its flag instead: cbatch/cli.py maps fields to flags); `reason` says what is wrong and the fix."""
+    its flag instead: cbatch/cli/flags.py maps fields to flags); `reason` says what is wrong and the fix."""
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
@@ -45,26 +52,40 @@ class ConfigError(UserError):
         self.reason = reason
 
 
+# Which EngineConfig fields change what a row's output is (its tokens, vectors or columns): a field's metadata says,
+# and the output identity (cbatch/run/identity.py) that both the resume fingerprint and the result-cache key are made
+# from follows it, so an output-changing flag is one field here. ALWAYS: its (resolved) value is always part of it;
+# CHANGED: only when it differs from its default (a flag added later: identities written before it still hold);
+# FILES: identified by the files it names (the checkpoint, the adapters), which each consumer digests its own way;
+# SEED: the job's seed, which a sampled row without its own draws from (the result cache keys each row by the seed
+# it uses instead: a greedy row uses none).
+OUTPUT_ALWAYS = MappingProxyType({"output": "always"})
+OUTPUT_SEED = MappingProxyType({"output": "seed"})
+OUTPUT_CHANGED = MappingProxyType({"output": "changed"})
+OUTPUT_FILES = MappingProxyType({"output": "files"})
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Settings of one engine instance. Defaults are the CLI's defaults."""
+    """Settings of one engine instance. Defaults are the CLI's defaults. A field that changes outputs says so in its
+    metadata (OUTPUT_ALWAYS, OUTPUT_CHANGED, OUTPUT_FILES, OUTPUT_SEED); the others only change how fast the job runs."""
 
-    model: str | None = None  # folder or hub id; None = the default model (SmolLM2-135M-Instruct)
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (float32 on CPU, the checkpoint's dtype on GPU) | float32 | bfloat16 | float16
+    model: str | None = field(default=None, metadata=OUTPUT_FILES)  # folder or hub id; None = the default model (SmolLM2-135M-Instruct)
+    device: str = field(default="auto", metadata=OUTPUT_ALWAYS)  # auto | cpu | cuda
+    dtype: str = field(default="auto", metadata=OUTPUT_ALWAYS)  # auto (float32 on CPU, the checkpoint's dtype on GPU) | float32 | bfloat16 | float16
     # None = the device's default (cbatch.engine.memory): CPU 64 / 2048; GPU sized from memory, up to 1024 / 8192.
     # An engine's own config always has them set (build_engine fills them in).
     max_num_seqs: int | None = None  # sequences in one step
     max_num_batched_tokens: int | None = None  # token budget of one step (decodes + prefill chunks)
     block_size: int = 16  # tokens per KV block
-    kv_cache_dtype: str = "auto"  # auto (the activations' dtype) | fp8 (e4m3, per-head scales: half the KV bytes)
+    kv_cache_dtype: str = field(default="auto", metadata=OUTPUT_CHANGED)  # auto (the activations' dtype) | fp8 (e4m3, per-head scales: half the KV bytes)
     num_kv_blocks: int | None = None  # None = size the pool from the memory budget
     kv_cache_memory_gb: float | None = None  # CPU memory budget for the KV pool; None = automatic
     gpu_memory_utilization: float = 0.9  # share of GPU memory cbatch may use (weights + activations + KV)
     policy: str = "longest-first"  # admission order: longest-first | fcfs | static
-    attention_backend: str = "auto"  # auto (triton on CUDA, cpu on CPU: torch without a C++ compiler) | ATTENTION_BACKENDS
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    seed: int = 0  # seed for requests that give none
+    attention_backend: str = field(default="auto", metadata=OUTPUT_ALWAYS)  # auto (triton on CUDA, cpu on CPU: torch without a C++ compiler) | ATTENTION_BACKENDS
+    max_model_len: int | None = field(default=None, metadata=OUTPUT_ALWAYS)  # None = the model's max_position_embeddings
+    seed: int = field(default=0, metadata=OUTPUT_SEED)  # seed for requests that give none
     num_threads: int | None = None  # CPU threads for torch; None = torch's default
     enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps
     # GPU: the largest decode batch captured as a CUDA graph (None: max_num_seqs). A job sets the number of sequences
@@ -79,7 +100,7 @@ class EngineConfig:
     split_sampler: bool = True
     # GPU, bfloat16/float16 models: the lm_head GEMM writes float32 logits (soft-capping then in float32); off: HF's
     # logits, rounded to the model's dtype (soft-capped there), then float32. Greedy near-ties may differ.
-    fp32_logits: bool = True
+    fp32_logits: bool = field(default=True, metadata=OUTPUT_CHANGED)
     # GPU: decode attention cuts long contexts into key segments when a step has few sequences (split-KV,
     # kernels/paged_attention.auto_num_splits); False: one program per (sequence, kv head), to measure the gain
     split_kv: bool = True
@@ -92,7 +113,7 @@ class EngineConfig:
     # schedule step N+1 while the device runs step N; None = on for CUDA with one rank (build_engine decides)
     async_scheduling: bool | None = None
     # LoRA adapters rows may name (docs/lora.md): (name, PEFT folder) each; at most max_loras in one step
-    loras: tuple[tuple[str, str], ...] = ()
+    loras: tuple[tuple[str, str], ...] = field(default=(), metadata=OUTPUT_FILES)
     max_loras: int = 4  # adapter slots: distinct adapters among one step's rows
     max_lora_rank: int = 16  # the largest adapter rank the slots hold
     lora_grouping: bool = True  # admission takes the waiting rows adapter by adapter (fewer adapters per step)

@@ -23,7 +23,9 @@ from cbatch.observe.metrics import JobMetrics
 from cbatch.observe.progress import NoProgress
 from cbatch.run.driver import drive
 from cbatch.run.executor import Executor, LocalExecutor
-from cbatch.run.results import RowResult
+from cbatch.run.job_spec import JobSpec
+from cbatch.tasks.generate_task import GenerateTask
+from cbatch.tasks.results import RowResult
 
 GREEDY = SamplingParams()
 
@@ -85,7 +87,7 @@ def run_trial(engine: Engine, requests: list[BenchRequest], prompts: list[list[i
     run = BenchRun(policy, label=label or policy)
     run.finish_step, run.finish_time = [None] * len(requests), [None] * len(requests)
     metrics = run.metrics = JobMetrics(total_rows=len(requests), **({"clock": clock} if clock else {}))
-    executor = LocalExecutor(engine, GREEDY, metrics)
+    executor = LocalExecutor(engine, JobSpec(engine.config, GenerateTask(GREEDY)), metrics)
     steps = lambda: engine.scheduler.stats.steps  # noqa: E731
 
     def store(result: RowResult) -> bool:

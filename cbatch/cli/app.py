@@ -153,19 +153,13 @@ def run(**values: Any) -> None:
     from cbatch.run.result_cache import CacheLimit
 
     check_lookahead(values)
-    if values["ray"] is not None and values["result_cache"] is not None:
-        fail("--result-cache: not supported with --ray yet; run without one of them")
     if not values["progress_interval"] > 0:
         fail("--progress-interval: must be a positive number of seconds, e.g. 10")
     if values["display"] not in ("auto", "dashboard", "plain", "none"):
         fail(f"--display: must be one of auto, dashboard, plain, none, not {values['display']!r}")
     if values["output_format"] not in ("cbatch", "openai"):
         fail(f"--output-format: must be cbatch or openai, not {values['output_format']!r}")
-    if values["keep_columns"] is not None and values["ray"] is not None:
-        fail("--keep-columns: not available with --ray yet; run locally or leave it out")
     deadline = job_deadline(values)
-    if deadline is not None and values["ray"] is not None:
-        fail(f"{deadline.flag.split()[0]}: not available with --ray yet; run locally or leave it out")
     config = engine_config(values, RUN_FLAGS, seed=job_seed(values))
     defaults = sampling_defaults(values)
     try:

@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Optional
 
 import typer
 
-from cbatch.config import (ATTENTION_BACKENDS, BOOL, INT, JSON_KINDS, LIST_KINDS, NUMBER, OBJECT, SAMPLING_FIELDS, STRINGS, TOKEN_BIASES,
+from cbatch.config import (ATTENTION_BACKENDS, TASKS, BOOL, INT, JSON_KINDS, LIST_KINDS, NUMBER, OBJECT, SAMPLING_FIELDS, STRINGS, TOKEN_BIASES,
                            TOKEN_IDS, SamplingField)
 
 ENGINE, SAMPLING, JOB, RAY, WORKLOAD, SIMULATOR, ACROSS_JOBS, PLAN = (
@@ -178,8 +178,8 @@ JOB_FLAGS = [
 ]
 
 TASK_FLAGS = [  # prefill-only jobs (docs/tasks.md)
-    Flag("task", str, "generate", "generate | embed | score | classify | reward (embed, score, classify, reward: one "
-         "prefill per row, no decoding; docs/tasks.md).", JOB),
+    Flag("task", str, "generate", f"{' | '.join(TASKS)} (every task but generate: prefill only, no decoding; "
+         "docs/tasks.md).", JOB),
     Flag("pooling", Optional[str], None, "--task embed / bi-encoder score: last | mean | cls (default: the model's "
          "sentence-transformers config).", JOB),
     Flag("normalize", Optional[bool], None, "--task embed: L2-normalize the embeddings (default: as the model's "

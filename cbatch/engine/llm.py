@@ -6,8 +6,7 @@ from typing import Iterable, Sequence as Seq
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine.build import build_engine
 from cbatch.engine.engine import RequestOutput, run_to_completion
-from cbatch.engine.pooling import PoolingParams, cosine, task_columns
-from cbatch.engine.tasks import job_pooling
+from cbatch.engine.pooling import PoolingParams
 
 
 class LLM:
@@ -44,31 +43,38 @@ class LLM:
               dimensions: int | None = None) -> list[list[float]]:
         """The embedding of each text (float32 values), pooled as the model's sentence-transformers config says
         unless `pooling` (last | mean | cls) / `normalize` say otherwise; `dimensions`: Matryoshka."""
-        params = self._task("embed", pooling, normalize, dimensions)
+        params = self._task("embed", pooling, normalize, dimensions).pooling
         return self._pool([self.engine.tokenizer.encode(p) for p in prompts], params)
 
     def classify(self, prompts: Iterable[str]) -> list[dict]:
         """{"label", "probs"} of each text, from the model's sequence classification head."""
-        params = self._task("classify")
-        return [task_columns("classify", v, self.engine.spec.labels)
-                for v in self._pool([self.engine.tokenizer.encode(p) for p in prompts], params)]
+        task = self._task("classify")
+        return [task.row_columns([v], self.engine)
+                for v in self._pool([self.engine.tokenizer.encode(p) for p in prompts], task.pooling)]
 
     def reward(self, prompts: Iterable[str]) -> list[float]:
         """The reward model's score of each text (its head's one logit)."""
-        return [v[0] for v in self._pool([self.engine.tokenizer.encode(p) for p in prompts], self._task("reward"))]
+        return [v[0] for v in self._pool([self.engine.tokenizer.encode(p) for p in prompts], self._task("reward").pooling)]
 
     def score(self, text_1: Seq[str], text_2: Seq[str]) -> list[float]:
         """Each pair's score: a cross-encoder's sigmoid(logit) of the pair, or an embedding model's cosine."""
-        params = self._task("score")
-        tok = self.engine.tokenizer
+        task = self._task("score")
+        params, tok = task.pooling, self.engine.tokenizer
         if params.head:
-            return [task_columns("score", v)["score"] for v in self._pool([tok.encode(a, b) for a, b in zip(text_1, text_2)], params)]
+            return [task.row_columns([v], self.engine)["score"]
+                    for v in self._pool([tok.encode(a, b) for a, b in zip(text_1, text_2)], params)]
         vectors = self._pool([tok.encode(t) for t in [*text_1, *text_2]], params)
-        return [cosine(a, b) for a, b in zip(vectors[: len(text_1)], vectors[len(text_1):])]
+        return [task.row_columns([a, b], self.engine)["score"] for a, b in zip(vectors[: len(text_1)], vectors[len(text_1):])]
 
-    def _task(self, task: str, pooling: str | None = None, normalize: bool | None = None,
-              dimensions: int | None = None) -> PoolingParams:
-        return job_pooling(task, pooling, normalize, dimensions, self.engine.spec, self.engine.model_dir)
+    def _task(self, task: str, pooling: str | None = None, normalize: bool | None = None, dimensions: int | None = None):
+        """The prefill-only task with these settings, resolved against the model as a job's is (cbatch/tasks/)."""
+        from types import SimpleNamespace
+
+        from cbatch.tasks import make_task
+
+        options = SimpleNamespace(task=task, defaults=SamplingParams(), pooling=pooling, normalize=normalize,
+                                  dimensions=dimensions, reasoning_split=True)
+        return make_task(options, self.engine.spec, self.engine.model_dir)
 
     def _pool(self, token_lists: list[list[int]], params: PoolingParams) -> list[list[float]]:
         engine = self.engine

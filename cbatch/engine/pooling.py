@@ -12,7 +12,6 @@ float32 values do not, in practice, once cast back), divided by the prompt lengt
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -21,7 +20,6 @@ import torch
 if TYPE_CHECKING:
     from cbatch.engine.sequence import Sequence
 
-TASKS = ("generate", "embed", "score", "classify", "reward")
 POOLING_MODES = ("last", "mean", "cls")
 
 
@@ -103,24 +101,4 @@ def finish_vector(vector: torch.Tensor, params: PoolingParams, head: Callable[[t
     return vector
 
 
-def task_columns(task: str, result: list[float], labels: tuple[str, ...] = ()) -> dict[str, object]:
-    """A finished request's output columns: `embedding`; `score` (a cross-encoder's one logit through a sigmoid);
-    `label` + `probs` (softmax over the labels, the label named by the model's id2label); `reward` (the one logit)."""
-    if task == "embed":
-        return {"embedding": result}
-    if task == "reward":
-        return {"reward": result[0]}
-    if task == "score":
-        return {"score": 1.0 / (1.0 + math.exp(-result[0]))}
-    probs = torch.softmax(torch.tensor(result, dtype=torch.float32), dim=0)
-    best = int(probs.argmax())
-    return {"label": labels[best] if best < len(labels) else str(best), "probs": probs.tolist()}
-
-
-def cosine(a: list[float], b: list[float]) -> float:
-    """A bi-encoder's score: the cosine of two embeddings (float64)."""
-    x, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return float(torch.nn.functional.cosine_similarity(x, y, dim=0))
-
-
-__all__ = ["POOLING_MODES", "TASKS", "PoolingParams", "Pooler", "cosine", "finish_vector", "task_columns"]
+__all__ = ["POOLING_MODES", "PoolingParams", "Pooler", "finish_vector"]

@@ -18,7 +18,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from cbatch.config import SAMPLING_FIELDS, UserError
 from cbatch.io.outcomes import EXPIRED, FAILED
@@ -166,73 +166,52 @@ def output_model_name(model: str | None) -> str:
     return Path(model).name if Path(model).exists() else model
 
 
-def _request_digest(record: dict[str, Any]) -> str:
+def request_digest(record: dict[str, Any]) -> str:
     """A stable id for a row's request: the same on a resumed or repeated run."""
     return hashlib.blake2b(f"{record['index']}\x00{record['id']}".encode(), digest_size=12).hexdigest()
 
 
-def _choice(record: dict[str, Any], obj: str) -> dict[str, Any]:
-    """One sample's choice. Log-probabilities name tokens by id (`token_id`): cbatch keeps ids, not token text."""
-    text = record.get("completion") or ""
-    logprobs = None
-    if record.get("token_logprobs") is not None:
-        tops = record.get("top_logprobs") or [[] for _ in record["token_logprobs"]]
-        logprobs = {"content": [{"token_id": t, "logprob": lp, "top_logprobs": top}
-                                for t, lp, top in zip(record["completion_token_ids"], record["token_logprobs"], tops)]}
-    index = record.get("sample_index", 0)
-    if obj == "chat.completion":
-        return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": logprobs, "finish_reason": record["finish_reason"]}
-    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": record["finish_reason"]}
+# A finished row's response body: (its records, one per sample in sample order; the model name a row that named
+# none answers with; the lines' `created` time) -> the body. Each task supplies its own (cbatch/tasks/).
+BodyMaker = Callable[[list[dict[str, Any]], str, int], dict[str, Any]]
 
 
-def _completion_body(samples: list[dict[str, Any]], digest: str, model: str, created: int) -> dict[str, Any]:
-    first = samples[0]
-    echo = first.get("echo") or {}
-    obj = echo.get("object", "text_completion")
-    prefix = "chatcmpl" if obj == "chat.completion" else "cmpl"
-    prompt_tokens = first["prompt_tokens"]
-    completion_tokens = sum(r["completion_tokens"] for r in samples)
-    return {
-        "id": f"{prefix}-{digest}", "object": obj, "created": created, "model": echo.get("model") or model,
-        "choices": [_choice(r, obj) for r in samples],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
-        "system_fingerprint": None,
-    }
+@dataclass(frozen=True, slots=True)
+class OpenAILines:
+    """--output-format openai: OUTPUT as OpenAI batch output lines, their bodies made by the job's task."""
+
+    model: str  # what a response names when its request named no model
+    body: BodyMaker
 
 
-def output_line(samples: list[dict[str, Any]], model: str, created: int) -> dict[str, Any]:
+def output_line(samples: list[dict[str, Any]], model: str, created: int, body: BodyMaker) -> dict[str, Any]:
     """A finished row's records (one per sample, in sample order) -> its OpenAI batch output line (a failed
-    row: an error-file line)."""
-    from cbatch.io.pooling_rows import pooling_body, task_of_record  # (it imports io/rows.py, which imports this)
-
+    row: an error-file line; else the task's `body`)."""
     first = samples[0]
-    digest = _request_digest(first)
+    digest = request_digest(first)
     failed = next((r for r in samples if r["finish_reason"] in FAILED), None)
     if failed is not None:
         expired = failed["finish_reason"] == EXPIRED  # as OpenAI's batches write a request the window did not reach
         body = {"error": {"message": failed.get("error") or "failed", "type": "invalid_request_error",
                           "param": None, "code": "batch_expired" if expired else None}}
         status = 408 if expired else 400
-    elif task_of_record(first) is not None:  # a prefill-only job's row (io/pooling_rows.py)
-        body, status = pooling_body(first, task_of_record(first), model, created), 200
     else:
-        body, status = _completion_body(samples, digest, model, created), 200
+        body, status = body(samples, model, created), 200
     return {"id": f"batch_req_{digest}", "custom_id": first["id"],
             "response": {"status_code": status, "request_id": f"req_{digest}", "body": body}, "error": None}
 
 
-def write_openai_lines(path: Path, records: Iterable[dict[str, Any]], model: str) -> None:
+def write_openai_lines(path: Path, records: Iterable[dict[str, Any]], lines: OpenAILines) -> None:
     """OUTPUT as OpenAI batch output lines: one per input row (records come in input order, then sample
     order), with the row's --keep-columns values after the line's own keys."""
     created = int(time.time())  # one timestamp for the job's lines: when OUTPUT was written
     with open(path, "w", encoding="utf-8") as f:
         for _, samples in itertools.groupby(records, key=lambda r: r["index"]):
             samples = list(samples)
-            line = {**output_line(samples, model, created), **samples[0].get("kept", {})}
+            line = {**output_line(samples, lines.model, created, lines.body), **samples[0].get("kept", {})}
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
 
 
-__all__ = ["BODY_FIELDS", "BodyField", "CHAT_URL", "COMPLETIONS_URL", "ENVELOPE_FIELDS", "OPENAI_LINE_FIELDS", "RequestError",
-           "batch_body", "is_openai_request", "output_line", "output_model_name", "request_fields", "write_openai_lines"]
+__all__ = ["BODY_FIELDS", "BodyField", "BodyMaker", "CHAT_URL", "COMPLETIONS_URL", "ENVELOPE_FIELDS", "OPENAI_LINE_FIELDS",
+           "OpenAILines", "RequestError", "batch_body", "is_openai_request", "output_line", "output_model_name",
+           "request_digest", "request_fields", "write_openai_lines"]

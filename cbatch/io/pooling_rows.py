@@ -1,4 +1,4 @@
-"""Rows of prefill-only jobs (--task embed | score | classify | reward), in and out.
+"""Rows of prefill-only jobs (--task embed | score | classify | reward): what each task's `RowFormat` accepts.
 
 In: `{"input" | "text" | "prompt": "...", "id"?}` or `{"prompt_token_ids": [...]}` (classify and reward also
 `{"messages": [...]}`: a chat, rendered with the chat template, no generation prompt); score rows give a pair,
@@ -6,28 +6,35 @@ In: `{"input" | "text" | "prompt": "...", "id"?}` or `{"prompt_token_ids": [...]
 `body.input` (one string or one list of token ids) and optional `dimensions`, `encoding_format` "float";
 "/v1/score" with `body.text_1` / `body.text_2` (vLLM's score API); "/v1/classify" and "/v1/pooling" with
 `body.input`. A field cbatch does not know is an error naming it.
-
-Out (`--output-format openai`): the response body OpenAI (embeddings) and vLLM (score, classify, pooling) return:
-`{"object": "list", "data": [{"object", "index": 0, ...}], "model", "usage"}`.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from cbatch.io.openai import RequestError, batch_body
-from cbatch.io.rows import RowError, is_token_ids, parse_messages, row_id_of, text_field
-from cbatch.io.writer import TASK_COLUMNS
+from cbatch.io.row_fields import RowError, is_token_ids, parse_messages, row_id_of, text_field
 
 TEXT_FIELDS = ("input", "text", "prompt")
 PAIR_FIELDS = (("text_1", "text_2"), ("query", "document"))
-URL_OF_TASK = {"embed": "/v1/embeddings", "score": "/v1/score", "classify": "/v1/classify", "reward": "/v1/pooling"}
-INPUT_FIELDS = {"score": ("text_1", "query", "body"), "embed": (*TEXT_FIELDS, "prompt_token_ids", "body"),
-                **{t: (*TEXT_FIELDS, "prompt_token_ids", "messages", "body") for t in ("classify", "reward")}}  # INPUT's probe
-_BODY_FIELDS = {"embed": ("model", "input", "dimensions", "encoding_format", "user"),
-                "score": ("model", "text_1", "text_2", "user"),
-                "classify": ("model", "input", "messages", "user"), "reward": ("model", "input", "messages", "user")}
+
+
+@dataclass(frozen=True, slots=True)
+class RowFormat:
+    """What a prefill-only task's rows may hold (each task declares its own)."""
+
+    task: str  # the --task name, for messages
+    url: str  # the OpenAI batch line's url
+    body_fields: tuple[str, ...]  # the body fields it knows
+    pair: bool = False  # a row is a pair of texts (score), not one input
+    chats: bool = False  # a row may be a chat (`messages`: a reward model rates a conversation)
+
+    @property
+    def input_fields(self) -> tuple[str, ...]:
+        """INPUT's probe: a row of this format has one of these."""
+        if self.pair:
+            return ("text_1", "query", "body")
+        return (*TEXT_FIELDS, "prompt_token_ids", *(("messages",) if self.chats else ()), "body")
 
 
 @dataclass(slots=True)
@@ -44,21 +51,21 @@ class PoolingRow:
     echo: dict[str, Any] = field(default_factory=dict)  # an OpenAI line's `model`, and that it is one
 
 
-def parse_pooling_row(index: int, row: dict[str, Any] | str, task: str) -> PoolingRow:
+def parse_pooling_row(index: int, row: dict[str, Any] | str, fmt: RowFormat) -> PoolingRow:
     """Raises RowError naming the field for a bad row."""
     if isinstance(row, str):
         raise RowError(row)
     out = PoolingRow(index, row_id_of(index, row))
     if "body" in row:
-        row = _body(row, task)
+        row = _body(row, fmt)
         out.echo["openai"] = True
         if isinstance(row.get("model"), str):
             out.echo["model"] = row["model"]
         out.dimensions = _dimensions(row.get("dimensions"))
-    if task == "score":
+    if fmt.pair:
         out.pair = _pair(row)
         return out
-    chats = task in ("classify", "reward")  # a reward model rates a conversation
+    chats = fmt.chats
     given = [k for k in (*TEXT_FIELDS, "prompt_token_ids", *(["messages"] if chats else [])) if row.get(k) is not None]
     if len(given) != 1:
         names = "`input` (text), `messages` (a chat) or `prompt_token_ids`" if chats else "`input` (text) or `prompt_token_ids`"
@@ -78,17 +85,17 @@ def parse_pooling_row(index: int, row: dict[str, Any] | str, task: str) -> Pooli
     return out
 
 
-def _body(row: dict[str, Any], task: str) -> dict[str, Any]:
+def _body(row: dict[str, Any], fmt: RowFormat) -> dict[str, Any]:
     try:
         body = batch_body(row)
     except RequestError as exc:
         raise RowError(str(exc)) from None
     url = row.get("url")
-    if url is not None and url != URL_OF_TASK[task]:
-        raise RowError(f"url: --task {task} takes {URL_OF_TASK[task]!r} lines, got {url!r}")
-    unknown = next((k for k in body if k not in _BODY_FIELDS[task]), None)
+    if url is not None and url != fmt.url:
+        raise RowError(f"url: --task {fmt.task} takes {fmt.url!r} lines, got {url!r}")
+    unknown = next((k for k in body if k not in fmt.body_fields), None)
     if unknown is not None:
-        raise RowError(f"body.{unknown}: not a field cbatch knows for {URL_OF_TASK[task]}; remove it")
+        raise RowError(f"body.{unknown}: not a field cbatch knows for {fmt.url}; remove it")
     if body.get("encoding_format", "float") != "float":
         raise RowError(f"body.encoding_format: cbatch writes float embeddings; remove it or set it to \"float\"")
     return body
@@ -112,32 +119,4 @@ def _pair(row: dict[str, Any]) -> tuple[str, str]:
     raise RowError("missing pair: a score row gives `text_1` and `text_2` (or `query` and `document`)")
 
 
-# ---- output -----------------------------------------------------------------------------------------
-_DATA_OBJECT = {"embed": "embedding", "score": "score", "classify": "classification", "reward": "reward"}
-
-
-def pooling_body(record: dict[str, Any], task: str, model: str, created: int) -> dict[str, Any]:
-    """A finished row's OpenAI / vLLM response body."""
-    digest = hashlib.blake2b(f"{record['index']}\x00{record['id']}".encode(), digest_size=12).hexdigest()
-    item: dict[str, Any] = {"object": _DATA_OBJECT[task], "index": 0}
-    item.update({k: record[k] for k in TASK_COLUMNS if record.get(k) is not None})
-    if task == "classify":
-        item["num_classes"] = len(record.get("probs") or [])
-    prompt_tokens = record["prompt_tokens"]
-    echo = record.get("echo") or {}
-    return {"id": f"{task}-{digest}", "object": "list", "created": created, "model": echo.get("model") or model,
-            "data": [item], "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
-
-
-def task_of_record(record: dict[str, Any]) -> str | None:
-    """The prefill-only task whose columns `record` has (None: a generation record, or an error row)."""
-    if record.get("embedding") is not None:
-        return "embed"
-    if record.get("probs") is not None:
-        return "classify"
-    if record.get("reward") is not None:
-        return "reward"
-    return "score" if record.get("score") is not None else None
-
-
-__all__ = ["PoolingRow", "TASK_COLUMNS", "URL_OF_TASK", "parse_pooling_row", "pooling_body", "task_of_record"]
+__all__ = ["PAIR_FIELDS", "TEXT_FIELDS", "PoolingRow", "RowFormat", "parse_pooling_row"]

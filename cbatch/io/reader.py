@@ -308,7 +308,7 @@ def find_duplicate_id(source: InputFile) -> tuple[str, Place, Place] | None:
     a set of the ids themselves took ~1 GB); only when two hashes agree does a second pass look at those ids."""
     import numpy as np
 
-    from cbatch.io.rows import given_row_id
+    from cbatch.io.row_fields import given_row_id
 
     hashes = array("q", (hash(i) for i in (given_row_id(row) for _, row in _places_and_rows(source)) if i is not None))
     ordered = np.sort(np.frombuffer(hashes, dtype=np.int64)) if hashes else np.zeros(0, dtype=np.int64)

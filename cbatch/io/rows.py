@@ -12,9 +12,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cbatch.config import INT, NUMBER, OBJECT, SAMPLING_FIELDS, STRINGS, TOKEN_BIASES, TOKEN_IDS, SamplingParams, UserError
+from cbatch.config import INT, NUMBER, OBJECT, SAMPLING_FIELDS, STRINGS, TOKEN_BIASES, TOKEN_IDS, SamplingParams
 from cbatch.io.constraints import ConstraintFieldError, constraint_from_row
 from cbatch.io.openai import RequestError, is_openai_request, request_fields
+from cbatch.io.row_fields import (RowError, given_row_id, is_token_ids, parse_messages, row_id_of, text_field,
+                                  token_ids_field)
 
 
 @dataclass(slots=True)
@@ -26,26 +28,6 @@ class RowRequest:
     prompt_token_ids: list[int] | None = None
     params: SamplingParams | None = None
     echo: dict[str, Any] = field(default_factory=dict)  # request fields an OpenAI output line repeats: object, model
-
-
-class RowError(UserError):
-    """A bad row: the message names the field and the problem."""
-
-
-def given_row_id(row: dict[str, Any] | str) -> str | None:
-    """The input's own id: `id`, else OpenAI's `custom_id` (a string or an integer); None if it has none."""
-    if isinstance(row, dict):
-        for key in ("id", "custom_id"):
-            value = row.get(key)
-            if isinstance(value, (str, int)) and not isinstance(value, bool):
-                return str(value)
-    return None
-
-
-def row_id_of(index: int, row: dict[str, Any] | str) -> str:
-    """The output id: the input's own id, else the row index."""
-    row_id = given_row_id(row)
-    return str(index) if row_id is None else row_id
 
 
 def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams) -> RowRequest:
@@ -69,9 +51,9 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams) -
     if field == "prompt":
         request.prompt = text_field("prompt", row["prompt"])
     elif field == "messages":
-        request.messages = _messages(row["messages"])
+        request.messages = parse_messages(row["messages"])
     else:
-        request.prompt_token_ids = _token_ids(row["prompt_token_ids"])
+        request.prompt_token_ids = token_ids_field(row["prompt_token_ids"])
     request.params = sampling_from_row(row, defaults)
     lora = row.get("lora")
     if lora is not None:
@@ -82,11 +64,6 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams) -
     if isinstance(row.get("model"), str):
         request.echo["model"] = row["model"]
     return request
-
-
-def parse_messages(value: Any) -> list[dict[str, Any]]:
-    """A row's `messages`, checked (raises RowError naming the message and field)."""
-    return _messages(value)
 
 
 _WITH_LORA: dict[tuple[int, str], tuple[SamplingParams, SamplingParams]] = {}  # (id(params), adapter) -> both
@@ -103,54 +80,6 @@ def with_lora(params: SamplingParams, lora: str) -> SamplingParams:
     if len(_WITH_LORA) < 4096:
         _WITH_LORA[key] = (params, adapted)
     return adapted
-
-
-def _messages(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value:
-        raise RowError("`messages` must be a non-empty list of {\"role\", \"content\"} objects")
-    out = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RowError(f"`messages[{i}]` must be an object with a string `role` and `content`")
-        content = message.get("content")
-        if isinstance(content, list):  # OpenAI content parts: keep the text parts
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise RowError(f"`messages[{i}].content` parts must all be text parts")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise RowError(f"`messages[{i}].content` must be a string")
-        out.append({"role": _text(f"messages[{i}].role", message["role"]), "content": _text(f"messages[{i}].content", content)})
-    return out
-
-
-def text_field(field: str, value: Any) -> str:
-    """A row's text field: a string, not blank, valid Unicode (raises RowError naming the field)."""
-    if not isinstance(value, str):
-        raise RowError(f"`{field}` must be a string, got {type(value).__name__}")
-    if not value.strip():
-        raise RowError(f"`{field}` is empty")
-    return _text(field, value)
-
-
-def _text(field: str, value: str) -> str:
-    """`value`, if it is valid Unicode (JSON escapes can smuggle in lone surrogates, which no tokenizer takes)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise RowError(f"`{field}` is not valid Unicode text (an unpaired surrogate at character {exc.start})") from None
-    return value
-
-
-def is_token_ids(value: Any) -> bool:
-    """A non-empty list of non-negative integers (booleans are not ids)."""
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value))
-
-
-def _token_ids(value: Any) -> list[int]:
-    if not is_token_ids(value):
-        raise RowError("`prompt_token_ids` must be a non-empty list of non-negative integers")
-    return list(value)
 
 
 def sampling_from_row(row: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
@@ -206,3 +135,7 @@ def _token_key(key: Any) -> Any:
     if isinstance(key, str) and key.strip().isdigit():
         return int(key)
     return _integral(key)
+
+
+__all__ = ["RowError", "RowRequest", "given_row_id", "is_token_ids", "parse_messages", "parse_row", "row_id_of",
+           "sampling_from_row", "sampling_value", "text_field", "with_lora"]

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Collection, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Iterator, Sequence
 
 from cbatch.config import UserError
+
+if TYPE_CHECKING:
+    from cbatch.io.openai import OpenAILines
 
 OUTPUT_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 COLUMNS = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error")
@@ -19,9 +22,7 @@ LOGPROB_COLUMNS = ("token_logprobs", "top_logprobs", "prompt_token_ids", "prompt
 OPTIONAL_COLUMNS = ("sample_index", "reasoning") + LOGPROB_COLUMNS
 COLUMN_DEFAULTS = {"sample_index": 0}
 OUTPUT_COLUMNS = COLUMNS + ("completion_token_ids",) + OPTIONAL_COLUMNS  # every column the output may have of its own
-# a prefill-only job's own columns (--task: engine/pooling.py), besides OUTPUT_COLUMNS; a generation job's input
-# may carry columns of these names into its output (--keep-columns)
-TASK_COLUMNS = ("embedding", "score", "label", "probs", "reward")
+# A task's own columns (cbatch/tasks/: embedding, score, ...) come after these, with the Arrow types it gives.
 
 
 class OutputError(UserError):
@@ -56,13 +57,14 @@ def check_writable(path: Path, flag: str = "--out", folder: bool = False) -> Non
     os.unlink(probe)
 
 
-def output_columns(token_ids: bool, present: Collection[str] = ()) -> list[str]:
-    """The output's columns in order: the base ones, with the optional ones some record has."""
+def output_columns(token_ids: bool, present: Collection[str] = (), task_columns: Sequence[str] = ()) -> list[str]:
+    """The output's columns in order: the base ones, with the optional ones and the task's own (`task_columns`)
+    some record has."""
     def some(*names: str) -> list[str]:
         return [name for name in names if name in present]
 
     return (["id", *some("sample_index"), "completion", *some("reasoning"), *COLUMNS[2:]]
-            + (["completion_token_ids"] if token_ids else []) + some(*LOGPROB_COLUMNS) + some(*TASK_COLUMNS))
+            + (["completion_token_ids"] if token_ids else []) + some(*LOGPROB_COLUMNS) + some(*task_columns))
 
 
 def _arrow_types() -> dict[str, Any]:
@@ -75,8 +77,6 @@ def _arrow_types() -> dict[str, Any]:
         "finish_reason": pa.string(), "prompt_tokens": pa.int64(), "completion_tokens": pa.int64(), "error": pa.string(),
         "completion_token_ids": ids, "token_logprobs": logprobs, "top_logprobs": pa.list_(top),
         "prompt_token_ids": ids, "prompt_token_logprobs": logprobs, "prompt_top_logprobs": pa.list_(top),
-        "embedding": pa.list_(pa.float32()), "score": pa.float64(), "label": pa.string(),
-        "probs": pa.list_(pa.float32()), "reward": pa.float64(),
     }
 
 
@@ -104,26 +104,28 @@ def read_output(path: Path, fmt: str) -> Iterator[dict[str, Any]]:
             yield json.loads(line)
 
 
-def output_schema(columns: Sequence[str]):
-    """The Arrow schema of `columns` (`output_columns`): Parquet OUTPUT, and the Ray Data callable's columns."""
+def output_schema(columns: Sequence[str], task_types: dict[str, Any] | None = None):
+    """The Arrow schema of `columns` (`output_columns`; the task's own columns typed by `task_types`): Parquet
+    OUTPUT, and the Ray Data callable's columns."""
     import pyarrow as pa
 
-    types = _arrow_types()
+    types = {**_arrow_types(), **(task_types or {})}
     return pa.schema([pa.field(name, types[name]) for name in columns])
 
 
 def write_output(path: Path, fmt: str, records: Iterable[dict[str, Any]], columns: Sequence[str], chunk_rows: int = 4096,
-                 *, kept_types: dict[str, Any] | None = None, openai_model: str | None = None) -> None:
+                 *, kept_types: dict[str, Any] | None = None, task_types: dict[str, Any] | None = None,
+                 openai: "OpenAILines | None" = None) -> None:
     """Writes `columns` (`output_columns`) of every record, then its --keep-columns values. `kept_types`: the
-    kept columns' Arrow types (Parquet); `openai_model`: OpenAI batch output lines instead (JSONL, one per
-    input row, its samples as choices), naming this model where a row named none."""
+    kept columns' Arrow types (Parquet); `task_types`: the task's own columns' Arrow types; `openai`: OpenAI
+    batch output lines instead (JSONL, one per input row, its samples as choices)."""
     def row(record: dict[str, Any]) -> dict[str, Any]:
         return {c: record.get(c, COLUMN_DEFAULTS.get(c)) for c in columns}
 
-    if fmt == "jsonl" and openai_model is not None:
+    if fmt == "jsonl" and openai is not None:
         from cbatch.io.openai import write_openai_lines
 
-        return write_openai_lines(path, records, openai_model)
+        return write_openai_lines(path, records, openai)
     if fmt == "jsonl":
         with open(path, "w", encoding="utf-8") as f:
             for record in records:
@@ -132,7 +134,7 @@ def write_output(path: Path, fmt: str, records: Iterable[dict[str, Any]], column
     import pyarrow.parquet as pq
 
     kept_types = kept_types or {}
-    base = output_schema(columns)
+    base = output_schema(columns, task_types)
     with pq.ParquetWriter(path, _with_kept(base, kept_types)) as writer:
         chunk: list[dict[str, Any]] = []
         for record in records:

@@ -11,8 +11,7 @@ from typing import Any
 from cbatch.bench.simulator import CostModel, cost_settings
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine.resolve import ResolvedModel, engine_backend
-from cbatch.io.pooling_rows import INPUT_FIELDS
-from cbatch.io.reader import PROMPT_FIELDS, InputFile, inspect_input, iter_rows, open_input
+from cbatch.io.reader import InputFile, inspect_input, iter_rows, open_input
 from cbatch.io.state import StorageError
 from cbatch.io.writer import check_writable
 from cbatch.observe.report import write_report
@@ -23,8 +22,8 @@ from cbatch.plan.simulate import (CheckedRows, PlanSetup, Simulation, check_rows
 from cbatch.run.deadline import Deadline
 from cbatch.run.exit_codes import EXIT_OK, EXIT_ROW_ERRORS
 from cbatch.run.preflight import JobError, resolve_or_fail, resolve_task
-from cbatch.engine.tasks import pooling_settings
-from cbatch.run.result_cache import DEFAULT_CACHE_LIMIT, RowCache, open_row_cache
+from cbatch.run.result_cache import DEFAULT_CACHE_LIMIT, CacheSpec, cache_spec
+from cbatch.tasks import Task, task_class
 
 MAX_ERRORS_SHOWN = 50  # printed; --report lists every one
 
@@ -44,10 +43,11 @@ class PlanOptions:
     lookahead: int = 16384
     result_cache: Path | None = None  # rows found there are not simulated (the run would copy them)
     deadline: Deadline | None = None  # the run's --max-wall-time / --deadline: a prediction past it is warned of
-    task: str = "generate"  # --task and its settings, as the run's (engine/tasks.py)
+    task: str = "generate"  # --task and its settings, as the run's (cbatch/tasks/)
     pooling: str | None = None
     normalize: bool | None = None
     dimensions: int | None = None
+    reasoning_split: bool = True  # (changes a record's columns, so the rows the result cache holds for the run)
 
 
 def run_plan(options: PlanOptions) -> int:
@@ -55,7 +55,7 @@ def run_plan(options: PlanOptions) -> int:
     source, total_rows = check_paths(options)
     kind = device_kind(options.device_kind, options.engine)
     model = resolve_or_fail(options.engine, device=kind.device)
-    pooling = resolve_task(options, model)
+    task = resolve_task(options, model)
     engine_backend(options.engine, kind.device)  # a backend the run could not use fails here, as there
     config = replace(options.engine, model=str(model.checkpoint.path))
     if config.loras:  # every adapter folder checked against the model as a run's preflight does (no model weights)
@@ -65,9 +65,9 @@ def run_plan(options: PlanOptions) -> int:
     cost, cost_source = cost_model(options, kind, model)
     lengths = (OutputLengths.from_report(options.lengths_from, config.seed) if options.lengths_from is not None
                else OutputLengths(source="max_tokens, an upper bound"))
-    setup = PlanSetup(model, kind, plan_tokenizer(model), cost, lengths, options.defaults, options.lookahead, pooling)
-    cache = plan_cache(options, kind, model, config, pooling_settings(pooling))
-    if pooling is None:
+    setup = PlanSetup(model, kind, plan_tokenizer(model), cost, lengths, task, options.lookahead)
+    cache = plan_cache(options, kind, model, config, task)
+    if task.decodes:  # rows checked, then an even sample replayed and searched; prefill-only rows: each simulated once
         checked = check_rows(iter_rows(source), config, setup, total_rows, cache)
         first = simulate_checked(checked, config, setup)
     else:
@@ -93,7 +93,7 @@ def check_paths(options: PlanOptions) -> tuple[InputFile, int]:
         if options.report is not None:
             check_writable(options.report, flag="--report")
         source = open_input(options.input)
-        return source, inspect_input(source, fields=INPUT_FIELDS.get(options.task, PROMPT_FIELDS))
+        return source, inspect_input(source, fields=task_class(options.task).input_fields)
     except ValueError as exc:
         raise JobError(str(exc)) from None
 
@@ -116,7 +116,7 @@ def cost_model(options: PlanOptions, kind: DeviceKind, model: ResolvedModel) -> 
 
 
 def plan_cache(options: PlanOptions, kind: DeviceKind, model: ResolvedModel, config: EngineConfig,
-               task: dict | None = None) -> RowCache | None:
+               task: Task) -> CacheSpec | None:
     """--result-cache, for lookups only; consulted only for a plan of this machine (the key names the device)."""
     if options.result_cache is None:
         return None
@@ -124,7 +124,7 @@ def plan_cache(options: PlanOptions, kind: DeviceKind, model: ResolvedModel, con
         print(f"cbatch plan: --result-cache is not consulted: the plan is for {kind.name}, not this machine, and "
               "cached rows are keyed by their device", file=sys.stderr)
         return None
-    return open_row_cache(options.result_cache, DEFAULT_CACHE_LIMIT, model, config, writable=False, task=task)
+    return cache_spec(options.result_cache, DEFAULT_CACHE_LIMIT, model, config, task, writable=False)
 
 
 def plan_report(options: PlanOptions, setup: PlanSetup, cost_source: str, checked: CheckedRows,
@@ -137,8 +137,8 @@ def plan_report(options: PlanOptions, setup: PlanSetup, cost_source: str, checke
         "dtype": str(setup.model.dtype), "max_model_len": setup.model.max_model_len,
         "settings": {"engine": asdict(first.config), "defaults": asdict(options.defaults)},
         "cost_model": {**cost_settings(setup.cost), "source": cost_source},
-        "output_lengths": setup.lengths.source if setup.pooling is None else f"none (--task {options.task}: prefill only)",
-        **({"task": options.task} if setup.pooling is not None else {}),
+        "output_lengths": setup.lengths.source if setup.task.decodes else f"none (--task {options.task}: prefill only)",
+        **({} if setup.task.decodes else {"task": options.task}),
         "requests": {"total": total, "ok": total - len(errors), "error": len(errors), "cached": checked.cached},
         "errors": [{"index": r.index, "id": r.row_id, "error": r.error} for r in errors],
         "predicted": first.predicted(),

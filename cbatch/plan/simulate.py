@@ -1,6 +1,6 @@
 """The job's rows through the same code as `cbatch run`, with a cost model in place of the model. Two passes:
 
-    1. check: every row -> LocalExecutor.prepare (parse_row, tokenize_request, the result cache)
+    1. check: every row -> LocalExecutor.prepare (its task's parse and requests, the result cache)
               -> Engine.check_request (context length, KV pool, grammar): the error rows, the rows that run
     2. simulate: those rows (their token ids; above PLAN_SIMULATED_ROWS an even sample of them) -> RowFeed
               -> LocalExecutor -> PlannedEngine -> the real Scheduler and BlockPool, stepped by PlannedRunner
@@ -35,9 +35,11 @@ from cbatch.observe.report import build_report
 from cbatch.plan.devices import DeviceKind
 from cbatch.plan.lengths import OutputLengths
 from cbatch.run.driver import RowFeed, drive
-from cbatch.run.executor import LocalExecutor, Prepared
-from cbatch.run.result_cache import RowCache
-from cbatch.run.results import RowResult
+from cbatch.run.executor import LocalExecutor
+from cbatch.run.job_spec import JobSpec
+from cbatch.tasks.base import RowWork, Task
+from cbatch.run.result_cache import CacheSpec
+from cbatch.tasks.results import RowResult
 
 SEARCH_MAX_NUM_SEQS = (16, 32, 64, 128, 256)
 SEARCH_MAX_NUM_BATCHED_TOKENS = (512, 1024, 2048, 4096, 8192)
@@ -79,8 +81,8 @@ class PlannedEngine(Engine):
             for sample in seq.samples:  # each sample its own planned length (as each draws its own tokens)
                 sample.stop = None
                 key = seq.seq_id * params.n + sample.sample_index
-                self.runner.targets[sample.seq_id] = (1 if pooling is not None else  # prefill-only: the prompt alone
-                                                      self.lengths.of(key, params, bool(self.spec.eos_token_ids)))
+                # (the sequence's own settings: a prefill-only request's max_tokens 1 plans the prompt alone)
+                self.runner.targets[sample.seq_id] = self.lengths.of(key, seq.params, bool(self.spec.eos_token_ids))
         return seq
 
 
@@ -93,9 +95,12 @@ class PlanSetup:
     tokenizer: Any
     cost: CostModel
     lengths: OutputLengths
-    defaults: SamplingParams
+    task: Task  # --task with its settings (the sampling defaults among them)
     lookahead: int
-    pooling: PoolingParams | None = None  # a prefill-only job's settings (--task)
+
+    def spec(self, config: EngineConfig, cache: CacheSpec | None = None) -> JobSpec:
+        """The job as a run of `config` would take it (the rows a planned run copies from `cache`: lookups only)."""
+        return JobSpec(config, self.task, self.lookahead, result_cache=cache)
 
 
 RowSample = dict[int, tuple[array, SamplingParams]]  # row index -> (prompt token ids: 4 B a token, settings)
@@ -162,26 +167,27 @@ def planned_engine(config: EngineConfig, setup: PlanSetup) -> PlannedEngine:
 
 
 def check_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, total_rows: int,
-               cache: RowCache | None = None) -> CheckedRows:
+               cache: CacheSpec | None = None) -> CheckedRows:
     """Pass 1: every row through `LocalExecutor.prepare` and `Engine.check_request`, as the run takes it on
     arrival; nothing is scheduled. A row found in `cache` (opened for lookups only) is not simulated: the run
     would copy it. Every `every`-th row that would run goes to the sample (all of them up to PLAN_SIMULATED_ROWS)."""
     engine = planned_engine(config, setup)
-    executor = LocalExecutor(engine, setup.defaults, JobMetrics(total_rows=total_rows), setup.lookahead, cache)
+    executor = LocalExecutor(engine, setup.spec(config, cache), JobMetrics(total_rows=total_rows))
     every = max(1, -(-total_rows // PLAN_SIMULATED_ROWS))
     checked = CheckedRows(total_rows, [], 0, 0, {})
     for index, raw in rows:
-        prepared = executor.prepare(index, raw)
-        if not isinstance(prepared, Prepared):
-            if prepared.ok:
+        work = executor.prepare(index, raw)
+        if not isinstance(work, RowWork):
+            if work.ok:
                 checked.cached += 1
             else:
-                checked.errors.append(prepared)
+                checked.errors.append(work)
             continue
-        params = prepared.request.params
-        prompt_ids, error = engine.check_request(prepared.prompt_ids, params)
+        request = work.requests[0]  # (a generation row's one request: prefill-only plans take every row instead)
+        params = request.params
+        prompt_ids, error = engine.check_request(request.prompt_ids, params)
         if error is not None:
-            checked.errors.append(RowResult.failed(index, prepared.request.row_id, error, len(prompt_ids)))
+            checked.errors.append(RowResult.failed(index, work.parsed.row_id, error, len(prompt_ids)))
             continue
         checked.accepted += 1
         if engine.config.loras:
@@ -192,12 +198,12 @@ def check_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, t
 
 
 def simulate_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, num_rows: int,
-                  scale: float = 1.0, cache: RowCache | None = None) -> tuple[Simulation, int]:
+                  scale: float = 1.0, cache: CacheSpec | None = None) -> tuple[Simulation, int]:
     """Pass 2: the rows (checked ones, replayed) through LocalExecutor and the planned engine, driven by the job's
     own loop; (the simulation, the rows copied from `cache`: a prefill-only plan's single pass consults it)."""
     engine = planned_engine(config, setup)
     metrics = JobMetrics(total_rows=num_rows, clock=lambda: engine.runner.forward_seconds)
-    executor = LocalExecutor(engine, setup.defaults, metrics, setup.lookahead, cache, pooling=setup.pooling)
+    executor = LocalExecutor(engine, setup.spec(engine.config, cache), metrics)
     errors: list[RowResult] = []
 
     def store(result: RowResult) -> bool:
@@ -230,11 +236,11 @@ def replay(sample: RowSample, defaults: SamplingParams) -> Callable[[], Iterator
 
 
 def simulate_checked(checked: CheckedRows, config: EngineConfig, setup: PlanSetup) -> Simulation:
-    return simulate_rows(replay(checked.sample, setup.defaults)(), config, setup, len(checked.sample), checked.scale)[0]
+    return simulate_rows(replay(checked.sample, setup.task.defaults)(), config, setup, len(checked.sample), checked.scale)[0]
 
 
 def simulate_every_row(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, total_rows: int,
-                       cache: RowCache | None = None) -> tuple[CheckedRows, Simulation]:
+                       cache: CacheSpec | None = None) -> tuple[CheckedRows, Simulation]:
     """A prefill-only job (--task): every row through the run's loop in one pass, checked and simulated (its rows
     are not replayed: a bi-encoder score row is two requests), so neither sampled nor searched."""
     simulation, cached = simulate_rows(rows, config, setup, total_rows, cache=cache)

@@ -19,7 +19,7 @@ from cbatch.run.deadline import Deadline
 from cbatch.run.executor import Executor
 from cbatch.run.exit_codes import EXIT_EXPIRED
 from cbatch.run.interrupt import Interrupt
-from cbatch.run.results import RowResult
+from cbatch.tasks.results import RowResult
 
 
 class Feed(Protocol):

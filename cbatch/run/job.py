@@ -15,7 +15,7 @@ from cbatch.engine.build import build_engine
 from cbatch.engine.engine import Engine
 from cbatch.io.reader import iter_rows
 from cbatch.io.columns import output_kept_types
-from cbatch.io.openai import output_model_name
+from cbatch.io.openai import OpenAILines, output_model_name
 from cbatch.io.state import StateError, StorageError, record_key
 from cbatch.io.writer import output_columns, write_output
 from cbatch.observe.metrics import JobMetrics
@@ -27,9 +27,10 @@ from cbatch.run.executor import Executor, LocalExecutor
 from cbatch.run.exit_codes import EXIT_EXPIRED, EXIT_OK, EXIT_ROW_ERRORS
 from cbatch.run.interrupt import Interrupt
 from cbatch.run.preflight import JobError, JobOptions, PreparedJob, preflight
-from cbatch.run.result_cache import open_row_cache
-from cbatch.run.results import RowResult
-from cbatch.engine.tasks import pooling_settings
+from cbatch.run.job_spec import JobSpec
+from cbatch.run.result_cache import cache_spec
+from cbatch.tasks.base import Task
+from cbatch.tasks.results import RowResult
 
 DisplayFactory = Callable[[JobMetrics, JobOptions], Display]
 
@@ -44,16 +45,14 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
     prepared = preflight(options)
     if prepared is None:
         return EXIT_OK
-    cache = open_row_cache(options.result_cache, options.result_cache_limit, prepared.model, prepared.config,
-                           reasoning_split=options.reasoning_split, task=pooling_settings(prepared.pooling))
+    spec = job_spec(options, prepared)  # (a bad --result-cache is refused here, before the model loads)
     engine = load_engine(prepared, make_engine)
     # the engine's config has the step limits it runs with (a GPU sizes them from memory): displays and
     # the report show those
     options = replace(options, engine=engine.config)
     prepared = replace(prepared, config=engine.config)
     metrics = JobMetrics(total_rows=prepared.total_rows)
-    executor = LocalExecutor(engine, options.defaults, metrics, options.lookahead, cache, options.reasoning_split,
-                             keep=prepared.formats.keep, pooling=prepared.pooling)
+    executor = LocalExecutor(engine, replace(spec, engine=engine.config), metrics)
     try:
         code = run_rows(options, prepared, executor, metrics, make_progress or make_display)
     finally:
@@ -64,9 +63,20 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
         settings={"engine": asdict(prepared.config), "defaults": asdict(options.defaults), "dtype": str(engine.dtype),
                   "device": str(engine.device), "input": str(options.input), "output": str(options.output)},
     )
-    if options.task != "generate":  # a prefill-only job: its summary gives rows/s and prompt tokens/s
-        report["task"] = options.task
-    return conclude_job(options, prepared, report, code)
+    return conclude_job(options, prepared, with_task(report, prepared.task), code)
+
+
+def job_spec(options: JobOptions, prepared: PreparedJob) -> JobSpec:
+    """What every executor of the job runs its rows by (a Ray replica gets it whole)."""
+    cache = cache_spec(options.result_cache, options.result_cache_limit, prepared.model, prepared.config, prepared.task)
+    return JobSpec(prepared.config, prepared.task, options.lookahead, prepared.formats.keep, cache, options.deadline)
+
+
+def with_task(report: dict[str, Any], task: Task) -> dict[str, Any]:
+    """A prefill-only job's report names its task: its summary gives rows/s and prompt tokens/s."""
+    if not task.decodes:
+        report["task"] = task.name
+    return report
 
 
 def load_engine(prepared: PreparedJob, make_engine: Callable[[EngineConfig], Engine] | None = None) -> Engine:
@@ -130,12 +140,13 @@ def write_records(options: JobOptions, prepared: PreparedJob, path: Path,
                   records: Callable[[], Iterator[dict[str, Any]]]) -> None:
     """`records()` (in input order) written to `path` in the job's formats: OUTPUT, or one of its parts, with the
     optional columns they have and the kept columns' types (`records` is read twice where those come from it)."""
-    formats, state = prepared.formats, prepared.state
-    columns = output_columns(options.token_ids, state.columns)
+    formats, state, task = prepared.formats, prepared.state, prepared.task
+    columns = output_columns(options.token_ids, state.columns, task.columns)
     kept_types = (output_kept_types(formats.keep, formats.kept_types, records) if formats.output == "parquet"
                   else None)
-    openai_model = output_model_name(options.engine.model) if formats.openai_lines else None
-    write_output(path, formats.output, records(), columns, kept_types=kept_types, openai_model=openai_model)
+    openai = OpenAILines(output_model_name(options.engine.model), task.openai_body) if formats.openai_lines else None
+    write_output(path, formats.output, records(), columns, kept_types=kept_types, task_types=task.column_types(),
+                 openai=openai)
 
 
 def part_writer(options: JobOptions, prepared: PreparedJob) -> Callable[[int, Path], None]:

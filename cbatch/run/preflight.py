@@ -17,20 +17,19 @@ from typing import Any
 import torch
 
 from cbatch.config import EngineConfig, SamplingParams, UserError
-from cbatch.engine.pooling import PoolingParams
 from cbatch.engine.resolve import ResolvedModel, resolve_model
 from cbatch.io.columns import KeepColumns, parquet_kept_types
 from cbatch.io.openai import OPENAI_LINE_FIELDS
 from cbatch.io.partitions import PartitionedOutput, PartPlan
-from cbatch.io.pooling_rows import INPUT_FIELDS
-from cbatch.io.reader import PROMPT_FIELDS, InputFile, describe_places, find_duplicate_id, inspect_input, open_input, part_digest
+from cbatch.io.reader import InputFile, describe_places, find_duplicate_id, inspect_input, open_input, part_digest
 from cbatch.io.state import JobState, StateError, settings_digest
-from cbatch.io.writer import OUTPUT_COLUMNS, TASK_COLUMNS, check_writable, output_columns, output_format, written_columns
+from cbatch.io.writer import OUTPUT_COLUMNS, check_writable, output_columns, output_format, written_columns
 from cbatch.model.loader import ModelLoadError
 from cbatch.model.spec import UnsupportedModelError
 from cbatch.run.deadline import Deadline
+from cbatch.run.identity import output_identity
 from cbatch.run.result_cache import DEFAULT_CACHE_LIMIT, CacheLimit
-from cbatch.engine.tasks import job_pooling, pooling_settings
+from cbatch.tasks import Task, make_task, task_class
 
 
 # the sampling fields a job's fingerprint has always held in full
@@ -66,7 +65,7 @@ class JobOptions:
     deadline: Deadline | None = None  # --max-wall-time / --deadline: when the job stops starting rows
     part_rows: int = 100_000  # --out DIR: input rows per part file
     part_format: str = "parquet"  # --out DIR: the part files' format (parquet | jsonl)
-    task: str = "generate"  # --task: generate | embed | score | classify | reward (engine/tasks.py)
+    task: str = "generate"  # --task: config.TASKS (cbatch/tasks/)
     pooling: str | None = None  # --pooling (prefill-only tasks; None: the model's own)
     normalize: bool | None = None  # --normalize / --no-normalize (None: the model's own)
     dimensions: int | None = None  # --dimensions (Matryoshka)
@@ -93,7 +92,7 @@ class PreparedJob:
     fingerprint: dict[str, str]
     state: JobState
     formats: JobFormats
-    pooling: PoolingParams | None = None  # a prefill-only job's settings (--task, resolved against the model)
+    task: Task  # --task with its settings, resolved against the model (cbatch/tasks/)
 
 
 def validate_paths(options: JobOptions) -> tuple[JobFormats, int]:
@@ -112,11 +111,11 @@ def validate_paths(options: JobOptions) -> tuple[JobFormats, int]:
         source = open_input(options.input)
         if source.local and options.output.exists() and any(part.path.samefile(options.output) for part in source.parts):
             raise JobError(f"--out {options.output} is the input file; choose another --out")
-        total_rows = inspect_input(source, fields=INPUT_FIELDS.get(options.task, PROMPT_FIELDS))
+        task = task_class(options.task)
+        total_rows = inspect_input(source, fields=task.input_fields)
         # a name the output has already is refused; a Parquet INPUT must have the kept columns, in types cbatch carries
-        own = OUTPUT_COLUMNS + (TASK_COLUMNS if options.task != "generate" else ())
-        keep = KeepColumns.parse(options.keep_columns, OPENAI_LINE_FIELDS if openai_lines else own)
-        if options.retry_errors and options.task != "generate":
+        keep = KeepColumns.parse(options.keep_columns, OPENAI_LINE_FIELDS if openai_lines else OUTPUT_COLUMNS + task.columns)
+        if options.retry_errors and task.columns:  # (the kept OUTPUT is read back with the base columns only)
             raise JobError(f"--retry-errors: not available for --task {options.task} yet; run again with --overwrite")
         kept_types = parquet_kept_types(keep, source.parts[0]) if keep is not None and source.format == "parquet" else None
         if not options.allow_duplicate_ids:
@@ -165,38 +164,27 @@ def resolve_or_fail(config: EngineConfig, device: torch.device | None = None) ->
 
 
 def job_fingerprint(options: JobOptions, model: ResolvedModel, source: InputFile | None = None,
-                    pooling: PoolingParams | None = None) -> dict[str, str]:
-    """What makes a partial run's rows valid for this run: the input bytes, and every setting that changes
-    a completion (model, dtype, device, seed, sampling defaults, the job's constraint, the reasoning split) or
-    a record (the output's format and kept columns). Batch shape settings (--max-num-seqs, --policy, ...) are
-    left out: completions do not depend on them. NOTE: of the sampling fields added with n, logprobs and
-    structured output, only those set away from their defaults count, and the output's format only when it
-    is not the default, so jobs that use none keep the fingerprints they had (a resume across the upgrade works)."""
+                    task: Task | None = None) -> dict[str, str]:
+    """What makes a partial run's rows valid for this run: the input bytes, the checkpoint (its folder, config and
+    weight files), the output identity (run/identity.py: every engine and task setting that changes an output),
+    the job's sampling defaults, and what the records hold (the output's format and kept columns, when not the
+    default). Batch shape settings (--max-num-seqs, --policy, ...) are left out: outputs do not depend on them.
+    NOTE: of the sampling fields, only those set away from their defaults count beyond the first few, so a job
+    that uses none of a newer field keeps its fingerprint."""
     checkpoint = model.checkpoint
+    task = task if task is not None else resolve_task(options, model)
     settings = {
         "model": str(checkpoint.path.resolve()),
         "model_config": checkpoint.raw_config,
         "weights": sorted((p.name, p.stat().st_size) for p in checkpoint.path.glob("*.safetensors")),
-        "device": model.device.type,
-        "dtype": str(model.dtype),
-        "attention_backend": options.engine.attention_backend,
-        "max_model_len": options.engine.max_model_len,
-        "seed": options.engine.seed,
+        **output_identity(options.engine, task, model.device, model.dtype, model.max_model_len),
         "defaults": {**{k: v for k, v in asdict(options.defaults).items() if k in _FINGERPRINTED_ALWAYS},
                      **options.defaults.changed_fields()},
     }
-    if options.engine.kv_cache_dtype != "auto":  # fp8 KV changes completions (absent for auto: old digests hold)
-        settings["kv_cache_dtype"] = options.engine.kv_cache_dtype
-    if not options.engine.fp32_logits:  # 16-bit logits on a GPU can change a near-tie (absent when on)
-        settings["fp32_logits"] = False
-    if not options.reasoning_split:
-        settings["reasoning_split"] = False
     if options.output_format != "cbatch" or options.keep_columns is not None:  # what the records hold
         settings["output"] = {"format": options.output_format, "keep_columns": options.keep_columns}
-    if pooling is not None:  # a prefill-only job (absent for generate: old digests hold)
-        settings["task"] = pooling_settings(pooling)
     fingerprint = {"input": input_digest(source or open_input(options.input)), "settings": settings_digest(settings)}
-    if options.engine.loras:  # each adapter's files, checked whole (absent without adapters: old digests hold)
+    if options.engine.loras:  # each adapter's files, checked whole (absent without adapters)
         from cbatch.lora.registry import adapter_digests
 
         digests = adapter_digests(options.engine.loras, model.spec, options.engine.max_lora_rank)
@@ -259,8 +247,8 @@ def preflight(options: JobOptions) -> PreparedJob | None:
     this input and these settings (nothing to do)."""
     formats, total_rows = validate_paths(options)
     model = resolve_or_fail(options.engine)
-    pooling = resolve_task(options, model)
-    fingerprint = job_fingerprint(options, model, formats.input, pooling)
+    task = resolve_task(options, model)
+    fingerprint = job_fingerprint(options, model, formats.input, task)
     parts = PartitionedOutput(options.output, formats.parts, total_rows) if formats.parts is not None else None
     state = JobState(options.output, fingerprint, formats.output, parts)
     done = nothing_to_retry(options, formats, state) if options.retry_errors else not options.overwrite and state.is_complete()
@@ -275,14 +263,13 @@ def preflight(options: JobOptions) -> PreparedJob | None:
         raise JobError(str(exc)) from None
     graphs = options.engine.cuda_graph_max_batch or total_rows * max(1, options.defaults.n)  # a row's own n may run eager
     config = replace(options.engine, model=str(model.checkpoint.path), cuda_graph_max_batch=graphs)
-    return PreparedJob(total_rows, config, model, fingerprint, state, formats, pooling)
+    return PreparedJob(total_rows, config, model, fingerprint, state, formats, task)
 
 
-def resolve_task(options: Any, model: ResolvedModel) -> PoolingParams | None:
-    """The job's --task settings against the model (engine/tasks.py); a task the model cannot do is a JobError.
-    `options`: a JobOptions, or `cbatch plan`'s PlanOptions (the same task fields)."""
+def resolve_task(options: Any, model: ResolvedModel) -> Task:
+    """The job's --task with its settings against the model (cbatch/tasks/); a task the model cannot do is a
+    JobError. `options`: a JobOptions, or `cbatch plan`'s PlanOptions (the same task fields)."""
     try:
-        return job_pooling(options.task, options.pooling, options.normalize, options.dimensions,
-                           model.checkpoint.spec, model.checkpoint.path)
+        return make_task(options, model.checkpoint.spec, model.checkpoint.path)
     except UserError as exc:
         raise JobError(str(exc)) from None

@@ -41,7 +41,10 @@ import torch
 from cbatch.config import EngineConfig, SamplingParams, UserError
 from cbatch.engine.resolve import ResolvedModel
 from cbatch.engine.sampler import sample_seed
-from cbatch.run.results import Record, RowResult
+from cbatch.run.identity import output_identity
+from cbatch.tasks.base import Task
+from cbatch.tasks.generate_task import GenerateTask
+from cbatch.tasks.results import Record, RowResult
 
 SCHEDULING_ONLY = frozenset({"priority"})  # SamplingParams fields that never change a row's tokens
 ROW_FIELDS = ("index", "id")  # record fields that belong to the row, not to its completion
@@ -92,23 +95,21 @@ def device_kind(device: torch.device) -> str:
 
 
 def generation_identity(model_fingerprint: str, config: EngineConfig, dtype: torch.dtype, device: torch.device,
-                        max_model_len: int) -> dict[str, Any]:
-    """Everything besides the row that decides its tokens (the key's first part)."""
+                        max_model_len: int, task: Task | None = None) -> dict[str, Any]:
+    """Everything besides the row that decides its output (the key's first part): the output identity
+    (run/identity.py, which the resume fingerprint is made from too), the checkpoint's contents, and what a copy
+    into another machine's job must match as well: the device's kind (its CPU ISA or GPU name, not only cpu/cuda)
+    and the torch and cbatch versions."""
     from importlib.metadata import PackageNotFoundError, version
-
-    from cbatch.model.backend import backend_name
 
     try:
         cbatch_version = version("cbatch")
     except PackageNotFoundError:
         cbatch_version = "unknown"
-
     return {
-        "model": model_fingerprint, "dtype": str(dtype), "device": device_kind(device),
-        "attention_backend": backend_name(config.attention_backend, device), "max_model_len": max_model_len,
-        "kv_cache_dtype": config.kv_cache_dtype, "torch": torch.__version__, "cbatch": cbatch_version,
-        # 16-bit logits on a GPU can change a near-tie (absent when on: the keys written before the switch hold)
-        **({} if config.fp32_logits else {"fp32_logits": False}),
+        **output_identity(config, task if task is not None else GenerateTask(), device, dtype, max_model_len,
+                          job_seed=False),  # (each row's key holds the seed it samples with: RowCache.row_key)
+        "model": model_fingerprint, "device": device_kind(device), "torch": torch.__version__, "cbatch": cbatch_version,
     }
 
 
@@ -275,11 +276,26 @@ class RowCache:
                   "this job stops adding to the cache", file=sys.stderr, flush=True)
 
 
-def open_row_cache(folder: Path | None, limit: CacheLimit, model: ResolvedModel, config: EngineConfig,
-                   writable: bool = True, reasoning_split: bool = True, task: dict | None = None) -> RowCache | None:
-    """The job's view of the cache at `folder` (None without --result-cache); before the model loads,
-    so a bad folder is refused before anything is written. `writable=False`: lookups only (`cbatch plan`).
-    `reasoning_split` (--no-reasoning-split) changes a record's columns, so it is part of the identity."""
+@dataclass(frozen=True, slots=True)
+class CacheSpec:
+    """--result-cache as a job holds it: the folder, its bound and the job's identity there (computed once, where
+    the model's files are: `cache_spec`); each executor opens its own view (`open`), a Ray replica too."""
+
+    folder: Path
+    limit: CacheLimit
+    identity: dict[str, Any]
+    job_seed: int
+    writable: bool = True  # False: lookups only (`cbatch plan`)
+
+    def open(self) -> RowCache:
+        return RowCache(ResultCache(self.folder, self.limit, self.writable), self.identity, self.job_seed)
+
+
+def cache_spec(folder: Path | None, limit: CacheLimit, model: ResolvedModel, config: EngineConfig, task: Task,
+               writable: bool = True) -> CacheSpec | None:
+    """The job's --result-cache (None without one): the folder checked (a bad one is refused before the model loads
+    and before anything is written), the identity of its rows there (`generation_identity` of the checkpoint's
+    contents, with the adapters' digests)."""
     if folder is None:
         return None
     cache = ResultCache(folder, limit, writable)
@@ -287,15 +303,12 @@ def open_row_cache(folder: Path | None, limit: CacheLimit, model: ResolvedModel,
         fingerprint = model_fingerprint(model.checkpoint.path, cache.root / "models")
     except OSError as exc:
         raise ResultCacheError(f"--result-cache {folder}: cannot fingerprint the model ({exc})") from None
-    identity = generation_identity(fingerprint, config, model.dtype, model.device, model.max_model_len)
-    identity["reasoning_split"] = reasoning_split
-    if task is not None:  # a prefill-only job (engine/tasks.py): its settings make its rows' results
-        identity["task"] = task
+    identity = generation_identity(fingerprint, config, model.dtype, model.device, model.max_model_len, task)
     if config.loras:  # a row's adapter is in its settings (`lora`); what the adapter holds is here
         from cbatch.lora.registry import adapter_digests
 
         identity["loras"] = adapter_digests(config.loras, model.spec, config.max_lora_rank)
-    return RowCache(cache, identity, config.seed)
+    return CacheSpec(folder, limit, identity, config.seed, writable)
 
 
 def model_fingerprint(folder: Path, memo_dir: Path) -> str:

@@ -21,7 +21,9 @@ from typing import Any
 
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.io.writer import output_columns, output_schema
+from cbatch.run.job_spec import JobSpec
 from cbatch.scaleout.replica import Replica
+from cbatch.tasks.generate_task import GenerateTask
 
 
 def plain(value: Any) -> Any:
@@ -66,7 +68,7 @@ class CbatchPredictor:
         error = defaults.validate() or (None if defaults.n == 1 else SINGLE_SAMPLE)
         if error is not None:
             raise ValueError(f"sampling: {error}")
-        self.replica = Replica(EngineConfig(model=model, **engine_settings), defaults)
+        self.replica = Replica(JobSpec(EngineConfig(model=model, **engine_settings), GenerateTask(defaults)))
         self.replica.start()
         self.schema = output_schema(output_columns(token_ids))
         self._indices = itertools.count()  # seq ids, unique inside this actor's engine

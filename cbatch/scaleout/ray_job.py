@@ -31,10 +31,11 @@ from cbatch.observe.display import make_display
 from cbatch.observe.metrics import EngineSnapshot, JobMetrics
 from cbatch.observe.report import build_report
 from cbatch.run.exit_codes import EXIT_OK
-from cbatch.run.job import conclude_job, run_rows
-from cbatch.engine.pooling import PoolingParams
+from cbatch.run.executor import expire_unsent
+from cbatch.run.job import conclude_job, job_spec, run_rows, with_task
+from cbatch.run.job_spec import JobSpec
 from cbatch.run.preflight import JobError, JobOptions, preflight
-from cbatch.run.results import RowResult
+from cbatch.tasks.results import RowResult
 from cbatch.scaleout import require_ray
 from cbatch.scaleout.replica import BlockResult, Replica, ReplicaStats
 
@@ -191,14 +192,15 @@ class RayExecutor:
     results come back whole. A replica that dies (or fails a block) is replaced and its blocks go back to
     the queue; the job's store keeps each row once, whatever was retried."""
 
-    def __init__(self, options: JobOptions, ray_options: RayOptions, ray, metrics: JobMetrics,
-                 on_block: Callable[["RayExecutor"], None] | None = None, state: JobState | None = None,
-                 pooling: PoolingParams | None = None) -> None:
-        """`on_block(executor)` (tests, monitoring) runs once the rows of each block that came back are
-        stored (at the start of the next poll); it may read the job's `state`."""
+    def __init__(self, spec: JobSpec, options: JobOptions, ray_options: RayOptions, ray, metrics: JobMetrics,
+                 on_block: Callable[["RayExecutor"], None] | None = None, state: JobState | None = None) -> None:
+        """`spec`: the job, shipped whole to every replica. `on_block(executor)` (tests, monitoring) runs once the
+        rows of each block that came back are stored (at the start of the next poll); it may read the job's
+        `state`."""
+        self.spec = spec
         self.options = options
-        self.pooling = pooling  # a prefill-only job's settings (--task), for every replica's executor
         self.state = state
+        self._closing = False  # a deadline came: no block starts any more
         self.ray_options = ray_options
         self.ray = ray
         self.metrics = metrics
@@ -218,14 +220,14 @@ class RayExecutor:
         """Starts the pool and waits for every engine; returns the first replica's identity."""
         replicas, gpus, cpus = pool_shape(self.ray, self.options, self.ray_options)
         self.shape = {"replicas": replicas, "gpus_per_replica": gpus, "cpus_per_replica": cpus}
-        config = self.options.engine
+        config = self.spec.engine
         if not gpus:  # a CPU replica never touches a GPU it was not given; each rank gets its share of the CPUs
             config = replace(config, device="cpu", num_threads=config.num_threads or cpus // config.tensor_parallel_size)
+        self._spec = replace(self.spec, engine=config)
         self._actor_class = self.ray.remote(Replica).options(
             num_gpus=gpus, num_cpus=cpus, max_concurrency=self.ray_options.blocks_in_flight,
             max_restarts=0, max_task_retries=0,
         )
-        self._config = config
         for _ in range(replicas):
             self._spawn()
         started = time.perf_counter()
@@ -237,9 +239,7 @@ class RayExecutor:
         handle = ReplicaHandle(number=len(self.replicas), actor=None)
         crash = self.ray_options.crash
         crash_at_step = crash[1] if crash is not None and crash[0] == handle.number else None
-        handle.actor = self._actor_class.remote(self._config, self.options.defaults, handle.number,
-                                                crash_at_step=crash_at_step, reasoning_split=self.options.reasoning_split,
-                                                pooling=self.pooling)
+        handle.actor = self._actor_class.remote(self._spec, handle.number, crash_at_step=crash_at_step)
         self.replicas.append(handle)
         return handle
 
@@ -269,7 +269,7 @@ class RayExecutor:
     def wants_rows(self) -> bool:
         """Room for another block on some live replica, and none queued for it already."""
         free = sum(self.ray_options.blocks_in_flight - len(r.in_flight) for r in self._live())
-        return free > len(self.queue)
+        return not self._closing and free > len(self.queue)
 
     def submit(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int] = frozenset()) -> None:
         self._pending.append((index, raw))
@@ -289,7 +289,30 @@ class RayExecutor:
         self._dispatch()
 
     def busy(self) -> bool:
-        return bool(self.queue or self._pending or any(r.in_flight for r in self._live()))
+        waiting = not self._closing and bool(self.queue or self._pending)  # (after a deadline, only what runs)
+        return waiting or any(r.in_flight for r in self._live())
+
+    # ---- a deadline (run/deadline.py) ------------------------------------------------------------
+    def stop_starting(self) -> None:
+        """No block is sent any more; the blocks running have the grace to come back."""
+        self._closing = True
+
+    def expire(self, message: str) -> list[RowResult]:
+        """Every row sent or queued and not back: `expired` (blocks come back whole, so a running block's rows
+        all expire; the replicas are stopped after this)."""
+        blocks = [*self.queue, *(b for r in self._live() for b in r.in_flight.values())]
+        rows = [(index, raw, block.done_samples.get(index, frozenset())) for block in blocks for index, raw in block.rows]
+        rows += [(index, raw, self._pending_done.get(index, frozenset())) for index, raw in self._pending]
+        self.queue.clear()
+        self._pending, self._pending_done = [], {}
+        for handle in self._live():
+            handle.in_flight.clear()
+        return [result for index, raw, done in sorted(rows, key=lambda r: r[0])
+                for result in expire_unsent(self.spec, index, raw, done, message)]
+
+    def expire_unsubmitted(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int],
+                           message: str) -> list[RowResult]:
+        return expire_unsent(self.spec, index, raw, done_samples, message)
 
     def poll(self) -> list[RowResult]:
         """Waits (at most a second) for a block to come back; its results, or none."""
@@ -299,7 +322,7 @@ class RayExecutor:
         self._dispatch()
         refs = [ref for r in self._live() for ref in r.in_flight]
         if not refs:
-            if self.queue:  # cannot happen while a replica runs; never end with rows missing
+            if self.queue and not self._closing:  # cannot happen while a replica runs; never end with rows missing
                 raise ReplicaFailure("no replica is left to run the remaining rows")
             return []
         ready, _ = self.ray.wait(refs, num_returns=1, timeout=1.0)
@@ -309,6 +332,8 @@ class RayExecutor:
 
     def _dispatch(self) -> None:
         """Tops every live replica up to `blocks_in_flight` blocks from the queue (retried blocks first)."""
+        if self._closing:
+            return
         for handle in self._live():
             while self.queue and len(handle.in_flight) < self.ray_options.blocks_in_flight:
                 block = self.queue.popleft()
@@ -424,11 +449,12 @@ def run_ray_job(options: JobOptions, ray_options: RayOptions, make_progress=None
     if prepared is None:
         return EXIT_OK
     options = replace(options, engine=prepared.config)
+    spec = job_spec(options, prepared)  # (a bad --result-cache is refused here, before any replica starts)
     token_source = ray_auth_token(ray_options.address)  # NOTE: before Ray's import, which reads RAY_AUTH_MODE
     ray = require_ray()
     started_ray = connect(ray, ray_options.address, token_source)
     metrics = JobMetrics(total_rows=prepared.total_rows)
-    executor = RayExecutor(options, ray_options, ray, metrics, on_block, prepared.state, prepared.pooling)
+    executor = RayExecutor(spec, options, ray_options, ray, metrics, on_block, prepared.state)
     try:
         executor.start_replicas()
         code = run_rows(options, prepared, executor, metrics, make_progress or make_display)
@@ -437,6 +463,5 @@ def run_ray_job(options: JobOptions, ray_options: RayOptions, make_progress=None
         executor.stop_replicas()
         if started_ray:
             ray.shutdown()
-    if options.task != "generate":  # a prefill-only job: its summary gives rows/s and prompt tokens/s
-        report["task"] = options.task
-    return conclude_job(options, prepared, report, code, f" | {executor.shape['replicas']} Ray replica(s)")
+    return conclude_job(options, prepared, with_task(report, prepared.task), code,
+                        f" | {executor.shape['replicas']} Ray replica(s)")

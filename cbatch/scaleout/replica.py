@@ -15,16 +15,16 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
-from cbatch.config import EngineConfig, SamplingParams
+from cbatch.config import EngineConfig
 from cbatch.engine.build import build_engine
 from cbatch.engine.engine import Engine
 from cbatch.engine.stats import SchedulerStats
 from cbatch.io.reader import RawRow
 from cbatch.observe.metrics import EngineSnapshot, JobMetrics
 from cbatch.run.driver import count
-from cbatch.engine.pooling import PoolingParams
 from cbatch.run.executor import LocalExecutor
-from cbatch.run.results import RowResult
+from cbatch.run.job_spec import JobSpec
+from cbatch.tasks.results import RowResult
 
 
 @dataclass(slots=True)
@@ -72,16 +72,14 @@ class BlockResult:
 
 
 class Replica:
-    def __init__(self, config: EngineConfig, defaults: SamplingParams, replica: int = 0,
-                 make_engine: Callable[[EngineConfig], Engine] = build_engine, crash_at_step: int | None = None,
-                 reasoning_split: bool = True, pooling: PoolingParams | None = None) -> None:
-        """`crash_at_step` (fault injection, for tests): the process dies once its engine has taken that
-        many steps, in the middle of a block, as an OOM-killed worker would."""
-        self.config = config
-        self.reasoning_split = reasoning_split
-        self.pooling = pooling  # a prefill-only job (--task embed, ...): its settings
+    def __init__(self, spec: JobSpec, replica: int = 0, make_engine: Callable[[EngineConfig], Engine] = build_engine,
+                 crash_at_step: int | None = None) -> None:
+        """`spec`: the job, whole (its task, kept columns, result cache), as a local run's executor has it.
+        `crash_at_step` (fault injection, for tests): the process dies once its engine has taken that many steps,
+        in the middle of a block, as an OOM-killed worker would."""
+        self.spec = spec
+        self.config = spec.engine
         self.crash_at_step = crash_at_step
-        self.defaults = defaults
         self.replica = replica
         self._make_engine = make_engine
         self._engine: Engine | None = None
@@ -94,8 +92,7 @@ class Replica:
         with self._lock:
             if self._engine is None:
                 engine = self._make_engine(self.config)
-                self.executor = LocalExecutor(engine, self.defaults, JobMetrics(), reasoning_split=self.reasoning_split,
-                                              pooling=self.pooling)
+                self.executor = LocalExecutor(engine, replace(self.spec, engine=engine.config), JobMetrics())
                 self.stats = ReplicaStats(
                     replica=self.replica, host=socket.gethostname(), device=str(engine.device),
                     num_kv_blocks=engine.pool.num_blocks, max_num_seqs=engine.config.max_num_seqs,

@@ -1,0 +1,86 @@
+"""The ground floor of row parsing: the error a bad row raises and the fields every kind of row shares (its id,
+text, token ids, chat messages). Every row parser (io/rows.py, io/pooling_rows.py, the tasks) builds on these, and
+this module imports no other row module.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from cbatch.config import UserError
+
+
+class RowError(UserError):
+    """A bad row: the message names the field and the problem."""
+
+
+def given_row_id(row: dict[str, Any] | str) -> str | None:
+    """The input's own id: `id`, else OpenAI's `custom_id` (a string or an integer); None if it has none."""
+    if isinstance(row, dict):
+        for key in ("id", "custom_id"):
+            value = row.get(key)
+            if isinstance(value, (str, int)) and not isinstance(value, bool):
+                return str(value)
+    return None
+
+
+def row_id_of(index: int, row: dict[str, Any] | str) -> str:
+    """The output id: the input's own id, else the row index."""
+    row_id = given_row_id(row)
+    return str(index) if row_id is None else row_id
+
+
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    """A row's `messages`, checked (raises RowError naming the message and field)."""
+    return _messages(value)
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise RowError("`messages` must be a non-empty list of {\"role\", \"content\"} objects")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RowError(f"`messages[{i}]` must be an object with a string `role` and `content`")
+        content = message.get("content")
+        if isinstance(content, list):  # OpenAI content parts: keep the text parts
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise RowError(f"`messages[{i}].content` parts must all be text parts")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RowError(f"`messages[{i}].content` must be a string")
+        out.append({"role": _text(f"messages[{i}].role", message["role"]), "content": _text(f"messages[{i}].content", content)})
+    return out
+
+
+def text_field(field: str, value: Any) -> str:
+    """A row's text field: a string, not blank, valid Unicode (raises RowError naming the field)."""
+    if not isinstance(value, str):
+        raise RowError(f"`{field}` must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise RowError(f"`{field}` is empty")
+    return _text(field, value)
+
+
+def _text(field: str, value: str) -> str:
+    """`value`, if it is valid Unicode (JSON escapes can smuggle in lone surrogates, which no tokenizer takes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RowError(f"`{field}` is not valid Unicode text (an unpaired surrogate at character {exc.start})") from None
+    return value
+
+
+def is_token_ids(value: Any) -> bool:
+    """A non-empty list of non-negative integers (booleans are not ids)."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value))
+
+
+def token_ids_field(value: Any) -> list[int]:
+    """A row's `prompt_token_ids`, checked (raises RowError)."""
+    if not is_token_ids(value):
+        raise RowError("`prompt_token_ids` must be a non-empty list of non-negative integers")
+    return list(value)
+
+
+__all__ = ["RowError", "given_row_id", "is_token_ids", "parse_messages", "row_id_of", "text_field", "token_ids_field"]

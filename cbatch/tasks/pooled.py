@@ -1,0 +1,161 @@
+"""What the prefill-only tasks (embed, score, classify, reward: one module each) share: a row is a text, a chat or a
+pair of texts; each of its requests is one prefill whose hidden states the runner pools into one vector
+(engine/pooling.py); the row's columns come from those vectors once all of them are back.
+
+Settings are resolved once per job against the checkpoint: its head (a *ForSequenceClassification) or its
+sentence-transformers pooling config; a job the model cannot do is refused with one line naming the fix.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from cbatch.config import SamplingParams
+from cbatch.engine.pooling import POOLING_MODES, PoolingParams
+from cbatch.io.openai import request_digest
+from cbatch.io.pooling_rows import PoolingRow, RowFormat, parse_pooling_row
+from cbatch.io.row_fields import RowError
+from cbatch.model.pooling_config import model_pooling
+from cbatch.tasks.base import ParsedRow, Part, PendingRow, Request, RowWork, Task, TaskError, TaskOptions
+from cbatch.tasks.results import RowResult
+from cbatch.tokenizer import encode_messages
+
+if TYPE_CHECKING:
+    from cbatch.engine.engine import Engine, RequestOutput
+    from cbatch.model.spec import ModelSpec
+
+
+class PooledTask(Task):
+    """A prefill-only task. A subclass names its row format, its OpenAI data object and its columns, resolves its
+    settings (`for_job`) and turns a finished row's vectors into columns (`row_columns`)."""
+
+    decodes: ClassVar[bool] = False
+    row_format: ClassVar[RowFormat]
+    data_object: ClassVar[str]  # the OpenAI body's `data[0].object`
+
+    def __init__(self, pooling: PoolingParams, defaults: SamplingParams = SamplingParams()) -> None:
+        self.pooling = pooling
+        self.defaults = defaults  # the settings its requests run with (one position each; no sampling)
+
+    def identity(self) -> dict[str, Any]:
+        return {"task": asdict(self.pooling)}
+
+    def column_types(self) -> dict[str, Any]:
+        import pyarrow as pa
+
+        types = {"embedding": pa.list_(pa.float32()), "score": pa.float64(), "label": pa.string(),
+                 "probs": pa.list_(pa.float32()), "reward": pa.float64()}
+        return {name: types[name] for name in self.columns}
+
+    # ---- a row's life ---------------------------------------------------------------------------------------
+    def parse(self, index: int, raw: dict[str, Any] | str) -> ParsedRow:
+        row = parse_pooling_row(index, raw, self.row_format)
+        return ParsedRow(index, row.row_id, row, 1, row.echo)
+
+    def requests(self, engine: "Engine", parsed: ParsedRow) -> RowWork:
+        """One request (a text, or a cross-encoder's pair), or two for a bi-encoder's score (each text embedded)."""
+        row: PoolingRow = parsed.request
+        pooling = self.pooling if row.dimensions is None else replace(self.pooling, dimensions=row.dimensions)
+        if pooling.dimensions is not None and engine.spec is not None and pooling.dimensions > engine.spec.hidden_size:
+            raise RowError(f"body.dimensions must be at most the model's {engine.spec.hidden_size}, got {pooling.dimensions}")
+        bi_encoder = row.pair is not None and not pooling.head
+        prompts = ([input_ids(engine, row, text) for text in row.pair] if bi_encoder else [input_ids(engine, row, None)])
+        # the cache key: the prompt ids (both halves), and a row's own `dimensions` as a negative id
+        key_ids = [t for ids in prompts for t in [*ids, -1]] + ([-1 - row.dimensions] if row.dimensions else [])
+        return RowWork(parsed, [Request(ids, self.defaults, pooling) for ids in prompts], (key_ids, self.defaults))
+
+    def collect(self, engine: "Engine", row: PendingRow, part: Part, out: "RequestOutput") -> list[RowResult]:
+        row.outputs[part] = out
+        if row.left:
+            return []  # a bi-encoder's other half is still running
+        outs = [row.outputs[p] for p in sorted(row.outputs)]
+        vectors = [out.pooled for out in outs]
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
+        columns = {} if None in vectors else self.row_columns(vectors, engine, row.parsed)  # simulated: no vectors
+        return [row.result("stop", prompt_tokens=prompt_tokens, columns=columns)]
+
+    @abstractmethod
+    def row_columns(self, vectors: list[list[float]], engine: "Engine", parsed: ParsedRow) -> dict[str, Any]:
+        """A finished row's columns from its requests' vectors (in request order)."""
+
+    # ---- OpenAI output ----------------------------------------------------------------------------------------
+    def openai_body(self, samples: list[dict[str, Any]], model: str, created: int) -> dict[str, Any]:
+        """The response body OpenAI (embeddings) and vLLM (score, classify, pooling) return:
+        `{"object": "list", "data": [{"object", "index": 0, ...}], "model", "usage"}`."""
+        record = samples[0]
+        item: dict[str, Any] = {"object": self.data_object, "index": 0}
+        item.update({k: record[k] for k in self.columns if record.get(k) is not None})
+        self.add_to_item(item, record)
+        prompt_tokens = record["prompt_tokens"]
+        echo = record.get("echo") or {}
+        return {"id": f"{self.name}-{request_digest(record)}", "object": "list", "created": created,
+                "model": echo.get("model") or model, "data": [item],
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+    def add_to_item(self, item: dict[str, Any], record: dict[str, Any]) -> None:
+        """What a task adds to its OpenAI data item beyond its columns."""
+
+
+# ---- settings ---------------------------------------------------------------------------------------------------
+def check_pooling_flag(options: TaskOptions) -> None:
+    if options.pooling is not None and options.pooling not in POOLING_MODES:
+        raise TaskError(f"--pooling: one of {', '.join(POOLING_MODES)}, not {options.pooling!r}")
+
+
+def head_pooling(task: str, options: TaskOptions, spec: "ModelSpec", one_output: bool) -> PoolingParams:
+    """A classification head's task (classify, reward, a cross-encoder's score): the head reads the last token
+    (HF's *ForSequenceClassification). `one_output`: the head must have one label."""
+    check_pooling_flag(options)
+    arch = spec.architecture
+    if spec.head != "classify":
+        raise TaskError(f"--task {task}: needs a sequence classification head (a *ForSequenceClassification "
+                        f"checkpoint); this is a {arch}, use --task embed")
+    if one_output and spec.num_labels != 1:
+        raise TaskError(f"--task {task}: needs a head with one output; this {arch} has {spec.num_labels} labels, "
+                        "use --task classify")
+    if options.normalize is not None or options.dimensions is not None:
+        raise TaskError(f"--normalize and --dimensions are for embeddings; leave them out for --task {task}")
+    return PoolingParams(task, options.pooling or "last", head=True)
+
+
+def embedding_pooling(task: str, options: TaskOptions, spec: "ModelSpec", model_dir: Path | None) -> PoolingParams:
+    """An embedding's settings (embed, a bi-encoder's score): pooled as the model's sentence-transformers config
+    says unless --pooling / --normalize say otherwise; --dimensions: Matryoshka."""
+    check_pooling_flag(options)
+    own = model_pooling(model_dir) if model_dir is not None else None  # a weightless shape has no folder
+    if options.pooling is None and own is None:
+        raise TaskError(f"--task {task}: this {spec.architecture} has no pooling config (sentence-transformers "
+                        "modules.json with a Pooling module); give --pooling last, mean or cls")
+    dimensions = options.dimensions
+    if dimensions is not None and not 1 <= dimensions <= spec.hidden_size:
+        raise TaskError(f"--dimensions: between 1 and the model's hidden size {spec.hidden_size}, not {dimensions}")
+    normalize = options.normalize if options.normalize is not None else (own.normalize if own is not None else False)
+    return PoolingParams(task, options.pooling or own.pooling, normalize=normalize, dimensions=dimensions)
+
+
+# ---- inputs -----------------------------------------------------------------------------------------------------
+def input_ids(engine: "Engine", row: PoolingRow, text: str | None) -> list[int]:
+    """A prefill-only request's token ids: its own, its text's or (`text` None with a pair: a cross-encoder) its
+    pair's, tokenized as HF and sentence-transformers do (the tokenizer's special tokens added)."""
+    tokenizer = engine.tokenizer
+    if row.token_ids is not None:
+        ids = row.token_ids
+    elif tokenizer is None:
+        raise RowError("this model has no tokenizer; give `prompt_token_ids` instead of text")
+    elif row.messages is not None:
+        try:
+            ids = encode_messages(tokenizer, row.messages, generation_prompt=False)
+        except Exception as exc:  # no chat template, a template raising on odd roles
+            raise RowError(f"could not render `messages` ({type(exc).__name__}: {exc})") from None
+    elif text is not None or row.pair is None:
+        ids = list(tokenizer.encode(text if text is not None else row.text))
+    else:
+        ids = list(tokenizer.encode(*row.pair))
+    if (error := engine.vocabulary_error("the input", ids)) is not None:
+        raise RowError(error)
+    return ids
+
+
+__all__ = ["PooledTask", "embedding_pooling", "head_pooling", "input_ids"]
