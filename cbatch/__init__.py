@@ -1,13 +1,12 @@
 """cbatch: offline LLM batch inference with continuous batching over a paged KV cache."""
 from cbatch.api import __all__ as _API
-from cbatch.api.sampling import GuidedDecodingParams, LoRARequest, SamplingParams, StructuredOutputsParams
 from cbatch.config import EngineConfig
 
 __all__ = sorted({"EngineConfig", *_API})
 
 
 def __getattr__(name: str):
-    if name in _API:  # lazy: importing cbatch must not import torch
+    if name in _API:  # lazy: importing cbatch must not import torch (nor the library's modules)
         import cbatch.api
 
         return getattr(cbatch.api, name)
