@@ -122,6 +122,24 @@ def test_stop_reasons_and_prompt_shapes(tiny):
         SamplingParams(best_of=2)
 
 
+def test_chat_template_options(tiny):
+    template = ("{{ greeting }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                "{% if tools %}tools: {{ tools | map(attribute='name') | join(',') }}\n{% endif %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}")
+    chat = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    params = SamplingParams(max_tokens=3)
+    opened = tiny.chat(chat, params, chat_template=template, chat_template_kwargs={"greeting": "G! "},
+                       tools=[{"name": "search"}, {"name": "add"}])[0]
+    assert opened.prompt == "G! [user] Hi there\ntools: search,add\n[assistant]" and len(opened.outputs[0].token_ids) == 3
+    closed = tiny.chat(chat, params, chat_template=template, add_generation_prompt=False)[0]
+    assert closed.prompt == "[user] Hi there\n"
+    assert closed.prompt_token_ids == tiny.get_tokenizer().encode("[user] Hi there\n", add_special_tokens=False)
+    with pytest.raises(UserError, match="may not set add_generation_prompt"):
+        tiny.chat(chat, params, chat_template_kwargs={"add_generation_prompt": False})
+    with pytest.raises(UserError, match="chat_template_content_format"):
+        tiny.chat(chat, params, chat_template_content_format="openai")
+
+
 def test_structured_outputs(tiny):
     schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
               "required": ["color", "ok"], "additionalProperties": False}

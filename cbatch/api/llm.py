@@ -63,13 +63,18 @@ class LLM:
         return self._generate(token_lists, params, shown, use_tqdm)
 
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: Params = None,
-             use_tqdm: bool = True, lora_request: Lora = None, chat_template: str | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = True, lora_request: Lora = None, chat_template: str | None = None, *,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, rendered with the model's chat
-        template (or `chat_template`), the assistant's turn opened unless `add_generation_prompt=False`."""
+        template (or `chat_template`), the assistant's turn opened unless `add_generation_prompt=False`. Content
+        reaches the template as a string (text parts joined)."""
         if self.engine.tokenizer is None:
             raise UserError("this model has no tokenizer; chat needs one")
+        if chat_template_content_format not in ("auto", "string"):
+            raise UserError(f"chat_template_content_format={chat_template_content_format!r}: cbatch gives the "
+                            "template each message's content as a string (\"auto\" or \"string\")")
         if add_generation_prompt and continue_final_message:
             raise UserError("give add_generation_prompt=False with continue_final_message=True")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -165,14 +170,14 @@ class LLM:
         return None if tokenizer is None else tokenizer.decode([token])
 
     # ---- prefill-only tasks (docs/tasks.md): one prefill per input, no decoding ----------------------------
-    def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True, *, pooling: str | None = None,
+    def embed(self, prompts: PromptType | Sequence[PromptType], /, *, use_tqdm: bool = True, pooling: str | None = None,
               normalize: bool | None = None, dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
         """Each input's embedding (float32 values), pooled as the model's sentence-transformers config says unless
         cbatch's `pooling` (last | mean | cls) / `normalize` say otherwise; `dimensions`: Matryoshka."""
         ids, vectors = self._pool_prompts(prompts, self._task("embed", pooling, normalize, dimensions), use_tqdm)
         return [EmbeddingRequestOutput(self._request_id(), EmbeddingOutput(v), i) for i, v in zip(ids, vectors)]
 
-    def classify(self, prompts: PromptType | Sequence[PromptType],
+    def classify(self, prompts: PromptType | Sequence[PromptType], /, *,
                  use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
         """Each input's class probabilities (softmax over the sequence classification head's labels)."""
         ids, vectors = self._pool_prompts(prompts, self._task("classify"), use_tqdm)
@@ -180,11 +185,12 @@ class LLM:
         return [ClassificationRequestOutput(self._request_id(), ClassificationOutput(**task_columns("classify", v, labels)), i)
                 for i, v in zip(ids, vectors)]
 
-    def reward(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+    def reward(self, prompts: PromptType | Sequence[PromptType], /, *,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
         """Each input's reward: `.outputs.data`, the reward head's output (one value) as a tensor."""
         return self.encode(prompts, use_tqdm=use_tqdm, pooling_task="reward")
 
-    def encode(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True, *,
+    def encode(self, prompts: PromptType | Sequence[PromptType], /, *, use_tqdm: bool = True,
                pooling_task: str | None = None) -> list[PoolingRequestOutput]:
         """`.outputs.data` of each input as a float32 tensor: the embedding (embed), the class probabilities
         (classify) or the head's output (reward); `pooling_task` defaults to the LLM's `task`."""
@@ -200,7 +206,7 @@ class LLM:
         return [PoolingRequestOutput(self._request_id(), PoolingOutput(torch.tensor(v, dtype=torch.float32)), i)
                 for i, v in zip(ids, vectors)]
 
-    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *,
               use_tqdm: bool = True) -> list[ScoringRequestOutput]:
         """Each pair's score: a cross-encoder's sigmoid(logit) of the pair, or an embedding model's cosine. One text
         against many pairs it with each; two lists pair item by item."""
