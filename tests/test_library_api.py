@@ -130,7 +130,8 @@ def test_chat_template_options(tiny):
     params = SamplingParams(max_tokens=3)
     opened = tiny.chat(chat, params, chat_template=template, chat_template_kwargs={"greeting": "G! "},
                        tools=[{"name": "search"}, {"name": "add"}])[0]
-    assert opened.prompt == "G! [user] Hi there\ntools: search,add\n[assistant]" and len(opened.outputs[0].token_ids) == 3
+    assert opened.prompt == "G! [user] Hi there\ntools: search,add\n[assistant]"
+    assert len(opened.outputs[0].token_ids) == 3
     closed = tiny.chat(chat, params, chat_template=template, add_generation_prompt=False)[0]
     assert closed.prompt == "[user] Hi there\n"
     assert closed.prompt_token_ids == tiny.get_tokenizer().encode("[user] Hi there\n", add_special_tokens=False)
@@ -207,8 +208,8 @@ def test_embed_classify_score_reward(pooling_models):
 
     cls = LLM(model=str(pooling_models["cls3"]), task="classify", use_tqdm=False)
     probs = [o.outputs.probs for o in cls.classify(texts)]
-    torch.testing.assert_close(torch.tensor(probs), torch.softmax(hf_classifier_logits(pooling_models["cls3"], texts), 1),
-                               atol=1e-5, rtol=0)
+    ref_probs = torch.softmax(hf_classifier_logits(pooling_models["cls3"], texts), 1)
+    torch.testing.assert_close(torch.tensor(probs), ref_probs, atol=1e-5, rtol=0)
     assert [len(p) for p in probs] == [3, 3, 3] and cls.classify(texts[0])[0].outputs.num_classes == 3
 
     reward = LLM(model=str(pooling_models["reward"]), runner="pooling", use_tqdm=False)
@@ -237,8 +238,9 @@ def test_engine_keywords(tiny_chat_model):
         enable_lora=True, max_lora_rank=32, max_loras=2, swap_space=1, task="embedding", trust_remote_code=False,
         num_kv_blocks=50))  # (cbatch's own EngineConfig names still work)
     config = settings.config
-    assert (config.dtype, config.max_model_len, config.gpu_memory_utilization, config.max_num_seqs) == ("float16", 96, 0.5, 3)
-    assert (config.max_num_batched_tokens, config.enable_prefix_cache, config.seed, config.enforce_eager) == (40, False, 5, True)
-    assert (config.kv_cache_dtype, config.max_lora_rank, config.max_loras, config.swap_space_gb) == ("fp8", 32, 2, 1)
+    assert (config.dtype, config.max_model_len, config.gpu_memory_utilization) == ("float16", 96, 0.5)
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.enable_prefix_cache) == (3, 40, False)
+    assert (config.seed, config.enforce_eager, config.kv_cache_dtype, config.swap_space_gb) == (5, True, "fp8", 1)
+    assert (config.max_lora_rank, config.max_loras) == (32, 2)
     assert settings.enable_lora and settings.task == "embed" and config.num_kv_blocks == 50
     assert library_settings(model, {"dtype": torch.bfloat16}).config.dtype == "bfloat16"

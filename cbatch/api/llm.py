@@ -55,7 +55,7 @@ class LLM:
                  prompt_token_ids: Sequence[Sequence[int]] | None = None) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in input order; `sampling_params` one for all or one per prompt."""
         if (prompts is None) == (prompt_token_ids is None):
-            raise UserError("give prompts (or prompt_token_ids), not both")
+            raise UserError("give prompts or prompt_token_ids (one of them)")
         items = as_list(prompts) if prompts is not None else [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         params = self._params(sampling_params, len(items), lora_request)
         token_lists = [self._tokenize(i, item, p) for i, (item, p) in enumerate(zip(items, params))]
@@ -79,8 +79,8 @@ class LLM:
             raise UserError("give add_generation_prompt=False with continue_final_message=True")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = self._params(sampling_params, len(conversations), lora_request)
-        extra = {**(chat_template_kwargs or {}), **({"chat_template": chat_template} if chat_template else {}),
-                 **({"tools": tools} if tools else {}), **({"continue_final_message": True} if continue_final_message else {})}
+        options = {"chat_template": chat_template, "tools": tools, "continue_final_message": continue_final_message}
+        extra = {**(chat_template_kwargs or {}), **{k: v for k, v in options.items() if v}}
         reserved = [k for k in RESERVED_TEMPLATE_KWARGS if k in extra]
         if reserved:
             raise UserError(f"chat_template_kwargs may not set {', '.join(reserved)} (cbatch sets it)")
@@ -181,9 +181,9 @@ class LLM:
                  use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
         """Each input's class probabilities (softmax over the sequence classification head's labels)."""
         ids, vectors = self._pool_prompts(prompts, self._task("classify"), use_tqdm)
-        labels = self.engine.spec.labels
-        return [ClassificationRequestOutput(self._request_id(), ClassificationOutput(**task_columns("classify", v, labels)), i)
-                for i, v in zip(ids, vectors)]
+        columns = [task_columns("classify", v, self.engine.spec.labels) for v in vectors]
+        return [ClassificationRequestOutput(self._request_id(), ClassificationOutput(**c), i)
+                for i, c in zip(ids, columns)]
 
     def reward(self, prompts: PromptType | Sequence[PromptType], /, *,
                use_tqdm: bool = True) -> list[PoolingRequestOutput]:
