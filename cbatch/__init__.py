@@ -1,12 +1,13 @@
 """cbatch: offline LLM batch inference with continuous batching over a paged KV cache."""
-from cbatch.config import EngineConfig, SamplingParams
+from cbatch.api import __all__ as _API
+from cbatch.config import EngineConfig
 
-__all__ = ["EngineConfig", "LLM", "SamplingParams"]
+__all__ = sorted({"EngineConfig", *_API})
 
 
 def __getattr__(name: str):
-    if name == "LLM":  # lazy: importing cbatch must not import torch
-        from cbatch.engine.llm import LLM
+    if name in _API:  # lazy: importing cbatch must not import torch (nor the library's modules)
+        import cbatch.api
 
-        return LLM
+        return getattr(cbatch.api, name)
     raise AttributeError(name)

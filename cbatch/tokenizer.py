@@ -27,8 +27,8 @@ def encode_messages(tokenizer, messages: list[dict[str, Any]], template_kwargs: 
                     generation_prompt: bool = True) -> list[int]:
     """A chat rendered with the model's chat template, the assistant's turn opened (`generation_prompt`; a reward
     model or classifier reads the chat as it is); `template_kwargs` are extra template variables (e.g.
-    {"enable_thinking": False} for Qwen3)."""
-    if not getattr(tokenizer, "chat_template", None):
+    {"enable_thinking": False} for Qwen3; the library's `chat_template`, `tools`)."""
+    if not getattr(tokenizer, "chat_template", None) and not (template_kwargs or {}).get("chat_template"):
         raise ValueError("this model's tokenizer has no chat template; give `prompt` text instead of `messages`")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
                                         **(template_kwargs or {}))

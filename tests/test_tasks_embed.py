@@ -285,11 +285,12 @@ def test_library_api(models):
 
     texts = random_texts(3, seed=17)
     llm = LLM(model=str(models["st_last"]), device="cpu", use_tqdm=False, num_kv_blocks=200)
-    torch.testing.assert_close(torch.tensor(llm.embed(texts)), st_encode(models["st_last"], texts), atol=1e-5, rtol=1e-5)
+    embeddings = [o.outputs.embedding for o in llm.embed(texts)]
+    torch.testing.assert_close(torch.tensor(embeddings), st_encode(models["st_last"], texts), atol=1e-5, rtol=1e-5)
     assert len(llm.score(texts[:2], texts[1:])) == 2
     cls = LLM(model=str(models["cls3"]), device="cpu", use_tqdm=False, num_kv_blocks=200).classify(texts)
     ref = torch.softmax(hf_classifier_logits(models["cls3"], texts), 1)
-    torch.testing.assert_close(torch.tensor([c["probs"] for c in cls]), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor([c.outputs.probs for c in cls]), ref, atol=1e-5, rtol=0)
     with pytest.raises(UserError, match="give --pooling"):
         LLM(model=str(models["cls3"]), device="cpu", use_tqdm=False, num_kv_blocks=200).embed(texts)
 

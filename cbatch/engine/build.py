@@ -85,6 +85,20 @@ def load_loras(config: EngineConfig, model):
     return LoraSlots(model, adapters, config.max_loras, config.max_lora_rank)
 
 
+def add_loras(engine: Engine, loras: tuple[tuple[str, str], ...]) -> None:
+    """More LoRA adapters (name, PEFT folder) for a built engine with nothing queued (the library's LoRARequest
+    naming a new one): the slots made again for every adapter, without reloading the model, and a fresh
+    scheduler (`Engine.reset`) whose admission knows them."""
+    if engine.has_unfinished():
+        raise RuntimeError("adapters can be added only between runs (requests are queued)")
+    config = replace(engine.config, loras=engine.config.loras + tuple(loras))  # (checks the names)
+    lora = load_loras(config, engine.runner.model)
+    engine.runner.lora = lora
+    if engine.device is not None and engine.device.type == "cuda":
+        lora.warm_up()
+    engine.reset(loras=config.loras)
+
+
 # start-up tuning times decode steps of this many sequences at this context (capped by max_model_len): the
 # size of a full decode step on a GPU, where decode attention's time goes
 TUNING_BATCH, TUNING_CONTEXT = 256, 2048

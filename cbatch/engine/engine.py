@@ -349,18 +349,25 @@ def make_scheduler(config: EngineConfig, kv: KVPool, max_model_len: int) -> Sche
 
 
 def run_to_completion(engine: Engine, token_lists: list[list[int]], params: list[SamplingParams],
-                      use_tqdm: bool = False) -> list[RequestOutput]:
+                      use_tqdm: bool = False, seq_ids: Seq[int] | None = None,
+                      pooling: PoolingParams | None = None) -> list[RequestOutput]:
     """Runs every request through the engine; outputs in input order, a request's n samples in sample order.
-    `use_tqdm`: a bar over finished requests with the output token rate (tqdm.auto: a widget in notebooks)."""
-    seqs = [engine.add_request(ids, p) for ids, p in zip(token_lists, params)]
-    bar = _progress_bar(sum(len(s.samples) for s in seqs), "generating") if use_tqdm else None  # one tick a sample
+    `use_tqdm`: a bar over finished requests with the output token rate (tqdm.auto: a widget in notebooks).
+    `seq_ids`: each request's (its seed's row index, as `cbatch run` gives a row its input index); `pooling`:
+    prefill-only requests."""
+    ids_of = list(seq_ids) if seq_ids is not None else [None] * len(token_lists)
+    seqs = [engine.add_request(ids, p, seq_id=i, pooling=pooling) for ids, p, i in zip(token_lists, params, ids_of)]
+    what = "generating" if pooling is None else pooling.task
+    bar = _progress_bar(sum(len(s.samples) for s in seqs), what) if use_tqdm else None  # one tick a sample
     finished_tokens = 0
     while engine.has_unfinished():
         finished = engine.step()
         if bar is not None and finished:
-            finished_tokens += sum(len(s.result_ids) for s in finished)
             bar.update(len(finished))
-            bar.set_postfix_str(f"{finished_tokens / max(bar.format_dict['elapsed'], 1e-9):,.1f} output tok/s", refresh=False)
+            if pooling is None:
+                finished_tokens += sum(len(s.result_ids) for s in finished)
+                bar.set_postfix_str(f"{finished_tokens / max(bar.format_dict['elapsed'], 1e-9):,.1f} output tok/s",
+                                    refresh=False)
     if bar is not None:
         bar.close()
     return [engine.output_of(sample) for s in seqs for sample in s.samples]

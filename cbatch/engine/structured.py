@@ -1,4 +1,5 @@
-"""Structured output: a row's completion constrained to a JSON schema, any JSON object, a regex or a choice.
+"""Structured output: a row's completion constrained to a JSON schema, any JSON object, a regex, a choice or
+(the library's `structured_outputs.grammar`) an EBNF grammar.
 
 The grammar engine is xgrammar (docs/structured-output.md says why). Its compiler turns a `Constraint`
 into a CompiledGrammar once per engine (cached by the constraint's text), a GrammarMatcher per sequence
@@ -67,6 +68,8 @@ def _grammar(constraint: Constraint):
         return xgr.Grammar.from_regex(constraint.text)
     if kind == "choice":
         return xgr.Grammar.from_ebnf(_choice_ebnf(constraint.text))
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(constraint.text)
     raise ValueError(f"unknown constraint kind {kind!r}")
 
 

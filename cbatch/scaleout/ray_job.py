@@ -223,7 +223,7 @@ class RayExecutor:
         config = self.spec.engine
         if not gpus:  # a CPU replica never touches a GPU it was not given; each rank gets its share of the CPUs
             config = replace(config, device="cpu", num_threads=config.num_threads or cpus // config.tensor_parallel_size)
-        self._spec = replace(self.spec, engine=config)
+        self._spec = replace(self.spec, engine=config, deadline=None)  # (the driver keeps the deadline)
         self._actor_class = self.ray.remote(Replica).options(
             num_gpus=gpus, num_cpus=cpus, max_concurrency=self.ray_options.blocks_in_flight,
             max_restarts=0, max_task_retries=0,
