@@ -125,9 +125,10 @@ def test_a_candidate_that_disagrees_never_wins(tmp_path, monkeypatch):
     assert broken not in timer.calls and result.tiles == candidates[-2]
 
 
-def test_a_candidate_the_device_cannot_run_is_skipped(tmp_path, monkeypatch):
+def test_a_candidate_the_device_cannot_run_is_skipped(tmp_path, monkeypatch, capsys):
     """The fastest candidate fails to launch here (made to raise, as one past a smaller GPU's shared memory
-    would): the tuner goes on without it; the policy's own tiles failing is an error."""
+    would): the tuner goes on without it, silently; the policy's own tiles failing leaves those tiles in place,
+    with one warning line, and nothing cached."""
     candidates = decode_tile_candidates(64, False)
     real = tuning.paged_attention
 
@@ -141,11 +142,33 @@ def test_a_candidate_the_device_cannot_run_is_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "paged_attention", fails_for(candidates[-1]))
     timer = FakeTimes(candidates)
     result = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "t.json", time_us=timer)
-    assert candidates[-1] not in timer.calls and result.tiles == candidates[-2]
+    assert candidates[-1] not in timer.calls and result.tiles == candidates[-2] and result.error is None
+    assert capsys.readouterr().err == ""
     monkeypatch.setattr(tuning, "paged_attention", fails_for(candidates[0]))
-    with pytest.raises(RuntimeError, match="out of resource"):
-        tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "u.json",
-                                     time_us=FakeTimes(candidates))
+    fallback = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "u.json",
+                                            time_us=FakeTimes(candidates))
+    assert_fell_back(fallback.tiles, candidates[0], fallback, capsys, "decode attention's tiles", "out of resource")
+    assert not (tmp_path / "u.json").exists()
+
+
+def assert_fell_back(chosen, default, result, capsys, what: str, error: str) -> None:
+    """A tuner that met a device error: the policy's default chosen, the result says so, one warning line."""
+    assert chosen == default and result.error is not None and error in result.error and not result.complete
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"cbatch: warning: start-up tuning of {what} failed") \
+        and error in lines[0] and "defaults" in lines[0], lines
+    assert result.describe()["error"] == result.error
+
+
+def test_a_timer_that_fails_leaves_the_policys_tiles(tmp_path, capsys):
+    """The timer itself fails (a device that cannot record events, say): one warning line, the defaults."""
+    def broken(tiles, fn):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore detail")
+
+    result = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "t.json", time_us=broken)
+    assert_fell_back(result.tiles, decode_tile_candidates(64, False)[0], result, capsys, "decode attention's tiles",
+                     "illegal memory access")
+    assert "more detail" not in result.error  # one line
 
 
 def test_the_described_shape_is_the_one_tuned():
@@ -302,3 +325,50 @@ def test_every_launch_tuning_offers_matches_the_reference(small_probes):
             assert torch.isfinite(out).all() and rel_err(out, reference) < 1e-2, (batch, context, splits, filled)
     call, check = pool.launch(2, 32)
     assert torch.equal(check(tiles, 4, SplitRule(16, 16)), check(tiles, 2))
+
+
+def test_the_unsplit_launch_failing_leaves_the_policys_rule(tmp_path, small_probes, monkeypatch, capsys):
+    """The unsplit launch (what every decode step runs) fails: the split tuner keeps the default rule, one warning."""
+    real = tuning.paged_attention
+
+    def fails_unsplit(*args, num_splits=None, **kwargs):
+        if num_splits == 1:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        return real(*args, num_splits=num_splits, **kwargs)
+
+    monkeypatch.setattr(tuning, "paged_attention", fails_unsplit)
+    result = tune_splits(tmp_path, SplitTimes(s4=30.0))
+    assert_fell_back(result.rule, RULES[0], result, capsys, "split-KV's rule", "unspecified launch failure")
+    assert not (tmp_path / "t.json").exists()  # tuned again next start
+
+
+def test_an_engine_on_a_failing_device_starts_on_the_defaults(capsys, monkeypatch):
+    """build.tune_kernels with the real Triton backend on a "cuda" device this machine cannot reach (every
+    tuner's first CUDA call raises, as a device error would): tiles, split rule and GEMMs are the policy's,
+    one warning line per tuner, and the report says why."""
+    from types import SimpleNamespace
+
+    from cbatch.config import EngineConfig
+    from cbatch.engine import build
+    from cbatch.model.backend.triton_backend import TritonBackend
+    from cbatch.observe.report import describe_attention_tuning, describe_gemm_tuning, describe_split_tuning
+    from cbatch.parallel.comm import SINGLE_RANK
+    from test_kernels_gemm import _fake_model
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    spec = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=64)
+    resolved = SimpleNamespace(device=torch.device("cuda"), spec=spec, dtype=torch.bfloat16, max_model_len=4096)
+    backend, model = TritonBackend(), _fake_model()
+    report = build.tune_kernels(EngineConfig(max_num_seqs=40), resolved, backend, torch.bfloat16, SINGLE_RANK, model)
+    default_tiles = decode_tile_candidates(64, False)[0]
+    assert backend.decode_tiles == default_tiles and backend.split_rule == tuning.split_rule_candidates()[0]
+    assert report["decode_attention"] == str(default_tiles) and report["kv_splits"]["rule"] == str(backend.split_rule)
+    assert report["decode_gemm"]["triton"] == 0 and report["decode_gemm"]["shapes"] == 2 * 3  # 2 shapes x 3 buckets
+    assert all(m.gemm is None for m in model.layers.modules() if hasattr(m, "gemm"))
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" failed")[0] for line in lines] == [
+        "cbatch: warning: start-up tuning of decode attention's tiles", "cbatch: warning: start-up tuning of "
+        "split-KV's rule", "cbatch: warning: start-up tuning of the decode GEMMs"]
+    for line in (describe_attention_tuning(report), describe_split_tuning(report["kv_splits"]),
+                 describe_gemm_tuning(report["decode_gemm"])):
+        assert "tuning failed, the defaults run" in line

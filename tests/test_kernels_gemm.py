@@ -179,6 +179,21 @@ def test_the_budget_leaves_cublas_and_a_shape_tuned_again_next_start(tmp_path):
     assert all(c is not None for c in again.choices.values())
 
 
+def test_cublas_timing_failing_leaves_cublas_everywhere(tmp_path, capsys):
+    """The reference's own timing fails (a device error): every shape keeps cuBLAS, one warning line, no cache."""
+    def timer(what, fn):
+        if what[1] == "cublas":
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return 1.0
+
+    result = tune(tmp_path, timer)
+    assert len(result.choices) == len(SHAPES) * len(BUCKETS) and all(c is None for c in result.choices.values())
+    assert not result.complete and "not permitted" in result.error and result.describe()["triton"] == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cbatch: warning: start-up tuning of the decode GEMMs failed")
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_a_candidate_that_disagrees_never_wins(tmp_path, monkeypatch):
     broken = gemm_candidates(16)[0]
     real = tuning.decode_linear

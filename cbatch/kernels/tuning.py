@@ -36,11 +36,12 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -101,10 +102,13 @@ class TuningResult:
     shape: str = ""
 
     splits: SplitTuningResult | None = None  # split-KV's rule, when tuned (`tune_decode_splits`)
+    complete: bool = True  # every candidate timed (False: the budget ran out, or a device error; tuned again next start)
+    error: str | None = None  # the device error that left the policy's tiles in place (`_guarded`)
 
     def describe(self) -> dict:
         described = {"decode_attention": str(self.tiles), "policy_default": str(self.default), "cached": self.cached,
-                     "seconds": round(self.seconds, 2), "times_us": self.times_us, "shape": self.shape}
+                     "complete": self.complete, "seconds": round(self.seconds, 2), "times_us": self.times_us,
+                     "shape": self.shape, **_error_field(self.error)}
         if self.splits is not None:
             described["kv_splits"] = self.splits.describe()
         return described
@@ -119,11 +123,12 @@ class SplitTuningResult:
     seconds: float = 0.0  # spent tuning (0 when cached)
     cached: bool = False
     complete: bool = True  # every probe timed (False: the budget ran out; tuned again next start)
+    error: str | None = None  # the device error that left the policy's rule in place (`_guarded`)
 
     def describe(self) -> dict:
         return {"rule": str(self.rule), "policy_default": str(self.default), "cached": self.cached,
                 "complete": self.complete, "seconds": round(self.seconds, 2), "scores": self.scores,
-                "times_us": self.times_us}
+                "times_us": self.times_us, **_error_field(self.error)}
 
 
 def _stack_key(device_name: str) -> str:
@@ -148,7 +153,16 @@ def tune_decode_attention(shape: DecodeShape, device: torch.device, *, cache_pat
     `time_us(tiles, fn)` times one call of fn (tiles' launch) in microseconds (default: CUDA events, the median
     of several). Every
     candidate's output is compared with the first's before it may win. Candidates after `budget_s` seconds
-    are skipped (the first is always timed)."""
+    are skipped (the first is always timed). A device error (the policy's own tiles failing, a timer that
+    cannot run) leaves the policy's tiles, with one warning line (`_guarded`)."""
+    default = decode_tile_candidates(shape.head_dim, shape.kv_dtype.itemsize == 1)[0]
+    return _guarded("decode attention's tiles",
+                    lambda: _tune_decode_attention(shape, device, cache_path, budget_s, time_us),
+                    lambda error: TuningResult(default, default, complete=False, error=error))
+
+
+def _tune_decode_attention(shape: DecodeShape, device: torch.device, cache_path: Path | None, budget_s: float,
+                           time_us: Callable[[DecodeTiles, Callable[[], None]], float] | None) -> TuningResult:
     shape = fitted_shape(shape, synthetic_budget(device))  # the shape timed is the one the key and report name
     kv_scaled = shape.kv_dtype.itemsize == 1
     candidates = decode_tile_candidates(shape.head_dim, kv_scaled)
@@ -186,6 +200,34 @@ def tune_decode_attention(shape: DecodeShape, device: torch.device, *, cache_pat
     return result
 
 
+R = TypeVar("R")
+
+
+def _guarded(what: str, tune: Callable[[], R], fallback: Callable[[str], R]) -> R:
+    """tune(), or, on any error there (a device-only failure: a kernel that does not compile or launch, a CUDA
+    graph that cannot be captured, a timer that cannot run), `fallback(error)`: the policy's defaults, which
+    every untuned launch uses, after one warning line on stderr. The engine starts either way."""
+    try:
+        return tune()
+    except Exception as err:  # noqa: BLE001  whatever the device raised: the defaults are what runs untuned
+        error = _one_line(err)
+        print(f"cbatch: warning: start-up tuning of {what} failed ({error}); using the policy's defaults",
+              file=sys.stderr, flush=True)
+        return fallback(error)
+
+
+def _one_line(err: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message`, at most `limit` characters (a warning is one line)."""
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _error_field(error: str | None) -> dict:
+    """A result's `describe()` names the device error that left the defaults in place, when there was one."""
+    return {} if error is None else {"error": error}
+
+
 Launch = tuple[int, int]  # a split-KV decode launch as a graph runs it: (its splits, the segments a probe fills)
 
 
@@ -221,6 +263,19 @@ def tune_decode_splits(shape: DecodeShape, tiles: DecodeTiles, device: torch.dev
                        rules: list[SplitRule] | None = None, num_sms: int | None = None,
                        time_us: Callable[[tuple[int, int, int, int], Callable[[], None]], float] | None = None,
                        ) -> SplitTuningResult:
+    """`_tune_decode_splits`; a device error (the unsplit launch failing, a graph that cannot be captured)
+    leaves the policy's rule, with one warning line (`_guarded`)."""
+    rules = rules or split_rule_candidates()
+    return _guarded("split-KV's rule",
+                    lambda: _tune_decode_splits(shape, tiles, device, max_context, cache_path, budget_s, rules,
+                                                num_sms, time_us),
+                    lambda error: SplitTuningResult(rules[0], rules[0], complete=False, error=error))
+
+
+def _tune_decode_splits(shape: DecodeShape, tiles: DecodeTiles, device: torch.device, max_context: int,
+                        cache_path: Path | None, budget_s: float, rules: list[SplitRule], num_sms: int | None,
+                        time_us: Callable[[tuple[int, int, int, int], Callable[[], None]], float] | None,
+                        ) -> SplitTuningResult:
     """The split-KV rule for decode launches of `shape`'s model with `tiles` on `device`, contexts up to
     `max_context` (from the cache file when it has a complete entry).
 
@@ -230,7 +285,6 @@ def tune_decode_splits(shape: DecodeShape, tiles: DecodeTiles, device: torch.dev
     launch's output checked against the unsplit one first; the probes after `budget_s` seconds, or that the
     device's free memory could not hold, are left out of every rule's score (and the choice is tuned again
     next start)."""
-    rules = rules or split_rule_candidates()
     default = rules[0]
     num_sms = num_sms or sm_count(device)
     key = (f"{shape.key(_device_name(device))} | kv splits, {tiles}, {num_sms} SMs, contexts <= {max_context}, "
@@ -313,6 +367,7 @@ class GemmTuningResult:
     seconds: float = 0.0  # spent tuning (0 when every shape came from the cache)
     cached: bool = False  # every shape from the cache
     complete: bool = True  # every candidate timed (False: the budget ran out; tuned again next start)
+    error: str | None = None  # the device error that left cuBLAS everywhere (`_guarded`)
 
     def gemm_for(self, weight: torch.Tensor, bias: torch.Tensor | None) -> DecodeGemm | None:
         """The layer's `DecodeGemm` (its choice per bucket), or None where cuBLAS won every bucket."""
@@ -324,7 +379,7 @@ class GemmTuningResult:
         return {"triton": sum(c is not None for c in self.choices.values()), "shapes": len(self.choices),
                 "chosen": {s.label: str(c) if c is not None else "cublas" for s, c in self.choices.items()},
                 "cached": self.cached, "complete": self.complete, "seconds": round(self.seconds, 2),
-                "times_us": self.times_us}
+                "times_us": self.times_us, **_error_field(self.error)}
 
 
 def gemm_shapes(weights: list[tuple[torch.Tensor, torch.Tensor | None]],
@@ -343,6 +398,18 @@ def tune_decode_gemms(weights: list[tuple[torch.Tensor, torch.Tensor | None]], d
                       buckets: tuple[int, ...] = ROW_BUCKETS,
                       time_us: Callable[[tuple[GemmShape, str], Callable[[], None]], float] | None = None,
                       ) -> GemmTuningResult:
+    """`_tune_decode_gemms`; a device error (cuBLAS's own timing failing, a graph that cannot be captured)
+    leaves cuBLAS for every shape, with one warning line (`_guarded`)."""
+    return _guarded("the decode GEMMs",
+                    lambda: _tune_decode_gemms(weights, device, cache_path, budget_s, buckets, time_us),
+                    lambda error: GemmTuningResult(dict.fromkeys(gemm_shapes(weights, buckets)), complete=False,
+                                                   error=error))
+
+
+def _tune_decode_gemms(weights: list[tuple[torch.Tensor, torch.Tensor | None]], device: torch.device,
+                       cache_path: Path | None, budget_s: float, buckets: tuple[int, ...],
+                       time_us: Callable[[tuple[GemmShape, str], Callable[[], None]], float] | None,
+                       ) -> GemmTuningResult:
     """cuBLAS or a Triton config for each distinct (layer shape, batch bucket) of `weights` (the layers' own
     (weight [N, K], bias) on `device`), from the cache file when it has a complete entry.
 
