@@ -249,7 +249,7 @@ part_kernels() {
     step compile_check $py -c "print('offline sm_90 compile: tests/test_kernels_compile.py runs it in the suite')"
     step kernel_tests $py -m pytest -p no:cacheprovider -rfE tests/test_kernels_fused.py -k "norm_rope_store and dtype0 or fused_sample" tests/test_compile_count.py
   else
-    step compile_check $py -m cbatch.kernels._compile_check 90
+    step compile_check $py benchmarks/compile_check.py 90
     step kernel_tests $py -m pytest -p no:cacheprovider -rfE $KERNEL_TESTS
   fi
 }
