@@ -20,6 +20,13 @@ DEVICE = kernel_device()
 FP8 = torch.float8_e4m3fn
 
 
+@pytest.fixture(autouse=True)
+def unhurried(monkeypatch):
+    """The interpreter's launches are slow on a loaded CPU: no test here runs into the tiles' budget unless it
+    passes its own (the budget has its test)."""
+    monkeypatch.setattr(tuning, "ATTENTION_BUDGET_S", 1e9)
+
+
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_every_candidate_matches_the_reference(head_dim, kv):
@@ -99,12 +106,31 @@ def test_a_damaged_cache_is_tuned_again_and_rewritten(tmp_path):
     assert not result.cached and result.shape in json.loads(cache.read_text())
 
 
-def test_the_budget_stops_after_the_first_candidate(tmp_path):
+def test_the_budget_stops_after_the_first_candidate(tmp_path, monkeypatch):
+    """Every candidate is compiled and checked before the budget's clock starts (with no budget, each still
+    launched once, before the one timing); the entry cut short says so and is tuned again next start."""
     candidates = decode_tile_candidates(64, False)
+    events = []
+    real = tuning.paged_attention
+    monkeypatch.setattr(tuning, "paged_attention",
+                        lambda *a, decode_tiles=None, **kw: events.append(("launch", decode_tiles)) or
+                        real(*a, decode_tiles=decode_tiles, **kw))
     timer = FakeTimes(candidates)
+
+    def timed(tiles, fn):
+        events.append(("timed", tiles))
+        return timer(tiles, fn)
+
     result = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "t.json", budget_s=0.0,
-                                          time_us=timer)
-    assert timer.calls == candidates[:1] and result.tiles == candidates[0]
+                                          time_us=timed)
+    assert timer.calls == candidates[:1] and result.tiles == candidates[0] and not result.complete
+    first_timing = events.index(("timed", candidates[0]))
+    assert {t for kind, t in events[:first_timing] if kind == "launch"} == set(candidates)
+    assert json.loads((tmp_path / "t.json").read_text())[result.shape]["complete"] is False
+    again = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "t.json",
+                                         time_us=FakeTimes(candidates))
+    assert not again.cached and again.complete and again.tiles == candidates[-1]
+    assert tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "t.json").cached
 
 
 def test_a_candidate_that_disagrees_never_wins(tmp_path, monkeypatch):
@@ -227,6 +253,7 @@ class SplitTimes:
 
 
 def tune_splits(tmp_path, timer, **kwargs):
+    kwargs.setdefault("budget_s", 1e9)  # the interpreter's launches are slow on a loaded CPU; the budget has its test
     return tuning.tune_decode_splits(SPLIT_SHAPE, decode_tile_candidates(64, False)[0], torch.device(DEVICE), 64,
                                      cache_path=tmp_path / "t.json", rules=RULES, num_sms=1, time_us=timer, **kwargs)
 
@@ -372,3 +399,24 @@ def test_an_engine_on_a_failing_device_starts_on_the_defaults(capsys, monkeypatc
     for line in (describe_attention_tuning(report), describe_split_tuning(report["kv_splits"]),
                  describe_gemm_tuning(report["decode_gemm"])):
         assert "tuning failed, the defaults run" in line
+
+
+def test_split_timings_rotate_through_disjoint_block_tables(small_probes, monkeypatch):
+    """Cold-L2 timing of a small probe: the timed call runs each of several disjoint block tables in turn (as many
+    as the pool holds, up to COLD_L2_BYTES of the launch's K/V); the check uses one table."""
+    pool = tuning._SyntheticKV(SPLIT_SHAPE, torch.device(DEVICE))  # 16 blocks; a 2 x 32 launch reads 4
+    tables = pool.block_tables(2, 32)
+    assert len(tables) == 4 and all(t.shape == (2, 2) for t in tables)
+    assert sorted(torch.cat([t.flatten() for t in tables]).tolist()) == list(range(16))  # disjoint, the whole pool
+    launch_bytes = 4 * SPLIT_SHAPE.block_size * SPLIT_SHAPE.kv_bytes_per_key
+    monkeypatch.setattr(tuning, "COLD_L2_BYTES", 2 * launch_bytes)
+    assert len(pool.block_tables(2, 32)) == 2 and len(pool.block_tables(4, 64)) == 1  # the pool's one launch
+    seen = []
+    real = tuning.paged_attention
+    monkeypatch.setattr(tuning, "paged_attention", lambda *a, **kw: seen.append(a[6].data_ptr()) or real(*a, **kw))
+    timed, check = pool.launch(2, 32)
+    run = timed(decode_tile_candidates(64, False)[0], 2, RULES[1])
+    assert run.period == 2
+    for _ in range(4):
+        run()
+    assert len(set(seen)) == 2 and seen[:2] == seen[2:]
