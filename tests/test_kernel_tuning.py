@@ -252,6 +252,19 @@ class SplitTimes:
         return self.us.get(what[2], 100.0)
 
 
+def failing_launches(monkeypatch, message: str, **when) -> None:
+    """tuning's paged_attention raises `message` (as a device error would) on the launches whose keyword
+    arguments hold `when`; the others run."""
+    real = tuning.paged_attention
+
+    def launch(*args, **kwargs):
+        if all(kwargs.get(key) == value for key, value in when.items()):
+            raise RuntimeError(message)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tuning, "paged_attention", launch)
+
+
 def tune_splits(tmp_path, timer, **kwargs):
     kwargs.setdefault("budget_s", 1e9)  # the interpreter's launches are slow on a loaded CPU; the budget has its test
     return tuning.tune_decode_splits(SPLIT_SHAPE, decode_tile_candidates(64, False)[0], torch.device(DEVICE), 64,
@@ -318,14 +331,7 @@ def test_a_split_count_that_disagrees_is_never_picked(tmp_path, small_probes, mo
 def test_a_split_count_the_device_cannot_run_is_never_picked(tmp_path, small_probes, monkeypatch):
     """A split variant that fails on this device (here: made to raise, as a launch past the GPU's shared memory
     would) leaves its rule unscored; tuning goes on."""
-    real = tuning.paged_attention
-
-    def fails_at_four(*args, num_splits=None, **kwargs):
-        if num_splits == 4:
-            raise RuntimeError("out of resource: shared memory")
-        return real(*args, num_splits=num_splits, **kwargs)
-
-    monkeypatch.setattr(tuning, "paged_attention", fails_at_four)
+    failing_launches(monkeypatch, "out of resource: shared memory", num_splits=4)
     result = tune_splits(tmp_path, SplitTimes(s4=30.0, s2=50.0))
     assert str(SplitRule(16, 8)) not in result.scores and result.rule == SplitRule(8, 16) and result.complete
 
@@ -356,14 +362,7 @@ def test_every_launch_tuning_offers_matches_the_reference(small_probes):
 
 def test_the_unsplit_launch_failing_leaves_the_policys_rule(tmp_path, small_probes, monkeypatch, capsys):
     """The unsplit launch (what every decode step runs) fails: the split tuner keeps the default rule, one warning."""
-    real = tuning.paged_attention
-
-    def fails_unsplit(*args, num_splits=None, **kwargs):
-        if num_splits == 1:
-            raise RuntimeError("CUDA error: unspecified launch failure")
-        return real(*args, num_splits=num_splits, **kwargs)
-
-    monkeypatch.setattr(tuning, "paged_attention", fails_unsplit)
+    failing_launches(monkeypatch, "CUDA error: unspecified launch failure", num_splits=1)
     result = tune_splits(tmp_path, SplitTimes(s4=30.0))
     assert_fell_back(result.rule, RULES[0], result, capsys, "split-KV's rule", "unspecified launch failure")
     assert not (tmp_path / "t.json").exists()  # tuned again next start
