@@ -3,7 +3,7 @@
     python benchmarks/first_step.py --model DIR --json OUT.json --switched-off OFF.txt [--device cuda]
         [--deadline 40] [--fail PIECE ...]
 
-A two-layer model with Qwen3-0.6B's layer shapes (made in DIR when missing) runs as the kit's engines will: start-up
+A two-layer model with Qwen3-0.6B's layer shapes (made in DIR by the first try when missing) runs as the kit's engines will: start-up
 tuning (tiles, split-KV, decode GEMMs, with the profile's max_model_len and graph cap, so its choices land in the
 tuning cache the later steps read), CUDA graphs, float32 logits and the vocabulary-split sampler, decoding a few
 greedy and sampled tokens. Each try is a fresh process (a device error can poison the CUDA context) that prints the
@@ -177,6 +177,7 @@ def child(args: argparse.Namespace) -> int:
     from cbatch.engine.engine import run_to_completion
     from cbatch.engine.runner import ModelRunner
 
+    make_model(args.model, args.device)  # here, not in the parent: one process pays torch's and transformers' imports
     off, injected = set(args.off), [BY_NAME[name] for name in args.fail]
 
     def mark(phase: str) -> None:
@@ -203,13 +204,15 @@ def child(args: argparse.Namespace) -> int:
                           attention_backend="auto" if cuda else "triton", **settings)
     engine = build.build_engine(config)
     mark("decode")
-    prompts = [[(7 * i + j) % 500 + 1 for j in range(12 + i)] for i in range(6)]
-    params = [SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.6 * (i % 2), seed=i) for i in range(6)]
+    rows, tokens = (6, 6) if cuda else (2, 2)  # the CPU dry run's interpreter takes seconds per step
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(12 + i)] for i in range(rows)]
+    params = [SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.6 * (i % 2), seed=i)
+              for i in range(rows)]  # greedy and sampled rows
     outs = run_to_completion(engine, prompts, params)
     if cuda:
         torch.cuda.synchronize()
-    if [len(o.token_ids) for o in outs] != [6] * 6:
-        raise RuntimeError(f"decoded {[len(o.token_ids) for o in outs]} tokens, not 6 per request")
+    if [len(o.token_ids) for o in outs] != [tokens] * rows:
+        raise RuntimeError(f"decoded {[len(o.token_ids) for o in outs]} tokens, not {tokens} per request")
     print(RESULT_MARK + json.dumps({"tuning": engine.kernel_tuning}, default=str), flush=True)
     engine.close()
     return 0
@@ -265,8 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child(args)
-    end = time.monotonic() + args.deadline
-    make_model(args.model, args.device)
+    end = time.monotonic() + args.deadline  # this process imports nothing heavy: the tries get the time
 
     def run_try(off: frozenset[str]) -> Try:
         tried = run_child(args, off, end - time.monotonic())

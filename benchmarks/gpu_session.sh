@@ -9,7 +9,9 @@
 #   bash benchmarks/gpu_session.sh --list      the parts, their steps, time budgets and worst cases
 #   bash benchmarks/gpu_session.sh --cpu-dry-run [PART...]   every part (or those named) on this CPU (Triton interpreter, tiny shapes,
 #                                              a few requests): the same files and summary, to catch shell
-#                                              and plumbing mistakes before a lease is spent on them
+#                                              and plumbing mistakes before a lease is spent on them; its
+#                                              timeouts are the plan's x KIT_DRY_SCALE (default 4): they catch
+#                                              hangs, not the GPU's timing, on a CPU that may be shared
 #   KIT_INJECT_FAILURE=PIECE ... all           the first step's probe sees PIECE fail (benchmarks/first_step.py
 #                                              --fail): the dry run of the switch-off, end to end
 #
@@ -50,7 +52,8 @@ PART_LIMIT_S=$((DEVICE_LIMIT_S - RESERVE_S))
 KILL_AFTER_S=5    # a step past its budget gets SIGTERM, then SIGKILL this much later
 ARCHIVE_S=3       # each step's logs re-archived into $OUT as soon as it ends
 SETUP_S=25        # the stack's versions and the carried wheels, under their own deadline
-FINISH_S=5        # the logs' archive
+FINISH_S=5        # the summary's last line
+DRY_SCALE=${KIT_DRY_SCALE:-4}  # a dry run's timeouts, x the plan's
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -108,6 +111,7 @@ step_extra() { echo $((KILL_AFTER_S + ARCHIVE_S)); }  # past a step's budget: it
 worst_case() { echo $((SETUP_S + $(budget_total "$1") + $(step_extra) * $(steps_in "$1") + FINISH_S)); }
 reserve_of() { echo $((DEVICE_LIMIT_S - $(worst_case "$1"))); }
 budget_of() { local s; for s in $(plan_of "$PART"); do [ "${s%%:*}" = "$1" ] && echo "${s#*:}"; done; }
+scaled() { [ $DRY = 1 ] && echo $(($1 * DRY_SCALE)) || echo "$1"; }  # a timeout as this run applies it
 
 print_plan() {  # the plan, a line per step, and its worst case against the part's limit
   local part=$1 s name at=$SETUP_S
@@ -129,11 +133,12 @@ elastic_budget() {  # the last step of `all`: its planned budget, or all that th
 }
 
 # ---- one step: its own timeout, its own log, a line in the summary ---------------------------------------
-step() {  # step NAME CMD...   (budget from the plan, or $STEP_BUDGET; dry runs get the same budget)
+step() {  # step NAME CMD...   (budget from the plan, or $STEP_BUDGET; a dry run's x DRY_SCALE)
   local name=$1; shift
   local budget
   budget=${STEP_BUDGET:-$(budget_of "$name")}
   [ -n "$budget" ] || { echo "BUG: step $name is not in part $PART's plan" | tee -a "$SUMMARY"; return 1; }
+  budget=$(scaled "$budget")
   echo; echo "=== $PART/$name (budget ${budget} s): $*"
   local t0=$SECONDS rc
   timeout --kill-after=$KILL_AFTER_S "$budget" "$@" > "$LOGS/$name.log" 2>&1
@@ -241,7 +246,7 @@ part_speed() {
 # peer_args BUDGET REQUESTS: transformers' continuous batching against cbatch on REQUESTS of the workload, cbatch
 # first, hf-cb guarded and with its fallback (the constants above), --json in $OUT (rewritten after every run)
 peer_args() {
-  local deadline=$(($1 - KILL_AFTER_S))  # compare_peers ends its own runs before the step's timeout
+  local deadline=$(($(scaled "$1") - KILL_AFTER_S))  # compare_peers ends its own runs before the step's timeout
   if [ $DRY = 1 ]; then
     echo "$(e2e_args) --deadline $deadline --fallback-requests 2 --fallback-reserve $FALLBACK_RESERVE_S --min-peer-guard 100000 --json $OUT/hf_vs_cbatch.json"
   else
@@ -275,7 +280,7 @@ first_step() {
   local dev=cuda
   [ $DRY = 1 ] && dev=cpu
   step first_step $py benchmarks/first_step.py --model "$(model_dir)-first-step" --device $dev \
-    --deadline $(($(budget_of first_step) - KILL_AFTER_S)) --json "$OUT/first_step.json" \
+    --deadline $(($(scaled "$(budget_of first_step)") - KILL_AFTER_S)) --json "$OUT/first_step.json" \
     --switched-off "$LOGS/switched_off.txt" ${KIT_INJECT_FAILURE:+--fail "$KIT_INJECT_FAILURE"}
   load_switched_off "$LOGS/switched_off.txt"
 }
