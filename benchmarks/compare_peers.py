@@ -50,6 +50,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_engines beside it, however this file was loaded
+from peer_engines import parse_setting  # noqa: E402
+
 DEFAULT_ENGINES = ("cbatch", "hf-cb", "hf-static")
 ENGINES = (*DEFAULT_ENGINES, "vllm-cpu", "llama-cpp")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -154,17 +157,12 @@ def parse_extra(items: list[str]) -> dict[str, dict]:
     """`--engine-arg cbatch:max_num_seqs=128` -> {"cbatch": {"max_num_seqs": 128}}"""
     extra: dict[str, dict] = {}
     for item in items:
-        try:
-            engine, rest = item.split(":", 1)
-            key, value = rest.split("=", 1)
-        except ValueError:
-            raise SystemExit(f"--engine-arg {item!r}: expected ENGINE:KEY=VALUE, e.g. cbatch:max_num_seqs=128") from None
+        engine, sep, rest = item.partition(":")
+        if not sep or "=" not in rest:
+            raise SystemExit(f"--engine-arg {item!r}: expected ENGINE:KEY=VALUE, e.g. cbatch:max_num_seqs=128")
         if engine not in ENGINES:
             raise SystemExit(f"--engine-arg {item!r}: engine must be one of {', '.join(ENGINES)}")
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError:
-            parsed = value
+        key, parsed = parse_setting(rest)
         extra.setdefault(engine, {})[key] = parsed
     return extra
 

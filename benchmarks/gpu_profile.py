@@ -14,7 +14,7 @@ Then (unless --profile-steps 0) the workload again, greedy, with torch.profiler 
 decode-only steps taken once the batch has shrunk to --profile-batch rows or fewer (the steady decode of the
 run's second half): GPU time per kernel class (attention, GEMM, norm/rotary, activation, sampler, copies,
 other), the share of the window the GPU was busy, kernel launches per step, and the heaviest kernels by name.
-Figures are printed as they come and written to --json; --trace keeps the profiler's Chrome trace (gzip).
+Figures are printed as they come and written to --json (the start-up and tuning at once, then after each run); --trace keeps the profiler's Chrome trace (gzip).
 --device cpu runs the same plumbing on a CPU (profiler CPU ops instead of kernels): a dry run for the kit.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from compare_peers import make_workload  # noqa: E402  (the same seeded workload as the e2e line)
+from peer_engines import job_settings, parse_setting  # noqa: E402
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -312,17 +313,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def engine_settings(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from cbatch.config import EngineConfig, SamplingParams
@@ -330,10 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     from cbatch.engine.engine import run_to_completion
 
     device = torch.device(args.device)
-    settings = engine_settings(args.engine_arg)
+    settings = job_settings(dict(map(parse_setting, args.engine_arg)), args.num_requests)
     t_process = time.perf_counter()
     bw = copy_bandwidth(device)
-    settings.setdefault("cuda_graph_max_batch", args.num_requests)  # as a job of that many rows: no graph above it
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, **settings)
     engine = build_engine(config)
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
@@ -353,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
               "max_num_seqs": engine.config.max_num_seqs, "num_kv_blocks": engine.pool.num_blocks,
               "kv_cache_dtype": engine.config.kv_cache_dtype, "weight_bytes": w_bytes, "kv_bytes_per_token": kv_token,
               "startup_s": startup_s, "kernel_tuning": engine.kernel_tuning, "runs": []}
+
+    def save() -> None:  # after every figure: a step killed at its budget keeps what came before
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+
+    save()  # the start-up and the tuned choices, before any timed run
     print(f"{result['device']}: copy {bw / 1e12:.2f} TB/s; engine built and warmed up in {startup_s:.1f} s "
           f"(max_num_seqs {engine.config.max_num_seqs}, {engine.pool.num_blocks} KV blocks, KV {result['kv_cache_dtype']}); "
           f"weights {w_bytes / 1e9:.2f} GB, KV {kv_token / 1024:.0f} KiB/token", flush=True)
@@ -368,10 +363,6 @@ def main(argv: list[str] | None = None) -> int:
         if t.get("decode_gemm"):
             print(f"start-up tuning: decode GEMMs: {describe_gemm_tuning(t['decode_gemm'])}; us per candidate: "
                   f"{t['decode_gemm']['times_us']}", flush=True)
-
-    def save() -> None:
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=1))
 
     for temperature in (float(t) for t in args.temperatures.split(",")):
         run = timed_run(engine, workload, temperature, floor_of)

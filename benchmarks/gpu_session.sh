@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
 # The GPU kit: what the GPU issue needs proven and measured on a lent H100/H200, in parts that each fit one
-# device call (the device kills a command after 600 s: every part plans <= 540 s in the worst case, `all`
-# <= 420 s; the worst case counts setup, every step's budget and its kill grace, and the logs' archive; every
-# step runs under its own `timeout`, and each part installs what it needs, so parts run in any order on a fresh
-# or warm machine).
+# device call (the device kills a command after 600 s: every part plans <= 540 s in the worst case, a reserve of
+# >= 60 s; the worst case counts setup, every step's budget, its kill grace and its logs' archive; every step runs
+# under its own `timeout`, and each part installs what it needs, so parts run in any order on a fresh or warm
+# machine).
 #
 #   bash benchmarks/gpu_session.sh PART        PART: all | speed | peer | gpu-tests | kernels | suite | parity | bench | e2e | e2e-more | e2e-sync | e2e-split | e2e-gemm | int4 | lora
 #   bash benchmarks/gpu_session.sh --list      the parts, their steps, time budgets and worst cases
 #   bash benchmarks/gpu_session.sh --cpu-dry-run [PART...]   every part (or those named) on this CPU (Triton interpreter, tiny shapes,
 #                                              a few requests): the same files and summary, to catch shell
-#                                              and plumbing mistakes before a lease is spent on them
+#                                              and plumbing mistakes before a lease is spent on them; its
+#                                              timeouts are the plan's x KIT_DRY_SCALE (default 4): they catch
+#                                              hangs, not the GPU's timing, on a CPU that may be shared
+#   KIT_INJECT_FAILURE=PIECE ... all           the first step's probe sees PIECE fail (benchmarks/first_step.py
+#                                              --fail): the dry run of the switch-off, end to end
 #
 # What comes back ($OUT, or ./gpu-logs): summary.txt (each part appends its section: the machine, the stack,
-# every step's exit code, time and last lines) and PART-logs.tgz (that part's full logs and JSON); at most
-# 1 + 7 files (the limit is 8), two folders deep at most. cbatch's figures are printed and written before any peer runs.
+# every step's exit code, time and last lines, written as each step ends), PART-logs.tgz (that part's full logs,
+# re-archived as each step ends) and the figures' JSON, each rewritten as soon as a figure is in (the profiles,
+# the first step, the peer comparison): a step or a call killed later loses nothing before it. At most 8 files,
+# two folders deep at most. cbatch's figures are printed and written before any peer runs.
+#
+# `all` starts with the first step (benchmarks/first_step.py, ~20 s): a two-layer engine with Qwen3-0.6B's
+# shapes runs start-up tuning, CUDA graphs, float32 logits and the split sampler; a piece that fails there is
+# named and switched off (its engine setting) for every later step of the call. It also leaves the compiled
+# kernels and the tuning cache the later steps read.
 #
 # Expected device time per part (budgets are the timeouts): kernels ~4 min, suite ~4, parity ~3, bench ~3,
 # e2e ~5, e2e-more ~5, e2e-sync ~3 (e2e with --no-async-scheduling: the overlap's gain), e2e-split ~3 (e2e with
@@ -35,63 +46,81 @@ OUT=${OUT:-$ROOT/gpu-logs}
 DRY=0
 # ---- the time plan's one source of truth: a part's worst case is SETUP_S + every step's budget + KILL_AFTER_S
 # per step + FINISH_S, and it must stay within its limit (run_part refuses a part that does not)
-PART_LIMIT_S=540  # a device command is killed at 600 s
-ALL_LIMIT_S=420   # the GPU issue: `all` in at most 7 minutes
+DEVICE_LIMIT_S=600  # a device command is killed here
+RESERVE_S=60        # every part's worst case leaves at least this much before that kill
+PART_LIMIT_S=$((DEVICE_LIMIT_S - RESERVE_S))
 KILL_AFTER_S=5    # a step past its budget gets SIGTERM, then SIGKILL this much later
+ARCHIVE_S=3       # each step's logs re-archived into $OUT as soon as it ends
 SETUP_S=25        # the stack's versions and the carried wheels, under their own deadline
-FINISH_S=5        # the logs' archive
+FINISH_S=5        # the summary's last line
+DRY_SCALE=${KIT_DRY_SCALE:-4}  # a dry run's timeouts, x the plan's
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # ---- the plan: PART -> "step:budget_s ..." --------------------------------------------------------------
 declare -A PLAN=(
-  [kernels]="compile_check:120 kernel_tests:380"
-  [suite]="suite_tests:505"
-  [parity]="gpu_parity:320 fp8_accuracy:180"
+  [kernels]="compile_check:120 kernel_tests:374"
+  [suite]="suite_tests:502"
+  [parity]="gpu_parity:314 fp8_accuracy:180"
   [bench]="bench_kernels:480"
-  [e2e]="make_model:90 greedy_vs_hf:410"
-  [e2e-more]="make_model:80 cbatch_temp06:205 cbatch_fp8:205"
+  [e2e]="make_model:90 greedy_vs_hf:404"
+  [e2e-more]="make_model:80 cbatch_temp06:205 cbatch_fp8:199"
   [e2e-sync]="make_model:90 cbatch_sync:210"
-  [int4]="make_model:50 make_int4:120 w4a16_gemm:120 cbatch_int4:200"
+  [int4]="make_model:50 make_int4:120 w4a16_gemm:120 cbatch_int4:188"
   [lora]="lora_bench:300"
   [e2e-split]="make_model:90 cbatch_no_split:210"
   [e2e-gemm]="make_model:90 cbatch_no_gemm:210"
   [speed]="make_model:60 profile_bf16:100 profile_fp8:70 decode_kernels:110"
   [peer]="make_model:40 hf_vs_cbatch:450"
   [gpu-tests]="gpu_tests:150"
-  # the last step takes what the steps before it left of their budgets too (elastic_budget): the peer's
-  # 256-request attempt gets the slack
-  [all]="make_model:30 profile_bf16:80 profile_fp8:45 decode_kernels:40 host_step:15 hf_vs_cbatch:150"
+  # the last step takes what the steps before it left of their budgets too (elastic_budget). profile_fp8 needs
+  # ~37-48 s (its own tuning: the fp8 tiles are another key); profile_bf16 starts on the first step's compiled
+  # kernels and tuning cache. The peer: cbatch ~20 s and hf-cb ~71 s on 64 requests, before the fallback's reserve.
+  [all]="first_step:45 make_model:25 profile_bf16:70 profile_fp8:60 decode_kernels:35 host_step:15 hf_vs_cbatch:204"
 )
 PARTS="all speed peer gpu-tests kernels suite parity bench e2e e2e-more e2e-sync e2e-split e2e-gemm int4 lora"
+# the peer comparison (peer_args): hf-cb guarded by what the step's budget leaves before the fallback's reserve,
+# and skipped when that is under MIN_PEER_GUARD_S (on an H200, configured, it took 58 s for 64 requests, 71 s of
+# process); if it does not finish, both again on FALLBACK_REQUESTS inside the reserve (cbatch ~20 s with its graphs
+# capped at the job's rows; hf-cb's time is ~1,000 steps of ~50 ms whatever the count), so a ratio always comes
+# back. `all` compares on ALL_PEER_REQUESTS (256 only in the `peer` part, which has the time). The dry run forces
+# the fallback.
+ALL_PEER_REQUESTS=64
+FALLBACK_REQUESTS=32
+FALLBACK_RESERVE_S=100
+MIN_PEER_GUARD_S=70
 # what a step does inside its budget, where that is more than one thing (printed with the plan): PART/STEP
-PEER_NOTE="cbatch, then hf-cb, on 256 requests; hf-cb guarded by what is left before the fallback's 85 s (skipped under 70 s); if it does not finish: both on 32 requests in those 85 s"
+peer_note() { echo "cbatch, then hf-cb, on $1 requests; hf-cb guarded by what is left before the fallback's ${FALLBACK_RESERVE_S} s (skipped under ${MIN_PEER_GUARD_S} s); if it does not finish: both on ${FALLBACK_REQUESTS} requests in those ${FALLBACK_RESERVE_S} s"; }
 declare -A STEP_NOTE=(
+  [all/first_step]="a two-layer Qwen3-0.6B-shaped engine: tuning, graphs, fp32 logits, split sampler; a failing piece is switched off for the rest of the call"
   [all/profile_bf16]="greedy and temperature 0.6 timed runs, a profile of 20 decode steps"
-  [all/profile_fp8]="one timed run, no profile"
+  [all/profile_fp8]="one timed run, no profile; start-up and tuning written before it"
   [all/decode_kernels]="bf16 and fp8 shapes, 64 x 8192 split and unsplit; no tile sweep (start-up tuning times the candidates)"
   [all/host_step]="CPU only, nothing else running: host_overhead.py --cpu-time at 256 and 1024 sequences"
-  [all/hf_vs_cbatch]="$PEER_NOTE; also takes what the steps before it left unused"
-  [peer/hf_vs_cbatch]="$PEER_NOTE"
+  [all/hf_vs_cbatch]="$(peer_note "$ALL_PEER_REQUESTS"); also takes what the steps before it left unused"
+  [peer/hf_vs_cbatch]="$(peer_note 256)"
 )
 KERNEL_TESTS="tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_kernels_sampler.py tests/test_kernels_gemm.py tests/test_fp32_logits.py tests/test_kernels_compile.py tests/test_compile_count.py tests/test_triton_e2e.py tests/test_fp8_kv.py"
 MODEL=/tmp/qwen3-0.6b-random
 
 plan_of() { echo "${PLAN[$1]}"; }
 budget_total() { local t=0 s; for s in $(plan_of "$1"); do t=$((t + ${s#*:})); done; echo $t; }
-limit_of() { [ "$1" = all ] && echo $ALL_LIMIT_S || echo $PART_LIMIT_S; }
+limit_of() { echo $PART_LIMIT_S; }
 steps_in() { plan_of "$1" | wc -w; }
-worst_case() { echo $((SETUP_S + $(budget_total "$1") + KILL_AFTER_S * $(steps_in "$1") + FINISH_S)); }
+step_extra() { echo $((KILL_AFTER_S + ARCHIVE_S)); }  # past a step's budget: its kill grace and its archive
+worst_case() { echo $((SETUP_S + $(budget_total "$1") + $(step_extra) * $(steps_in "$1") + FINISH_S)); }
+reserve_of() { echo $((DEVICE_LIMIT_S - $(worst_case "$1"))); }
 budget_of() { local s; for s in $(plan_of "$PART"); do [ "${s%%:*}" = "$1" ] && echo "${s#*:}"; done; }
+scaled() { [ $DRY = 1 ] && echo $(($1 * DRY_SCALE)) || echo "$1"; }  # a timeout as this run applies it
 
 print_plan() {  # the plan, a line per step, and its worst case against the part's limit
   local part=$1 s name at=$SETUP_S
-  echo "part $part: worst case $(worst_case "$part") s of its $(limit_of "$part") s limit (setup, each step's budget + ${KILL_AFTER_S} s kill grace, archive)"
+  echo "part $part: worst case $(worst_case "$part") s of its $(limit_of "$part") s limit, reserve $(reserve_of "$part") s before the device's ${DEVICE_LIMIT_S} s kill (setup, each step's budget + ${KILL_AFTER_S} s kill grace + ${ARCHIVE_S} s archive, finish)"
   printf '  %-16s %4s s  (ends by %3s s)\n' setup "$SETUP_S" "$at"
   for s in $(plan_of "$part"); do
     name=${s%%:*}
-    at=$((at + ${s#*:} + KILL_AFTER_S))
-    printf '  %-16s %4s s + %s  (ends by %3s s)%s\n' "$name" "${s#*:}" "$KILL_AFTER_S" "$at" "${STEP_NOTE[$part/$name]:+  ${STEP_NOTE[$part/$name]}}"
+    at=$((at + ${s#*:} + $(step_extra)))
+    printf '  %-16s %4s s + %s  (ends by %3s s)%s\n' "$name" "${s#*:}" "$(step_extra)" "$at" "${STEP_NOTE[$part/$name]:+  ${STEP_NOTE[$part/$name]}}"
   done
   printf '  %-16s %4s s  (ends by %3s s)\n' archive "$FINISH_S" "$((at + FINISH_S))"
 }
@@ -99,16 +128,17 @@ print_plan() {  # the plan, a line per step, and its worst case against the part
 elastic_budget() {  # the last step of `all`: its planned budget, or all that the steps before it left unused
   local planned left
   planned=$(budget_of "$1")
-  left=$(( $(limit_of "$PART") - (SECONDS - PART_T0) - KILL_AFTER_S - FINISH_S ))
+  left=$(( $(limit_of "$PART") - (SECONDS - PART_T0) - $(step_extra) - FINISH_S ))
   [ "$left" -gt "$planned" ] && echo "$left" || echo "$planned"
 }
 
 # ---- one step: its own timeout, its own log, a line in the summary ---------------------------------------
-step() {  # step NAME CMD...   (budget from the plan, or $STEP_BUDGET; dry runs get the same budget)
+step() {  # step NAME CMD...   (budget from the plan, or $STEP_BUDGET; a dry run's x DRY_SCALE)
   local name=$1; shift
   local budget
   budget=${STEP_BUDGET:-$(budget_of "$name")}
   [ -n "$budget" ] || { echo "BUG: step $name is not in part $PART's plan" | tee -a "$SUMMARY"; return 1; }
+  budget=$(scaled "$budget")
   echo; echo "=== $PART/$name (budget ${budget} s): $*"
   local t0=$SECONDS rc
   timeout --kill-after=$KILL_AFTER_S "$budget" "$@" > "$LOGS/$name.log" 2>&1
@@ -125,7 +155,14 @@ step() {  # step NAME CMD...   (budget from the plan, or $STEP_BUDGET; dry runs 
     esac
   } | tee -a "$SUMMARY"
   FAILED=$((FAILED + (rc != 0)))
+  archive
   return 0
+}
+
+archive() {  # the part's logs so far into $OUT (temp file + rename: a kill mid-archive keeps the last one)
+  timeout --kill-after=1 $((ARCHIVE_S - 1)) tar czf "$OUT/.$PART-logs.tgz" -C "$LOGS" . 2>/dev/null \
+    && mv "$OUT/.$PART-logs.tgz" "$OUT/$PART-logs.tgz"
+  rm -f "$OUT/.$PART-logs.tgz"
 }
 
 in_setup() {  # a setup command, killed at setup's deadline (SETUP_END); skipped past it
@@ -159,8 +196,7 @@ print(' '.join(n for n in need if u.find_spec(n) is None))")
   return 0
 }
 
-finish() {
-  timeout --kill-after=1 $((FINISH_S - 1)) tar czf "$OUT/$PART-logs.tgz" -C "$LOGS" . 2>/dev/null
+finish() {  # every step archived its logs as it ended
   echo "--- part $PART: $FAILED step(s) failed; logs in $PART-logs.tgz" | tee -a "$SUMMARY"
   rm -rf "$LOGS"
 }
@@ -168,19 +204,31 @@ finish() {
 model_dir() { [ $DRY = 1 ] && echo /tmp/cbatch-dry-model || echo "$MODEL"; }
 model_preset() { [ $DRY = 1 ] && echo tiny || echo qwen3-0.6b; }
 
-e2e_args() {  # the nano-vllm workload (dry: a handful of short requests on the tiny model, CPU)
+# ---- what the first step switched off: its engine settings, passed to every later cbatch run of this call
+OFF_SETTINGS=""  # KEY=VALUE ...
+load_switched_off() {  # load_switched_off FILE   (first_step.py --switched-off)
+  OFF_SETTINGS=$(tr '\n' ' ' < "$1" 2>/dev/null)
+  [ -n "${OFF_SETTINGS// /}" ] && echo "switched off for the rest of this call (first step): $OFF_SETTINGS" | tee -a "$SUMMARY"
+  return 0
+}
+off_args() {  # off_args [ENGINE_PREFIX]: --engine-arg PREFIXKEY=VALUE for each setting the first step switched off
+  local kv
+  for kv in $OFF_SETTINGS; do printf -- ' --engine-arg %s%s' "${1:-}" "$kv"; done
+}
+
+e2e_args() {  # e2e_args [REQUESTS]: the nano-vllm workload (dry: a handful of short requests on the tiny model, CPU)
   if [ $DRY = 1 ]; then
-    echo "--device cpu --dtype float32 --model $(model_dir) --num-requests 4 --prompt-len 8,24 --output-len 4,8 --repeats 1 --threads 2 --engine-arg cbatch:attention_backend=triton"
+    echo "--device cpu --dtype float32 --model $(model_dir) --num-requests 4 --prompt-len 8,24 --output-len 4,8 --repeats 1 --threads 2 --engine-arg cbatch:attention_backend=triton$(off_args cbatch:)"
   else
-    echo "--device cuda --dtype bfloat16 --model $MODEL --num-requests 256 --prompt-len 100,1024 --output-len 100,1024 --repeats 1 --engine-arg cbatch:max_model_len=2048"
+    echo "--device cuda --dtype bfloat16 --model $MODEL --num-requests ${1:-256} --prompt-len 100,1024 --output-len 100,1024 --repeats 1 --engine-arg cbatch:max_model_len=2048$(off_args cbatch:)"
   fi
 }
 
 profile_args() {  # gpu_profile.py on the nano-vllm workload (dry: the tiny model, a few requests, CPU)
   if [ $DRY = 1 ]; then
-    echo "--device cpu --dtype float32 --model $(model_dir) --num-requests 6 --prompt-len 8,24 --output-len 4,12 --profile-steps 3 --profile-batch 6 --engine-arg attention_backend=triton"
+    echo "--device cpu --dtype float32 --model $(model_dir) --num-requests 6 --prompt-len 8,24 --output-len 4,12 --profile-steps 3 --profile-batch 6 --engine-arg attention_backend=triton$(off_args)"
   else
-    echo "--device cuda --dtype bfloat16 --model $MODEL --num-requests 256 --prompt-len 100,1024 --output-len 100,1024 --engine-arg max_model_len=2048"
+    echo "--device cuda --dtype bfloat16 --model $MODEL --num-requests 256 --prompt-len 100,1024 --output-len 100,1024 --engine-arg max_model_len=2048$(off_args)"
   fi
 }
 
@@ -195,25 +243,20 @@ part_speed() {
   step decode_kernels $py benchmarks/bench_kernels.py $( [ $DRY = 1 ] && echo --cpu-smoke ) --quick --no-fused --sweep-decode-tiles --out "$LOGS/decode_kernels.txt"
 }
 
-# peer_args BUDGET: transformers' continuous batching against cbatch on the whole workload (256 requests), cbatch
-# first; hf-cb guarded by what the step's budget leaves before the fallback's reserve, and skipped when that is
-# under 70 s (on an H200, configured, it took 58 s for 64 requests, 71 s of process: 256 cannot take less);
-# if it does not finish, both again on FALLBACK_REQUESTS inside the reserve (cbatch ~20 s; hf-cb's time is
-# ~1,000 steps of ~50 ms whatever the count), so a ratio always comes back. The dry run forces the fallback.
-FALLBACK_REQUESTS=32
-FALLBACK_RESERVE_S=85
+# peer_args BUDGET REQUESTS: transformers' continuous batching against cbatch on REQUESTS of the workload, cbatch
+# first, hf-cb guarded and with its fallback (the constants above), --json in $OUT (rewritten after every run)
 peer_args() {
-  local deadline=$(($1 - KILL_AFTER_S))  # compare_peers ends its own runs before the step's timeout
+  local deadline=$(($(scaled "$1") - KILL_AFTER_S))  # compare_peers ends its own runs before the step's timeout
   if [ $DRY = 1 ]; then
-    echo "$(e2e_args) --deadline $deadline --fallback-requests 2 --fallback-reserve $FALLBACK_RESERVE_S --min-peer-guard 100000"
+    echo "$(e2e_args) --deadline $deadline --fallback-requests 2 --fallback-reserve $FALLBACK_RESERVE_S --min-peer-guard 100000 --json $OUT/hf_vs_cbatch.json"
   else
-    echo "$(e2e_args) --deadline $deadline --fallback-requests $FALLBACK_REQUESTS --fallback-reserve $FALLBACK_RESERVE_S --min-peer-guard 70"
+    echo "$(e2e_args "$2") --deadline $deadline --fallback-requests $FALLBACK_REQUESTS --fallback-reserve $FALLBACK_RESERVE_S --min-peer-guard $MIN_PEER_GUARD_S --json $OUT/hf_vs_cbatch.json"
   fi
 }
 
 part_peer() {  # the peer with time for its 256-request attempt (~320 s of guard)
   step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
-  step hf_vs_cbatch $py benchmarks/compare_peers.py $(peer_args "$(budget_of hf_vs_cbatch)") --engines cbatch,hf-cb --json "$LOGS/hf_vs_cbatch.json"
+  step hf_vs_cbatch $py benchmarks/compare_peers.py $(peer_args "$(budget_of hf_vs_cbatch)" 256) --engines cbatch,hf-cb
 }
 
 # gpu-tests: the kernel tests (no engines: each test's GPU memory is small, so 4 xdist workers share the card)
@@ -232,8 +275,19 @@ host_args() {
   if [ $DRY = 1 ]; then echo "--cpu-time --running 16 64 --steps 5"; else echo "--cpu-time --running 256 1024 --steps 30"; fi
 }
 
-# all: speed, the host step and the peer, in one call of at most 7 minutes (the plan: --list)
+# first_step: the probe (benchmarks/first_step.py); what it switched off goes to every later step
+first_step() {
+  local dev=cuda
+  [ $DRY = 1 ] && dev=cpu
+  step first_step $py benchmarks/first_step.py --model "$(model_dir)-first-step" --device $dev \
+    --deadline $(($(scaled "$(budget_of first_step)") - KILL_AFTER_S)) --json "$OUT/first_step.json" \
+    --switched-off "$LOGS/switched_off.txt" ${KIT_INJECT_FAILURE:+--fail "$KIT_INJECT_FAILURE"}
+  load_switched_off "$LOGS/switched_off.txt"
+}
+
+# all: the first step, speed, the host step and the peer, in one call (the plan: --list)
 part_all() {
+  first_step
   step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
   step profile_bf16 $py benchmarks/gpu_profile.py $(profile_args) --temperatures 0,0.6 --json "$OUT/profile_bf16.json" --trace "$LOGS/trace_bf16.json.gz"
   step profile_fp8 $py benchmarks/gpu_profile.py $(profile_args) --engine-arg kv_cache_dtype=fp8 --profile-steps 0 --json "$OUT/profile_fp8.json"
@@ -241,7 +295,7 @@ part_all() {
   step host_step $py benchmarks/host_overhead.py $(host_args) --json "$LOGS/host_step.json"
   local budget
   budget=$(elastic_budget hf_vs_cbatch)
-  STEP_BUDGET=$budget step hf_vs_cbatch $py benchmarks/compare_peers.py $(peer_args "$budget") --engines cbatch,hf-cb --json "$LOGS/hf_vs_cbatch.json"
+  STEP_BUDGET=$budget step hf_vs_cbatch $py benchmarks/compare_peers.py $(peer_args "$budget" "$ALL_PEER_REQUESTS") --engines cbatch,hf-cb
 }
 
 part_kernels() {
@@ -249,7 +303,7 @@ part_kernels() {
     step compile_check $py -c "print('offline sm_90 compile: tests/test_kernels_compile.py runs it in the suite')"
     step kernel_tests $py -m pytest -p no:cacheprovider -rfE tests/test_kernels_fused.py -k "norm_rope_store and dtype0 or fused_sample" tests/test_compile_count.py
   else
-    step compile_check $py -m cbatch.kernels._compile_check 90
+    step compile_check $py benchmarks/compile_check.py 90
     step kernel_tests $py -m pytest -p no:cacheprovider -rfE $KERNEL_TESTS
   fi
 }
@@ -327,10 +381,11 @@ part_lora() {  # LoRA adapters per row (issue 36): 4 adapters x rows + base rows
 run_part() {
   PART=$1
   [ -n "${PLAN[$PART]:-}" ] || { echo "unknown part '$PART'; parts: $PARTS" >&2; return 2; }
-  [ "$(worst_case "$PART")" -le "$(limit_of "$PART")" ] || { echo "BUG: part $PART plans $(worst_case "$PART") s > $(limit_of "$PART") s" >&2; return 2; }
+  [ "$(reserve_of "$PART")" -ge "$RESERVE_S" ] || { echo "BUG: part $PART plans $(worst_case "$PART") s: under ${RESERVE_S} s of reserve before the device's ${DEVICE_LIMIT_S} s" >&2; return 2; }
   PART_T0=$SECONDS
   LOGS=$(mktemp -d "${TMPDIR:-/tmp}/cbatch-$PART-XXXX")
   FAILED=0
+  OFF_SETTINGS=""
   setup
   "part_${PART//-/_}"
   finish
@@ -359,4 +414,4 @@ main() {
   esac
 }
 
-main "$@"
+[ "${BASH_SOURCE[0]}" = "$0" ] && main "$@"  # sourced (tests): the functions alone

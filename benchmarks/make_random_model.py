@@ -1,6 +1,7 @@
 """A random-weight checkpoint of a preset shape, written by HF transformers (benchmarks; no download).
 
     python benchmarks/make_random_model.py qwen3-0.6b /tmp/qwen3-0.6b-random   # the nano-vllm workload's model
+    python benchmarks/make_random_model.py qwen3-0.6b DIR num_hidden_layers=2  # the preset with config overrides
 
 bfloat16, seed 0; does nothing when the folder already holds a config.json (a warm GPU machine keeps it).
 """
@@ -13,13 +14,14 @@ import torch
 import transformers
 
 from cbatch.model.presets import preset_config
+from peer_engines import parse_setting  # benchmarks/ is this script's folder
 
 
-def main(preset: str, folder: str) -> int:
+def main(preset: str, folder: str, **overrides) -> int:
     if (Path(folder) / "config.json").is_file():
         print(f"{folder} exists")
         return 0
-    config = preset_config(preset)
+    config = {**preset_config(preset), **overrides}
     architecture = config.pop("architectures")[0]
     config.pop("torch_dtype", None)
     hf_config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(**config)
@@ -33,4 +35,4 @@ def main(preset: str, folder: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(main(*sys.argv[1:3], **dict(map(parse_setting, sys.argv[3:]))))

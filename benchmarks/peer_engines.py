@@ -89,6 +89,22 @@ def torch_about() -> str:
     return f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})"
 
 
+def parse_setting(item: str) -> tuple[str, object]:
+    """`KEY=VALUE` -> (KEY, VALUE read as JSON where it parses: numbers, booleans, null; else the string)."""
+    key, _, value = item.partition("=")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def job_settings(settings: dict, rows: int) -> dict:
+    """cbatch's engine settings for a job of `rows` requests: `settings`, and, unless they say otherwise, no CUDA
+    graph above the job's rows (`cuda_graph_max_batch`, as `cbatch run` sets it from the job): the profile and the
+    peer comparison capture the same graphs and tune the same GEMM buckets."""
+    return {"cuda_graph_max_batch": rows, **settings}
+
+
 # ---- the project's venv: cbatch and HF transformers ---------------------------------------------------------
 def run_cbatch(job: Job) -> EngineRun:
     import torch
@@ -98,7 +114,8 @@ def run_cbatch(job: Job) -> EngineRun:
     from cbatch.engine.engine import run_to_completion
 
     torch.set_num_threads(job.threads)
-    config = EngineConfig(model=job.model_dir, dtype=job.dtype, num_threads=job.threads, device=device(), **job.extra)
+    config = EngineConfig(model=job.model_dir, dtype=job.dtype, num_threads=job.threads, device=device(),
+                          **job_settings(job.extra, len(job.prompts)))
     engine = build_engine(config)
     run_to_completion(engine, [job.warmup_prompt], [SamplingParams(max_tokens=4, ignore_eos=True)])
     engine.reset()  # fresh step counters for the timed run

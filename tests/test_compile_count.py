@@ -32,6 +32,23 @@ def _decode(batch: int, cols: int, dtype=torch.float32, q_offset: int = 0, max_q
     assert torch.isfinite(out).all()
 
 
+def test_the_counter_sees_every_kernel_module():
+    """Each module of cbatch/kernels whose source defines a launched kernel (@triton.jit ... def *_kernel) is in
+    the counter's list, and the counter finds that module's kernels: a new kernel module cannot go uncounted."""
+    import re
+    from pathlib import Path
+
+    from cbatch.kernels import jit_stats
+
+    package = Path(jit_stats.__file__).parent
+    jit_def = re.compile(r"^@triton\.jit[^\n]*\ndef (\w+_kernel)\(", re.M)
+    defined = {f"{path.stem}.{name}" for path in package.glob("*.py") for name in jit_def.findall(path.read_text())}
+    assert {name.split(".")[0] for name in defined} - set(jit_stats.KERNEL_MODULES) == set()
+    assert defined == set(jit_stats.cbatch_kernels())
+    assert {"gemm._gemm_kernel", "lora._lora_gemm_kernel", "w4a16._w4a16_kernel",
+            "grouped_gemm._grouped_gemm_kernel"} <= defined
+
+
 def test_counter_counts_real_variants_only():
     _decode(3, 2)
     base = compiled_variants()

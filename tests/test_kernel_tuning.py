@@ -20,6 +20,13 @@ DEVICE = kernel_device()
 FP8 = torch.float8_e4m3fn
 
 
+@pytest.fixture(autouse=True)
+def unhurried(monkeypatch):
+    """The interpreter's launches are slow on a loaded CPU: no test here runs into the tiles' budget unless it
+    passes its own (the budget has its test)."""
+    monkeypatch.setattr(tuning, "ATTENTION_BUDGET_S", 1e9)
+
+
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_every_candidate_matches_the_reference(head_dim, kv):
@@ -99,12 +106,31 @@ def test_a_damaged_cache_is_tuned_again_and_rewritten(tmp_path):
     assert not result.cached and result.shape in json.loads(cache.read_text())
 
 
-def test_the_budget_stops_after_the_first_candidate(tmp_path):
+def test_the_budget_stops_after_the_first_candidate(tmp_path, monkeypatch):
+    """Every candidate is compiled and checked before the budget's clock starts (with no budget, each still
+    launched once, before the one timing); the entry cut short says so and is tuned again next start."""
     candidates = decode_tile_candidates(64, False)
+    events = []
+    real = tuning.paged_attention
+    monkeypatch.setattr(tuning, "paged_attention",
+                        lambda *a, decode_tiles=None, **kw: events.append(("launch", decode_tiles)) or
+                        real(*a, decode_tiles=decode_tiles, **kw))
     timer = FakeTimes(candidates)
+
+    def timed(tiles, fn):
+        events.append(("timed", tiles))
+        return timer(tiles, fn)
+
     result = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "t.json", budget_s=0.0,
-                                          time_us=timer)
-    assert timer.calls == candidates[:1] and result.tiles == candidates[0]
+                                          time_us=timed)
+    assert timer.calls == candidates[:1] and result.tiles == candidates[0] and not result.complete
+    first_timing = events.index(("timed", candidates[0]))
+    assert {t for kind, t in events[:first_timing] if kind == "launch"} == set(candidates)
+    assert json.loads((tmp_path / "t.json").read_text())[result.shape]["complete"] is False
+    again = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "t.json",
+                                         time_us=FakeTimes(candidates))
+    assert not again.cached and again.complete and again.tiles == candidates[-1]
+    assert tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "t.json").cached
 
 
 def test_a_candidate_that_disagrees_never_wins(tmp_path, monkeypatch):
@@ -125,9 +151,10 @@ def test_a_candidate_that_disagrees_never_wins(tmp_path, monkeypatch):
     assert broken not in timer.calls and result.tiles == candidates[-2]
 
 
-def test_a_candidate_the_device_cannot_run_is_skipped(tmp_path, monkeypatch):
+def test_a_candidate_the_device_cannot_run_is_skipped(tmp_path, monkeypatch, capsys):
     """The fastest candidate fails to launch here (made to raise, as one past a smaller GPU's shared memory
-    would): the tuner goes on without it; the policy's own tiles failing is an error."""
+    would): the tuner goes on without it, silently; the policy's own tiles failing leaves those tiles in place,
+    with one warning line, and nothing cached."""
     candidates = decode_tile_candidates(64, False)
     real = tuning.paged_attention
 
@@ -141,11 +168,33 @@ def test_a_candidate_the_device_cannot_run_is_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "paged_attention", fails_for(candidates[-1]))
     timer = FakeTimes(candidates)
     result = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "t.json", time_us=timer)
-    assert candidates[-1] not in timer.calls and result.tiles == candidates[-2]
+    assert candidates[-1] not in timer.calls and result.tiles == candidates[-2] and result.error is None
+    assert capsys.readouterr().err == ""
     monkeypatch.setattr(tuning, "paged_attention", fails_for(candidates[0]))
-    with pytest.raises(RuntimeError, match="out of resource"):
-        tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "u.json",
-                                     time_us=FakeTimes(candidates))
+    fallback = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "u.json",
+                                            time_us=FakeTimes(candidates))
+    assert_fell_back(fallback.tiles, candidates[0], fallback, capsys, "decode attention's tiles", "out of resource")
+    assert not (tmp_path / "u.json").exists()
+
+
+def assert_fell_back(chosen, default, result, capsys, what: str, error: str) -> None:
+    """A tuner that met a device error: the policy's default chosen, the result says so, one warning line."""
+    assert chosen == default and result.error is not None and error in result.error and not result.complete
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"cbatch: warning: start-up tuning of {what} failed") \
+        and error in lines[0] and "defaults" in lines[0], lines
+    assert result.describe()["error"] == result.error
+
+
+def test_a_timer_that_fails_leaves_the_policys_tiles(tmp_path, capsys):
+    """The timer itself fails (a device that cannot record events, say): one warning line, the defaults."""
+    def broken(tiles, fn):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore detail")
+
+    result = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=tmp_path / "t.json", time_us=broken)
+    assert_fell_back(result.tiles, decode_tile_candidates(64, False)[0], result, capsys, "decode attention's tiles",
+                     "illegal memory access")
+    assert "more detail" not in result.error  # one line
 
 
 def test_the_described_shape_is_the_one_tuned():
@@ -203,7 +252,21 @@ class SplitTimes:
         return self.us.get(what[2], 100.0)
 
 
+def failing_launches(monkeypatch, message: str, **when) -> None:
+    """tuning's paged_attention raises `message` (as a device error would) on the launches whose keyword
+    arguments hold `when`; the others run."""
+    real = tuning.paged_attention
+
+    def launch(*args, **kwargs):
+        if all(kwargs.get(key) == value for key, value in when.items()):
+            raise RuntimeError(message)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tuning, "paged_attention", launch)
+
+
 def tune_splits(tmp_path, timer, **kwargs):
+    kwargs.setdefault("budget_s", 1e9)  # the interpreter's launches are slow on a loaded CPU; the budget has its test
     return tuning.tune_decode_splits(SPLIT_SHAPE, decode_tile_candidates(64, False)[0], torch.device(DEVICE), 64,
                                      cache_path=tmp_path / "t.json", rules=RULES, num_sms=1, time_us=timer, **kwargs)
 
@@ -268,14 +331,7 @@ def test_a_split_count_that_disagrees_is_never_picked(tmp_path, small_probes, mo
 def test_a_split_count_the_device_cannot_run_is_never_picked(tmp_path, small_probes, monkeypatch):
     """A split variant that fails on this device (here: made to raise, as a launch past the GPU's shared memory
     would) leaves its rule unscored; tuning goes on."""
-    real = tuning.paged_attention
-
-    def fails_at_four(*args, num_splits=None, **kwargs):
-        if num_splits == 4:
-            raise RuntimeError("out of resource: shared memory")
-        return real(*args, num_splits=num_splits, **kwargs)
-
-    monkeypatch.setattr(tuning, "paged_attention", fails_at_four)
+    failing_launches(monkeypatch, "out of resource: shared memory", num_splits=4)
     result = tune_splits(tmp_path, SplitTimes(s4=30.0, s2=50.0))
     assert str(SplitRule(16, 8)) not in result.scores and result.rule == SplitRule(8, 16) and result.complete
 
@@ -302,3 +358,64 @@ def test_every_launch_tuning_offers_matches_the_reference(small_probes):
             assert torch.isfinite(out).all() and rel_err(out, reference) < 1e-2, (batch, context, splits, filled)
     call, check = pool.launch(2, 32)
     assert torch.equal(check(tiles, 4, SplitRule(16, 16)), check(tiles, 2))
+
+
+def test_the_unsplit_launch_failing_leaves_the_policys_rule(tmp_path, small_probes, monkeypatch, capsys):
+    """The unsplit launch (what every decode step runs) fails: the split tuner keeps the default rule, one warning."""
+    failing_launches(monkeypatch, "CUDA error: unspecified launch failure", num_splits=1)
+    result = tune_splits(tmp_path, SplitTimes(s4=30.0))
+    assert_fell_back(result.rule, RULES[0], result, capsys, "split-KV's rule", "unspecified launch failure")
+    assert not (tmp_path / "t.json").exists()  # tuned again next start
+
+
+def test_an_engine_on_a_failing_device_starts_on_the_defaults(capsys, monkeypatch):
+    """build.tune_kernels with the real Triton backend on a "cuda" device this machine cannot reach (every
+    tuner's first CUDA call raises, as a device error would): tiles, split rule and GEMMs are the policy's,
+    one warning line per tuner, and the report says why."""
+    from types import SimpleNamespace
+
+    from cbatch.config import EngineConfig
+    from cbatch.engine import build
+    from cbatch.model.backend.triton_backend import TritonBackend
+    from cbatch.observe.report import describe_attention_tuning, describe_gemm_tuning, describe_split_tuning
+    from cbatch.parallel.comm import SINGLE_RANK
+    from test_kernels_gemm import _fake_model
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    spec = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=64)
+    resolved = SimpleNamespace(device=torch.device("cuda"), spec=spec, dtype=torch.bfloat16, max_model_len=4096)
+    backend, model = TritonBackend(), _fake_model()
+    report = build.tune_kernels(EngineConfig(max_num_seqs=40), resolved, backend, torch.bfloat16, SINGLE_RANK, model)
+    default_tiles = decode_tile_candidates(64, False)[0]
+    assert backend.decode_tiles == default_tiles and backend.split_rule == tuning.split_rule_candidates()[0]
+    assert report["decode_attention"] == str(default_tiles) and report["kv_splits"]["rule"] == str(backend.split_rule)
+    assert report["decode_gemm"]["triton"] == 0 and report["decode_gemm"]["shapes"] == 2 * 3  # 2 shapes x 3 buckets
+    assert all(m.gemm is None for m in model.layers.modules() if hasattr(m, "gemm"))
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" failed")[0] for line in lines] == [
+        "cbatch: warning: start-up tuning of decode attention's tiles", "cbatch: warning: start-up tuning of "
+        "split-KV's rule", "cbatch: warning: start-up tuning of the decode GEMMs"]
+    for line in (describe_attention_tuning(report), describe_split_tuning(report["kv_splits"]),
+                 describe_gemm_tuning(report["decode_gemm"])):
+        assert "tuning failed, the defaults run" in line
+
+
+def test_split_timings_rotate_through_disjoint_block_tables(small_probes, monkeypatch):
+    """Cold-L2 timing of a small probe: the timed call runs each of several disjoint block tables in turn (as many
+    as the pool holds, up to COLD_L2_BYTES of the launch's K/V); the check uses one table."""
+    pool = tuning._SyntheticKV(SPLIT_SHAPE, torch.device(DEVICE))  # 16 blocks; a 2 x 32 launch reads 4
+    tables = pool.block_tables(2, 32)
+    assert len(tables) == 4 and all(t.shape == (2, 2) for t in tables)
+    assert sorted(torch.cat([t.flatten() for t in tables]).tolist()) == list(range(16))  # disjoint, the whole pool
+    launch_bytes = 4 * SPLIT_SHAPE.block_size * SPLIT_SHAPE.kv_bytes_per_key
+    monkeypatch.setattr(tuning, "COLD_L2_BYTES", 2 * launch_bytes)
+    assert len(pool.block_tables(2, 32)) == 2 and len(pool.block_tables(4, 64)) == 1  # the pool's one launch
+    seen = []
+    real = tuning.paged_attention
+    monkeypatch.setattr(tuning, "paged_attention", lambda *a, **kw: seen.append(a[6].data_ptr()) or real(*a, **kw))
+    timed, check = pool.launch(2, 32)
+    run = timed(decode_tile_candidates(64, False)[0], 2, RULES[1])
+    assert run.period == 2
+    for _ in range(4):
+        run()
+    assert len(set(seen)) == 2 and seen[:2] == seen[2:]

@@ -1,8 +1,8 @@
 """Every kernel variant the wrappers launch must compile for sm_90 (Hopper), even on a machine without a GPU.
 
 The interpreter-based tests never lower a kernel to the GPU, so this catches what they cannot (type
-errors in loops, ops the backend rejects, tl.dot shape limits). Runs `python -m
-cbatch.kernels._compile_check` in a subprocess because that needs triton with TRITON_INTERPRET unset,
+errors in loops, ops the backend rejects, tl.dot shape limits). Runs `python benchmarks/compile_check.py`
+in a subprocess because that needs triton with TRITON_INTERPRET unset,
 which cannot be undone inside a process that already imported the kernels interpreted.
 """
 
@@ -10,10 +10,12 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
 triton = pytest.importorskip("triton")
+CHECK = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_check.py"
 
 
 def _have_ptxas() -> bool:
@@ -32,7 +34,7 @@ def test_all_kernels_compile_for_sm90():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's notice; matches the default
     with tempfile.TemporaryDirectory() as cwd:  # a neutral cwd: no stray ./cbatch shadows the package
         proc = subprocess.run(
-            [sys.executable, "-m", "cbatch.kernels._compile_check", "90"],
+            [sys.executable, str(CHECK), "90"],
             cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
         )
     report = proc.stdout + proc.stderr

@@ -179,6 +179,81 @@ def test_the_budget_leaves_cublas_and_a_shape_tuned_again_next_start(tmp_path):
     assert all(c is not None for c in again.choices.values())
 
 
+def test_cublas_timing_failing_leaves_cublas_everywhere(tmp_path, capsys):
+    """The reference's own timing fails (a device error): every shape keeps cuBLAS, one warning line, no cache."""
+    def timer(what, fn):
+        if what[1] == "cublas":
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return 1.0
+
+    result = tune(tmp_path, timer)
+    assert len(result.choices) == len(SHAPES) * len(BUCKETS) and all(c is None for c in result.choices.values())
+    assert not result.complete and "not permitted" in result.error and result.describe()["triton"] == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cbatch: warning: start-up tuning of the decode GEMMs failed")
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_every_bucket_gets_timed_largest_first(tmp_path, monkeypatch):
+    """Candidates are compiled and checked before the clock, then timed round by round over the buckets, the
+    largest first: a budget that allows three Triton timings times the 64-row bucket's first candidate on both
+    shapes, then the 16-row bucket's on the first; the shapes cut short are incomplete (tuned again)."""
+    clock = [0.0]
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: clock[0])
+    launched = []
+    real = tuning.decode_linear
+    monkeypatch.setattr(tuning, "decode_linear", lambda x, w, b, c: launched.append((w.shape[0], x.shape[0], c))
+                        or real(x, w, b, c))
+
+    def one_second_each(shape, candidate):
+        if candidate != "cublas":
+            clock[0] += 1.0
+        return 10.0 if candidate == "cublas" else 5.0
+
+    timer = FakeTimes(one_second_each)
+    result = tune(tmp_path, timer, budget_s=2.5)
+    triton_calls = [(key, c) for key, c in timer.calls if c != "cublas"]
+    assert triton_calls == [((48, 64, 64), str(gemm_candidates(64)[0])), ((40, 96, 64), str(gemm_candidates(64)[0])),
+                            ((48, 64, 16), str(gemm_candidates(16)[0]))]
+    assert {(n, rows, c) for n, _, _ in SHAPES for rows in BUCKETS for c in gemm_candidates(rows)} <= set(launched)
+    assert not result.complete
+    entries = {key.split("gemm ")[1]: e["complete"] for key, e in json.loads((tmp_path / "t.json").read_text()).items()}
+    assert sum(entries.values()) == 0  # every shape still had a candidate untimed
+    order = tuning.gemm_timing_order(list(tuning.gemm_shapes([(torch.empty(8, 16), None)])))
+    first_round = order[: len(tuning.ROW_BUCKETS)]
+    assert [s.rows for s, _ in first_round] == [256, 128, 64, 32, 16]
+    assert all(c == gemm_candidates(s.rows)[0] for s, c in first_round)
+    assert len(order) == sum(len(gemm_candidates(b)) for b in tuning.ROW_BUCKETS)
+
+
+def test_gemm_timings_rotate_through_weight_copies(tmp_path, monkeypatch):
+    """Cold-L2 timing: each timed call of a shape runs on the next of ceil(COLD_L2_BYTES / the layer's bytes)
+    copies of its weights (one per call, in turn), for cuBLAS and Triton alike."""
+    layer_bytes = {n: n * k * 4 + (n * 4 if bias else 0) for n, k, bias in SHAPES}
+    monkeypatch.setattr(tuning, "COLD_L2_BYTES", 3 * layer_bytes[48])
+    used: dict[tuple[int, str], list[int]] = {}
+    real = tuning._gemm
+    monkeypatch.setattr(tuning, "_gemm", lambda x, w, b, c: used.setdefault((w.shape[0], str(c)), []).append(
+        w.data_ptr()) or real(x, w, b, c))
+    periods = {}
+
+    def timer(what, fn):
+        shape, candidate = what
+        periods[(shape.n, candidate)] = fn.period
+        used.pop((shape.n, candidate), None)
+        for _ in range(2 * fn.period):
+            fn()
+        return 10.0 if candidate == "cublas" else 20.0
+
+    tune(tmp_path, timer)
+    for n, _, _ in SHAPES:
+        copies = -(-3 * layer_bytes[48] // layer_bytes[n])
+        for candidate in ("cublas", str(gemm_candidates(16)[0])):
+            ptrs = used[(n, candidate)]
+            assert periods[(n, candidate)] == copies and len(set(ptrs)) == copies and ptrs[:copies] == ptrs[copies:]
+    assert tuning.cold_copies(1) == tuning.MAX_COLD_COPIES and tuning.cold_copies(1 << 40) == 1
+
+
 def test_a_candidate_that_disagrees_never_wins(tmp_path, monkeypatch):
     broken = gemm_candidates(16)[0]
     real = tuning.decode_linear

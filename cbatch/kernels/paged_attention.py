@@ -326,7 +326,7 @@ def _select_tiles(head_dim_pad: int, group: int, max_query_len: int, is_fp32: bo
     64-key tiles; benchmarks/RESULTS.md).
 
     fp32 (tests only: exact "ieee" dots run on FMA units, not tensor cores) uses at most 32 x 32 tiles;
-    at 64 x 64 the sm_90 build spills ~8 KB per thread (see kernels/_compile_check.py).
+    at 64 x 64 the sm_90 build spills ~8 KB per thread (see benchmarks/compile_check.py).
     """
     tile_n = 64 if head_dim_pad <= 128 else 32
     if max_query_len <= 1:

@@ -4,9 +4,17 @@ A developer's machine has no GPU, so the tile sizes, warps and pipeline stages o
 (its one hot loop: ~78% of a decode step's GPU time on an H200) cannot be tuned where the code is written. The
 engine times each of a few candidates (`paged_attention.decode_tile_candidates`, every one of them checked
 against the torch reference in the tests) on its own shapes, before its CUDA graphs are captured, and keeps
-the fastest. Bounded: each candidate is a kernel variant to compile (~1 s) and candidates stop after 6 s; the
-choice is cached per device, stack and shape in
-`$XDG_CACHE_HOME/cbatch/kernel_tuning.json` (default `~/.cache/...`), so a second start pays nothing.
+the fastest. Every tuner first launches each candidate once (compiling its kernel variant, ~1 s on a fresh
+machine, and checking its output against the policy's), then times them under its budget (ATTENTION_BUDGET_S,
+SPLIT_BUDGET_S, GEMM_BUDGET_S: timings, not compiles); the choice is cached per device, stack and shape in
+`$XDG_CACHE_HOME/cbatch/kernel_tuning.json` (default `~/.cache/...`) with a "complete" flag (every candidate
+timed): a complete entry makes a second start pay nothing, an incomplete one is tuned again. A device error in
+any tuner (`_guarded`) leaves the policy's defaults, with one warning line, and the engine starts.
+
+Timings are cold in L2 (an H100/H200 has 50 MB of it; a decode step reads its weights and KV from HBM): a timed
+call rotates through copies of its operands, COLD_L2_BYTES (64 MB) of them in all (`_Rotating`: the GEMMs'
+weights copied, split-KV's small probes over disjoint block tables of the synthetic pool; the tiles' full step
+is 2 GiB of K/V already).
 
 The timing runs on synthetic data of one layer's size (random queries, keys and values, a shuffled block
 table): decode attention's time depends on the shapes, not the values. It is drawn on the device itself (a seeded
@@ -26,9 +34,10 @@ by its own length), so a graph captured once splits every context as the rule sa
 The decode GEMMs (`tune_decode_gemms`): per distinct layer shape (N, K, dtype, bias) and batch bucket (16 ... 256
 rows), cuBLAS (F.linear) against the Triton candidates of `kernels/gemm.py`, on the layer's own weights and
 random rows, each timed as a CUDA graph replay (where the decode step runs them: no host launch cost in the
-time). Triton is kept only where it timed faster than cuBLAS. Bounded by GEMM_BUDGET_S (candidates after it are
-skipped; such a shape is tuned again next start, when Triton's own cache has the compiled variants), cached in
-the same file, one key per shape and bucket.
+time). Triton is kept only where it timed faster than cuBLAS. The candidates are timed round by round over the
+buckets, the largest (256) first (`gemm_timing_order`), so GEMM_BUDGET_S cut short still times every bucket's
+first candidates (the shapes left with candidates untimed are tuned again next start); cached in the same
+file, one key per shape and bucket.
 """
 from __future__ import annotations
 
@@ -36,17 +45,18 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
 import triton
 
-from .gemm import GEMM_CANDIDATES, ROW_BUCKETS, DecodeGemm, GemmConfig, decode_linear
+from .gemm import GEMM_CANDIDATES, ROW_BUCKETS, DecodeGemm, GemmConfig, decode_linear, gemm_candidates
 from ._utils import sm_count
 from .paged_attention import (DecodeTiles, SplitRule, decode_tile_candidates, paged_attention,
                               split_rule_candidates)
@@ -55,12 +65,15 @@ MAX_SYNTHETIC_BYTES = 4 << 30  # the timed K/V of one layer at most; the context
 MAX_FREE_SHARE = 0.25  # ... and at most this share of the device's free memory (the weights are loaded already)
 _FILL_CHUNK = 1 << 26  # elements per half-precision slab when filling an fp8 cache (no RNG kernel for fp8)
 AGREEMENT = 1e-2  # a candidate whose output differs from the first's by more (relative) is refused
+ATTENTION_BUDGET_S = 6.0  # the tile candidates' timings (their compiles come before it)
 GEMM_BUDGET_S = 2.5  # the decode GEMMs' tuning, all shapes together (mostly Triton compiles on a first start)
 GEMM_MARGIN = 0.98  # a Triton GEMM replaces cuBLAS only below this share of cuBLAS's time (not on noise)
 SPLIT_BUDGET_S = 3.0  # split-KV's tuning (one compile of the split variant and its merge, then a few dozen timings)
 SPLIT_MARGIN = 0.98  # another rule replaces the default only below this share of the default's score
 SPLIT_PROBE_BATCHES = (4, 16, 32, 64, 128)  # decode batches where some candidate rule splits on today's GPUs
 SPLIT_PROBE_CONTEXTS = (512, 2048, 8192)  # keys per sequence (those past the model's limit are left out)
+COLD_L2_BYTES = 64 << 20  # a timing rotates through copies of its operands this large in all (H100/H200 L2: 50 MB)
+MAX_COLD_COPIES = 64  # ... in at most this many copies
 
 
 @dataclass(frozen=True)
@@ -101,10 +114,13 @@ class TuningResult:
     shape: str = ""
 
     splits: SplitTuningResult | None = None  # split-KV's rule, when tuned (`tune_decode_splits`)
+    complete: bool = True  # every candidate timed (False: the budget ran out, or a device error; tuned again next start)
+    error: str | None = None  # the device error that left the policy's tiles in place (`_guarded`)
 
     def describe(self) -> dict:
         described = {"decode_attention": str(self.tiles), "policy_default": str(self.default), "cached": self.cached,
-                     "seconds": round(self.seconds, 2), "times_us": self.times_us, "shape": self.shape}
+                     "complete": self.complete, "seconds": round(self.seconds, 2), "times_us": self.times_us,
+                     "shape": self.shape, **_error_field(self.error)}
         if self.splits is not None:
             described["kv_splits"] = self.splits.describe()
         return described
@@ -119,11 +135,12 @@ class SplitTuningResult:
     seconds: float = 0.0  # spent tuning (0 when cached)
     cached: bool = False
     complete: bool = True  # every probe timed (False: the budget ran out; tuned again next start)
+    error: str | None = None  # the device error that left the policy's rule in place (`_guarded`)
 
     def describe(self) -> dict:
         return {"rule": str(self.rule), "policy_default": str(self.default), "cached": self.cached,
                 "complete": self.complete, "seconds": round(self.seconds, 2), "scores": self.scores,
-                "times_us": self.times_us}
+                "times_us": self.times_us, **_error_field(self.error)}
 
 
 def _stack_key(device_name: str) -> str:
@@ -141,49 +158,125 @@ def default_cache_path() -> Path:
 
 
 def tune_decode_attention(shape: DecodeShape, device: torch.device, *, cache_path: Path | None = None,
-                          budget_s: float = 6.0,
+                          budget_s: float | None = None,
                           time_us: Callable[[DecodeTiles, Callable[[], None]], float] | None = None) -> TuningResult:
     """The fastest decode tiles for `shape` on `device` (from the cache file when it has this key).
 
     `time_us(tiles, fn)` times one call of fn (tiles' launch) in microseconds (default: CUDA events, the median
     of several). Every
     candidate's output is compared with the first's before it may win. Candidates after `budget_s` seconds
-    are skipped (the first is always timed)."""
+    are skipped (the first is always timed; None: ATTENTION_BUDGET_S). A device error (the policy's own tiles failing, a timer that
+    cannot run) leaves the policy's tiles, with one warning line (`_guarded`)."""
+    default = decode_tile_candidates(shape.head_dim, shape.kv_dtype.itemsize == 1)[0]
+    return _guarded("decode attention's tiles",
+                    lambda: _tune_decode_attention(shape, device, cache_path,
+                                                   ATTENTION_BUDGET_S if budget_s is None else budget_s, time_us),
+                    lambda error: TuningResult(default, default, complete=False, error=error))
+
+
+def _tune_decode_attention(shape: DecodeShape, device: torch.device, cache_path: Path | None, budget_s: float,
+                           time_us: Callable[[DecodeTiles, Callable[[], None]], float] | None) -> TuningResult:
     shape = fitted_shape(shape, synthetic_budget(device))  # the shape timed is the one the key and report name
-    kv_scaled = shape.kv_dtype.itemsize == 1
-    candidates = decode_tile_candidates(shape.head_dim, kv_scaled)
+    candidates = decode_tile_candidates(shape.head_dim, shape.kv_dtype.itemsize == 1)
     default = candidates[0]
     key = shape.key(_device_name(device))
     cache_path = cache_path or default_cache_path()
-    cached = _read_cache(cache_path).get(key)
-    if cached is not None:
-        tiles = DecodeTiles(**cached["tiles"])
-        if tiles in candidates:
-            return TuningResult(tiles, default, cached.get("times_us", {}), 0.0, True, key)
-    start = time.perf_counter()
+    entry = _complete(_read_cache(cache_path).get(key))
+    if entry is not None and DecodeTiles(**entry["tiles"]) in candidates:
+        return TuningResult(DecodeTiles(**entry["tiles"]), default, entry.get("times_us", {}), 0.0, True, key)
+    t0 = time.perf_counter()
     time_us = time_us or _cuda_time_us
     call, check = _synthetic_launch(shape, device)
-    reference = None
-    times: dict[str, float] = {}
-    for tiles in candidates:
-        if times and time.perf_counter() - start > budget_s:
-            break
-        # a candidate this device cannot run (shared memory, registers: e.g. a GPU smaller than an H100) is never
-        # chosen; the first is the kernel's own policy, which every untuned launch uses: its failure is raised
+    runnable = _runnable(candidates, check)  # every candidate compiled (and checked) before the clock starts
+    deadline = time.perf_counter() + budget_s
+    # the synthetic K/V of a full step (2 GiB for Qwen3-0.6B's 256 x 2048) is far past L2: every timing is cold
+    times, ran = _timed_within(deadline, [(str(t), _skipped_on_error(lambda t=t: time_us(t, call(t)),
+                                                                     required=t == default)) for t in runnable])
+    complete = ran == len(runnable)
+    best = min((t for t in runnable if str(t) in times), key=lambda t: times[str(t)])
+    _write_cache(cache_path, key, {"tiles": asdict(best), "times_us": times, "complete": complete})
+    return TuningResult(best, default, times, time.perf_counter() - t0, False, key, complete=complete)
+
+
+R = TypeVar("R")
+
+
+def _guarded(what: str, tune: Callable[[], R], fallback: Callable[[str], R]) -> R:
+    """tune(), or, on any error there (a device-only failure: a kernel that does not compile or launch, a CUDA
+    graph that cannot be captured, a timer that cannot run), `fallback(error)`: the policy's defaults, which
+    every untuned launch uses, after one warning line on stderr. The engine starts either way."""
+    try:
+        return tune()
+    except Exception as err:  # noqa: BLE001  whatever the device raised: the defaults are what runs untuned
+        error = _one_line(err)
+        print(f"cbatch: warning: start-up tuning of {what} failed ({error}); using the policy's defaults",
+              file=sys.stderr, flush=True)
+        return fallback(error)
+
+
+def _one_line(err: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message`, at most `limit` characters (a warning is one line)."""
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _error_field(error: str | None) -> dict:
+    """A result's `describe()` names the device error that left the defaults in place, when there was one."""
+    return {} if error is None else {"error": error}
+
+
+T = TypeVar("T")
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _runnable(candidates: list[T], output: Callable[[T], torch.Tensor]) -> list[T]:
+    """The candidates that run on this device and agree with the first (the policy's, which every untuned launch
+    runs: its failure is raised, for `_guarded`), in order. Each is launched once here, so every kernel variant
+    is compiled before any timing starts and the budgets time kernels, not compilers."""
+    reference = output(candidates[0])
+    if not torch.isfinite(reference).all():
+        raise RuntimeError(f"the policy's own choice ({candidates[0]}) gave non-finite output")
+    kept = [candidates[0]]
+    for candidate in candidates[1:]:
+        # a candidate this device cannot run (shared memory, registers: e.g. a GPU smaller than an H100), or whose
+        # output disagrees (the tests hold every candidate to the reference; this guards the device), is never chosen
         try:
-            out = check(tiles)
-            if reference is None:
-                reference = out
-            elif not _agrees(out, reference):
-                continue  # never chosen; the tests hold every candidate to the reference, this guards the device
-            times[str(tiles)] = time_us(tiles, lambda tiles=tiles: call(tiles))
+            if _agrees(output(candidate), reference):
+                kept.append(candidate)
         except Exception:  # noqa: BLE001
-            if tiles == default:
-                raise
-    best = min((t for t in candidates if str(t) in times), key=lambda t: times[str(t)])
-    result = TuningResult(best, default, times, time.perf_counter() - start, False, key)
-    _write_cache(cache_path, key, {"tiles": asdict(best), "times_us": times})
-    return result
+            continue
+    return kept
+
+
+def _timed_within(deadline: float, timings: list[tuple[K, Callable[[], V | None]]],
+                  at_least_one: bool = True) -> tuple[dict[K, V], int]:
+    """(key -> each timing's result, in order, until perf_counter passes `deadline`; how many ran). The first
+    always runs when `at_least_one`; a timing that returns None is left out."""
+    results: dict[K, V] = {}
+    for i, (key, timing) in enumerate(timings):
+        if (i or not at_least_one) and time.perf_counter() > deadline:
+            return results, i
+        result = timing()
+        if result is not None:
+            results[key] = result
+    return results, len(timings)
+
+
+def _skipped_on_error(timing: Callable[[], V], required: bool = False) -> Callable[[], V | None]:
+    """timing, or None where it fails on this device (a variant that cannot be captured in a graph, say: never
+    chosen); a `required` one (the policy's own, the reference) raises, for `_guarded`."""
+    if required:
+        return timing
+
+    def timed() -> V | None:
+        try:
+            return timing()
+        except Exception:  # noqa: BLE001
+            return None
+
+    return timed
 
 
 Launch = tuple[int, int]  # a split-KV decode launch as a graph runs it: (its splits, the segments a probe fills)
@@ -221,6 +314,19 @@ def tune_decode_splits(shape: DecodeShape, tiles: DecodeTiles, device: torch.dev
                        rules: list[SplitRule] | None = None, num_sms: int | None = None,
                        time_us: Callable[[tuple[int, int, int, int], Callable[[], None]], float] | None = None,
                        ) -> SplitTuningResult:
+    """`_tune_decode_splits`; a device error (the unsplit launch failing, a graph that cannot be captured)
+    leaves the policy's rule, with one warning line (`_guarded`)."""
+    rules = rules or split_rule_candidates()
+    return _guarded("split-KV's rule",
+                    lambda: _tune_decode_splits(shape, tiles, device, max_context, cache_path, budget_s, rules,
+                                                num_sms, time_us),
+                    lambda error: SplitTuningResult(rules[0], rules[0], complete=False, error=error))
+
+
+def _tune_decode_splits(shape: DecodeShape, tiles: DecodeTiles, device: torch.device, max_context: int,
+                        cache_path: Path | None, budget_s: float, rules: list[SplitRule], num_sms: int | None,
+                        time_us: Callable[[tuple[int, int, int, int], Callable[[], None]], float] | None,
+                        ) -> SplitTuningResult:
     """The split-KV rule for decode launches of `shape`'s model with `tiles` on `device`, contexts up to
     `max_context` (from the cache file when it has a complete entry).
 
@@ -230,15 +336,14 @@ def tune_decode_splits(shape: DecodeShape, tiles: DecodeTiles, device: torch.dev
     launch's output checked against the unsplit one first; the probes after `budget_s` seconds, or that the
     device's free memory could not hold, are left out of every rule's score (and the choice is tuned again
     next start)."""
-    rules = rules or split_rule_candidates()
     default = rules[0]
     num_sms = num_sms or sm_count(device)
     key = (f"{shape.key(_device_name(device))} | kv splits, {tiles}, {num_sms} SMs, contexts <= {max_context}, "
            f"rules {'; '.join(map(str, rules))}")
     cache_path = cache_path or default_cache_path()
-    entry = _read_cache(cache_path).get(key)
+    entry = _complete(_read_cache(cache_path).get(key))
     by_name = {str(r): r for r in rules}
-    if entry and entry.get("complete") and entry.get("rule") in by_name:
+    if entry and entry.get("rule") in by_name:
         return SplitTuningResult(by_name[entry["rule"]], default, entry.get("scores", {}), entry.get("times_us", {}),
                                  0.0, True, True)
     probes = split_probes(shape, max_context, num_sms, rules)
@@ -249,29 +354,11 @@ def tune_decode_splits(shape: DecodeShape, tiles: DecodeTiles, device: torch.dev
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the tile tuning's synthetic K/V, so the free memory below counts it free
     pool = _SyntheticKV(fitted_shape(shape, synthetic_budget(device)), device)
-    measured: dict[tuple[int, int], dict[Launch, float]] = {}
-    complete = True
-    for (batch, context), launches in probes.items():
-        if not pool.fits(batch, context):
-            complete = False  # the device's free memory is short: only the probes that fit
-            continue
-        if measured and time.perf_counter() - start > budget_s:
-            complete = False
-            break
-        call, check = pool.launch(batch, context)
-        reference = check(tiles, 1)
-        times = {}
-        for launch, rule in launches.items():
-            # a launch that disagrees, or that this device cannot run or capture, is never chosen at this probe
-            try:
-                if launch != (1, 1) and not _agrees(check(tiles, launch[0], rule), reference):
-                    continue  # the tests hold every launch to the reference; this guards the device
-                times[launch] = time_us((batch, context, *launch), lambda n=launch[0], r=rule: call(tiles, n, r))
-            except Exception:  # noqa: BLE001
-                if launch == (1, 1):
-                    raise  # the unsplit launch is what every decode step runs: its failure is no tuning matter
-                continue
-        measured[(batch, context)] = times
+    fitting = {p: launches for p, launches in probes.items() if pool.fits(*p)}  # the device's free memory may be short
+    timings = [(p, _split_probe_timing(pool, p, launches, tiles, time_us)) for p, launches in fitting.items()]
+    deadline = time.perf_counter() + budget_s  # every probe's launches compiled and checked above
+    measured, ran = _timed_within(deadline, timings)
+    complete = ran == len(timings) == len(probes)
     scores = {}
     for rule in rules:
         picks = {p: _launch(rule, p[0], p[1], shape.num_kv_heads, max_context, num_sms) for p in measured}
@@ -313,6 +400,7 @@ class GemmTuningResult:
     seconds: float = 0.0  # spent tuning (0 when every shape came from the cache)
     cached: bool = False  # every shape from the cache
     complete: bool = True  # every candidate timed (False: the budget ran out; tuned again next start)
+    error: str | None = None  # the device error that left cuBLAS everywhere (`_guarded`)
 
     def gemm_for(self, weight: torch.Tensor, bias: torch.Tensor | None) -> DecodeGemm | None:
         """The layer's `DecodeGemm` (its choice per bucket), or None where cuBLAS won every bucket."""
@@ -324,7 +412,7 @@ class GemmTuningResult:
         return {"triton": sum(c is not None for c in self.choices.values()), "shapes": len(self.choices),
                 "chosen": {s.label: str(c) if c is not None else "cublas" for s, c in self.choices.items()},
                 "cached": self.cached, "complete": self.complete, "seconds": round(self.seconds, 2),
-                "times_us": self.times_us}
+                "times_us": self.times_us, **_error_field(self.error)}
 
 
 def gemm_shapes(weights: list[tuple[torch.Tensor, torch.Tensor | None]],
@@ -343,6 +431,18 @@ def tune_decode_gemms(weights: list[tuple[torch.Tensor, torch.Tensor | None]], d
                       buckets: tuple[int, ...] = ROW_BUCKETS,
                       time_us: Callable[[tuple[GemmShape, str], Callable[[], None]], float] | None = None,
                       ) -> GemmTuningResult:
+    """`_tune_decode_gemms`; a device error (cuBLAS's own timing failing, a graph that cannot be captured)
+    leaves cuBLAS for every shape, with one warning line (`_guarded`)."""
+    return _guarded("the decode GEMMs",
+                    lambda: _tune_decode_gemms(weights, device, cache_path, budget_s, buckets, time_us),
+                    lambda error: GemmTuningResult(dict.fromkeys(gemm_shapes(weights, buckets)), complete=False,
+                                                   error=error))
+
+
+def _tune_decode_gemms(weights: list[tuple[torch.Tensor, torch.Tensor | None]], device: torch.device,
+                       cache_path: Path | None, budget_s: float, buckets: tuple[int, ...],
+                       time_us: Callable[[tuple[GemmShape, str], Callable[[], None]], float] | None,
+                       ) -> GemmTuningResult:
     """cuBLAS or a Triton config for each distinct (layer shape, batch bucket) of `weights` (the layers' own
     (weight [N, K], bias) on `device`), from the cache file when it has a complete entry.
 
@@ -352,15 +452,15 @@ def tune_decode_gemms(weights: list[tuple[torch.Tensor, torch.Tensor | None]], d
     candidate whose output disagrees with cuBLAS's (or that fails on this device) is never chosen."""
     name = _device_name(device)
     cache_path = cache_path or default_cache_path()
-    cache = _read_cache(cache_path)
     problems = gemm_shapes(weights, buckets)
     by_name = {str(c): c for c in GEMM_CANDIDATES}
     choices: dict[GemmShape, GemmConfig | None] = {}
     times: dict[str, dict[str, float]] = {}
     todo = []
+    cache = _read_cache(cache_path)
     for shape in problems:
-        entry = cache.get(shape.key(name))
-        if entry and entry.get("complete") and (entry.get("choice") == "cublas" or entry.get("choice") in by_name):
+        entry = _complete(cache.get(shape.key(name)))
+        if entry and (entry.get("choice") == "cublas" or entry.get("choice") in by_name):
             choices[shape] = by_name.get(entry["choice"])
             times[shape.label] = entry.get("times_us", {})
         else:
@@ -370,42 +470,104 @@ def tune_decode_gemms(weights: list[tuple[torch.Tensor, torch.Tensor | None]], d
     start = time.perf_counter()
     time_us = time_us or _graph_time_us
     gen = torch.Generator(device=device).manual_seed(0)
-    runs = {}
+    copies = {}  # (n, k, dtype, bias) -> the layer's (weight, bias) and copies of them: the timings rotate through
+    runs = {}  # shape -> (its rotating call per candidate, the candidates that run here, compiled and checked)
     for shape in todo:
         weight, bias = problems[shape]
+        rotation = copies.setdefault((shape.n, shape.k, shape.dtype, shape.bias), _cold_copies(weight, bias))
         x = torch.randn(shape.rows, shape.k, generator=gen, device=device, dtype=shape.dtype)
-        runs[shape] = x, weight, bias, F.linear(x, weight, bias).float()
-        times[shape.label] = {"cublas": time_us((shape, "cublas"), lambda x=x, w=weight, b=bias: F.linear(x, w, b))}
-    skipped: list[GemmConfig] = []
-    for config in GEMM_CANDIDATES:
-        fitting = [shape for shape in todo if config.fits(shape.rows)]
-        if not fitting:
-            continue
-        if time.perf_counter() - start > budget_s:
-            skipped.append(config)
-            continue
-        for shape in fitting:
-            x, weight, bias, reference = runs[shape]
-            # a variant this device cannot run (shared memory, registers) or capture in a graph is never chosen
-            try:
-                if not _agrees(decode_linear(x, weight, bias, config).float(), reference):
-                    continue  # the tests hold every candidate to torch's matmul; this guards the device
-                times[shape.label][str(config)] = time_us(
-                    (shape, str(config)), lambda x=x, w=weight, b=bias, c=config: decode_linear(x, w, b, c))
-            except Exception:  # noqa: BLE001
-                continue
-    complete = True
+        runs[shape] = _gemm_calls(x, rotation), _runnable(["cublas", *gemm_candidates(shape.rows)],
+                                                         lambda c, x=x, w=weight, b=bias: _gemm(x, w, b, c).float())
+    deadline = time.perf_counter() + budget_s
+    for shape in todo:  # cuBLAS on every shape, whatever the budget: the reference each candidate must beat
+        times[shape.label] = {"cublas": time_us((shape, "cublas"), runs[shape][0]("cublas"))}
+    order = [(s, c) for s, c in gemm_timing_order(todo) if c in runs[s][1]]
+    timed, ran = _timed_within(deadline, [((s, str(c)), _skipped_on_error(
+        lambda s=s, c=c: time_us((s, str(c)), runs[s][0](c)))) for s, c in order], at_least_one=False)
+    for (shape, label), us in timed.items():
+        times[shape.label][label] = us
+    untimed = {s for s, _ in order[ran:]}  # the budget ran out before some of their candidates
+    complete, entries = True, {}
     for shape in todo:
         measured = times[shape.label]
         best = min(measured, key=measured.get)
         if best != "cublas" and measured[best] >= GEMM_MARGIN * measured["cublas"]:
             best = "cublas"
         choices[shape] = by_name.get(best)
-        shape_complete = not any(c.fits(shape.rows) for c in skipped)
+        shape_complete = shape not in untimed
         complete = complete and shape_complete
-        cache[shape.key(name)] = {"choice": best, "times_us": measured, "complete": shape_complete}
-    _write_entries(cache_path, {shape.key(name): cache[shape.key(name)] for shape in todo})
+        entries[shape.key(name)] = {"choice": best, "times_us": measured, "complete": shape_complete}
+    _write_entries(cache_path, entries)
     return GemmTuningResult(choices, times, time.perf_counter() - start, False, complete)
+
+
+def gemm_timing_order(shapes: list[GemmShape]) -> list[tuple[GemmShape, GemmConfig]]:
+    """(shape, candidate) in the order the Triton candidates are timed: round r times each bucket's r-th candidate,
+    the largest bucket first (256 rows: most of a full run's decode steps), so a budget cut short leaves every
+    bucket with its first candidates timed, not the small buckets with all of theirs and the large with none."""
+    rows = sorted({s.rows for s in shapes}, reverse=True)
+    order = []
+    for r in range(len(GEMM_CANDIDATES)):
+        for bucket in rows:
+            fitting = gemm_candidates(bucket)
+            if r < len(fitting):
+                order += [(s, fitting[r]) for s in shapes if s.rows == bucket]
+    return order
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, candidate: GemmConfig | str) -> torch.Tensor:
+    """x @ weight.T (+ bias) by cuBLAS ("cublas") or the Triton GEMM with `candidate`'s config."""
+    return F.linear(x, weight, bias) if candidate == "cublas" else decode_linear(x, weight, bias, candidate)
+
+
+def _gemm_calls(x: torch.Tensor, rotation: list[tuple[torch.Tensor, torch.Tensor | None]]):
+    """candidate -> a `_Rotating` call of the GEMM with it, each call on the next copy of the layer's weights."""
+    return lambda candidate: _Rotating([lambda w=w, b=b: _gemm(x, w, b, candidate) for w, b in rotation])
+
+
+def _split_probe_timing(pool: _SyntheticKV, probe: tuple[int, int], launches: dict[Launch, SplitRule],
+                        tiles: DecodeTiles, time_us) -> Callable[[], dict[Launch, float]]:
+    """Checks every launch at `probe` against the unsplit one now (compiling each variant: before the clock) and
+    returns the timing of those that agree; the unsplit launch (what every decode step runs) must time."""
+    batch, context = probe
+    timed, check = pool.launch(batch, context)
+    runnable = _runnable(list(launches), lambda launch: check(tiles, launch[0], launches[launch]))
+
+    def timing() -> dict[Launch, float]:
+        times = {}
+        for launch in runnable:
+            run = timed(tiles, launch[0], launches[launch])
+            us = _skipped_on_error(lambda: time_us((batch, context, *launch), run), required=launch == (1, 1))()
+            if us is not None:
+                times[launch] = us
+        return times
+
+    return timing
+
+
+def cold_copies(nbytes: int) -> int:
+    """Copies of `nbytes` of operands that a timing rotates through so that together they hold COLD_L2_BYTES (at
+    most MAX_COLD_COPIES): each call then reads from HBM, as a decode step does, not from the 50 MB L2."""
+    return max(1, min(MAX_COLD_COPIES, -(-COLD_L2_BYTES // max(1, nbytes))))
+
+
+def _cold_copies(weight: torch.Tensor, bias: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The layer's (weight, bias) and copies of them, `cold_copies` of its bytes in all."""
+    count = cold_copies(weight.nbytes + (bias.nbytes if bias is not None else 0))
+    return [(weight, bias)] + [(weight.clone(), None if bias is None else bias.clone()) for _ in range(count - 1)]
+
+
+class _Rotating:
+    """A timed call: each call runs the next of `calls` (one per copy of the operands), in turn; `period` of them.
+    Timed back to back (a graph of `period` x n calls), every call reads operands the calls before it evicted."""
+
+    def __init__(self, calls: list[Callable[[], object]]) -> None:
+        self.calls, self.period, self.next = calls, len(calls), 0
+
+    def __call__(self) -> None:
+        call = self.calls[self.next]
+        self.next = (self.next + 1) % self.period
+        call()
 
 
 def synthetic_budget(device: torch.device) -> int:
@@ -450,33 +612,45 @@ class _SyntheticKV:
     def fits(self, batch: int, context: int) -> bool:
         return self.shape.blocks(batch, context) <= self.num_blocks
 
+    def block_tables(self, batch: int, context: int) -> list[torch.Tensor]:
+        """Disjoint [batch, blocks per sequence] tables over the shuffled pool: as many as the pool holds, up to
+        `cold_copies` of the launch's K/V bytes (a small probe's K/V would otherwise sit in L2 when timed)."""
+        per_launch = self.shape.blocks(batch, context)
+        launch_bytes = per_launch * self.shape.block_size * self.shape.kv_bytes_per_key
+        count = max(1, min(self.num_blocks // per_launch, cold_copies(launch_bytes)))
+        return [self.order[i * per_launch: (i + 1) * per_launch].view(batch, -1) for i in range(count)]
+
     def launch(self, batch: int, context: int):
-        """(call(tiles, num_splits, rule), check(tiles, num_splits, rule) -> output) for `batch` random queries at
-        `context` keys each; num_splits None: the kernel's own choice; rule: paged_attention's split_rule."""
+        """(timed(tiles, num_splits, rule) -> a `_Rotating` call over `block_tables`, check(tiles, num_splits,
+        rule) -> output on the first table) for `batch` random queries at `context` keys each; num_splits None:
+        the kernel's own choice; rule: paged_attention's split_rule."""
         shape, device = self.shape, self.device
-        blocks_per_seq = shape.blocks(1, context)
-        block_table = self.order[: batch * blocks_per_seq].view(batch, blocks_per_seq)
+        tables = self.block_tables(batch, context)
         q = _random((batch, shape.num_q_heads, shape.head_dim), shape.q_dtype, device, self.gen)
         out = torch.empty_like(q)
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
         query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
         scale = shape.head_dim ** -0.5
 
-        def call(tiles: DecodeTiles, num_splits: int | None = None, rule: SplitRule | None = None) -> None:
-            paged_attention(q, self.k, self.v, out, query_start_loc, seq_lens, block_table, scale, 1, context,
+        def run(table: torch.Tensor, tiles: DecodeTiles, num_splits: int | None, rule: SplitRule | None) -> None:
+            paged_attention(q, self.k, self.v, out, query_start_loc, seq_lens, table, scale, 1, context,
                             num_splits=num_splits, k_scale=self.scales, v_scale=self.scales, decode_tiles=tiles,
                             split_rule=rule)
 
+        def timed(tiles: DecodeTiles, num_splits: int | None = None, rule: SplitRule | None = None) -> _Rotating:
+            return _Rotating([lambda t=t: run(t, tiles, num_splits, rule) for t in tables])
+
         def check(tiles: DecodeTiles, num_splits: int | None = None, rule: SplitRule | None = None) -> torch.Tensor:
             out.fill_(float("nan"))
-            call(tiles, num_splits, rule)
+            run(tables[0], tiles, num_splits, rule)
             return out.float().clone()
 
-        return call, check
+        return timed, check
 
 
 def _synthetic_launch(shape: DecodeShape, device: torch.device):
-    """(call(tiles), check(tiles) -> output) over one random decode batch of `shape` on `device`."""
+    """(timed(tiles) -> a `_Rotating` call, check(tiles) -> output) over one random decode batch of `shape` on
+    `device` (the whole pool: one table)."""
     return _SyntheticKV(shape, device).launch(shape.batch, shape.context)
 
 
@@ -499,8 +673,11 @@ def _cuda_time_us(what, fn: Callable[[], None], repeats: int = 7, inner: int = 3
 
 
 def _graph_time_us(what, fn: Callable[[], None], repeats: int = 7, inner: int = 10) -> float:
-    """Median microseconds per call of fn replayed from a CUDA graph of `inner` calls: what a decode step's graph
-    pays for it (a few-microsecond GEMM launched eagerly would time the host's launch instead)."""
+    """Median microseconds per call of fn replayed from a CUDA graph of `inner` calls (a multiple of a `_Rotating`
+    fn's period: each replay runs every copy alike): what a decode step's graph pays for it (a few-microsecond
+    GEMM launched eagerly would time the host's launch instead)."""
+    period = getattr(fn, "period", 1)
+    inner = period * -(-inner // period)
     fn()  # compiles (Triton) and warms up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -530,6 +707,11 @@ def _read_cache(path: Path) -> dict:
     except (OSError, ValueError):  # none yet, unreadable or damaged: tune again and rewrite it
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _complete(entry: object) -> dict | None:
+    """A cache entry whose tuning timed every candidate (else None: tuned again, this start)."""
+    return entry if isinstance(entry, dict) and entry.get("complete") else None
 
 
 def _write_cache(path: Path, key: str, entry: dict) -> None:

@@ -244,7 +244,9 @@ def summary_table(report: dict[str, Any]):
 
 def _tuned_how(tuning: dict) -> str:
     """Where a start-up tuning's choice came from: the cache, or timing (how long; "partly" where its budget ran
-    out before every candidate was timed)."""
+    out before every candidate was timed), or the device error that left the policy's defaults in place."""
+    if tuning.get("error"):
+        return f"tuning failed, the defaults run: {tuning['error']}"
     if tuning["cached"]:
         return "cached"
     return f"tuned in {tuning['seconds']:.1f} s" + ("" if tuning.get("complete", True) else ", partly")

@@ -1,7 +1,10 @@
 """Compile the kernels for Hopper (sm_90) without a GPU, as real calls would launch them.
 
-    python -m cbatch.kernels._compile_check          # prints one line per kernel variant
-    python -m cbatch.kernels._compile_check 90 gemm  # only the variants whose label holds "gemm"
+    python benchmarks/compile_check.py          # prints one line per kernel variant
+    python benchmarks/compile_check.py 90 gemm  # only the variants whose label holds "gemm"
+
+A developer's tool (it drives the model code's wrappers too, so it lives outside the package). Under another
+Triton (the GPU machines run 3.6): benchmarks/device_stack_check.sh makes that venv and runs this there.
 
 Triton's interpreter (what the tests use on a CPU machine) never lowers a kernel, so code that runs
 there can still fail to compile for a GPU (scalar/tensor type mismatches in loops, unsupported ops, tile
@@ -21,6 +24,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # cbatch from this checkout, whatever the cwd
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     raise SystemExit("run without TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
@@ -34,8 +40,7 @@ _TL_TYPE = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
     torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8",
 }
-_MODULES = ("paged_attention", "kv_store", "rmsnorm", "rotary", "activation", "rope_store", "sampler", "grouped_gemm", "w4a16",
-            "gemm")
+from cbatch.kernels.jit_stats import KERNEL_MODULES  # noqa: E402  (every kernel module; a test holds it whole)
 
 
 class _Recorder:
@@ -144,6 +149,7 @@ def _drive():
     yield from _drive_models()
     yield from _drive_w4a16()
     yield from _drive_gemm()
+    yield from _drive_lora()
 
 
 def _drive_small_ops():
@@ -279,8 +285,22 @@ def _drive_gemm():
     yield "decode gemm fp32 (tests only)"
 
 
+def _drive_lora():
+    """The LoRA shrink and expand (kernels/lora.py) at rank 16 on Qwen3-0.6B's hidden size, bf16; fp32 for the tests."""
+    from cbatch.kernels.lora import lora_expand, lora_shrink
+
+    tokens, slots = torch.zeros(64, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float32):
+        y = lora_shrink(torch.empty(64, 1024, dtype=dtype), torch.empty(4, 16, 1024, dtype=dtype), tokens, slots,
+                        slots, 16)
+        yield f"lora shrink {str(dtype).removeprefix('torch.')} rank 16"
+        lora_expand(y, torch.empty(4, 4096, 16, dtype=dtype), torch.empty(64, 4096, dtype=dtype), tokens, slots,
+                    slots, 16)
+        yield f"lora expand {str(dtype).removeprefix('torch.')} rank 16"
+
+
 def main(arch: int = 90, only: str | None = None) -> int:
-    modules = [importlib.import_module(f"cbatch.kernels.{m}") for m in _MODULES]
+    modules = [importlib.import_module(f"cbatch.kernels.{m}") for m in KERNEL_MODULES]
     recorders = {}
     for mod in modules:
         # the wrappers check for CUDA tensors; nothing is launched here, so CPU tensors are fine
