@@ -171,6 +171,54 @@ def test_a_rerun_after_a_crash_skips_rows_already_written(ray_cluster, job_input
     assert report["replicas"][0]["rows"] == ROWS + 2 - len(saved)  # only the rows not yet written ran again
 
 
+def test_kept_columns_and_the_result_cache_work_as_locally(ray_cluster, job_input, tmp_path):
+    """--keep-columns and --result-cache under --ray (the job's spec travels to the replicas whole): the same bytes
+    as a local run with them, and a second Ray run copies every ok row from the cache the first one filled."""
+    from cbatch.scaleout.ray_job import run_ray_job
+
+    inp, model = job_input
+    keep = dict(keep_columns="max_tokens,temperature")
+    assert run_job(options(inp, tmp_path / "local.jsonl", model, **keep)) == 1
+    local = (tmp_path / "local.jsonl").read_bytes()
+    assert b'"temperature": 0.9' in local  # decisive: the kept values are there
+    cache = tmp_path / "cache"
+    assert run_ray_job(options(inp, tmp_path / "a.jsonl", model, result_cache=cache, **keep), ray_options()) == 1
+    assert (tmp_path / "a.jsonl").read_bytes() == local
+    report_path = tmp_path / "report.json"
+    assert run_ray_job(options(inp, tmp_path / "b.jsonl", model, result_cache=cache, report=report_path, **keep),
+                       ray_options()) == 1
+    assert (tmp_path / "b.jsonl").read_bytes() == local
+    report = json.loads(report_path.read_text())
+    assert report["requests"]["cached"] == ROWS  # every ok row came from the cache; the two bad rows are errors again
+
+
+def test_a_deadline_expires_the_rows_left_and_the_same_command_runs_them(ray_cluster, job_input, local_output, tmp_path):
+    """--max-wall-time under --ray: once the first block is back the deadline passes (an injected clock; no grace):
+    no block is sent any more, the rows not back are `expired`, exit 75; the same command then runs only those and
+    OUTPUT equals the single-process run."""
+    from cbatch.run.deadline import Deadline
+    from cbatch.run.exit_codes import EXIT_EXPIRED
+    from cbatch.scaleout.ray_job import run_ray_job
+
+    inp, model = job_input
+    out = tmp_path / "out.jsonl"
+    passed = {"now": False}
+
+    def first_block_back(job) -> None:
+        passed["now"] = True
+
+    deadline = Deadline(at=1.0, grace_s=0.0, flag="--max-wall-time 1s", clock=lambda: 2.0 if passed["now"] else 0.0)
+    code = run_ray_job(options(inp, out, model, deadline=deadline), ray_options(replicas=1), on_block=first_block_back)
+    assert code == EXIT_EXPIRED
+    rows = check_rows(out.read_bytes())
+    expired = [r for r in rows if r["finish_reason"] == "expired"]
+    assert 0 < len(expired) < ROWS and all("--max-wall-time 1s" in r["error"] for r in expired)
+    report_path = tmp_path / "report.json"
+    assert run_ray_job(options(inp, out, model, report=report_path), ray_options(replicas=1)) == 1
+    assert out.read_bytes() == local_output
+    assert json.loads(report_path.read_text())["replicas"][0]["rows"] == len(expired)  # only those ran again
+
+
 def test_cli_joins_a_running_cluster(ray_cluster, job_input, local_output, tmp_path):
     inp, model = job_input
     out = tmp_path / "out.jsonl"
