@@ -108,16 +108,16 @@ def test_request_too_big_for_the_kv_pool_is_an_error_row(tiny_checkpoints, tmp_p
 
 def test_exceptions_while_preparing_a_row_become_error_rows(tiny_checkpoints, tiny_chat_model, tmp_path, monkeypatch):
     """A tokenizer or chat template raising, or an engine check refusing a row, fails that row only."""
-    import cbatch.run.executor
+    import cbatch.tasks.generate_task
 
-    real = cbatch.run.executor.encode_messages
+    real = cbatch.tasks.generate_task.encode_messages
 
     def fussy_template(tokenizer, messages, *template_kwargs):
         if messages[0]["role"] == "narrator":
             raise TypeError("unknown role 'narrator'")
         return real(tokenizer, messages, *template_kwargs)
 
-    monkeypatch.setattr(cbatch.run.executor, "encode_messages", fussy_template)
+    monkeypatch.setattr(cbatch.tasks.generate_task, "encode_messages", fussy_template)
     rows = [{"id": "a", "messages": [{"role": "narrator", "content": "x"}]}, GOOD[1],
             {"id": "t", "prompt": "text on a model without a tokenizer"}]
     source, out = write_jsonl(tmp_path / "in.jsonl", rows[:2]), tmp_path / "out.jsonl"
