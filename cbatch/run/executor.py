@@ -43,6 +43,16 @@ def expired_results(index: int, row_id: str, num_samples: int, samples: Iterable
                       last=i == samples[-1], echo=echo, kept=kept) for i in samples]
 
 
+def failed_result(index: int, row_id: str, exc: Exception, echo: dict[str, Any], kept: dict[str, Any],
+                  prompt_tokens: int = 0) -> RowResult:
+    """A row's error result: a user's mistake (a ValueError: RowError, UserError) names itself; anything else is
+    named with its type."""
+    message = str(exc) if isinstance(exc, ValueError) else f"could not prepare this row ({type(exc).__name__}: {exc})"
+    failed = RowResult.failed(index, row_id, message, prompt_tokens)
+    failed.echo, failed.kept = echo, kept
+    return failed
+
+
 def expire_unsent(spec: JobSpec, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int],
                   message: str) -> list[RowResult]:
     """A row a deadline kept from starting: its missing samples `expired` (a row that is bad in itself is reported
@@ -51,9 +61,7 @@ def expire_unsent(spec: JobSpec, index: int, raw: dict[str, Any] | str, done_sam
     try:
         parsed = spec.task.parse(index, raw)
     except RowError as exc:
-        failed = RowResult.failed(index, row_id_of(index, raw), str(exc))
-        failed.kept = kept
-        return [failed]
+        return [failed_result(index, row_id_of(index, raw), exc, {}, kept)]
     left = [i for i in range(parsed.num_samples) if i not in done_samples]
     return expired_results(index, parsed.row_id, parsed.num_samples, left, message, parsed.echo, kept)
 
@@ -92,7 +100,7 @@ class LocalExecutor:
             work = self.task.requests(self.engine, parsed)
             hit = self.cache.lookup(index, parsed.row_id, *work.cache_key) if self.cache and work.cache_key else None
         except Exception as exc:  # RowError, or a tokenizer check on this row alone: never the job
-            return self._failed(index, row_id_of(index, raw), exc, echo, kept)
+            return failed_result(index, row_id_of(index, raw), exc, echo, kept)
         if hit is not None:
             hit.echo, hit.kept = echo, kept
             return hit
@@ -118,7 +126,7 @@ class LocalExecutor:
                 seqs.append(self.engine.add_request(request.prompt_ids, request.params, seq_id=seq_id,
                                                     samples=samples if number == 0 else None, pooling=request.pooling))
         except Exception as exc:  # an engine check on this row alone: never the job
-            self._ready.append(self._failed(index, parsed.row_id, exc, parsed.echo, kept))
+            self._ready.append(failed_result(index, parsed.row_id, exc, parsed.echo, kept))
             return
         self._rows[index] = row
         self.metrics.submitted_rows += 1
@@ -127,12 +135,6 @@ class LocalExecutor:
         for seq in seqs:
             if seq.is_finished:  # could never run (too long for the model or the KV pool)
                 self._ready += self._results(seq)
-
-    def _failed(self, index: int, row_id: str, exc: Exception, echo: dict[str, Any], kept: dict[str, Any]) -> RowResult:
-        message = str(exc) if isinstance(exc, ValueError) else f"could not prepare this row ({type(exc).__name__}: {exc})"
-        failed = RowResult.failed(index, row_id, message)
-        failed.echo, failed.kept = echo, kept
-        return failed
 
     def end_of_input(self) -> None:
         pass
@@ -183,8 +185,8 @@ class LocalExecutor:
         row.left.discard(part)
         if out.finish_reason == "error":
             del self._rows[index]
-            results = [self._failed(index, row.parsed.row_id, ValueError(out.error or "failed"), row.parsed.echo, row.kept)]
-            results[0].prompt_tokens = len(out.prompt_token_ids)
+            results = [failed_result(index, row.parsed.row_id, ValueError(out.error or "failed"), row.parsed.echo,
+                                     row.kept, len(out.prompt_token_ids))]
         else:
             if not row.left:
                 del self._rows[index]
@@ -210,4 +212,4 @@ class LocalExecutor:
         )
 
 
-__all__ = ["Executor", "LocalExecutor", "expire_unsent", "expired_results"]
+__all__ = ["Executor", "LocalExecutor", "expire_unsent", "expired_results", "failed_result"]
