@@ -167,7 +167,6 @@ def _bad_job_cases(tmp_path, model):
          "folder.jsonl: the folder has no .jsonl or .parquet file"),
         ("unknown extension", ["run", str(tmp_path / "in.txt"), "--out", out, *m], "unknown input extension '.txt'; use .jsonl"),
         ("no prompt field", ["run", str(tmp_path / "noprompt.jsonl"), "--out", out, *m], "no row has a `prompt`, `messages`"),
-        ("empty input", ["run", str(tmp_path / "empty.jsonl"), "--out", out, *m], "the input has no rows"),
         ("no prompt column", ["run", str(tmp_path / "noprompt.parquet"), "--out", out, *m], "no `prompt` or `messages` column (columns: text)"),
         ("damaged parquet", ["run", str(tmp_path / "damaged.parquet"), "--out", out, *m], "not a readable Parquet file"),
         ("unsupported model", ["run", str(good), "--out", out, "--model", str(gpt2)], "GPT2LMHeadModel"),

@@ -157,8 +157,8 @@ def run(**values: Any) -> None:
         fail("--progress-interval: must be a positive number of seconds, e.g. 10")
     if values["display"] not in ("auto", "dashboard", "plain", "none"):
         fail(f"--display: must be one of auto, dashboard, plain, none, not {values['display']!r}")
-    if values["output_format"] not in ("cbatch", "openai"):
-        fail(f"--output-format: must be cbatch or openai, not {values['output_format']!r}")
+    if values["output_format"] not in ("cbatch", "openai", "vllm"):
+        fail(f"--output-format: must be cbatch, openai or vllm, not {values['output_format']!r}")
     deadline = job_deadline(values)
     config = engine_config(values, RUN_FLAGS, seed=job_seed(values))
     defaults = sampling_defaults(values)

@@ -159,7 +159,8 @@ JOB_FLAGS = [
     Flag("reasoning_split", bool, True, "Models that think (<think>...</think>): the thinking goes to a `reasoning` "
          "column; --no-reasoning-split keeps the raw text in `completion`.", JOB,
          decls=("--reasoning-split/--no-reasoning-split",)),
-    Flag("output_format", str, "cbatch", "cbatch (our columns) | openai (OpenAI Batch API output lines; .jsonl).", JOB),
+    Flag("output_format", str, "cbatch", "cbatch (our columns) | openai (OpenAI Batch API output lines; .jsonl) | vllm "
+         "(the same, error lines as vLLM's run-batch writes them).", JOB),
     Flag("keep_columns", Optional[str], None, "Input columns to carry into the output: all, or a comma list.", JOB,
          metavar="all|COL,..."),
     Flag("allow_duplicate_ids", bool, False, "Run even when two rows share an id / custom_id.", JOB),

@@ -26,6 +26,7 @@ from cbatch.io.outcomes import EXPIRED, FAILED
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 OBJECT_OF_URL = {CHAT_URL: "chat.completion", COMPLETIONS_URL: "text_completion"}
 ENVELOPE_FIELDS = ("custom_id", "method", "url", "body")
+LINE_KEYS = (*ENVELOPE_FIELDS, "id")  # a line may also carry cbatch's own `id` (the output id, before custom_id)
 OPENAI_LINE_FIELDS = ("id", "custom_id", "response", "error")  # an output line's own keys
 
 HONOURED, NOT_YET, UNSUPPORTED = "honoured", "not yet", "unsupported"
@@ -109,7 +110,18 @@ def _check_body_field(name: str, value: Any) -> None:
 
 
 def batch_body(row: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI batch line's `body`, after the checks every endpoint shares: method POST, body a JSON object."""
+    """An OpenAI batch line's `body`, after the checks every endpoint shares: a `custom_id`, no top-level key the
+    format does not define (cbatch's `id` aside; a key --keep-columns carries is taken off the line before:
+    `without_carried`),
+    method POST, body a JSON object."""
+    unknown = next((k for k in row if k not in LINE_KEYS), None)
+    if unknown is not None:
+        raise RequestError(f"{unknown}: not a key of an OpenAI batch line ({', '.join(ENVELOPE_FIELDS)}); remove it, "
+                           "or carry it to the output with --keep-columns")
+    custom_id = row.get("custom_id")
+    if "id" not in row and (not isinstance(custom_id, str) or not custom_id):
+        raise RequestError("custom_id: every OpenAI batch line needs its own `custom_id` (a non-empty string), "
+                           f"got {custom_id!r}")
     method = row.get("method", "POST")
     if method != "POST":
         raise RequestError(f'method: must be "POST", got {method!r}')
@@ -117,6 +129,15 @@ def batch_body(row: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RequestError(f"body: must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def without_carried(row: dict[str, Any] | str, carried: Iterable[str]) -> dict[str, Any] | str:
+    """An OpenAI batch line without the top-level keys --keep-columns carries to the output (they are the user's, not
+    the request's, and are not dropped); any other row as it is."""
+    if not isinstance(row, dict) or not is_openai_request(row):
+        return row
+    extra = set(carried).difference(ENVELOPE_FIELDS).intersection(row)
+    return {k: v for k, v in row.items() if k not in extra} if extra else row
 
 
 def request_fields(row: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -182,23 +203,27 @@ class OpenAILines:
 
     model: str  # what a response names when its request named no model
     body: BodyMaker
+    vllm_errors: bool = False  # --output-format vllm: an error line as vLLM's run-batch writes it (body null, `error` set)
 
 
-def output_line(samples: list[dict[str, Any]], model: str, created: int, body: BodyMaker) -> dict[str, Any]:
+def output_line(samples: list[dict[str, Any]], model: str, created: int, body: BodyMaker,
+                vllm_errors: bool = False) -> dict[str, Any]:
     """A finished row's records (one per sample, in sample order) -> its OpenAI batch output line (a failed
-    row: an error-file line; else the task's `body`)."""
+    row: an error-file line, or with `vllm_errors` vLLM's run-batch error line; else the task's `body`)."""
     first = samples[0]
     digest = request_digest(first)
     failed = next((r for r in samples if r["finish_reason"] in FAILED), None)
+    error = None
     if failed is not None:
         expired = failed["finish_reason"] == EXPIRED  # as OpenAI's batches write a request the window did not reach
-        body = {"error": {"message": failed.get("error") or "failed", "type": "invalid_request_error",
-                          "param": None, "code": "batch_expired" if expired else None}}
-        status = 408 if expired else 400
+        error = {"message": failed.get("error") or "failed", "type": "invalid_request_error", "param": None,
+                 "code": "batch_expired" if expired else None}
+        body, status = (None, 408 if expired else 400) if vllm_errors else ({"error": error}, 408 if expired else 400)
     else:
         body, status = body(samples, model, created), 200
     return {"id": f"batch_req_{digest}", "custom_id": first["id"],
-            "response": {"status_code": status, "request_id": f"req_{digest}", "body": body}, "error": None}
+            "response": {"status_code": status, "request_id": f"req_{digest}", "body": body},
+            "error": error if vllm_errors else None}
 
 
 def write_openai_lines(path: Path, records: Iterable[dict[str, Any]], lines: OpenAILines) -> None:
@@ -208,10 +233,10 @@ def write_openai_lines(path: Path, records: Iterable[dict[str, Any]], lines: Ope
     with open(path, "w", encoding="utf-8") as f:
         for _, samples in itertools.groupby(records, key=lambda r: r["index"]):
             samples = list(samples)
-            line = {**output_line(samples, lines.model, created, lines.body), **samples[0].get("kept", {})}
+            line = {**output_line(samples, lines.model, created, lines.body, lines.vllm_errors), **samples[0].get("kept", {})}
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
 
 
 __all__ = ["BODY_FIELDS", "BodyField", "BodyMaker", "CHAT_URL", "COMPLETIONS_URL", "ENVELOPE_FIELDS", "OPENAI_LINE_FIELDS",
-           "OpenAILines", "RequestError", "batch_body", "is_openai_request", "output_line", "output_model_name",
+           "OpenAILines", "RequestError", "batch_body", "is_openai_request", "without_carried", "output_line", "output_model_name",
            "request_digest", "request_fields", "write_openai_lines"]

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Protocol
 
 from cbatch.engine.engine import Engine
 from cbatch.engine.sequence import Sequence
+from cbatch.io.openai import without_carried
 from cbatch.io.outcomes import EXPIRED
 from cbatch.io.row_fields import RowError, row_id_of
 from cbatch.observe.metrics import JobMetrics, RequestTiming, engine_snapshot, engine_step_sample
@@ -59,7 +60,7 @@ def expire_unsent(spec: JobSpec, index: int, raw: dict[str, Any] | str, done_sam
     as such, as when it runs). Every executor's `expire_unsubmitted`."""
     kept = spec.keep.pick(raw) if spec.keep is not None else {}
     try:
-        parsed = spec.task.parse(index, raw)
+        parsed = spec.task.parse(index, without_carried(raw, kept))
     except RowError as exc:
         return [failed_result(index, row_id_of(index, raw), exc, {}, kept)]
     left = [i for i in range(parsed.num_samples) if i not in done_samples]
@@ -95,7 +96,7 @@ class LocalExecutor:
         kept = self.spec.keep.pick(raw) if self.spec.keep is not None else {}
         echo: dict[str, Any] = {}
         try:
-            parsed = self.task.parse(index, raw)
+            parsed = self.task.parse(index, without_carried(raw, kept))
             echo = parsed.echo
             work = self.task.requests(self.engine, parsed)
             hit = self.cache.lookup(index, parsed.row_id, *work.cache_key) if self.cache and work.cache_key else None

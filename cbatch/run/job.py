@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 from cbatch.config import EngineConfig, UserError
 from cbatch.engine.build import build_engine
 from cbatch.engine.engine import Engine
+from cbatch.engine.stats import SchedulerStats
 from cbatch.io.reader import iter_rows
 from cbatch.io.columns import output_kept_types
 from cbatch.io.openai import OpenAILines, output_model_name
@@ -45,6 +46,8 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
     prepared = preflight(options)
     if prepared is None:
         return EXIT_OK
+    if prepared.total_rows == 0:
+        return conclude_empty_job(options, prepared, make_progress)
     spec = job_spec(options, prepared)  # (a bad --result-cache is refused here, before the model loads)
     engine = load_engine(prepared, make_engine)
     # the engine's config has the step limits it runs with (a GPU sizes them from memory): displays and
@@ -63,6 +66,45 @@ def run_job(options: JobOptions, make_engine: Callable[[EngineConfig], Engine] |
         settings={"engine": asdict(prepared.config), "defaults": asdict(options.defaults), "dtype": str(engine.dtype),
                   "device": str(engine.device), "input": str(options.input), "output": str(options.output)},
     )
+    return conclude_job(options, prepared, with_task(report, prepared.task), code)
+
+
+class NoRows:
+    """The executor of a job whose INPUT has no rows: there is nothing to run, so no model is loaded."""
+
+    def wants_rows(self) -> bool:
+        return True  # (the feed reads on, finds the input's end and is exhausted)
+
+    def submit(self, index: int, raw: Any, done_samples: frozenset[int] = frozenset()) -> None:
+        raise AssertionError("an empty INPUT has no row to submit")
+
+    def end_of_input(self) -> None:
+        pass
+
+    def busy(self) -> bool:
+        return False
+
+    def poll(self) -> list[RowResult]:
+        return []
+
+    def stop_starting(self) -> None:
+        pass
+
+    def expire(self, message: str) -> list[RowResult]:
+        return []
+
+    def expire_unsubmitted(self, index: int, raw: Any, done_samples: frozenset[int], message: str) -> list[RowResult]:
+        return []
+
+
+def conclude_empty_job(options: JobOptions, prepared: PreparedJob, make_progress: DisplayFactory | None) -> int:
+    """An INPUT without rows (an empty nightly partition): a finished job, local or Ray. OUTPUT is written empty
+    with its columns, the report and the summary line say 0 rows, and the exit code is 0; no model loads."""
+    metrics = JobMetrics(total_rows=0)
+    code = run_rows(options, prepared, NoRows(), metrics, make_progress or make_display)
+    report = build_report(metrics, SchedulerStats(), wall_seconds=metrics.now(), max_num_seqs=0, num_kv_blocks=0,
+                          settings={"engine": asdict(prepared.config), "defaults": asdict(options.defaults),
+                                    "input": str(options.input), "output": str(options.output)})
     return conclude_job(options, prepared, with_task(report, prepared.task), code)
 
 
@@ -144,7 +186,8 @@ def write_records(options: JobOptions, prepared: PreparedJob, path: Path,
     columns = output_columns(options.token_ids, state.columns, task.columns)
     kept_types = (output_kept_types(formats.keep, formats.kept_types, records) if formats.output == "parquet"
                   else None)
-    openai = OpenAILines(output_model_name(options.engine.model), task.openai_body) if formats.openai_lines else None
+    openai = (OpenAILines(output_model_name(options.engine.model), task.openai_body, options.output_format == "vllm")
+              if formats.openai_lines else None)
     write_output(path, formats.output, records(), columns, kept_types=kept_types, task_types=task.column_types(),
                  openai=openai)
 

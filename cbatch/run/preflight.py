@@ -59,7 +59,7 @@ class JobOptions:
     result_cache_limit: CacheLimit = DEFAULT_CACHE_LIMIT
     retry_errors: bool = False  # run only the error rows of a complete OUTPUT again, keep the others
     reasoning_split: bool = True  # a thinking model's <think>...</think> goes to a `reasoning` column
-    output_format: str = "cbatch"  # cbatch (our columns) | openai (OpenAI batch output lines; JSONL)
+    output_format: str = "cbatch"  # cbatch (our columns) | openai (OpenAI batch output lines; JSONL) | vllm (vLLM's)
     keep_columns: str | None = None  # --keep-columns: "all" or a comma list of input columns
     allow_duplicate_ids: bool = False
     deadline: Deadline | None = None  # --max-wall-time / --deadline: when the job stops starting rows
@@ -78,7 +78,7 @@ class JobFormats:
 
     input: InputFile  # INPUT with its format (jsonl | parquet)
     output: str  # OUTPUT's file format: jsonl | parquet (from its extension)
-    openai_lines: bool  # --output-format openai: OUTPUT holds OpenAI batch output lines (JSONL)
+    openai_lines: bool  # --output-format openai / vllm: OUTPUT holds OpenAI batch output lines (JSONL)
     keep: KeepColumns | None  # --keep-columns, parsed (None: no flag)
     kept_types: dict[str, Any] | None = None  # the kept columns' Arrow types when INPUT is Parquet (its schema)
     parts: PartPlan | None = None  # --out DIR: OUTPUT is a folder of parts (`output` is their format)
@@ -104,10 +104,10 @@ def validate_paths(options: JobOptions) -> tuple[JobFormats, int]:
         check_writable(options.output, folder=parts is not None)
         if options.report is not None:
             check_writable(options.report, flag="--report")
-        openai_lines = options.output_format == "openai"
+        openai_lines = options.output_format in ("openai", "vllm")
         if openai_lines and output != "jsonl":
             what = "--part-format jsonl" if parts is not None else "a .jsonl --out"
-            raise JobError(f"--out {options.output}: --output-format openai writes JSONL; give {what}")
+            raise JobError(f"--out {options.output}: --output-format {options.output_format} writes JSONL; give {what}")
         source = open_input(options.input)
         if source.local and options.output.exists() and any(part.path.samefile(options.output) for part in source.parts):
             raise JobError(f"--out {options.output} is the input file; choose another --out")

@@ -32,7 +32,7 @@ from cbatch.observe.metrics import EngineSnapshot, JobMetrics
 from cbatch.observe.report import build_report
 from cbatch.run.exit_codes import EXIT_OK
 from cbatch.run.executor import expire_unsent
-from cbatch.run.job import conclude_job, job_spec, run_rows, with_task
+from cbatch.run.job import conclude_empty_job, conclude_job, job_spec, run_rows, with_task
 from cbatch.run.job_spec import JobSpec
 from cbatch.run.preflight import JobError, JobOptions, preflight
 from cbatch.tasks.results import RowResult
@@ -448,6 +448,8 @@ def run_ray_job(options: JobOptions, ray_options: RayOptions, make_progress=None
     prepared = preflight(options)  # the same checks and fingerprint as a local run: resume either way
     if prepared is None:
         return EXIT_OK
+    if prepared.total_rows == 0:  # no replica starts for an empty INPUT
+        return conclude_empty_job(options, prepared, make_progress)
     options = replace(options, engine=prepared.config)
     spec = job_spec(options, prepared)  # (a bad --result-cache is refused here, before any replica starts)
     token_source = ray_auth_token(ray_options.address)  # NOTE: before Ray's import, which reads RAY_AUTH_MODE
