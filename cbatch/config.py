@@ -167,7 +167,7 @@ RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "add_generat
                             "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs")
 
 
-CONSTRAINT_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+CONSTRAINT_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +177,8 @@ class Constraint:
     `text` is the constraint's canonical text, the key its compiled grammar is cached by: the schema as
     compact JSON (property order kept: it is the output's order), the regex, the choices as a JSON list,
     "" for json_object (any JSON object), the EBNF text of a grammar (xgrammar's dialect; the library's
-    `structured_outputs.grammar`: no row field gives one)."""
+    `structured_outputs.grammar`: no row field gives one), an xgrammar structural tag as compact JSON (tool
+    calls: cbatch/tools)."""
 
     kind: str  # one of CONSTRAINT_KINDS
     text: str
