@@ -217,6 +217,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # k: the same for the prompt's tokens
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra chat template variables
     truncate_prompt_tokens: int | None = None  # k: a longer prompt runs on its last k tokens
+    thinking_token_budget: int | None = None  # most tokens inside <think>...</think>; then the think-end is forced
     constraint: Constraint | None = None  # structured output: the completion must match it
     lora: str | None = None  # the LoRA adapter the row runs with (a name of EngineConfig.loras); None = the base model
 
@@ -395,6 +396,11 @@ SAMPLING_FIELDS: dict[str, SamplingField] = {f.name: f for f in (
     SamplingField("truncate_prompt_tokens", INT, "Rows whose prompt is longer run on its last K tokens (vLLM's "
                   "truncate_prompt_tokens).", "a longer prompt runs on its last K tokens",
                   (_integer(1, _INT64, "must be a positive integer (or null = off)"),), metavar="K"),
+    SamplingField("thinking_token_budget", INT, "A thinking model thinks at most N tokens, then is made to end its "
+                  "thinking and answer (vLLM's thinking_token_budget; docs/tools.md).",
+                  "most thinking tokens; then the think-end token is forced and the model answers",
+                  (_integer(0, _INT64, "must be a non-negative integer (or null = no budget)"),), flag="thinking_budget",
+                  metavar="N"),
 )}
 _NONE_IS_OFF = frozenset(f.name for f in fields(SamplingParams) if f.default is None)  # None passes their rules
 

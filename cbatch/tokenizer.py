@@ -57,6 +57,15 @@ def template_thinks(tokenizer) -> bool:
     return any(THINK_START in t and THINK_END in t for t in template_texts(tokenizer))
 
 
+def think_token_ids(tokenizer) -> tuple[int, int] | None:
+    """(think-start, think-end) token ids when each marker is one token of the vocabulary (what a thinking
+    budget forces), else None."""
+    if tokenizer is None:
+        return None
+    ids = [tokenizer.encode(marker, add_special_tokens=False) for marker in (THINK_START, THINK_END)]
+    return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
+
+
 def split_reasoning(text: str) -> tuple[str | None, str]:
     """(reasoning, answer) of a thinking model's completion, both stripped of surrounding whitespace.
 
