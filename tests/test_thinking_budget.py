@@ -23,7 +23,7 @@ from cbatch.reasoning import (DEFAULT_EFFORT_BUDGETS, ReasoningEffortError, effo
 from cbatch.tokenizer import encode_messages, split_reasoning, think_token_ids
 from helpers import make_engine
 from test_reasoning import QUESTION, THINK_TEMPLATE, thinking_model  # noqa: F401 (a fixture)
-from tiny_models import make_checkpoint
+from tiny_models import make_thinking_checkpoint
 
 EOS = 2
 OPEN_THINKING_TEMPLATE = (  # the generation prompt opens the thinking (as DeepSeek-R1's and Qwen3-2507's do)
@@ -35,14 +35,9 @@ OPEN_THINKING_TEMPLATE = (  # the generation prompt opens the thinking (as DeepS
 @pytest.fixture(scope="module")
 def random_thinker(chat_tokenizer_dir, tmp_path_factory) -> Path:
     from safetensors.torch import load_file, save_file
-    from transformers import AddedToken, AutoTokenizer
 
     path = tmp_path_factory.mktemp("random-thinker") / "model"
-    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
-    tokenizer.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
-    tokenizer.chat_template = OPEN_THINKING_TEMPLATE
-    make_checkpoint("qwen3", path, vocab_size=len(tokenizer))
-    tokenizer.save_pretrained(path)
+    tokenizer = make_thinking_checkpoint(path, chat_tokenizer_dir, OPEN_THINKING_TEMPLATE)
     weights = load_file(path / "model.safetensors")
     for token in (*think_token_ids(tokenizer), EOS):
         weights["lm_head.weight"][token] = 0.0

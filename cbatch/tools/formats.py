@@ -69,6 +69,13 @@ def _json_values(text: str, separator: str) -> list[Any] | None:
         pos += len(separator)
 
 
+def _after_marker(text: str, marker: str) -> tuple[str, str]:
+    """(the content before `marker`, the calls after it); without the marker (decoded away with the special
+    tokens) all of `text` is the calls."""
+    content, found, calls = text.partition(marker)
+    return (content, calls) if found else ("", text)
+
+
 def _arguments_format(parameters: dict[str, Any]) -> dict[str, Any]:
     """The structural-tag content of a call's arguments: its JSON schema, at most one whitespace character in a
     row (a weak model cannot loop on blanks; structural tags have no compact-JSON switch)."""
@@ -131,9 +138,7 @@ class Llama3JsonFormat(ToolFormat):
     PYTHON_TAG = "<|python_tag|>"
 
     def _split(self, text: str) -> tuple[str, list[Any]] | None:
-        content, tag, calls = text.partition(self.PYTHON_TAG)
-        if not tag:
-            content, calls = "", text
+        content, calls = _after_marker(text, self.PYTHON_TAG)
         if not calls.strip().startswith("{"):
             return None
         values = _json_values(calls, ";")
@@ -144,9 +149,7 @@ class MistralFormat(ToolFormat):
     MARKER = "[TOOL_CALLS]"
 
     def _split(self, text: str) -> tuple[str, list[Any]] | None:
-        content, marker, calls = text.partition(self.MARKER)
-        if not marker:
-            content, calls = "", text
+        content, calls = _after_marker(text, self.MARKER)
         items = _json_value(calls)
         return (content, items) if isinstance(items, list) else None
 
