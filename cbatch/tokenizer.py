@@ -62,8 +62,17 @@ def think_token_ids(tokenizer) -> tuple[int, int] | None:
     budget forces), else None."""
     if tokenizer is None:
         return None
-    ids = [tokenizer.encode(marker, add_special_tokens=False) for marker in (THINK_START, THINK_END)]
-    return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
+    start, end = (_single_token(tokenizer, marker) for marker in (THINK_START, THINK_END))
+    return None if start is None or end is None else (start, end)
+
+
+def _single_token(tokenizer, text: str) -> int | None:
+    """The id of `text` when it is one token of the vocabulary (as encoded, or as a token's own name)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) == 1:
+        return int(ids[0])
+    token = tokenizer.convert_tokens_to_ids(text)
+    return token if isinstance(token, int) and token != tokenizer.unk_token_id else None
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:

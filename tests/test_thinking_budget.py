@@ -91,10 +91,15 @@ def test_a_budget_closes_the_models_own_thinking(thinking_model):  # noqa: F811
 
 
 def test_a_model_without_think_tokens_refuses_a_budget(tiny_chat_model):
+    from cbatch.engine.pooling import PoolingParams
+
     engine = make_engine(tiny_chat_model)
-    seq = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, thinking_token_budget=8))
+    params = SamplingParams(max_tokens=4, thinking_token_budget=8)
+    seq = engine.add_request([5, 6, 7], params)
     assert seq.error == ("thinking_token_budget: this model's tokenizer has no <think> and </think> tokens, so it has "
                          "no thinking to bound; drop the field (or --thinking-budget)")
+    embedding = engine.add_request([5, 6, 7], params, pooling=PoolingParams("embed"))  # generates nothing: moot
+    assert embedding.error is None and embedding.params.thinking_token_budget is None
     assert SamplingParams(thinking_token_budget=-1).validate() == (
         "thinking_token_budget must be a non-negative integer (or null = no budget), got -1")
 

@@ -320,10 +320,12 @@ def _finish_reason(seq: Sequence) -> str:
 
 
 def _prefill_only(params: SamplingParams) -> SamplingParams:
-    """A pooling request's settings: one sample, one output position (the dummy that ends it), EOS moot."""
-    if params.max_tokens == 1 and params.n == 1 and params.ignore_eos and params.min_tokens == 0:
+    """A pooling request's settings: one sample, one output position (the dummy that ends it), EOS and a thinking
+    budget moot."""
+    if (params.max_tokens == 1 and params.n == 1 and params.ignore_eos and params.min_tokens == 0
+            and params.thinking_token_budget is None):
         return params
-    return replace(params, max_tokens=1, n=1, ignore_eos=True, min_tokens=0)
+    return replace(params, max_tokens=1, n=1, ignore_eos=True, min_tokens=0, thinking_token_budget=None)
 
 
 def _take_pooled(plan: StepPlan, out: StepOutput) -> None:
