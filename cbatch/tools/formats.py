@@ -84,8 +84,8 @@ def _arguments_format(parameters: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """One family's tool-call format. `begin` and `end` wrap each call's arguments object; `separator` comes
-    between calls."""
+    """One family's tool-call format: a call is `open` + {"name": ..., ARGUMENTS_KEY: {...}} + `close`, and
+    `separator` comes between calls."""
 
     name: str
     argument_keys: tuple[str, ...]  # the call object's arguments key(s); the first is what the constraint writes
