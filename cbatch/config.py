@@ -167,7 +167,7 @@ RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "add_generat
                             "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs")
 
 
-CONSTRAINT_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+CONSTRAINT_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +177,8 @@ class Constraint:
     `text` is the constraint's canonical text, the key its compiled grammar is cached by: the schema as
     compact JSON (property order kept: it is the output's order), the regex, the choices as a JSON list,
     "" for json_object (any JSON object), the EBNF text of a grammar (xgrammar's dialect; the library's
-    `structured_outputs.grammar`: no row field gives one)."""
+    `structured_outputs.grammar`: no row field gives one), an xgrammar structural tag as compact JSON (tool
+    calls: cbatch/tools)."""
 
     kind: str  # one of CONSTRAINT_KINDS
     text: str
@@ -216,6 +217,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # k: the same for the prompt's tokens
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra chat template variables
     truncate_prompt_tokens: int | None = None  # k: a longer prompt runs on its last k tokens
+    thinking_token_budget: int | None = None  # most tokens inside <think>...</think>; then the think-end is forced
     constraint: Constraint | None = None  # structured output: the completion must match it
     lora: str | None = None  # the LoRA adapter the row runs with (a name of EngineConfig.loras); None = the base model
 
@@ -394,6 +396,11 @@ SAMPLING_FIELDS: dict[str, SamplingField] = {f.name: f for f in (
     SamplingField("truncate_prompt_tokens", INT, "Rows whose prompt is longer run on its last K tokens (vLLM's "
                   "truncate_prompt_tokens).", "a longer prompt runs on its last K tokens",
                   (_integer(1, _INT64, "must be a positive integer (or null = off)"),), metavar="K"),
+    SamplingField("thinking_token_budget", INT, "A thinking model thinks at most N tokens, then is made to end its "
+                  "thinking and answer (vLLM's thinking_token_budget; docs/tools.md).",
+                  "most thinking tokens; then the think-end token is forced and the model answers",
+                  (_integer(0, _INT64, "must be a non-negative integer (or null = no budget)"),), flag="thinking_budget",
+                  metavar="N"),
 )}
 _NONE_IS_OFF = frozenset(f.name for f in fields(SamplingParams) if f.default is None)  # None passes their rules
 

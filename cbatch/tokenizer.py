@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from cbatch.tools.messages import template_messages
+
 
 def load_tokenizer(model_dir: Path):
     """The checkpoint's tokenizer, or None for a folder without one (token-id prompts only)."""
@@ -24,14 +26,18 @@ def encode_text(tokenizer, text: str) -> list[int]:
 
 
 def encode_messages(tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
-                    generation_prompt: bool = True) -> list[int]:
+                    generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
     """A chat rendered with the model's chat template, the assistant's turn opened (`generation_prompt`; a reward
     model or classifier reads the chat as it is); `template_kwargs` are extra template variables (e.g.
-    {"enable_thinking": False} for Qwen3; the library's `chat_template`, `tools`)."""
+    {"enable_thinking": False} for Qwen3; the library's `chat_template`). `tools` (OpenAI's function tools) go to
+    the template as HF's `tools`; assistant `tool_calls` and `tool` results in `messages` render through it too."""
     if not getattr(tokenizer, "chat_template", None) and not (template_kwargs or {}).get("chat_template"):
         raise ValueError("this model's tokenizer has no chat template; give `prompt` text instead of `messages`")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
-                                        **(template_kwargs or {}))
+    kwargs = dict(template_kwargs or {})
+    if tools is not None:
+        kwargs["tools"] = tools
+    ids = tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=generation_prompt,
+                                        tokenize=True, **kwargs)
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
@@ -40,11 +46,33 @@ def encode_messages(tokenizer, messages: list[dict[str, Any]], template_kwargs: 
 THINK_START, THINK_END = "<think>", "</think>"
 
 
+def template_texts(tokenizer) -> list[str]:
+    """The model's chat template(s) as text: one, or each of a named set; [] without a tokenizer or template."""
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    return list(template.values()) if isinstance(template, dict) else [template] if isinstance(template, str) else []
+
+
 def template_thinks(tokenizer) -> bool:
     """The model's chat template knows `<think>...</think>` (Qwen3, DeepSeek-R1 and the like)."""
-    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-    texts = template.values() if isinstance(template, dict) else [template] if isinstance(template, str) else []
-    return any(THINK_START in t and THINK_END in t for t in texts)
+    return any(THINK_START in t and THINK_END in t for t in template_texts(tokenizer))
+
+
+def think_token_ids(tokenizer) -> tuple[int, int] | None:
+    """(think-start, think-end) token ids when each marker is one token of the vocabulary (what a thinking
+    budget forces), else None."""
+    if tokenizer is None:
+        return None
+    start, end = (_single_token(tokenizer, marker) for marker in (THINK_START, THINK_END))
+    return None if start is None or end is None else (start, end)
+
+
+def _single_token(tokenizer, text: str) -> int | None:
+    """The id of `text` when it is one token of the vocabulary (as encoded, or as a token's own name)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) == 1:
+        return int(ids[0])
+    token = tokenizer.convert_tokens_to_ids(text)
+    return token if isinstance(token, int) and token != tokenizer.unk_token_id else None
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:

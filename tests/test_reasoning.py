@@ -14,7 +14,7 @@ import torch
 
 from cbatch.tokenizer import encode_messages, load_tokenizer, split_reasoning
 from ops_jobs import read_jsonl, run_inprocess, write_jsonl
-from tiny_models import make_checkpoint
+from tiny_models import make_thinking_checkpoint
 
 THINK_TEMPLATE = (
     "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
@@ -28,15 +28,10 @@ EOS = 2  # <|im_end|> in SmolLM2's tokenizer
 
 @pytest.fixture(scope="module")
 def thinking_model(smollm2_dir, tmp_path_factory) -> Path:
-    from transformers import AddedToken, AutoTokenizer
     from safetensors.torch import load_file, save_file
 
     path = tmp_path_factory.mktemp("thinking") / "model"
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    tokenizer.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
-    tokenizer.chat_template = THINK_TEMPLATE
-    make_checkpoint("qwen3", path, vocab_size=len(tokenizer))
-    tokenizer.save_pretrained(path)
+    tokenizer = make_thinking_checkpoint(path, smollm2_dir, THINK_TEMPLATE)
     think, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     newline = encode_messages(tokenizer, QUESTION)[-1]  # the thinking prompt ends "assistant\n"
     blank = encode_messages(tokenizer, QUESTION, {"enable_thinking": False})[-1]  # the other ends "</think>\n\n"

@@ -124,3 +124,16 @@ def make_family_checkpoint(name: str, path: Path, seed: int = 0, **overrides) ->
         model.get_input_embeddings().weight.mul_(embed_gain)
     model.save_pretrained(path)
     return path
+
+
+def make_thinking_checkpoint(path: Path, tokenizer_dir: Path, chat_template: str, seed: int = 0):
+    """A tiny random Qwen3 at `path` with the tokenizer of `tokenizer_dir`, `<think>` and `</think>` added as one
+    token each, and `chat_template`; returns the tokenizer (the caller scripts or edits the weights)."""
+    from transformers import AddedToken, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    tokenizer.chat_template = chat_template
+    make_checkpoint("qwen3", path, seed=seed, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(path)
+    return tokenizer

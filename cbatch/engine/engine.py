@@ -30,6 +30,7 @@ from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
 from cbatch.engine.stop import StopChecker, find_stop
 from cbatch.engine.structured import ConstraintError, Grammars
 from cbatch.model.spec import ModelSpec
+from cbatch.tokenizer import think_token_ids
 
 
 class PendingResult(Protocol):
@@ -95,6 +96,7 @@ class Engine:
     def __post_init__(self) -> None:
         self._eos_ids = frozenset(self.spec.eos_token_ids) if self.spec is not None else frozenset()
         self.grammars: Grammars | None = None  # structured output: built at the first constrained request
+        self._think_ids = think_token_ids(self.tokenizer)  # what a thinking budget forces (None: no thinking tokens)
         self._next_id = 0
         self._child_ids = itertools.count(-1, -1)  # seq_ids of forked samples: negative, never a row's
         self._prefill_params: dict[int, tuple[SamplingParams, SamplingParams]] = {}  # id -> (settings, prefill-only's)
@@ -162,6 +164,9 @@ class Engine:
             error = self._grammar_error(params.constraint)
         if error is None and params.lora is not None:
             error = self.lora_error(params.lora)
+        if error is None and params.thinking_token_budget is not None and self._think_ids is None:
+            error = ("thinking_token_budget: this model's tokenizer has no <think> and </think> tokens, so it has no "
+                     "thinking to bound; drop the field (or --thinking-budget)")
         return prompt_ids, error
 
     def extra_seq_id(self) -> int:
@@ -176,6 +181,8 @@ class Engine:
             seq.stop = StopChecker(self.tokenizer, params.stop)
         if params.constraint is not None:  # each sample its own matcher (checked by `_grammar_error` first)
             seq.grammar = self.grammars.start(params.constraint)
+        if params.thinking_token_budget is not None:
+            seq.think_ids = self._think_ids
         return seq
 
     @property
@@ -313,10 +320,12 @@ def _finish_reason(seq: Sequence) -> str:
 
 
 def _prefill_only(params: SamplingParams) -> SamplingParams:
-    """A pooling request's settings: one sample, one output position (the dummy that ends it), EOS moot."""
-    if params.max_tokens == 1 and params.n == 1 and params.ignore_eos and params.min_tokens == 0:
+    """A pooling request's settings: one sample, one output position (the dummy that ends it), EOS and a thinking
+    budget moot."""
+    if (params.max_tokens == 1 and params.n == 1 and params.ignore_eos and params.min_tokens == 0
+            and params.thinking_token_budget is None):
         return params
-    return replace(params, max_tokens=1, n=1, ignore_eos=True, min_tokens=0)
+    return replace(params, max_tokens=1, n=1, ignore_eos=True, min_tokens=0, thinking_token_budget=None)
 
 
 def _take_pooled(plan: StepPlan, out: StepOutput) -> None:

@@ -3,7 +3,8 @@
     raw logits [N, vocab] float32
       -> (capture) log-probabilities of the raw logits, for rows that ask (vLLM v1's default `raw_logprobs`)
       -> processors, rows that have them: logit_bias -> min_tokens (EOS and stop_token_ids banned)
-         -> repetition / frequency / presence penalties          [`process_logits`]
+         -> repetition / frequency / presence penalties
+         -> forced tokens (a spent thinking budget: the think-end token) [`process_logits`]
          -> structured output: tokens outside each constrained row's grammar at -inf (xgrammar bitmask)
       -> greedy rows: argmax
       -> random rows: temperature -> softmax -> min_p -> top-k / top-p   [`sampling_probs`]
@@ -71,15 +72,29 @@ class Penalties:
 
 
 @dataclass(slots=True)
+class ForcedTokens:
+    """Rows whose next token is decided (a thinking budget spent: the think-end token): every other logit of
+    the row at -inf."""
+
+    rows: torch.Tensor  # int64 [F]
+    tokens: torch.Tensor  # int64 [F]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        logits.index_fill_(0, self.rows, -float("inf"))
+        logits.index_put_((self.rows, self.tokens), torch.zeros_like(self.tokens, dtype=logits.dtype))
+
+
+@dataclass(slots=True)
 class LogitsProcessors:
     """What changes the logits before selection, each for the rows that use it (None: no row does)."""
 
     bias: SparseLogits | None = None  # logit_bias
     banned: SparseLogits | None = None  # min_tokens: EOS and stop_token_ids at -inf until min_tokens
     penalties: Penalties | None = None
+    forced: ForcedTokens | None = None  # thinking budgets: the think-end token, last (nothing after undoes it)
 
     def __bool__(self) -> bool:
-        return self.bias is not None or self.banned is not None or self.penalties is not None
+        return self.bias is not None or self.banned is not None or self.penalties is not None or self.forced is not None
 
 
 @dataclass(slots=True)
@@ -178,11 +193,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, processors: LogitsProcessors) -> torch.Tensor:
-    """The logits after logit_bias, min_tokens and the penalties (a new tensor when any applies)."""
+    """The logits after logit_bias, min_tokens, the penalties and forced tokens (a new tensor when any applies)."""
     if not processors:
         return logits
     logits = logits.clone()
-    for step in (processors.bias, processors.banned, processors.penalties):
+    for step in (processors.bias, processors.banned, processors.penalties, processors.forced):
         if step is not None:
             step.apply(logits)
     return logits

@@ -1,5 +1,6 @@
 """The runner's side of sampling: the rows that sample this step -> a `SamplingBatch` (settings, seeds and
-the logits processors' tensors), and the per-sequence token statistics the penalties read.
+the logits processors' tensors), and the per-sequence token statistics the penalties read (and the thinking
+counts of rows with a thinking budget: cbatch/engine/thinking.py).
 
 `TokenCounts` keeps, for every running sequence with a penalty, a row of output-token counts and a row
 of prompt-token presence in two persistent tensors on the model's device. A step adds only the tokens
@@ -13,9 +14,10 @@ from typing import Callable, Sequence as Values
 import torch
 
 from cbatch.config import distinct_params
-from cbatch.engine.sampler import LogitsProcessors, Penalties, SamplingBatch, SparseLogits, sample_seed
+from cbatch.engine.sampler import ForcedTokens, LogitsProcessors, Penalties, SamplingBatch, SparseLogits, sample_seed
 from cbatch.engine.sequence import Sequence
 from cbatch.engine.staging import host_values
+from cbatch.engine.thinking import ThinkingBudgets
 
 
 class TokenCounts:
@@ -93,10 +95,12 @@ class SamplingInputs:
         # through it, so that a step scheduled ahead never waits for the one in flight
         self.put = put or host_values(device, None)
         self.token_counts = TokenCounts(vocab_size, device)
+        self.thinking = ThinkingBudgets()
         self._seeds: dict[int, int] = {}  # seq_id -> its effective seed (fixed for the sequence's life)
 
     def release(self, seq: Sequence) -> None:
         self.token_counts.release(seq)
+        self.thinking.release(seq)
         self._seeds.pop(seq.seq_id, None)
 
     def build(self, seqs: list[Sequence]) -> SamplingBatch:
@@ -123,6 +127,7 @@ class SamplingInputs:
             banned=self._sparse([(r, t, -float("inf")) for r, s in enumerate(seqs) for t in _banned(s)])
             if any(p.min_tokens > 0 for p in distinct) else None,
             penalties=self._penalties(seqs) if any(p.penalized for p in distinct) else None,
+            forced=self._forced(seqs) if any(p.thinking_token_budget is not None for p in distinct) else None,
         )
         return batch
 
@@ -143,6 +148,13 @@ class SamplingInputs:
             return None
         rows, tokens, values = zip(*entries)
         return SparseLogits(self.put(rows, torch.int64), self.put(tokens, torch.int64), self.put(values, torch.float32))
+
+    def _forced(self, seqs: list[Sequence]) -> ForcedTokens | None:
+        entries = self.thinking.forced(seqs)
+        if not entries:
+            return None
+        rows, tokens = zip(*entries)
+        return ForcedTokens(self.put(rows, torch.int64), self.put(tokens, torch.int64))
 
     def _penalties(self, seqs: list[Sequence]) -> Penalties | None:
         picked = [r for r, s in enumerate(seqs) if s.params.penalized]

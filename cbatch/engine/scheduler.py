@@ -379,14 +379,16 @@ class Scheduler:
     def can_schedule_ahead(self, inflight: StepPlan) -> bool:
         """Whether the next step may be scheduled before `inflight` resolves (asynchronous scheduling): no
         sequence in it needs its sampled token on the host to prepare its next step (a grammar's mask, the
-        penalties' counts, log-probabilities, the samples it forks), no static group, and enough free blocks
-        that the next schedule cannot preempt (a victim's in-flight token would land on a waiting sequence)."""
+        penalties' counts, a thinking budget's count, log-probabilities, the samples it forks), no static group,
+        and enough free blocks that the next schedule cannot preempt (a victim's in-flight token would land on a
+        waiting sequence)."""
         if not self.batching.schedules_ahead:
             return False
         seqs = [seq for seq, _ in inflight.scheduled]
         if any([s.grammar is not None or s.prompt_logprobs is not None or (s.children and not s.forked) for s in seqs]):
             return False
-        if any(p.penalized or p.logprobs is not None for p in distinct_params([s.params for s in seqs])):
+        if any(p.penalized or p.logprobs is not None or p.thinking_token_budget is not None
+               for p in distinct_params([s.params for s in seqs])):
             return False
         return self.kv.next_tokens_blocks(self.running, self._at_limit) <= self.pool.num_free
 

@@ -85,6 +85,7 @@ class Sequence:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = Logprobs()
     grammar: GrammarState | None = None  # structured output: the matcher of the request's constraint
+    think_ids: tuple[int, int] | None = None  # a thinking budget's (think-start, think-end) tokens (engine/thinking.py)
     # len(prompt_ids), kept in the object itself: the prompt never changes, and the host step's per-row passes
     # read it for every running sequence (a slot read, not a trip to the list)
     prompt_len: int = field(init=False, repr=False)

@@ -1,5 +1,6 @@
-"""Structured output: a row's completion constrained to a JSON schema, any JSON object, a regex, a choice or
-(the library's `structured_outputs.grammar`) an EBNF grammar.
+"""Structured output: a row's completion constrained to a JSON schema, any JSON object, a regex, a choice,
+(the library's `structured_outputs.grammar`) an EBNF grammar, or an xgrammar structural tag (a tool call's
+wrapper around its arguments' schema).
 
 The grammar engine is xgrammar (docs/structured-output.md says why). Its compiler turns a `Constraint`
 into a CompiledGrammar once per engine (cached by the constraint's text), a GrammarMatcher per sequence
@@ -70,6 +71,8 @@ def _grammar(constraint: Constraint):
         return xgr.Grammar.from_ebnf(_choice_ebnf(constraint.text))
     if kind == "grammar":
         return xgr.Grammar.from_ebnf(constraint.text)
+    if kind == "structural_tag":  # tool calls (cbatch/tools/choice.py)
+        return xgr.Grammar.from_structural_tag(constraint.text)
     raise ValueError(f"unknown constraint kind {kind!r}")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from cbatch.config import UserError
+from cbatch.tools import ToolFieldError, tool_message_fields
 
 
 class RowError(UserError):
@@ -41,14 +42,19 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RowError(f"`messages[{i}]` must be an object with a string `role` and `content`")
+        try:
+            tool_fields = tool_message_fields(f"messages[{i}]", message)
+        except ToolFieldError as exc:
+            raise RowError(str(exc)) from None
         content = message.get("content")
         if isinstance(content, list):  # OpenAI content parts: keep the text parts
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise RowError(f"`messages[{i}].content` parts must all be text parts")
             content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
+        if not isinstance(content, str) and not (content is None and "tool_calls" in tool_fields):  # (calls only)
             raise RowError(f"`messages[{i}].content` must be a string")
-        out.append({"role": _text(f"messages[{i}].role", message["role"]), "content": _text(f"messages[{i}].content", content)})
+        text = content if content is None else _text(f"messages[{i}].content", content)
+        out.append({"role": _text(f"messages[{i}].role", message["role"]), "content": text, **tool_fields})
     return out
 
 
