@@ -172,7 +172,9 @@ def run(**values: Any) -> None:
         **{name: values[name] for name in ("token_ids", "overwrite", "allow_errors", "report", "quiet", "lookahead",
                                            "display", "plot", "progress_interval", "result_cache", "retry_errors",
                                            "reasoning_split", "output_format", "keep_columns", "allow_duplicate_ids",
-                                           "part_rows", "part_format", "task", "pooling", "normalize", "dimensions")},
+                                           "part_rows", "part_format", "task", "pooling", "normalize", "dimensions",
+                                           "tool_call_parser")},
+        effort_budgets=effort_budgets(values),
     )
 
     def job() -> int:
@@ -222,6 +224,18 @@ def bench(**values: Any) -> None:
 
 
 @command(app, "plan", PLAN_FLAGS)
+def effort_budgets(values: dict[str, Any]) -> dict[str, int] | None:
+    """--reasoning-effort-budgets parsed (None: the defaults); a bad value is one line naming the flag."""
+    if values["reasoning_effort_budgets"] is None:
+        return None
+    from cbatch.reasoning import parse_effort_budgets
+
+    try:
+        return parse_effort_budgets(values["reasoning_effort_budgets"])
+    except UserError as exc:
+        fail(str(exc))
+
+
 def plan(**values: Any) -> None:
     """Check every row of INPUT as `run` would and predict the run (time, KV use, best batch settings), without
     loading the model's weights."""
@@ -233,7 +247,8 @@ def plan(**values: Any) -> None:
         defaults=sampling_defaults(values), deadline=job_deadline(values),
         **{name: values[name] for name in ("cost_from", "lengths_from", "device_kind", "report", "search",
                                            "allow_errors", "quiet", "lookahead", "result_cache", "task", "pooling",
-                                           "normalize", "dimensions")},
+                                           "normalize", "dimensions", "tool_call_parser")},
+        effort_budgets=effort_budgets(values),
     )
     exit_for(lambda: run_plan(options), resumable=False)
 

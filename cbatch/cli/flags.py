@@ -187,6 +187,10 @@ TASK_FLAGS = [  # prefill-only jobs (docs/tasks.md)
          "config says).", JOB, decls=("--normalize/--no-normalize",)),
     Flag("dimensions", Optional[int], None, "--task embed: keep the first N dimensions (Matryoshka), then normalize.",
          JOB, metavar="N"),
+    Flag("tool_call_parser", Optional[str], None, "Rows with `tools`: the format their calls are parsed in (hermes | "
+         "llama3_json | mistral; default: the model's chat template's; docs/tools.md).", JOB, metavar="NAME"),
+    Flag("reasoning_effort_budgets", Optional[str], None, "Thinking tokens per `reasoning_effort` (default "
+         "low=512,medium=2048,high=8192; docs/tools.md).", JOB, metavar="low=N,medium=N,high=N"),
 ]
 
 DEADLINE_FLAGS = [

@@ -55,7 +55,8 @@ def _no(note: str, off: Any = _ANY) -> BodyField:
 # Every body field cbatch knows, and what it does with it (docs/structured-output.md shows this table).
 BODY_FIELDS: dict[str, BodyField] = {
     "model": _yes("echoed in the response; the job's --model generates"),
-    "messages": _yes("/v1/chat/completions: the chat (text content parts), rendered with the model's chat template"),
+    "messages": _yes("/v1/chat/completions: the chat (text content parts, tool calls and results), rendered with the "
+                     "model's chat template"),
     "prompt": _yes("/v1/completions: one string, or one list of token ids"),
     "max_completion_tokens": _yes("same as max_tokens (max_tokens wins when both are given)"),
     "top_logprobs": _yes("chat: alternatives per token (with logprobs: true)"),
@@ -75,16 +76,17 @@ BODY_FIELDS: dict[str, BodyField] = {
     "suffix": _no("text after the completion (insertion)"),
     "stream": _no("streaming (a batch file is never streamed)", off=False),
     "stream_options": _no("streaming options"),
-    "tools": _no("tool calling"),
-    "tool_choice": _no("tool calling", off="none"),
-    "parallel_tool_calls": _no("tool calling"),
+    "tools": _yes("tool calling: the functions, rendered with the chat template; calls parsed into message.tool_calls"),
+    "tool_choice": _yes('tool calling: auto, none, required or a named function ("required" and a named function '
+                        "are enforced with the structured-output engine)"),
+    "parallel_tool_calls": _yes("tool calling: false allows one call at most"),
     "functions": _no("function calling (deprecated)"),
     "function_call": _no("function calling (deprecated)", off="none"),
     "audio": _no("audio output"),
     "modalities": _no("output modalities", off=["text"]),
     "prediction": _no("predicted outputs"),
     "web_search_options": _no("web search"),
-    "reasoning_effort": _no("reasoning models' effort"),
+    "reasoning_effort": _yes("low, medium or high: a thinking budget per effort (the job's --reasoning-effort-budgets)"),
     "service_tier": _no("OpenAI's service tiers"),
     "store": _no("storing the completion at OpenAI", off=False),
 }

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Mapping
 
-from cbatch.config import INT, NUMBER, OBJECT, SAMPLING_FIELDS, STRINGS, TOKEN_BIASES, TOKEN_IDS, SamplingParams
+from cbatch.config import (INT, NUMBER, OBJECT, SAMPLING_FIELDS, STRINGS, TOKEN_BIASES, TOKEN_IDS, SamplingParams,
+                           UserError)
 from cbatch.io.constraints import ConstraintFieldError, constraint_from_row
 from cbatch.io.openai import RequestError, is_openai_request, request_fields
 from cbatch.io.row_fields import (RowError, given_row_id, is_token_ids, parse_messages, row_id_of, text_field,
                                   token_ids_field)
+from cbatch.reasoning import DEFAULT_EFFORT_BUDGETS, with_reasoning_effort
+from cbatch.tools import ToolFormat, ToolSpec, tool_spec
 
 
 @dataclass(slots=True)
@@ -28,10 +31,13 @@ class RowRequest:
     prompt_token_ids: list[int] | None = None
     params: SamplingParams | None = None
     echo: dict[str, Any] = field(default_factory=dict)  # request fields an OpenAI output line repeats: object, model
+    tools: ToolSpec | None = None  # `tools`, `tool_choice`, `parallel_tool_calls` (a chat row's; cbatch/tools/)
+    tool_format: ToolFormat | None = None  # the format its calls are parsed in (set when its task makes its requests)
 
 
-def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams) -> RowRequest:
-    """Raises RowError for a bad row."""
+def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams,
+              effort_budgets: Mapping[str, int] = DEFAULT_EFFORT_BUDGETS) -> RowRequest:
+    """Raises RowError for a bad row. `effort_budgets`: the job's thinking budget per `reasoning_effort`."""
     if isinstance(row, str):
         raise RowError(row)
     row_id = row_id_of(index, row)
@@ -55,6 +61,13 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams) -
     else:
         request.prompt_token_ids = token_ids_field(row["prompt_token_ids"])
     request.params = sampling_from_row(row, defaults)
+    try:
+        request.params = with_reasoning_effort(row, request.params, effort_budgets)
+        request.tools = tool_spec(row)
+    except UserError as exc:  # a bad reasoning_effort or tool field, named
+        raise RowError(str(exc)) from None
+    if request.tools is not None and request.tools.tools and request.messages is None:
+        raise RowError("`tools` are for a chat: give `messages` (the chat template renders the tools)")
     lora = row.get("lora")
     if lora is not None:
         if not isinstance(lora, str) or not lora:

@@ -111,8 +111,9 @@ def _output_rows(lines: Iterator[dict[str, Any]]) -> Iterator[tuple[int, list[di
 
 class JobState:
     def __init__(self, output: Path, fingerprint: dict[str, str], output_format: str,
-                 parts: PartitionedOutput | None = None) -> None:
+                 parts: PartitionedOutput | None = None, own_columns: tuple[str, ...] = OUTPUT_COLUMNS) -> None:
         self.output = output
+        self.own_columns = frozenset(own_columns)  # OUTPUT's columns of its own (the task's too); the others are kept
         self.output_format = output_format  # OUTPUT's file format: jsonl | parquet (--retry-errors reads it back)
         self.parts = parts  # --out DIR: OUTPUT is a folder of parts written as the job goes (io/partitions.py)
         self.fingerprint = fingerprint
@@ -274,8 +275,8 @@ class JobState:
             for index, samples in _output_rows(read_output(self.output, self.output_format)):
                 if all(row.get("finish_reason") not in FAILED for row in samples):  # else the whole row runs again
                     for row in samples:
-                        own = {k: v for k, v in row.items() if k in OUTPUT_COLUMNS}
-                        kept = {k: v for k, v in row.items() if k not in OUTPUT_COLUMNS}  # --keep-columns values
+                        own = {k: v for k, v in row.items() if k in self.own_columns}
+                        kept = {k: v for k, v in row.items() if k not in self.own_columns}  # --keep-columns values
                         extra = {"num_samples": len(samples)} if len(samples) > 1 else {}
                         record = {"index": index, **own, **extra, **({"kept": kept} if kept else {})}
                         f.write((json.dumps(record) + "\n").encode("ascii"))

@@ -48,6 +48,8 @@ class PlanOptions:
     normalize: bool | None = None
     dimensions: int | None = None
     reasoning_split: bool = True  # (changes a record's columns, so the rows the result cache holds for the run)
+    tool_call_parser: str | None = None
+    effort_budgets: dict[str, int] | None = None
 
 
 def run_plan(options: PlanOptions) -> int:

@@ -69,6 +69,8 @@ class JobOptions:
     pooling: str | None = None  # --pooling (prefill-only tasks; None: the model's own)
     normalize: bool | None = None  # --normalize / --no-normalize (None: the model's own)
     dimensions: int | None = None  # --dimensions (Matryoshka)
+    tool_call_parser: str | None = None  # --tool-call-parser: rows with tools (None: the model's own format)
+    effort_budgets: dict[str, int] | None = None  # --reasoning-effort-budgets (None: the defaults)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +117,7 @@ def validate_paths(options: JobOptions) -> tuple[JobFormats, int]:
         total_rows = inspect_input(source, fields=task.input_fields)
         # a name the output has already is refused; a Parquet INPUT must have the kept columns, in types cbatch carries
         keep = KeepColumns.parse(options.keep_columns, OPENAI_LINE_FIELDS if openai_lines else OUTPUT_COLUMNS + task.columns)
-        if options.retry_errors and task.columns:  # (the kept OUTPUT is read back with the base columns only)
+        if options.retry_errors and not task.decodes:
             raise JobError(f"--retry-errors: not available for --task {options.task} yet; run again with --overwrite")
         kept_types = parquet_kept_types(keep, source.parts[0]) if keep is not None and source.format == "parquet" else None
         if not options.allow_duplicate_ids:
@@ -210,7 +212,7 @@ def _relative(path: Path, root: Path) -> str:
         return str(path)
 
 
-def nothing_to_retry(options: JobOptions, formats: JobFormats, state: JobState) -> bool:
+def nothing_to_retry(options: JobOptions, formats: JobFormats, state: JobState, task: Task) -> bool:
     """--retry-errors: checks that OUTPUT may be retried (raises JobError); True when it has no error rows.
 
     A retry runs the error rows under this job's settings, which may differ from those OUTPUT was made
@@ -228,9 +230,9 @@ def nothing_to_retry(options: JobOptions, formats: JobFormats, state: JobState) 
     if state.dir.exists():  # a retry that was interrupted: resume it
         return False
     written = written_columns(options.output, formats.output)
-    columns = tuple(c for c in written if c in OUTPUT_COLUMNS)  # cbatch's own; the others are --keep-columns'
-    kept = tuple(c for c in written if c not in OUTPUT_COLUMNS)
-    expected = tuple(output_columns(options.token_ids, present=columns))  # optional columns as OUTPUT has them
+    columns = tuple(c for c in written if c in state.own_columns)  # cbatch's own; the others are --keep-columns'
+    kept = tuple(c for c in written if c not in state.own_columns)
+    expected = tuple(output_columns(options.token_ids, columns, task.columns))  # optional columns as OUTPUT has them
     if columns != expected:
         raise JobError(f"--retry-errors: {options.output} has the columns {', '.join(columns)}, this job writes "
                        f"{', '.join(expected)}; give the same --token-ids as the job that wrote it")
@@ -250,8 +252,8 @@ def preflight(options: JobOptions) -> PreparedJob | None:
     task = resolve_task(options, model)
     fingerprint = job_fingerprint(options, model, formats.input, task)
     parts = PartitionedOutput(options.output, formats.parts, total_rows) if formats.parts is not None else None
-    state = JobState(options.output, fingerprint, formats.output, parts)
-    done = nothing_to_retry(options, formats, state) if options.retry_errors else not options.overwrite and state.is_complete()
+    state = JobState(options.output, fingerprint, formats.output, parts, OUTPUT_COLUMNS + task.columns)
+    done = nothing_to_retry(options, formats, state, task) if options.retry_errors else not options.overwrite and state.is_complete()
     if done:
         if not options.quiet:
             what = "has no error rows to retry" if options.retry_errors else "is already complete for this input and settings"

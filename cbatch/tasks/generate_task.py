@@ -3,17 +3,20 @@ as one request with `n` samples, and each finished sample is one result: its com
 optional columns it asked for (reasoning, log-probabilities)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
-from cbatch.config import SamplingParams
+from cbatch.config import SamplingParams, UserError
 from cbatch.io.openai import request_digest
 from cbatch.io.reader import PROMPT_FIELDS
 from cbatch.io.row_fields import RowError
 from cbatch.io.rows import RowRequest, parse_row, with_lora
+from cbatch.reasoning import DEFAULT_EFFORT_BUDGETS
 from cbatch.tasks.base import ParsedRow, Part, PendingRow, Request, RowWork, Task, TaskError, TaskOptions, register
 from cbatch.tasks.results import RowResult
-from cbatch.tokenizer import encode_messages, encode_text, split_reasoning, template_thinks
+from cbatch.tokenizer import encode_messages, encode_text, split_reasoning, template_texts, template_thinks
+from cbatch.tools import FORMATS, tool_choice_constraint, tool_format
 
 if TYPE_CHECKING:
     from cbatch.engine.engine import Engine, RequestOutput
@@ -25,9 +28,14 @@ class GenerateTask(Task):
     name: ClassVar[str] = "generate"
     input_fields: ClassVar[tuple[str, ...]] = PROMPT_FIELDS
 
-    def __init__(self, defaults: SamplingParams = SamplingParams(), reasoning_split: bool = True) -> None:
+    columns: ClassVar[tuple[str, ...]] = ("tool_calls",)  # (only rows with tools that called one have it)
+
+    def __init__(self, defaults: SamplingParams = SamplingParams(), reasoning_split: bool = True,
+                 tool_call_parser: str | None = None, effort_budgets: Mapping[str, int] = DEFAULT_EFFORT_BUDGETS) -> None:
         self.defaults = defaults  # the job's sampling settings, under each row's own
         self.reasoning_split = reasoning_split  # a thinking model's <think>...</think> goes to a `reasoning` column
+        self.tool_call_parser = tool_call_parser  # --tool-call-parser (None: the model's own format)
+        self.effort_budgets = dict(effort_budgets)  # --reasoning-effort-budgets: thinking tokens per reasoning_effort
 
     @classmethod
     def for_job(cls, options: TaskOptions, spec: "ModelSpec", model_dir: Path | None) -> "GenerateTask":
@@ -36,34 +44,71 @@ class GenerateTask(Task):
         if not spec.generates:
             fix = "use --task classify, reward or score" if spec.head == "classify" else "use --task embed or score"
             raise TaskError(f"--task generate: this {spec.architecture} has no language-model head; {fix}")
-        return cls(options.defaults, options.reasoning_split)
+        parser = getattr(options, "tool_call_parser", None)
+        if parser is not None and parser not in FORMATS:
+            raise TaskError(f"--tool-call-parser: one of {', '.join(FORMATS)}, not {parser!r}")
+        return cls(options.defaults, options.reasoning_split, parser,
+                   getattr(options, "effort_budgets", None) or DEFAULT_EFFORT_BUDGETS)
 
     def identity(self) -> dict[str, Any]:
-        return {} if self.reasoning_split else {"reasoning_split": False}  # (the default adds nothing)
+        """What changes a row's output beyond its own fields (each absent at its default: older identities hold)."""
+        return {**({} if self.reasoning_split else {"reasoning_split": False}),
+                **({"tool_call_parser": self.tool_call_parser} if self.tool_call_parser else {}),
+                **({"effort_budgets": self.effort_budgets} if self.effort_budgets != DEFAULT_EFFORT_BUDGETS else {})}
+
+    def column_types(self) -> dict[str, Any]:
+        import pyarrow as pa
+
+        function = pa.struct([("name", pa.string()), ("arguments", pa.string())])
+        call = pa.struct([("id", pa.string()), ("type", pa.string()), ("function", function)])
+        return {"tool_calls": pa.list_(call)}
 
     # ---- a row's life ---------------------------------------------------------------------------------------
     def parse(self, index: int, raw: dict[str, Any] | str) -> ParsedRow:
-        request = parse_row(index, raw, self.defaults)
+        request = parse_row(index, raw, self.defaults, self.effort_budgets)
         return ParsedRow(index, request.row_id, request, request.params.n, request.echo)
 
     def requests(self, engine: "Engine", parsed: ParsedRow) -> RowWork:
         request: RowRequest = parsed.request
         if request.params.lora is None and parsed.echo.get("model") in engine.lora_names:
             request.params = with_lora(request.params, parsed.echo["model"])  # OpenAI lines: `model` names the adapter
+        if request.tools is not None and request.tools.parses_calls:
+            self._add_tool_choice(engine, request)
         prompt_ids = prompt_token_ids(engine, request)
         return RowWork(parsed, [Request(prompt_ids, request.params)], cache_key=(prompt_ids, request.params))
 
+    def _add_tool_choice(self, engine: "Engine", request: RowRequest) -> None:
+        """The row's tool-call format (--tool-call-parser, else the chat template's), and for tool_choice "required"
+        or a named function the constraint that makes its completion such calls."""
+        try:
+            request.tool_format = tool_format(self.tool_call_parser, "".join(template_texts(engine.tokenizer)), None)
+        except UserError as exc:
+            raise RowError(str(exc)) from None
+        constraint = tool_choice_constraint(request.tools, request.tool_format)
+        if constraint is None:
+            return
+        if request.params.constraint is not None and request.params.constraint is not self.defaults.constraint:
+            raise RowError(f"tool_choice {request.tools.choice!r} and a structured-output field "
+                           f"({request.params.constraint.source}): give one of them")
+        request.params = replace(request.params, constraint=constraint)  # (it takes the job's default constraint's place)
+
     def collect(self, engine: "Engine", row: PendingRow, part: Part, out: "RequestOutput") -> list[RowResult]:
-        completion, columns = out.text, {}
+        completion, columns, finish_reason = out.text, {}, out.finish_reason
         if self.reasoning_split and completion is not None and template_thinks(engine.tokenizer):
             columns["reasoning"], completion = split_reasoning(completion)
+        request: RowRequest = row.parsed.request
+        if request.tool_format is not None and completion is not None:  # the answer's calls, parsed
+            parsed = request.tool_format.parse(completion, f"{row.parsed.row_id}/{out.sample_index}")
+            if parsed.tool_calls:
+                completion, columns["tool_calls"] = parsed.content, parsed.tool_calls
+                finish_reason = parsed.finish_reason(out.finish_reason)
         if out.logprobs is not None:
             columns.update(token_logprobs=out.logprobs.token, top_logprobs=out.logprobs.top())
         if out.prompt_logprobs is not None:
             lp = out.prompt_logprobs
             columns.update(prompt_token_ids=out.prompt_token_ids, prompt_token_logprobs=[None, *lp.token],
                            prompt_top_logprobs=[None, *lp.top()])
-        return [row.result(out.finish_reason, completion=completion, prompt_tokens=len(out.prompt_token_ids),
+        return [row.result(finish_reason, completion=completion, prompt_tokens=len(out.prompt_token_ids),
                            completion_tokens=len(out.token_ids), completion_token_ids=out.token_ids,
                            sample_index=out.sample_index, columns=columns)]
 
@@ -86,8 +131,10 @@ class GenerateTask(Task):
 
 
 def _choice(record: dict[str, Any], obj: str) -> dict[str, Any]:
-    """One sample's choice. Log-probabilities name tokens by id (`token_id`): cbatch keeps ids, not token text."""
-    text = record.get("completion") or ""
+    """One sample's choice. Log-probabilities name tokens by id (`token_id`): cbatch keeps ids, not token text. A
+    sample that called tools has them in `message.tool_calls`, its content null when it wrote nothing else."""
+    calls = record.get("tool_calls")
+    text = record.get("completion") if calls else (record.get("completion") or "")
     logprobs = None
     if record.get("token_logprobs") is not None:
         tops = record.get("top_logprobs") or [[] for _ in record["token_logprobs"]]
@@ -95,8 +142,8 @@ def _choice(record: dict[str, Any], obj: str) -> dict[str, Any]:
                                 for t, lp, top in zip(record["completion_token_ids"], record["token_logprobs"], tops)]}
     index = record.get("sample_index", 0)
     if obj == "chat.completion":
-        return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": logprobs, "finish_reason": record["finish_reason"]}
+        message = {"role": "assistant", "content": text, "refusal": None, **({"tool_calls": calls} if calls else {})}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": record["finish_reason"]}
     return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": record["finish_reason"]}
 
 
@@ -111,7 +158,8 @@ def prompt_token_ids(engine: "Engine", request: RowRequest) -> list[int]:
     else:
         try:
             if request.messages is not None:
-                ids = encode_messages(tokenizer, request.messages, request.params.chat_template_kwargs)
+                tools = request.tools.tools if request.tools is not None and request.tools.tools else None
+                ids = encode_messages(tokenizer, request.messages, request.params.chat_template_kwargs, tools=tools)
             else:
                 ids = encode_text(tokenizer, request.prompt)
         except Exception as exc:  # a chat template raising on odd roles, a tokenizer edge case
