@@ -14,8 +14,7 @@ from cbatch.engine.engine import run_to_completion
 from cbatch.tokenizer import encode_messages
 from cbatch.tools import FORMATS, tool_choice_constraint, tool_spec
 from helpers import make_engine
-from test_tool_calls import HERMES_TEMPLATE
-from tiny_models import make_checkpoint
+from tool_models import make_hermes_model
 
 # every string bounded: random weights finish a call well within max_tokens
 WEATHER = {"type": "function", "function": {"name": "get_current_weather", "parameters": {
@@ -30,14 +29,7 @@ QUESTION = [{"role": "user", "content": "What is the weather like in Boston?"}]
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, chat_tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("tools") / "model"
-    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
-    make_checkpoint("qwen3", path, vocab_size=len(tokenizer))
-    tokenizer.chat_template = HERMES_TEMPLATE
-    tokenizer.save_pretrained(path)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    path = make_hermes_model(tmp_path_factory.mktemp("tools") / "model", chat_tokenizer_dir)
     yield make_engine(path)
     shutil.rmtree(path, ignore_errors=True)
 

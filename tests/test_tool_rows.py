@@ -10,22 +10,13 @@ import jsonschema
 import pytest
 
 from ops_jobs import read_jsonl, run_inprocess, write_jsonl
-from test_tool_calls import HERMES_TEMPLATE
 from test_tool_choice import COUNT, QUESTION, TOOLS, WEATHER
-from tiny_models import make_checkpoint
+from tool_models import make_hermes_model
 
 
 @pytest.fixture(scope="module")
 def tool_model(tmp_path_factory, chat_tokenizer_dir):
-    """A tiny random Qwen3 with SmolLM2's tokenizer and a Hermes (Qwen-style) tool template."""
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("toolrows") / "model"
-    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
-    make_checkpoint("qwen3", path, vocab_size=len(tokenizer))
-    tokenizer.chat_template = HERMES_TEMPLATE
-    tokenizer.save_pretrained(path)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    path = make_hermes_model(tmp_path_factory.mktemp("toolrows") / "model", chat_tokenizer_dir)
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
