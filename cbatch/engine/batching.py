@@ -29,7 +29,7 @@ class Scheduler(Protocol):
     """What the hooks below use of the scheduler (`engine.scheduler.Scheduler`, which imports this module)."""
 
     running: list[Sequence]
-    kv: KVManager
+    kv_manager: KVManager
     admission: "OptimisticAdmission"
     max_model_len: int
 
@@ -87,7 +87,7 @@ class StaticGroups(ContinuousBatching):
                 sched.stall(reason)
                 break
             sched.pop_waiting()
-            sched.kv.restore(seq, prefix_hits(sched.kv.pool, seq), plan)  # (never a host copy: groups recompute)
+            sched.kv_manager.restore(seq, prefix_hits(sched.kv_manager.pool, seq), plan)  # (never a host copy: groups recompute)
             sched.start(seq)
         for seq in sched.running:
             if budget == 0:
@@ -122,7 +122,7 @@ class StaticGroups(ContinuousBatching):
     def padding_blocked(self, sched: Scheduler, seq: Sequence, num_new: int) -> bool:
         """A finished member computes padding only while that costs nobody else blocks and stays inside the
         model's context."""
-        need = sched.kv.blocks_needed(seq, num_new)
+        need = sched.kv_manager.blocks_needed(seq, num_new)
         return need > sched.admission.spare_blocks(sched) or seq.num_tokens >= sched.max_model_len
 
 
@@ -135,18 +135,18 @@ class OptimisticAdmission:
 
     def spare_blocks(self, sched: Scheduler) -> int:
         """Free blocks nobody has a claim on."""
-        return sched.kv.pool.num_free
+        return sched.kv_manager.pool.num_free
 
 
 class ReserveAdmission(OptimisticAdmission):
     name = "reserve"
 
     def refuses(self, sched: Scheduler, seq: Sequence, hits: list[int]) -> str | None:
-        return "reserved" if sched.kv.lifetime_blocks(seq, hits) > self.spare_blocks(sched) else None
+        return "reserved" if sched.kv_manager.lifetime_blocks(seq, hits) > self.spare_blocks(sched) else None
 
     def spare_blocks(self, sched: Scheduler) -> int:
         """Running sequences' future growth is claimed. NOTE: that is what makes reserve admission never preempt."""
-        return sched.kv.pool.num_free - sched.kv.claimed_blocks(sched.running)
+        return sched.kv_manager.pool.num_free - sched.kv_manager.claimed_blocks(sched.running)
 
 
 class ClosedAdmission(OptimisticAdmission):

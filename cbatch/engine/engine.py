@@ -83,7 +83,7 @@ class Engine:
 
     config: EngineConfig
     runner: Runner
-    kv: KVPool
+    kv_pool: KVPool
     max_model_len: int
     spec: ModelSpec | None = None  # None: a simulation with no model named
     tokenizer: Any = None  # None: token-id prompts only
@@ -112,7 +112,7 @@ class Engine:
             settings["policy"] = policy
         if settings:
             self.config = replace(self.config, **settings)
-        self.scheduler = make_scheduler(self.config, self.kv, self.max_model_len)
+        self.scheduler = make_scheduler(self.config, self.kv_pool, self.max_model_len)
         self._inflight: tuple[StepPlan, Any] | None = None  # asynchronous scheduling: the launched, unresolved step
         self.steps_ahead = 0  # steps launched before the previous one resolved
         self.runner.reset()
@@ -328,12 +328,12 @@ def _take_pooled(plan: StepPlan, out: StepOutput) -> None:
                 seq.pooled = out.pooled[seq.seq_id]
 
 
-def make_scheduler(config: EngineConfig, kv: KVPool, max_model_len: int) -> Scheduler:
+def make_scheduler(config: EngineConfig, kv_pool: KVPool, max_model_len: int) -> Scheduler:
     """The one way a scheduler is built (engine, bench, simulator): every scheduling setting of `config`."""
     from cbatch.engine.batching import ADMISSIONS
     from cbatch.engine.policy import PreemptionPolicy, PriorityOrder, get_policy
 
-    pool = BlockPool(kv.num_blocks, config.block_size, enable_caching=config.enable_prefix_cache)
+    pool = BlockPool(kv_pool.num_blocks, config.block_size, enable_caching=config.enable_prefix_cache)
     policy, admission = get_policy(config.policy), ADMISSIONS[config.admission]()
     if config.loras:  # at most --max-loras adapters among the running rows; waiting rows taken adapter by adapter
         from cbatch.lora.admission import AdapterLimit, grouped_by_adapter
@@ -344,7 +344,7 @@ def make_scheduler(config: EngineConfig, kv: KVPool, max_model_len: int) -> Sche
     return Scheduler(
         policy, pool, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
         priority=PriorityOrder(config.priority_aging_steps), preemption=PreemptionPolicy(config.preemption),
-        admission=admission, num_host_blocks=kv.num_host_blocks,
+        admission=admission, num_host_blocks=kv_pool.num_host_blocks,
     )
 
 

@@ -107,8 +107,8 @@ class ModelRunner:
         scales = None
         if kv_dtype != dtype:
             scales = torch.ones(spec.num_layers, 2, spec.num_kv_heads, dtype=torch.float32, device=device)
-        self.kv = KVCacheView([self.kv_cache[i, 0] for i in range(spec.num_layers)],
-                              [self.kv_cache[i, 1] for i in range(spec.num_layers)], scales)
+        self.kv_view = KVCacheView([self.kv_cache[i, 0] for i in range(spec.num_layers)],
+                                   [self.kv_cache[i, 1] for i in range(spec.num_layers)], scales)
         self._table_shape = (2 * max_num_seqs, -(-max_model_len // block_size))
         self.reset()
         self.graphs = None  # DecodeGraphs once `capture_decode_graphs` ran (CUDA + Triton backend)
@@ -124,7 +124,7 @@ class ModelRunner:
         if self.peers is not None:
             self.peers.send_capture(max_num_seqs, max_model_len)
 
-        graphs = DecodeGraphs(self.model, self.backend, self.kv, max_num_seqs, max_model_len, self.block_size, self.device,
+        graphs = DecodeGraphs(self.model, self.backend, self.kv_view, max_num_seqs, max_model_len, self.block_size, self.device,
                               sample_in_graph=self.fused_sampling, sample_splits=self.sampler_splits)
         graphs.capture_all()
         self.graphs = graphs
@@ -252,7 +252,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden)  # [T, vocab] float32 for the torch sampler
         else:
             self.backend.prepare(batch.meta)
-            hidden = self.model(batch.input_ids, batch.positions, ForwardContext(self.kv, batch.meta))  # [T, hidden]
+            hidden = self.model(batch.input_ids, batch.positions, ForwardContext(self.kv_view, batch.meta))  # [T, hidden]
             if num_sampling:
                 logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] float32
         prompt = [prompt_logprobs(self.model.compute_logits, hidden[first : first + len(targets)], targets, k,

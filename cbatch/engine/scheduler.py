@@ -57,8 +57,8 @@ class Scheduler:
         self.priority = priority
         self.preemption = preemption
         self.stats = SchedulerStats()
-        self.kv = KVManager(pool, num_host_blocks, max_model_len, self.stats)
-        self.pool, self.host = pool, self.kv.host
+        self.kv_manager = KVManager(pool, num_host_blocks, max_model_len, self.stats)
+        self.pool, self.host = pool, self.kv_manager.host
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -76,7 +76,7 @@ class Scheduler:
 
     def admission_error(self, prompt_len: int, params: SamplingParams) -> str | None:
         """Why a request can never run here (too long for the model, or for the KV pool even alone), or None."""
-        return self.kv.never_fits(prompt_len, params)
+        return self.kv_manager.never_fits(prompt_len, params)
 
     # ---- queue ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -122,7 +122,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan(scheduled=[])
         budget = self.max_num_batched_tokens
-        self.kv.begin_step()
+        self.kv_manager.begin_step()
 
         # Running sequences: decodes first, then chunked prefills continuing, both in admission order.
         decodes, prefills = self._pending()
@@ -146,7 +146,7 @@ class Scheduler:
         if plan.scheduled:  # NOTE: an empty plan never reaches the runner: its news waits for the next one
             self._count(plan)  # (an idle step is counted by `count_idle`, when the engine idles)
             plan.finished, self._left = self._left, []
-            plan.copies = self.kv.take_copies()
+            plan.copies = self.kv_manager.take_copies()
         return plan
 
     def _pending(self) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, int]]]:
@@ -168,7 +168,7 @@ class Scheduler:
         without a preemption. None otherwise (`_schedule_running` takes them one by one)."""
         if len(decodes) > budget or not self.batching.bulk:
             return None
-        growing, need = self.kv.growing_decodes(decodes)
+        growing, need = self.kv_manager.growing_decodes(decodes)
         return growing if need <= self.pool.num_free else None
 
     def _schedule_running(self, pending: list[tuple[Sequence, int]], plan: StepPlan, budget: int) -> int:
@@ -190,19 +190,19 @@ class Scheduler:
             plan.scheduled.append((seq, num_new))
             budget -= num_new
             if num_new > 1:
-                self.kv.note_chunk(seq, num_new)
+                self.kv_manager.note_chunk(seq, num_new)
         return budget
 
     def grow(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Gives `seq` the blocks for `num_new` more tokens, preempting less important sequences if needed.
         Returns False when `seq` itself had to be preempted."""
-        need = self.kv.blocks_needed(seq, num_new)
+        need = self.kv_manager.blocks_needed(seq, num_new)
         while need > self.pool.num_free:
             victim = self._pick_victim(seq, plan)
             self._preempt(victim, plan)
             if victim is seq:
                 return False
-        self.kv.grow(seq, need)
+        self.kv_manager.grow(seq, need)
         return True
 
     # ---- preemption -------------------------------------------------------------------------
@@ -224,13 +224,13 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
         self._reserved_slots -= seq.pending_children
-        self.kv.cache_computed(seq)  # NOTE: its cached blocks outlive it in the LRU
+        self.kv_manager.cache_computed(seq)  # NOTE: its cached blocks outlive it in the LRU
         if self.batching.may_swap and self.preemption.swaps(seq, self.host.num_free):
-            self.kv.swap_out(seq, plan)
+            self.kv_manager.swap_out(seq, plan)
         else:
             self.stats.recomputed_tokens += seq.num_computed
             seq.num_computed = 0
-        self.kv.free(seq)
+        self.kv_manager.free(seq)
         seq.num_registered_blocks = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -272,12 +272,12 @@ class Scheduler:
     def _try_start(self, seq: Sequence, budget: int, plan: StepPlan) -> str | None:
         """Starts `seq` with the blocks for its next chunk (reusing cached prefix blocks or its swapped
         copy) and schedules that chunk; returns why not instead when the blocks are not there."""
-        start = self.kv.prepare_start(seq, budget)
+        start = self.kv_manager.prepare_start(seq, budget)
         if not isinstance(start, Start):
             return start
         if (reason := self.admission.refuses(self, seq, start.hits)) is not None:
             return reason
-        self.kv.start(seq, start, plan)
+        self.kv_manager.start(seq, start, plan)
         self.start(seq)
         plan.scheduled.append((seq, start.num_new))
         return None
@@ -332,7 +332,7 @@ class Scheduler:
             size, finished = self.pool.block_size, SequenceStatus.FINISHED
             for seq in [s for s, _ in plan.scheduled if s.num_computed // size > s.num_registered_blocks]:
                 if seq.status is not finished:  # (its work was discarded: see `_account_row`)
-                    self.kv.cache_computed(seq)
+                    self.kv_manager.cache_computed(seq)
 
     def _account_row(self, seq: Sequence, num_new: int, step: int) -> None:
         """`account` for one row (see there), but the prefix cache's."""
@@ -388,7 +388,7 @@ class Scheduler:
             return False
         if any(p.penalized or p.logprobs is not None for p in distinct_params([s.params for s in seqs])):
             return False
-        return self.kv.next_tokens_blocks(self.running, self._at_limit) <= self.pool.num_free
+        return self.kv_manager.next_tokens_blocks(self.running, self._at_limit) <= self.pool.num_free
 
     def _append(self, seq: Sequence, token: int, logprobs: StepLogprobs | None, info: StepInfo) -> list[Sequence]:
         """Puts a sampled token in its placeholder, or appends it (a forked sample's first token), with its
@@ -421,9 +421,9 @@ class Scheduler:
         for child in parent.children:
             child.arrival_step, child.first_scheduled_step = parent.arrival_step, parent.first_scheduled_step
             child.prompt_logprobs = parent.prompt_logprobs  # complete: computed once, by the parent
-            attached = len(self.running) < self.max_num_seqs and self.kv.can_share_prompt(parent)
+            attached = len(self.running) < self.max_num_seqs and self.kv_manager.can_share_prompt(parent)
             if attached:
-                self.kv.share_prompt(parent, child)
+                self.kv_manager.share_prompt(parent, child)
                 child.status = SequenceStatus.RUNNING
                 self.running.append(child)
                 self.stats.forked_samples += 1
@@ -444,6 +444,6 @@ class Scheduler:
         for seq in leaving:
             if seq in self.running:
                 self.running.remove(seq)
-            self.kv.free(seq)
+            self.kv_manager.free(seq)
             seq.status = SequenceStatus.FINISHED
         return leaving
