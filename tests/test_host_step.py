@@ -41,14 +41,14 @@ def _scheduler_trace(caching: bool, async_order: bool) -> list:
     trace, inflight = [], None
     while sched.has_work() or inflight is not None:
         if async_order and inflight is not None and not sched.can_schedule_ahead(inflight[0]):
-            sched.resolve(*inflight)
+            sched.apply_tokens(*inflight)
             inflight = None
             continue
         plan = sched.schedule()
         tokens = {s.seq_id: rng.choice([2, 5] + list(range(6, 40))) for s, _ in plan.scheduled}
         tokens.update({c.seq_id: 7 for s, _ in plan.scheduled for c in s.children})
         if async_order:
-            finished = sched.resolve(*inflight) if inflight is not None else []
+            finished = sched.apply_tokens(*inflight) if inflight is not None else []
             sched.account(plan)
             inflight = (plan, tokens) if plan else None
         else:

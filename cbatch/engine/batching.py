@@ -87,7 +87,8 @@ class StaticGroups(ContinuousBatching):
                 sched.stall(reason)
                 break
             sched.pop_waiting()
-            sched.kv_manager.restore(seq, prefix_hits(sched.kv_manager.pool, seq), plan)  # (never a host copy: groups recompute)
+            # (never a host copy: groups recompute)
+            sched.kv_manager.restore(seq, prefix_hits(sched.kv_manager.pool, seq), plan)
             sched.start(seq)
         for seq in sched.running:
             if budget == 0:

@@ -113,8 +113,8 @@ class Engine:
         if settings:
             self.config = replace(self.config, **settings)
         self.scheduler = make_scheduler(self.config, self.kv_pool, self.max_model_len)
-        self._inflight: tuple[StepPlan, Any] | None = None  # asynchronous scheduling: the launched, unresolved step
-        self.steps_ahead = 0  # steps launched before the previous one resolved
+        self._inflight: tuple[StepPlan, Any] | None = None  # asynchronous scheduling: the launched step whose tokens are not applied yet
+        self.steps_ahead = 0  # steps launched before the previous one's tokens were applied
         self.runner.reset()
 
     @property
@@ -229,7 +229,7 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Schedules and runs one step; returns the sequences that left the batch finished. With nothing
         runnable (waiting for arrivals) the step is idle: counted, nothing computed. With asynchronous
-        scheduling a call launches one step and resolves the one before it (`_step_ahead`)."""
+        scheduling a call launches one step and applies the tokens of the one before it (`_step_ahead`)."""
         if self.config.async_scheduling:
             return self._step_ahead()
         plan = self.scheduler.schedule()
@@ -241,31 +241,31 @@ class Engine:
 
     def _step_ahead(self) -> list[Sequence]:
         """Asynchronous scheduling (vLLM v1, SGLang's overlap scheduler): step N+1 is scheduled, built and
-        launched while the device runs step N, whose placeholders it reads on the device; then N resolves
-        (its tokens come back: EOS, stop strings, lengths), overlapping N+1 on the device. A sequence that
+        launched while the device runs step N, whose placeholders it reads on the device; then N's tokens are applied
+        (they come back: EOS, stop strings, lengths), overlapping N+1 on the device. A sequence that
         finished at N computed one discarded token in N+1. When N+1 needs N's tokens on the host first
-        (`Scheduler.can_schedule_ahead`), this call only resolves N and the next one schedules as usual."""
+        (`Scheduler.can_schedule_ahead`), this call only applies N's tokens and the next one schedules as usual."""
         inflight = self._inflight
         if inflight is not None and not self.scheduler.can_schedule_ahead(inflight[0]):
             self._inflight = None
-            return self._resolve(*inflight)
+            return self._apply_tokens(*inflight)
         plan = self.scheduler.schedule()
         if not plan:
             if inflight is None:
                 return self._idle()
             self._inflight = None
-            return self._resolve(*inflight)
+            return self._apply_tokens(*inflight)
         pending = self.runner.launch(plan)
         self.steps_ahead += inflight is not None
-        finished = self._resolve(*inflight) if inflight is not None else []
+        finished = self._apply_tokens(*inflight) if inflight is not None else []
         self.scheduler.account(plan)
         self._inflight = (plan, pending)
         return finished
 
-    def _resolve(self, plan: StepPlan, pending) -> list[Sequence]:
+    def _apply_tokens(self, plan: StepPlan, pending) -> list[Sequence]:
         out = pending.result()
         _take_pooled(plan, out)
-        return self.scheduler.resolve(plan, out.tokens, out.logprobs)
+        return self.scheduler.apply_tokens(plan, out.tokens, out.logprobs)
 
     def _idle(self) -> list[Sequence]:
         if self.scheduler.has_work():

@@ -69,7 +69,7 @@ class Scheduler:
         self._reserved_slots = 0  # batch slots admitted parents hold for the samples they will fork
         self.last_step = StepInfo()
         self._at_limit: set[int] = set()  # sequences a placeholder took to max_tokens / the context: not scheduled again
-        self._resolving_step = 0  # the step whose tokens `resolve` applies (1-based): first-token and finish steps
+        self._applying_step = 0  # the step whose tokens `apply_tokens` applies (1-based): first-token and finish steps
         # every token that may stop some sequence this scheduler has seen (EOS ids, stop_token_ids): a sampled
         # token outside it cannot stop its sequence, whatever the sequence's own settings
         self._stop_tokens: set[int] = set()
@@ -152,7 +152,7 @@ class Scheduler:
     def _pending(self) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, int]]]:
         """The running sequences to schedule as (sequence, uncomputed tokens): the decodes (1), then the
         prefills (> 1), each in admission order. Those a placeholder took to their limit are left out
-        (asynchronous scheduling: they finish when the step in flight resolves).
+        (asynchronous scheduling: they finish when the tokens of the step in flight are applied).
         NOTE (speed: this runs every step over every running row): `num_uncomputed` is inlined."""
         pending = [(s, s.prompt_len + len(s.output_ids) - s.num_computed) for s in self.running]
         if self._at_limit:
@@ -264,8 +264,8 @@ class Scheduler:
         """Batch slots for `seq` and the samples it will fork. NOTE: a row with more samples than
         max_num_seqs starts alone: the children without a slot wait and are recomputed.
         A sequence a placeholder took to its limit holds no slot: it is never scheduled again and leaves when the
-        step in flight resolves (asynchronous scheduling admits in its place one step sooner, as the synchronous
-        order does; the runner has rows for 2 x max_num_seqs)."""
+        step in flight's tokens are applied (asynchronous scheduling admits in its place one step sooner, as the
+        synchronous order does; the runner has rows for 2 x max_num_seqs)."""
         used = len(self.running) - len(self._at_limit) + self._reserved_slots
         return used + 1 + seq.pending_children <= self.max_num_seqs or (used == 0 and not self.running)
 
@@ -310,16 +310,16 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled: Mapping[int, int], logprobs: StepLogprobs | None = None) -> list[Sequence]:
         """Applies a computed step; returns the sequences that left the batch finished. `sampled`: seq_id -> token
         of every sequence whose chunk reached its last token, and of the samples it forks; `logprobs`: those asked.
-        Its halves, `account` (what the step computed) and `resolve` (what it sampled), run apart under
+        Its halves, `account` (what the step computed) and `apply_tokens` (what it sampled), run apart under
         asynchronous scheduling: the next step is scheduled between them. The step's counters go to `last_step`."""
         self.account(plan)
-        return self.resolve(plan, sampled, logprobs)
+        return self.apply_tokens(plan, sampled, logprobs)
 
     def account(self, plan: StepPlan) -> None:
         """What a launched step computes, before its tokens are known: the computed counts advance, and each
         sequence that samples holds a PLACEHOLDER output token (the next step's input, read on the device
         from this step's sampled tokens). A sequence the placeholder takes to its length limit is not
-        scheduled again: it finishes when the step resolves. Then the blocks the step completed go to the
+        scheduled again: it finishes when the step's tokens are applied. Then the blocks the step completed go to the
         prefix cache, in plan order: from the next step on, others may share them."""
         plan.accounted_quiet = quiet_decodes(plan, self.max_model_len)
         quiet, rest = split_quiet(plan.scheduled, plan.accounted_quiet)
@@ -336,23 +336,23 @@ class Scheduler:
 
     def _account_row(self, seq: Sequence, num_new: int, step: int) -> None:
         """`account` for one row (see there), but the prefix cache's."""
-        if seq.is_finished:  # finished when the previous step resolved: this step's work is discarded
+        if seq.is_finished:  # finished when the previous step's tokens were applied: this step's work is discarded
             return
         seq.num_computed += num_new
         if seq.num_computed < seq.num_tokens or seq.pending_children:
-            return  # a prompt chunk short of the end (or a fork: `resolve` appends its tokens)
+            return  # a prompt chunk short of the end (or a fork: `apply_tokens` appends its tokens)
         seq.output_ids.append(PLACEHOLDER)
         if seq.first_token_step is None:
             seq.first_token_step = step
         if seq.num_result_tokens is None and at_length_limit(seq, self.max_model_len):
             self._at_limit.add(seq.seq_id)
 
-    def resolve(self, plan: StepPlan, sampled: Mapping[int, int], logprobs: StepLogprobs | None = None) -> list[Sequence]:
+    def apply_tokens(self, plan: StepPlan, sampled: Mapping[int, int], logprobs: StepLogprobs | None = None) -> list[Sequence]:
         """A step's sampled tokens replace its placeholders; returns the sequences that left the batch finished
         (EOS, stop, grammar, length). See `update`."""
         info = plan.info
         finished: list[Sequence] = []
-        self._resolving_step = plan.step
+        self._applying_step = plan.step
         quiet, rest = split_quiet(plan.scheduled, quiet_samples(plan, sampled, self._stop_tokens, self.batching.bulk))
         for seq in quiet:  # `_append`'s whole effect on these rows (none of them is in `_at_limit`)
             seq.output_ids[-1] = sampled[seq.seq_id]
@@ -377,10 +377,10 @@ class Scheduler:
         return finished
 
     def can_schedule_ahead(self, inflight: StepPlan) -> bool:
-        """Whether the next step may be scheduled before `inflight` resolves (asynchronous scheduling): no
-        sequence in it needs its sampled token on the host to prepare its next step (a grammar's mask, the
-        penalties' counts, log-probabilities, the samples it forks), no static group, and enough free blocks
-        that the next schedule cannot preempt (a victim's in-flight token would land on a waiting sequence)."""
+        """Whether the next step may be scheduled before `inflight`'s tokens are applied (asynchronous
+        scheduling): no sequence in it needs its sampled token on the host to prepare its next step (a grammar's
+        mask, the penalties' counts, log-probabilities, the samples it forks), no static group, and enough free
+        blocks that the next schedule cannot preempt (a victim's in-flight token would land on a waiting sequence)."""
         if not self.batching.schedules_ahead:
             return False
         seqs = [seq for seq, _ in inflight.scheduled]
@@ -400,7 +400,7 @@ class Scheduler:
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.extend(logprobs.sampled[seq.seq_id])
         if seq.first_token_step is None:
-            seq.first_token_step = self._resolving_step
+            seq.first_token_step = self._applying_step
         if seq.num_result_tokens is not None:
             return []  # static batching: a finished member computing padding
         info.sampled_tokens += 1
@@ -437,7 +437,7 @@ class Scheduler:
         """Marks `seq` done; returns the sequences that now leave the batch (static groups leave together)."""
         seq.finish_reason = reason
         seq.num_result_tokens = len(seq.output_ids)
-        seq.finish_step = self._resolving_step
+        seq.finish_step = self._applying_step
         return self._release_all(self.batching.leaving(self, seq))
 
     def _release_all(self, leaving: list[Sequence]) -> list[Sequence]:
