@@ -4,7 +4,7 @@ Batching (chosen by the admission policy: `static` takes StaticGroups, the other
 - ContinuousBatching: a finished sequence leaves at once and waiting ones take its place, in queue order.
 - StaticGroups (the static-batching baseline): a group is admitted when the batch is empty and runs to its
   longest member; members that finished keep their slot and compute padding until the group ends. Its steps
-  are never scheduled ahead, resolved in bulk, or swapped out (a group's admission step may preempt a member,
+  are never scheduled ahead, taken as quiet rows (quiet_rows.py), or swapped out (a group's admission step may preempt a member,
   and a swap_out of blocks whose swap_in is planned in the same step would copy garbage).
 
 Admission (--admission):
@@ -46,7 +46,7 @@ class Scheduler(Protocol):
 
 class ContinuousBatching:
     schedules_ahead = True  # asynchronous scheduling may run its steps ahead
-    bulk = True  # steady decodes scheduled and resolved in bulk (the host step's fast paths)
+    quiet_rows = True  # quiet decodes scheduled, accounted and given their tokens in one pass (quiet_rows.py)
     may_swap = True  # preemption may swap a victim to host memory
 
     def admit(self, sched: Scheduler, plan: StepPlan, budget: int) -> int:
@@ -69,7 +69,7 @@ class ContinuousBatching:
 
 class StaticGroups(ContinuousBatching):
     schedules_ahead = False
-    bulk = False
+    quiet_rows = False
     may_swap = False
 
     def admit(self, sched: Scheduler, plan: StepPlan, budget: int) -> int:

@@ -300,11 +300,11 @@ class ModelRunner:
         rows = self.block_tables.sync(seqs)
         cu_q = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu_q[1:])
-        # The flat batch's Python side: plain decodes in runs (slices), the other rows one by one, in batch order.
+        # The flat batch's Python side: quiet decodes in runs (slices), the other rows one by one, in batch order.
         flat = _FlatRows(self._last_row)
         offsets = cu_q.tolist()
         start = 0
-        fed = _decode_tokens(ordered)
+        fed = quiet_decode_tokens(ordered)
         for i in ([i for i, token in enumerate(fed) if token is None] if None in fed else []) + [n]:
             if i > start:
                 flat.add_decodes(seqs[start:i], fed[start:i], offsets[start])
@@ -376,7 +376,7 @@ class _FlatRows:
             self.logits_rows.extend([offset + num_new - 1] * len(samples))
 
     def add_decodes(self, seqs: list[Sequence], tokens: list[int], offset: int) -> None:
-        """A run of plain decodes (`_decode_tokens`) feeding `tokens` at flat rows offset, offset + 1, ...: what
+        """A run of quiet decodes (`quiet_decode_tokens`) feeding `tokens` at flat rows offset, offset + 1, ...: what
         `add_row` does for each of them (its last token, which it samples), for the run at once."""
         if tokens.count(PLACEHOLDER) == len(tokens):  # asynchronous scheduling's steady state: all in flight
             self.placeholder_rows.extend(range(offset, offset + len(seqs)))
@@ -390,9 +390,9 @@ class _FlatRows:
         self.logits_rows.extend(range(offset, offset + len(seqs)))
 
 
-def _decode_tokens(rows: list[tuple[Sequence, int]]) -> list[int | None]:
-    """Per row: the token a plain decode feeds (`token_at(num_computed)`: its last), None for any other row.
-    A plain decode: one token, the sequence's last (it samples), no samples to fork, no prompt log-probabilities.
+def quiet_decode_tokens(rows: list[tuple[Sequence, int]]) -> list[int | None]:
+    """Per row: the token a quiet decode feeds (`token_at(num_computed)`: its last), None for any other row.
+    A quiet decode: one token, the sequence's last (it samples), no samples to fork, no prompt log-probabilities.
     (One pass of inlined tests: it runs over every row.)"""
     return [(s.output_ids or s.prompt_ids)[-1]
             if n == 1 and s.num_computed + 1 == s.prompt_len + len(s.output_ids)

@@ -126,8 +126,8 @@ class Scheduler:
 
         # Running sequences: decodes first, then chunked prefills continuing, both in admission order.
         decodes, prefills = self._pending()
-        growing = self._decodes_in_bulk(decodes, budget)
-        if growing is not None:  # the steady decode state: no row can be cut, skipped or preempted
+        growing = self._quiet_schedule(decodes, budget)
+        if growing is not None:  # quiet decodes: no row can be cut, skipped or preempted
             for seq in growing:
                 self.grow(seq, 1, plan)  # never preempts: the free blocks cover every growing row
             plan.scheduled.extend(decodes)
@@ -161,12 +161,12 @@ class Scheduler:
         prefills = [p for p in pending if p[1] > 1] if len(decodes) < len(pending) else []
         return decodes, prefills
 
-    def _decodes_in_bulk(self, decodes: list[tuple[Sequence, int]], budget: int) -> list[Sequence] | None:
+    def _quiet_schedule(self, decodes: list[tuple[Sequence, int]], budget: int) -> list[Sequence] | None:
         """The decodes that need a new block, when `decodes` can be scheduled all at once: the budget covers
         them, the batching allows it (static groups keep finished members running), and the free blocks
         cover every one that grows, so `_schedule_running` would schedule each of them, in this order,
         without a preemption. None otherwise (`_schedule_running` takes them one by one)."""
-        if len(decodes) > budget or not self.batching.bulk:
+        if len(decodes) > budget or not self.batching.quiet_rows:
             return None
         growing, need = self.kv_manager.growing_decodes(decodes)
         return growing if need <= self.pool.num_free else None
@@ -353,7 +353,7 @@ class Scheduler:
         info = plan.info
         finished: list[Sequence] = []
         self._applying_step = plan.step
-        quiet, rest = split_quiet(plan.scheduled, quiet_samples(plan, sampled, self._stop_tokens, self.batching.bulk))
+        quiet, rest = split_quiet(plan.scheduled, quiet_samples(plan, sampled, self._stop_tokens, self.batching.quiet_rows))
         for seq in quiet:  # `_append`'s whole effect on these rows (none of them is in `_at_limit`)
             seq.output_ids[-1] = sampled[seq.seq_id]
         info.sampled_tokens += len(quiet)

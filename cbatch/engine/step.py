@@ -57,7 +57,7 @@ class StepPlan:
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source block, destination block)
     step: int = 0  # its number (1-based), for the first-token and finish steps of the sequences whose tokens it brings
     # per row, set by `Scheduler.account`: True where accounting was only "computed + 1, placeholder appended"
-    # (`_quiet_decodes`); `apply_tokens` takes its bulk rows among these (None before `account`: none)
+    # (`quiet_rows.quiet_decodes`); `apply_tokens` takes its quiet rows among these (None before `account`: none)
     accounted_quiet: list[bool] | None = None
 
     @property
