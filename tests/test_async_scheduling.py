@@ -14,7 +14,7 @@ from cbatch.engine import runner as runner_module
 from cbatch.engine.engine import run_to_completion
 from cbatch.engine.runner import PendingStep
 from cbatch.engine.sampler import sample_step
-from cbatch.model.llama import ForwardContext
+from cbatch.model.decoder import ForwardContext
 from helpers import make_engine, random_prompts
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from cbatch.engine.fast_sampling import kernel_inputs
+from cbatch.engine.sampler_choice import kernel_inputs
 from cbatch.engine.sampler import SamplingBatch
 from cbatch.model.backend import AttentionMetadata
-from cbatch.model.llama import ForwardContext, KVCacheView, LlamaForCausalLM
+from cbatch.model.decoder import ForwardContext, KVCacheView, LlamaForCausalLM
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:

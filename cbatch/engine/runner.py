@@ -16,7 +16,7 @@ import torch
 
 from cbatch.model.backend import AttentionMetadata, Backend, kv_cache_shape
 from cbatch.engine.cpu_memory import keep_freed_memory, lazily_zeroed
-from cbatch.engine.fast_sampling import fused_covers, sample_batch
+from cbatch.engine.sampler_choice import fused_covers, sample_batch
 from cbatch.engine.logprobs import prompt_logprobs
 from cbatch.engine.pooling import Pooler
 from cbatch.engine.sampler import SamplingBatch
@@ -25,7 +25,7 @@ from cbatch.engine.step import StepLogprobs, StepOutput, StepPlan
 from cbatch.engine.staging import HostStaging, host_values
 from cbatch.engine.structured import TokenMasks
 from cbatch.engine.sequence import PLACEHOLDER, Sequence
-from cbatch.model.llama import ForwardContext, KVCacheView, LlamaForCausalLM
+from cbatch.model.decoder import ForwardContext, KVCacheView, LlamaForCausalLM
 
 
 class BlockTableBuffer:
@@ -85,7 +85,7 @@ class ModelRunner:
         self.block_size = block_size
         self.job_seed = job_seed
         self.backend: Backend = model.backend
-        # the GPU path samples with the one-pass kernel where it covers the batch (cbatch/engine/fast_sampling.py)
+        # the GPU path samples with the one-pass kernel where it covers the batch (cbatch/engine/sampler_choice.py)
         # (not under tensor parallelism: there the logits are gathered from the ranks outside the graph)
         self.fused_sampling = self.backend.fused_sampling and model.comm.world == 1
         # the kernel's programs per row: None = enough to fill the GPU (EngineConfig.split_sampler), 1 = no split
