@@ -37,7 +37,7 @@ class UserError(ValueError):
 
 class ConfigError(UserError):
     """A bad setting. `field` is the EngineConfig or SamplingParams field at fault (the command line names
-    its flag instead: cbatch/cli.py maps fields to flags); `reason` says what is wrong and the fix."""
+    its flag instead: cbatch/cli/flags.py maps fields to flags); `reason` says what is wrong and the fix."""
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
