@@ -18,7 +18,7 @@ from cbatch.model.backend import AttentionMetadata, Backend, kv_cache_shape
 from cbatch.engine.cpu_memory import keep_freed_memory, lazily_zeroed
 from cbatch.engine.sampler_choice import fused_covers, sample_batch
 from cbatch.engine.logprobs import prompt_logprobs
-from cbatch.engine.pooling import Pooler
+from cbatch.engine.pooler import Pooler
 from cbatch.engine.sampler import SamplingBatch
 from cbatch.engine.sampling_inputs import SamplingInputs
 from cbatch.engine.step import StepLogprobs, StepOutput, StepPlan
