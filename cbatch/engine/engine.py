@@ -336,7 +336,7 @@ def make_scheduler(config: EngineConfig, kv_pool: KVPool, max_model_len: int) ->
     pool = BlockPool(kv_pool.num_blocks, config.block_size, enable_caching=config.enable_prefix_cache)
     policy, admission = get_policy(config.policy), ADMISSIONS[config.admission]()
     if config.loras:  # at most --max-loras adapters among the running rows; waiting rows taken adapter by adapter
-        from cbatch.lora.admission import AdapterLimit, grouped_by_adapter
+        from cbatch.engine.adapter_admission import AdapterLimit, grouped_by_adapter
 
         admission = AdapterLimit(admission, config.max_loras)
         if config.lora_grouping:
