@@ -136,7 +136,7 @@ class ReplayedGraphs:
     def run(self, input_ids, positions, meta, sampling):
         runner, num = self.runner, input_ids.shape[0]
         runner.backend.prepare(meta)
-        hidden = runner.model(input_ids, positions, ForwardContext(runner.kv_view, meta))
+        hidden = runner.model(input_ids, positions, ForwardContext(runner.kv_cache.view, meta))
         self.static_tokens[:num] = sample_step(runner.model.compute_logits(hidden), sampling).tokens
         self.replays += 1
         return hidden, self.static_tokens[:num]

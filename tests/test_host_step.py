@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cbatch.config import SamplingParams
-from cbatch.engine import runner as runner_module
+from cbatch.engine import input_builder
 from cbatch.engine import scheduler as scheduler_module
 from cbatch.engine.engine import run_to_completion
 from cbatch.engine.scheduler import Scheduler
@@ -21,7 +21,7 @@ def _general_path_only(monkeypatch) -> None:
     monkeypatch.setattr(Scheduler, "_quiet_schedule", lambda self, decodes, budget: None)
     monkeypatch.setattr(scheduler_module, "quiet_decodes", lambda plan, max_len: [False] * len(plan.scheduled))
     monkeypatch.setattr(scheduler_module, "quiet_samples", lambda plan, *args: [False] * len(plan.scheduled))
-    monkeypatch.setattr(runner_module, "quiet_decode_tokens", lambda rows: [None] * len(rows))
+    monkeypatch.setattr(input_builder, "quiet_decode_tokens", lambda rows: [None] * len(rows))
 
 
 def _scheduler_trace(caching: bool, async_order: bool) -> list:

@@ -11,7 +11,7 @@ Zero padding adds exact zeros: the result is that of the adapter's own rank.
 The scheduler keeps at most S adapters among a step's rows (cbatch/engine/adapter_admission.py); `LoraSlots.assign`
 gives each of them a slot, copying an adapter's factors in when it is not resident (least recently used
 slot not in this step). Tensors keep their shapes, so a CUDA graph could hold them; the decode graphs run
-only steps without adapter rows (runner.py).
+only steps without adapter rows (engine/row_features.py, `AdapterRows`).
 """
 from __future__ import annotations
 
