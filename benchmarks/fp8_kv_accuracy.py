@@ -63,7 +63,7 @@ def compare(model: str, args: argparse.Namespace) -> dict:
     err = (fp8_logits - ref_logits).abs().max().item()
     return dict(agree=agree / sum(map(len, ref)), identical=sum(a == b for a, b in zip(ref, got)), requests=len(ref),
                 max_err=err, rel_err=err / ref_logits.abs().max().item(),
-                kv_bytes=(ref_engine.runner.kv_cache.element_size(), fp8_engine.runner.kv_cache.element_size()))
+                kv_bytes=(ref_engine.runner.kv_cache.tensor.element_size(), fp8_engine.runner.kv_cache.tensor.element_size()))
 
 
 def main() -> int:

@@ -53,10 +53,7 @@ def measure(running: int, steps: int, prompt_len: int, clock, async_order: bool,
     timing = {"on": False}
 
     def host_only_launch(plan):  # ModelRunner.forward's host part (keep in step with it), then a constant token
-        for seq in plan.preempted + plan.finished:
-            runner.block_tables.release(seq)
-            runner.sampling.release(seq)
-            runner.pooler.forget(seq)
+        runner.release(plan)
         runner.begin_step()
         t0 = clock()
         inputs, sampling_seqs, _, _ = runner._build(plan)

@@ -14,7 +14,7 @@ from cbatch.engine import runner as runner_module
 from cbatch.engine.engine import run_to_completion
 from cbatch.engine.runner import PendingStep
 from cbatch.engine.sampler import sample_step
-from cbatch.model.llama import ForwardContext
+from cbatch.model.decoder import ForwardContext
 from helpers import make_engine, random_prompts
 
 
@@ -136,7 +136,7 @@ class ReplayedGraphs:
     def run(self, input_ids, positions, meta, sampling):
         runner, num = self.runner, input_ids.shape[0]
         runner.backend.prepare(meta)
-        hidden = runner.model(input_ids, positions, ForwardContext(runner.kv, meta))
+        hidden = runner.model(input_ids, positions, ForwardContext(runner.kv_cache.view, meta))
         self.static_tokens[:num] = sample_step(runner.model.compute_logits(hidden), sampling).tokens
         self.replays += 1
         return hidden, self.static_tokens[:num]

@@ -12,8 +12,8 @@ import torch
 
 from cbatch.config import EngineConfig
 from cbatch.engine.resolve import load_rank_model, resolve_model
-from cbatch.model import llama
-from cbatch.model.llama import LlamaForCausalLM
+from cbatch.model import decoder
+from cbatch.model.decoder import LlamaForCausalLM
 from cbatch.parallel.comm import SINGLE_RANK
 
 CPU = torch.device("cpu")
@@ -39,8 +39,8 @@ def logits_weight(model: LlamaForCausalLM) -> torch.Tensor:
 def cuda_gemm_on_cpu(monkeypatch):
     """The float32-output GEMM "runs" on the CPU: a float64 product rounded to float32. Plain weights (no
     oneDNN prepacking, which the CPU path does and the GPU's does not)."""
-    monkeypatch.setattr(llama, "FLOAT32_OUT_DEVICES", ("cpu",))
-    monkeypatch.setattr(llama, "mm_float32", lambda a, b: (a.double() @ b.double()).float())
+    monkeypatch.setattr(decoder, "FLOAT32_OUT_DEVICES", ("cpu",))
+    monkeypatch.setattr(decoder, "mm_float32", lambda a, b: (a.double() @ b.double()).float())
     monkeypatch.setattr(LlamaForCausalLM, "prepack_for_cpu", lambda self: None)
 
 
@@ -56,10 +56,10 @@ def test_float32_logits_are_the_exact_products(family, tiny_checkpoints, family_
     cap = on.spec.final_softcap
     if cap is None:
         assert torch.equal(got, exact)
-        assert torch.equal(hf, exact.bfloat16().float()) or torch.equal(hf, llama.linear(hidden, logits_weight(on)).float())
+        assert torch.equal(hf, exact.bfloat16().float()) or torch.equal(hf, decoder.linear(hidden, logits_weight(on)).float())
     else:  # float32 soft-capping of the float32 logits; off: HF's order, all in bfloat16
         assert torch.equal(got, torch.tanh(exact / cap) * cap)
-        logits16 = llama.linear(hidden, logits_weight(on))
+        logits16 = decoder.linear(hidden, logits_weight(on))
         assert torch.equal(hf, (torch.tanh(logits16 / cap) * cap).float())
         assert got.abs().max() <= cap and got.std() > 0.1 * cap  # capped, and not flattened to a constant
     assert not torch.equal(got, hf)  # the 16-bit rounding is gone ...
@@ -80,9 +80,9 @@ def test_the_cpu_path_is_unchanged(tiny_checkpoints):
 def test_float32_models_never_take_the_16_bit_gemm(tiny_checkpoints, cuda_gemm_on_cpu, monkeypatch):
     """float32 activations (the GPU parity tests' dtype) keep the plain matmul even where the GEMM runs."""
     model = load(tiny_checkpoints["llama"], "float32", True)
-    monkeypatch.setattr(llama, "mm_float32", lambda a, b: pytest.fail("float32 activations took the 16-bit GEMM"))
+    monkeypatch.setattr(decoder, "mm_float32", lambda a, b: pytest.fail("float32 activations took the 16-bit GEMM"))
     hidden = hidden_states(model, seed=2)
-    assert torch.equal(model.compute_logits(hidden), llama.linear(hidden, model.lm_head.weight))
+    assert torch.equal(model.compute_logits(hidden), decoder.linear(hidden, model.lm_head.weight))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.mm's out_dtype runs on CUDA")

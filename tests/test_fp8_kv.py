@@ -25,7 +25,7 @@ def _prefill_logits(engine, prompt: list[int]) -> torch.Tensor:
 
 def test_fp8_cache_is_one_byte_per_element(tiny_checkpoints):
     engine = make_engine(tiny_checkpoints["qwen3"], kv_cache_dtype="fp8", dtype="bfloat16")
-    assert engine.runner.kv_cache.dtype == FP8_KV_DTYPE and engine.runner.kv_cache.element_size() == 1
+    assert engine.runner.kv_cache.tensor.dtype == FP8_KV_DTYPE and engine.runner.kv_cache.tensor.element_size() == 1
     spec = engine.spec
     assert memory.bytes_per_block(spec, FP8_KV_DTYPE, 16) * 2 == memory.bytes_per_block(spec, torch.bfloat16, 16)
     config = EngineConfig(kv_cache_memory_gb=2**-10, max_num_seqs=64, block_size=16)  # 1 MiB

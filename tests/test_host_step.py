@@ -1,7 +1,7 @@
-"""The host step's bulk paths take only rows whose general per-row code would do exactly the same: with them
+"""The host step's quiet rows are only rows whose general per-row code would do exactly the same: with them
 switched off (every row through the general code) a workload gives the same plans, block ids, step inputs,
-sampling settings, tokens and counters. This is what keeps the bulk tests (`Scheduler._decodes_in_bulk`,
-`quiet_rows.quiet_decodes` and `quiet_samples`, the runner's `_decode_tokens`) in step with the code they skip."""
+sampling settings, tokens and counters. This is what keeps the quiet-row tests (`Scheduler._quiet_schedule`,
+`quiet_rows.quiet_decodes` and `quiet_samples`, the runner's `quiet_decode_tokens`) in step with the code they skip."""
 from __future__ import annotations
 
 import random
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cbatch.config import SamplingParams
-from cbatch.engine import runner as runner_module
+from cbatch.engine import input_builder
 from cbatch.engine import scheduler as scheduler_module
 from cbatch.engine.engine import run_to_completion
 from cbatch.engine.scheduler import Scheduler
@@ -18,10 +18,10 @@ from helpers import fake_scheduler, fake_seq, make_engine
 
 
 def _general_path_only(monkeypatch) -> None:
-    monkeypatch.setattr(Scheduler, "_decodes_in_bulk", lambda self, decodes, budget: None)
+    monkeypatch.setattr(Scheduler, "_quiet_schedule", lambda self, decodes, budget: None)
     monkeypatch.setattr(scheduler_module, "quiet_decodes", lambda plan, max_len: [False] * len(plan.scheduled))
     monkeypatch.setattr(scheduler_module, "quiet_samples", lambda plan, *args: [False] * len(plan.scheduled))
-    monkeypatch.setattr(runner_module, "_decode_tokens", lambda rows: [None] * len(rows))
+    monkeypatch.setattr(input_builder, "quiet_decode_tokens", lambda rows: [None] * len(rows))
 
 
 def _scheduler_trace(caching: bool, async_order: bool) -> list:
@@ -41,14 +41,14 @@ def _scheduler_trace(caching: bool, async_order: bool) -> list:
     trace, inflight = [], None
     while sched.has_work() or inflight is not None:
         if async_order and inflight is not None and not sched.can_schedule_ahead(inflight[0]):
-            sched.resolve(*inflight)
+            sched.apply_tokens(*inflight)
             inflight = None
             continue
         plan = sched.schedule()
         tokens = {s.seq_id: rng.choice([2, 5] + list(range(6, 40))) for s, _ in plan.scheduled}
         tokens.update({c.seq_id: 7 for s, _ in plan.scheduled for c in s.children})
         if async_order:
-            finished = sched.resolve(*inflight) if inflight is not None else []
+            finished = sched.apply_tokens(*inflight) if inflight is not None else []
             sched.account(plan)
             inflight = (plan, tokens) if plan else None
         else:
@@ -60,14 +60,14 @@ def _scheduler_trace(caching: bool, async_order: bool) -> list:
 
 @pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("async_order", [False, True])
-def test_scheduler_bulk_paths_change_nothing(monkeypatch, caching, async_order):
-    bulk = _scheduler_trace(caching, async_order)
+def test_scheduler_quiet_rows_change_nothing(monkeypatch, caching, async_order):
+    quiet = _scheduler_trace(caching, async_order)
     _general_path_only(monkeypatch)
-    assert _scheduler_trace(caching, async_order) == bulk
+    assert _scheduler_trace(caching, async_order) == quiet
 
 
 def _engine_trace(path, settings: dict) -> list:
-    """A tiny model's run with the features that leave the bulk paths (forks, log-probabilities, stop tokens,
+    """A tiny model's run with the features that are never quiet rows (forks, log-probabilities, stop tokens,
     min_tokens, prefix sharing, preemption); every step's inputs and sampling settings, and the outputs."""
     engine = make_engine(path, max_num_seqs=12, max_num_batched_tokens=48, num_kv_blocks=48, block_size=4, **settings)
     steps = []
@@ -95,7 +95,7 @@ def _engine_trace(path, settings: dict) -> list:
 
 @pytest.mark.parametrize("settings", [{}, {"async_scheduling": True}, {"preemption": "swap", "swap_space_gb": 0.01}],
                          ids=["sync", "async", "swap"])
-def test_engine_bulk_paths_change_nothing(monkeypatch, tiny_checkpoints, settings):
-    bulk = _engine_trace(tiny_checkpoints["llama"], settings)
+def test_engine_quiet_rows_change_nothing(monkeypatch, tiny_checkpoints, settings):
+    quiet = _engine_trace(tiny_checkpoints["llama"], settings)
     _general_path_only(monkeypatch)
-    assert _engine_trace(tiny_checkpoints["llama"], settings) == bulk
+    assert _engine_trace(tiny_checkpoints["llama"], settings) == quiet

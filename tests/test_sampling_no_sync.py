@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cbatch.config import SamplingParams
-from cbatch.engine.fast_sampling import kernel_inputs, sample_batch
+from cbatch.engine.sampler_choice import kernel_inputs, sample_batch
 from cbatch.engine.sampling_inputs import SamplingInputs
 from cbatch.engine.sequence import Sequence
 

@@ -114,19 +114,19 @@ def test_auto_preemption_swaps_only_long_recomputes_that_fit(computed, host_free
 
 def test_runner_swap_copies_blocks_through_a_separate_host_buffer(tiny_checkpoints):
     engine = make_engine(tiny_checkpoints["llama"], num_kv_blocks=10, block_size=4, preemption="swap")
-    runner = engine.runner
-    assert runner.num_host_blocks == 40  # capped at 4 pools' worth
+    kv = engine.runner.kv_cache
+    assert kv.num_host_blocks == 40  # capped at 4 pools' worth
     torch.manual_seed(0)
-    runner.kv_cache.copy_(torch.randn_like(runner.kv_cache))
-    original = runner.kv_cache.clone()
-    dim = runner._block_dim  # the cache's block dimension
-    runner.swap([(3, 0), (5, 7)], [])
-    runner.kv_cache.index_fill_(dim, torch.tensor([3, 5]), 0)
-    assert runner._host_kv.data_ptr() != runner.kv_cache.data_ptr()
-    runner.swap([], [(7, 2), (0, 9)])
-    assert torch.equal(runner.kv_cache.select(dim, 2), original.select(dim, 5))
-    assert torch.equal(runner.kv_cache.select(dim, 9), original.select(dim, 3))
-    assert runner.kv_cache.select(dim, 3).abs().sum() == 0  # the zeroed source stayed zero: a real copy
+    kv.tensor.copy_(torch.randn_like(kv.tensor))
+    original = kv.tensor.clone()
+    dim = kv.block_dim  # the cache's block dimension
+    kv.swap([(3, 0), (5, 7)], [])
+    kv.tensor.index_fill_(dim, torch.tensor([3, 5]), 0)
+    assert kv._host.data_ptr() != kv.tensor.data_ptr()
+    kv.swap([], [(7, 2), (0, 9)])
+    assert torch.equal(kv.tensor.select(dim, 2), original.select(dim, 5))
+    assert torch.equal(kv.tensor.select(dim, 9), original.select(dim, 3))
+    assert kv.tensor.select(dim, 3).abs().sum() == 0  # the zeroed source stayed zero: a real copy
 
 
 # ---- reserve admission and stall reasons ----------------------------------------------------------

@@ -15,7 +15,7 @@ from cbatch.engine.build import build_engine
 from cbatch.engine.engine import run_to_completion
 from cbatch.engine.resolve import load_rank_model, resolve_model
 from cbatch.engine.tensor_parallel import Peers
-from cbatch.model.llama import LlamaForCausalLM
+from cbatch.model.decoder import LlamaForCausalLM
 from cbatch.model.shard import check_tensor_parallel
 from cbatch.model.spec import parse_spec
 from cbatch.parallel.comm import Communicator

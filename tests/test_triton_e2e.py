@@ -203,7 +203,7 @@ def test_tuned_decode_gemms_keep_greedy_parity(split_k, tiny_checkpoints, monkey
     every batch size, eager): the same greedy tokens as the torch backend, the kernel called for every layer."""
     import cbatch.kernels.gemm as gemm
     from cbatch.model.layers import Linear
-    from cbatch.model.llama import LlamaForCausalLM
+    from cbatch.model.decoder import LlamaForCausalLM
 
     path = tiny_checkpoints["qwen3"]
     prompts = random_prompts(4, vocab=384, seed=24, max_len=30)

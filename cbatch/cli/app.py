@@ -146,6 +146,18 @@ def job_seed(values: dict[str, Any]) -> int:
     return values["seed"] if values["seed"] is not None else 0
 
 
+def effort_budgets(values: dict[str, Any]) -> dict[str, int] | None:
+    """--reasoning-effort-budgets parsed (None: the defaults); a bad value is one line naming the flag."""
+    if values["reasoning_effort_budgets"] is None:
+        return None
+    from cbatch.reasoning import parse_effort_budgets
+
+    try:
+        return parse_effort_budgets(values["reasoning_effort_budgets"])
+    except UserError as exc:
+        fail(str(exc))
+
+
 @command(app, "run", RUN_FLAGS)
 def run(**values: Any) -> None:
     """Generate a completion for every row of INPUT and write them to OUTPUT."""
@@ -224,18 +236,6 @@ def bench(**values: Any) -> None:
 
 
 @command(app, "plan", PLAN_FLAGS)
-def effort_budgets(values: dict[str, Any]) -> dict[str, int] | None:
-    """--reasoning-effort-budgets parsed (None: the defaults); a bad value is one line naming the flag."""
-    if values["reasoning_effort_budgets"] is None:
-        return None
-    from cbatch.reasoning import parse_effort_budgets
-
-    try:
-        return parse_effort_budgets(values["reasoning_effort_budgets"])
-    except UserError as exc:
-        fail(str(exc))
-
-
 def plan(**values: Any) -> None:
     """Check every row of INPUT as `run` would and predict the run (time, KV use, best batch settings), without
     loading the model's weights."""

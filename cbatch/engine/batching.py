@@ -4,7 +4,7 @@ Batching (chosen by the admission policy: `static` takes StaticGroups, the other
 - ContinuousBatching: a finished sequence leaves at once and waiting ones take its place, in queue order.
 - StaticGroups (the static-batching baseline): a group is admitted when the batch is empty and runs to its
   longest member; members that finished keep their slot and compute padding until the group ends. Its steps
-  are never scheduled ahead, resolved in bulk, or swapped out (a group's admission step may preempt a member,
+  are never scheduled ahead, taken as quiet rows (quiet_rows.py), or swapped out (a group's admission step may preempt a member,
   and a swap_out of blocks whose swap_in is planned in the same step would copy garbage).
 
 Admission (--admission):
@@ -29,7 +29,7 @@ class Scheduler(Protocol):
     """What the hooks below use of the scheduler (`engine.scheduler.Scheduler`, which imports this module)."""
 
     running: list[Sequence]
-    kv: KVManager
+    kv_manager: KVManager
     admission: "OptimisticAdmission"
     max_model_len: int
 
@@ -46,7 +46,7 @@ class Scheduler(Protocol):
 
 class ContinuousBatching:
     schedules_ahead = True  # asynchronous scheduling may run its steps ahead
-    bulk = True  # steady decodes scheduled and resolved in bulk (the host step's fast paths)
+    quiet_rows = True  # quiet decodes scheduled, accounted and given their tokens in one pass (quiet_rows.py)
     may_swap = True  # preemption may swap a victim to host memory
 
     def admit(self, sched: Scheduler, plan: StepPlan, budget: int) -> int:
@@ -69,7 +69,7 @@ class ContinuousBatching:
 
 class StaticGroups(ContinuousBatching):
     schedules_ahead = False
-    bulk = False
+    quiet_rows = False
     may_swap = False
 
     def admit(self, sched: Scheduler, plan: StepPlan, budget: int) -> int:
@@ -87,7 +87,8 @@ class StaticGroups(ContinuousBatching):
                 sched.stall(reason)
                 break
             sched.pop_waiting()
-            sched.kv.restore(seq, prefix_hits(sched.kv.pool, seq), plan)  # (never a host copy: groups recompute)
+            # (never a host copy: groups recompute)
+            sched.kv_manager.restore(seq, prefix_hits(sched.kv_manager.pool, seq), plan)
             sched.start(seq)
         for seq in sched.running:
             if budget == 0:
@@ -122,7 +123,7 @@ class StaticGroups(ContinuousBatching):
     def padding_blocked(self, sched: Scheduler, seq: Sequence, num_new: int) -> bool:
         """A finished member computes padding only while that costs nobody else blocks and stays inside the
         model's context."""
-        need = sched.kv.blocks_needed(seq, num_new)
+        need = sched.kv_manager.blocks_needed(seq, num_new)
         return need > sched.admission.spare_blocks(sched) or seq.num_tokens >= sched.max_model_len
 
 
@@ -135,18 +136,18 @@ class OptimisticAdmission:
 
     def spare_blocks(self, sched: Scheduler) -> int:
         """Free blocks nobody has a claim on."""
-        return sched.kv.pool.num_free
+        return sched.kv_manager.pool.num_free
 
 
 class ReserveAdmission(OptimisticAdmission):
     name = "reserve"
 
     def refuses(self, sched: Scheduler, seq: Sequence, hits: list[int]) -> str | None:
-        return "reserved" if sched.kv.lifetime_blocks(seq, hits) > self.spare_blocks(sched) else None
+        return "reserved" if sched.kv_manager.lifetime_blocks(seq, hits) > self.spare_blocks(sched) else None
 
     def spare_blocks(self, sched: Scheduler) -> int:
         """Running sequences' future growth is claimed. NOTE: that is what makes reserve admission never preempt."""
-        return sched.kv.pool.num_free - sched.kv.claimed_blocks(sched.running)
+        return sched.kv_manager.pool.num_free - sched.kv_manager.claimed_blocks(sched.running)
 
 
 class ClosedAdmission(OptimisticAdmission):

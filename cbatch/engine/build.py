@@ -54,10 +54,10 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
         runner.peers = peers
         return runner
 
-    config, kv = _kv_pool(config, resolved, model.spec, kv_dtype, make_runner)
+    config, kv_pool = _kv_pool(config, resolved, model.spec, kv_dtype, make_runner)
     if config.async_scheduling is None:  # where the host can run ahead of the device
         config = replace(config, async_scheduling=device.type == "cuda" and comm.world == 1)
-    runner = make_runner(config, kv.num_blocks, kv.num_host_blocks)
+    runner = make_runner(config, kv_pool.num_blocks, kv_pool.num_host_blocks)
     if lora is not None:  # before the graphs and the warm-up
         runner.lora = lora
         if device.type == "cuda":
@@ -72,7 +72,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
         from cbatch.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
-    return Engine(config, runner, kv, resolved.max_model_len, spec=spec, tokenizer=tokenizer, device=device,
+    return Engine(config, runner, kv_pool, resolved.max_model_len, spec=spec, tokenizer=tokenizer, device=device,
                   dtype=dtype, model_dir=model_dir, kernel_tuning=tuning)
 
 

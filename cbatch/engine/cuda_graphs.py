@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from cbatch.engine.fast_sampling import kernel_inputs
+from cbatch.engine.sampler_choice import kernel_inputs
 from cbatch.engine.sampler import SamplingBatch
 from cbatch.model.backend import AttentionMetadata
-from cbatch.model.llama import ForwardContext, KVCacheView, LlamaForCausalLM
+from cbatch.model.decoder import ForwardContext, KVCacheView, LlamaForCausalLM
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -34,7 +34,7 @@ class DecodeGraphs:
         self,
         model: LlamaForCausalLM,
         backend,
-        kv: KVCacheView,
+        kv_view: KVCacheView,
         max_num_seqs: int,
         max_model_len: int,
         block_size: int,
@@ -44,7 +44,7 @@ class DecodeGraphs:
     ) -> None:
         self.model = model
         self.backend = backend
-        self.kv = kv
+        self.kv_view = kv_view
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.buckets = decode_buckets(max_num_seqs)
@@ -96,7 +96,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self, bs: int) -> None:
         meta = self._meta(bs)
-        ctx = ForwardContext(self.kv, meta)
+        ctx = ForwardContext(self.kv_view, meta)
         self.backend.prepare(meta)
         from cbatch.kernels.gemm import graph_warmup
 

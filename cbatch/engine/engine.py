@@ -84,7 +84,7 @@ class Engine:
 
     config: EngineConfig
     runner: Runner
-    kv: KVPool
+    kv_pool: KVPool
     max_model_len: int
     spec: ModelSpec | None = None  # None: a simulation with no model named
     tokenizer: Any = None  # None: token-id prompts only
@@ -114,9 +114,9 @@ class Engine:
             settings["policy"] = policy
         if settings:
             self.config = replace(self.config, **settings)
-        self.scheduler = make_scheduler(self.config, self.kv, self.max_model_len)
-        self._inflight: tuple[StepPlan, Any] | None = None  # asynchronous scheduling: the launched, unresolved step
-        self.steps_ahead = 0  # steps launched before the previous one resolved
+        self.scheduler = make_scheduler(self.config, self.kv_pool, self.max_model_len)
+        self._inflight: tuple[StepPlan, Any] | None = None  # asynchronous scheduling: the launched step whose tokens are not applied yet
+        self.steps_ahead = 0  # steps launched before the previous one's tokens were applied
         self.runner.reset()
 
     @property
@@ -236,7 +236,7 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Schedules and runs one step; returns the sequences that left the batch finished. With nothing
         runnable (waiting for arrivals) the step is idle: counted, nothing computed. With asynchronous
-        scheduling a call launches one step and resolves the one before it (`_step_ahead`)."""
+        scheduling a call launches one step and applies the tokens of the one before it (`_step_ahead`)."""
         if self.config.async_scheduling:
             return self._step_ahead()
         plan = self.scheduler.schedule()
@@ -248,31 +248,31 @@ class Engine:
 
     def _step_ahead(self) -> list[Sequence]:
         """Asynchronous scheduling (vLLM v1, SGLang's overlap scheduler): step N+1 is scheduled, built and
-        launched while the device runs step N, whose placeholders it reads on the device; then N resolves
-        (its tokens come back: EOS, stop strings, lengths), overlapping N+1 on the device. A sequence that
+        launched while the device runs step N, whose placeholders it reads on the device; then N's tokens are applied
+        (they come back: EOS, stop strings, lengths), overlapping N+1 on the device. A sequence that
         finished at N computed one discarded token in N+1. When N+1 needs N's tokens on the host first
-        (`Scheduler.can_schedule_ahead`), this call only resolves N and the next one schedules as usual."""
+        (`Scheduler.can_schedule_ahead`), this call only applies N's tokens and the next one schedules as usual."""
         inflight = self._inflight
         if inflight is not None and not self.scheduler.can_schedule_ahead(inflight[0]):
             self._inflight = None
-            return self._resolve(*inflight)
+            return self._apply_tokens(*inflight)
         plan = self.scheduler.schedule()
         if not plan:
             if inflight is None:
                 return self._idle()
             self._inflight = None
-            return self._resolve(*inflight)
+            return self._apply_tokens(*inflight)
         pending = self.runner.launch(plan)
         self.steps_ahead += inflight is not None
-        finished = self._resolve(*inflight) if inflight is not None else []
+        finished = self._apply_tokens(*inflight) if inflight is not None else []
         self.scheduler.account(plan)
         self._inflight = (plan, pending)
         return finished
 
-    def _resolve(self, plan: StepPlan, pending) -> list[Sequence]:
+    def _apply_tokens(self, plan: StepPlan, pending) -> list[Sequence]:
         out = pending.result()
         _take_pooled(plan, out)
-        return self.scheduler.resolve(plan, out.tokens, out.logprobs)
+        return self.scheduler.apply_tokens(plan, out.tokens, out.logprobs)
 
     def _idle(self) -> list[Sequence]:
         if self.scheduler.has_work():
@@ -337,15 +337,15 @@ def _take_pooled(plan: StepPlan, out: StepOutput) -> None:
                 seq.pooled = out.pooled[seq.seq_id]
 
 
-def make_scheduler(config: EngineConfig, kv: KVPool, max_model_len: int) -> Scheduler:
+def make_scheduler(config: EngineConfig, kv_pool: KVPool, max_model_len: int) -> Scheduler:
     """The one way a scheduler is built (engine, bench, simulator): every scheduling setting of `config`."""
     from cbatch.engine.batching import ADMISSIONS
     from cbatch.engine.policy import PreemptionPolicy, PriorityOrder, get_policy
 
-    pool = BlockPool(kv.num_blocks, config.block_size, enable_caching=config.enable_prefix_cache)
+    pool = BlockPool(kv_pool.num_blocks, config.block_size, enable_caching=config.enable_prefix_cache)
     policy, admission = get_policy(config.policy), ADMISSIONS[config.admission]()
     if config.loras:  # at most --max-loras adapters among the running rows; waiting rows taken adapter by adapter
-        from cbatch.lora.admission import AdapterLimit, grouped_by_adapter
+        from cbatch.engine.adapter_admission import AdapterLimit, grouped_by_adapter
 
         admission = AdapterLimit(admission, config.max_loras)
         if config.lora_grouping:
@@ -353,7 +353,7 @@ def make_scheduler(config: EngineConfig, kv: KVPool, max_model_len: int) -> Sche
     return Scheduler(
         policy, pool, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
         priority=PriorityOrder(config.priority_aging_steps), preemption=PreemptionPolicy(config.preemption),
-        admission=admission, num_host_blocks=kv.num_host_blocks,
+        admission=admission, num_host_blocks=kv_pool.num_host_blocks,
     )
 
 

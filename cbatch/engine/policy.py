@@ -1,8 +1,8 @@
 """Scheduling policies: small objects the scheduler consults; none touches blocks, budgets or tensors.
 
-- `AdmissionPolicy`: which waiting request joins the batch next (`longest-first`, `fcfs`, `static`), and
-  how the batch is kept (`batching`): continuously, or in static groups admitted when the batch is empty
-  that run to their longest member (batching.py).
+- `AdmissionPolicy`: which waiting request joins the batch next (`longest-first`, `fcfs`, `static`, `prefix`:
+  rows opening with the same tokens together), and how the batch is kept (`batching`): continuously, or in
+  static groups admitted when the batch is empty that run to their longest member (batching.py).
 - `PriorityOrder`: per-request priority classes with aging, the first part of every queue key.
 - `PreemptionPolicy`: what happens to a victim's KV: recompute later, or swap to host memory.
 """

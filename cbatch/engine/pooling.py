@@ -1,24 +1,15 @@
-"""Prefill-only requests (embed, score, classify, reward): what a pooling request asks for (`PoolingParams`) and
-the runner's pooling stage (`Pooler`), which turns each such request's prompt hidden states into one float32
-vector, exactly, however its prompt was chunked.
+"""Prefill-only requests (embed, score, rerank, classify, reward): what a pooling request asks for
+(`PoolingParams`). The runner's pooling stage, which turns each such request's prompt hidden states into one float32
+vector, is `engine/pooler.py` (above `Sequence`, which holds the `PoolingParams`); how the vectors become a row's
+columns is its task's (cbatch/tasks/).
 
 A pooling request is an ordinary sequence with one output position: the scheduler runs its prompt (chunked
 prefill, prefix cache where its pooling allows), the runner hands it a dummy token at the end of its prompt,
 and `max_tokens = 1` ends it there, its KV blocks freed in the same update. No decode step ever runs for it.
-
-Per chunk the pooler keeps what the mode needs: `last` the last prompt position's hidden state, `cls` the first
-one's, `mean` a float64 running sum (float32 sums of different chunkings round differently; float64 sums of
-float32 values do not, in practice, once cast back), divided by the prompt length at the end.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
-
-import torch
-
-if TYPE_CHECKING:
-    from cbatch.engine.sequence import Sequence
 
 POOLING_MODES = ("last", "mean", "cls")
 
@@ -29,7 +20,7 @@ class PoolingParams:
     vector (classify, reward, a cross-encoder's score); otherwise the vector is an embedding, truncated to
     `dimensions` (Matryoshka) and then L2-normalized when `normalize`."""
 
-    task: str  # embed | score | classify | reward
+    task: str  # the task that asked (embed | score | rerank | classify | reward)
     pooling: str = "last"  # last | mean | cls
     normalize: bool = False
     dimensions: int | None = None
@@ -41,64 +32,4 @@ class PoolingParams:
         return self.pooling != "last"
 
 
-PoolRow = tuple["Sequence", int, int]  # (sequence, tokens of its chunk this step, its first flat row)
-
-
-class Pooler:
-    """The runner's pooling stage. Holds, per sequence part-way through its prompt, what its earlier chunks left
-    (a mean's float64 sum, a cls vector); `pool` returns the finished vectors of the sequences whose prompt
-    ends in this step."""
-
-    def __init__(self) -> None:
-        self._partial: dict[int, torch.Tensor] = {}  # seq_id -> [hidden] float64 sum (mean) or float32 (cls)
-
-    def forget(self, seq: "Sequence") -> None:
-        """`seq` finished, or was preempted: a recomputed one (num_computed 0) starts its sums over; a swapped-out
-        one keeps them (its computed positions stay computed)."""
-        if seq.num_computed == 0 or seq.is_finished:
-            self._partial.pop(seq.seq_id, None)
-
-    def pool(self, hidden: torch.Tensor, rows: list[PoolRow],
-             head: Callable[[torch.Tensor], torch.Tensor] | None) -> dict[int, torch.Tensor]:
-        """hidden [T, H] (the step's final hidden states) -> {seq_id: float32 vector on hidden's device} for every row
-        whose chunk reaches the end of its prompt. Each vector is finished row by row (the head's matmul on one
-        row at a time), so a row's result never depends on the others in the batch."""
-        done: dict[int, torch.Tensor] = {}
-        for seq, num_new, first in rows:
-            start, prompt_len = seq.num_computed, seq.prompt_len
-            if start >= prompt_len or seq.pooling is None:
-                continue  # static batching's padding work past the prompt
-            take = min(num_new, prompt_len - start)
-            mode = seq.pooling.pooling
-            if mode == "mean":
-                chunk = hidden[first : first + take].to(torch.float64).sum(0)
-                partial = self._partial.get(seq.seq_id)
-                self._partial[seq.seq_id] = chunk if partial is None else partial + chunk
-            elif mode == "cls" and start == 0:
-                self._partial[seq.seq_id] = hidden[first].float()
-            if start + take < prompt_len:
-                continue
-            if mode == "last":
-                vector = hidden[first + take - 1].float()
-            elif mode == "mean":
-                vector = (self._partial.pop(seq.seq_id) / prompt_len).float()
-            else:
-                vector = self._partial.pop(seq.seq_id)
-            done[seq.seq_id] = finish_vector(vector, seq.pooling, head, hidden.dtype)
-        return done
-
-
-def finish_vector(vector: torch.Tensor, params: PoolingParams, head: Callable[[torch.Tensor], torch.Tensor] | None,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """A pooled float32 [H] vector -> the request's result: the head's float32 logits [num_labels], or the
-    embedding (truncated to `dimensions`, then normalized where asked)."""
-    if params.head:
-        return head(vector.to(dtype)[None])[0].float()
-    if params.dimensions is not None:
-        vector = vector[: params.dimensions]
-    if params.normalize:
-        vector = torch.nn.functional.normalize(vector, dim=0)
-    return vector
-
-
-__all__ = ["POOLING_MODES", "PoolingParams", "Pooler", "finish_vector"]
+__all__ = ["POOLING_MODES", "PoolingParams"]

@@ -1,8 +1,10 @@
-"""The host step's bulk paths: which rows of a step need nothing but the common case, so the scheduler can
-account and resolve them in one pass (at 256-1024 decoding rows, the per-row code is most of the host step).
+"""The host step's quiet rows: the rows of a step that need nothing but the common case, so the scheduler can
+account them and apply their tokens in one pass (at 256-1024 decoding rows, the per-row code is most of the host
+step). Scheduling (`Scheduler._quiet_schedule`) and the step's inputs (the runner's `quiet_decode_tokens`) take
+their quiet rows the same way.
 
 NOTE: each predicate is the negation of every other branch of the per-row code it stands in for
-(`Scheduler._account_row`; `Scheduler.resolve`, `_append` and `finish.finish_reason`): a change there must be
+(`Scheduler._account_row`; `Scheduler.apply_tokens`, `_append` and `finish.finish_reason`): a change there must be
 mirrored here. tests/test_host_step.py runs every kind of row through both and compares.
 One pass of inlined attribute tests each: they run every step over every row.
 """
@@ -28,16 +30,16 @@ def quiet_decodes(plan: StepPlan, max_model_len: int) -> list[bool]:
     ]
 
 
-def quiet_samples(plan: StepPlan, sampled: Mapping[int, int], stop_tokens: set[int], bulk: bool) -> list[bool]:
-    """Per row of `plan`: True for a row whose resolving is only "its token replaces its placeholder". Among the
+def quiet_samples(plan: StepPlan, sampled: Mapping[int, int], stop_tokens: set[int], allowed: bool) -> list[bool]:
+    """Per row of `plan`: True for a row whose token needs only "it replaces its placeholder". Among the
     rows `quiet_decodes` found quiet at `account` (each holds a placeholder, has its first token behind it and
-    no samples to fork, and is short of its length limit: nothing between `account` and `resolve` changes that;
+    no samples to fork, and is short of its length limit: nothing between `account` and `apply_tokens` changes that;
     the engine's asynchronous order never preempts in between), those still running with no log-probabilities
     (of either kind), stop strings or grammar, and whose token cannot stop them (`stop_tokens`: every token that
-    may stop some sequence). None where the batching resolves row by row (`bulk` False: static groups, where a
+    may stop some sequence). None where the batching takes no quiet rows (`allowed` False: static groups, where a
     finishing member can release the others mid-step)."""
     quiet = plan.accounted_quiet
-    if not bulk or quiet is None:
+    if not allowed or quiet is None:
         return [False] * len(plan.scheduled)
     finished = SequenceStatus.FINISHED
     return [

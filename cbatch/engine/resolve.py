@@ -13,7 +13,7 @@ import torch
 from cbatch.config import ConfigError, EngineConfig
 from cbatch.model.backend import Backend, BackendUnavailable, auto_choice, make_backend
 from cbatch.model.cpu_features import bf16_speed_warning
-from cbatch.model.llama import LlamaForCausalLM
+from cbatch.model.decoder import LlamaForCausalLM
 from cbatch.model.loader import Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir
 from cbatch.model.shard import check_tensor_parallel
 from cbatch.model.spec import ModelSpec

@@ -57,8 +57,8 @@ class Scheduler:
         self.priority = priority
         self.preemption = preemption
         self.stats = SchedulerStats()
-        self.kv = KVManager(pool, num_host_blocks, max_model_len, self.stats)
-        self.pool, self.host = pool, self.kv.host
+        self.kv_manager = KVManager(pool, num_host_blocks, max_model_len, self.stats)
+        self.pool, self.host = pool, self.kv_manager.host
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -69,14 +69,14 @@ class Scheduler:
         self._reserved_slots = 0  # batch slots admitted parents hold for the samples they will fork
         self.last_step = StepInfo()
         self._at_limit: set[int] = set()  # sequences a placeholder took to max_tokens / the context: not scheduled again
-        self._resolving_step = 0  # the step whose tokens `resolve` applies (1-based): first-token and finish steps
+        self._applying_step = 0  # the step whose tokens `apply_tokens` applies (1-based): first-token and finish steps
         # every token that may stop some sequence this scheduler has seen (EOS ids, stop_token_ids): a sampled
         # token outside it cannot stop its sequence, whatever the sequence's own settings
         self._stop_tokens: set[int] = set()
 
     def admission_error(self, prompt_len: int, params: SamplingParams) -> str | None:
         """Why a request can never run here (too long for the model, or for the KV pool even alone), or None."""
-        return self.kv.never_fits(prompt_len, params)
+        return self.kv_manager.never_fits(prompt_len, params)
 
     # ---- queue ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -122,12 +122,12 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan(scheduled=[])
         budget = self.max_num_batched_tokens
-        self.kv.begin_step()
+        self.kv_manager.begin_step()
 
         # Running sequences: decodes first, then chunked prefills continuing, both in admission order.
         decodes, prefills = self._pending()
-        growing = self._decodes_in_bulk(decodes, budget)
-        if growing is not None:  # the steady decode state: no row can be cut, skipped or preempted
+        growing = self._quiet_schedule(decodes, budget)
+        if growing is not None:  # quiet decodes: no row can be cut, skipped or preempted
             for seq in growing:
                 self.grow(seq, 1, plan)  # never preempts: the free blocks cover every growing row
             plan.scheduled.extend(decodes)
@@ -146,13 +146,13 @@ class Scheduler:
         if plan.scheduled:  # NOTE: an empty plan never reaches the runner: its news waits for the next one
             self._count(plan)  # (an idle step is counted by `count_idle`, when the engine idles)
             plan.finished, self._left = self._left, []
-            plan.copies = self.kv.take_copies()
+            plan.copies = self.kv_manager.take_copies()
         return plan
 
     def _pending(self) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, int]]]:
         """The running sequences to schedule as (sequence, uncomputed tokens): the decodes (1), then the
         prefills (> 1), each in admission order. Those a placeholder took to their limit are left out
-        (asynchronous scheduling: they finish when the step in flight resolves).
+        (asynchronous scheduling: they finish when the tokens of the step in flight are applied).
         NOTE (speed: this runs every step over every running row): `num_uncomputed` is inlined."""
         pending = [(s, s.prompt_len + len(s.output_ids) - s.num_computed) for s in self.running]
         if self._at_limit:
@@ -161,14 +161,14 @@ class Scheduler:
         prefills = [p for p in pending if p[1] > 1] if len(decodes) < len(pending) else []
         return decodes, prefills
 
-    def _decodes_in_bulk(self, decodes: list[tuple[Sequence, int]], budget: int) -> list[Sequence] | None:
+    def _quiet_schedule(self, decodes: list[tuple[Sequence, int]], budget: int) -> list[Sequence] | None:
         """The decodes that need a new block, when `decodes` can be scheduled all at once: the budget covers
         them, the batching allows it (static groups keep finished members running), and the free blocks
         cover every one that grows, so `_schedule_running` would schedule each of them, in this order,
         without a preemption. None otherwise (`_schedule_running` takes them one by one)."""
-        if len(decodes) > budget or not self.batching.bulk:
+        if len(decodes) > budget or not self.batching.quiet_rows:
             return None
-        growing, need = self.kv.growing_decodes(decodes)
+        growing, need = self.kv_manager.growing_decodes(decodes)
         return growing if need <= self.pool.num_free else None
 
     def _schedule_running(self, pending: list[tuple[Sequence, int]], plan: StepPlan, budget: int) -> int:
@@ -190,19 +190,19 @@ class Scheduler:
             plan.scheduled.append((seq, num_new))
             budget -= num_new
             if num_new > 1:
-                self.kv.note_chunk(seq, num_new)
+                self.kv_manager.note_chunk(seq, num_new)
         return budget
 
     def grow(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Gives `seq` the blocks for `num_new` more tokens, preempting less important sequences if needed.
         Returns False when `seq` itself had to be preempted."""
-        need = self.kv.blocks_needed(seq, num_new)
+        need = self.kv_manager.blocks_needed(seq, num_new)
         while need > self.pool.num_free:
             victim = self._pick_victim(seq, plan)
             self._preempt(victim, plan)
             if victim is seq:
                 return False
-        self.kv.grow(seq, need)
+        self.kv_manager.grow(seq, need)
         return True
 
     # ---- preemption -------------------------------------------------------------------------
@@ -224,13 +224,13 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
         self._reserved_slots -= seq.pending_children
-        self.kv.cache_computed(seq)  # NOTE: its cached blocks outlive it in the LRU
+        self.kv_manager.cache_computed(seq)  # NOTE: its cached blocks outlive it in the LRU
         if self.batching.may_swap and self.preemption.swaps(seq, self.host.num_free):
-            self.kv.swap_out(seq, plan)
+            self.kv_manager.swap_out(seq, plan)
         else:
             self.stats.recomputed_tokens += seq.num_computed
             seq.num_computed = 0
-        self.kv.free(seq)
+        self.kv_manager.free(seq)
         seq.num_registered_blocks = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -264,20 +264,20 @@ class Scheduler:
         """Batch slots for `seq` and the samples it will fork. NOTE: a row with more samples than
         max_num_seqs starts alone: the children without a slot wait and are recomputed.
         A sequence a placeholder took to its limit holds no slot: it is never scheduled again and leaves when the
-        step in flight resolves (asynchronous scheduling admits in its place one step sooner, as the synchronous
-        order does; the runner has rows for 2 x max_num_seqs)."""
+        step in flight's tokens are applied (asynchronous scheduling admits in its place one step sooner, as the
+        synchronous order does; the runner has rows for 2 x max_num_seqs)."""
         used = len(self.running) - len(self._at_limit) + self._reserved_slots
         return used + 1 + seq.pending_children <= self.max_num_seqs or (used == 0 and not self.running)
 
     def _try_start(self, seq: Sequence, budget: int, plan: StepPlan) -> str | None:
         """Starts `seq` with the blocks for its next chunk (reusing cached prefix blocks or its swapped
         copy) and schedules that chunk; returns why not instead when the blocks are not there."""
-        start = self.kv.prepare_start(seq, budget)
+        start = self.kv_manager.prepare_start(seq, budget)
         if not isinstance(start, Start):
             return start
         if (reason := self.admission.refuses(self, seq, start.hits)) is not None:
             return reason
-        self.kv.start(seq, start, plan)
+        self.kv_manager.start(seq, start, plan)
         self.start(seq)
         plan.scheduled.append((seq, start.num_new))
         return None
@@ -310,16 +310,16 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled: Mapping[int, int], logprobs: StepLogprobs | None = None) -> list[Sequence]:
         """Applies a computed step; returns the sequences that left the batch finished. `sampled`: seq_id -> token
         of every sequence whose chunk reached its last token, and of the samples it forks; `logprobs`: those asked.
-        Its halves, `account` (what the step computed) and `resolve` (what it sampled), run apart under
+        Its halves, `account` (what the step computed) and `apply_tokens` (what it sampled), run apart under
         asynchronous scheduling: the next step is scheduled between them. The step's counters go to `last_step`."""
         self.account(plan)
-        return self.resolve(plan, sampled, logprobs)
+        return self.apply_tokens(plan, sampled, logprobs)
 
     def account(self, plan: StepPlan) -> None:
         """What a launched step computes, before its tokens are known: the computed counts advance, and each
         sequence that samples holds a PLACEHOLDER output token (the next step's input, read on the device
         from this step's sampled tokens). A sequence the placeholder takes to its length limit is not
-        scheduled again: it finishes when the step resolves. Then the blocks the step completed go to the
+        scheduled again: it finishes when the step's tokens are applied. Then the blocks the step completed go to the
         prefix cache, in plan order: from the next step on, others may share them."""
         plan.accounted_quiet = quiet_decodes(plan, self.max_model_len)
         quiet, rest = split_quiet(plan.scheduled, plan.accounted_quiet)
@@ -332,28 +332,28 @@ class Scheduler:
             size, finished = self.pool.block_size, SequenceStatus.FINISHED
             for seq in [s for s, _ in plan.scheduled if s.num_computed // size > s.num_registered_blocks]:
                 if seq.status is not finished:  # (its work was discarded: see `_account_row`)
-                    self.kv.cache_computed(seq)
+                    self.kv_manager.cache_computed(seq)
 
     def _account_row(self, seq: Sequence, num_new: int, step: int) -> None:
         """`account` for one row (see there), but the prefix cache's."""
-        if seq.is_finished:  # finished when the previous step resolved: this step's work is discarded
+        if seq.is_finished:  # finished when the previous step's tokens were applied: this step's work is discarded
             return
         seq.num_computed += num_new
         if seq.num_computed < seq.num_tokens or seq.pending_children:
-            return  # a prompt chunk short of the end (or a fork: `resolve` appends its tokens)
+            return  # a prompt chunk short of the end (or a fork: `apply_tokens` appends its tokens)
         seq.output_ids.append(PLACEHOLDER)
         if seq.first_token_step is None:
             seq.first_token_step = step
         if seq.num_result_tokens is None and at_length_limit(seq, self.max_model_len):
             self._at_limit.add(seq.seq_id)
 
-    def resolve(self, plan: StepPlan, sampled: Mapping[int, int], logprobs: StepLogprobs | None = None) -> list[Sequence]:
+    def apply_tokens(self, plan: StepPlan, sampled: Mapping[int, int], logprobs: StepLogprobs | None = None) -> list[Sequence]:
         """A step's sampled tokens replace its placeholders; returns the sequences that left the batch finished
         (EOS, stop, grammar, length). See `update`."""
         info = plan.info
         finished: list[Sequence] = []
-        self._resolving_step = plan.step
-        quiet, rest = split_quiet(plan.scheduled, quiet_samples(plan, sampled, self._stop_tokens, self.batching.bulk))
+        self._applying_step = plan.step
+        quiet, rest = split_quiet(plan.scheduled, quiet_samples(plan, sampled, self._stop_tokens, self.batching.quiet_rows))
         for seq in quiet:  # `_append`'s whole effect on these rows (none of them is in `_at_limit`)
             seq.output_ids[-1] = sampled[seq.seq_id]
         info.sampled_tokens += len(quiet)
@@ -377,11 +377,11 @@ class Scheduler:
         return finished
 
     def can_schedule_ahead(self, inflight: StepPlan) -> bool:
-        """Whether the next step may be scheduled before `inflight` resolves (asynchronous scheduling): no
-        sequence in it needs its sampled token on the host to prepare its next step (a grammar's mask, the
-        penalties' counts, a thinking budget's count, log-probabilities, the samples it forks), no static group,
-        and enough free blocks that the next schedule cannot preempt (a victim's in-flight token would land on a
-        waiting sequence)."""
+        """Whether the next step may be scheduled before `inflight`'s tokens are applied (asynchronous
+        scheduling): no sequence in it needs its sampled token on the host to prepare its next step (a grammar's
+        mask, the penalties' counts, a thinking budget's count, log-probabilities, the samples it forks), no static
+        group, and enough free blocks that the next schedule cannot preempt (a victim's in-flight token would land
+        on a waiting sequence)."""
         if not self.batching.schedules_ahead:
             return False
         seqs = [seq for seq, _ in inflight.scheduled]
@@ -390,7 +390,7 @@ class Scheduler:
         if any(p.penalized or p.logprobs is not None or p.thinking_token_budget is not None
                for p in distinct_params([s.params for s in seqs])):
             return False
-        return self.kv.next_tokens_blocks(self.running, self._at_limit) <= self.pool.num_free
+        return self.kv_manager.next_tokens_blocks(self.running, self._at_limit) <= self.pool.num_free
 
     def _append(self, seq: Sequence, token: int, logprobs: StepLogprobs | None, info: StepInfo) -> list[Sequence]:
         """Puts a sampled token in its placeholder, or appends it (a forked sample's first token), with its
@@ -402,7 +402,7 @@ class Scheduler:
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.extend(logprobs.sampled[seq.seq_id])
         if seq.first_token_step is None:
-            seq.first_token_step = self._resolving_step
+            seq.first_token_step = self._applying_step
         if seq.num_result_tokens is not None:
             return []  # static batching: a finished member computing padding
         info.sampled_tokens += 1
@@ -423,9 +423,9 @@ class Scheduler:
         for child in parent.children:
             child.arrival_step, child.first_scheduled_step = parent.arrival_step, parent.first_scheduled_step
             child.prompt_logprobs = parent.prompt_logprobs  # complete: computed once, by the parent
-            attached = len(self.running) < self.max_num_seqs and self.kv.can_share_prompt(parent)
+            attached = len(self.running) < self.max_num_seqs and self.kv_manager.can_share_prompt(parent)
             if attached:
-                self.kv.share_prompt(parent, child)
+                self.kv_manager.share_prompt(parent, child)
                 child.status = SequenceStatus.RUNNING
                 self.running.append(child)
                 self.stats.forked_samples += 1
@@ -439,13 +439,13 @@ class Scheduler:
         """Marks `seq` done; returns the sequences that now leave the batch (static groups leave together)."""
         seq.finish_reason = reason
         seq.num_result_tokens = len(seq.output_ids)
-        seq.finish_step = self._resolving_step
+        seq.finish_step = self._applying_step
         return self._release_all(self.batching.leaving(self, seq))
 
     def _release_all(self, leaving: list[Sequence]) -> list[Sequence]:
         for seq in leaving:
             if seq in self.running:
                 self.running.remove(seq)
-            self.kv.free(seq)
+            self.kv_manager.free(seq)
             seq.status = SequenceStatus.FINISHED
         return leaving

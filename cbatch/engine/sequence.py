@@ -24,7 +24,7 @@ class FinishReason(str, enum.Enum):
 
 
 # An output token sampled by a step still on the device (asynchronous scheduling): the scheduler counts it,
-# the runner reads the real id from that step's sampled tokens, `Scheduler.resolve` writes it in.
+# the runner reads the real id from that step's sampled tokens, `Scheduler.apply_tokens` writes it in.
 PLACEHOLDER = -1
 
 @dataclass(eq=False, slots=True)

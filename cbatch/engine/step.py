@@ -55,9 +55,9 @@ class StepPlan:
     # NOTE: copied first, before swap_out: the last step forked samples, each child gets its own copy of
     # the parent's partial last block (copy-on-write: full blocks are shared, never written)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source block, destination block)
-    step: int = 0  # its number (1-based), for the first-token and finish steps of the sequences it resolves
+    step: int = 0  # its number (1-based), for the first-token and finish steps of the sequences whose tokens it brings
     # per row, set by `Scheduler.account`: True where accounting was only "computed + 1, placeholder appended"
-    # (`_quiet_decodes`); `resolve` takes its bulk rows among these (None before `account`: none)
+    # (`quiet_rows.quiet_decodes`); `apply_tokens` takes its quiet rows among these (None before `account`: none)
     accounted_quiet: list[bool] | None = None
 
     @property

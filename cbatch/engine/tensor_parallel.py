@@ -28,7 +28,7 @@ import torch.distributed as dist
 from cbatch.config import EngineConfig
 from cbatch.engine.resolve import ResolvedModel, load_rank_model
 from cbatch.engine.runner import ModelRunner
-from cbatch.model.llama import LlamaForCausalLM
+from cbatch.model.decoder import LlamaForCausalLM
 from cbatch.parallel import WorkerFailure
 from cbatch.parallel.comm import ProcessGroupComm, init_process_group
 

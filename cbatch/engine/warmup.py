@@ -40,7 +40,7 @@ def warm_up_shapes(config: EngineConfig, max_model_len: int) -> list[list[tuple[
 
 def warm_up(runner, config: EngineConfig, max_model_len: int) -> int:
     """Runs the warm-up steps that fit the runner's pool; returns how many ran. The runner forgets them."""
-    pool = BlockPool(runner.kv_cache.shape[2], config.block_size, enable_caching=False)
+    pool = BlockPool(runner.kv_cache.num_blocks, config.block_size, enable_caching=False)
     ran = 0
     for shape in warm_up_shapes(config, max_model_len):
         needed = sum(pool.blocks_for(context) for context, _ in shape)

@@ -8,10 +8,10 @@ zero, and each part's scale is folded into its b. So one adapter's delta on a pa
     out[tokens] += (x[tokens] @ a[slot].T) @ b[slot].T
 Zero padding adds exact zeros: the result is that of the adapter's own rank.
 
-The scheduler keeps at most S adapters among a step's rows (cbatch/lora/admission.py); `LoraSlots.assign`
+The scheduler keeps at most S adapters among a step's rows (cbatch/engine/adapter_admission.py); `LoraSlots.assign`
 gives each of them a slot, copying an adapter's factors in when it is not resident (least recently used
 slot not in this step). Tensors keep their shapes, so a CUDA graph could hold them; the decode graphs run
-only steps without adapter rows (runner.py).
+only steps without adapter rows (engine/row_features.py, `AdapterRows`).
 """
 from __future__ import annotations
 

@@ -312,7 +312,7 @@ def _shape(index, name: str) -> list[int] | None:
     return index.shape(name) if name in index.file_of else None
 
 
-def _layer_shape(index, quant: PackedQuant, layer: str) -> tuple[int, int]:
+def packed_layer_shape(index, quant: PackedQuant, layer: str) -> tuple[int, int]:
     """(N, K) of packed layer `layer`, from its headers (compressed-tensors: its weight_shape)."""
     rows, cols = _shape(index, f"{layer}.{PACKED_TENSORS[quant.format][0]}")
     if quant.format == "awq":  # [K, N/8]
@@ -331,7 +331,7 @@ def _check_layer(index, quant: PackedQuant, layer: str) -> None:
     packed = f"{layer}.{PACKED_TENSORS[fmt][0]}"
     if index.dtype_of[packed] != "I32":
         raise refuse(f"{packed} stored as {index.dtype_of[packed]} (packed weights are int32); this layout")
-    n, k = _layer_shape(index, quant, layer)
+    n, k = packed_layer_shape(index, quant, layer)
     if fmt in ("awq", "gptq"):
         scale_name, zero_name, zero_shape = "scales", "qzeros", lambda g: [g, n // per]
     else:
@@ -368,32 +368,3 @@ def _check_g_idx(g_idx: torch.Tensor, quant: PackedQuant, k: int, name: str) -> 
     if not quant.act_order and not torch.equal(g_idx, torch.arange(k) // group):
         raise refuse(f"{name} orders the input rows (act-order) while the config's desc_act/actorder says they are not; "
                      f"a g_idx out of order without act-order")
-
-
-def stored_bytes_per_weight(index, quant: PackedQuant, spec, dtype_bytes: int) -> float:
-    """Bytes per weight of the matrices a GPU run of this checkpoint holds, from the headers' real sizes: the
-    layers kept packed (`Int4Linear`) at bits/8 per weight plus float32 scales, uint8 zeros per group (and
-    an act-order perm); layers dequantized at load (MoE experts) and every float matrix at `dtype_bytes`."""
-    from cbatch.model.weights import kept_int_module
-
-    marker, companions = PACKED_TENSORS[quant.format]
-    layers = {n.removesuffix("." + marker) for n in index.file_of if n.endswith("." + marker)}
-    beside = {f"{layer}.{c}" for layer in layers for c in companions}
-    stored = weights = 0
-    kept: set[str] = set()  # our modules: q/k/v (gate/up) share one perm
-    for name in index.file_of:
-        layer = name.removesuffix("." + marker)
-        if layer in layers:
-            n, k = _layer_shape(index, quant, layer)
-            weights += n * k
-            module = kept_int_module(layer, spec)
-            if module is None:
-                stored += n * k * dtype_bytes
-            else:
-                stored += n * k * quant.bits // 8 + n * quant.groups(k) * 5
-                stored += 4 * k if quant.act_order and module not in kept else 0
-                kept.add(module)
-        elif name not in beside and len(shape := index.shape(name)) >= 2:
-            weights += shape[0] * shape[1]
-            stored += shape[0] * shape[1] * dtype_bytes
-    return stored / max(weights, 1)

@@ -14,7 +14,7 @@ from cbatch.model.backend import Backend
 from cbatch.model.errors import ModelLoadError, UnsupportedModelError
 from cbatch.model.int4 import PackedTensorView, check_packed
 from cbatch.model.layers import Fp8Linear, Int4Linear
-from cbatch.model.llama import LlamaForCausalLM
+from cbatch.model.decoder import LlamaForCausalLM
 from cbatch.model.moe import Experts
 from cbatch.model.quant import FP8_DTYPE, channel_scales, dequantize
 from cbatch.model.shard import Piece, Shard

@@ -1,5 +1,6 @@
-"""Where each tensor of a Hugging Face checkpoint goes in our model (`place`), and an index of the
-checkpoint's tensors across its safetensors files (`TensorIndex`).
+"""Where each tensor of a Hugging Face checkpoint goes in our model (`place`), an index of the checkpoint's
+tensors across its safetensors files (`TensorIndex`), and the bytes per weight a GPU run of a packed int
+checkpoint stores (`stored_bytes_per_weight`: which layers stay packed is this module's `kept_int_module`).
 
 Our model packs what HF keeps apart: q/k/v into `qkv_proj`, gate/up into `gate_up_proj`, and every
 expert of a MoE layer into two stacked tensors (`experts.w13` [E, 2I, H], `experts.w2` [E, H, I]).
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from cbatch.model.int4 import PACKED_TENSORS, PackedQuant, packed_layer_shape
 from cbatch.model.quant import UNUSED_QUANT_TENSORS
 from cbatch.model.spec import ModelSpec
 
@@ -162,3 +164,30 @@ def kept_int_module(layer: str, spec: ModelSpec) -> str | None:
         return None
     module = placed[0].module
     return module if module.rpartition(".")[2] in INT_MODULES else None
+
+
+def stored_bytes_per_weight(index: TensorIndex, quant: PackedQuant, spec: ModelSpec, dtype_bytes: int) -> float:
+    """Bytes per weight of the matrices a GPU run of this checkpoint holds, from the headers' real sizes: the
+    layers kept packed (`Int4Linear`) at bits/8 per weight plus float32 scales, uint8 zeros per group (and
+    an act-order perm); layers dequantized at load (MoE experts) and every float matrix at `dtype_bytes`."""
+    marker, companions = PACKED_TENSORS[quant.format]
+    layers = {n.removesuffix("." + marker) for n in index.file_of if n.endswith("." + marker)}
+    beside = {f"{layer}.{c}" for layer in layers for c in companions}
+    stored = weights = 0
+    kept: set[str] = set()  # our modules: q/k/v (gate/up) share one perm
+    for name in index.file_of:
+        layer = name.removesuffix("." + marker)
+        if layer in layers:
+            n, k = packed_layer_shape(index, quant, layer)
+            weights += n * k
+            module = kept_int_module(layer, spec)
+            if module is None:
+                stored += n * k * dtype_bytes
+            else:
+                stored += n * k * quant.bits // 8 + n * quant.groups(k) * 5
+                stored += 4 * k if quant.act_order and module not in kept else 0
+                kept.add(module)
+        elif name not in beside and len(shape := index.shape(name)) >= 2:
+            weights += shape[0] * shape[1]
+            stored += shape[0] * shape[1] * dtype_bytes
+    return stored / max(weights, 1)

@@ -115,13 +115,12 @@ class DeviceKind:
 
 def gpu_bytes_per_weight(model: ResolvedModel) -> float:
     """Bytes a GPU run stores per weight: the compute dtype's, or for an AWQ / GPTQ / compressed-tensors int
-    checkpoint the packed layers' real sizes (int4.stored_bytes_per_weight, from the safetensors headers)."""
+    checkpoint the packed layers' real sizes (weights.stored_bytes_per_weight, from the safetensors headers)."""
     dtype_bytes = torch.finfo(model.dtype).bits // 8
     quant = model.spec.quant
     if model.checkpoint is None or quant is None or quant.packed is None:
         return float(dtype_bytes)
-    from cbatch.model.int4 import stored_bytes_per_weight
-    from cbatch.model.weights import TensorIndex
+    from cbatch.model.weights import TensorIndex, stored_bytes_per_weight
 
     files = sorted(model.checkpoint.path.glob("*.safetensors"))
     return stored_bytes_per_weight(TensorIndex(files), quant.packed, model.spec, dtype_bytes) if files else float(dtype_bytes)

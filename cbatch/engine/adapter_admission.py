@@ -1,6 +1,7 @@
-"""What the scheduler asks about adapters: at most --max-loras distinct adapters among the running rows (so a
-step never needs more slots than the runner has), and an admission order that takes the waiting rows adapter
-by adapter (so the adapters do not thrash: a step holds few of them, each with many rows)."""
+"""What the scheduler asks about LoRA adapters (a row's `params.lora`): at most --max-loras distinct adapters
+among the running rows (so a step never needs more slots than the runner has), and an admission order that
+takes the waiting rows adapter by adapter (so the adapters do not thrash: a step holds few of them, each with
+many rows)."""
 from __future__ import annotations
 
 from typing import Callable
