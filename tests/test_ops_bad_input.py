@@ -112,10 +112,10 @@ def test_exceptions_while_preparing_a_row_become_error_rows(tiny_checkpoints, ti
 
     real = cbatch.tasks.generate_task.encode_messages
 
-    def fussy_template(tokenizer, messages, *template_kwargs):
+    def fussy_template(tokenizer, messages, *template_kwargs, **options):
         if messages[0]["role"] == "narrator":
             raise TypeError("unknown role 'narrator'")
-        return real(tokenizer, messages, *template_kwargs)
+        return real(tokenizer, messages, *template_kwargs, **options)
 
     monkeypatch.setattr(cbatch.tasks.generate_task, "encode_messages", fussy_template)
     rows = [{"id": "a", "messages": [{"role": "narrator", "content": "x"}]}, GOOD[1],
