@@ -105,10 +105,11 @@ def body_fields_table() -> list[str]:
     """docs/structured-output.md: every OpenAI batch body field (cbatch/io/openai.py's BODY_FIELDS)."""
     from cbatch.io.openai import BODY_FIELDS
 
-    lines = ["| field | status | accepted \"off\" value | what cbatch does |", "|---|---|---|---|"]
+    lines = ["| field | status | accepted \"off\" value | urls | what cbatch does |", "|---|---|---|---|---|"]
     for name, spec in BODY_FIELDS.items():
         off = f"`{json.dumps(spec.off)}`" if spec.has_off else ""
-        lines.append(f"| `{name}` | {spec.status} | {off} | {spec.note} |")
+        urls = ", ".join(url.removeprefix("/v1/") for url in spec.urls)
+        lines.append(f"| `{name}` | {spec.status} | {off} | {urls} | {spec.note} |")
     return lines
 
 

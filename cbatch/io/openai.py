@@ -1,13 +1,14 @@
 """The OpenAI Batch API format, in and out: a drop-in for batch input files and their output files.
 
-In: lines `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}`.
-Every body field is in `BODY_FIELDS`, THE one list of what cbatch honours: a field it cannot honour (yet)
-makes that row an error naming the field, unless it holds the value that means "off" (e.g. `"n": 1`),
-which is exactly what cbatch does anyway. Nothing is dropped silently.
+In: lines `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" | "/v1/responses",
+"body": {...}}`. Every body field is in `BODY_FIELDS`, THE one list of what cbatch honours and for which urls: a
+field it cannot honour (yet) makes that row an error naming the field, unless it holds the value that means "off"
+(e.g. `"n": 1`), which is exactly what cbatch does anyway. Nothing is dropped silently. A Responses body
+(`input`, `instructions`, `max_output_tokens`, `text.format`) becomes the chat row it means (`responses_fields`).
 
 Out (`--output-format openai`): one line per input row, in input order, shaped like OpenAI's batch output
 lines: `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`, the body a
-`chat.completion` or `text_completion` object with `choices` and `usage`. A failed row is shaped like a
+`chat.completion` or `text_completion` object with `choices` and `usage`, or a `response` object (Responses lines). A failed row is shaped like a
 line of OpenAI's error file for a rejected request: status 400 and `body.error` {message, type, param, code}.
 """
 from __future__ import annotations
@@ -23,13 +24,16 @@ from typing import Any, Callable, Iterable
 from cbatch.config import SAMPLING_FIELDS, UserError
 from cbatch.io.outcomes import EXPIRED, FAILED
 
-CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
-OBJECT_OF_URL = {CHAT_URL: "chat.completion", COMPLETIONS_URL: "text_completion"}
+CHAT_URL, COMPLETIONS_URL, RESPONSES_URL = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+OBJECT_OF_URL = {CHAT_URL: "chat.completion", COMPLETIONS_URL: "text_completion", RESPONSES_URL: "response"}
+CHAT_AND_COMPLETIONS = (CHAT_URL, COMPLETIONS_URL)
+EVERY_URL = tuple(OBJECT_OF_URL)
 ENVELOPE_FIELDS = ("custom_id", "method", "url", "body")
 LINE_KEYS = (*ENVELOPE_FIELDS, "id")  # a line may also carry cbatch's own `id` (the output id, before custom_id)
 OPENAI_LINE_FIELDS = ("id", "custom_id", "response", "error")  # an output line's own keys
 
 HONOURED, NOT_YET, UNSUPPORTED = "honoured", "not yet", "unsupported"
+RESPONSES_SAMPLING = ("temperature", "top_p")  # the sampling fields a /v1/responses body takes
 _ANY = object()  # no value of the field is accepted
 
 
@@ -38,14 +42,15 @@ class BodyField:
     status: str  # HONOURED | NOT_YET (planned; none today) | UNSUPPORTED
     note: str
     off: Any = _ANY  # the value meaning "off": accepted, since cbatch does exactly that
+    urls: tuple[str, ...] = CHAT_AND_COMPLETIONS  # the urls whose bodies take it
 
     @property
     def has_off(self) -> bool:
         return self.off is not _ANY
 
 
-def _yes(note: str) -> BodyField:
-    return BodyField(HONOURED, note)
+def _yes(note: str, urls: tuple[str, ...] = CHAT_AND_COMPLETIONS) -> BodyField:
+    return BodyField(HONOURED, note, urls=urls)
 
 
 def _no(note: str, off: Any = _ANY) -> BodyField:
@@ -54,17 +59,23 @@ def _no(note: str, off: Any = _ANY) -> BodyField:
 
 # Every body field cbatch knows, and what it does with it (docs/structured-output.md shows this table).
 BODY_FIELDS: dict[str, BodyField] = {
-    "model": _yes("echoed in the response; the job's --model generates"),
+    "model": _yes("echoed in the response; the job's --model generates", EVERY_URL),
     "messages": _yes("/v1/chat/completions: the chat (text content parts, tool calls and results), rendered with the "
                      "model's chat template"),
     "prompt": _yes("/v1/completions: one string, or one list of token ids"),
     "max_completion_tokens": _yes("same as max_tokens (max_tokens wins when both are given)"),
     "top_logprobs": _yes("chat: alternatives per token (with logprobs: true)"),
     "response_format": _yes("structured output: type text, json_object or json_schema"),
-    "user": _yes("no effect on the completion"),
-    "metadata": _yes("no effect on the completion"),
+    "user": _yes("no effect on the completion", EVERY_URL),
+    "metadata": _yes("no effect on the completion", EVERY_URL),
     # every sampling field a row takes (cbatch/config.py's SAMPLING_FIELDS), under the row field's name
-    **{spec.name: _yes(spec.body_note or spec.meaning) for spec in SAMPLING_FIELDS.values() if spec.in_body},
+    **{spec.name: _yes(spec.body_note or spec.meaning, EVERY_URL if spec.name in RESPONSES_SAMPLING else CHAT_AND_COMPLETIONS)
+       for spec in SAMPLING_FIELDS.values() if spec.in_body},
+    # /v1/responses (OpenAI's Responses API): the body becomes a chat row (`responses_fields`)
+    "input": _yes("/v1/responses: a string (one user message) or a list of message items (text parts)", (RESPONSES_URL,)),
+    "instructions": _yes("/v1/responses: a system message before the input", (RESPONSES_URL,)),
+    "max_output_tokens": _yes("/v1/responses: as max_tokens", (RESPONSES_URL,)),
+    "text": _yes("/v1/responses: `format` for structured output: type text, json_object or json_schema", (RESPONSES_URL,)),
     # cbatch's structured-output row fields (cbatch/io/constraints.py), also accepted inside a body
     "json_schema": _yes("cbatch: structured output, a JSON schema"),
     "json_object": _yes("cbatch: structured output, any JSON object"),
@@ -100,10 +111,10 @@ def is_openai_request(row: dict[str, Any]) -> bool:
     return "body" in row
 
 
-def _check_body_field(name: str, value: Any) -> None:
+def _check_body_field(name: str, value: Any, url: str) -> None:
     spec = BODY_FIELDS.get(name)
-    if spec is None:
-        raise RequestError(f"body.{name}: not a field cbatch knows for {CHAT_URL} or {COMPLETIONS_URL}; remove it")
+    if spec is None or url not in spec.urls:
+        raise RequestError(f"body.{name}: not a field cbatch knows for {url}; remove it")
     if spec.status == HONOURED or value is None or (spec.has_off and value == spec.off):
         return
     when = "not supported yet" if spec.status == NOT_YET else "not supported"
@@ -143,16 +154,18 @@ def without_carried(row: dict[str, Any] | str, carried: Iterable[str]) -> dict[s
 
 
 def request_fields(row: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """An OpenAI batch line -> (the row fields cbatch reads, the response object: chat.completion or
-    text_completion). Raises RequestError naming the first field it cannot honour."""
+    """An OpenAI batch line -> (the row fields cbatch reads, the response object: chat.completion,
+    text_completion or response). Raises RequestError naming the first field it cannot honour."""
     body = batch_body(row)
     url = row.get("url")
     if url is None:
         url = CHAT_URL if "messages" in body else COMPLETIONS_URL
     if url not in OBJECT_OF_URL:
-        raise RequestError(f"url: must be {CHAT_URL!r} or {COMPLETIONS_URL!r}, got {url!r}")
+        raise RequestError(f"url: must be one of {', '.join(map(repr, OBJECT_OF_URL))}, got {url!r}")
     for name, value in body.items():
-        _check_body_field(name, value)
+        _check_body_field(name, value, url)
+    if url == RESPONSES_URL:
+        return responses_fields(body), OBJECT_OF_URL[url]
     prompt_field, other = ("messages", "prompt") if url == CHAT_URL else ("prompt", "messages")
     if body.get(other) is not None:
         raise RequestError(f"body.{other}: {url} takes `{prompt_field}`, not `{other}`")
@@ -175,6 +188,82 @@ def _completion_prompt(prompt: Any) -> dict[str, Any]:
     if isinstance(prompt, list):
         raise RequestError("body.prompt: one prompt per line (a string or a list of token ids), not a list of prompts")
     return {"prompt": prompt}
+
+
+# ---- /v1/responses -> a chat row -----------------------------------------------------------------------------------
+RESPONSES_PART_TYPES = ("input_text", "output_text")  # a message item's text parts (the rest: images, files, ...)
+TEXT_FORMATS = {  # text.format -> the chat body's response_format (cbatch/io/constraints.py reads it)
+    "text": lambda fmt: None,
+    "json_object": lambda fmt: {"type": "json_object"},
+    "json_schema": lambda fmt: {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict")
+                                                                       if k in fmt}},
+}
+
+
+def responses_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """A /v1/responses body (its fields checked against BODY_FIELDS) -> the chat row it means: `instructions` a
+    system message before `input`'s messages, `max_output_tokens` as max_tokens, `text.format` as
+    response_format."""
+    if body.get("input") is None:
+        raise RequestError("body.input: a /v1/responses line needs `input` (a string or a list of message items)")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise RequestError(f"body.instructions: must be a string, got {type(instructions).__name__}")
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    fields = {k: body[k] for k in ("model", "metadata", "user", *RESPONSES_SAMPLING) if k in body}
+    fields["messages"] = system + _input_messages(body["input"])
+    if body.get("max_output_tokens") is not None:
+        fields["max_tokens"] = body["max_output_tokens"]
+    response_format = _text_format(body.get("text"))
+    if response_format is not None:
+        fields["response_format"] = response_format
+    return fields
+
+
+def _input_messages(value: Any) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise RequestError("body.input: must be a string or a non-empty list of message items")
+    return [_input_message(f"body.input[{i}]", item) for i, item in enumerate(value)]
+
+
+def _input_message(name: str, item: Any) -> dict[str, Any]:
+    """One Responses message item -> a chat message (its text parts as the chat's text parts)."""
+    if not isinstance(item, dict) or not isinstance(item.get("role"), str):
+        raise RequestError(f"{name}: must be a message item, an object with a string `role` and `content`")
+    if item.get("type", "message") != "message":
+        raise RequestError(f"{name}.type: cbatch takes message items only, got {item['type']!r}")
+    unknown = next((k for k in item if k not in ("type", "role", "content", "id", "status")), None)
+    if unknown is not None:
+        raise RequestError(f"{name}.{unknown}: not a field of a message item cbatch knows; remove it")
+    content = item.get("content")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in RESPONSES_PART_TYPES or not isinstance(part.get("text"), str):
+                raise RequestError(f"{name}.content[{j}]: must be a text part ({{\"type\": \"input_text\", \"text\"}})")
+        content = [{"type": "text", "text": part["text"]} for part in content]
+    return {"role": item["role"], "content": content}
+
+
+def _text_format(text: Any) -> dict[str, Any] | None:
+    """`body.text` -> a response_format (None: plain text)."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise RequestError(f"body.text: must be an object with `format`, got {type(text).__name__}")
+    unknown = next((k for k in text if k != "format"), None)
+    if unknown is not None:
+        raise RequestError(f"body.text.{unknown}: not a field cbatch knows for {RESPONSES_URL}; remove it")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in TEXT_FORMATS:
+        raise RequestError(f"body.text.format.type: one of {', '.join(TEXT_FORMATS)}, got {kind!r}")
+    if kind == "json_schema" and not isinstance(fmt.get("schema"), dict):
+        raise RequestError("body.text.format.schema: a json_schema format needs `schema` (a JSON schema object)")
+    return TEXT_FORMATS[kind](fmt)
 
 
 # ---- output -----------------------------------------------------------------------------------------
@@ -239,6 +328,6 @@ def write_openai_lines(path: Path, records: Iterable[dict[str, Any]], lines: Ope
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
 
 
-__all__ = ["BODY_FIELDS", "BodyField", "BodyMaker", "CHAT_URL", "COMPLETIONS_URL", "ENVELOPE_FIELDS", "OPENAI_LINE_FIELDS",
+__all__ = ["BODY_FIELDS", "BodyField", "BodyMaker", "CHAT_URL", "COMPLETIONS_URL", "RESPONSES_URL", "responses_fields", "ENVELOPE_FIELDS", "OPENAI_LINE_FIELDS",
            "OpenAILines", "RequestError", "batch_body", "is_openai_request", "without_carried", "output_line", "output_model_name",
            "request_digest", "request_fields", "write_openai_lines"]

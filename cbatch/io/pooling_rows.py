@@ -2,9 +2,10 @@
 
 In: `{"input" | "text" | "prompt": "...", "id"?}` or `{"prompt_token_ids": [...]}` (classify and reward also
 `{"messages": [...]}`: a chat, rendered with the chat template, no generation prompt); score rows give a pair,
-`text_1` + `text_2` (vLLM's names) or `query` + `document`. OpenAI Batch lines: `url` "/v1/embeddings" with
+`text_1` + `text_2` (vLLM's names), `queries` + `documents` or `query` + `document`, or lists (vLLM's /score: one
+text and a list, one against each; two lists of the same length, item by item). OpenAI Batch lines: `url` "/v1/embeddings" with
 `body.input` (one string or one list of token ids) and optional `dimensions`, `encoding_format` "float";
-"/v1/score" with `body.text_1` / `body.text_2` (vLLM's score API); "/v1/classify" and "/v1/pooling" with
+"/v1/score" (or "/score") with `body.text_1` / `body.text_2` or `body.queries` / `body.documents` (vLLM's score API); "/v1/classify" and "/v1/pooling" with
 `body.input`. A field cbatch does not know is an error naming it.
 """
 from __future__ import annotations
@@ -16,7 +17,8 @@ from cbatch.io.openai import RequestError, batch_body
 from cbatch.io.row_fields import RowError, is_token_ids, parse_messages, row_id_of, text_field
 
 TEXT_FIELDS = ("input", "text", "prompt")
-PAIR_FIELDS = (("text_1", "text_2"), ("query", "document"))
+PAIR_FIELDS = (("text_1", "text_2"), ("queries", "documents"), ("query", "document"))
+Pair = tuple[str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,12 +30,13 @@ class RowFormat:
     body_fields: tuple[str, ...]  # the body fields it knows
     pair: bool = False  # a row is a pair of texts (score), not one input
     chats: bool = False  # a row may be a chat (`messages`: a reward model rates a conversation)
+    aliases: tuple[str, ...] = ()  # other urls its lines may give (vLLM's /score)
 
     @property
     def input_fields(self) -> tuple[str, ...]:
         """INPUT's probe: a row of this format has one of these."""
         if self.pair:
-            return ("text_1", "query", "body")
+            return (*(first for first, _ in PAIR_FIELDS), "body")
         return (*TEXT_FIELDS, "prompt_token_ids", *(("messages",) if self.chats else ()), "body")
 
 
@@ -44,7 +47,8 @@ class PoolingRow:
     index: int
     row_id: str
     text: str | None = None
-    pair: tuple[str, str] | None = None
+    pair: Pair | None = None
+    pairs: list[Pair] | None = None  # a score row of lists: its pairs, in order (`pair` is then None)
     token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # classify, reward: a chat, rendered with the chat template
     dimensions: int | None = None  # an OpenAI line's own `dimensions` (embed)
@@ -63,7 +67,8 @@ def parse_pooling_row(index: int, row: dict[str, Any] | str, fmt: RowFormat) -> 
             out.echo["model"] = row["model"]
         out.dimensions = _dimensions(row.get("dimensions"))
     if fmt.pair:
-        out.pair = _pair(row)
+        pairs, listed = _pairs(row)
+        out.pairs, out.pair = (pairs, None) if listed else (None, pairs[0])
         return out
     chats = fmt.chats
     given = [k for k in (*TEXT_FIELDS, "prompt_token_ids", *(["messages"] if chats else [])) if row.get(k) is not None]
@@ -91,8 +96,8 @@ def _body(row: dict[str, Any], fmt: RowFormat) -> dict[str, Any]:
     except RequestError as exc:
         raise RowError(str(exc)) from None
     url = row.get("url")
-    if url is not None and url != fmt.url:
-        raise RowError(f"url: --task {fmt.task} takes {fmt.url!r} lines, got {url!r}")
+    if url is not None and url != fmt.url and url not in fmt.aliases:
+        raise RowError(f"url: --task {fmt.task} takes {' or '.join(map(repr, (fmt.url, *fmt.aliases)))} lines, got {url!r}")
     unknown = next((k for k in body if k not in fmt.body_fields), None)
     if unknown is not None:
         raise RowError(f"body.{unknown}: not a field cbatch knows for {fmt.url}; remove it")
@@ -109,14 +114,30 @@ def _dimensions(value: Any) -> int | None:
     return value
 
 
-def _pair(row: dict[str, Any]) -> tuple[str, str]:
+def _pairs(row: dict[str, Any]) -> tuple[list[Pair], bool]:
+    """A score row's pairs, and whether it gave lists (then it is scored pair by pair into `scores`)."""
     for first, second in PAIR_FIELDS:
         if row.get(first) is not None or row.get(second) is not None:
             missing = first if row.get(first) is None else second if row.get(second) is None else None
             if missing is not None:
                 raise RowError(f"missing `{missing}`: a score row gives both `{first}` and `{second}`")
-            return text_field(first, row[first]), text_field(second, row[second])
-    raise RowError("missing pair: a score row gives `text_1` and `text_2` (or `query` and `document`)")
+            if isinstance(row[first], str) and isinstance(row[second], str):
+                return [(text_field(first, row[first]), text_field(second, row[second]))], False
+            return _listed_pairs(first, row[first], second, row[second]), True
+    raise RowError("missing pair: a score row gives `text_1` and `text_2` (or `queries` and `documents`, or `query` "
+                   "and `document`)")
 
 
-__all__ = ["PAIR_FIELDS", "TEXT_FIELDS", "PoolingRow", "RowFormat", "parse_pooling_row"]
+def _listed_pairs(first: str, lefts: Any, second: str, rights: Any) -> list[Pair]:
+    """vLLM's /score lists: one text (or a list of one) against each of a list, or two lists item by item."""
+    if isinstance(lefts, str):
+        lefts = [lefts]
+    if not isinstance(lefts, list) or not isinstance(rights, list) or not rights or len(lefts) not in (1, len(rights)):
+        raise RowError(f"`{first}` and `{second}`: give one text and a list of texts (one scored against each), or two "
+                       "lists of the same length (scored item by item)")
+    lefts = [text_field(f"{first}[{i}]", text) for i, text in enumerate(lefts)]
+    rights = [text_field(f"{second}[{i}]", text) for i, text in enumerate(rights)]
+    return list(zip(lefts * len(rights) if len(lefts) == 1 else lefts, rights))
+
+
+__all__ = ["PAIR_FIELDS", "Pair", "TEXT_FIELDS", "PoolingRow", "RowFormat", "parse_pooling_row"]

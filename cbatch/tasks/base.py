@@ -1,10 +1,10 @@
 """What a task is: the one seam between a job's rows and the engine.
 
 A task owns everything that differs between kinds of rows: its input fields and row parsing, the engine
-requests a row makes (one; two for a bi-encoder's score; one per document for a rerank), how the finished
-requests become the row's result(s) and output columns, its OpenAI response body, and what it adds to the
-output identity. The executor, the writer, the planner and the Ray path ask the job's task and never branch
-on which task it is.
+requests a row makes (one; for a score or a rerank: one per pair with a cross-encoder, one per distinct text
+with a bi-encoder), how the finished requests become the row's result(s) and output columns, its OpenAI response
+body, and what it adds to the output identity. The executor, the writer, the planner and the Ray path ask the
+job's task and never branch on which task it is.
 
 A row's life, as the executor drives it:
 

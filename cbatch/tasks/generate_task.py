@@ -114,10 +114,13 @@ class GenerateTask(Task):
 
     # ---- OpenAI output ----------------------------------------------------------------------------------------
     def openai_body(self, samples: list[dict[str, Any]], model: str, created: int) -> dict[str, Any]:
-        """A `chat.completion` or `text_completion` object, its samples as choices."""
+        """A `chat.completion` or `text_completion` object, its samples as choices; a /v1/responses line's
+        `response` object."""
         first = samples[0]
         echo = first.get("echo") or {}
         obj = echo.get("object", "text_completion")
+        if obj == "response":
+            return response_body(first, echo.get("model") or model, created)
         prefix = "chatcmpl" if obj == "chat.completion" else "cmpl"
         prompt_tokens = first["prompt_tokens"]
         completion_tokens = sum(r["completion_tokens"] for r in samples)
@@ -128,6 +131,22 @@ class GenerateTask(Task):
                       "total_tokens": prompt_tokens + completion_tokens},
             "system_fingerprint": None,
         }
+
+
+def response_body(record: dict[str, Any], model: str, created: int) -> dict[str, Any]:
+    """OpenAI's Responses object for a /v1/responses row (one sample: the body takes no `n`); ids from the row, as
+    a chat body's are. Cut at max_output_tokens: status "incomplete"."""
+    digest = request_digest(record)
+    cut = record["finish_reason"] == "length"
+    text = {"type": "output_text", "text": record.get("completion") or "", "annotations": []}
+    message = {"type": "message", "id": f"msg_{digest}", "status": "incomplete" if cut else "completed",
+               "role": "assistant", "content": [text]}
+    input_tokens, output_tokens = record["prompt_tokens"], record["completion_tokens"]
+    return {"id": f"resp_{digest}", "object": "response", "created_at": created,
+            "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "model": model, "output": [message],
+            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                      "total_tokens": input_tokens + output_tokens}}
 
 
 def _choice(record: dict[str, Any], obj: str) -> dict[str, Any]:

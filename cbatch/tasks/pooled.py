@@ -46,7 +46,7 @@ class PooledTask(Task):
         import pyarrow as pa
 
         types = {"embedding": pa.list_(pa.float32()), "score": pa.float64(), "label": pa.string(),
-                 "probs": pa.list_(pa.float32()), "reward": pa.float64()}
+                 "probs": pa.list_(pa.float32()), "reward": pa.float64(), "scores": pa.list_(pa.float64())}
         return {name: types[name] for name in self.columns}
 
     # ---- a row's life ---------------------------------------------------------------------------------------
@@ -55,16 +55,15 @@ class PooledTask(Task):
         return ParsedRow(index, row.row_id, row, 1, row.echo)
 
     def requests(self, engine: "Engine", parsed: ParsedRow) -> RowWork:
-        """One request (a text, or a cross-encoder's pair), or two for a bi-encoder's score (each text embedded)."""
+        """One request: the row's text, chat or token ids (a task of several requests a row makes its own)."""
         row: PoolingRow = parsed.request
         pooling = self.pooling if row.dimensions is None else replace(self.pooling, dimensions=row.dimensions)
         if pooling.dimensions is not None and engine.spec is not None and pooling.dimensions > engine.spec.hidden_size:
             raise RowError(f"body.dimensions must be at most the model's {engine.spec.hidden_size}, got {pooling.dimensions}")
-        bi_encoder = row.pair is not None and not pooling.head
-        prompts = ([input_ids(engine, row, text) for text in row.pair] if bi_encoder else [input_ids(engine, row, None)])
-        # the cache key: the prompt ids (both halves), and a row's own `dimensions` as a negative id
-        key_ids = [t for ids in prompts for t in [*ids, -1]] + ([-1 - row.dimensions] if row.dimensions else [])
-        return RowWork(parsed, [Request(ids, self.defaults, pooling) for ids in prompts], (key_ids, self.defaults))
+        ids = input_ids(engine, row, None)
+        # the cache key: the prompt ids, and a row's own `dimensions` as a negative id
+        key_ids = [*ids, -1] + ([-1 - row.dimensions] if row.dimensions else [])
+        return RowWork(parsed, [Request(ids, self.defaults, pooling)], (key_ids, self.defaults))
 
     def collect(self, engine: "Engine", row: PendingRow, part: Part, out: "RequestOutput") -> list[RowResult]:
         row.outputs[part] = out
@@ -85,14 +84,18 @@ class PooledTask(Task):
         """The response body OpenAI (embeddings) and vLLM (score, classify, pooling) return:
         `{"object": "list", "data": [{"object", "index": 0, ...}], "model", "usage"}`."""
         record = samples[0]
-        item: dict[str, Any] = {"object": self.data_object, "index": 0}
-        item.update({k: record[k] for k in self.columns if record.get(k) is not None})
-        self.add_to_item(item, record)
         prompt_tokens = record["prompt_tokens"]
         echo = record.get("echo") or {}
         return {"id": f"{self.name}-{request_digest(record)}", "object": "list", "created": created,
-                "model": echo.get("model") or model, "data": [item],
+                "model": echo.get("model") or model, "data": self.data_items(record),
                 "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+    def data_items(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        """The body's `data`: one item, the row's columns in it."""
+        item: dict[str, Any] = {"object": self.data_object, "index": 0}
+        item.update({k: record[k] for k in self.columns if record.get(k) is not None})
+        self.add_to_item(item, record)
+        return [item]
 
     def add_to_item(self, item: dict[str, Any], record: dict[str, Any]) -> None:
         """What a task adds to its OpenAI data item beyond its columns."""

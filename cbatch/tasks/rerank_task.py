@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from cbatch.io.openai import RequestError, batch_body, request_digest
-from cbatch.io.pooling_rows import PoolingRow
+from cbatch.io.pooling_rows import Pair
 from cbatch.io.row_fields import RowError, row_id_of, text_field
 from cbatch.tasks.base import ParsedRow, Request, RowWork, TaskOptions, register
-from cbatch.tasks.pooled import PooledTask, input_ids
-from cbatch.tasks.score_task import ScoreTask, pair_score
+from cbatch.tasks.pooled import PooledTask
+from cbatch.tasks.score_task import PairPlan, ScoreTask
 
 if TYPE_CHECKING:
     from cbatch.engine.engine import Engine
@@ -33,6 +33,10 @@ class RerankRow:
     top_n: int | None = None  # keep the best `top_n` (None: all)
     return_documents: bool = False  # each result repeats its document's text
     echo: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pairs(self) -> list[Pair]:
+        return [(self.query, document) for document in self.documents]
 
 
 @register
@@ -58,25 +62,19 @@ class RerankTask(PooledTask):
         return ParsedRow(index, row_id_of(index, raw), row, 1, row.echo)
 
     def requests(self, engine: "Engine", parsed: ParsedRow) -> RowWork:
-        """A cross-encoder: one request per (query, document) pair. A bi-encoder: the query's, then each document's."""
+        """The (query, document) pairs as --task score makes a row of lists' requests (`PairPlan`): a cross-encoder one
+        request per pair; a bi-encoder the query's, then each distinct document's."""
         row: RerankRow = parsed.request
-        if self.pooling.head:
-            prompts = [input_ids(engine, PoolingRow(parsed.index, parsed.row_id, pair=(row.query, doc)), None)
-                       for doc in row.documents]
-        else:
-            prompts = [input_ids(engine, PoolingRow(parsed.index, parsed.row_id), text)
-                       for text in (row.query, *row.documents)]
-        key_ids = [t for ids in prompts for t in [*ids, -1]]  # (the settings that shape `results` are not ids:)
+        plan = PairPlan.of(row.pairs, self.pooling.head)
+        prompts = plan.prompts(engine, parsed)
+        key_ids = plan.key_ids(prompts, listed=True)  # (the settings that shape `results` are not ids:)
         key_ids += [-2 - (row.top_n or 0), -2 - int(row.return_documents)]
         return RowWork(parsed, [Request(ids, self.defaults, self.pooling) for ids in prompts], (key_ids, self.defaults))
 
     def row_columns(self, vectors: list[list[float]], engine: "Engine", parsed: ParsedRow) -> dict[str, Any]:
         """`results`: each document's score as --task score gives it for the pair, best first."""
-        if self.pooling.head:
-            scores = [pair_score([v]) for v in vectors]
-        else:
-            scores = [pair_score([vectors[0], v]) for v in vectors[1:]]  # the query's embedding, then each document's
-        return {"results": ranked(scores, parsed.request)}
+        row: RerankRow = parsed.request
+        return {"results": ranked(PairPlan.of(row.pairs, self.pooling.head).scores(vectors), row)}
 
     def openai_body(self, samples: list[dict[str, Any]], model: str, created: int) -> dict[str, Any]:
         """vLLM's and Cohere's rerank response: `{"id", "model", "usage", "results": [...]}`."""

@@ -1,17 +1,20 @@
 """`--task score`: each row's pair of texts scored (vLLM's /v1/score): by a cross-encoder (a classification head
 with one output, sigmoid of its logit over the pair) or a bi-encoder (the cosine of the two texts' embeddings, each
-its own request)."""
+its own request). A row of lists (one text against a list, or two lists item by item) scores each of its pairs as a
+pair row is scored, into a `scores` column. How pairs become requests and scores (`PairPlan`) is shared with
+--task rerank."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from cbatch.io.pooling_rows import RowFormat
-from cbatch.tasks.base import ParsedRow, TaskOptions, register
-from cbatch.tasks.pooled import PooledTask, embedding_pooling, head_pooling
+from cbatch.io.pooling_rows import Pair, PoolingRow, RowFormat
+from cbatch.tasks.base import ParsedRow, Request, RowWork, TaskOptions, register
+from cbatch.tasks.pooled import PooledTask, embedding_pooling, head_pooling, input_ids
 
 if TYPE_CHECKING:
     from cbatch.engine.engine import Engine
@@ -21,9 +24,10 @@ if TYPE_CHECKING:
 @register
 class ScoreTask(PooledTask):
     name: ClassVar[str] = "score"
-    row_format: ClassVar[RowFormat] = RowFormat(name, "/v1/score", ("model", "text_1", "text_2", "user"), pair=True)
+    row_format: ClassVar[RowFormat] = RowFormat(name, "/v1/score", ("model", "text_1", "text_2", "queries", "documents",
+                                                                     "user"), pair=True, aliases=("/score",))
     input_fields: ClassVar[tuple[str, ...]] = row_format.input_fields
-    columns: ClassVar[tuple[str, ...]] = ("score",)
+    columns: ClassVar[tuple[str, ...]] = ("score", "scores")  # a pair row's `score`; a row of lists' `scores`
     data_object: ClassVar[str] = "score"
 
     @classmethod
@@ -32,8 +36,58 @@ class ScoreTask(PooledTask):
             return cls(head_pooling(cls.name, options, spec, one_output=True), options.defaults)
         return cls(embedding_pooling(cls.name, options, spec, model_dir), options.defaults)
 
+    def requests(self, engine: "Engine", parsed: ParsedRow) -> RowWork:
+        """Each pair as `PairPlan` makes it: a cross-encoder one request per pair, a bi-encoder one per distinct text."""
+        row: PoolingRow = parsed.request
+        plan = PairPlan.of(row.pairs or [row.pair], self.pooling.head)
+        prompts = plan.prompts(engine, parsed)
+        key_ids = plan.key_ids(prompts, listed=row.pairs is not None)
+        return RowWork(parsed, [Request(ids, self.defaults, self.pooling) for ids in prompts], (key_ids, self.defaults))
+
     def row_columns(self, vectors: list[list[float]], engine: "Engine", parsed: ParsedRow) -> dict[str, Any]:
-        return {"score": pair_score(vectors)}
+        row: PoolingRow = parsed.request
+        scores = PairPlan.of(row.pairs or [row.pair], self.pooling.head).scores(vectors)
+        return {"scores": scores} if row.pairs is not None else {"score": scores[0]}
+
+    def data_items(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        """vLLM's /score data: one `{"index", "object": "score", "score"}` per pair, in order."""
+        if record.get("scores") is None:
+            return super().data_items(record)
+        return [{"index": i, "object": self.data_object, "score": score} for i, score in enumerate(record["scores"])]
+
+
+@dataclass(frozen=True, slots=True)
+class PairPlan:
+    """How a row's (text_1, text_2) pairs are scored: the inputs of its requests (a cross-encoder: each pair; a
+    bi-encoder: each distinct text once, in order of first use) and, per pair, the requests whose vectors score it.
+    Made from the row alone, so the requests and the scores agree."""
+
+    inputs: list[Pair | str]
+    slots: list[tuple[int, ...]]  # per pair: its request (cross-encoder), or its two texts' requests (bi-encoder)
+
+    @classmethod
+    def of(cls, pairs: list[Pair], cross_encoder: bool) -> "PairPlan":
+        if cross_encoder:
+            return cls(list(pairs), [(i,) for i in range(len(pairs))])
+        at: dict[str, int] = {}
+        for text in (text for pair in pairs for text in pair):
+            at.setdefault(text, len(at))
+        return cls(list(at), [(at[a], at[b]) for a, b in pairs])
+
+    def prompts(self, engine: "Engine", parsed: ParsedRow) -> list[list[int]]:
+        """Each request's token ids: a pair's pair encoding, or a text's own."""
+        return [input_ids(engine, PoolingRow(parsed.index, parsed.row_id, pair=x), None) if isinstance(x, tuple)
+                else input_ids(engine, PoolingRow(parsed.index, parsed.row_id), x) for x in self.inputs]
+
+    def key_ids(self, prompts: list[list[int]], listed: bool) -> list[int]:
+        """The result cache's ids: the prompts; a row of lists also its marker and which requests score each pair
+        (negative ids, never token ids)."""
+        ids = [t for p in prompts for t in [*p, -1]]
+        return ids + [-2, *(t for slot in self.slots for t in (*(-3 - j for j in slot), -2))] if listed else ids
+
+    def scores(self, vectors: list[list[float]]) -> list[float]:
+        """Each pair's score, in order, from the requests' vectors (in request order)."""
+        return [pair_score([vectors[j] for j in slot]) for slot in self.slots]
 
 
 def pair_score(vectors: list[list[float]]) -> float:
