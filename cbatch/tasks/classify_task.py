@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 class ClassifyTask(PooledTask):
     name: ClassVar[str] = "classify"
     row_format: ClassVar[RowFormat] = RowFormat(name, "/v1/classify", ("model", "input", "messages", "user"), chats=True)
-    input_fields: ClassVar[tuple[str, ...]] = row_format.input_fields
     columns: ClassVar[tuple[str, ...]] = ("label", "probs")
     data_object: ClassVar[str] = "classification"
 

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 class EmbedTask(PooledTask):
     name: ClassVar[str] = "embed"
     row_format: ClassVar[RowFormat] = RowFormat(name, "/v1/embeddings", ("model", "input", "dimensions", "encoding_format", "user"))
-    input_fields: ClassVar[tuple[str, ...]] = row_format.input_fields
     columns: ClassVar[tuple[str, ...]] = ("embedding",)
     data_object: ClassVar[str] = "embedding"
 

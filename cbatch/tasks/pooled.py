@@ -35,6 +35,12 @@ class PooledTask(Task):
     row_format: ClassVar[RowFormat]
     data_object: ClassVar[str]  # the OpenAI body's `data[0].object`
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A task declaring its `row_format` takes its input fields from it (INPUT's probe)."""
+        super().__init_subclass__(**kwargs)
+        if "row_format" in cls.__dict__:
+            cls.input_fields = cls.row_format.input_fields
+
     def __init__(self, pooling: PoolingParams, defaults: SamplingParams = SamplingParams()) -> None:
         self.pooling = pooling
         self.defaults = defaults  # the settings its requests run with (one position each; no sampling)

@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 class RewardTask(PooledTask):
     name: ClassVar[str] = "reward"
     row_format: ClassVar[RowFormat] = RowFormat(name, "/v1/pooling", ("model", "input", "messages", "user"), chats=True)
-    input_fields: ClassVar[tuple[str, ...]] = row_format.input_fields
     columns: ClassVar[tuple[str, ...]] = ("reward",)
     data_object: ClassVar[str] = "reward"
 

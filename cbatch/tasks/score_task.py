@@ -26,7 +26,6 @@ class ScoreTask(PooledTask):
     name: ClassVar[str] = "score"
     row_format: ClassVar[RowFormat] = RowFormat(name, "/v1/score", ("model", "text_1", "text_2", "queries", "documents",
                                                                      "user"), pair=True, aliases=("/score",))
-    input_fields: ClassVar[tuple[str, ...]] = row_format.input_fields
     columns: ClassVar[tuple[str, ...]] = ("score", "scores")  # a pair row's `score`; a row of lists' `scores`
     data_object: ClassVar[str] = "score"
 
