@@ -32,6 +32,9 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
     `show_progress`: a tqdm bar over the checkpoint's tensors while they load (the library's default).
     With --tensor-parallel-size N this process is rank 0 and N - 1 worker processes hold the other shares."""
     resolved = resolved or resolve_model(config)
+    if resolved.spec.mla is not None and not config.enforce_eager:
+        # MLA attention runs the torch path on a GPU too (backend/mla.py: per-step host state): no decode graphs
+        config = replace(config, enforce_eager=True)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device, dtype, spec = resolved.device, resolved.dtype, resolved.spec
@@ -110,7 +113,8 @@ def tune_kernels(config: EngineConfig, resolved: ResolvedModel, backend: Backend
     keep the kernels' own policy): decode attention's tiles, then (`config.decode_gemm`) cuBLAS or the Triton
     GEMM per decode layer shape of `model`; what was chosen, for the report, or None."""
     device, spec = resolved.device, resolved.spec
-    if not (config.tune_kernels and backend.supports_tuning and device.type == "cuda" and comm.world == 1):
+    if not (config.tune_kernels and backend.supports_tuning and device.type == "cuda" and comm.world == 1
+            and spec.mla is None):  # MLA does not run the tuned paged-attention kernel
         return None
     from cbatch.kernels.tuning import DecodeShape
 

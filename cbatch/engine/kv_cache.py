@@ -18,14 +18,16 @@ from cbatch.model.spec import ModelSpec
 
 class KVCache:
     """The KV tensors: `tensor` [layers, 2 (K|V), num_blocks, block_size, num_kv_heads, head_dim] and `view`, what
-    the model's attention layers read and write (per-layer K and V, the fp8 scales)."""
+    the model's attention layers read and write (per-layer K and V, the fp8 scales). MLA (`spec.kv_cache_parts` 1):
+    [layers, 1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim], one latent per token, as K and V."""
 
     block_dim = 2  # the block dimension of `tensor`: [layers, K|V, *kv_cache_shape(...)]
 
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  kv_dtype: torch.dtype, num_host_blocks: int = 0) -> None:
         self.device = device
-        shape = (spec.num_layers, 2, *kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim))
+        parts = spec.kv_cache_parts
+        shape = (spec.num_layers, parts, *kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim))
         # NOTE: attention reads whole blocks, padding included (masked), so every block a table can name
         # must hold finite values: the pool starts zeroed. On CPU its pages become resident only when
         # written, so memory tracks the KV actually used, not the budget.
@@ -38,7 +40,7 @@ class KVCache:
         if kv_dtype != dtype:
             scales = torch.ones(spec.num_layers, 2, spec.num_kv_heads, dtype=torch.float32, device=device)
         self.view = KVCacheView([self.tensor[i, 0] for i in range(spec.num_layers)],
-                                [self.tensor[i, 1] for i in range(spec.num_layers)], scales)
+                                [self.tensor[i, parts - 1] for i in range(spec.num_layers)], scales)
         self.num_host_blocks = num_host_blocks  # swap space in blocks; allocated at the first swap
         self._host: torch.Tensor | None = None  # uint8, the cache's layout with `num_host_blocks` blocks
 

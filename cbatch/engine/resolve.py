@@ -51,6 +51,9 @@ def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: t
         checkpoint = read_checkpoint(resolve_model_dir(config.model) if config.model else default_model_dir())
         spec = checkpoint.spec
     check_tensor_parallel(spec, config.tensor_parallel_size)
+    if spec.mla is not None and config.kv_cache_dtype == "fp8":
+        raise ConfigError("kv_cache_dtype", "fp8 is not supported for multi-head latent attention models (DeepSeek-V2/V3, "
+                                            "Kimi K2), whose latent cache is already small; use --kv-cache-dtype auto")
     device = device if device is not None else resolve_device(config.device)
     max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     dtype = resolve_dtype(config.dtype, spec, device)

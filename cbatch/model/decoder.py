@@ -1,6 +1,6 @@
 """One decoder for every supported family: Llama 2/3 (SmolLM2, TinyLlama), Mistral, Qwen2, Qwen3, Phi-3,
-and through the spec's switches Gemma 2/3 (their layer: gemma.py) and the mixtures of experts Mixtral,
-Qwen2-MoE and Qwen3-MoE (their MLP: moe.py).
+and through the spec's switches Gemma 2/3 (their layer: gemma.py), the mixtures of experts Mixtral,
+Qwen2-MoE and Qwen3-MoE (their MLP: moe.py), and DeepSeek-V2/V3 / Kimi K2 (their attention: mla.py).
 
 The switches come from `ModelSpec` (q/k/v bias, q/k norm, per-layer sliding window and RoPE table,
 soft-capping, tied embeddings...). The model sees a flat batch of tokens and an `AttentionMetadata`; it
@@ -18,6 +18,7 @@ from torch import nn
 from cbatch.model.backend import AttentionMetadata, Backend, KVLayer, RotaryStep
 from cbatch.model.gemma import GemmaDecoderLayer
 from cbatch.model.layers import Linear, RMSNorm
+from cbatch.model.mla import MLAAttention
 from cbatch.model.moe import feed_forward
 from cbatch.model.onednn import linear, packed_linear, prepack_weight
 from cbatch.model.rope import rope_table
@@ -39,8 +40,8 @@ def mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class KVCacheView:
     """The per-layer K and V caches the attention layers write to and read from."""
 
-    k: list[torch.Tensor]  # one per layer, `kv_cache_shape`
-    v: list[torch.Tensor]
+    k: list[torch.Tensor]  # one per layer, `kv_cache_shape` (MLA: the latents)
+    v: list[torch.Tensor]  # (MLA: the same tensors as `k`; the value is a prefix of the latent)
     scales: torch.Tensor | None = None  # fp8 caches: float32 [layers, 2 (K|V), num_kv_heads]
 
     def layer(self, i: int) -> KVLayer:
@@ -105,7 +106,8 @@ class DecoderLayer(nn.Module):
 def decoder_layer(spec: ModelSpec, layer_idx: int, backend: Backend, comm: Communicator) -> nn.Module:
     """Attention and MLP (dense or experts) arranged as the family does: Llama's or Gemma's norms."""
     layer_cls = GemmaDecoderLayer if spec.sandwich_norms else DecoderLayer
-    return layer_cls(spec, Attention(spec, layer_idx, backend), feed_forward(spec, layer_idx, backend), backend, comm)
+    attention = MLAAttention(spec, layer_idx, backend) if spec.mla is not None else Attention(spec, layer_idx, backend)
+    return layer_cls(spec, attention, feed_forward(spec, layer_idx, backend), backend, comm)
 
 
 class VocabEmbedding(nn.Module):

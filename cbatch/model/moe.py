@@ -6,17 +6,26 @@ Routing, as each family's HF code defines it: softmax over the router logits in 
     Mixtral     weights renormalised to sum to 1, kept in float32
     Qwen*-MoE   renormalised only with norm_topk_prob, then cast to the activations' dtype
 Qwen2-MoE adds a shared expert (a dense MLP) scaled by sigmoid(shared_expert_gate(x)) to every token.
+
+DeepSeek-V2/V3 and Kimi K2 route with `GroupLimitedRouter` (float32, as HF keeps their router) and add their
+shared experts ungated:
+    V2          softmax scores; top-k of them (greedy), or only among the topk_group groups whose best expert
+                scores highest (group_limited_greedy); weights = scores x routed_scaling_factor
+    V3 / K2     noaux_tc: sigmoid scores; groups ranked by the sum of their two best (scores +
+                e_score_correction_bias), top-k (by the same biased scores) inside the topk_group best groups;
+                weights = the unbiased scores, renormalised with norm_topk_prob, x routed_scaling_factor
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from cbatch.model.backend import Backend
 from cbatch.model.int4 import IntExperts, PackedQuant
 from cbatch.model.layers import MLP, Linear
 from cbatch.model.quant import FP8_DTYPE
-from cbatch.model.spec import ModelSpec
+from cbatch.model.spec import ModelSpec, MoESpec
 
 
 class Experts(nn.Module):
@@ -64,6 +73,43 @@ class Experts(nn.Module):
         return IntExperts(self.w13_zero, self.w2_zero, *self.int_layout)
 
 
+class GroupLimitedRouter(nn.Module):
+    """DeepSeek's router (see the module docstring): weight float32 [E, H] and, for noaux_tc, the float32
+    e_score_correction_bias [E] that steers the choice but not the weights."""
+
+    def __init__(self, moe: MoESpec, hidden_size: int) -> None:
+        super().__init__()
+        self.sigmoid = moe.grouped_scoring == "sigmoid"
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.num_groups, self.topk_groups = moe.num_groups, moe.topk_groups
+        self.routed_scaling_factor = moe.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = None
+        if self.sigmoid:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (float32 routing weights [T, k], expert ids [T, k])."""
+        logits = F.linear(x.float(), self.weight)  # [T, E]
+        if self.sigmoid:
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+        else:
+            scores = choice = logits.softmax(dim=-1)
+        if self.topk_groups < self.num_groups:
+            grouped = choice.view(x.shape[0], self.num_groups, -1)  # [T, G, E / G]
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if self.sigmoid else grouped.amax(dim=-1)
+            kept_groups = torch.topk(group_scores, k=self.topk_groups, dim=-1, sorted=False)[1]  # [T, topk_groups]
+            kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
+            outside = ~kept.unsqueeze(-1).expand_as(grouped).reshape_as(choice)
+            choice = choice.masked_fill(outside, float("-inf") if self.sigmoid else 0.0)
+        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, spec: ModelSpec, backend: Backend) -> None:
         super().__init__()
@@ -73,16 +119,21 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = moe.renormalize
         self.weights_in_model_dtype = moe.weights_in_model_dtype
         self.activation = spec.hidden_act
-        self.gate = Linear(spec.hidden_size, moe.num_experts, bias=False)  # the router
+        # the router: DeepSeek's, or a linear layer whose softmax top-k `route` takes
+        self.gate = (GroupLimitedRouter(moe, spec.hidden_size) if moe.grouped_scoring
+                     else Linear(spec.hidden_size, moe.num_experts, bias=False))
         self.experts = Experts(moe.num_experts, spec.hidden_size, moe.intermediate_size)
         self.shared_expert = None
         self.shared_expert_gate = None
         if moe.shared_expert_size:
             self.shared_expert = MLP(spec.hidden_size, moe.shared_expert_size, False, spec.hidden_act, backend)
-            self.shared_expert_gate = Linear(spec.hidden_size, 1, bias=False)
+            if moe.shared_expert_gated:
+                self.shared_expert_gate = Linear(spec.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (routing weights [T, k], expert ids [T, k])."""
+        if isinstance(self.gate, GroupLimitedRouter):
+            return self.gate(x)
         logits = self.gate(x)  # [T, E] in the activations' dtype
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
@@ -97,8 +148,10 @@ class SparseMoeBlock(nn.Module):
         e = self.experts
         out = self.backend.fused_moe(x, e.w13, e.w2, weights, ids, self.activation, e.w13_scale, e.w2_scale, e.block,
                                      e.int_experts())
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return out
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cbatch.model.errors import UnsupportedModelError
+from cbatch.model.mla_spec import MLASpec, mla_softmax_scale, parse_mla
 from cbatch.model.quant import QuantSpec, parse_quantization
 from cbatch.model.rope import RopeSpec, rope_spec
 
@@ -29,6 +30,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # multi-head latent attention (mla_spec.py) with DeepSeek's MoE; Kimi K2 ships as DeepseekV3ForCausalLM
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     # prefill-only checkpoints (engine/pooling.py): a classification head `score` [num_labels, hidden] on the last
     # token (classify, reward, cross-encoder score), or the bare decoder (hidden states: embeddings)
     "LlamaForSequenceClassification": "llama",
@@ -62,6 +66,14 @@ class MoESpec:
     weights_in_model_dtype: bool  # Qwen casts the routing weights to the activations' dtype; Mixtral keeps float32
     shared_expert_size: int  # Qwen2-MoE: a shared MLP scaled by sigmoid(shared_expert_gate(x)); 0: none
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of `intermediate_size`
+    shared_expert_gated: bool = True  # False: the shared MLP is added as is (DeepSeek's shared experts)
+    # DeepSeek's router (moe.GroupLimitedRouter), None: softmax top-k as above. "softmax": V2 (greedy, or
+    # group_limited_greedy: groups ranked by their best expert); "sigmoid": V3's noaux_tc (sigmoid scores, the
+    # choice made on scores + e_score_correction_bias, groups ranked by the sum of their best two)
+    grouped_scoring: str | None = None
+    num_groups: int = 1  # n_group: experts in this many equal groups; the top `topk_groups` groups are eligible
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0  # the routing weights' final factor
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +108,7 @@ class ModelSpec:
     sandwich_norms: bool = False  # Gemma: RMSNorm after attention and after the MLP too, before the residual add
     moe: MoESpec | None = None
     quant: QuantSpec | None = None
+    mla: MLASpec | None = None  # multi-head latent attention: num_kv_heads 1, head_dim = its latent size
     head: str = "lm"  # lm (logits over the vocabulary) | classify (`score`: num_labels logits) | none (hidden states)
     num_labels: int = 0  # classify: the head's outputs
     labels: tuple[str, ...] = ()  # classify: config.json's id2label, in id order
@@ -117,6 +130,11 @@ class ModelSpec:
     def softmax_scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
+    @property
+    def kv_cache_parts(self) -> int:
+        """Tensors per layer in the KV cache: K and V, or MLA's one latent (its value is a prefix of it)."""
+        return 1 if self.mla is not None else 2
+
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
 
@@ -124,6 +142,8 @@ class ModelSpec:
         """Matrix parameters of every layer; `experts_per_token` None counts every expert."""
         h = self.hidden_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.mla is not None:
+            attn = self.mla.attention_params(h, self.num_heads)
         total = 0
         for layer in range(self.num_layers):
             total += attn
@@ -133,7 +153,7 @@ class ModelSpec:
             moe = self.moe
             experts = moe.num_experts if experts_per_token is None else experts_per_token
             total += h * moe.num_experts + experts * 3 * h * moe.intermediate_size  # router + experts
-            total += 3 * h * moe.shared_expert_size + (h if moe.shared_expert_size else 0)
+            total += 3 * h * moe.shared_expert_size + (h if moe.shared_expert_size and moe.shared_expert_gated else 0)
         return total
 
     def num_params(self) -> int:
@@ -158,7 +178,9 @@ class ModelSpec:
         return self.num_params() - sum(moe.sparse_layers) * untouched_params
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """One token's cache over every layer: K and V per KV head, or MLA's latent
+        (kv_lora_rank + qk_rope_head_dim values)."""
+        return self.kv_cache_parts * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -245,7 +267,40 @@ def _eos_ids(cfg: dict[str, Any], generation_cfg: dict[str, Any]) -> tuple[int, 
     return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
 
 
+def _deepseek_moe_spec(cfg: dict[str, Any], family: str, num_layers: int) -> MoESpec | None:
+    """DeepSeek-V2/V3 (and Kimi K2): routed experts from layer first_k_dense_replace on, n_shared_experts shared
+    MLPs of moe_intermediate_size (one MLP of their total width, ungated), group-limited routing."""
+    num_experts = int(cfg.get("n_routed_experts") or 0)
+    if not num_experts:
+        return None
+    size = int(cfg["moe_intermediate_size"])
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    if family == "deepseek_v3":  # HF's DeepseekV3 router is always noaux_tc
+        scoring, groups, topk_groups = "sigmoid", int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+        renormalize = bool(cfg.get("norm_topk_prob", True))
+    else:
+        method = cfg.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise UnsupportedModelError(f"DeepSeek-V2 topk_method {method!r} is not supported; supported: greedy, "
+                                        f"group_limited_greedy")
+        limited = method == "group_limited_greedy"
+        scoring = "softmax"
+        groups = int(cfg.get("n_group") or 1) if limited else 1
+        topk_groups = int(cfg.get("topk_group") or 1) if limited else 1
+        renormalize = False  # HF's DeepseekV2 router never renormalises (norm_topk_prob is not read)
+    if num_experts % groups or not 0 < topk_groups <= groups:
+        raise UnsupportedModelError(f"n_group {groups} with topk_group {topk_groups} does not split "
+                                    f"{num_experts} experts into equal groups")
+    return MoESpec(num_experts, int(cfg["num_experts_per_tok"]), size, renormalize=renormalize,
+                   weights_in_model_dtype=False, shared_expert_size=size * int(cfg.get("n_shared_experts") or 0),
+                   sparse_layers=tuple(i >= first_dense for i in range(num_layers)), shared_expert_gated=False,
+                   grouped_scoring=scoring, num_groups=groups, topk_groups=topk_groups,
+                   routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
+
+
 def _moe_spec(cfg: dict[str, Any], family: str, num_layers: int) -> MoESpec | None:
+    if family in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_moe_spec(cfg, family, num_layers)
     if family == "mixtral":
         return MoESpec(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]), int(cfg["intermediate_size"]),
                        renormalize=True, weights_in_model_dtype=False, shared_expert_size=0,
@@ -326,9 +381,18 @@ def _parse(cfg: dict[str, Any], arch: str, family: str, generation_cfg: dict[str
     num_layers = int(cfg["num_hidden_layers"])
     max_pos = int(cfg.get("max_position_embeddings", 4096))
     windows = _layer_windows(cfg, family, num_layers)
-    rope, layer_rope = _rope_specs(cfg, family, head_dim, windows, max_pos)
     attention_bias = bool(cfg.get("attention_bias", False))
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True))) or attention_bias
+    num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+    mla = parse_mla(cfg, family) if family in ("deepseek_v2", "deepseek_v3") else None
+    mla_switches: dict[str, Any] = {}
+    if mla is not None:  # the cache's view of MLA: one "head" holding the latent (mla_spec.py)
+        rope = (rope_spec(_rope_params(cfg, family), mla.qk_rope_head_dim, max_pos),)
+        layer_rope = (0,) * num_layers
+        num_kv_heads, head_dim, qkv_bias = 1, mla.latent_size, False
+        mla_switches = dict(mla=mla, attn_scale=mla_softmax_scale(mla, _rope_params(cfg, family)))
+    else:
+        rope, layer_rope = _rope_specs(cfg, family, head_dim, windows, max_pos)
     return ModelSpec(
         architecture=arch,
         family=family,
@@ -337,7 +401,7 @@ def _parse(cfg: dict[str, Any], arch: str, family: str, generation_cfg: dict[str
         intermediate_size=int(cfg["intermediate_size"]),
         num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_pos,
@@ -355,6 +419,7 @@ def _parse(cfg: dict[str, Any], arch: str, family: str, generation_cfg: dict[str
         moe=_moe_spec(cfg, family, num_layers),
         quant=parse_quantization(cfg.get("quantization_config")),
         **_gemma_switches(cfg, family, hidden),
+        **mla_switches,
         **_head(cfg, arch),
     )
 

@@ -5,7 +5,9 @@ checkpoint stores (`stored_bytes_per_weight`: which layers stay packed is this m
 Our model packs what HF keeps apart: q/k/v into `qkv_proj`, gate/up into `gate_up_proj`, and every
 expert of a MoE layer into two stacked tensors (`experts.w13` [E, 2I, H], `experts.w2` [E, H, I]).
 Checkpoints that already fuse them (Phi-3's qkv_proj and gate_up_proj, transformers 5's stacked
-experts) map one to one. Mixtral's `block_sparse_moe` and w1/w3/w2 expert names are read too, and a
+experts) map one to one. DeepSeek's MLA projections keep their names (model/mla.py), its `shared_experts` are
+our `shared_expert`, and its multi-token-prediction layers (past num_hidden_layers) are skipped.
+Mixtral's `block_sparse_moe` and w1/w3/w2 expert names are read too, and a
 multimodal Gemma 3's text decoder (`language_model.model.*` or `model.language_model.*`; the vision
 tower is not used).
 """
@@ -29,7 +31,9 @@ _DOWN = ("down_proj", "w2")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)$")
 _TEXT_DECODER = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")  # multimodal Gemma 3
 _BARE_DECODER = ("layers.", "embed_tokens.", "norm.")
-FP8_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts")  # kept in FP8 on the GPU path
+# kept in FP8 on the GPU path (MLA's projections but kv_b_proj, which its attention reads as a plain weight)
+FP8_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts", "q_proj", "q_a_proj", "q_b_proj",
+               "kv_a_proj_with_mqa")
 INT_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts")  # kept packed on the GPU path
 
 
@@ -97,9 +101,9 @@ def _packed(sizes: list[int], part: int) -> slice:
 
 def _layer_place(prefix: str, rest: str, spec: ModelSpec) -> Placement | None:
     """`rest`: the module path inside `model.layers.N.` (the tensor name without its last component)."""
-    rest = rest.replace("block_sparse_moe.", "mlp.", 1)
+    rest = rest.replace("block_sparse_moe.", "mlp.", 1).replace("mlp.shared_experts.", "mlp.shared_expert.", 1)
     parent, _, leaf = rest.rpartition(".")
-    if parent == "self_attn" and leaf in _QKV:
+    if parent == "self_attn" and leaf in _QKV and spec.mla is None:
         return Placement(f"{prefix}self_attn.qkv_proj", rows=_packed([spec.q_size, spec.kv_size, spec.kv_size], _QKV[leaf]))
     expert = _EXPERT.match(rest)
     if expert is not None:
@@ -136,6 +140,10 @@ def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
     if match is None:
         return None
     layer, rest = match.groups()
+    if spec.mla is not None and int(layer) >= spec.num_layers:
+        return None  # DeepSeek's multi-token-prediction layers (num_nextn_predict_layers): not used
+    if kind == "e_score_correction_bias":  # DeepSeek-V3's router bias (moe.GroupLimitedRouter)
+        return Placement(f"layers.{layer}.{rest}", "e_score_correction_bias"), "weight"
     if rest.endswith(".experts") and kind in ("gate_up_proj", "down_proj"):  # transformers 5's stacked experts
         return Placement(f"layers.{layer}.mlp.experts", "w13" if kind == "gate_up_proj" else "w2"), "weight"
     if kind not in ("weight", "bias", "scale", "zero", "perm"):

@@ -62,3 +62,19 @@ class AttentionLayer(Protocol):
     sliding_window: int | None
     q_norm: NormWeight | None  # per-head RMSNorm on q and k, before rotary (Qwen3, Gemma 3)
     k_norm: NormWeight | None
+
+
+class LatentProjection(Protocol):
+    weight: torch.Tensor  # kv_b_proj [num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank], in the activations' dtype
+
+
+class MLALayer(Protocol):
+    """What a backend needs to know of a multi-head latent attention layer (model/mla.py's `MLAAttention`)."""
+
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    scale: float
+    kv_b_proj: LatentProjection  # per head: W_UK (its first qk_nope_head_dim rows), then W_UV (v_head_dim rows)

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVLayer
+from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVLayer, MLALayer
 from cbatch.model.backend.rotary import RotaryStep
 
 
@@ -30,6 +30,11 @@ class Backend(Protocol):
     def prepare(self, meta: AttentionMetadata) -> None: ...
     def attention(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
                   meta: AttentionMetadata) -> torch.Tensor: ...  # norms, rotary, KV store, attention (soft-capped)
+    # multi-head latent attention: q_nope [T, H, N], q_pe [T, H, R], c_kv [T, rank] (normalised), k_pe [T, R] (both
+    # halves of each pair of rotary dimensions as halves); rotary on q_pe and k_pe, [c_kv | k_pe] stored at
+    # slot_mapping in kv.k (one latent per token), attention; returns [T, H, V]
+    def mla_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                      layer: MLALayer, rope: RotaryStep, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor: ...
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor: ...
     def add_rms_norm(self, x, residual, weight, eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
     def rotary(self, positions: torch.Tensor, cos_sin: torch.Tensor, dtype: torch.dtype) -> RotaryStep: ...

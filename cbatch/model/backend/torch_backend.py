@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from cbatch.fp8_kv import FP8_KV_MAX
-from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVLayer
+from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVLayer, MLALayer
+from cbatch.model.backend.mla import mla_attend
 from cbatch.model.backend.registry import register
 from cbatch.model.backend.rotary import RotaryStep
 from cbatch.model.onednn import linear
@@ -61,6 +62,17 @@ class TorchBackend:
             k = self.rms_norm(k, layer.k_norm.weight, layer.k_norm.eps, layer.k_norm.unit_offset)
         q, k = self.apply_rotary(q, k, rope)
         return self.attend(q, k, v, kv, meta, layer.scale, layer.sliding_window, layer.softcap)
+
+    # MLA decodes in latent space (mla.py's absorbed form); False: up-projected per head like prefills
+    mla_absorbed_decode = True
+
+    def mla_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                      layer: MLALayer, rope: RotaryStep, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:
+        """Multi-head latent attention (backend/mla.py): rotary on q_pe [T, H, R] and k_pe [T, R], [c_kv | k_pe]
+        stored in the latent cache `kv.k`, attention; returns [T, H, V]."""
+        q_pe, k_pe = self.apply_rotary(q_pe, k_pe.unsqueeze(1), rope)
+        latent = torch.cat([c_kv, k_pe.squeeze(1)], dim=-1)  # [T, kv_lora_rank + R]
+        return mla_attend(q_nope, q_pe, latent, layer, kv.k, meta, self.mla_absorbed_decode)
 
     def attend(self, q, k, v, kv: KVLayer, meta: AttentionMetadata, scale: float, sliding_window: int | None,
                softcap: float | None = None) -> torch.Tensor:

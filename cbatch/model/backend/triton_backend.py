@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVLayer
+from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVLayer, MLALayer
 from cbatch.model.backend.registry import register
 from cbatch.model.backend.rotary import RotaryStep
 
@@ -78,6 +78,18 @@ class TritonBackend:
             softcap=layer.softcap, k_scale=kv.k_scale, v_scale=kv.v_scale, decode_tiles=self.decode_tiles,
             num_splits=None if self.split_kv else 1, split_rule=self.split_rule,
         )
+
+    def mla_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                      layer: MLALayer, rope: RotaryStep, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:
+        """Multi-head latent attention: rotary by the Triton kernel, then the torch path's latent store and attention
+        (backend/mla.py: naive prefills, absorbed decodes); there is no Triton MLA kernel yet, so MLA models run
+        without decode CUDA graphs (engine/build.py). Returns [T, H, V]."""
+        from cbatch.kernels import apply_rotary
+        from cbatch.model.backend.mla import mla_attend
+
+        q_pe, k_pe = q_pe.contiguous(), k_pe.unsqueeze(1).contiguous()
+        apply_rotary(q_pe, k_pe, rope.positions, rope.cos_sin)  # in place
+        return mla_attend(q_nope, q_pe, torch.cat([c_kv, k_pe.squeeze(1)], dim=-1), layer, kv.k, meta)
 
     def _prologue(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
                   meta: AttentionMetadata) -> torch.Tensor:
