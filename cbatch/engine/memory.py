@@ -34,6 +34,17 @@ def bytes_per_block(spec: ModelSpec, kv_dtype: torch.dtype, block_size: int) -> 
     return spec.kv_bytes_per_token(kv_dtype.itemsize) * block_size
 
 
+def kv_per_token(spec: ModelSpec, kv_dtype: torch.dtype) -> dict[str, int | str]:
+    """One token's KV bytes over every layer and how they come about (`cbatch plan` shows it): K and V per KV
+    head, or MLA's latent, (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes."""
+    size, layers = kv_dtype.itemsize, spec.num_layers
+    if spec.mla is not None:
+        how = (f"MLA latent: ({spec.mla.kv_lora_rank} + {spec.mla.qk_rope_head_dim}) x {layers} layers x {size} bytes")
+    else:
+        how = f"K and V: 2 x {layers} layers x {spec.num_kv_heads} KV heads x {spec.head_dim} x {size} bytes"
+    return {"bytes_per_token": spec.kv_bytes_per_token(size), "layout": how}
+
+
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
     """The KV cache's element type: --kv-cache-dtype fp8 (e4m3), else the model's dtype."""
     return FP8_KV_DTYPE if config.kv_cache_dtype == "fp8" else model_dtype

@@ -10,7 +10,9 @@ from typing import Any
 
 from cbatch.bench.simulator import CostModel, cost_settings
 from cbatch.config import EngineConfig, SamplingParams
+from cbatch.engine.memory import kv_cache_dtype, kv_per_token
 from cbatch.engine.resolve import ResolvedModel, engine_backend
+from cbatch.model.shard import Shard
 from cbatch.io.reader import InputFile, inspect_input, iter_rows, open_input
 from cbatch.io.state import StorageError
 from cbatch.io.writer import check_writable
@@ -144,6 +146,7 @@ def plan_report(options: PlanOptions, setup: PlanSetup, cost_source: str, checke
         "requests": {"total": total, "ok": total - len(errors), "error": len(errors), "cached": checked.cached},
         "errors": [{"index": r.index, "id": r.row_id, "error": r.error} for r in errors],
         "predicted": first.predicted(),
+        "kv_cache": plan_kv_per_token(first.config, setup.model),
         **({"lora": adapter_usage(checked, first)} if checked.adapters else {}),  # rows and tokens per adapter
         "search": {
             "best": best.predicted(),
@@ -172,6 +175,12 @@ def deadline_warning(plan: dict[str, Any], deadline: Deadline, unit: str) -> str
             "from now): the rows left at the deadline would expire; allow more time, or run fewer rows")
 
 
+def plan_kv_per_token(config: EngineConfig, model: ResolvedModel) -> dict[str, int | str]:
+    """One token's KV bytes on one rank, and how they come about (MLA: its latent)."""
+    spec = Shard(0, config.tensor_parallel_size).local_spec(model.spec)
+    return kv_per_token(spec, kv_cache_dtype(config, model.dtype))
+
+
 def print_plan(plan: dict[str, Any], quiet: bool) -> None:
     r, p = plan["requests"], plan["predicted"]
     cached = f" ({r['cached']} from the result cache)" if r["cached"] else ""
@@ -191,6 +200,9 @@ def print_plan(plan: dict[str, Any], quiet: bool) -> None:
     print(f"  wall {p['wall_seconds']:,.1f} s, {rates}, {p['steps']:,} steps, occupancy {p['mean_batch_occupancy']:.0%}, "
           f"peak KV {p['peak_kv_usage']:.0%} of {p['num_kv_blocks']:,} blocks, {p['preemptions']} preemptions"
           + (f", prefix cache hits {p['prefix_cache_hit_rate']:.0%}" if p["prefix_cache_hit_rate"] else ""))
+    kv = plan["kv_cache"]
+    print(f"  KV cache: {kv['bytes_per_token']:,} bytes per token ({kv['layout']}), "
+          f"{p['num_kv_blocks'] * plan['settings']['engine']['block_size']:,} tokens in the pool")
     best = plan["search"]["best"]
     if len(plan["search"]["tried"]) > 1:
         same = (best["max_num_seqs"], best["max_num_batched_tokens"]) == (p["max_num_seqs"], p["max_num_batched_tokens"])

@@ -1,0 +1,220 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) against HF transformers (float32, tiny random checkpoints
+with a decisive init: tests/mla_models.py): greedy tokens alone, in a batch, under chunked prefill and preemption;
+the absorbed decode against the naive form; DeepSeek's routers against HF's; the latent KV cache's size in the
+pool and in `cbatch plan`; an FP8 128x128-style block checkpoint against its dequantized weights; the refusals."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cbatch.config import ConfigError, EngineConfig, SamplingParams
+from cbatch.engine.resolve import resolve_model
+from cbatch.model.backend import AttentionMetadata
+from cbatch.model.backend.mla import mla_attend
+from cbatch.model.spec import parse_spec
+from helpers import generate, make_engine, random_prompts
+from mla_models import MLA_MODELS, hf_mla_model, save_mla_checkpoint
+from ops_jobs import run_inprocess, write_jsonl
+from tiny_models import hf_greedy
+
+PROMPTS = random_prompts(3, vocab=380, seed=1, min_len=18, max_len=40)
+# chunked prefill (24-token budget) and 14 blocks of 4 tokens: the three rows cannot all fit
+PRESSURE = dict(max_num_batched_tokens=24, block_size=4, num_kv_blocks=14)
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def mla_checkpoint(tmp_path_factory):
+    """name -> (checkpoint folder, HF's greedy completions of PROMPTS). DeepSeek-V3's carries an MTP layer."""
+    root = tmp_path_factory.mktemp("mla")
+    made: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in made:
+            model = hf_mla_model(name)
+            path = save_mla_checkpoint(model, name, root / name, mtp_layers=1 if name == "deepseek_v3" else 0)
+            made[name] = path, [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(MLA_MODELS))
+def test_greedy_matches_hf_alone_batched_chunked_and_preempted(name, mla_checkpoint):
+    path, reference = mla_checkpoint(name)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    assert len({t for row in reference for t in row}) > 2 * MAX_TOKENS  # decisive: not one repeated token
+    engine = make_engine(path)
+    assert generate(engine, PROMPTS[:1], params) == reference[:1]
+    assert generate(engine, PROMPTS, params) == reference
+    engine = make_engine(path, **PRESSURE)
+    assert generate(engine, PROMPTS, params) == reference
+    assert engine.scheduler.stats.preemptions > 0
+
+
+def test_triton_backend_matches_hf(mla_checkpoint):
+    """The GPU path under the Triton interpreter: rotary by the kernel, the fused-MoE kernels, the torch MLA."""
+    path, reference = mla_checkpoint("deepseek_v3")
+    engine = make_engine(path, attention_backend="triton", max_num_batched_tokens=16, block_size=4, num_kv_blocks=12)
+    assert generate(engine, PROMPTS[:2], SamplingParams(max_tokens=3)) == [r[:3] for r in reference[:2]]
+    assert engine.scheduler.stats.preemptions > 0
+
+
+def _decode_step(contexts: list[int], block_size: int, rank: int, rope: int):
+    """Metadata of one decode step of len(contexts) rows over a shuffled block pool, and a random cache."""
+    gen = torch.Generator().manual_seed(0)
+    blocks_per_row = [-(-c // block_size) for c in contexts]
+    order = torch.randperm(sum(blocks_per_row), generator=gen).tolist()
+    table = torch.zeros(len(contexts), max(blocks_per_row), dtype=torch.int32)
+    slots = []
+    for b, (ctx, n) in enumerate(zip(contexts, blocks_per_row)):
+        table[b, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+        slots.append(int(table[b, (ctx - 1) // block_size]) * block_size + (ctx - 1) % block_size)
+    cache = torch.randn(sum(blocks_per_row), block_size, 1, rank + rope, generator=gen)
+    meta = AttentionMetadata(query_start_loc=torch.arange(len(contexts) + 1, dtype=torch.int32),
+                             seq_lens=torch.tensor(contexts, dtype=torch.int32), block_table=table,
+                             slot_mapping=torch.tensor(slots), max_query_len=1, max_seq_len=max(contexts),
+                             query_lens_host=[1] * len(contexts), seq_lens_host=contexts, block_size=block_size)
+    return cache, meta, gen
+
+
+def test_absorbed_decode_equals_the_naive_form_to_rounding():
+    """Decodes in latent space (q through W_UK, output through W_UV) against per-head keys and values up-projected
+    from the same cache: the same product regrouped."""
+    heads, nope, rope, v_dim, rank = 4, 16, 8, 12, 32
+    cache, meta, gen = _decode_step([1, 7, 30], block_size=4, rank=rank, rope=rope)
+    layer = SimpleNamespace(num_heads=heads, kv_lora_rank=rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                            v_head_dim=v_dim, scale=0.3,
+                            kv_b_proj=SimpleNamespace(weight=torch.randn(heads * (nope + v_dim), rank, generator=gen)))
+    q_nope, q_pe = torch.randn(3, heads, nope, generator=gen), torch.randn(3, heads, rope, generator=gen)
+    latent = torch.randn(3, rank + rope, generator=gen)
+    absorbed = mla_attend(q_nope, q_pe, latent, layer, cache.clone(), meta, absorbed_decode=True)
+    naive = mla_attend(q_nope, q_pe, latent, layer, cache.clone(), meta, absorbed_decode=False)
+    assert absorbed.shape == (3, heads, v_dim) and absorbed.abs().max() > 0.1
+    torch.testing.assert_close(absorbed, naive, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(absorbed, naive[torch.tensor([2, 0, 1])])  # rows differ: each attends its own context
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+def test_router_picks_and_weighs_as_hf(name):
+    """GroupLimitedRouter (noaux_tc over groups, V2's softmax group-limited greedy) against HF's router module."""
+    from cbatch.model.moe import GroupLimitedRouter
+
+    hf = hf_mla_model(name)
+    hf_router = hf.model.layers[1].mlp.gate
+    spec = parse_spec({**hf.config.to_dict(), "architectures": [type(hf).__name__]})
+    router = GroupLimitedRouter(spec.moe, spec.hidden_size)
+    with torch.no_grad():
+        router.weight.copy_(hf_router.weight)
+        if router.e_score_correction_bias is not None:
+            router.e_score_correction_bias.copy_(hf_router.e_score_correction_bias)
+    x = torch.randn(64, spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    weights, ids = router(x)
+    _, hf_weights, hf_ids = hf_router(x)
+    got, want = ids.sort(dim=-1), hf_ids.sort(dim=-1)
+    assert torch.equal(got.values, want.values)
+    torch.testing.assert_close(weights.gather(1, got.indices), hf_weights.gather(1, want.indices), rtol=0, atol=0)
+    assert len(ids.unique()) > spec.moe.top_k  # tokens spread over the experts
+
+
+# DeepSeek-V3-671B's config.json, the shapes that size its cache
+V3_671B = dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+               moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+               n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+               qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+               first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=163840, num_nextn_predict_layers=1,
+               rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096})
+
+
+def test_kv_cache_holds_one_latent_per_token_and_plan_shows_it(mla_checkpoint, tmp_path):
+    big = parse_spec(V3_671B)
+    assert big.kv_bytes_per_token(2) == (512 + 64) * 61 * 2 == 70_272  # not 2 x 128 heads x 192 x 61 x 2
+    assert abs(big.num_params() / 1e9 - 671) < 10  # the published size, MTP layer aside
+    path, _ = mla_checkpoint("deepseek_v3")
+    engine = make_engine(path, block_size=4, num_kv_blocks=10)
+    spec = engine.runner.model.spec
+    assert spec.kv_bytes_per_token(4) == (16 + 8) * 3 * 4
+    assert engine.runner.kv_cache.tensor.shape == (3, 1, 10, 4, 1, 16 + 8)  # [layers, one latent, blocks, bs, 1, L]
+    assert engine.runner.kv_cache.nbytes == 10 * 4 * spec.kv_bytes_per_token(4)
+    rows = [{"id": f"r{i}", "prompt_token_ids": p, "max_tokens": 4} for i, p in enumerate(PROMPTS)]
+    source = write_jsonl(tmp_path / "job.jsonl", rows)
+    code, stdout, err = run_inprocess("plan", str(source), "--model", str(path), "--device", "cpu", "--block-size", "4",
+                                      "--num-kv-blocks", "40", "--no-search", "--report", str(tmp_path / "plan.json"))
+    assert code == 0, err
+    assert "KV cache: 288 bytes per token (MLA latent: (16 + 8) x 3 layers x 4 bytes), 160 tokens in the pool" in stdout
+    assert json.loads((tmp_path / "plan.json").read_text())["kv_cache"]["bytes_per_token"] == 288
+
+
+def _quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [N, K] -> (float8_e4m3fn [N, K], float32 scales [ceil(N / bn), ceil(K / bk)]): amax / 448 per block."""
+    from cbatch.model.quant import expand_scales
+
+    rows, cols = -(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1])
+    padded = torch.zeros(rows * block[0], cols * block[1])
+    padded[: weight.shape[0], : weight.shape[1]] = weight
+    amax = padded.view(rows, block[0], cols, block[1]).abs().amax(dim=(1, 3))
+    scale = (amax / 448.0).clamp(min=1e-12)
+    return (weight / expand_scales(scale, weight.shape, block)).to(torch.float8_e4m3fn), scale
+
+
+def test_fp8_block_checkpoint_matches_its_dequantized_weights(tmp_path):
+    """DeepSeek's layout: every linear weight float8_e4m3fn with a weight_scale_inv per block (16x16 here, so the tiny
+    matrices hold several blocks and ragged edges), experts one by one; HF runs the dequantized weights."""
+    from safetensors.torch import save_file
+    from cbatch.model.quant import dequantize
+
+    block = (16, 16)
+    model = hf_mla_model("deepseek_v3", seed=4)
+    save_mla_checkpoint(model, "deepseek_v3", tmp_path / "ckpt", mtp_layers=1)  # config.json and the MTP tensors' layout
+    tensors, state = {}, model.state_dict()
+    for name, value in state.items():
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            prefix, kind = name.rsplit(".", 1)
+            for e in range(value.shape[0]):
+                parts = ({"gate_proj": value[e].chunk(2)[0], "up_proj": value[e].chunk(2)[1]} if kind == "gate_up_proj"
+                         else {"down_proj": value[e]})
+                tensors.update({f"{prefix}.{e}.{leaf}.weight": w.contiguous() for leaf, w in parts.items()})
+        else:
+            tensors[name] = value.contiguous()
+    quantized = {}
+    for name, value in tensors.items():
+        linear = value.dim() == 2 and "norm" not in name and "embed" not in name and "lm_head" not in name
+        if linear and not name.endswith("mlp.gate.weight"):  # the router stays float32, as DeepSeek ships it
+            q, scale = _quantize_blocks(value, block)
+            quantized[name], quantized[name.replace(".weight", ".weight_scale_inv")] = q, scale
+            tensors[name] = dequantize(q, scale, block, torch.float32)  # what HF runs
+        else:
+            quantized[name] = value
+    (tmp_path / "ckpt" / "model.safetensors").unlink()
+    save_file(quantized, str(tmp_path / "ckpt" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():  # the HF model with the dequantized weights (stacked experts again)
+        for name, param in model.named_parameters():
+            if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+                prefix = name.rsplit(".", 1)[0]
+                for e in range(param.shape[0]):
+                    if name.endswith("gate_up_proj"):
+                        param[e] = torch.cat([tensors[f"{prefix}.{e}.gate_proj.weight"],
+                                              tensors[f"{prefix}.{e}.up_proj.weight"]])
+                    else:
+                        param[e] = tensors[f"{prefix}.{e}.down_proj.weight"]
+            elif name in tensors:
+                param.copy_(tensors[name])
+    reference = [hf_greedy(model, p, 6) for p in PROMPTS]
+    assert generate(make_engine(tmp_path / "ckpt", **PRESSURE), PROMPTS, SamplingParams(max_tokens=6)) == reference
+
+
+def test_refusals_name_the_flag(mla_checkpoint):
+    path, _ = mla_checkpoint("deepseek_v2")
+    with pytest.raises(ConfigError, match="tensor_parallel_size.*run on one rank only for now; use --tensor-parallel-size 1"):
+        resolve_model(EngineConfig(model=str(path), tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match="kv_cache_dtype.*use --kv-cache-dtype auto"):
+        resolve_model(EngineConfig(model=str(path), kv_cache_dtype="fp8"))
