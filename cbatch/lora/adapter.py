@@ -140,6 +140,9 @@ def load_adapter(name: str, path: str | Path, spec: ModelSpec, max_rank: int) ->
 
     path = Path(path).expanduser()
     config = read_config(name, path)
+    if spec.mla is not None:
+        raise _fail(name, f"adapts a {spec.architecture}, whose latent attention cbatch does not adapt yet",
+                    "merge the adapter into the model (PeftModel.merge_and_unload) and run the merged checkpoint")
     alpha = config.get("lora_alpha", 8)
     use_rslora = bool(config.get("use_rslora", False))
     adapter = LoraAdapter(name, path, 0, file_hashes=file_hashes(path))
