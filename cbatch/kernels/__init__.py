@@ -13,6 +13,7 @@
     fp8_linear          x @ W.T with W stored in FP8 and dequantized per tile (per-channel or block scales)
     w4a16_linear        x @ W.T with W packed 4/8-bit integers (AWQ, GPTQ, compressed-tensors), unpacked in registers
     decode_linear       x @ W.T for decode-sized batches (small-M tiles, split-K); start-up tuning picks it or cuBLAS
+    mla_decode_attention  MLA decode attention in latent space over the paged latent cache (DeepSeek-V2/V3, Kimi K2)
 
 Importing this package never needs a GPU (Triton imports on CPU). Where Triton itself is missing
 (e.g. macOS), the names still import and raise ImportError when called, so the engine's CPU path keeps
@@ -47,6 +48,7 @@ except ImportError as _err:  # pragma: no cover - exercised only where triton is
     fp8_linear = _missing("fp8_linear")
     w4a16_linear = _missing("w4a16_linear")
     decode_linear = _missing("decode_linear")
+    mla_decode_attention = _missing("mla_decode_attention")
     HAS_TRITON = False
 else:
     from .activation import gelu_tanh_and_mul, silu_and_mul
@@ -54,6 +56,7 @@ else:
     from .kv_store import store_kv
     from .w4a16 import w4a16_linear
     from .gemm import decode_linear
+    from .mla_decode import mla_decode_attention
     from .paged_attention import paged_attention
     from .rmsnorm import fused_add_rms_norm, rms_norm
     from .rope_store import norm_rope_store
@@ -74,6 +77,7 @@ __all__ = [
     "fp8_linear",
     "fused_moe",
     "gelu_tanh_and_mul",
+    "mla_decode_attention",
     "fused_add_rms_norm",
     "fused_sample",
     "norm_rope_store",

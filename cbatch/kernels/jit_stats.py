@@ -19,8 +19,8 @@ from ._utils import interpreting
 
 # every module of cbatch.kernels that defines a launched kernel (a @triton.jit function named *_kernel);
 # tests/test_compile_count.py reads the package's sources and fails on one missing here
-KERNEL_MODULES = ("activation", "gemm", "grouped_gemm", "kv_store", "lora", "paged_attention", "rmsnorm", "rope_store",
-                  "rotary", "sampler", "w4a16")
+KERNEL_MODULES = ("activation", "gemm", "grouped_gemm", "kv_store", "lora", "mla_decode", "paged_attention", "rmsnorm",
+                  "rope_store", "rotary", "sampler", "w4a16")
 _interpreted_keys: dict[str, set[str]] = {}  # kernel name -> specialisation keys launched so far
 
 

@@ -13,10 +13,13 @@ and kv_b_proj's per-head blocks W_UK [H, N, rank] and W_UV [H, V, rank]:
 
 The two forms are the same product regrouped, so they differ by float rounding only (tests/test_mla.py bounds
 it; greedy tokens stay HF's on the tiny checkpoints). `absorbed_decode=False` runs decodes the naive way too.
+The absorbed form's middle (scores, softmax, p . c_kv over the paged latents) is `latent_attention`: torch here,
+the Triton kernel (cbatch.kernels.mla_decode_attention) on the GPU path.
 """
 from __future__ import annotations
 
 from itertools import accumulate
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,17 +35,24 @@ def store_latents(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch
     slots.index_copy_(0, slot_mapping[rows], latent[rows].to(slots.dtype))
 
 
+# (absorbed queries [B, H, L], one layer's cache, block_table [B, max_blocks] int32, seq_lens [B] int32, rank, scale)
+# -> o_lat [B, H, rank]: each row's softmax(q . latent) . c_kv over its cached context
+LatentAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+
+
 def mla_attend(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, layer: MLALayer, cache: torch.Tensor,
-               meta: AttentionMetadata, absorbed_decode: bool = True) -> torch.Tensor:
+               meta: AttentionMetadata, absorbed_decode: bool = True,
+               latent_attention: LatentAttention | None = None) -> torch.Tensor:
     """q_nope [T, H, N], q_pe [T, H, R] and latent [T, L] rotated; stores the latents, then attends every row
-    over its context; returns [T, H, V]."""
+    over its context; returns [T, H, V]. `latent_attention`: the decodes' latent-space attention (default: torch)."""
     store_latents(cache, latent, meta.slot_mapping)
     num_tokens, num_heads = q_nope.shape[:2]
     out = q_nope.new_empty(num_tokens, num_heads, layer.v_head_dim)
     starts = [0, *accumulate(meta.query_lens_host)]
     decodes = [b for b, n in enumerate(meta.query_lens_host) if n == 1]
     if absorbed_decode and decodes:
-        _attend_absorbed(q_nope, q_pe, layer, cache, meta, decodes, [starts[b] for b in decodes], out)
+        _attend_absorbed(q_nope, q_pe, layer, cache, meta, decodes, [starts[b] for b in decodes], out,
+                         latent_attention or torch_latent_attention)
     for b, q_len in enumerate(meta.query_lens_host):
         if q_len > 1 or not absorbed_decode:
             rows = slice(starts[b], starts[b] + q_len)
@@ -79,23 +89,30 @@ def _attend_naive(q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLALayer, con
 
 
 def _attend_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLALayer, cache: torch.Tensor,
-                     meta: AttentionMetadata, batch_rows: list[int], token_rows: list[int], out: torch.Tensor) -> None:
-    """out[token_rows] for single-token rows, in latent space, all rows at once over their padded contexts."""
+                     meta: AttentionMetadata, batch_rows: list[int], token_rows: list[int], out: torch.Tensor,
+                     latent_attention: LatentAttention) -> None:
+    """out[token_rows] for single-token rows: queries through W_UK, attention in latent space, output through W_UV."""
     device, rank, heads = q_nope.device, layer.kv_lora_rank, q_nope.shape[1]
-    block_size = meta.block_size
-    lens = [meta.seq_lens_host[b] for b in batch_rows]
-    num_blocks = -(-max(lens) // block_size)
     batch_idx = torch.tensor(batch_rows, device=device)
     tokens = torch.tensor(token_rows, device=device)
-    blocks = meta.block_table[batch_idx, :num_blocks].long()  # [B, nb]
-    latents = cache.view(cache.shape[0], block_size, -1)[blocks].flatten(1, 2).to(q_nope.dtype)  # [B, nb * bs, L]
-    padding = torch.arange(num_blocks * block_size, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None]
     w_kv = layer.kv_b_proj.weight.view(heads, layer.qk_nope_head_dim + layer.v_head_dim, rank)
     w_uk, w_uv = w_kv.split([layer.qk_nope_head_dim, layer.v_head_dim], dim=1)  # [H, N, rank], [H, V, rank]
     q_lat = torch.bmm(q_nope[tokens].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, rank]
     query = torch.cat([q_lat, q_pe[tokens]], dim=-1)  # [B, H, L]
-    scores = torch.bmm(query, latents.transpose(1, 2)) * layer.scale  # [B, H, ctx]
+    o_lat = latent_attention(query, cache, meta.block_table[batch_idx], meta.seq_lens[batch_idx], rank, layer.scale)
+    out[tokens] = torch.bmm(o_lat.to(q_nope.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, V]
+
+
+def torch_latent_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                           rank: int, scale: float) -> torch.Tensor:
+    """`LatentAttention` in torch: every row's blocks gathered at once, padded to the longest context and masked."""
+    block_size, device = cache.shape[1], query.device
+    lens = seq_lens.long()
+    num_blocks = -(-int(lens.max()) // block_size)
+    blocks = block_table[:, :num_blocks].long()  # [B, nb]
+    latents = cache.view(cache.shape[0], block_size, -1)[blocks].flatten(1, 2).to(query.dtype)  # [B, nb * bs, L]
+    padding = torch.arange(num_blocks * block_size, device=device)[None, :] >= lens[:, None]
+    scores = torch.bmm(query, latents.transpose(1, 2)) * scale  # [B, H, ctx]
     scores.masked_fill_(padding[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
-    o_lat = torch.bmm(probs, latents[..., :rank])  # [B, H, rank]
-    out[tokens] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, V]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.bmm(probs, latents[..., :rank])  # [B, H, rank]

@@ -81,15 +81,16 @@ class TritonBackend:
 
     def mla_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                       layer: MLALayer, rope: RotaryStep, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:
-        """Multi-head latent attention: rotary by the Triton kernel, then the torch path's latent store and attention
-        (backend/mla.py: naive prefills, absorbed decodes); there is no Triton MLA kernel yet, so MLA models run
-        without decode CUDA graphs (engine/build.py). Returns [T, H, V]."""
-        from cbatch.kernels import apply_rotary
+        """Multi-head latent attention: rotary by the Triton kernel, the latent store and the prefills' naive form in
+        torch (backend/mla.py), the decodes' latent-space attention by `mla_decode_attention`. The torch parts keep
+        per-step host state, so MLA models run without decode CUDA graphs (engine/build.py). Returns [T, H, V]."""
+        from cbatch.kernels import apply_rotary, mla_decode_attention
         from cbatch.model.backend.mla import mla_attend
 
         q_pe, k_pe = q_pe.contiguous(), k_pe.unsqueeze(1).contiguous()
         apply_rotary(q_pe, k_pe, rope.positions, rope.cos_sin)  # in place
-        return mla_attend(q_nope, q_pe, torch.cat([c_kv, k_pe.squeeze(1)], dim=-1), layer, kv.k, meta)
+        latent = torch.cat([c_kv, k_pe.squeeze(1)], dim=-1)
+        return mla_attend(q_nope, q_pe, latent, layer, kv.k, meta, latent_attention=mla_decode_attention)
 
     def _prologue(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
                   meta: AttentionMetadata) -> torch.Tensor:
