@@ -55,6 +55,17 @@ def test_greedy_matches_hf_alone_batched_chunked_and_preempted(name, mla_checkpo
     assert engine.scheduler.stats.preemptions > 0
 
 
+def test_swapped_and_prefix_cached_latents_keep_hf_tokens(mla_checkpoint):
+    """The latent blocks swapped out and back, then read again as prefix-cache hits by the same prompts."""
+    path, reference = mla_checkpoint("kimi_k2")
+    engine = make_engine(path, preemption="swap", swap_space_gb=0.01, **PRESSURE)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    assert generate(engine, PROMPTS, params) == reference
+    assert engine.scheduler.stats.swap_preemptions > 0
+    assert generate(engine, PROMPTS, params) == reference
+    assert engine.scheduler.stats.prefix_cache_hit_tokens > 0
+
+
 def test_triton_backend_matches_hf(mla_checkpoint):
     """The GPU path under the Triton interpreter: rotary by the kernel, the fused-MoE kernels, the torch MLA."""
     path, reference = mla_checkpoint("deepseek_v3")
