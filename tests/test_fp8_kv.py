@@ -74,6 +74,7 @@ def test_spec_kv_bytes_follow_the_dtype():
     object.__setattr__(spec, "num_layers", 2)
     object.__setattr__(spec, "num_kv_heads", 3)
     object.__setattr__(spec, "head_dim", 8)
+    object.__setattr__(spec, "mla", None)  # K and V (an MLA spec holds one latent: tests/test_mla.py)
     assert memory.bytes_per_block(spec, FP8_KV_DTYPE, 4) == 2 * 2 * 3 * 8 * 4
 
 
