@@ -85,3 +85,58 @@ def save_mla_checkpoint(model, name: str, path: Path, mtp_layers: int = 0) -> Pa
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+def _quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [N, K] -> (float8_e4m3fn [N, K], float32 scales [ceil(N / bn), ceil(K / bk)]): amax / 448 per block."""
+    from cbatch.model.quant import expand_scales
+
+    rows, cols = -(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1])
+    padded = torch.zeros(rows * block[0], cols * block[1])
+    padded[: weight.shape[0], : weight.shape[1]] = weight
+    amax = padded.view(rows, block[0], cols, block[1]).abs().amax(dim=(1, 3))
+    scale = (amax / 448.0).clamp(min=1e-12)
+    return (weight / expand_scales(scale, weight.shape, block)).to(torch.float8_e4m3fn), scale
+
+
+def save_fp8_block_checkpoint(model, path: Path, block: tuple[int, int]) -> Path:
+    """`model` saved as DeepSeek ships FP8: every linear weight (the router aside) float8_e4m3fn with a float32
+    weight_scale_inv per block, experts one by one; `model` itself then holds the dequantized weights (HF's
+    reference)."""
+    from safetensors.torch import save_file
+    from cbatch.model.quant import dequantize
+
+    save_mla_checkpoint(model, "deepseek_v3", path)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # stacked -> per expert
+            prefix, kind = name.rsplit(".", 1)
+            for e in range(value.shape[0]):
+                parts = dict(zip(("gate_proj", "up_proj"), value[e].chunk(2))) if kind == "gate_up_proj" else {"down_proj": value[e]}
+                tensors.update({f"{prefix}.{e}.{leaf}.weight": w.contiguous() for leaf, w in parts.items()})
+        else:
+            tensors[name] = value.contiguous()
+    stored, dequantized = {}, {}
+    for name, value in tensors.items():
+        linear = value.dim() == 2 and not any(k in name for k in ("norm", "embed", "lm_head", "mlp.gate.weight"))
+        if linear:
+            q, scale = _quantize_blocks(value, block)
+            stored[name], stored[name.replace(".weight", ".weight_scale_inv")] = q, scale
+            dequantized[name] = dequantize(q, scale, block, torch.float32)
+        else:
+            stored[name] = value
+    save_file(stored, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (path / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                prefix = name.rsplit(".", 1)[0]
+                for e in range(param.shape[0]):
+                    leaves = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+                    param[e] = torch.cat([dequantized[f"{prefix}.{e}.{leaf}.weight"] for leaf in leaves])
+            elif name in dequantized:
+                param.copy_(dequantized[name])
+    return path

@@ -16,7 +16,7 @@ from cbatch.model.backend import AttentionMetadata
 from cbatch.model.backend.mla import mla_attend
 from cbatch.model.spec import parse_spec
 from helpers import generate, make_engine, random_prompts
-from mla_models import MLA_MODELS, hf_mla_model, save_mla_checkpoint
+from mla_models import MLA_MODELS, hf_mla_model, save_fp8_block_checkpoint, save_mla_checkpoint
 from ops_jobs import run_inprocess, write_jsonl
 from tiny_models import hf_greedy
 
@@ -64,14 +64,6 @@ def test_swapped_and_prefix_cached_latents_keep_hf_tokens(mla_checkpoint):
     assert engine.scheduler.stats.swap_preemptions > 0
     assert generate(engine, PROMPTS, params) == reference
     assert engine.scheduler.stats.prefix_cache_hit_tokens > 0
-
-
-def test_triton_backend_matches_hf(mla_checkpoint):
-    """The GPU path under the Triton interpreter: rotary by the kernel, the fused-MoE kernels, the torch MLA."""
-    path, reference = mla_checkpoint("deepseek_v3")
-    engine = make_engine(path, attention_backend="triton", max_num_batched_tokens=16, block_size=4, num_kv_blocks=7)
-    assert generate(engine, PROMPTS, SamplingParams(max_tokens=3)) == [r[:3] for r in reference]
-    assert engine.scheduler.stats.preemptions > 0
 
 
 def _decode_step(contexts: list[int], block_size: int, rank: int, rope: int):
@@ -161,66 +153,31 @@ def test_kv_cache_holds_one_latent_per_token_and_plan_shows_it(mla_checkpoint, t
     assert json.loads((tmp_path / "plan.json").read_text())["kv_cache"]["bytes_per_token"] == 288
 
 
-def _quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 [N, K] -> (float8_e4m3fn [N, K], float32 scales [ceil(N / bn), ceil(K / bk)]): amax / 448 per block."""
-    from cbatch.model.quant import expand_scales
-
-    rows, cols = -(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1])
-    padded = torch.zeros(rows * block[0], cols * block[1])
-    padded[: weight.shape[0], : weight.shape[1]] = weight
-    amax = padded.view(rows, block[0], cols, block[1]).abs().amax(dim=(1, 3))
-    scale = (amax / 448.0).clamp(min=1e-12)
-    return (weight / expand_scales(scale, weight.shape, block)).to(torch.float8_e4m3fn), scale
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """A DeepSeek-V3 FP8 block checkpoint (16x16 blocks: several per tiny matrix, ragged edges) and HF's greedy
+    completions of PROMPTS with its dequantized weights."""
+    model = hf_mla_model("deepseek_v3", seed=4, num_hidden_layers=2)  # a dense layer, a MoE layer
+    path = save_fp8_block_checkpoint(model, tmp_path_factory.mktemp("mla-fp8") / "ckpt", block=(16, 16))
+    return path, [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
 
 
-def test_fp8_block_checkpoint_matches_its_dequantized_weights(tmp_path):
-    """DeepSeek's layout: every linear weight float8_e4m3fn with a weight_scale_inv per block (16x16 here, so the tiny
-    matrices hold several blocks and ragged edges), experts one by one; HF runs the dequantized weights."""
-    from safetensors.torch import save_file
-    from cbatch.model.quant import dequantize
+def test_fp8_block_checkpoint_matches_its_dequantized_weights(fp8_checkpoint):
+    """DeepSeek's layout (weight_scale_inv per block, experts one by one), dequantized at load on the CPU path."""
+    path, reference = fp8_checkpoint
+    assert generate(make_engine(path, **PRESSURE), PROMPTS, SamplingParams(max_tokens=MAX_TOKENS)) == reference
 
-    block = (16, 16)
-    model = hf_mla_model("deepseek_v3", seed=4)
-    save_mla_checkpoint(model, "deepseek_v3", tmp_path / "ckpt", mtp_layers=1)  # config.json and the MTP tensors' layout
-    tensors, state = {}, model.state_dict()
-    for name, value in state.items():
-        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-            prefix, kind = name.rsplit(".", 1)
-            for e in range(value.shape[0]):
-                parts = ({"gate_proj": value[e].chunk(2)[0], "up_proj": value[e].chunk(2)[1]} if kind == "gate_up_proj"
-                         else {"down_proj": value[e]})
-                tensors.update({f"{prefix}.{e}.{leaf}.weight": w.contiguous() for leaf, w in parts.items()})
-        else:
-            tensors[name] = value.contiguous()
-    quantized = {}
-    for name, value in tensors.items():
-        linear = value.dim() == 2 and "norm" not in name and "embed" not in name and "lm_head" not in name
-        if linear and not name.endswith("mlp.gate.weight"):  # the router stays float32, as DeepSeek ships it
-            q, scale = _quantize_blocks(value, block)
-            quantized[name], quantized[name.replace(".weight", ".weight_scale_inv")] = q, scale
-            tensors[name] = dequantize(q, scale, block, torch.float32)  # what HF runs
-        else:
-            quantized[name] = value
-    (tmp_path / "ckpt" / "model.safetensors").unlink()
-    save_file(quantized, str(tmp_path / "ckpt" / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}
-    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
-    with torch.no_grad():  # the HF model with the dequantized weights (stacked experts again)
-        for name, param in model.named_parameters():
-            if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-                prefix = name.rsplit(".", 1)[0]
-                for e in range(param.shape[0]):
-                    if name.endswith("gate_up_proj"):
-                        param[e] = torch.cat([tensors[f"{prefix}.{e}.gate_proj.weight"],
-                                              tensors[f"{prefix}.{e}.up_proj.weight"]])
-                    else:
-                        param[e] = tensors[f"{prefix}.{e}.down_proj.weight"]
-            elif name in tensors:
-                param.copy_(tensors[name])
-    reference = [hf_greedy(model, p, 6) for p in PROMPTS]
-    assert generate(make_engine(tmp_path / "ckpt", **PRESSURE), PROMPTS, SamplingParams(max_tokens=6)) == reference
+
+def test_triton_backend_matches_hf(fp8_checkpoint):
+    """The GPU path under the Triton interpreter, chunked and preempted: MLA's projections (kv_b_proj aside) and the
+    experts kept in FP8 and dequantized tile by tile, rotary, the fused MoE and the MLA decode kernel."""
+    path, reference = fp8_checkpoint
+    engine = make_engine(path, attention_backend="triton", max_num_batched_tokens=16, block_size=4, num_kv_blocks=7)
+    attention = engine.runner.model.layers[1].self_attn
+    assert attention.q_a_proj.weight.dtype == torch.float8_e4m3fn and attention.kv_b_proj.weight.dtype == torch.float32
+    assert engine.runner.model.layers[1].mlp.experts.w13.dtype == torch.float8_e4m3fn
+    assert generate(engine, PROMPTS, SamplingParams(max_tokens=3)) == [r[:3] for r in reference]
+    assert engine.scheduler.stats.preemptions > 0
 
 
 def test_refusals_name_the_flag(mla_checkpoint):
