@@ -5,6 +5,7 @@ pool and in `cbatch plan`; an FP8 128x128-style block checkpoint against its deq
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -132,6 +133,8 @@ def test_kv_cache_holds_one_latent_per_token_and_plan_shows_it(mla_checkpoint, t
     big = parse_spec(V3_671B)
     assert big.kv_bytes_per_token(2) == (512 + 64) * 61 * 2 == 70_272  # not 2 x 128 heads x 192 x 61 x 2
     assert abs(big.num_params() / 1e9 - 671) < 10  # the published size, MTP layer aside
+    # YaRN factor 40 with mscale_all_dim 1: HF's softmax scale, qk_head_dim ** -0.5 x mscale ** 2
+    assert big.softmax_scale == pytest.approx(192**-0.5 * (0.1 * math.log(40) + 1) ** 2, rel=1e-12)
     path, _ = mla_checkpoint("deepseek_v3")
     engine = make_engine(path, block_size=4, num_kv_blocks=10)
     spec = engine.runner.model.spec
