@@ -54,7 +54,7 @@ def mla_attend(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, l
         _attend_absorbed(q_nope, q_pe, layer, cache, meta, decodes, [starts[b] for b in decodes], out,
                          latent_attention or torch_latent_attention)
     for b, q_len in enumerate(meta.query_lens_host):
-        if q_len > 1 or not absorbed_decode:
+        if q_len > 1 or (q_len == 1 and not absorbed_decode):
             rows = slice(starts[b], starts[b] + q_len)
             out[rows] = _attend_naive(q_nope[rows], q_pe[rows], layer, _context(cache, meta, b), meta.seq_lens_host[b])
     return out
