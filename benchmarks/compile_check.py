@@ -150,6 +150,7 @@ def _drive():
     yield from _drive_w4a16()
     yield from _drive_gemm()
     yield from _drive_lora()
+    yield from _drive_mla()
 
 
 def _drive_small_ops():
@@ -297,6 +298,18 @@ def _drive_lora():
         lora_expand(y, torch.empty(4, 4096, 16, dtype=dtype), torch.empty(64, 4096, dtype=dtype), tokens, slots,
                     slots, 16)
         yield f"lora expand {str(dtype).removeprefix('torch.')} rank 16"
+
+
+def _drive_mla():
+    """MLA decode attention (kernels/mla_decode.py): DeepSeek-V3's latent (512 + 64) and 128 heads in bf16, the tests'
+    tiny shapes in fp32."""
+    from cbatch.kernels import mla_decode_attention
+
+    for dtype, heads, rank, rope, block_size in ((torch.bfloat16, 128, 512, 64, 16), (torch.float32, 5, 16, 8, 4)):
+        mla_decode_attention(torch.empty(8, heads, rank + rope, dtype=dtype),
+                             torch.empty(32, block_size, 1, rank + rope, dtype=dtype),
+                             torch.zeros(8, 4, dtype=torch.int32), torch.ones(8, dtype=torch.int32), rank, 0.1)
+        yield f"mla decode {str(dtype).removeprefix('torch.')} {heads} heads, latent {rank}+{rope}"
 
 
 def main(arch: int = 90, only: str | None = None) -> int:
