@@ -46,7 +46,7 @@ def _grouped_gemm_kernel(
     c_ptr,  # [rows of C, N]
     scale_ptr,  # SCALE: fp32 [E, N] or [E, ceil(N / SBN), ceil(K / SBK)]; SCALE == 3: fp32 [E, N, groups]
     zero_ptr,  # SCALE == 3: uint8 [E, N, groups], laid out as the scales
-    bias_ptr,  # HAS_BIAS: [N]
+    bias_ptr,  # HAS_BIAS: [E, N] (per expert, stride_bias_e; [N] with stride 0 unless SORTED)
     sorted_ids_ptr,  # SORTED: int32 [padded rows]: an assignment id, or M for padding
     block_expert_ptr,  # SORTED: int32 [row blocks]: the expert of each block of BLOCK_M sorted rows
     used_rows_ptr,  # SORTED: int32 [1]: sorted rows in use; blocks at or past it return
@@ -54,7 +54,7 @@ def _grouped_gemm_kernel(
     M,  # SORTED: assignments (ids >= M are padding); otherwise rows of A and C
     N,
     K,
-    stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_sk,
+    stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_sk, stride_bias_e,
     A_ROW_DIV: tl.constexpr,  # SORTED: A's row = assignment // A_ROW_DIV (top_k for x, 1 for the activations)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -117,7 +117,7 @@ def _grouped_gemm_kernel(
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     out_dtype = c_ptr.dtype.element_ty
     if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc = acc + tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if MUL_ROUTE:
         # as HF: the expert's output is rounded to the activations' dtype, then scaled by its routing weight
         w = tl.load(route_weight_ptr + c_rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -179,6 +179,7 @@ def _launch(a, b, c, rows, *, scale=None, block=None, bias=None, sorted_rows=Non
             sorted_ids, block_expert, used_rows, route_weights if route_weights is not None else c,
             rows, n, k,
             a.stride(0), b.stride(0), b.stride(1), c.stride(0), *s_strides,
+            bias.stride(0) if bias is not None and bias.dim() == 2 else 0,
             A_ROW_DIV=a_row_div,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             SORTED=sorted_rows is not None,
@@ -231,8 +232,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-              int_experts=None) -> torch.Tensor:
+              int_experts=None, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H] through each token's top-k experts (w13 [E, 2I, H], w2 [E, H, I]) -> [T, H] in x's dtype.
+    `activation`: silu | gelu_tanh (kernels), or a callable on [T * k, 2I] (gpt-oss's `ClampedSwiGLU`, torch ops);
+    w13_bias [E, 2I] / w2_bias [E, H]: each expert's biases, added in the GEMMs' epilogues (gpt-oss).
     `int_experts` (int4.IntExperts): w13 / w2 are packed ints [E, N, K * bits / 32] with float32 scales
     (w13_scale / w2_scale) and its uint8 zeros, [E, N, groups] each."""
     if int_experts is None:
@@ -253,9 +257,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     sorted_rows = sort_by_expert(ids, w13.shape[0], block_m)
     inter = torch.empty((assignments, w13.shape[1]), dtype=x.dtype, device=x.device)  # [T * k, 2I]
     _launch(x, w13, inter, assignments, scale=w13_scale, block=block, sorted_rows=sorted_rows,
-            a_row_div=top_k, block_m=block_m, **int_args13)
-    act = gelu_tanh_and_mul(inter) if activation == "gelu_tanh" else silu_and_mul(inter)  # [T * k, I]
+            a_row_div=top_k, block_m=block_m, bias=w13_bias, **int_args13)
+    if callable(activation):
+        act = activation(inter).contiguous()  # [T * k, I]
+    else:
+        act = gelu_tanh_and_mul(inter) if activation == "gelu_tanh" else silu_and_mul(inter)  # [T * k, I]
     down = torch.empty((assignments, w2.shape[1]), dtype=x.dtype, device=x.device)  # [T * k, H]
     _launch(act, w2, down, assignments, scale=w2_scale, block=block, sorted_rows=sorted_rows,
-            route_weights=weights, block_m=block_m, **int_args2)
+            route_weights=weights, block_m=block_m, bias=w2_bias, **int_args2)
     return down.view(num_tokens, top_k, -1).sum(dim=1)

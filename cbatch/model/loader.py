@@ -185,7 +185,7 @@ def _load_whole(index: TensorIndex, name: str, placement: Placement, kind: str, 
     block = spec.quant.block if spec.quant is not None else None
     where = placement.block_rows(block[0]) if kind == "scale" and block is not None else placement
     dest = where.select(param)
-    tensor = _read(index, name, placement, kind, dest, spec)
+    tensor = placement.to_ours(_read(index, name, placement, kind, dest, spec))
     _check_shape(index, name, tensor, dest)
     dest.copy_(tensor)
     return dest.numel()

@@ -7,7 +7,8 @@ expert of a MoE layer into two stacked tensors (`experts.w13` [E, 2I, H], `exper
 Checkpoints that already fuse them (Phi-3's qkv_proj and gate_up_proj, transformers 5's stacked
 experts) map one to one. Mixtral's `block_sparse_moe` and w1/w3/w2 expert names are read too, and a
 multimodal Gemma 3's text decoder (`language_model.model.*` or `model.language_model.*`; the vision
-tower is not used).
+tower is not used). gpt-oss: `mlp.router` is our `mlp.gate`, `self_attn.sinks` a parameter of its own, and the
+stacked experts ([E, in, out], gate/up interleaved, with biases) are transposed and de-interleaved on load.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1, "w1": 0, "w3": 1}  # w1/w3: Mixtral's expert gate/up
 _DOWN = ("down_proj", "w2")
+_STACKED_EXPERTS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)$")
 _TEXT_DECODER = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")  # multimodal Gemma 3
 _BARE_DECODER = ("layers.", "embed_tokens.", "norm.")
@@ -42,10 +44,12 @@ class Placement:
     slot: str = "weight"
     expert: int | None = None
     rows: slice | None = None
+    transposed: bool = False  # stored [..., in, out] (gpt-oss's experts): ours is [..., out, in]
+    interleaved: bool = False  # gate/up stored interleaved along the output (gate 0, up 0, gate 1, ...): ours gate | up
 
     def param(self, kind: str) -> str:
         """Our parameter for a tensor of this `kind` (weight | bias | scale); scales are `<slot>_scale`."""
-        leaf = {"weight": self.slot, "bias": "bias", "scale": f"{self.slot}_scale", "zero": f"{self.slot}_zero",
+        leaf = {"weight": self.slot, "bias": f"{self.slot}_bias" if self.slot in ("w13", "w2") else "bias", "scale": f"{self.slot}_scale", "zero": f"{self.slot}_zero",
                 "perm": f"{self.slot}_perm"}[kind]
         return f"{self.module}.{leaf}"
 
@@ -55,6 +59,17 @@ class Placement:
             return self
         rows = slice(self.rows.start // rows_per_block, -(-self.rows.stop // rows_per_block))
         return Placement(self.module, self.slot, self.expert, rows)
+
+    def to_ours(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A stored tensor in our layout: transposed to [..., out, in], gate | up halves (a weight [E, out, in]
+        de-interleaves its rows, a bias [E, out] its last dimension)."""
+        if self.transposed:
+            tensor = tensor.transpose(-1, -2)
+        if self.interleaved:
+            dim = -2 if tensor.dim() == 3 else -1
+            tensor = torch.cat([tensor[..., 0::2, :], tensor[..., 1::2, :]] if dim == -2 else
+                               [tensor[..., 0::2], tensor[..., 1::2]], dim=dim)
+        return tensor
 
     def select(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.expert is not None:
@@ -108,6 +123,8 @@ def _layer_place(prefix: str, rest: str, spec: ModelSpec) -> Placement | None:
         if leaf in _GATE_UP:
             return Placement(f"{prefix}mlp.experts", "w13", index, _packed([size, size], _GATE_UP[leaf]))
         return Placement(f"{prefix}mlp.experts", "w2", index) if leaf in _DOWN else None
+    if rest == "mlp.router":  # gpt-oss's router (with a bias)
+        return Placement(f"{prefix}mlp.gate")
     if leaf in ("gate_proj", "up_proj"):  # the dense MLP or Qwen2-MoE's shared expert
         size = spec.moe.shared_expert_size if parent == "mlp.shared_expert" else spec.intermediate_size
         return Placement(f"{prefix}{parent}.gate_up_proj", rows=_packed([size, size], _GATE_UP[leaf]))
@@ -136,8 +153,14 @@ def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
     if match is None:
         return None
     layer, rest = match.groups()
-    if rest.endswith(".experts") and kind in ("gate_up_proj", "down_proj"):  # transformers 5's stacked experts
-        return Placement(f"layers.{layer}.mlp.experts", "w13" if kind == "gate_up_proj" else "w2"), "weight"
+    if rest.endswith(".experts") and kind in _STACKED_EXPERTS:  # transformers 5's stacked experts (gpt-oss: biases)
+        part, _, bias = kind.partition("_proj")
+        gpt_oss = spec.moe is not None and spec.moe.experts_in_out_interleaved
+        placement = Placement(f"layers.{layer}.mlp.experts", "w13" if part == "gate_up" else "w2",
+                              transposed=gpt_oss and not bias, interleaved=gpt_oss and part == "gate_up")
+        return placement, "bias" if bias else "weight"
+    if rest == "self_attn" and kind == "sinks":  # gpt-oss's attention sinks [Hq]
+        return Placement(f"layers.{layer}.self_attn", "sinks"), "weight"
     if kind not in ("weight", "bias", "scale", "zero", "perm"):
         return None
     placement = _layer_place(f"layers.{layer}.", rest, spec)

@@ -21,7 +21,8 @@ class CpuBackend(TorchBackend):
 
     def attend_decodes(self, q: torch.Tensor, out: torch.Tensor, cache: _CacheReader, scoring: _Scoring,
                        meta: AttentionMetadata) -> None:
-        if cache.scaled or not cpu_kernels.supports(q.dtype) or q.shape[-1] > cpu_kernels.MAX_HEAD_DIM:
+        if (cache.scaled or not cpu_kernels.supports(q.dtype) or q.shape[-1] > cpu_kernels.MAX_HEAD_DIM
+                or scoring.sinks is not None):
             # fp8 cache, float16, heads the kernel's buffers do not hold: the torch path
             super().attend_decodes(q, out, cache, scoring, meta)
             return
@@ -35,7 +36,8 @@ class CpuBackend(TorchBackend):
                         cache: _CacheReader, scoring: _Scoring, meta: AttentionMetadata) -> None:
         """Every prefill chunk of the step, fresh or after cached context, in one call of the compiled causal
         kernel, whatever their lengths; what the kernel does not take on the torch path."""
-        if cache.scaled or not cpu_kernels.supports(q.dtype) or meta.block_table.dtype != torch.int32:
+        if (cache.scaled or not cpu_kernels.supports(q.dtype) or meta.block_table.dtype != torch.int32
+                or scoring.sinks is not None):
             super().attend_prefills(q, k, v, out, cache, scoring, meta)
             return
         state: _TorchStepState = meta.backend_state

@@ -37,5 +37,7 @@ class Backend(Protocol):
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
     def fp8_linear(self, x, weight, scale, block: tuple[int, int] | None, bias) -> torch.Tensor: ...
     def int_linear(self, x, weight, scale, zero, perm, group_size: int, bits: int, bias) -> torch.Tensor: ...
-    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, activation: str, w13_scale=None, w2_scale=None,
-                  block: tuple[int, int] | None = None, int_experts=None) -> torch.Tensor: ...  # int4.IntExperts
+    # activation: silu | gelu_tanh | a ClampedSwiGLU (gpt-oss, with per-expert biases w13_bias [E, 2I], w2_bias [E, H])
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, activation, w13_scale=None, w2_scale=None,
+                  block: tuple[int, int] | None = None, int_experts=None, w13_bias=None,
+                  w2_bias=None) -> torch.Tensor: ...  # int4.IntExperts

@@ -141,11 +141,12 @@ class TritonBackend:
 
         return w4a16_linear(x, weight, scale, zero, perm, group_size, bits, bias)
 
-    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, activation: str, w13_scale=None, w2_scale=None,
-                  block: tuple[int, int] | None = None, int_experts=None) -> torch.Tensor:
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, activation, w13_scale=None, w2_scale=None,
+                  block: tuple[int, int] | None = None, int_experts=None, w13_bias=None, w2_bias=None) -> torch.Tensor:
         from cbatch.kernels import fused_moe
 
-        return fused_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block, int_experts)
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block, int_experts,
+                         w13_bias=w13_bias, w2_bias=w2_bias)
 
 
 def _unavailable(device: torch.device) -> str | None:
