@@ -137,3 +137,30 @@ def make_thinking_checkpoint(path: Path, tokenizer_dir: Path, chat_template: str
     make_checkpoint("qwen3", path, seed=seed, vocab_size=len(tokenizer))
     tokenizer.save_pretrained(path)
     return tokenizer
+
+
+# gpt-oss (issue 50): attention sinks, alternating sliding (8) / full layers, YaRN as gpt-oss configures it, and
+# 4 experts (top 2) with biases and the clamped SwiGLU. Sinks and biases drawn wide (HF zeroes the experts' biases
+# and draws sinks at initializer_range), so a wrong sink or bias changes the tokens.
+GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16, sliding_window=8,
+               swiglu_limit=1.5, tie_word_embeddings=False,
+               rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 256, "rope_theta": 150000.0})
+
+
+def make_gpt_oss_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random GptOssForCausalLM (float32) written by HF transformers; the MLP's width (32) and the hidden
+    size (64) are multiples of MXFP4's 32-element blocks."""
+    import transformers
+
+    config = transformers.GptOssConfig(**{**BASE, **GPT_OSS, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+            elif name.endswith("bias") or name.endswith("sinks"):
+                param.copy_(torch.randn_like(param) * (2.0 if name.endswith("sinks") else 0.3))
+    model.save_pretrained(path)
+    return path

@@ -16,6 +16,7 @@ from cbatch.model.int4 import PackedTensorView, check_packed
 from cbatch.model.layers import Fp8Linear, Int4Linear
 from cbatch.model.decoder import LlamaForCausalLM
 from cbatch.model.moe import Experts
+from cbatch.model.mxfp4 import Mxfp4TensorView, check_mxfp4
 from cbatch.model.quant import FP8_DTYPE, channel_scales, dequantize
 from cbatch.model.shard import Piece, Shard
 from cbatch.model.spec import ModelSpec, parse_spec, read_config
@@ -65,6 +66,8 @@ def read_checkpoint(model_dir: Path) -> Checkpoint:
         index = TensorIndex(files)
         _check_fp8(index, spec, model_dir)
         _check_packed(index, spec, model_dir)
+        if spec.quant is not None and spec.quant.mxfp4:
+            check_mxfp4(index, model_dir)
     return Checkpoint(model_dir, spec, raw)
 
 
@@ -144,6 +147,8 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
             return module is not None
 
         index = PackedTensorView(index, packed, keep_packed)  # the other packed layers read dequantized
+    if spec.quant is not None and spec.quant.mxfp4:
+        index = Mxfp4TensorView(index, dtype)  # the experts read dequantized, as a float checkpoint's
     model = build_model(spec, max_positions, device, dtype, backend, keep, comm, int_keep)
     params = dict(model.named_parameters())
     filled = {name: 0 for name in params}  # elements written per parameter

@@ -64,8 +64,9 @@ class TritonBackend:
     def attention(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
                   meta: AttentionMetadata) -> torch.Tensor:
         """Two launches per layer: `norm_rope_store` (q rotated in place inside qkv, k/v into the cache) and
-        `paged_attention` (reading q strided out of qkv, soft-capped for Gemma 2). Layers the fused prologue
-        does not cover (partial rotary, Gemma's (1 + w) q/k norms) take the separate kernels. Returns [T, Hq, D]."""
+        `paged_attention` (reading q strided out of qkv, soft-capped for Gemma 2, with gpt-oss's sinks). Layers the
+        fused prologue does not cover (partial rotary, Gemma's (1 + w) q/k norms) take the separate kernels.
+        Returns [T, Hq, D]."""
         from cbatch.kernels import paged_attention
 
         q = self._prologue(qkv, layer, rope, kv, meta) if _fused_prologue_covers(layer, rope) else \
@@ -76,7 +77,7 @@ class TritonBackend:
             meta.query_start_loc, meta.seq_lens, meta.block_table,
             layer.scale, meta.max_query_len, meta.max_seq_len, sliding_window=layer.sliding_window,
             softcap=layer.softcap, k_scale=kv.k_scale, v_scale=kv.v_scale, decode_tiles=self.decode_tiles,
-            num_splits=None if self.split_kv else 1, split_rule=self.split_rule,
+            num_splits=None if self.split_kv else 1, split_rule=self.split_rule, sinks=getattr(layer, "sinks", None),
         )
 
     def _prologue(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
