@@ -15,7 +15,8 @@ from cbatch.io.rows import RowRequest, parse_row, with_lora
 from cbatch.reasoning import DEFAULT_EFFORT_BUDGETS
 from cbatch.tasks.base import ParsedRow, Part, PendingRow, Request, RowWork, Task, TaskError, TaskOptions, register
 from cbatch.tasks.results import RowResult
-from cbatch.tokenizer import encode_messages, encode_text, split_reasoning, template_texts, template_thinks
+from cbatch.reasoning_split import reasoning_format
+from cbatch.tokenizer import encode_messages, encode_text, template_texts
 from cbatch.tools import FORMATS, tool_choice_constraint, tool_format
 
 if TYPE_CHECKING:
@@ -94,8 +95,9 @@ class GenerateTask(Task):
 
     def collect(self, engine: "Engine", row: PendingRow, part: Part, out: "RequestOutput") -> list[RowResult]:
         completion, columns, finish_reason = out.text, {}, out.finish_reason
-        if self.reasoning_split and completion is not None and template_thinks(engine.tokenizer):
-            columns["reasoning"], completion = split_reasoning(completion)
+        split = reasoning_format(engine.tokenizer) if self.reasoning_split and completion is not None else None
+        if split is not None:  # the chat format's reasoning (<think> tags, harmony's analysis channel) to its column
+            columns["reasoning"], completion = split.split(completion, out.token_ids)
         request: RowRequest = row.parsed.request
         if request.tool_format is not None and completion is not None:  # the answer's calls, parsed
             parsed = request.tool_format.parse(completion, f"{row.parsed.row_id}/{out.sample_index}")
