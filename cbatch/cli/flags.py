@@ -156,8 +156,8 @@ JOB_FLAGS = [
     Flag("out", Path, ..., "Results: .parquet or .jsonl, one row per input row, in input order; or a folder (a name "
          "without an extension) of parts written as the job goes.", JOB, decls=("--out", "-o")),
     Flag("token_ids", bool, False, "Add a completion_token_ids column.", JOB, decls=("--token-ids",)),
-    Flag("reasoning_split", bool, True, "Models that think (<think>...</think>): the thinking goes to a `reasoning` "
-         "column; --no-reasoning-split keeps the raw text in `completion`.", JOB,
+    Flag("reasoning_split", bool, True, "Models that think (<think>...</think>, or gpt-oss's harmony analysis "
+         "channel): the thinking goes to a `reasoning` column; --no-reasoning-split keeps the raw text in `completion`.", JOB,
          decls=("--reasoning-split/--no-reasoning-split",)),
     Flag("output_format", str, "cbatch", "cbatch (our columns) | openai (OpenAI Batch API output lines; .jsonl) | vllm "
          "(the same, error lines as vLLM's run-batch writes them).", JOB),
