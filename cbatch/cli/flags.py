@@ -226,7 +226,7 @@ BENCH_FLAGS = [
          "workload).",
          WORKLOAD),
     Flag("model_config", Optional[str], None, "Weightless model: preset (qwen3-0.6b, llama-3.2-1b, llama-3.1-8b, "
-         "qwen2.5-1.5b, qwen3-30b-a3b, mixtral-8x7b, gemma-3-4b, tiny) or config.json; random weights.", ENGINE),
+         "qwen2.5-1.5b, qwen3-30b-a3b, mixtral-8x7b, gemma-3-4b, gpt-oss-20b, tiny) or config.json; random weights.", ENGINE),
     Flag("simulate", bool, False, "Drive the real scheduler and block pool with a cost model instead of the model.",
          SIMULATOR, decls=("--simulate",)),
     Flag("cost_per_step", float, 1.0, "Simulated cost of every step.", SIMULATOR),
