@@ -15,6 +15,7 @@ from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVL
 from cbatch.model.backend.registry import register
 from cbatch.model.backend.rotary import RotaryStep
 from cbatch.model.onednn import linear
+from cbatch.model.mxfp4 import dequantize_mxfp4
 from cbatch.model.quant import dequantize
 
 
@@ -209,14 +210,16 @@ class TorchBackend:
 
 def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, block, expert: int, dtype: torch.dtype,
                    zero: torch.Tensor | None = None, int_experts=None) -> torch.Tensor:
-    """Expert `expert`'s weight in `dtype`: as held, or dequantized from FP8 or from packed ints (the Triton
-    kernels' reference; the CPU path dequantizes at load)."""
+    """Expert `expert`'s weight in `dtype`: as held, or dequantized from FP8, packed ints or MXFP4 (uint8 e2m1 pairs
+    [N, K / 32, 16] with e8m0 scales) (the Triton kernels' reference; the CPU path dequantizes at load)."""
     if int_experts is not None:
         from cbatch.model.int4 import dequantize_kept
 
         k = w.shape[2] * (32 // int_experts.bits)
         group = k if int_experts.group_size == -1 else int_experts.group_size
         return dequantize_kept(w[expert], scale[expert], zero[expert], None, group, int_experts.bits, dtype)
+    if w.dtype == torch.uint8:
+        return dequantize_mxfp4(w[expert], scale[expert], dtype)
     return w[expert] if scale is None else dequantize(w[expert], scale[expert], block, dtype)
 
 
