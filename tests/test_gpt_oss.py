@@ -118,11 +118,16 @@ def test_mxfp4_dequantization_is_transformers(tmp_path):
         assert torch.isinf(ours).any() and (ours[ours.isfinite()] != 0).sum() > 1000
 
 
-def test_mxfp4_checkpoint_matches_hf(checkpoint, reference, tmp_path):
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(checkpoint, tmp_path_factory) -> Path:
+    return write_mxfp4_checkpoint(checkpoint, tmp_path_factory.mktemp("gpt_oss_mxfp4") / "model")
+
+
+def test_mxfp4_checkpoint_matches_hf(mxfp4_checkpoint, reference):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     from safetensors.torch import load_file
 
-    path = write_mxfp4_checkpoint(checkpoint, tmp_path / "mxfp4")
+    path = mxfp4_checkpoint
     stored = load_file(path / "model.safetensors")
     engine = make_engine(path, **PRESSURE)
     experts = engine.runner.model.layers[0].mlp.experts
@@ -138,4 +143,23 @@ def test_mxfp4_checkpoint_matches_hf(checkpoint, reference, tmp_path):
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
     assert expected != reference  # the 4-bit experts change the tokens: they are what runs
     assert generate(engine, PROMPTS, SamplingParams(max_tokens=NEW_TOKENS)) == expected
+    assert engine.scheduler.stats.preemptions > 0
+
+
+def test_mxfp4_experts_stay_mxfp4_on_the_triton_backend(mxfp4_checkpoint):
+    """The Triton backend holds the experts as stored (uint8 blocks and scales, gate/up rows de-interleaved) and its
+    grouped GEMM decodes them: the tokens of HF loading the same checkpoint, chunked and preempted."""
+    from safetensors.torch import load_file
+
+    path = mxfp4_checkpoint
+    stored = load_file(path / "model.safetensors")
+    engine = make_engine(path, attention_backend="triton", max_num_batched_tokens=16, block_size=4, num_kv_blocks=12)
+    experts = engine.runner.model.layers[1].mlp.experts
+    blocks = stored["model.layers.1.mlp.experts.gate_up_proj_blocks"]
+    assert experts.w13.dtype == experts.w13_scale.dtype == torch.uint8
+    assert torch.equal(experts.w13.cpu(), torch.cat([blocks[:, 0::2], blocks[:, 1::2]], dim=1))
+    assert torch.equal(experts.w2_scale.cpu(), stored["model.layers.1.mlp.experts.down_proj_scales"])
+    model = hf_model(path)
+    expected = [hf_greedy(model, p, 3) for p in PROMPTS[:2]]
+    assert generate(engine, PROMPTS[:2], SamplingParams(max_tokens=3)) == expected
     assert engine.scheduler.stats.preemptions > 0

@@ -18,6 +18,7 @@ from cbatch.model.backend import Backend
 from cbatch.model.backend.clamped_swiglu import ClampedSwiGLU
 from cbatch.model.int4 import IntExperts, PackedQuant
 from cbatch.model.layers import MLP, Linear
+from cbatch.model.mxfp4 import BLOCK as MXFP4_BLOCK
 from cbatch.model.quant import FP8_DTYPE
 from cbatch.model.spec import ModelSpec
 
@@ -63,6 +64,17 @@ class Experts(nn.Module):
                                                         requires_grad=False))
             setattr(self, f"{name}_zero", nn.Parameter(torch.empty(experts, rows, groups, dtype=torch.uint8),
                                                        requires_grad=False))
+
+    def keep_mxfp4(self) -> None:
+        """Holds the weights as MXFP4 checkpoints store them (the GPU path): uint8 e2m1 pairs [E, N, K / 32, 16] and
+        uint8 e8m0 scales [E, N, K / 32] (model/mxfp4.py). Called before the weights exist (meta device)."""
+        for name in ("w13", "w2"):
+            experts, rows, cols = getattr(self, name).shape
+            blocks = cols // MXFP4_BLOCK
+            setattr(self, name, nn.Parameter(torch.empty(experts, rows, blocks, MXFP4_BLOCK // 2, dtype=torch.uint8),
+                                             requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(torch.empty(experts, rows, blocks, dtype=torch.uint8),
+                                                        requires_grad=False))
 
     def int_experts(self) -> IntExperts | None:
         if self.w13_zero is None:

@@ -13,8 +13,8 @@ has float32's exponent range), so dequantizing to either gives the same values a
 The checkpoint's experts, as HF reads them, are the dequantized W transposed ([..., K, N]: gpt-oss's
 `gate_up_proj` [E, hidden, 2 x intermediate], `down_proj` [E, intermediate, hidden]); `Mxfp4TensorView`
 presents each `<name>_blocks` + `<name>_scales` pair as that tensor `<name>`, so the loader reads an MXFP4
-checkpoint exactly as the same model saved in floats. Every backend gets the dequantized weights (the GPU too:
-no MXFP4 GEMM yet).
+checkpoint exactly as the same model saved in floats, except on a backend that `keeps_mxfp4_weights` (Triton): it
+holds the experts' blocks and scales as stored, and its grouped GEMM decodes them in registers.
 """
 from __future__ import annotations
 
@@ -47,12 +47,13 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 class Mxfp4TensorView:
     """A `TensorIndex` of an MXFP4 checkpoint as the loader reads it: each `<name>_blocks` + `<name>_scales` pair
     is the tensor `<name>`, dequantized to `dtype` and transposed to [..., K, N] (the layout HF's gpt-oss
-    experts hold; a view, so our [..., N, K] is a transpose away); every other tensor reads through unchanged."""
+    experts hold; a view, so our [..., N, K] is a transpose away), except the pairs in `kept` (those a backend
+    holds as stored: the GPU path), which read through as they are, like every other tensor."""
 
-    def __init__(self, index, dtype: torch.dtype) -> None:
+    def __init__(self, index, dtype: torch.dtype, kept: frozenset[str] = frozenset()) -> None:
         self.index = index
         self.dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32  # exact either way
-        self.pairs = mxfp4_pairs(index)
+        self.pairs = [name for name in mxfp4_pairs(index) if name not in kept]
         stored = {f"{name}{suffix}" for name in self.pairs for suffix in (BLOCKS_SUFFIX, SCALES_SUFFIX)}
         self.file_of = {n: f for n, f in index.file_of.items() if n not in stored}
         self.dtype_of = {n: index.dtype_of[n] for n in self.file_of}

@@ -27,7 +27,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1, "w1": 0, "w3": 1}  # w1/w3: Mixtral's expert gate/up
 _DOWN = ("down_proj", "w2")
-_STACKED_EXPERTS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+# transformers 5's stacked experts; gpt-oss adds biases, and MXFP4 pairs where the GPU path keeps them (model/mxfp4.py)
+_STACKED_EXPERTS = tuple(f"{part}_proj{suffix}" for part in ("gate_up", "down")
+                         for suffix in ("", "_bias", "_blocks", "_scales"))
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)$")
 _TEXT_DECODER = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")  # multimodal Gemma 3
 _BARE_DECODER = ("layers.", "embed_tokens.", "norm.")
@@ -61,14 +63,12 @@ class Placement:
         return Placement(self.module, self.slot, self.expert, rows)
 
     def to_ours(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A stored tensor in our layout: transposed to [..., out, in], gate | up halves (a weight [E, out, in]
-        de-interleaves its rows, a bias [E, out] its last dimension)."""
+        """A stored tensor in our layout: transposed to [E, out, in]; gate | up halves along the expert stack's
+        output rows (dimension 1 of a weight [E, out, in], a bias [E, out], MXFP4 blocks and scales [E, out, ...])."""
         if self.transposed:
             tensor = tensor.transpose(-1, -2)
         if self.interleaved:
-            dim = -2 if tensor.dim() == 3 else -1
-            tensor = torch.cat([tensor[..., 0::2, :], tensor[..., 1::2, :]] if dim == -2 else
-                               [tensor[..., 0::2], tensor[..., 1::2]], dim=dim)
+            tensor = torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
         return tensor
 
     def select(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -154,11 +154,11 @@ def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
         return None
     layer, rest = match.groups()
     if rest.endswith(".experts") and kind in _STACKED_EXPERTS:  # transformers 5's stacked experts (gpt-oss: biases)
-        part, _, bias = kind.partition("_proj")
+        part, _, suffix = kind.partition("_proj")
         gpt_oss = spec.moe is not None and spec.moe.experts_in_out_interleaved
         placement = Placement(f"layers.{layer}.mlp.experts", "w13" if part == "gate_up" else "w2",
-                              transposed=gpt_oss and not bias, interleaved=gpt_oss and part == "gate_up")
-        return placement, "bias" if bias else "weight"
+                              transposed=gpt_oss and suffix == "", interleaved=gpt_oss and part == "gate_up")
+        return placement, {"": "weight", "_bias": "bias", "_blocks": "weight", "_scales": "scale"}[suffix]
     if rest == "self_attn" and kind == "sinks":  # gpt-oss's attention sinks [Hq]
         return Placement(f"layers.{layer}.self_attn", "sinks"), "weight"
     if kind not in ("weight", "bias", "scale", "zero", "perm"):
@@ -174,6 +174,17 @@ def kept_fp8_modules(index: TensorIndex, spec: ModelSpec) -> set[str]:
     for name in index.fp8_names():
         placed = place(name, spec)
         if placed is not None and placed[1] == "weight" and placed[0].module.rpartition(".")[2] in FP8_MODULES:
+            modules.add(placed[0].module)
+    return modules
+
+
+def kept_mxfp4_modules(pairs: list[str], spec: ModelSpec) -> set[str]:
+    """Our modules that the MXFP4 tensors `pairs` (each stored as `<name>_blocks` + `<name>_scales`) fill: the
+    experts, which a backend that `keeps_mxfp4_weights` holds as stored."""
+    modules = set()
+    for name in pairs:
+        placed = place(f"{name}_blocks", spec)
+        if placed is not None and placed[0].module.endswith(".experts"):
             modules.add(placed[0].module)
     return modules
 

@@ -26,6 +26,9 @@ class Backend(Protocol):
     fused_sampling: bool  # runs where the Triton kernels run: the runner may sample with the one-pass kernel
     keeps_fp8_weights: bool  # fp8_linear / fused_moe take FP8 weights and scales as stored (else dequantized at load)
     keeps_int_weights: bool  # int_linear takes packed 4/8-bit weights (layers.Int4Linear; else dequantized at load)
+    # fused_moe takes MXFP4 experts as gpt-oss checkpoints store them (uint8 e2m1 pairs + e8m0 scales; else
+    # dequantized at load)
+    keeps_mxfp4_weights: bool
 
     def prepare(self, meta: AttentionMetadata) -> None: ...
     def attention(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,

@@ -43,6 +43,7 @@ class TorchBackend:
     fused_sampling = False  # the torch sampler
     keeps_fp8_weights = False  # FP8 checkpoints are dequantized once, at load
     keeps_int_weights = False  # so are AWQ / GPTQ / compressed-tensors int checkpoints
+    keeps_mxfp4_weights = False  # and MXFP4 experts
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state = _TorchStepState.build(meta)

@@ -28,6 +28,7 @@ class TritonBackend:
     fused_sampling = True  # the one-pass sampling kernel runs where these kernels do
     keeps_fp8_weights = True  # fp8_linear and fused_moe dequantize FP8 weights tile by tile
     keeps_int_weights = True  # int_linear (the W4A16 GEMM) unpacks int4/int8 weights in registers
+    keeps_mxfp4_weights = True  # fused_moe's grouped GEMM decodes MXFP4 experts in registers
 
     def __init__(self) -> None:
         self.decode_tiles = None  # DecodeTiles once `tune` ran; None: the kernel's own policy
