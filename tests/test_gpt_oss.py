@@ -163,3 +163,15 @@ def test_mxfp4_experts_stay_mxfp4_on_the_triton_backend(mxfp4_checkpoint):
     expected = [hf_greedy(model, p, 3) for p in PROMPTS[:2]]
     assert generate(engine, PROMPTS[:2], SamplingParams(max_tokens=3)) == expected
     assert engine.scheduler.stats.preemptions > 0
+
+
+def test_plan_counts_mxfp4_experts_at_their_stored_size(mxfp4_checkpoint):
+    """4 bits a weight and a scale byte per 32 for the experts (2 layers x (4 x 64 x 64 + 4 x 64 x 32)), the
+    compute dtype's bytes for every other matrix (embeddings, lm_head, q/k/v/o, routers, the experts' biases)."""
+    from cbatch.model.mxfp4 import stored_bytes_per_weight
+    from cbatch.model.weights import TensorIndex
+
+    experts = 2 * (4 * 64 * 64 + 4 * 64 * 32)
+    others = 2 * 384 * 64 + 2 * (64 * 64 * 2 + 32 * 64 * 2 + 4 * 64 + 4 * 64 + 4 * 64)
+    got = stored_bytes_per_weight(TensorIndex(sorted(mxfp4_checkpoint.glob("*.safetensors"))), 2)
+    assert got == pytest.approx((experts * (0.5 + 1 / 32) + others * 2) / (experts + others))

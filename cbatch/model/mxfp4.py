@@ -18,6 +18,7 @@ holds the experts' blocks and scales as stored, and its grouped GEMM decodes the
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -80,6 +81,25 @@ class Mxfp4TensorView:
 
     def fp8_names(self) -> list[str]:
         return [n for n in self.index.fp8_names() if n in self.file_of]
+
+
+def stored_bytes_per_weight(index, dtype_bytes: int) -> float:
+    """Bytes per weight of the matrices a GPU run of this checkpoint holds (the Triton backend keeps MXFP4 as
+    stored): 4 bits a weight plus an e8m0 byte per 32, and every other matrix at `dtype_bytes` (for `cbatch plan`)."""
+    pairs = set(mxfp4_pairs(index))
+    stored = weights = 0.0
+    for name in index.file_of:
+        if name.endswith(SCALES_SUFFIX) and name.removesuffix(SCALES_SUFFIX) in pairs:
+            continue  # counted with its blocks
+        shape = index.shape(name)
+        count = math.prod(shape)
+        if name.endswith(BLOCKS_SUFFIX) and name.removesuffix(BLOCKS_SUFFIX) in pairs:
+            weights += 2 * count
+            stored += count + 2 * count / BLOCK  # the blocks' bytes, and a scale byte per 32 weights
+        elif len(shape) >= 2:
+            weights += count
+            stored += count * dtype_bytes
+    return stored / max(weights, 1.0)
 
 
 def mxfp4_pairs(index) -> list[str]:
