@@ -46,6 +46,14 @@ def test_config_switches(checkpoint):
     assert rope.theta == 150000.0 and rope.scaling["rope_type"] == "yarn" and rope.scaling["truncate"] is False
 
 
+def test_tensor_parallelism_is_refused_in_one_sentence(checkpoint):
+    from cbatch.config import ConfigError
+    from cbatch.model.shard import check_tensor_parallel
+
+    with pytest.raises(ConfigError, match="gpt-oss checkpoints .* run on one rank only for now; use --tensor-parallel-size 1"):
+        check_tensor_parallel(parse_spec(read_config(checkpoint)), 2)
+
+
 def test_greedy_matches_hf_alone_and_in_a_batch(checkpoint, reference):
     assert all(len(set(r)) > 2 for r in reference)  # decisive: not one repeated token
     params = SamplingParams(max_tokens=NEW_TOKENS)

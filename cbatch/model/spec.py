@@ -265,8 +265,9 @@ def _moe_spec(cfg: dict[str, Any], family: str, num_layers: int) -> MoESpec | No
     if family == "gpt_oss":  # every layer sparse; no shared expert
         return MoESpec(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]), int(cfg["intermediate_size"]),
                        renormalize=False, weights_in_model_dtype=True, shared_expert_size=0,
-                       sparse_layers=(True,) * num_layers, routing="topk_softmax", biased=True, experts_in_out_interleaved=True,
-                       swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
+                       sparse_layers=(True,) * num_layers, routing="topk_softmax", biased=True,
+                       swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                       experts_in_out_interleaved=True)
     if family == "mixtral":
         return MoESpec(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]), int(cfg["intermediate_size"]),
                        renormalize=True, weights_in_model_dtype=False, shared_expert_size=0,

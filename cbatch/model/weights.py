@@ -51,7 +51,8 @@ class Placement:
 
     def param(self, kind: str) -> str:
         """Our parameter for a tensor of this `kind` (weight | bias | scale); scales are `<slot>_scale`."""
-        leaf = {"weight": self.slot, "bias": f"{self.slot}_bias" if self.slot in ("w13", "w2") else "bias", "scale": f"{self.slot}_scale", "zero": f"{self.slot}_zero",
+        bias = f"{self.slot}_bias" if self.slot in ("w13", "w2") else "bias"  # an expert stack's: w13_bias, w2_bias
+        leaf = {"weight": self.slot, "bias": bias, "scale": f"{self.slot}_scale", "zero": f"{self.slot}_zero",
                 "perm": f"{self.slot}_perm"}[kind]
         return f"{self.module}.{leaf}"
 
