@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from types import SimpleNamespace
+
+from cbatch.config import SamplingParams
 from cbatch.reasoning_split import HarmonyChannels, ThinkTags, reasoning_format, split_harmony
+from cbatch.tasks.generate_task import GenerateTask
 from cbatch.tokenizer import encode_messages
 
 HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
@@ -78,3 +82,19 @@ def test_format_follows_the_template(harmony_tokenizer, chat_tokenizer_dir):
     other.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     assert reasoning_format(other) is None
     assert reasoning_format(None) is None
+
+
+def test_reasoning_effort_goes_to_a_template_that_reads_it(harmony_tokenizer):
+    """gpt-oss's template reads `reasoning_effort` ("Reasoning: high"): a row's effort renders there instead of
+    becoming a thinking budget (which a model without <think> tokens would refuse); a row's own budget stays."""
+    task = GenerateTask(SamplingParams(max_tokens=4))
+    engine = SimpleNamespace(tokenizer=harmony_tokenizer, lora_names=[], vocabulary_error=lambda what, ids: None)
+    rows = [{"messages": CHAT, "reasoning_effort": "high"}, {"messages": CHAT},
+            {"messages": CHAT, "reasoning_effort": "low", "thinking_token_budget": 7}]
+    work = [task.requests(engine, task.parse(i, row)) for i, row in enumerate(rows)]
+    high, plain, own = (w.requests[0] for w in work)
+    assert high.prompt_ids == encode_messages(harmony_tokenizer, CHAT, {"reasoning_effort": "high"})
+    assert "Reasoning: high" in harmony_tokenizer.decode(high.prompt_ids)
+    assert high.params.thinking_token_budget is None and high.params.chat_template_kwargs == {"reasoning_effort": "high"}
+    assert "Reasoning: medium" in harmony_tokenizer.decode(plain.prompt_ids)
+    assert "Reasoning: low" in harmony_tokenizer.decode(own.prompt_ids) and own.params.thinking_token_budget == 7
