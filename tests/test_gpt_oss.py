@@ -110,7 +110,7 @@ def write_mxfp4_checkpoint(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_mxfp4_dequantization_is_transformers(tmp_path):
+def test_mxfp4_dequantization_is_transformers():
     """Every nibble, at scales from 2 ** -127 (subnormal products) to 2 ** 127 (overflow to inf), in float32 and bfloat16."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
