@@ -9,7 +9,10 @@ Prints (and with --out writes) tables of
       64 / 256 / 2048 tokens; MB = expert weights the step reads (experts its tokens pick), and that
       over the fused time as a fraction of the copy bandwidth;
   (b) fp8_linear (FP8 weight dequantized per tile, per-channel and 128 x 128 block scales) against
-      F.linear on the bf16 weight, 4096 x 4096 and 14336 x 4096, T = 1 / 16 / 256 / 2048.
+      F.linear on the bf16 weight, 4096 x 4096 and 14336 x 4096, T = 1 / 16 / 256 / 2048;
+  (c) fused_moe with MXFP4 experts (gpt-oss: e2m1 pairs + e8m0 scales decoded in the GEMM, per-expert biases, the
+      clamped SwiGLU) against the same kernel on the dequantized bf16 experts, gpt-oss-20b's shapes (32 experts,
+      top-4, hidden 2880, expert 2880); MB = the MXFP4 bytes the step reads.
 Every kernel is checked against its torch reference before it is timed. Timing as in bench_kernels.py
 (CUDA-graph replays; the torch MoE loop reads expert counts on the host, so it is timed as plain launches).
 --cpu-smoke runs every code path on tiny shapes through the Triton interpreter (checks the script only).
@@ -29,6 +32,7 @@ import bench_kernels as bk  # noqa: E402  (timing, copy bandwidth, tables: one c
 
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}  # E, k, H, I
 LINEAR_SHAPES = [(4096, 4096), (14336, 4096)]  # N, K
+MXFP4_SHAPES = {"gpt-oss-20b": (32, 4, 2880, 2880)}  # E, k, H, I
 
 
 def _tol() -> float:
@@ -83,6 +87,34 @@ def bench_fp8(kernels, copy_bw, shapes, token_counts, rows) -> None:
                 bk.add_row(rows, f"{label} {n}x{k}", tokens, k, n * k + tokens * (k + n) * 2, copy_bw, fused, eager)
 
 
+def bench_mxfp4(kernels, copy_bw, shapes, token_counts, rows) -> None:
+    from cbatch.model.backend.clamped_swiglu import ClampedSwiGLU
+    from cbatch.model.mxfp4 import dequantize_mxfp4
+
+    act = ClampedSwiGLU(alpha=1.702, limit=7.0)
+    for name, (experts, top_k, hidden, inter) in shapes.items():
+        g = torch.Generator(device=bk.DEVICE).manual_seed(2)
+
+        def mxfp4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:  # values up to 6 x 2 ** -6: a 0.02-ish scale
+            return (torch.randint(0, 256, (experts, n, k // 32, 16), device=bk.DEVICE, generator=g, dtype=torch.uint8),
+                    torch.randint(117, 122, (experts, n, k // 32), device=bk.DEVICE, generator=g, dtype=torch.uint8))
+
+        (w13, s13), (w2, s2) = mxfp4(2 * inter, hidden), mxfp4(hidden, inter)
+        b13 = (torch.randn(experts, 2 * inter, device=bk.DEVICE, generator=g) * 0.02).to(torch.bfloat16)
+        b2 = (torch.randn(experts, hidden, device=bk.DEVICE, generator=g) * 0.02).to(torch.bfloat16)
+        dense13, dense2 = dequantize_mxfp4(w13, s13, torch.bfloat16), dequantize_mxfp4(w2, s2, torch.bfloat16)
+        for tokens in token_counts:
+            x = torch.randn(tokens, hidden, device=bk.DEVICE, generator=g).to(torch.bfloat16)
+            weights, ids = torch.topk(torch.randn(tokens, experts, device=bk.DEVICE, generator=g).softmax(-1), top_k)
+            weights = weights.to(torch.bfloat16)
+            packed = lambda: kernels.fused_moe(x, w13, w2, weights, ids, act, s13, s2, w13_bias=b13, w2_bias=b2)  # noqa: E731
+            dense = lambda: kernels.fused_moe(x, dense13, dense2, weights, ids, act, w13_bias=b13, w2_bias=b2)  # noqa: E731
+            bk.check_close(f"fused_moe mxfp4 {name} T={tokens}", packed(), dense(), _tol())
+            touched = len(set(ids.flatten().tolist()))
+            nbytes = touched * 3 * hidden * inter * 17 // 32  # 4 bits a weight + a scale byte per 32
+            bk.add_row(rows, f"moe mxfp4 {name}", tokens, hidden, nbytes, copy_bw, packed, dense)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="also write the tables to this file")
@@ -104,8 +136,9 @@ def main() -> int:
     if args.cpu_smoke:
         moe_shapes, moe_tokens = {"tiny": (8, 2, 32, 48)}, (3,)
         linear_shapes, linear_tokens = [(256, 256)], (3,)
+        mxfp4_shapes = {"tiny": (4, 2, 64, 32)}
     else:
-        moe_shapes, linear_shapes = MOE_SHAPES, LINEAR_SHAPES
+        moe_shapes, linear_shapes, mxfp4_shapes = MOE_SHAPES, LINEAR_SHAPES, MXFP4_SHAPES
         moe_tokens = (1, 64, 2048) if args.quick else (1, 16, 64, 256, 2048)
         linear_tokens = (1, 2048) if args.quick else (1, 16, 256, 2048)
     rows = []
@@ -116,6 +149,11 @@ def main() -> int:
     bench_fp8(kernels, copy_bw, linear_shapes, linear_tokens, rows)
     out.append(bk.format_table("(b) FP8 weight-only matmul vs F.linear on bf16 weights (MB = fp8 weight + activations)",
                                header, rows))
+    print(out[-1], flush=True)
+    rows = []
+    bench_mxfp4(kernels, copy_bw, mxfp4_shapes, moe_tokens, rows)
+    out.append(bk.format_table("(c) fused MoE with MXFP4 experts vs bf16 experts (torch us: the same kernel on the "
+                               "dequantized bf16 weights; MB = MXFP4 bytes read)", header, rows))
     print(out[-1], flush=True)
     bk.write_tables(args.out, out)
     return 0

@@ -107,7 +107,7 @@ def _drive():
     fp8 = torch.float8_e4m3fn
 
     def attention(label, dtype, num_q_heads, num_kv_heads, head_dim, q_lens, seq_len, block_size=16,
-                  sliding_window=None, num_splits=None, cache_dtype=None, softcap=None, decode_tiles=None):
+                  sliding_window=None, num_splits=None, cache_dtype=None, softcap=None, decode_tiles=None, sinks=False):
         num_seqs = len(q_lens)
         blocks = -(-seq_len // block_size)
         q = torch.empty(sum(q_lens), num_q_heads, head_dim, dtype=dtype)
@@ -118,7 +118,8 @@ def _drive():
                         torch.full((num_seqs,), seq_len, dtype=torch.int32),
                         torch.zeros(num_seqs, blocks, dtype=torch.int32), head_dim ** -0.5,
                         max(q_lens), seq_len, sliding_window=sliding_window, num_splits=num_splits,
-                        k_scale=scales, v_scale=scales, softcap=softcap, decode_tiles=decode_tiles)
+                        k_scale=scales, v_scale=scales, softcap=softcap, decode_tiles=decode_tiles,
+                        sinks=torch.empty(num_q_heads, dtype=dtype) if sinks else None)
         return label
 
     yield attention("decode Qwen3-0.6B B64 ctx2048", torch.bfloat16, 16, 8, 128, [1] * 64, 2048)
@@ -138,6 +139,11 @@ def _drive():
     yield attention("mixed Gemma-2 softcap + window hd256 G2", torch.bfloat16, 8, 4, 256, [64, 1], 8192,
                     sliding_window=4096, softcap=50.0)
     yield attention("decode Gemma-2 softcap B32", torch.bfloat16, 8, 4, 256, [1] * 32, 4096, softcap=50.0)
+    # gpt-oss-20b: 64 q / 8 kv heads of 64, sinks, 128-token windows on every other layer (the decode batch splits)
+    yield attention("decode gpt-oss sinks + window B64", torch.bfloat16, 64, 8, 64, [1] * 64, 4096,
+                    sliding_window=128, sinks=True)
+    yield attention("mixed gpt-oss sinks + window prefill", torch.bfloat16, 64, 8, 64, [256, 1], 1024,
+                    sliding_window=128, sinks=True)
     # every start-up tuning candidate (kernels/tuning.py) must compile: bf16 and fp8 caches, head_dim 128 and 256
     from cbatch.kernels.paged_attention import decode_tile_candidates
 
@@ -226,6 +232,16 @@ def _drive_models():
     x = torch.empty(64, 256)
     fused_moe(x, torch.empty(8, 96, 256), torch.empty(8, 256, 48), torch.rand(64, 2), torch.randint(0, 8, (64, 2)), "gelu_tanh")
     yield "fused_moe fp32 (tests only)"
+    from cbatch.model.backend.clamped_swiglu import ClampedSwiGLU
+
+    for tokens in (8, 2048):  # gpt-oss-20b's experts (8 of its 32 here: the variant does not depend on E)
+        x = torch.empty(tokens, 2880, dtype=torch.bfloat16)
+        weights, ids = torch.rand(tokens, 4).to(torch.bfloat16), torch.randint(0, 8, (tokens, 4))
+        w13, w2 = torch.empty(8, 5760, 90, 16, dtype=torch.uint8), torch.empty(8, 2880, 90, 16, dtype=torch.uint8)
+        s13, s2 = torch.full((8, 5760, 90), 127, dtype=torch.uint8), torch.full((8, 2880, 90), 127, dtype=torch.uint8)
+        fused_moe(x, w13, w2, weights, ids, ClampedSwiGLU(1.702, 7.0), s13, s2,
+                  w13_bias=torch.empty(8, 5760, dtype=torch.bfloat16), w2_bias=torch.empty(8, 2880, dtype=torch.bfloat16))
+        yield f"fused_moe gpt-oss MXFP4 + biases T={tokens}"
 
 
 def _drive_w4a16():

@@ -3,7 +3,8 @@ by the engine: cbatch/engine/thinking.py), the budget of each effort set per job
 only cbatch/config.py.
 
 Which budget a row runs with, first found: its own `thinking_token_budget`, its `reasoning_effort`'s budget,
-the job's --thinking-budget, none.
+the job's --thinking-budget, none. A chat template that reads `reasoning_effort` itself (gpt-oss) gets the effort
+as a template variable instead (`effort_in_template`).
 """
 from __future__ import annotations
 
@@ -57,5 +58,14 @@ def with_reasoning_effort(row: Mapping[str, Any], params: SamplingParams,
     return params if row.get("thinking_token_budget") is not None else replace(params, thinking_token_budget=budget)
 
 
+def effort_in_template(params: SamplingParams, effort: str, budget_from_effort: bool) -> SamplingParams:
+    """`params` for a chat template that reads `reasoning_effort` itself (gpt-oss's harmony template: "Reasoning:
+    high" in its system message): the effort as a template variable instead of a thinking budget (dropped where
+    the effort set it; the row's own chat_template_kwargs win)."""
+    budget = None if budget_from_effort else params.thinking_token_budget
+    return replace(params, chat_template_kwargs={"reasoning_effort": effort, **params.chat_template_kwargs},
+                   thinking_token_budget=budget)
+
+
 __all__ = ["DEFAULT_EFFORT_BUDGETS", "REASONING_EFFORTS", "ReasoningEffortError", "effort_budget",
-           "parse_effort_budgets", "with_reasoning_effort"]
+           "effort_in_template", "parse_effort_budgets", "with_reasoning_effort"]

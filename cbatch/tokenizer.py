@@ -52,6 +52,11 @@ def template_texts(tokenizer) -> list[str]:
     return list(template.values()) if isinstance(template, dict) else [template] if isinstance(template, str) else []
 
 
+def template_reads(tokenizer, variable: str) -> bool:
+    """The model's chat template mentions `variable` (e.g. gpt-oss's reads `reasoning_effort`)."""
+    return any(variable in t for t in template_texts(tokenizer))
+
+
 def template_thinks(tokenizer) -> bool:
     """The model's chat template knows `<think>...</think>` (Qwen3, DeepSeek-R1 and the like)."""
     return any(THINK_START in t and THINK_END in t for t in template_texts(tokenizer))

@@ -208,6 +208,7 @@ def test_static_under_kv_pressure_makes_progress():
     ("qwen3-0.6b", 0.60, None), ("qwen2.5-1.5b", 1.54, None), ("llama-3.2-1b", 1.24, None),
     ("llama-3.1-8b", 8.03 - 0.525, None), ("gemma-3-4b", 3.21 + 0.67, None),  # non-embedding + tied lm_head
     ("qwen3-30b-a3b", 30.5 - 0.31, 3.3 - 0.31), ("mixtral-8x7b", 46.7 - 0.13, 12.9 - 0.13),
+    ("gpt-oss-20b", 20.91 - 0.58, 3.61),  # OpenAI's model card: 20.91B, 3.61B active (counted without the embedding)
 ])
 def test_presets_have_the_real_shapes(name, billions, active):
     from cbatch.model.presets import preset_spec
@@ -215,7 +216,7 @@ def test_presets_have_the_real_shapes(name, billions, active):
     spec = preset_spec(name)
     assert spec.num_params() / 1e9 == pytest.approx(billions, rel=0.03)
     assert spec.active_params() / 1e9 == pytest.approx(active or billions, rel=0.03)
-    assert spec.hidden_size == spec.num_heads * spec.head_dim or spec.family in ("qwen3", "qwen3_moe", "gemma3")
+    assert spec.hidden_size == spec.num_heads * spec.head_dim or spec.family in ("qwen3", "qwen3_moe", "gemma3", "gpt_oss")
 
 
 def test_preset_from_a_config_json_and_unknown_names(tmp_path):

@@ -34,7 +34,7 @@ def test_heads_larger_than_the_decode_kernel_takes_fall_back_to_torch():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def _decode_through_both(dtype, heads, kv_heads, head_dim, window, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_through_both(dtype, heads, kv_heads, head_dim, window, softcap, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(TorchBackend's, CpuBackend's) decode attention of the same rows, as float32."""
     gen = torch.Generator().manual_seed(head_dim + (window or 0))
     block_size, num_blocks = 16, 256
@@ -57,11 +57,12 @@ def _decode_through_both(dtype, heads, kv_heads, head_dim, window, softcap) -> t
             block_table=table, slot_mapping=slots, max_query_len=1, max_seq_len=max(ctxs),
             query_lens_host=[1] * len(ctxs), seq_lens_host=ctxs, block_size=block_size)
         backend.prepare(meta)
-        outs.append(backend.attend(q, k_new, v_new, kv, meta, head_dim**-0.5, window, softcap).float())
+        outs.append(backend.attend(q, k_new, v_new, kv, meta, head_dim**-0.5, window, softcap, sinks).float())
     return outs[0], outs[1]
 
 
-def _prefill_step(backend, dtype, heads, kv_heads, head_dim, lens, cached, window=None, seed=0, softcap=None):
+def _prefill_step(backend, dtype, heads, kv_heads, head_dim, lens, cached, window=None, seed=0, softcap=None,
+                  sinks=None):
     """One step's attention through `backend` in `dtype`: fresh prompts of `lens` tokens (flat, one after another)
     and, for each entry of `cached`, a chunk of `cached[i][0]` tokens after `cached[i][1]` tokens already in the
     cache; q a strided view of the packed projection. Every input holds bfloat16 values whatever `dtype` (so a
@@ -92,7 +93,7 @@ def _prefill_step(backend, dtype, heads, kv_heads, head_dim, lens, cached, windo
         max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_host=query_lens, seq_lens_host=seq_lens,
         block_size=block_size)
     backend.prepare(meta)
-    return backend.attend(q, k_new, v_new, kv, meta, head_dim**-0.5, window, softcap).float()
+    return backend.attend(q, k_new, v_new, kv, meta, head_dim**-0.5, window, softcap, sinks).float()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -167,6 +168,23 @@ def test_windowed_and_soft_capped_prefill_match_the_torch_path(window, softcap):
     want, got = (_prefill_step(b, torch.float32, 4, 2, 64, lens, cached, window=window, softcap=softcap, seed=4)
                  for b in backends)
     assert want.abs().mean() > 0.05
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_attention_sinks_match_the_torch_path(window):
+    """gpt-oss's sinks (a logit per query head in each softmax's denominator), with and without its window: the
+    decode kernel and the prefill kernel (fresh prompts and chunks after context) against TorchBackend."""
+    sinks = torch.linspace(-2.0, 4.0, 8)
+    want, got = _decode_through_both(torch.float32, 8, 2, 64, window, None, sinks)
+    without, _ = _decode_through_both(torch.float32, 8, 2, 64, window, None)
+    assert (want - without).abs().max() > 0.05  # the sinks change the result
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    lens, cached = [3, 40, 150], [(20, 90), (9, 12)]
+    want, got = (_prefill_step(b, torch.float32, 8, 2, 64, lens, cached, window=window, seed=5, sinks=sinks)
+                 for b in (TorchBackend(), CpuBackend()))
+    without = _prefill_step(TorchBackend(), torch.float32, 8, 2, 64, lens, cached, window=window, seed=5)
+    assert (want - without).abs().max() > 0.05
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 

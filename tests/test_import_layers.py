@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "cbatch"
 # Bottom up. A module imports only from its own layer or those below it. Within a layer, files may import each other
 # (but never in a circle).
 LAYERS: list[tuple[str, ...]] = [
-    ("config", "fp8_kv", "tokenizer", "tools", "reasoning", "kernels", "parallel"),
+    ("config", "fp8_kv", "tokenizer", "tools", "reasoning", "reasoning_split", "kernels", "parallel"),
     ("model",),
     ("lora",),
     ("engine",),

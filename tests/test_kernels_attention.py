@@ -66,8 +66,10 @@ def make_batch(spec, num_q_heads, num_kv_heads, head_dim, block_size, dtype, see
     )
 
 
-def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, sliding_window=None):
-    """Per-sequence float64 attention; returns [num_tokens, num_q_heads, head_dim] (padding rows zero)."""
+def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, sliding_window=None,
+                        sinks=None):
+    """Per-sequence float64 attention; returns [num_tokens, num_q_heads, head_dim] (padding rows zero). `sinks`
+    [Hq]: each head's logit joins the softmax as one more column (HF's gpt-oss), whose weight is dropped."""
     q, k_cache, v_cache = q.cpu().double(), k_cache.cpu().double(), v_cache.cpu().double()
     query_start_loc, seq_lens, block_table = query_start_loc.cpu(), seq_lens.cpu(), block_table.cpu()
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -88,7 +90,12 @@ def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         if sliding_window is not None:
             visible &= (pos - j[None, :]) < sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sink = sinks.cpu().double()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v)
     return out
 
 
@@ -96,7 +103,7 @@ def rel_err(out, ref):
     return ((out.cpu().double() - ref).norm() / ref.norm()).item()
 
 
-def run_and_check(batch, dtype, sliding_window=None, num_splits=None, out=None):
+def run_and_check(batch, dtype, sliding_window=None, num_splits=None, out=None, sinks=None):
     q = batch["q"]
     scale = q.shape[-1] ** -0.5
     if out is None:
@@ -104,11 +111,11 @@ def run_and_check(batch, dtype, sliding_window=None, num_splits=None, out=None):
     ret = paged_attention(
         q, batch["k_cache"], batch["v_cache"], out, batch["query_start_loc"], batch["seq_lens"],
         batch["block_table"], scale, batch["max_query_len"], batch["max_seq_len"],
-        sliding_window=sliding_window, num_splits=num_splits,
+        sliding_window=sliding_window, num_splits=num_splits, sinks=sinks,
     )
     assert ret is out
     ref = reference_attention(q, batch["k_cache"], batch["v_cache"], batch["query_start_loc"],
-                              batch["seq_lens"], batch["block_table"], scale, sliding_window)
+                              batch["seq_lens"], batch["block_table"], scale, sliding_window, sinks)
     n_real = int(batch["query_start_loc"][-1])
     assert torch.isfinite(out[:n_real]).all(), "NaN/inf (or unwritten rows) in the output"
     err = rel_err(out[:n_real], ref[:n_real])
@@ -251,6 +258,25 @@ def test_sliding_window(num_splits):
     spec = [(1, 100), (1, 70), (16, 60), (40, 40), (1, 5)]
     batch = make_batch(spec, 8, 2, 64, 16, torch.float32, seed=5)
     run_and_check(batch, torch.float32, sliding_window=24, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("window, num_splits", [(None, 1), (24, 1), (24, 3)])
+def test_attention_sinks(window, num_splits):
+    """gpt-oss's sinks: each head's logit in every softmax's denominator, with and without a window, split or not
+    (split 3 at window 24: the decode row at 100 has no visible key in its first segment, which holds the sink)."""
+    spec = [(1, 100), (1, 70), (16, 60), (40, 40), (1, 5)]
+    batch = make_batch(spec, 8, 2, 64, 16, torch.float32, seed=6)
+    sinks = (torch.randn(8, generator=torch.Generator().manual_seed(3)) * 2 + 1).to(DEVICE)
+    out = run_and_check(batch, torch.float32, sliding_window=window, num_splits=num_splits, sinks=sinks)
+    without = reference_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["query_start_loc"],
+                                  batch["seq_lens"], batch["block_table"], 64**-0.5, window)
+    assert rel_err(out, without) > 0.05  # the sinks change the result: the check above can fail
+
+
+def test_attention_sinks_half_precision():
+    batch = make_batch(MIXED_SMALL, 8, 2, 64, 16, torch.bfloat16, seed=8)
+    sinks = torch.linspace(-1.0, 3.0, 8).to(torch.bfloat16).to(DEVICE)
+    run_and_check(batch, torch.bfloat16, sliding_window=24, sinks=sinks)
 
 
 @pytest.mark.parametrize("head_dim", [80, 96])

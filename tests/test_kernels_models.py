@@ -1,5 +1,5 @@
 """The kernels the newer families need, against float64 references on random inputs: the fused-MoE
-grouped GEMMs (8/64 experts, top-1/2/8, experts without tokens, FP8 experts), FP8 weight-only matmul
+grouped GEMMs (8/64 experts, top-1/2/8, experts without tokens, FP8 experts, gpt-oss's MXFP4 experts), FP8 weight-only matmul
 (per-channel and block scales), Gemma's (1 + w) RMSNorm and GELU-tanh, partial rotary, attention
 soft-capping. Under Triton's interpreter when there is no GPU."""
 from __future__ import annotations
@@ -100,6 +100,36 @@ def test_fused_moe_fp8_experts(block):
     assert rel_err(out, ref) < 1e-5
     torch_out = TorchBackend().fused_moe(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu(), "silu", s13.cpu(), s2.cpu(), block)
     assert rel_err(torch_out, ref) < 1e-5
+
+
+def test_fused_moe_mxfp4_experts():
+    """gpt-oss's experts as its checkpoints store them: MXFP4 (e2m1 pairs + e8m0 scales, decoded in the GEMM's
+    registers), per-expert biases and the clamped SwiGLU, against the torch backend on the dequantized weights."""
+    from cbatch.model.backend.clamped_swiglu import ClampedSwiGLU
+    from cbatch.model.mxfp4 import dequantize_mxfp4
+
+    num_experts, top_k, hidden, inter = 8, 2, 64, 32
+    g = torch.Generator().manual_seed(9)
+
+    def mxfp4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:  # scales 2 ** -6 .. 2 ** -2: values <= 1.5
+        return (torch.randint(0, 256, (num_experts, n, k // 32, 16), generator=g, dtype=torch.uint8),
+                torch.randint(121, 126, (num_experts, n, k // 32), generator=g, dtype=torch.uint8))
+
+    (w13, s13), (w2, s2) = mxfp4(2 * inter, hidden), mxfp4(hidden, inter)
+    b13, b2 = randn(num_experts, 2 * inter, seed=10, scale=0.3), randn(num_experts, hidden, seed=11, scale=0.3)
+    x = randn(11, hidden, seed=12)
+    weights, ids = route(11, num_experts, top_k, seed=13, unused=(4,))
+    act = ClampedSwiGLU(alpha=1.702, limit=1.5)
+    on = lambda *ts: [t.to(DEVICE) for t in ts]  # noqa: E731
+    out = fused_moe(x, *on(w13, w2), weights, ids, act, *on(s13, s2), w13_bias=b13, w2_bias=b2)
+    dense13, dense2 = dequantize_mxfp4(w13, s13), dequantize_mxfp4(w2, s2)
+    ref = TorchBackend().fused_moe(x.cpu(), dense13, dense2, weights.cpu(), ids.cpu(), act, w13_bias=b13.cpu(),
+                                   w2_bias=b2.cpu())
+    assert ref.abs().mean() > 0.1 and (dense13 != 0).float().mean() > 0.8
+    assert rel_err(out, ref) < 1e-5
+    kept = TorchBackend().fused_moe(x.cpu(), w13, w2, weights.cpu(), ids.cpu(), act, s13, s2, w13_bias=b13.cpu(),
+                                    w2_bias=b2.cpu())
+    assert torch.equal(kept, ref)  # the torch reference dequantizes MXFP4 experts the same way
 
 
 def test_sort_by_expert_groups_every_assignment_once():

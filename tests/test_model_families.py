@@ -1,4 +1,4 @@
-"""Gemma 2/3 (text-only and multimodal checkpoints), Phi-3 and the mixtures of experts against HF transformers (float32, tiny random checkpoints):
+"""Gemma 2/3 (text-only and multimodal checkpoints), Phi-3 and the mixtures of experts (gpt-oss too) against HF transformers (float32, tiny random checkpoints):
 greedy tokens identical under chunked prefill and preemption with both attention backends, and the
 prefill logits close (soft-capping keeps the argmax, so only the logits show it)."""
 from __future__ import annotations
@@ -44,8 +44,9 @@ def test_greedy_matches_hf_under_chunking_and_preemption(name, family_checkpoint
 # What the Triton path adds for these families, covered by four checkpoints (the interpreter is slow):
 # per-layer windows, soft-capping, (1 + w) norms, GELU-tanh and the embedding scale (gemma2); q/k norms and
 # two RoPE tables (gemma3); partial rotary with longrope (phi3-longrope); the fused-MoE kernels with a shared
-# expert and a dense layer (qwen2_moe). Mixtral's and Qwen3-MoE's routing is the same torch code on both.
-TRITON_FAMILIES = ["gemma2", "gemma3", "phi3-longrope", "qwen2_moe"]
+# expert and a dense layer (qwen2_moe); attention sinks beside a window and the experts' biases (gpt_oss). Mixtral's
+# and Qwen3-MoE's routing is the same torch code on both.
+TRITON_FAMILIES = ["gemma2", "gemma3", "phi3-longrope", "qwen2_moe", "gpt_oss"]
 
 
 @pytest.mark.parametrize("name", TRITON_FAMILIES)

@@ -99,17 +99,27 @@ FAMILIES: dict[str, dict] = {
                       tie_word_embeddings=False),
     "qwen3_moe": dict(cls="Qwen3MoeConfig", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, head_dim=16, tie_word_embeddings=False),
+    # attention sinks, alternating sliding (8) / full layers, YaRN as gpt-oss configures it, 4 experts (top 2) with
+    # biases and the clamped SwiGLU; widths (64, 32) multiples of MXFP4's 32-element blocks. `spread_biases`: the
+    # biases and sinks drawn wide (HF zeroes the experts' biases and draws sinks at initializer_range), so a wrong
+    # sink or bias changes the tokens
+    "gpt_oss": dict(cls="GptOssConfig", num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+                    sliding_window=8, swiglu_limit=1.5, tie_word_embeddings=False, spread_biases=True,
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 256, "rope_theta": 150000.0}),
 }
 
 
 def make_family_checkpoint(name: str, path: Path, seed: int = 0, **overrides) -> Path:
     """Like `make_checkpoint`, for FAMILIES; RMSNorm weights are randomised too (HF initialises Gemma's to
-    0 and the others' to 1, which would hide a wrong norm formula)."""
+    0 and the others' to 1, which would hide a wrong norm formula), and with `spread_biases` every bias (N(0, 0.3))
+    and attention sink (N(0, 2))."""
     import transformers
 
     spec = dict(FAMILIES[name])
     cls = getattr(transformers, spec.pop("cls"))
     embed_gain = spec.pop("embed_gain", 1.0)
+    spread_biases = spec.pop("spread_biases", False)
     if "text_config" in spec:  # a multimodal config: the shapes go to its text decoder
         text = {**BASE, **spec.pop("text_config")}
         config = cls(text_config=text, initializer_range=text.pop("initializer_range"), **spec, **overrides)
@@ -121,6 +131,8 @@ def make_family_checkpoint(name: str, path: Path, seed: int = 0, **overrides) ->
         for param_name, param in model.named_parameters():
             if "norm" in param_name:
                 param.add_(torch.randn_like(param) * 0.2)
+            elif spread_biases and param_name.endswith(("bias", "sinks")):
+                param.copy_(torch.randn_like(param) * (2.0 if param_name.endswith("sinks") else 0.3))
         model.get_input_embeddings().weight.mul_(embed_gain)
     model.save_pretrained(path)
     return path
@@ -137,3 +149,4 @@ def make_thinking_checkpoint(path: Path, tokenizer_dir: Path, chat_template: str
     make_checkpoint("qwen3", path, seed=seed, vocab_size=len(tokenizer))
     tokenizer.save_pretrained(path)
     return tokenizer
+

@@ -156,8 +156,8 @@ JOB_FLAGS = [
     Flag("out", Path, ..., "Results: .parquet or .jsonl, one row per input row, in input order; or a folder (a name "
          "without an extension) of parts written as the job goes.", JOB, decls=("--out", "-o")),
     Flag("token_ids", bool, False, "Add a completion_token_ids column.", JOB, decls=("--token-ids",)),
-    Flag("reasoning_split", bool, True, "Models that think (<think>...</think>): the thinking goes to a `reasoning` "
-         "column; --no-reasoning-split keeps the raw text in `completion`.", JOB,
+    Flag("reasoning_split", bool, True, "Models that think (<think>...</think>, or gpt-oss's harmony analysis "
+         "channel): the thinking goes to a `reasoning` column; --no-reasoning-split keeps the raw text in `completion`.", JOB,
          decls=("--reasoning-split/--no-reasoning-split",)),
     Flag("output_format", str, "cbatch", "cbatch (our columns) | openai (OpenAI Batch API output lines; .jsonl) | vllm "
          "(the same, error lines as vLLM's run-batch writes them).", JOB),
@@ -226,7 +226,7 @@ BENCH_FLAGS = [
          "workload).",
          WORKLOAD),
     Flag("model_config", Optional[str], None, "Weightless model: preset (qwen3-0.6b, llama-3.2-1b, llama-3.1-8b, "
-         "qwen2.5-1.5b, qwen3-30b-a3b, mixtral-8x7b, gemma-3-4b, tiny) or config.json; random weights.", ENGINE),
+         "qwen2.5-1.5b, qwen3-30b-a3b, mixtral-8x7b, gemma-3-4b, gpt-oss-20b, tiny) or config.json; random weights.", ENGINE),
     Flag("simulate", bool, False, "Drive the real scheduler and block pool with a cost model instead of the model.",
          SIMULATOR, decls=("--simulate",)),
     Flag("cost_per_step", float, 1.0, "Simulated cost of every step.", SIMULATOR),

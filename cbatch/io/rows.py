@@ -33,6 +33,8 @@ class RowRequest:
     echo: dict[str, Any] = field(default_factory=dict)  # request fields an OpenAI output line repeats: object, model
     tools: ToolSpec | None = None  # `tools`, `tool_choice`, `parallel_tool_calls` (a chat row's; cbatch/tools/)
     tool_format: ToolFormat | None = None  # the format its calls are parsed in (set when its task makes its requests)
+    reasoning_effort: str | None = None  # the row's (checked): a thinking budget, or a variable of a template reading it
+    effort_budget: bool = False  # its thinking budget is its reasoning_effort's (not the row's own)
 
 
 def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams,
@@ -63,6 +65,9 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams,
     request.params = sampling_from_row(row, defaults)
     try:
         request.params = with_reasoning_effort(row, request.params, effort_budgets)
+        if row.get("reasoning_effort") is not None:
+            request.reasoning_effort = row["reasoning_effort"]
+            request.effort_budget = row.get("thinking_token_budget") is None
         request.tools = tool_spec(row)
     except UserError as exc:  # a bad reasoning_effort or tool field, named
         raise RowError(str(exc)) from None

@@ -25,6 +25,10 @@ FP8: B tiles are loaded as float8_e4m3fn, multiplied by their scales in fp32 and
 activations' dtype before the dot, i.e. the tensor cores see exactly `quant.dequantize`'s weights.
 Packed int experts (AWQ / GPTQ / compressed-tensors, `int4.IntExperts`): B tiles are unpacked from int32 words
 and dequantized per group the same way (as kernels/w4a16.py does for a dense layer).
+MXFP4 experts (gpt-oss, model/mxfp4.py): B is uint8 [E, N, K / 2], two e2m1 values a byte (element 2j in the low
+nibble), with uint8 e8m0 scales [E, N, K / 32]; each value is decoded in registers (sign, 2-bit exponent, 1-bit
+mantissa) and multiplied by 2 ** (scale - 127) built from its float32 bits: exactly `dequantize_mxfp4`'s weights,
+rounded to the activations' dtype (exact in bf16 and fp32) before the dot.
 """
 
 from __future__ import annotations
@@ -36,17 +40,20 @@ import triton.language as tl
 from ._utils import check_launchable, interpreting, next_pow2, on_device
 from .activation import gelu_tanh_and_mul, silu_and_mul
 
-_SCALE_NONE, _SCALE_CHANNEL, _SCALE_BLOCK, _SCALE_INT = 0, 1, 2, 3
+_SCALE_NONE, _SCALE_CHANNEL, _SCALE_BLOCK, _SCALE_INT, _SCALE_MXFP4 = 0, 1, 2, 3, 4
+MXFP4_BLOCK = 32  # elements per e8m0 scale (model/mxfp4.py)
 
 
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr,  # [rows of A, K]
-    b_ptr,  # [E, N, K] (E = 1 unless SORTED); SCALE == 3: int32 [E, N, K / (32 / BITS)], packed along K
+    b_ptr,  # [E, N, K] (E = 1 unless SORTED); SCALE == 3: int32 [E, N, K / (32 / BITS)], packed along K;
+    #         SCALE == 4: uint8 [E, N, K / 2], two e2m1 values a byte
     c_ptr,  # [rows of C, N]
-    scale_ptr,  # SCALE: fp32 [E, N] or [E, ceil(N / SBN), ceil(K / SBK)]; SCALE == 3: fp32 [E, N, groups]
+    scale_ptr,  # SCALE: fp32 [E, N] or [E, ceil(N / SBN), ceil(K / SBK)]; SCALE == 3: fp32 [E, N, groups];
+    #             SCALE == 4: uint8 e8m0 [E, N, K / 32]
     zero_ptr,  # SCALE == 3: uint8 [E, N, groups], laid out as the scales
-    bias_ptr,  # HAS_BIAS: [N]
+    bias_ptr,  # HAS_BIAS: [E, N] (per expert, stride_bias_e; [N] with stride 0 unless SORTED)
     sorted_ids_ptr,  # SORTED: int32 [padded rows]: an assignment id, or M for padding
     block_expert_ptr,  # SORTED: int32 [row blocks]: the expert of each block of BLOCK_M sorted rows
     used_rows_ptr,  # SORTED: int32 [1]: sorted rows in use; blocks at or past it return
@@ -54,7 +61,7 @@ def _grouped_gemm_kernel(
     M,  # SORTED: assignments (ids >= M are padding); otherwise rows of A and C
     N,
     K,
-    stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_sk,
+    stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_sk, stride_bias_e,
     A_ROW_DIV: tl.constexpr,  # SORTED: A's row = assignment // A_ROW_DIV (top_k for x, 1 for the activations)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -62,7 +69,7 @@ def _grouped_gemm_kernel(
     SORTED: tl.constexpr,
     MUL_ROUTE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    SCALE: tl.constexpr,  # 0: plain weights; 1: FP8 per channel; 2: FP8 per block; 3: packed ints per group
+    SCALE: tl.constexpr,  # 0: plain weights; 1: FP8 per channel; 2: FP8 per block; 3: packed ints per group; 4: MXFP4
     SBN: tl.constexpr,  # block scale rows (SCALE == 2)
     SBK: tl.constexpr,  # block scale columns (SCALE == 2)
     GROUP: tl.constexpr,  # SCALE == 3: input rows per group; BLOCK_K divides it (or one group spans K)
@@ -102,6 +109,21 @@ def _grouped_gemm_kernel(
             s = tl.load(scale_ptr + sz, mask=n_ok, other=0.0)[None, :]
             z = tl.load(zero_ptr + sz, mask=n_ok, other=0)[None, :]
             b = ((q.to(tl.float32) - z.to(tl.float32)) * s).to(a.dtype)
+        elif SCALE == 4:  # MXFP4: e2m1 nibbles x 2 ** (e8m0 - 127), decoded in registers
+            kn_ok = k_ok[:, None] & n_ok[None, :]
+            byte = tl.load(b_base + (offs_k // 2)[:, None], mask=kn_ok, other=0).to(tl.int32)  # [BLOCK_K, BLOCK_N]
+            nibble = (byte >> ((offs_k % 2) * 4)[:, None]) & 0xF
+            exponent = (nibble >> 1) & 3
+            mantissa = (nibble & 1).to(tl.float32)
+            # e2m1: 0 or 0.5 (exponent 0), else (1 + mantissa / 2) x 2 ** (exponent - 1); bit 3 the sign
+            magnitude = tl.where(exponent == 0, mantissa * 0.5,
+                                 (1.0 + mantissa * 0.5) * (1 << tl.maximum(exponent - 1, 0)).to(tl.float32))
+            value = tl.where((nibble & 8) != 0, -magnitude, magnitude)
+            e8m0 = tl.load(scale_ptr + expert * stride_se + offs_n[None, :] * stride_sn
+                           + (offs_k // 32)[:, None] * stride_sk, mask=kn_ok, other=127).to(tl.int32)
+            # 2 ** (e8m0 - 127) from its float32 bits (e8m0 0 is 2 ** -127, a subnormal: 0x00400000)
+            power = tl.where(e8m0 == 0, 0x00400000, e8m0 << 23).to(tl.float32, bitcast=True)
+            b = (value * power).to(a.dtype)
         else:
             b = tl.load(b_base + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if SCALE == 1:
@@ -117,7 +139,7 @@ def _grouped_gemm_kernel(
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     out_dtype = c_ptr.dtype.element_ty
     if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc = acc + tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if MUL_ROUTE:
         # as HF: the expert's output is rounded to the activations' dtype, then scaled by its routing weight
         w = tl.load(route_weight_ptr + c_rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -160,9 +182,10 @@ def _tiles(rows: int, n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int
 
 
 def _launch(a, b, c, rows, *, scale=None, block=None, bias=None, sorted_rows=None, a_row_div=1,
-            route_weights=None, block_m=None, zero=None, group=0, bits=4) -> None:
+            route_weights=None, block_m=None, zero=None, group=0, bits=4, mxfp4=False) -> None:
     """c[rows, N] = a @ b[e].T per row block (`sorted_rows`: the output of `sort_by_expert`); `zero`: b holds
-    packed `bits`-bit ints with per-`group` scales and zeros [E, N, groups]."""
+    packed `bits`-bit ints with per-`group` scales and zeros [E, N, groups]; `mxfp4`: b holds uint8 e2m1 pairs
+    [E, N, K / 2] with uint8 e8m0 scales [E, N, K / 32]."""
     num_experts, n, k = b.shape[0], b.shape[1], a.shape[1]
     bm, bn, bk = _tiles(rows, n, k, a.dtype)
     bm = block_m or bm
@@ -172,6 +195,7 @@ def _launch(a, b, c, rows, *, scale=None, block=None, bias=None, sorted_rows=Non
     grid_m = block_expert.shape[0] if sorted_rows is not None else triton.cdiv(rows, bm)
     scale_kind = _SCALE_NONE if scale is None else (_SCALE_CHANNEL if block is None else _SCALE_BLOCK)
     scale_kind = _SCALE_INT if zero is not None else scale_kind
+    scale_kind = _SCALE_MXFP4 if mxfp4 else scale_kind
     s_strides = (0, 0, 0) if scale is None else (scale.stride(0), scale.stride(1), scale.stride(2) if scale.dim() == 3 else 0)
     with on_device(a.device):
         _grouped_gemm_kernel[(grid_m, triton.cdiv(n, bn))](
@@ -179,6 +203,7 @@ def _launch(a, b, c, rows, *, scale=None, block=None, bias=None, sorted_rows=Non
             sorted_ids, block_expert, used_rows, route_weights if route_weights is not None else c,
             rows, n, k,
             a.stride(0), b.stride(0), b.stride(1), c.stride(0), *s_strides,
+            bias.stride(0) if bias is not None and bias.dim() == 2 else 0,
             A_ROW_DIV=a_row_div,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             SORTED=sorted_rows is not None,
@@ -217,6 +242,17 @@ def _int_args(k: int, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, 
     return {"zero": zero, "group": group, "bits": bits}
 
 
+def _mxfp4_args(k: int, w: torch.Tensor, scale: torch.Tensor) -> dict:
+    """`_launch`'s arguments for MXFP4 experts of K inputs (w uint8 [E, N, K / 32, 16], scale uint8 [E, N, K / 32],
+    as the checkpoint stores them), after checking their shapes."""
+    if (w.dtype != torch.uint8 or scale is None or scale.dtype != torch.uint8 or w.dim() != 4 or w.shape[3] != 16
+            or tuple(scale.shape) != tuple(w.shape[:3]) or w.shape[2] * MXFP4_BLOCK != k
+            or not (w.is_contiguous() and scale.is_contiguous())):
+        raise ValueError(f"MXFP4 experts {tuple(w.shape)} {w.dtype} with scales "
+                         f"{None if scale is None else tuple(scale.shape)} do not fit {k} inputs")
+    return {"mxfp4": True}
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ dequantize(weight [N, K], scale).T (+ bias) -> [T, N] in x's dtype."""
@@ -231,11 +267,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-              int_experts=None) -> torch.Tensor:
+              int_experts=None, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H] through each token's top-k experts (w13 [E, 2I, H], w2 [E, H, I]) -> [T, H] in x's dtype.
+    `activation`: silu | gelu_tanh (kernels), or a callable on [T * k, 2I] (gpt-oss's `ClampedSwiGLU`, torch ops);
+    w13_bias [E, 2I] / w2_bias [E, H]: each expert's biases, added in the GEMMs' epilogues (gpt-oss). uint8 w13 / w2
+    are MXFP4 experts: [E, N, K / 32, 16] e2m1 pairs with their uint8 e8m0 scales [E, N, K / 32] (w13_scale /
+    w2_scale), as gpt-oss checkpoints store them.
     `int_experts` (int4.IntExperts): w13 / w2 are packed ints [E, N, K * bits / 32] with float32 scales
     (w13_scale / w2_scale) and its uint8 zeros, [E, N, groups] each."""
-    if int_experts is None:
+    if w13.dtype == torch.uint8:  # MXFP4: the launches read the pairs as [E, N, K / 2]
+        int_args13 = _mxfp4_args(x.shape[1], w13, w13_scale)
+        int_args2 = _mxfp4_args(w2.shape[2] * MXFP4_BLOCK, w2, w2_scale)
+        w13, w2 = w13.flatten(2), w2.flatten(2)
+    elif int_experts is None:
         _check(x, w13, w13_scale, block)
         _check(x.new_empty(0, w2.shape[2]), w2, w2_scale, block)
         int_args13 = int_args2 = {}
@@ -253,9 +298,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     sorted_rows = sort_by_expert(ids, w13.shape[0], block_m)
     inter = torch.empty((assignments, w13.shape[1]), dtype=x.dtype, device=x.device)  # [T * k, 2I]
     _launch(x, w13, inter, assignments, scale=w13_scale, block=block, sorted_rows=sorted_rows,
-            a_row_div=top_k, block_m=block_m, **int_args13)
-    act = gelu_tanh_and_mul(inter) if activation == "gelu_tanh" else silu_and_mul(inter)  # [T * k, I]
+            a_row_div=top_k, block_m=block_m, bias=w13_bias, **int_args13)
+    if callable(activation):
+        act = activation(inter).contiguous()  # [T * k, I]
+    else:
+        act = gelu_tanh_and_mul(inter) if activation == "gelu_tanh" else silu_and_mul(inter)  # [T * k, I]
     down = torch.empty((assignments, w2.shape[1]), dtype=x.dtype, device=x.device)  # [T * k, H]
     _launch(act, w2, down, assignments, scale=w2_scale, block=block, sorted_rows=sorted_rows,
-            route_weights=weights, block_m=block_m, **int_args2)
+            route_weights=weights, block_m=block_m, bias=w2_bias, **int_args2)
     return down.view(num_tokens, top_k, -1).sum(dim=1)

@@ -9,6 +9,9 @@ Layout (per layer):
 
 Query row i of sequence b (0-based among its q_len rows) sits at absolute position
 p = seq_len - q_len + i and sees keys j <= p (and p - j < sliding_window when a window is set).
+Attention sinks (gpt-oss; `sinks` [num_q_heads]): head h's sink logit joins every softmax's denominator and
+contributes no value, i.e. the online softmax starts from (max = sink, sum = 1, acc = 0) instead of
+(-inf, 0, 0); with split-KV only the first segment starts so, and the merge weighs it in.
 
 Work decomposition (ideas after vLLM's unified Triton attention; this is an independent implementation):
   * grid = (query blocks, kv heads[, kv splits]). A program owns BLOCK_Q consecutive query tokens of one
@@ -92,6 +95,7 @@ def _paged_attention_kernel(
     block_table_ptr,  # [B, max_blocks_per_seq]
     k_scale_ptr,  # KV_SCALED: fp32 [num_kv_heads], cache value x scale = key; unused otherwise
     v_scale_ptr,  # KV_SCALED: fp32 [num_kv_heads]
+    sinks_ptr,  # HAS_SINKS: [num_q_heads] each head's sink logit (natural-log domain, like scale * q.k)
     scale_log2,  # softmax scale * log2(e)
     num_seqs,
     num_splits,  # key segments per (sequence, kv head); 1 unless SPLIT
@@ -115,7 +119,8 @@ def _paged_attention_kernel(
     DECODE_ONLY: tl.constexpr,  # every sequence has q_len <= 1: program_id(0) is the sequence
     USE_WINDOW: tl.constexpr,
     KV_SCALED: tl.constexpr,  # the cache holds scaled low-precision values (fp8): dequantise with k/v_scale
-    SOFTCAP: tl.constexpr,  # Gemma 2: score = cap * tanh(score / cap), here in the log2 domain
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,  # Gemma 2: score = cap * tanh(score / cap), here in the log2 domain
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (tf32 would cost ~1e-3 accuracy), else "tf32" (ignored for 16-bit)
     DOT_UPCAST: tl.constexpr,  # interpreter only: do bf16 dots in fp32 (see _dot)
     F16_DOTS: tl.constexpr,  # fp8 cache, bf16 q: both dots in fp16 (see paged_attention)
@@ -177,6 +182,10 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
+    if HAS_SINKS:  # the sink is one more score of weight exp2(sink - m) and no value: the first segment's start
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # log2(e)
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)  # running unnormalised output
     score_scale = scale_log2
     if KV_SCALED:  # q.(k_scale * k) = k_scale * (q.k): one multiply per score, none per key element
@@ -451,6 +460,7 @@ def paged_attention(
     softcap: float | None = None,
     decode_tiles: DecodeTiles | None = None,
     split_rule: SplitRule | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the flat batch `q` against the paged KV cache; writes and returns `out`.
 
@@ -461,6 +471,8 @@ def paged_attention(
     every sequence of at least num_splits keys fills every segment.
     An fp8 cache (float8_e4m3fn) needs k_scale / v_scale, fp32 [num_kv_heads]: key = cache value x k_scale.
     softcap (Gemma 2): scores are soft-capped, cap * tanh(scale * q.k / cap), before the mask.
+    sinks (gpt-oss): [num_q_heads], contiguous, any float dtype: head h's logit sinks[h] joins each softmax's
+    denominator (HF's GptOssAttention: a score column with no value).
     With an fp8 cache and bf16 q both dots run in fp16: e4m3 -> fp16 is one packed conversion where e4m3 -> bf16
     takes a second, scalar one per element, and the conversions, not the bytes, bound the fp8 kernel (SASS of
     the sm_90 build: 256 F2F.BF16.F16 per thread per 128-key tile). fp16 holds every e4m3 value exactly and
@@ -489,6 +501,8 @@ def paged_attention(
     block_q = block_m // group
     # Not `sliding_window < max_seq_len`: that would flip as contexts grow and compile a new variant mid-run.
     use_window = sliding_window is not None
+    if sinks is not None and (sinks.shape != (num_q_heads,) or not sinks.is_contiguous() or sinks.device != q.device):
+        raise ValueError(f"sinks must be a contiguous [{num_q_heads}] tensor on {q.device}, got {tuple(sinks.shape)}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if num_splits is None:
@@ -514,6 +528,7 @@ def paged_attention(
             q, k_cache, v_cache, target, lse,
             query_start_loc, seq_lens, block_table,
             k_scale if kv_scaled else seq_lens, v_scale if kv_scaled else seq_lens,  # never read unless KV_SCALED
+            sinks if sinks is not None else seq_lens,  # never read unless HAS_SINKS
             float(scale) * math.log2(math.e),
             num_seqs,
             num_splits,
@@ -538,6 +553,7 @@ def paged_attention(
             USE_WINDOW=use_window,
             KV_SCALED=kv_scaled,
             SOFTCAP=softcap is not None,
+            HAS_SINKS=sinks is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=dot_upcast,
             F16_DOTS=kv_scaled and q.dtype == torch.bfloat16,

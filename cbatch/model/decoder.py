@@ -1,6 +1,7 @@
 """One decoder for every supported family: Llama 2/3 (SmolLM2, TinyLlama), Mistral, Qwen2, Qwen3, Phi-3,
 and through the spec's switches Gemma 2/3 (their layer: gemma.py), the mixtures of experts Mixtral,
-Qwen2-MoE and Qwen3-MoE (their MLP: moe.py), and DeepSeek-V2/V3 / Kimi K2 (their attention: mla.py).
+Qwen2-MoE, Qwen3-MoE and gpt-oss (their MLP: moe.py; gpt-oss's attention sinks: `Attention.sinks`), and
+DeepSeek-V2/V3 / Kimi K2 (their attention: mla.py).
 
 The switches come from `ModelSpec` (q/k/v bias, q/k norm, per-layer sliding window and RoPE table,
 soft-capping, tied embeddings...). The model sees a flat batch of tokens and an `AttentionMetadata`; it
@@ -65,6 +66,8 @@ class Attention(nn.Module):
         self.rope_index = spec.layer_rope[layer_idx]  # which of the model's RoPE tables this layer uses
         self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
         self.o_proj = Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        # gpt-oss: one learned logit per query head [Hq], a key-less entry in every softmax's denominator
+        self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.attn_sinks else None
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend, unit_offset=spec.norm_unit_offset)

@@ -16,10 +16,11 @@ from cbatch.model.int4 import PackedTensorView, check_packed
 from cbatch.model.layers import Fp8Linear, Int4Linear
 from cbatch.model.decoder import LlamaForCausalLM
 from cbatch.model.moe import Experts
+from cbatch.model.mxfp4 import Mxfp4TensorView, check_mxfp4, mxfp4_pairs
 from cbatch.model.quant import FP8_DTYPE, channel_scales, dequantize
 from cbatch.model.shard import Piece, Shard
 from cbatch.model.spec import ModelSpec, parse_spec, read_config
-from cbatch.model.weights import Placement, TensorIndex, kept_fp8_modules, kept_int_module, place
+from cbatch.model.weights import Placement, TensorIndex, kept_fp8_modules, kept_int_module, kept_mxfp4_modules, place
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
 
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,6 +66,8 @@ def read_checkpoint(model_dir: Path) -> Checkpoint:
         index = TensorIndex(files)
         _check_fp8(index, spec, model_dir)
         _check_packed(index, spec, model_dir)
+        if spec.quant is not None and spec.quant.mxfp4:
+            check_mxfp4(index, model_dir)
     return Checkpoint(model_dir, spec, raw)
 
 
@@ -90,10 +93,11 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_model(spec: ModelSpec, max_positions: int, device: torch.device, dtype: torch.dtype,
                 backend: Backend, fp8_modules: set[str] = frozenset(), comm: Communicator = SINGLE_RANK,
-                int_modules: set[str] = frozenset()) -> LlamaForCausalLM:
+                int_modules: set[str] = frozenset(), mxfp4_modules: set[str] = frozenset()) -> LlamaForCausalLM:
     """An empty (uninitialised) model in place on `device`, computing through `backend` (one tensor-parallel
     rank's share of it with `comm` of several ranks); the modules named in `fp8_modules` hold FP8 weights and
-    scales (`Fp8Linear`, `Experts.keep_fp8`), those in `int_modules` packed integer weights (`Int4Linear`)."""
+    scales (`Fp8Linear`, `Experts.keep_fp8`), those in `int_modules` packed integer weights (`Int4Linear`), the
+    experts in `mxfp4_modules` MXFP4 blocks and scales (`Experts.keep_mxfp4`)."""
     with _default_dtype(dtype), torch.device("meta"):
         model = LlamaForCausalLM(spec, max_positions, backend, comm)
         for name in sorted(fp8_modules):
@@ -106,6 +110,8 @@ def build_model(spec: ModelSpec, max_positions: int, device: torch.device, dtype
             parent, _, leaf = name.rpartition(".")
             packed = Int4Linear(module.in_features, module.out_features, module.bias is not None, spec.quant.packed, backend)
             setattr(model.get_submodule(parent), leaf, packed)
+        for name in sorted(mxfp4_modules):
+            model.get_submodule(name).keep_mxfp4()
     model = model.to_empty(device=device)
     model.build_rope_cache(device)
     return model.eval().requires_grad_(False)
@@ -144,7 +150,12 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
             return module is not None
 
         index = PackedTensorView(index, packed, keep_packed)  # the other packed layers read dequantized
-    model = build_model(spec, max_positions, device, dtype, backend, keep, comm, int_keep)
+    mxfp4_keep: set[str] = set()
+    if spec.quant is not None and spec.quant.mxfp4:
+        kept = frozenset(mxfp4_pairs(index)) if backend.keeps_mxfp4_weights else frozenset()
+        mxfp4_keep = kept_mxfp4_modules(sorted(kept), spec)
+        index = Mxfp4TensorView(index, dtype, kept)  # the others read dequantized, as a float checkpoint's
+    model = build_model(spec, max_positions, device, dtype, backend, keep, comm, int_keep, mxfp4_keep)
     params = dict(model.named_parameters())
     filled = {name: 0 for name in params}  # elements written per parameter
     _zero_vocab_padding(model, spec.vocab_size, filled)
@@ -156,7 +167,7 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
     shard = Shard(comm.rank, comm.world)
     for name in names:
         placed = place(name, spec)
-        if placed is None or (placed[1] == "scale" and not _kept(placed[0], keep | int_keep)):
+        if placed is None or (placed[1] == "scale" and not _kept(placed[0], keep | int_keep | mxfp4_keep)):
             continue  # unused, or the scale of a weight dequantized below
         placement, kind = placed
         target = placement.param(kind)
@@ -185,7 +196,7 @@ def _load_whole(index: TensorIndex, name: str, placement: Placement, kind: str, 
     block = spec.quant.block if spec.quant is not None else None
     where = placement.block_rows(block[0]) if kind == "scale" and block is not None else placement
     dest = where.select(param)
-    tensor = _read(index, name, placement, kind, dest, spec)
+    tensor = placement.to_ours(_read(index, name, placement, kind, dest, spec))
     _check_shape(index, name, tensor, dest)
     dest.copy_(tensor)
     return dest.numel()
@@ -281,8 +292,8 @@ def _read(index: TensorIndex, name: str, placement: Placement, kind: str, dest: 
     to our layout (per channel [rows], or the block rows of a packed part)."""
     tensor = index.get(name)
     block = spec.quant.block if spec.quant is not None else None
-    if kind == "zero" or (kind == "scale" and spec.quant.packed is not None):
-        return tensor  # a packed layer's, already in our layout (int4.PackedTensorView)
+    if kind == "zero" or (kind == "scale" and (spec.quant.packed is not None or spec.quant.mxfp4)):
+        return tensor  # a packed layer's, already in our layout (int4.PackedTensorView), or MXFP4 e8m0 scales
     if kind == "scale":
         return _scale_rows(tensor, placement, dest, block, name)
     if tensor.dtype == FP8_DTYPE and dest.dtype != FP8_DTYPE:

@@ -5,6 +5,7 @@ CPU, the Triton fused-MoE kernels on GPU).
 Routing, as each family's HF code defines it: softmax over the router logits in float32, top-k, then
     Mixtral     weights renormalised to sum to 1, kept in float32
     Qwen*-MoE   renormalised only with norm_topk_prob, then cast to the activations' dtype
+    gpt-oss     the router has a bias; the top-k logits first, then a softmax over those k (activations' dtype)
 Qwen2-MoE adds a shared expert (a dense MLP) scaled by sigmoid(shared_expert_gate(x)) to every token.
 
 DeepSeek-V2/V3 and Kimi K2 route with `GroupLimitedRouter` (float32, as HF keeps their router) and add their
@@ -14,6 +15,7 @@ shared experts ungated:
     V3 / K2     noaux_tc: sigmoid scores; groups ranked by the sum of their two best (scores +
                 e_score_correction_bias), top-k (by the same biased scores) inside the topk_group best groups;
                 weights = the unbiased scores, renormalised with norm_topk_prob, x routed_scaling_factor
+gpt-oss's experts add biases to both projections and use a clamped SwiGLU (backend/clamped_swiglu.py).
 """
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from cbatch.model.backend import Backend
+from cbatch.model.backend.clamped_swiglu import ClampedSwiGLU
 from cbatch.model.int4 import IntExperts, PackedQuant
 from cbatch.model.layers import MLP, Linear
+from cbatch.model.mxfp4 import BLOCK as MXFP4_BLOCK
 from cbatch.model.quant import FP8_DTYPE
 from cbatch.model.spec import ModelSpec, MoESpec
 
@@ -31,10 +35,13 @@ from cbatch.model.spec import ModelSpec, MoESpec
 class Experts(nn.Module):
     """Every expert's weights stacked: w13 [E, 2I, H] (gate | up, as HF packs gate_up_proj), w2 [E, H, I]."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # gpt-oss: each expert's biases, w13_bias [E, 2I] (gate | up), w2_bias [E, H]
+        self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
+        self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
         self.w13_scale: nn.Parameter | None = None  # FP8 only: [E, 2I] per channel or [E, 2I/bn, H/bk] per block
         self.w2_scale: nn.Parameter | None = None
         self.block: tuple[int, int] | None = None
@@ -66,6 +73,17 @@ class Experts(nn.Module):
                                                         requires_grad=False))
             setattr(self, f"{name}_zero", nn.Parameter(torch.empty(experts, rows, groups, dtype=torch.uint8),
                                                        requires_grad=False))
+
+    def keep_mxfp4(self) -> None:
+        """Holds the weights as MXFP4 checkpoints store them (the GPU path): uint8 e2m1 pairs [E, N, K / 32, 16] and
+        uint8 e8m0 scales [E, N, K / 32] (model/mxfp4.py). Called before the weights exist (meta device)."""
+        for name in ("w13", "w2"):
+            experts, rows, cols = getattr(self, name).shape
+            blocks = cols // MXFP4_BLOCK
+            setattr(self, name, nn.Parameter(torch.empty(experts, rows, blocks, MXFP4_BLOCK // 2, dtype=torch.uint8),
+                                             requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(torch.empty(experts, rows, blocks, dtype=torch.uint8),
+                                                        requires_grad=False))
 
     def int_experts(self) -> IntExperts | None:
         if self.w13_zero is None:
@@ -118,11 +136,14 @@ class SparseMoeBlock(nn.Module):
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
         self.weights_in_model_dtype = moe.weights_in_model_dtype
-        self.activation = spec.hidden_act
+        self.routing = moe.routing
+        self.activation: str | ClampedSwiGLU = spec.hidden_act
+        if moe.swiglu_limit is not None:
+            self.activation = ClampedSwiGLU(moe.swiglu_alpha, moe.swiglu_limit)
         # the router: DeepSeek's, or a linear layer whose softmax top-k `route` takes
         self.gate = (GroupLimitedRouter(moe, spec.hidden_size) if moe.grouped_scoring
-                     else Linear(spec.hidden_size, moe.num_experts, bias=False))
-        self.experts = Experts(moe.num_experts, spec.hidden_size, moe.intermediate_size)
+                     else Linear(spec.hidden_size, moe.num_experts, bias=moe.biased))
+        self.experts = Experts(moe.num_experts, spec.hidden_size, moe.intermediate_size, bias=moe.biased)
         self.shared_expert = None
         self.shared_expert_gate = None
         if moe.shared_expert_size:
@@ -135,6 +156,9 @@ class SparseMoeBlock(nn.Module):
         if isinstance(self.gate, GroupLimitedRouter):
             return self.gate(x)
         logits = self.gate(x)  # [T, E] in the activations' dtype
+        if self.routing == "topk_softmax":  # gpt-oss: softmax over the k chosen logits only
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1, dtype=top.dtype), ids
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
@@ -147,7 +171,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.route(x)
         e = self.experts
         out = self.backend.fused_moe(x, e.w13, e.w2, weights, ids, self.activation, e.w13_scale, e.w2_scale, e.block,
-                                     e.int_experts())
+                                     e.int_experts(), w13_bias=e.w13_bias, w2_bias=e.w2_bias)
         if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.shared_expert is not None:

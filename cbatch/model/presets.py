@@ -54,6 +54,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=8, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5,
         sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=2,
     ),
+    # attention sinks, 128-token windows on every other layer, 32 experts (top 4) with the clamped SwiGLU; its hub
+    # checkpoint's MXFP4 experts are dequantized at load: bf16 weights, ~42 GB
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+        num_local_experts=32, num_experts_per_tok=4, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, sliding_window=128, attention_bias=True, swiglu_limit=7.0,
+        max_position_embeddings=131072, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 4096},
+        rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=[200002, 199999, 200012],
+    ),
     # the text decoder of gemma-3-4b-it: five 1024-token sliding-window layers per global one
     "gemma-3-4b": dict(
         architectures=["Gemma3ForCausalLM"], vocab_size=262208, hidden_size=2560, intermediate_size=10240,

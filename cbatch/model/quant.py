@@ -29,17 +29,23 @@ from cbatch.model.errors import UnsupportedModelError
 from cbatch.model.int4 import SUPPORTED_PACKED, PackedQuant, parse_awq, parse_compressed_tensors, parse_gptq
 
 FP8_DTYPE = torch.float8_e4m3fn
-SUPPORTED_QUANTIZATION = ("fp8 (per-tensor or block scales)", "compressed-tensors float8 (tensor, channel or block scales)")
+SUPPORTED_QUANTIZATION = ("fp8 (per-tensor or block scales)", "compressed-tensors float8 (tensor, channel or block scales)",
+                          "mxfp4 (gpt-oss experts)")
 # tensors a quantized checkpoint carries that weight-only dequantization does not use
 UNUSED_QUANT_TENSORS = ("input_scale", "k_scale", "v_scale", "output_scale")
 
 
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
-    method: str  # fp8 | compressed-tensors | awq | gptq
+    method: str  # fp8 | compressed-tensors | awq | gptq | mxfp4
     block: tuple[int, int] | None  # (rows, cols) a block scale covers; None: per-tensor or per-channel scales
     scale_suffix: str  # the scale tensor beside each `weight`: weight_scale_inv (fp8) | weight_scale
-    packed: PackedQuant | None = None  # integer weights (int4.py); None: FP8
+    packed: PackedQuant | None = None  # integer weights (int4.py); None: FP8 (or MXFP4)
+
+    @property
+    def mxfp4(self) -> bool:
+        """MXFP4 tensors (`*_blocks` + `*_scales`, model/mxfp4.py), dequantized at load on every backend."""
+        return self.method == "mxfp4"
 
 
 def _refuse(what: str) -> UnsupportedModelError:
@@ -97,6 +103,8 @@ def parse_quantization(qc: dict[str, Any] | None) -> QuantSpec | None:
         if sparsity.get("format", "dense") != "dense":
             raise _refuse(f"compressed-tensors sparsity format {sparsity['format']!r}")
         return _compressed_tensors(qc)
+    if method == "mxfp4":  # gpt-oss's experts (model/mxfp4.py): dequantized at load, nothing kept quantized
+        return QuantSpec("mxfp4", None, "")
     if method in ("awq", "gptq"):
         return QuantSpec(method, None, "weight_scale", parse_awq(qc) if method == "awq" else parse_gptq(qc))
     raise _refuse(f"quantization {method!r}")

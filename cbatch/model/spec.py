@@ -33,6 +33,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # multi-head latent attention (mla_spec.py) with DeepSeek's MoE; Kimi K2 ships as DeepseekV3ForCausalLM
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "GptOssForCausalLM": "gpt_oss",
     # prefill-only checkpoints (engine/pooling.py): a classification head `score` [num_labels, hidden] on the last
     # token (classify, reward, cross-encoder score), or the bare decoder (hidden states: embeddings)
     "LlamaForSequenceClassification": "llama",
@@ -46,6 +47,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3Model": "qwen3",
     "Gemma2Model": "gemma2",
 }
+_DEFAULT_ROPE_THETA = {"gpt_oss": 150_000.0}  # HF config classes' defaults where they are not 10000
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF name -> backend activation
 # transformers' Gemma3TextConfig defaults: hub configs of Gemma3ForConditionalGeneration state only the
 # text_config values that differ from them (gemma-3-4b-it omits the vocabulary, head_dim, rope_theta...)
@@ -74,6 +76,17 @@ class MoESpec:
     num_groups: int = 1  # n_group: experts in this many equal groups; the top `topk_groups` groups are eligible
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0  # the routing weights' final factor
+    # "softmax_topk": softmax over every expert's logit, then the top k (Mixtral, Qwen); "topk_softmax": the top k
+    # logits, then a softmax over those k only (gpt-oss)
+    routing: str = "softmax_topk"
+    biased: bool = False  # gpt-oss: the router and every expert's two projections add a bias
+    # gpt-oss's clamped SwiGLU: gate <= limit, -limit <= up <= limit, (up + 1) * gate * sigmoid(alpha * gate);
+    # None: the spec's `hidden_act` gated MLP
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    # gpt-oss checkpoints: the stacked experts stored [E, in, out] (w13's gate and up columns interleaved: gate 0,
+    # up 0, gate 1, ...); the loader turns them into ours (weights.Placement.transposed / .interleaved)
+    experts_in_out_interleaved: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +118,7 @@ class ModelSpec:
     final_softcap: float | None = None  # Gemma 2: the same on the logits
     embed_scale: float | None = None  # Gemma: embeddings multiplied by sqrt(hidden_size)
     norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + weight), in float32
+    attn_sinks: bool = False  # gpt-oss: a learned logit per query head joins each softmax's denominator (`sinks`)
     sandwich_norms: bool = False  # Gemma: RMSNorm after attention and after the MLP too, before the residual add
     moe: MoESpec | None = None
     quant: QuantSpec | None = None
@@ -200,7 +214,7 @@ def _rope_params(cfg: dict[str, Any], family: str) -> dict[str, Any]:
         params = dict(params)
     else:
         params = dict(cfg["rope_scaling"]) if isinstance(cfg.get("rope_scaling"), dict) else {}
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    params.setdefault("rope_theta", cfg.get("rope_theta", _DEFAULT_ROPE_THETA.get(family, 10000.0)))
     params.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     rope_type = params.pop("type", None) or params.get("rope_type", "default")
     if family == "phi3" and rope_type in ("su", "yarn"):
@@ -233,6 +247,8 @@ def _layer_types(cfg: dict[str, Any], family: str, num_layers: int) -> list[str]
         if family == "qwen3_moe" and not cfg.get("use_sliding_window", False):
             window = None
         return ["sliding_attention" if window else "full_attention"] * num_layers
+    if family == "gpt_oss" and window and not cfg.get("layer_types"):  # HF's GptOssConfig: sliding first, alternating
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
     if family == "llama" or not window:
         return ["full_attention"] * num_layers
     if cfg.get("layer_types"):
@@ -301,6 +317,12 @@ def _deepseek_moe_spec(cfg: dict[str, Any], family: str, num_layers: int) -> MoE
 def _moe_spec(cfg: dict[str, Any], family: str, num_layers: int) -> MoESpec | None:
     if family in ("deepseek_v2", "deepseek_v3"):
         return _deepseek_moe_spec(cfg, family, num_layers)
+    if family == "gpt_oss":  # every layer sparse; no shared expert
+        return MoESpec(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]), int(cfg["intermediate_size"]),
+                       renormalize=False, weights_in_model_dtype=True, shared_expert_size=0,
+                       sparse_layers=(True,) * num_layers, routing="topk_softmax", biased=True,
+                       swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                       experts_in_out_interleaved=True)
     if family == "mixtral":
         return MoESpec(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]), int(cfg["intermediate_size"]),
                        renormalize=True, weights_in_model_dtype=False, shared_expert_size=0,
@@ -381,7 +403,7 @@ def _parse(cfg: dict[str, Any], arch: str, family: str, generation_cfg: dict[str
     num_layers = int(cfg["num_hidden_layers"])
     max_pos = int(cfg.get("max_position_embeddings", 4096))
     windows = _layer_windows(cfg, family, num_layers)
-    attention_bias = bool(cfg.get("attention_bias", False))
+    attention_bias = bool(cfg.get("attention_bias", family == "gpt_oss"))  # HF's GptOssConfig defaults it on
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True))) or attention_bias
     num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
     mla = parse_mla(cfg, family) if family in ("deepseek_v2", "deepseek_v3") else None
@@ -410,6 +432,7 @@ def _parse(cfg: dict[str, Any], arch: str, family: str, generation_cfg: dict[str
         o_bias=family not in ("qwen2", "qwen2_moe") and attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+        attn_sinks=family == "gpt_oss",
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         eos_token_ids=_eos_ids(cfg, generation_cfg),
         rope=rope,

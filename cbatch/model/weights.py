@@ -9,7 +9,8 @@ experts) map one to one. DeepSeek's MLA projections keep their names (model/mla.
 our `shared_expert`, and its multi-token-prediction layers (past num_hidden_layers) are skipped.
 Mixtral's `block_sparse_moe` and w1/w3/w2 expert names are read too, and a
 multimodal Gemma 3's text decoder (`language_model.model.*` or `model.language_model.*`; the vision
-tower is not used).
+tower is not used). gpt-oss: `mlp.router` is our `mlp.gate`, `self_attn.sinks` a parameter of its own, and the
+stacked experts ([E, in, out], gate/up interleaved, with biases) are transposed and de-interleaved on load.
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1, "w1": 0, "w3": 1}  # w1/w3: Mixtral's expert gate/up
 _DOWN = ("down_proj", "w2")
+# transformers 5's stacked experts; gpt-oss adds biases, and MXFP4 pairs where the GPU path keeps them (model/mxfp4.py)
+_STACKED_EXPERTS = tuple(f"{part}_proj{suffix}" for part in ("gate_up", "down")
+                         for suffix in ("", "_bias", "_blocks", "_scales"))
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)$")
 _TEXT_DECODER = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")  # multimodal Gemma 3
 _BARE_DECODER = ("layers.", "embed_tokens.", "norm.")
@@ -46,10 +50,13 @@ class Placement:
     slot: str = "weight"
     expert: int | None = None
     rows: slice | None = None
+    transposed: bool = False  # stored [..., in, out] (gpt-oss's experts): ours is [..., out, in]
+    interleaved: bool = False  # gate/up stored interleaved along the output (gate 0, up 0, gate 1, ...): ours gate | up
 
     def param(self, kind: str) -> str:
         """Our parameter for a tensor of this `kind` (weight | bias | scale); scales are `<slot>_scale`."""
-        leaf = {"weight": self.slot, "bias": "bias", "scale": f"{self.slot}_scale", "zero": f"{self.slot}_zero",
+        bias = f"{self.slot}_bias" if self.slot in ("w13", "w2") else "bias"  # an expert stack's: w13_bias, w2_bias
+        leaf = {"weight": self.slot, "bias": bias, "scale": f"{self.slot}_scale", "zero": f"{self.slot}_zero",
                 "perm": f"{self.slot}_perm"}[kind]
         return f"{self.module}.{leaf}"
 
@@ -59,6 +66,15 @@ class Placement:
             return self
         rows = slice(self.rows.start // rows_per_block, -(-self.rows.stop // rows_per_block))
         return Placement(self.module, self.slot, self.expert, rows)
+
+    def to_ours(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A stored tensor in our layout: transposed to [E, out, in]; gate | up halves along the expert stack's
+        output rows (dimension 1 of a weight [E, out, in], a bias [E, out], MXFP4 blocks and scales [E, out, ...])."""
+        if self.transposed:
+            tensor = tensor.transpose(-1, -2)
+        if self.interleaved:
+            tensor = torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
+        return tensor
 
     def select(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.expert is not None:
@@ -112,6 +128,8 @@ def _layer_place(prefix: str, rest: str, spec: ModelSpec) -> Placement | None:
         if leaf in _GATE_UP:
             return Placement(f"{prefix}mlp.experts", "w13", index, _packed([size, size], _GATE_UP[leaf]))
         return Placement(f"{prefix}mlp.experts", "w2", index) if leaf in _DOWN else None
+    if rest == "mlp.router":  # gpt-oss's router (with a bias)
+        return Placement(f"{prefix}mlp.gate")
     if leaf in ("gate_proj", "up_proj"):  # the dense MLP or Qwen2-MoE's shared expert
         size = spec.moe.shared_expert_size if parent == "mlp.shared_expert" else spec.intermediate_size
         return Placement(f"{prefix}{parent}.gate_up_proj", rows=_packed([size, size], _GATE_UP[leaf]))
@@ -144,8 +162,14 @@ def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
         return None  # DeepSeek's multi-token-prediction layers (num_nextn_predict_layers): not used
     if kind == "e_score_correction_bias":  # DeepSeek-V3's router bias (moe.GroupLimitedRouter)
         return Placement(f"layers.{layer}.{rest}", "e_score_correction_bias"), "weight"
-    if rest.endswith(".experts") and kind in ("gate_up_proj", "down_proj"):  # transformers 5's stacked experts
-        return Placement(f"layers.{layer}.mlp.experts", "w13" if kind == "gate_up_proj" else "w2"), "weight"
+    if rest.endswith(".experts") and kind in _STACKED_EXPERTS:  # transformers 5's stacked experts (gpt-oss: biases)
+        part, _, suffix = kind.partition("_proj")
+        gpt_oss = spec.moe is not None and spec.moe.experts_in_out_interleaved
+        placement = Placement(f"layers.{layer}.mlp.experts", "w13" if part == "gate_up" else "w2",
+                              transposed=gpt_oss and suffix == "", interleaved=gpt_oss and part == "gate_up")
+        return placement, {"": "weight", "_bias": "bias", "_blocks": "weight", "_scales": "scale"}[suffix]
+    if rest == "self_attn" and kind == "sinks":  # gpt-oss's attention sinks [Hq]
+        return Placement(f"layers.{layer}.self_attn", "sinks"), "weight"
     if kind not in ("weight", "bias", "scale", "zero", "perm"):
         return None
     placement = _layer_place(f"layers.{layer}.", rest, spec)
@@ -159,6 +183,17 @@ def kept_fp8_modules(index: TensorIndex, spec: ModelSpec) -> set[str]:
     for name in index.fp8_names():
         placed = place(name, spec)
         if placed is not None and placed[1] == "weight" and placed[0].module.rpartition(".")[2] in FP8_MODULES:
+            modules.add(placed[0].module)
+    return modules
+
+
+def kept_mxfp4_modules(pairs: list[str], spec: ModelSpec) -> set[str]:
+    """Our modules that the MXFP4 tensors `pairs` (each stored as `<name>_blocks` + `<name>_scales`) fill: the
+    experts, which a backend that `keeps_mxfp4_weights` holds as stored."""
+    modules = set()
+    for name in pairs:
+        placed = place(f"{name}_blocks", spec)
+        if placed is not None and placed[0].module.endswith(".experts"):
             modules.add(placed[0].module)
     return modules
 

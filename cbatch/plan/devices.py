@@ -115,9 +115,16 @@ class DeviceKind:
 
 def gpu_bytes_per_weight(model: ResolvedModel) -> float:
     """Bytes a GPU run stores per weight: the compute dtype's, or for an AWQ / GPTQ / compressed-tensors int
-    checkpoint the packed layers' real sizes (weights.stored_bytes_per_weight, from the safetensors headers)."""
+    checkpoint the packed layers' real sizes (weights.stored_bytes_per_weight, from the safetensors headers), or
+    for an MXFP4 checkpoint (gpt-oss) its experts' 4.25 bits (mxfp4.stored_bytes_per_weight)."""
     dtype_bytes = torch.finfo(model.dtype).bits // 8
     quant = model.spec.quant
+    if model.checkpoint is not None and quant is not None and quant.mxfp4:
+        from cbatch.model.mxfp4 import stored_bytes_per_weight as mxfp4_bytes_per_weight
+        from cbatch.model.weights import TensorIndex
+
+        files = sorted(model.checkpoint.path.glob("*.safetensors"))
+        return mxfp4_bytes_per_weight(TensorIndex(files), dtype_bytes) if files else float(dtype_bytes)
     if model.checkpoint is None or quant is None or quant.packed is None:
         return float(dtype_bytes)
     from cbatch.model.weights import TensorIndex, stored_bytes_per_weight

@@ -12,10 +12,11 @@ from cbatch.io.openai import request_digest
 from cbatch.io.reader import PROMPT_FIELDS
 from cbatch.io.row_fields import RowError
 from cbatch.io.rows import RowRequest, parse_row, with_lora
-from cbatch.reasoning import DEFAULT_EFFORT_BUDGETS
+from cbatch.reasoning import DEFAULT_EFFORT_BUDGETS, effort_in_template
 from cbatch.tasks.base import ParsedRow, Part, PendingRow, Request, RowWork, Task, TaskError, TaskOptions, register
 from cbatch.tasks.results import RowResult
-from cbatch.tokenizer import encode_messages, encode_text, split_reasoning, template_texts, template_thinks
+from cbatch.reasoning_split import reasoning_format
+from cbatch.tokenizer import encode_messages, encode_text, template_reads, template_texts
 from cbatch.tools import FORMATS, tool_choice_constraint, tool_format
 
 if TYPE_CHECKING:
@@ -74,6 +75,9 @@ class GenerateTask(Task):
             request.params = with_lora(request.params, parsed.echo["model"])  # OpenAI lines: `model` names the adapter
         if request.tools is not None and request.tools.parses_calls:
             self._add_tool_choice(engine, request)
+        if (request.reasoning_effort is not None and request.messages is not None
+                and template_reads(engine.tokenizer, "reasoning_effort")):  # gpt-oss: "Reasoning: high", no budget
+            request.params = effort_in_template(request.params, request.reasoning_effort, request.effort_budget)
         prompt_ids = prompt_token_ids(engine, request)
         return RowWork(parsed, [Request(prompt_ids, request.params)], cache_key=(prompt_ids, request.params))
 
@@ -94,8 +98,9 @@ class GenerateTask(Task):
 
     def collect(self, engine: "Engine", row: PendingRow, part: Part, out: "RequestOutput") -> list[RowResult]:
         completion, columns, finish_reason = out.text, {}, out.finish_reason
-        if self.reasoning_split and completion is not None and template_thinks(engine.tokenizer):
-            columns["reasoning"], completion = split_reasoning(completion)
+        split = reasoning_format(engine.tokenizer) if self.reasoning_split and completion is not None else None
+        if split is not None:  # the chat format's reasoning (<think> tags, harmony's analysis channel) to its column
+            columns["reasoning"], completion = split.split(completion, out.token_ids)
         request: RowRequest = row.parsed.request
         if request.tool_format is not None and completion is not None:  # the answer's calls, parsed
             parsed = request.tool_format.parse(completion, f"{row.parsed.row_id}/{out.sample_index}")

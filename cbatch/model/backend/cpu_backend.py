@@ -1,5 +1,5 @@
 """The CPU path: the plain-torch backend with its decode attention, prefill chunks' causal attention (sliding
-windows and soft-caps too), RMSNorm (with the residual add), rotary and SiLU-and-multiply replaced by the
+windows, soft-caps and gpt-oss's sinks too), RMSNorm (with the residual add), rotary and SiLU-and-multiply replaced by the
 compiled kernels (cpu_kernels.py); the attention kernels read K and V in place, and rotary and the per-head q/k
 norms read the packed projection in place too. The KV store, partial rotary, the fp8 cache and every other op
 stay on the torch path (TorchBackend), which remains the reference the kernels are tested against; so does any
@@ -29,7 +29,8 @@ class CpuBackend(TorchBackend):
         if state.decode_rows_i32 is None:  # once per step, shared by every layer
             state.decode_rows_i32 = torch.tensor(state.decode_rows, dtype=torch.int32)
         cpu_kernels.decode_attention(q, cache.kv.k, cache.kv.v, meta.block_table, meta.seq_lens, meta.query_start_loc,
-                                     state.decode_rows_i32, out, scoring.scale, scoring.sliding_window, scoring.softcap)
+                                     state.decode_rows_i32, out, scoring.scale, scoring.sliding_window, scoring.softcap,
+                                     _float32(scoring.sinks))
 
     def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         cache: _CacheReader, scoring: _Scoring, meta: AttentionMetadata) -> None:
@@ -46,7 +47,7 @@ class CpuBackend(TorchBackend):
                                             dtype=torch.int32).reshape(4, len(chunks))
         if state.chunks_i32.shape[1]:
             cpu_kernels.prefill_attention(q, k, v, out, state.chunks_i32, scoring.scale, cache.kv.k, cache.kv.v,
-                                          meta.block_table, scoring.sliding_window, scoring.softcap)
+                                          meta.block_table, scoring.sliding_window, scoring.softcap, _float32(scoring.sinks))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
         fused = cpu_kernels.rms_norm(x, weight, eps, unit_offset)
@@ -67,6 +68,11 @@ class CpuBackend(TorchBackend):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         fused = cpu_kernels.silu_and_mul(gate_up)
         return fused if fused is not None else super().silu_and_mul(gate_up)
+
+
+def _float32(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """gpt-oss's sinks [Hq] as the kernels take them (float32, contiguous); the model's dtype may be 16-bit."""
+    return None if sinks is None else sinks.float().contiguous()
 
 
 def _unavailable(device: torch.device) -> str | None:

@@ -97,7 +97,7 @@ template <typename T, int HEAD_DIM>
 void decode_one(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int32_t* table,
                 int32_t ctx, int32_t row, int32_t kv_head, T* out, int32_t num_heads, int32_t num_kv_heads,
                 int32_t runtime_head_dim, int32_t block_size, float scale, int32_t sliding_window, float softcap,
-                std::vector<float>& scratch) {
+                const float* sinks, std::vector<float>& scratch) {
     const int32_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
     const int32_t group = num_heads / num_kv_heads;
     const int32_t first = (sliding_window > 0 && ctx > sliding_window) ? ctx - sliding_window : 0;
@@ -182,10 +182,12 @@ void decode_one(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_c
     if (softcap > 0.0f)  // HF's order: softcap * tanh(scale * q.k / softcap)
         for (int64_t i = 0; i < static_cast<int64_t>(group) * span; ++i)
             scores[i] = softcap * std::tanh(scores[i] / softcap);
-    // pass 2: softmax over each head's scores (max subtracted), in float32
+    // pass 2: softmax over each head's scores (max subtracted), in float32; a sink (gpt-oss) joins the max and
+    // the sum as one more score without a value
     for (int32_t g = 0; g < group; ++g) {
         float* s = scores + g * span;
-        float mx = -INFINITY;
+        const float sink = sinks != nullptr ? sinks[kv_head * group + g] : -INFINITY;
+        float mx = sink;
 #pragma omp simd reduction(max : mx)
         for (int32_t i = 0; i < span; ++i) mx = s[i] > mx ? s[i] : mx;
         float sum = 0.0f;
@@ -194,6 +196,7 @@ void decode_one(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_c
             s[i] = exp_approx(s[i] - mx);
             sum += s[i];
         }
+        if (sinks != nullptr) sum += exp_approx(sink - mx);
         inv_sum[g] = 1.0f / sum;
     }
     // pass 3: out_g = sum_t p[g, t] v_t, one query head at a time (its accumulator stays in registers)
@@ -228,7 +231,7 @@ template <typename T>
 void decode(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
             int64_t table_stride, const int32_t* seq_lens, const int32_t* query_start, const int32_t* rows,
             int32_t num_rows, T* out, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-            float scale, int32_t sliding_window, float softcap, int32_t num_threads) {
+            float scale, int32_t sliding_window, float softcap, const float* sinks, int32_t num_threads) {
     // the common head sizes unrolled at compile time; any other through the generic loop
     auto* attend = head_dim == 64 ? &decode_one<T, 64> : head_dim == 128 ? &decode_one<T, 128> : &decode_one<T, 0>;
     // one task per row, its KV heads in turn: the heads of a token share cache lines (token-major blocks), so
@@ -242,7 +245,7 @@ void decode(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
             for (int32_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
                 attend(q, q_row_stride, k_cache, v_cache, block_table + b * table_stride, seq_lens[b], query_start[b],
                        kv_head, out, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, softcap,
-                       scratch);
+                       sinks, scratch);
         }
     }
 }
@@ -302,11 +305,13 @@ struct ChunkKeys {
 
 // One task: the queries of chunk tokens first_token .. last_token - 1 against KV head kv_head. A query at sequence
 // position i sees keys first_key(i) .. i (sliding_window > 0: the last sliding_window of them); softcap > 0:
-// scores softcap * tanh(score / softcap) (Gemma 2), before the mask as HF.
+// scores softcap * tanh(score / softcap) (Gemma 2), before the mask as HF; sinks (gpt-oss, [Hq], or null): each
+// head's logit joins its rows' max and sum as one more score without a value.
 template <typename T, int HEAD_DIM>
 void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, T* out, int32_t first_token,
                   int32_t last_token, int32_t kv_head, int32_t num_heads, int32_t num_kv_heads,
-                  int32_t runtime_head_dim, float scale, int32_t sliding_window, float softcap, PrefillScratch& s) {
+                  int32_t runtime_head_dim, float scale, int32_t sliding_window, float softcap, const float* sinks,
+                  PrefillScratch& s) {
     const int32_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
     const int32_t group = num_heads / num_kv_heads;
     const int32_t start = src.start, cached = src.cached;
@@ -372,7 +377,8 @@ void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, T* 
             const int32_t own_lo = first_key(cached + token_of[r]) - key0, own_hi = cached + token_of[r] + 1 - key0;
             if (softcap > 0.0f)
                 for (int32_t j = own_lo; j < own_hi; ++j) pr[j] = softcap * std::tanh(pr[j] / softcap);
-            float mx = -INFINITY;
+            const float sink = sinks != nullptr ? sinks[head_of[r]] : -INFINITY;
+            float mx = sink;
 #pragma omp simd reduction(max : mx)
             for (int32_t j = own_lo; j < own_hi; ++j) mx = pr[j] > mx ? pr[j] : mx;
             for (int32_t j = lo; j < own_lo; ++j) pr[j] = 0.0f;
@@ -385,6 +391,7 @@ void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, T* 
             for (int32_t j = lo; j < hi_padded; j += VEC) lanes += *reinterpret_cast<const vecf*>(pr + j);
             float sum = 0.0f;
             for (int32_t i = 0; i < VEC; ++i) sum += lanes[i];
+            if (sinks != nullptr) sum += exp_approx(sink - mx);
             inv_sum[r] = 1.0f / sum;
         }
         // out_r = sum_j p[r, j] v_j / sum_r, PREFILL_OUT_DIMS dims at a time (whole vectors of the padded values)
@@ -417,7 +424,7 @@ void prefill(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_stride,
              const T* k_cache, const T* v_cache, const int32_t* block_table, int64_t table_stride, int32_t block_size,
              T* out, const int32_t* starts, const int32_t* lens, const int32_t* cached, const int32_t* table_rows,
              int32_t num_chunks, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, float scale,
-             int32_t sliding_window, float softcap, int32_t num_threads) {
+             int32_t sliding_window, float softcap, const float* sinks, int32_t num_threads) {
     auto* attend = head_dim == 32    ? &prefill_task<T, 32>
                    : head_dim == 64  ? &prefill_task<T, 64>
                    : head_dim == 128 ? &prefill_task<T, 128>
@@ -447,7 +454,7 @@ void prefill(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_stride,
         for (int32_t i = 0; i < n; ++i) {
             const Task& t = tasks[i];
             attend(q, q_row_stride, chunks[t.chunk], out, t.first, t.last, t.kv_head, num_heads, num_kv_heads,
-                   head_dim, scale, sliding_window, softcap, scratch);
+                   head_dim, scale, sliding_window, softcap, sinks, scratch);
         }
     }
 }
@@ -540,47 +547,49 @@ void silu_and_mul(const T* gate_up, int64_t stride, T* out, int64_t rows, int32_
 
 extern "C" {
 
-// dtype: 0 = float32, 1 = bfloat16. sliding_window <= 0: none. softcap <= 0: none.
+// dtype: 0 = float32, 1 = bfloat16. sliding_window <= 0: none. softcap <= 0: none. sinks: float32 [num_heads] or
+// null (none).
 int cbatch_decode_attention(int32_t dtype, const void* q, int64_t q_row_stride, const void* k_cache,
                             const void* v_cache, const int32_t* block_table, int64_t table_stride,
                             const int32_t* seq_lens, const int32_t* query_start, const int32_t* rows,
                             int32_t num_rows, void* out, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
                             int32_t block_size, float scale, int32_t sliding_window, float softcap,
-                            int32_t num_threads) {
+                            const float* sinks, int32_t num_threads) {
     if (num_heads % num_kv_heads != 0 || head_dim > 512) return 1;
     if (dtype == 0) {
         decode(static_cast<const float*>(q), q_row_stride, static_cast<const float*>(k_cache),
                static_cast<const float*>(v_cache), block_table, table_stride, seq_lens, query_start, rows, num_rows,
                static_cast<float*>(out), num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, softcap,
-               num_threads);
+               sinks, num_threads);
         return 0;
     }
     if (dtype == 1) {
         decode(static_cast<const uint16_t*>(q), q_row_stride, static_cast<const uint16_t*>(k_cache),
                static_cast<const uint16_t*>(v_cache), block_table, table_stride, seq_lens, query_start, rows,
                num_rows, static_cast<uint16_t*>(out), num_heads, num_kv_heads, head_dim, block_size, scale,
-               sliding_window, softcap, num_threads);
+               sliding_window, softcap, sinks, num_threads);
         return 0;
     }
     return 2;
 }
 
 // starts/lens/cached/table_rows int32 [num_chunks]. k/v_cache and block_table may be null when no chunk has
-// cached context. sliding_window <= 0: none; softcap <= 0: none. Returns 2 for an unknown dtype.
+// cached context. sliding_window <= 0: none; softcap <= 0: none; sinks: float32 [num_heads] or null. Returns 2 for an
+// unknown dtype.
 int cbatch_prefill_attention(int32_t dtype, const void* q, int64_t q_row_stride, const void* k, int64_t k_row_stride,
                              const void* v, int64_t v_row_stride, const void* k_cache, const void* v_cache,
                              const int32_t* block_table, int64_t table_stride, int32_t block_size, void* out,
                              const int32_t* starts, const int32_t* lens, const int32_t* cached,
                              const int32_t* table_rows, int32_t num_chunks, int32_t num_heads, int32_t num_kv_heads,
                              int32_t head_dim, float scale, int32_t sliding_window, float softcap,
-                             int32_t num_threads) {
+                             const float* sinks, int32_t num_threads) {
     if (num_heads % num_kv_heads != 0 || block_size < 1) return 1;
     if (dtype == 0) {
         prefill(static_cast<const float*>(q), q_row_stride, static_cast<const float*>(k), k_row_stride,
                 static_cast<const float*>(v), v_row_stride, static_cast<const float*>(k_cache),
                 static_cast<const float*>(v_cache), block_table, table_stride, block_size, static_cast<float*>(out),
                 starts, lens, cached, table_rows, num_chunks, num_heads, num_kv_heads, head_dim, scale, sliding_window,
-                softcap, num_threads);
+                softcap, sinks, num_threads);
         return 0;
     }
     if (dtype == 1) {
@@ -588,7 +597,7 @@ int cbatch_prefill_attention(int32_t dtype, const void* q, int64_t q_row_stride,
                 static_cast<const uint16_t*>(v), v_row_stride, static_cast<const uint16_t*>(k_cache),
                 static_cast<const uint16_t*>(v_cache), block_table, table_stride, block_size,
                 static_cast<uint16_t*>(out), starts, lens, cached, table_rows, num_chunks, num_heads, num_kv_heads,
-                head_dim, scale, sliding_window, softcap, num_threads);
+                head_dim, scale, sliding_window, softcap, sinks, num_threads);
         return 0;
     }
     return 2;

@@ -36,9 +36,9 @@ MAX_HEAD_DIM = 512  # decode attention's per-head buffers (cpu_kernels.cpp): lar
 _I32, _I64, _F32, _PTR = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {  # each kernel's argument types (cpu_kernels.cpp); every kernel returns an int status, 0 = done
     "cbatch_decode_attention": [_I32, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I32, _PTR,
-                                _I32, _I32, _I32, _I32, _F32, _I32, _F32, _I32],
+                                _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR, _I32],
     "cbatch_prefill_attention": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I32, _PTR, _PTR,
-                                 _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32, _F32, _I32, _F32, _I32],
+                                 _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR, _I32],
     "cbatch_rms_norm": [_I32, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32, _I32],
     "cbatch_rotary": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
     "cbatch_silu_and_mul": [_I32, _PTR, _I64, _PTR, _I64, _I32, _I32],
@@ -131,8 +131,10 @@ def _call(name: str, *args: object) -> None:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, query_start: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                     scale: float, sliding_window: int | None, softcap: float | None) -> None:
-    """out[query_start[b]] = attention of q[query_start[b]] over sequence b's cached context, for b in `rows`.
+                     scale: float, sliding_window: int | None, softcap: float | None,
+                     sinks: torch.Tensor | None = None) -> None:
+    """out[query_start[b]] = attention of q[query_start[b]] over sequence b's cached context, for b in `rows`;
+    `sinks` (gpt-oss) float32 [Hq]: each head's logit joins its softmax's denominator.
 
     q [T, Hq, D] (rows may be strided, heads contiguous); out [T, Hq, D] contiguous, same dtype;
     k_cache/v_cache [num_blocks, block_size, Hkv, D] contiguous; block_table int32 [B, cols];
@@ -147,21 +149,29 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         "cbatch_decode_attention", _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(),
         v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), query_start.data_ptr(),
         rows.data_ptr(), rows.numel(), out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale,
-        sliding_window or 0, softcap or 0.0, torch.get_num_threads())
+        sliding_window or 0, softcap or 0.0, _sinks_ptr(sinks, num_heads), torch.get_num_threads())
+
+
+def _sinks_ptr(sinks: torch.Tensor | None, num_heads: int) -> int | None:
+    if sinks is None:
+        return None
+    assert sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.shape == (num_heads,)
+    return sinks.data_ptr()
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, chunks: torch.Tensor,
                       scale: float, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                       block_table: torch.Tensor | None = None, sliding_window: int | None = None,
-                      softcap: float | None = None) -> None:
+                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """out[rows of chunk p] = causal attention of chunk p's queries over its sequence's keys, for every p.
 
     chunks int32 [4, P]: each chunk's first flat row, length, tokens before it in the cache, and block table row.
     q [T, Hq, D], k and v [T, Hkv, D] the step's (rows may be strided, heads contiguous); a chunk's cached keys are
     read from k_cache/v_cache [num_blocks, block_size, Hkv, D] (contiguous) through block_table int32 [B, cols];
     out [T, Hq, D] contiguous, same dtype. sliding_window: a query sees only the last that many keys; softcap:
-    scores softcap * tanh(score / softcap) (Gemma 2). A row's result depends on its sequence alone: the same bits
-    in any batch and under any chunking."""
+    scores softcap * tanh(score / softcap) (Gemma 2); sinks (gpt-oss) float32 [Hq]: each head's logit joins its
+    softmax's denominator. A row's result depends on its sequence alone: the same bits in any batch and under any
+    chunking."""
     num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k.shape[1]
     for x in (q, k, v):
         assert x.stride(2) == 1 and x.stride(1) == head_dim and x.dtype == q.dtype
@@ -179,7 +189,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
           v.data_ptr(), v.stride(0), cache_ptr(k_cache), cache_ptr(v_cache), cache_ptr(block_table),
           block_table.stride(0) if block_table is not None else 0, block_size, out.data_ptr(), chunks[0].data_ptr(),
           chunks[1].data_ptr(), chunks[2].data_ptr(), chunks[3].data_ptr(), chunks.shape[1], num_heads, num_kv_heads,
-          head_dim, scale, sliding_window or 0, softcap or 0.0, torch.get_num_threads())
+          head_dim, scale, sliding_window or 0, softcap or 0.0, _sinks_ptr(sinks, num_heads), torch.get_num_threads())
 
 
 def _rows(x: torch.Tensor) -> int | None:

@@ -60,6 +60,7 @@ class AttentionLayer(Protocol):
     scale: float
     softcap: float | None  # Gemma 2: scores = softcap * tanh(scale * q.k / softcap) before the mask
     sliding_window: int | None
+    sinks: torch.Tensor | None  # gpt-oss: [Hq] a logit per query head that joins each softmax's denominator only
     q_norm: NormWeight | None  # per-head RMSNorm on q and k, before rotary (Qwen3, Gemma 3)
     k_norm: NormWeight | None
 

@@ -26,6 +26,9 @@ class Backend(Protocol):
     fused_sampling: bool  # runs where the Triton kernels run: the runner may sample with the one-pass kernel
     keeps_fp8_weights: bool  # fp8_linear / fused_moe take FP8 weights and scales as stored (else dequantized at load)
     keeps_int_weights: bool  # int_linear takes packed 4/8-bit weights (layers.Int4Linear; else dequantized at load)
+    # fused_moe takes MXFP4 experts as gpt-oss checkpoints store them (uint8 e2m1 pairs + e8m0 scales; else
+    # dequantized at load)
+    keeps_mxfp4_weights: bool
 
     def prepare(self, meta: AttentionMetadata) -> None: ...
     def attention(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
@@ -42,5 +45,7 @@ class Backend(Protocol):
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
     def fp8_linear(self, x, weight, scale, block: tuple[int, int] | None, bias) -> torch.Tensor: ...
     def int_linear(self, x, weight, scale, zero, perm, group_size: int, bits: int, bias) -> torch.Tensor: ...
-    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, activation: str, w13_scale=None, w2_scale=None,
-                  block: tuple[int, int] | None = None, int_experts=None) -> torch.Tensor: ...  # int4.IntExperts
+    # activation: silu | gelu_tanh | a ClampedSwiGLU (gpt-oss, with per-expert biases w13_bias [E, 2I], w2_bias [E, H])
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, activation, w13_scale=None, w2_scale=None,
+                  block: tuple[int, int] | None = None, int_experts=None, w13_bias=None,
+                  w2_bias=None) -> torch.Tensor: ...  # int4.IntExperts

@@ -16,6 +16,7 @@ from cbatch.model.backend.mla import mla_attend
 from cbatch.model.backend.registry import register
 from cbatch.model.backend.rotary import RotaryStep
 from cbatch.model.onednn import linear
+from cbatch.model.mxfp4 import dequantize_mxfp4
 from cbatch.model.quant import dequantize
 
 
@@ -43,6 +44,7 @@ class TorchBackend:
     fused_sampling = False  # the torch sampler
     keeps_fp8_weights = False  # FP8 checkpoints are dequantized once, at load
     keeps_int_weights = False  # so are AWQ / GPTQ / compressed-tensors int checkpoints
+    keeps_mxfp4_weights = False  # and MXFP4 experts
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state = _TorchStepState.build(meta)
@@ -51,7 +53,7 @@ class TorchBackend:
                   meta: AttentionMetadata) -> torch.Tensor:
         """The attention block on the packed projection qkv [T, (Hq + 2 Hkv) * D]: q/k norms (Qwen3, Gemma 3),
         rotary (partial where the model says), this step's k/v stored at `slot_mapping`, then attention over
-        the cache (soft-capped for Gemma 2); returns [T, Hq, D]."""
+        the cache (soft-capped for Gemma 2, with gpt-oss's sinks); returns [T, Hq, D]."""
         num_tokens, heads, kv_heads, head_dim = qkv.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q = q.view(num_tokens, heads, head_dim)
@@ -61,7 +63,8 @@ class TorchBackend:
             q = self.rms_norm(q, layer.q_norm.weight, layer.q_norm.eps, layer.q_norm.unit_offset)
             k = self.rms_norm(k, layer.k_norm.weight, layer.k_norm.eps, layer.k_norm.unit_offset)
         q, k = self.apply_rotary(q, k, rope)
-        return self.attend(q, k, v, kv, meta, layer.scale, layer.sliding_window, layer.softcap)
+        return self.attend(q, k, v, kv, meta, layer.scale, layer.sliding_window, layer.softcap,
+                           getattr(layer, "sinks", None))
 
     # MLA decodes in latent space (mla.py's absorbed form); False: up-projected per head like prefills
     mla_absorbed_decode = True
@@ -75,9 +78,10 @@ class TorchBackend:
         return mla_attend(q_nope, q_pe, latent, layer, kv.k, meta, self.mla_absorbed_decode)
 
     def attend(self, q, k, v, kv: KVLayer, meta: AttentionMetadata, scale: float, sliding_window: int | None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Stores this step's k/v [T, Hkv, D] at `slot_mapping`, then attends; returns [T, Hq, D]. `softcap`
-        (Gemma 2): scores = softcap * tanh(scale * q.k / softcap) before the mask."""
+        (Gemma 2): scores = softcap * tanh(scale * q.k / softcap) before the mask. `sinks` (gpt-oss) [Hq]: each
+        head's logit joins the softmax's denominator (a column of the softmax whose value weight is 0)."""
         state: _TorchStepState = meta.backend_state
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         cache = _CacheReader(kv, q.dtype)
@@ -94,7 +98,7 @@ class TorchBackend:
             k, v = cache.dequantize(stored_k, kv.k_scale), cache.dequantize(stored_v, kv.v_scale)
 
         out = torch.empty_like(q)
-        scoring = _Scoring(scale, sliding_window, softcap)
+        scoring = _Scoring(scale, sliding_window, softcap, sinks)
         if state.decode_rows:
             self.attend_decodes(q, out, cache, scoring, meta)
         self.attend_prefills(q, k, v, out, cache, scoring, meta)
@@ -163,6 +167,13 @@ class TorchBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh").mul_(up)
 
+    def gated_activation(self, gate_up: torch.Tensor, activation) -> torch.Tensor:
+        """[T, 2I] (gate | up) -> [T, I] by `activation`: silu | gelu_tanh (this backend's ops), or a callable
+        (`ClampedSwiGLU`)."""
+        if callable(activation):
+            return activation(gate_up)
+        return self.gelu_tanh_and_mul(gate_up) if activation == "gelu_tanh" else self.silu_and_mul(gate_up)
+
     def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                    bias: torch.Tensor | None) -> torch.Tensor:
         """x @ dequantize(weight).T (+ bias): the reference for the Triton kernel (the CPU path dequantizes at load)."""
@@ -179,11 +190,13 @@ class TorchBackend:
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: str, w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-                  int_experts=None) -> torch.Tensor:
+                  int_experts=None, w13_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None) -> torch.Tensor:
         """Experts on their own tokens only: x [T, H], w13 [E, 2I, H] (gate | up), w2 [E, H, I],
         topk_weights/ids [T, k] -> [T, H] = sum_j w_j * expert_j(x). Each expert runs once on its tokens
         gathered; a token's k contributions are then summed in ascending expert order, as HF's eager loop
-        adds them (and as the Triton kernels do)."""
+        adds them (and as the Triton kernels do). `activation`: silu | gelu_tanh, or a `ClampedSwiGLU`
+        (gpt-oss, whose experts also add w13_bias [E, 2I] and w2_bias [E, H])."""
         num_tokens, top_k = topk_ids.shape
         ids, perm = topk_ids.sort(dim=1)
         weights = topk_weights.gather(1, perm).reshape(-1, 1)  # [T * k, 1]
@@ -199,23 +212,27 @@ class TorchBackend:
             assignments = order[start : start + n]
             start += n
             gate_up = linear(x[assignments // top_k],
-                             _expert_weight(w13, w13_scale, block, expert, x.dtype, zeros[0], int_experts))  # [n, 2I]
-            act = self.gelu_tanh_and_mul(gate_up) if activation == "gelu_tanh" else self.silu_and_mul(gate_up)
-            down = linear(act, _expert_weight(w2, w2_scale, block, expert, x.dtype, zeros[1], int_experts))  # [n, H]
+                             _expert_weight(w13, w13_scale, block, expert, x.dtype, zeros[0], int_experts),
+                             None if w13_bias is None else w13_bias[expert])  # [n, 2I]
+            act = self.gated_activation(gate_up, activation)  # [n, I]
+            down = linear(act, _expert_weight(w2, w2_scale, block, expert, x.dtype, zeros[1], int_experts),
+                          None if w2_bias is None else w2_bias[expert])  # [n, H]
             contributions[assignments] = (down * weights[assignments]).to(x.dtype)
         return contributions.view(num_tokens, top_k, -1).sum(dim=1)
 
 
 def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, block, expert: int, dtype: torch.dtype,
                    zero: torch.Tensor | None = None, int_experts=None) -> torch.Tensor:
-    """Expert `expert`'s weight in `dtype`: as held, or dequantized from FP8 or from packed ints (the Triton
-    kernels' reference; the CPU path dequantizes at load)."""
+    """Expert `expert`'s weight in `dtype`: as held, or dequantized from FP8, packed ints or MXFP4 (uint8 e2m1 pairs
+    [N, K / 32, 16] with e8m0 scales) (the Triton kernels' reference; the CPU path dequantizes at load)."""
     if int_experts is not None:
         from cbatch.model.int4 import dequantize_kept
 
         k = w.shape[2] * (32 // int_experts.bits)
         group = k if int_experts.group_size == -1 else int_experts.group_size
         return dequantize_kept(w[expert], scale[expert], zero[expert], None, group, int_experts.bits, dtype)
+    if w.dtype == torch.uint8:
+        return dequantize_mxfp4(w[expert], scale[expert], dtype)
     return w[expert] if scale is None else dequantize(w[expert], scale[expert], block, dtype)
 
 
@@ -276,6 +293,16 @@ class _Scoring:
     scale: float
     sliding_window: int | None
     softcap: float | None
+    sinks: torch.Tensor | None = None  # gpt-oss: [Hq] one logit per query head in each softmax's denominator
+
+    def softmax(self, scores: torch.Tensor, heads: tuple[int, ...]) -> torch.Tensor:
+        """Softmax over the last dimension; with sinks as HF's gpt-oss computes it: each head's sink logit
+        appended as one more column, the softmax taken, the column dropped. `heads`: the view of the [Hq] sinks
+        that broadcasts against `scores` (a 1 in the last dimension)."""
+        if self.sinks is None:
+            return torch.softmax(scores, dim=-1)
+        sink = self.sinks.to(scores.dtype).view(heads).expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
     def scores(self, qk: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """bias + scale * qk, or with soft-capping bias + softcap * tanh(scale * qk / softcap) (HF's order)."""
@@ -339,7 +366,7 @@ class _DecodeGroup:
         q_rows = q[self.rows].reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # a view unless q is strided
         scores = torch.matmul(q_rows, keys.transpose(2, 3))  # [n, Hkv, G, L]
         scores = scoring.scores(scores, self.biases.get(q.dtype, scoring.sliding_window))
-        probs = torch.softmax(scores, dim=-1)  # accumulates in float32 whatever the dtype
+        probs = scoring.softmax(scores, (1, num_kv_heads, num_heads // num_kv_heads, 1))  # float32 sums whatever the dtype
         out[self.rows] = torch.matmul(probs, values).view(n, num_heads, head_dim)  # [n, Hkv, G, D]
 
 
@@ -376,7 +403,7 @@ class _PrefillChunk:
             k_seq = cache.gather(kv.k.view(-1, num_kv_heads, head_dim), self.slots, kv.k_scale)
             v_seq = cache.gather(kv.v.view(-1, num_kv_heads, head_dim), self.slots, kv.v_scale)
         small = q.dtype != torch.float32 and self.q_len * self.ctx <= MATMUL_PREFILL_MAX_PAIRS
-        if small or scoring.softcap is not None:  # SDPA cannot soft-cap
+        if small or scoring.softcap is not None or scoring.sinks is not None:  # SDPA cannot soft-cap or take sinks
             out[rows] = self._attend_matmul(q[rows], k_seq, v_seq, scoring)
             return
         sliding_window, scale = scoring.sliding_window, scoring.scale
@@ -400,7 +427,7 @@ class _PrefillChunk:
         q_heads = q.reshape(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
         scores = torch.bmm(q_heads, k.permute(1, 2, 0)).view(num_kv_heads, group, n, self.ctx)
         scores = scoring.scores(scores, self.biases.get(q.dtype, scoring.sliding_window))
-        probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * n, self.ctx)
+        probs = scoring.softmax(scores, (num_kv_heads, group, 1, 1)).reshape(num_kv_heads, group * n, self.ctx)
         attended = torch.bmm(probs, v.transpose(0, 1))  # [Hkv, G * n, D]
         return attended.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
 
@@ -419,7 +446,7 @@ class _FreshPrefills:
     def batchable(self, dtype: torch.dtype, scoring: _Scoring) -> bool:
         """The layer takes each chunk's plain causal SDPA path (`_PrefillChunk.attend`), which this batches."""
         small = dtype != torch.float32 and self.q_len * self.q_len <= MATMUL_PREFILL_MAX_PAIRS
-        return not small and scoring.softcap is None and scoring.sliding_window is None
+        return not small and scoring.softcap is None and scoring.sliding_window is None and scoring.sinks is None
 
     def attend(self, q, k, v, out, scoring: _Scoring) -> None:
         n = len(self.chunks)

@@ -28,6 +28,7 @@ class TritonBackend:
     fused_sampling = True  # the one-pass sampling kernel runs where these kernels do
     keeps_fp8_weights = True  # fp8_linear and fused_moe dequantize FP8 weights tile by tile
     keeps_int_weights = True  # int_linear (the W4A16 GEMM) unpacks int4/int8 weights in registers
+    keeps_mxfp4_weights = True  # fused_moe's grouped GEMM decodes MXFP4 experts in registers
 
     def __init__(self) -> None:
         self.decode_tiles = None  # DecodeTiles once `tune` ran; None: the kernel's own policy
@@ -64,8 +65,9 @@ class TritonBackend:
     def attention(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
                   meta: AttentionMetadata) -> torch.Tensor:
         """Two launches per layer: `norm_rope_store` (q rotated in place inside qkv, k/v into the cache) and
-        `paged_attention` (reading q strided out of qkv, soft-capped for Gemma 2). Layers the fused prologue
-        does not cover (partial rotary, Gemma's (1 + w) q/k norms) take the separate kernels. Returns [T, Hq, D]."""
+        `paged_attention` (reading q strided out of qkv, soft-capped for Gemma 2, with gpt-oss's sinks). Layers the
+        fused prologue does not cover (partial rotary, Gemma's (1 + w) q/k norms) take the separate kernels.
+        Returns [T, Hq, D]."""
         from cbatch.kernels import paged_attention
 
         q = self._prologue(qkv, layer, rope, kv, meta) if _fused_prologue_covers(layer, rope) else \
@@ -76,7 +78,7 @@ class TritonBackend:
             meta.query_start_loc, meta.seq_lens, meta.block_table,
             layer.scale, meta.max_query_len, meta.max_seq_len, sliding_window=layer.sliding_window,
             softcap=layer.softcap, k_scale=kv.k_scale, v_scale=kv.v_scale, decode_tiles=self.decode_tiles,
-            num_splits=None if self.split_kv else 1, split_rule=self.split_rule,
+            num_splits=None if self.split_kv else 1, split_rule=self.split_rule, sinks=getattr(layer, "sinks", None),
         )
 
     def mla_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
@@ -154,11 +156,12 @@ class TritonBackend:
 
         return w4a16_linear(x, weight, scale, zero, perm, group_size, bits, bias)
 
-    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, activation: str, w13_scale=None, w2_scale=None,
-                  block: tuple[int, int] | None = None, int_experts=None) -> torch.Tensor:
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, activation, w13_scale=None, w2_scale=None,
+                  block: tuple[int, int] | None = None, int_experts=None, w13_bias=None, w2_bias=None) -> torch.Tensor:
         from cbatch.kernels import fused_moe
 
-        return fused_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block, int_experts)
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block, int_experts,
+                         w13_bias=w13_bias, w2_bias=w2_bias)
 
 
 def _unavailable(device: torch.device) -> str | None:

@@ -1,0 +1,91 @@
+"""Splitting a completion into its reasoning and its answer (the `reasoning` column), by the chat format the model's
+template speaks: one `ReasoningFormat` per format, the first whose template markers match chosen (the ground floor:
+imports only cbatch/tokenizer.py).
+
+    harmony     gpt-oss: messages `<|channel|>NAME<|message|>BODY<|end|>`, the assistant's turns re-opened by
+                `<|start|>assistant`; the `analysis` channel's bodies are the reasoning, the `final` channel's the
+                answer. The markers are special tokens, which the completion's text (decoded without special tokens)
+                has lost, so the completion's token ids are decoded again with them. (OpenAI's `openai_harmony`
+                package renders and parses this format too, but loads its vocabulary from the network on first
+                use: cbatch runs offline, so it reads the markers itself.)
+    think tags  Qwen3, DeepSeek-R1 and the like: `<think>REASONING</think>ANSWER` (tokenizer.split_reasoning).
+"""
+from __future__ import annotations
+
+import re
+from typing import Protocol, Sequence
+
+from cbatch.tokenizer import split_reasoning, template_texts, template_thinks
+
+
+class ReasoningFormat(Protocol):
+    def split(self, text: str, token_ids: Sequence[int]) -> tuple[str | None, str]:
+        """(reasoning or None where the completion has none, answer) of a completion: its text and token ids."""
+        ...
+
+
+class ThinkTags:
+    """`<think>...</think>`: the text alone says it (the tags are plain text or tokens kept in the text)."""
+
+    @staticmethod
+    def speaks(templates: list[str], tokenizer) -> "ThinkTags | None":
+        return ThinkTags() if template_thinks(tokenizer) else None
+
+    def split(self, text: str, token_ids: Sequence[int]) -> tuple[str | None, str]:
+        return split_reasoning(text)
+
+
+# One harmony message of a completion: its header (channel name, then e.g. " to=functions.f"), an optional
+# constraint, and its body up to the message's end marker, the next message's start, or the end of the text.
+_HARMONY_MESSAGE = re.compile(
+    r"<\|channel\|>(?P<header>[^<]*)(?:<\|constrain\|>[^<]*)?<\|message\|>(?P<body>.*?)"
+    r"(?=<\|end\|>|<\|return\|>|<\|call\|>|<\|start\|>|<\|channel\|>|\Z)",
+    re.DOTALL,
+)
+
+
+class HarmonyChannels:
+    """gpt-oss's harmony format: the `analysis` channel is the reasoning, the `final` channel the answer. A
+    completion cut off while thinking (no final message) answers ""; one with neither channel's messages (a tool
+    call on the `commentary` channel) keeps those messages' bodies as its answer."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    @staticmethod
+    def speaks(templates: list[str], tokenizer) -> "HarmonyChannels | None":
+        markers = ("<|channel|>", "<|message|>")
+        return HarmonyChannels(tokenizer) if any(all(m in t for m in markers) for t in templates) else None
+
+    def split(self, text: str, token_ids: Sequence[int]) -> tuple[str | None, str]:
+        return split_harmony(self.tokenizer.decode(list(token_ids), skip_special_tokens=False), text)
+
+
+def split_harmony(decoded: str, text: str = "") -> tuple[str | None, str]:
+    """(analysis bodies, final bodies) of a completion decoded with its special tokens; `text` (without them) is
+    the answer when it holds no harmony message at all."""
+    messages = [(m.group("header").split(" ", 1)[0].strip(), m.group("body")) for m in _HARMONY_MESSAGE.finditer(decoded)]
+    if not messages:
+        return None, text
+    analysis = [body.strip() for channel, body in messages if channel == "analysis"]
+    final = [body.strip() for channel, body in messages if channel == "final"]
+    other = [body.strip() for channel, body in messages if channel not in ("analysis", "final")]
+    reasoning = "\n\n".join(analysis) if analysis else None
+    return reasoning, "\n\n".join(final if final else other)
+
+
+# the formats in the order they are tried: harmony's markers first (its template may mention anything else)
+REASONING_FORMATS = (HarmonyChannels, ThinkTags)
+
+
+def reasoning_format(tokenizer) -> ReasoningFormat | None:
+    """How this model's completions split into reasoning and answer (by its chat template), or None: no split."""
+    templates = template_texts(tokenizer)
+    for fmt in REASONING_FORMATS:
+        found = fmt.speaks(templates, tokenizer)
+        if found is not None:
+            return found
+    return None
+
+
+__all__ = ["REASONING_FORMATS", "HarmonyChannels", "ReasoningFormat", "ThinkTags", "reasoning_format", "split_harmony"]
