@@ -64,7 +64,7 @@ def test_rerank_openai_lines_and_bad_rows(models, tmp_path):
               "body": {"model": "reranker", "query": query, "documents": documents, "top_n": 2, "return_documents": True}}
              for i, url in enumerate(("/rerank", "/v1/rerank", "/v2/rerank"))]
     lines += [{"custom_id": "no-docs", "url": "/v1/rerank", "body": {"query": query, "documents": []}},
-              {"custom_id": "bad-top", "url": "/v1/rerank", "body": {"query": query, "documents": documents, "top_n": 0}},
+              {"custom_id": "bad-top", "url": "/v1/rerank", "body": {"query": query, "documents": documents, "top_n": -1}},
               {"custom_id": "odd", "url": "/v1/rerank", "body": {"query": query, "documents": documents, "foo": 1}},
               {"custom_id": "wrong-url", "url": "/v1/score", "body": {"query": query, "documents": documents}}]
     src = write_jsonl(tmp_path / "lines.jsonl", lines)
@@ -82,7 +82,7 @@ def test_rerank_openai_lines_and_bad_rows(models, tmp_path):
         assert body["usage"]["total_tokens"] > 0
     messages = [line["response"]["body"]["error"]["message"] for line in got[3:]]
     assert "`documents` must be a non-empty list" in messages[0]
-    assert "`top_n` must be a positive integer" in messages[1]
+    assert "`top_n` must be a non-negative integer" in messages[1]
     assert "body.foo" in messages[2]
     assert "url: --task rerank takes" in messages[3]
 

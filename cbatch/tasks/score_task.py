@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from cbatch.engine.pooling import PoolingHead
 from cbatch.io.pooling_rows import Pair, PoolingRow, RowFormat
 from cbatch.tasks.base import ParsedRow, Request, RowWork, TaskOptions, register
-from cbatch.tasks.pooled import PooledTask, embedding_pooling, head_pooling, input_ids
+from cbatch.tasks.pooled import PooledTask, embedding_pooling, head_pooling, input_ids, job_classifier_tokens
 
 if TYPE_CHECKING:
     from cbatch.engine.engine import Engine
@@ -31,8 +32,8 @@ class ScoreTask(PooledTask):
 
     @classmethod
     def for_job(cls, options: TaskOptions, spec: "ModelSpec", model_dir: Path | None) -> "ScoreTask":
-        if spec.head == "classify":
-            return cls(head_pooling(cls.name, options, spec, one_output=True), options.defaults)
+        if spec.head == "classify" or job_classifier_tokens(options, model_dir) is not None:  # a cross-encoder
+            return cls(head_pooling(cls.name, options, spec, one_output=True, model_dir=model_dir), options.defaults)
         return cls(embedding_pooling(cls.name, options, spec, model_dir), options.defaults)
 
     def requests(self, engine: "Engine", parsed: ParsedRow) -> RowWork:
@@ -63,20 +64,23 @@ class PairPlan:
 
     inputs: list[Pair | str]
     slots: list[tuple[int, ...]]  # per pair: its request (cross-encoder), or its two texts' requests (bi-encoder)
+    joined: bool = False  # a pair is read as one text, text_1 + text_2 (an LM-head reranker), not as a text pair
 
     @classmethod
-    def of(cls, pairs: list[Pair], cross_encoder: bool) -> "PairPlan":
-        if cross_encoder:
-            return cls(list(pairs), [(i,) for i in range(len(pairs))])
+    def of(cls, pairs: list[Pair], head: PoolingHead | None) -> "PairPlan":
+        """`head`: the job's (None: a bi-encoder's embeddings)."""
+        if head is not None:
+            return cls(list(pairs), [(i,) for i in range(len(pairs))], head.joins_pair)
         at: dict[str, int] = {}
         for text in (text for pair in pairs for text in pair):
             at.setdefault(text, len(at))
         return cls(list(at), [(at[a], at[b]) for a, b in pairs])
 
     def prompts(self, engine: "Engine", parsed: ParsedRow) -> list[list[int]]:
-        """Each request's token ids: a pair's pair encoding, or a text's own."""
-        return [input_ids(engine, PoolingRow(parsed.index, parsed.row_id, pair=x), None) if isinstance(x, tuple)
-                else input_ids(engine, PoolingRow(parsed.index, parsed.row_id), x) for x in self.inputs]
+        """Each request's token ids: a pair's pair encoding (or its texts joined into one), or a text's own."""
+        return [input_ids(engine, PoolingRow(parsed.index, parsed.row_id), x) if isinstance(x, str)
+                else input_ids(engine, PoolingRow(parsed.index, parsed.row_id), x[0] + x[1]) if self.joined
+                else input_ids(engine, PoolingRow(parsed.index, parsed.row_id, pair=x), None) for x in self.inputs]
 
     def key_ids(self, prompts: list[list[int]], listed: bool) -> list[int]:
         """The result cache's ids: the prompts; a row of lists also its marker and which requests score each pair
@@ -90,8 +94,8 @@ class PairPlan:
 
 
 def pair_score(vectors: list[list[float]]) -> float:
-    """A pair's score from its requests' vectors: a cross-encoder's one (sigmoid of its logit), or a bi-encoder's
-    two embeddings (their cosine)."""
+    """A pair's score from its requests' vectors: a cross-encoder's one (sigmoid of its logit; an LM-head reranker's
+    logit is logit(true) - logit(false): vLLM's score), or a bi-encoder's two embeddings (their cosine)."""
     if len(vectors) == 2:
         return cosine(vectors[0], vectors[1])
     return 1.0 / (1.0 + math.exp(-vectors[0][0]))
