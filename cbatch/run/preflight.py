@@ -120,8 +120,6 @@ def validate_paths(options: JobOptions) -> tuple[JobFormats, int]:
         total_rows = inspect_input(source, fields=task.input_fields)
         # a name the output has already is refused; a Parquet INPUT must have the kept columns, in types cbatch carries
         keep = KeepColumns.parse(options.keep_columns, OPENAI_LINE_FIELDS if openai_lines else OUTPUT_COLUMNS + task.columns)
-        if options.retry_errors and not task.decodes:
-            raise JobError(f"--retry-errors: not available for --task {options.task} yet; run again with --overwrite")
         kept_types = parquet_kept_types(keep, source.parts[0]) if keep is not None and source.format == "parquet" else None
         if not options.allow_duplicate_ids:
             check_unique_ids(source)
