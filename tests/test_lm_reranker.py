@@ -134,3 +134,57 @@ def test_bad_classifier_tokens_are_one_line(reranker, tmp_path, flag, message):
     code, stderr = run(src, "--out", tmp_path / "out.jsonl", "--model", reranker, "--task", "score",
                        "--classifier-from-token", flag)
     assert code == 2 and message in stderr and "Traceback" not in stderr, stderr
+
+
+def test_refusals_name_the_setting(reranker):
+    """A tensor-parallel LM-head reranker, an hf_overrides key cbatch does not honour, and a method vLLM does not
+    have are each one UserError naming it."""
+    from types import SimpleNamespace
+
+    from cbatch.api.engine_args import library_settings
+    from cbatch.config import SamplingParams, UserError
+    from cbatch.model.pooling_config import ClassifierTokens
+    from cbatch.model.spec import parse_spec, read_config
+    from cbatch.tasks import make_task
+    from cbatch.tasks.pooled import check_task_parallel
+
+    options = SimpleNamespace(task="score", defaults=SamplingParams(), pooling=None, normalize=None, dimensions=None,
+                              classifier=ClassifierTokens((FALSE, TRUE)), score_template=None, reasoning_split=True)
+    task = make_task(options, parse_spec(read_config(reranker)), reranker)
+    assert task.pooling.head.token_ids == (14, 15) and task.pooling.head.method == "from_2_way_softmax"
+    check_task_parallel(task, 1)
+    with pytest.raises(UserError, match="runs on one rank; use --tensor-parallel-size 1"):
+        check_task_parallel(task, 2)
+    with pytest.raises(UserError, match="hf_overrides: cbatch does not override 'rope_theta'"):
+        library_settings(str(reranker), {"hf_overrides": {"classifier_from_token": ["no", "yes"], "rope_theta": 1.0}})
+    with pytest.raises(UserError, match="method 'softmax'"):
+        ClassifierTokens((FALSE, TRUE), "softmax")
+    with pytest.raises(UserError, match="takes two tokens"):
+        ClassifierTokens((FALSE,), "from_2_way_softmax")
+
+
+def test_score_template_renders_each_pair(reranker, tmp_path):
+    """--score-template (vLLM's score template: roles query and document) renders each pair before it is
+    tokenized; the scores are HF's on the rendered texts, for the CLI's score and rerank and the library's score."""
+    from cbatch import LLM
+
+    template = ("w20 {{ (messages | selectattr('role', 'eq', 'query') | first).content }} w21 "
+                "{{ (messages | selectattr('role', 'eq', 'document') | first).content }} w22")
+    (tmp_path / "score.jinja").write_text(template)
+    query, documents = random_texts(1, seed=90)[0], random_texts(4, seed=91)
+    rendered = [f"w20 {query} w21 {d} w22" for d in documents]
+    logits = hf_logits(reranker, rendered, [FALSE, TRUE])
+    reference = [1 / (1 + math.exp(-float(d))) for d in logits[:, 1] - logits[:, 0]]
+    flags = ("--classifier-from-token", f"{FALSE},{TRUE}", "--score-template", tmp_path / "score.jinja")
+    src = write_jsonl(tmp_path / "score.jsonl", [{"queries": query, "documents": documents}])
+    code, stderr = run(src, "--out", tmp_path / "score-out.jsonl", "--model", reranker, "--task", "score", *flags)
+    assert code == 0, stderr
+    assert read_jsonl(tmp_path / "score-out.jsonl")[0]["scores"] == pytest.approx(reference, abs=1e-5, rel=0)
+    src = write_jsonl(tmp_path / "rerank.jsonl", [{"query": query, "documents": documents, "top_n": 2}])
+    code, stderr = run(src, "--out", tmp_path / "rerank-out.jsonl", "--model", reranker, "--task", "rerank", *flags)
+    assert code == 0, stderr
+    order = sorted(range(len(documents)), key=lambda i: -reference[i])[:2]
+    assert [r["index"] for r in read_jsonl(tmp_path / "rerank-out.jsonl")[0]["results"]] == order
+    llm = LLM(str(reranker), hf_overrides={"classifier_from_token": [FALSE, TRUE]}, use_tqdm=False, device="cpu")
+    got = llm.score(query, documents, chat_template=template)
+    assert [o.outputs.score for o in got] == pytest.approx(reference, abs=1e-5, rel=0)

@@ -217,28 +217,31 @@ class LLM:
                 for i, v in zip(ids, vectors)]
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *,
-              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+              use_tqdm: bool = True, chat_template: str | None = None) -> list[ScoringRequestOutput]:
         """Each pair's score, as `--task score` scores a row of lists (`PairPlan`): a cross-encoder's sigmoid(logit)
         of the pair (an LM-head reranker's sigmoid(logit(true) - logit(false)) of text_1 + text_2), or an embedding
-        model's cosine. One text against many pairs it with each (1:N); two lists pair item by item (N:N)."""
+        model's cosine. One text against many pairs it with each (1:N); two lists pair item by item (N:N).
+        `chat_template`: vLLM's score template (roles `query` and `document`), as --score-template."""
         first, second = _texts(data_1), _texts(data_2)
         if len(first) == 1:
             first = first * len(second)
         if len(first) != len(second):
             raise UserError(f"score: {len(first)} and {len(second)} texts; give one against many, or two lists "
                             "of the same length")
-        params = self._task("score").pooling
-        plan = PairPlan.of(list(zip(first, second)), params.head)
+        task = self._task("score", score_template=chat_template)
+        params = task.pooling
+        plan = PairPlan.of(list(zip(first, second)), params.head, task.template)
         prompts = plan.prompts(self.engine, ParsedRow(0, "score", None))
         scores = plan.scores(self._pool(prompts, params, use_tqdm))
         token_ids = [[t for j in slot for t in prompts[j]] for slot in plan.slots]  # a pair's input(s), in order
         return [ScoringRequestOutput(self._request_id(), ScoringOutput(s), ids) for s, ids in zip(scores, token_ids)]
 
     def _task(self, task: str, pooling: str | None = None, normalize: bool | None = None,
-              dimensions: int | None = None) -> PooledTask:
+              dimensions: int | None = None, score_template: str | None = None) -> PooledTask:
         """The prefill-only task with these settings, resolved against the model as a job's --task is."""
         options = SimpleNamespace(task=task, defaults=RowSamplingParams(), pooling=pooling, normalize=normalize,
-                                  dimensions=dimensions, classifier=self.classifier, reasoning_split=True)
+                                  dimensions=dimensions, classifier=self.classifier, score_template=score_template,
+                                  reasoning_split=True)
         return make_task(options, self.engine.spec, self.engine.model_dir)
 
     def _pool_prompts(self, prompts: PromptType | Sequence[PromptType], params: PoolingParams,

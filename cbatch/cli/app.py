@@ -170,6 +170,17 @@ def classifier_tokens(values: dict[str, Any]):
         fail(f"--classifier-from-token: {exc}")
 
 
+def score_template(values: dict[str, Any]) -> str | None:
+    """--score-template's text (None: not given); an unreadable file is one line naming the flag."""
+    path = values["score_template"]
+    if path is None:
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"--score-template {path}: cannot read it ({exc})")
+
+
 @command(app, "run", RUN_FLAGS)
 def run(**values: Any) -> None:
     """Generate a completion for every row of INPUT and write them to OUTPUT."""
@@ -199,6 +210,7 @@ def run(**values: Any) -> None:
                                            "part_rows", "part_format", "task", "pooling", "normalize", "dimensions",
                                            "tool_call_parser")},
         effort_budgets=effort_budgets(values), classifier=classifier_tokens(values),
+        score_template=score_template(values),
     )
 
     def job() -> int:
@@ -261,6 +273,7 @@ def plan(**values: Any) -> None:
                                            "allow_errors", "quiet", "lookahead", "result_cache", "task", "pooling",
                                            "normalize", "dimensions", "tool_call_parser")},
         effort_budgets=effort_budgets(values), classifier=classifier_tokens(values),
+        score_template=score_template(values),
     )
     exit_for(lambda: run_plan(options), resumable=False)
 

@@ -52,6 +52,7 @@ class PlanOptions:
     tool_call_parser: str | None = None
     effort_budgets: dict[str, int] | None = None
     classifier: ClassifierTokens | None = None
+    score_template: str | None = None
 
 
 def run_plan(options: PlanOptions) -> int:

@@ -74,6 +74,7 @@ class JobOptions:
     tool_call_parser: str | None = None  # --tool-call-parser: rows with tools (None: the model's own format)
     effort_budgets: dict[str, int] | None = None  # --reasoning-effort-budgets (None: the defaults)
     classifier: ClassifierTokens | None = None  # --classifier-from-token (None: the model's config.json's, if any)
+    score_template: str | None = None  # --score-template's text (score / rerank pairs rendered through it)
 
 
 @dataclass(frozen=True, slots=True)

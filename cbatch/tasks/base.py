@@ -45,6 +45,7 @@ class TaskOptions(Protocol):
     normalize: bool | None
     dimensions: int | None
     classifier: "ClassifierTokens | None"  # --classifier-from-token / hf_overrides (None: the model's config's, if any)
+    score_template: str | None  # --score-template's text: score / rerank pairs rendered through it
     reasoning_split: bool
 
 

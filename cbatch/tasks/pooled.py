@@ -22,7 +22,7 @@ from cbatch.model.errors import UnsupportedModelError
 from cbatch.model.pooling_config import ClassifierTokens, model_classifier_tokens, model_pooling
 from cbatch.tasks.base import ParsedRow, Part, PendingRow, Request, RowWork, Task, TaskError, TaskOptions
 from cbatch.tasks.results import RowResult
-from cbatch.tokenizer import encode_messages, load_tokenizer
+from cbatch.tokenizer import encode_messages, encode_score_pair, load_tokenizer
 
 if TYPE_CHECKING:
     from cbatch.engine.engine import Engine, RequestOutput
@@ -195,9 +195,10 @@ def check_task_parallel(task: Task, tensor_parallel_size: int) -> None:
 
 
 # ---- inputs -----------------------------------------------------------------------------------------------------
-def input_ids(engine: "Engine", row: PoolingRow, text: str | None) -> list[int]:
+def input_ids(engine: "Engine", row: PoolingRow, text: str | None, template: str | None = None) -> list[int]:
     """A prefill-only request's token ids: its own, its text's or (`text` None with a pair: a cross-encoder) its
-    pair's, tokenized as HF and sentence-transformers do (the tokenizer's special tokens added)."""
+    pair's, tokenized as HF and sentence-transformers do (the tokenizer's special tokens added); with a score
+    `template` the pair rendered through it (`encode_score_pair`)."""
     tokenizer = engine.tokenizer
     if row.token_ids is not None:
         ids = row.token_ids
@@ -210,6 +211,11 @@ def input_ids(engine: "Engine", row: PoolingRow, text: str | None) -> list[int]:
             raise RowError(f"could not render `messages` ({type(exc).__name__}: {exc})") from None
     elif text is not None or row.pair is None:
         ids = list(tokenizer.encode(text if text is not None else row.text))
+    elif template is not None:
+        try:
+            ids = encode_score_pair(tokenizer, template, *row.pair)
+        except Exception as exc:  # a template raising on this pair
+            raise RowError(f"--score-template could not render this pair ({type(exc).__name__}: {exc})") from None
     else:
         ids = list(tokenizer.encode(*row.pair))
     if (error := engine.vocabulary_error("the input", ids)) is not None:

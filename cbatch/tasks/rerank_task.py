@@ -17,8 +17,7 @@ from cbatch.io.openai import RequestError, batch_body, request_digest
 from cbatch.io.pooling_rows import Pair
 from cbatch.io.row_fields import RowError, row_id_of, text_field
 from cbatch.tasks.base import ParsedRow, Request, RowWork, TaskOptions, register
-from cbatch.tasks.pooled import PooledTask
-from cbatch.tasks.score_task import PairPlan, ScoreTask
+from cbatch.tasks.score_task import PairPlan, PairTask, ScoreTask
 
 if TYPE_CHECKING:
     from cbatch.engine.engine import Engine
@@ -42,7 +41,7 @@ class RerankRow:
 
 
 @register
-class RerankTask(PooledTask):
+class RerankTask(PairTask):
     name: ClassVar[str] = "rerank"
     input_fields: ClassVar[tuple[str, ...]] = ("query", "body")
     columns: ClassVar[tuple[str, ...]] = ("results",)
@@ -51,7 +50,7 @@ class RerankTask(PooledTask):
     @classmethod
     def for_job(cls, options: TaskOptions, spec: "ModelSpec", model_dir: Path | None) -> "RerankTask":
         scoring = ScoreTask.for_job(options, spec, model_dir)  # the pairs are scored as --task score scores them
-        return cls(scoring.pooling, options.defaults)
+        return cls(scoring.pooling, options.defaults, scoring.template)
 
     def column_types(self) -> dict[str, Any]:
         import pyarrow as pa
@@ -67,7 +66,7 @@ class RerankTask(PooledTask):
         """The (query, document) pairs as --task score makes a row of lists' requests (`PairPlan`): a cross-encoder one
         request per pair; a bi-encoder the query's, then each distinct document's."""
         row: RerankRow = parsed.request
-        plan = PairPlan.of(row.pairs, self.pooling.head)
+        plan = PairPlan.of(row.pairs, self.pooling.head, self.template)
         prompts = plan.prompts(engine, parsed)
         key_ids = plan.key_ids(prompts, listed=True)  # (the settings that shape `results` are not ids:)
         key_ids += [-2 - (row.top_n or 0), -2 - int(row.return_documents)]
@@ -76,7 +75,7 @@ class RerankTask(PooledTask):
     def row_columns(self, vectors: list[list[float]], engine: "Engine", parsed: ParsedRow) -> dict[str, Any]:
         """`results`: each document's score as --task score gives it for the pair, best first."""
         row: RerankRow = parsed.request
-        return {"results": ranked(PairPlan.of(row.pairs, self.pooling.head).scores(vectors), row)}
+        return {"results": ranked(PairPlan.of(row.pairs, self.pooling.head, self.template).scores(vectors), row)}
 
     def openai_body(self, samples: list[dict[str, Any]], model: str, created: int) -> dict[str, Any]:
         """vLLM's and Cohere's rerank response: `{"id", "model", "usage", "results": [...]}`."""

@@ -2,7 +2,8 @@
 with one output, sigmoid of its logit over the pair) or a bi-encoder (the cosine of the two texts' embeddings, each
 its own request). A row of lists (one text against a list, or two lists item by item) scores each of its pairs as a
 pair row is scored, into a `scores` column. How pairs become requests and scores (`PairPlan`) is shared with
---task rerank."""
+--task rerank. With --score-template a pair is rendered through it (vLLM's score template: messages of roles
+`query` and `document`) for a cross-encoder or an LM-head reranker."""
 from __future__ import annotations
 
 import math
@@ -12,9 +13,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from cbatch.engine.pooling import PoolingHead
+from cbatch.config import SamplingParams
+from cbatch.engine.pooling import PoolingHead, PoolingParams
 from cbatch.io.pooling_rows import Pair, PoolingRow, RowFormat
-from cbatch.tasks.base import ParsedRow, Request, RowWork, TaskOptions, register
+from cbatch.tasks.base import ParsedRow, Request, RowWork, TaskError, TaskOptions, register
 from cbatch.tasks.pooled import PooledTask, embedding_pooling, head_pooling, input_ids, job_classifier_tokens
 
 if TYPE_CHECKING:
@@ -22,8 +24,21 @@ if TYPE_CHECKING:
     from cbatch.model.spec import ModelSpec
 
 
+class PairTask(PooledTask):
+    """A task scoring pairs (score, rerank): its pooling and, with --score-template, the template each pair is
+    rendered through."""
+
+    def __init__(self, pooling: PoolingParams, defaults: SamplingParams = SamplingParams(),
+                 template: str | None = None) -> None:
+        super().__init__(pooling, defaults)
+        self.template = template  # --score-template: each pair rendered through it (None: the pair as it is)
+
+    def identity(self) -> dict[str, Any]:
+        return {**super().identity(), **({"score_template": self.template} if self.template is not None else {})}
+
+
 @register
-class ScoreTask(PooledTask):
+class ScoreTask(PairTask):
     name: ClassVar[str] = "score"
     row_format: ClassVar[RowFormat] = RowFormat(name, "/v1/score", ("model", "text_1", "text_2", "queries", "documents",
                                                                      "user"), pair=True, aliases=("/score",))
@@ -32,21 +47,19 @@ class ScoreTask(PooledTask):
 
     @classmethod
     def for_job(cls, options: TaskOptions, spec: "ModelSpec", model_dir: Path | None) -> "ScoreTask":
-        if spec.head == "classify" or job_classifier_tokens(options, model_dir) is not None:  # a cross-encoder
-            return cls(head_pooling(cls.name, options, spec, one_output=True, model_dir=model_dir), options.defaults)
-        return cls(embedding_pooling(cls.name, options, spec, model_dir), options.defaults)
+        return cls(pair_scoring(cls.name, options, spec, model_dir), options.defaults, options.score_template)
 
     def requests(self, engine: "Engine", parsed: ParsedRow) -> RowWork:
         """Each pair as `PairPlan` makes it: a cross-encoder one request per pair, a bi-encoder one per distinct text."""
         row: PoolingRow = parsed.request
-        plan = PairPlan.of(row.pairs or [row.pair], self.pooling.head)
+        plan = PairPlan.of(row.pairs or [row.pair], self.pooling.head, self.template)
         prompts = plan.prompts(engine, parsed)
         key_ids = plan.key_ids(prompts, listed=row.pairs is not None)
         return RowWork(parsed, [Request(ids, self.defaults, self.pooling) for ids in prompts], (key_ids, self.defaults))
 
     def row_columns(self, vectors: list[list[float]], engine: "Engine", parsed: ParsedRow) -> dict[str, Any]:
         row: PoolingRow = parsed.request
-        scores = PairPlan.of(row.pairs or [row.pair], self.pooling.head).scores(vectors)
+        scores = PairPlan.of(row.pairs or [row.pair], self.pooling.head, self.template).scores(vectors)
         return {"scores": scores} if row.pairs is not None else {"score": scores[0]}
 
     def data_items(self, record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -65,22 +78,26 @@ class PairPlan:
     inputs: list[Pair | str]
     slots: list[tuple[int, ...]]  # per pair: its request (cross-encoder), or its two texts' requests (bi-encoder)
     joined: bool = False  # a pair is read as one text, text_1 + text_2 (an LM-head reranker), not as a text pair
+    template: str | None = None  # a score template each pair is rendered through (a cross-encoder's, an LM head's)
 
     @classmethod
-    def of(cls, pairs: list[Pair], head: PoolingHead | None) -> "PairPlan":
-        """`head`: the job's (None: a bi-encoder's embeddings)."""
+    def of(cls, pairs: list[Pair], head: PoolingHead | None, template: str | None = None) -> "PairPlan":
+        """`head`: the job's (None: a bi-encoder's embeddings); `template`: --score-template's text."""
         if head is not None:
-            return cls(list(pairs), [(i,) for i in range(len(pairs))], head.joins_pair)
+            return cls(list(pairs), [(i,) for i in range(len(pairs))], head.joins_pair, template)
         at: dict[str, int] = {}
         for text in (text for pair in pairs for text in pair):
             at.setdefault(text, len(at))
         return cls(list(at), [(at[a], at[b]) for a, b in pairs])
 
     def prompts(self, engine: "Engine", parsed: ParsedRow) -> list[list[int]]:
-        """Each request's token ids: a pair's pair encoding (or its texts joined into one), or a text's own."""
+        """Each request's token ids: a pair's pair encoding (rendered through the template, or its texts joined into
+        one), or a text's own."""
         return [input_ids(engine, PoolingRow(parsed.index, parsed.row_id), x) if isinstance(x, str)
-                else input_ids(engine, PoolingRow(parsed.index, parsed.row_id), x[0] + x[1]) if self.joined
-                else input_ids(engine, PoolingRow(parsed.index, parsed.row_id, pair=x), None) for x in self.inputs]
+                else input_ids(engine, PoolingRow(parsed.index, parsed.row_id), x[0] + x[1])
+                if self.joined and self.template is None
+                else input_ids(engine, PoolingRow(parsed.index, parsed.row_id, pair=x), None, self.template)
+                for x in self.inputs]
 
     def key_ids(self, prompts: list[list[int]], listed: bool) -> list[int]:
         """The result cache's ids: the prompts; a row of lists also its marker and which requests score each pair
@@ -91,6 +108,17 @@ class PairPlan:
     def scores(self, vectors: list[list[float]]) -> list[float]:
         """Each pair's score, in order, from the requests' vectors (in request order)."""
         return [pair_score([vectors[j] for j in slot]) for slot in self.slots]
+
+
+def pair_scoring(task: str, options: TaskOptions, spec: "ModelSpec", model_dir: Path | None) -> PoolingParams:
+    """A score's or a rerank's pooling: a head (a cross-encoder's, an LM-head reranker's) or a bi-encoder's
+    embeddings; --score-template only with a head (a bi-encoder embeds each text alone)."""
+    if spec.head == "classify" or job_classifier_tokens(options, model_dir) is not None:
+        return head_pooling(task, options, spec, one_output=True, model_dir=model_dir)
+    if options.score_template is not None:
+        raise TaskError(f"--score-template renders a pair into one input; this {spec.architecture} is scored as a "
+                        "bi-encoder (each text embedded alone): leave it out")
+    return embedding_pooling(task, options, spec, model_dir)
 
 
 def pair_score(vectors: list[list[float]]) -> float:
