@@ -91,13 +91,17 @@ class PairPlan:
         return cls(list(at), [(at[a], at[b]) for a, b in pairs])
 
     def prompts(self, engine: "Engine", parsed: ParsedRow) -> list[list[int]]:
-        """Each request's token ids: a pair's pair encoding (rendered through the template, or its texts joined into
-        one), or a text's own."""
-        return [input_ids(engine, PoolingRow(parsed.index, parsed.row_id), x) if isinstance(x, str)
-                else input_ids(engine, PoolingRow(parsed.index, parsed.row_id), x[0] + x[1])
-                if self.joined and self.template is None
-                else input_ids(engine, PoolingRow(parsed.index, parsed.row_id, pair=x), None, self.template)
-                for x in self.inputs]
+        """Each request's token ids (`input_ids`), in request order."""
+        return [self._ids(engine, parsed, x) for x in self.inputs]
+
+    def _ids(self, engine: "Engine", parsed: ParsedRow, item: Pair | str) -> list[int]:
+        """A bi-encoder's text: its own ids; a pair: rendered through the template, else read as one text (an LM-head
+        reranker), else the tokenizer's pair encoding (a cross-encoder)."""
+        if isinstance(item, str):
+            return input_ids(engine, PoolingRow(parsed.index, parsed.row_id), item)
+        if self.joined and self.template is None:
+            return input_ids(engine, PoolingRow(parsed.index, parsed.row_id), item[0] + item[1])
+        return input_ids(engine, PoolingRow(parsed.index, parsed.row_id, pair=item), None, self.template)
 
     def key_ids(self, prompts: list[list[int]], listed: bool) -> list[int]:
         """The result cache's ids: the prompts; a row of lists also its marker and which requests score each pair
