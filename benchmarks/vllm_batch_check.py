@@ -23,11 +23,15 @@ from vllm_batch_cases import (cases, check_structure, make_models, read_lines, r
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vllm-python", help="a python with vllm installed: validate every line with its model")
+    parser.add_argument("--vllm-python", help="a python with vllm installed: validate every line with its model "
+                        "(default: setup_peers.sh's default venv, ~/.cache/cbatch/peers/vllm, where it exists)")
     parser.add_argument("--tokenizer-dir", type=Path, help="the models' tokenizer (default: the default model's, SmolLM2)")
     parser.add_argument("--keep", type=Path, help="write the models, inputs and outputs here (default: a temp folder)")
     parser.add_argument("--case", action="append", help="run only these cases (by name; repeatable)")
     args = parser.parse_args()
+    default_venv = Path.home() / ".cache/cbatch/peers/vllm/bin/python"
+    if args.vllm_python is None and default_venv.exists():
+        args.vllm_python = str(default_venv)
     if args.tokenizer_dir is None:
         from cbatch.model.default_model import default_model_dir
 
