@@ -146,15 +146,22 @@ def test_refusals_name_the_setting(reranker):
     from cbatch.model.pooling_config import ClassifierTokens
     from cbatch.model.spec import parse_spec, read_config
     from cbatch.tasks import make_task
-    from cbatch.tasks.pooled import check_task_parallel
+    from cbatch.tasks.pooled import check_task_flags
 
     options = SimpleNamespace(task="score", defaults=SamplingParams(), pooling=None, normalize=None, dimensions=None,
                               classifier=ClassifierTokens((FALSE, TRUE)), score_template=None, reasoning_split=True)
     task = make_task(options, parse_spec(read_config(reranker)), reranker)
     assert task.pooling.head.token_ids == (14, 15) and task.pooling.head.method == "from_2_way_softmax"
-    check_task_parallel(task, 1)
+    check_task_flags(task, options, 1)
     with pytest.raises(UserError, match="runs on one rank; use --tensor-parallel-size 1"):
-        check_task_parallel(task, 2)
+        check_task_flags(task, options, 2)
+    generate = make_task(SimpleNamespace(**{**vars(options), "task": "generate", "tool_call_parser": None,
+                                            "effort_budgets": None}), parse_spec(read_config(reranker)), reranker)
+    with pytest.raises(UserError, match="--classifier-from-token is for --task score, rerank, classify or reward"):
+        check_task_flags(generate, options, 1)
+    with pytest.raises(UserError, match="--score-template is for --task score or rerank; leave it out for --task classify"):
+        classify = make_task(SimpleNamespace(**{**vars(options), "task": "classify"}), parse_spec(read_config(reranker)), reranker)
+        check_task_flags(classify, SimpleNamespace(classifier=options.classifier, score_template="x"), 1)
     with pytest.raises(UserError, match="hf_overrides: cbatch does not override 'rope_theta'"):
         library_settings(str(reranker), {"hf_overrides": {"classifier_from_token": ["no", "yes"], "rope_theta": 1.0}})
     with pytest.raises(UserError, match="method 'softmax'"):

@@ -23,7 +23,7 @@ from cbatch.io.rows import parse_messages, with_lora
 from cbatch.tasks import make_task
 from cbatch.tasks.classify_task import class_columns
 from cbatch.tasks.generate_task import prompt_token_ids
-from cbatch.tasks.pooled import PooledTask
+from cbatch.tasks.pooled import PooledTask, check_task_flags
 from cbatch.tasks.base import ParsedRow
 from cbatch.tasks.score_task import PairPlan
 from cbatch.tokenizer import encode_messages
@@ -42,9 +42,6 @@ class LLM:
         lib = library_settings(model, settings)
         resolved = resolve_model(lib.config)
         check_quantization(lib.quantization, resolved.spec)
-        if lib.classifier is not None and lib.config.tensor_parallel_size > 1:
-            raise UserError("hf_overrides' classifier_from_token (an LM-head reranker) runs on one rank; use "
-                            "tensor_parallel_size=1")
         self.engine = build_engine(lib.config, resolved, show_progress=use_tqdm)
         self.enable_lora = lib.enable_lora or bool(lib.config.loras)
         self.task = lib.task
@@ -242,7 +239,9 @@ class LLM:
         options = SimpleNamespace(task=task, defaults=RowSamplingParams(), pooling=pooling, normalize=normalize,
                                   dimensions=dimensions, classifier=self.classifier, score_template=score_template,
                                   reasoning_split=True)
-        return make_task(options, self.engine.spec, self.engine.model_dir)
+        task = make_task(options, self.engine.spec, self.engine.model_dir)
+        check_task_flags(task, options, self.engine.config.tensor_parallel_size)  # (hf_overrides' tokens: a head's)
+        return task
 
     def _pool_prompts(self, prompts: PromptType | Sequence[PromptType], params: PoolingParams,
                       use_tqdm: bool) -> tuple[list[list[int]], list[list[float]]]:

@@ -31,7 +31,7 @@ from cbatch.run.deadline import Deadline
 from cbatch.run.identity import output_identity
 from cbatch.run.result_cache import DEFAULT_CACHE_LIMIT, CacheLimit
 from cbatch.tasks import Task, make_task, task_class
-from cbatch.tasks.pooled import check_task_parallel
+from cbatch.tasks.pooled import check_task_flags
 
 
 # the sampling fields a job's fingerprint has always held in full
@@ -275,7 +275,7 @@ def resolve_task(options: Any, model: ResolvedModel) -> Task:
     JobError. `options`: a JobOptions, or `cbatch plan`'s PlanOptions (the same task fields)."""
     try:
         task = make_task(options, model.checkpoint.spec, model.checkpoint.path)
-        check_task_parallel(task, options.engine.tensor_parallel_size)
+        check_task_flags(task, options, options.engine.tensor_parallel_size)
     except UserError as exc:
         raise JobError(str(exc)) from None
     return task

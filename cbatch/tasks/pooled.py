@@ -187,10 +187,18 @@ def embedding_pooling(task: str, options: TaskOptions, spec: "ModelSpec", model_
     return PoolingParams(task, options.pooling or own.pooling, normalize=normalize, dimensions=dimensions)
 
 
-def check_task_parallel(task: Task, tensor_parallel_size: int) -> None:
-    """An LM-head reranker reads the vocabulary's logits on rank 0 alone, where a tensor-parallel rank holds only
-    its share of the LM head: refused by name (a TaskError)."""
-    if tensor_parallel_size > 1 and isinstance(task, PooledTask) and isinstance(task.pooling.head, TokenLogitsHead):
+def check_task_flags(task: Task, options: TaskOptions, tensor_parallel_size: int) -> None:
+    """The job's task against the flags only some tasks read (a TaskError naming the flag, never a flag ignored):
+    --classifier-from-token (an LM-head head's tasks), --score-template (the pair tasks, which keep it as
+    `template`); and an LM-head reranker under tensor parallelism, whose vocabulary logits rank 0 reads alone
+    (a rank holds only its share of the LM head)."""
+    lm_head = isinstance(task, PooledTask) and isinstance(task.pooling.head, TokenLogitsHead)
+    if options.classifier is not None and not lm_head:
+        raise TaskError(f"--classifier-from-token is for --task score, rerank, classify or reward; leave it out for "
+                        f"--task {task.name}")
+    if options.score_template is not None and getattr(task, "template", None) is None:
+        raise TaskError(f"--score-template is for --task score or rerank; leave it out for --task {task.name}")
+    if tensor_parallel_size > 1 and lm_head:
         raise TaskError("--classifier-from-token (an LM-head reranker) runs on one rank; use --tensor-parallel-size 1")
 
 
@@ -223,4 +231,4 @@ def input_ids(engine: "Engine", row: PoolingRow, text: str | None, template: str
     return ids
 
 
-__all__ = ["PooledTask", "embedding_pooling", "head_pooling", "input_ids", "check_task_parallel", "job_classifier_tokens", "token_head"]
+__all__ = ["PooledTask", "embedding_pooling", "head_pooling", "input_ids", "check_task_flags", "job_classifier_tokens", "token_head"]
