@@ -43,6 +43,15 @@ def encode_messages(tokenizer, messages: list[dict[str, Any]], template_kwargs: 
     return [int(t) for t in ids]
 
 
+def encode_score_pair(tokenizer, template: str, query: str, document: str) -> list[int]:
+    """A scored pair rendered with a score template, as vLLM renders it (`--chat-template` for /score and /rerank):
+    the messages [{"role": "query"}, {"role": "document"}] through the template as text, then that text tokenized
+    as a plain prompt (the tokenizer's special tokens added)."""
+    messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=False)
+    return encode_text(tokenizer, text)
+
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 

@@ -64,7 +64,7 @@ def test_rerank_openai_lines_and_bad_rows(models, tmp_path):
               "body": {"model": "reranker", "query": query, "documents": documents, "top_n": 2, "return_documents": True}}
              for i, url in enumerate(("/rerank", "/v1/rerank", "/v2/rerank"))]
     lines += [{"custom_id": "no-docs", "url": "/v1/rerank", "body": {"query": query, "documents": []}},
-              {"custom_id": "bad-top", "url": "/v1/rerank", "body": {"query": query, "documents": documents, "top_n": 0}},
+              {"custom_id": "bad-top", "url": "/v1/rerank", "body": {"query": query, "documents": documents, "top_n": -1}},
               {"custom_id": "odd", "url": "/v1/rerank", "body": {"query": query, "documents": documents, "foo": 1}},
               {"custom_id": "wrong-url", "url": "/v1/score", "body": {"query": query, "documents": documents}}]
     src = write_jsonl(tmp_path / "lines.jsonl", lines)
@@ -82,7 +82,7 @@ def test_rerank_openai_lines_and_bad_rows(models, tmp_path):
         assert body["usage"]["total_tokens"] > 0
     messages = [line["response"]["body"]["error"]["message"] for line in got[3:]]
     assert "`documents` must be a non-empty list" in messages[0]
-    assert "`top_n` must be a positive integer" in messages[1]
+    assert "`top_n` must be a non-negative integer" in messages[1]
     assert "body.foo" in messages[2]
     assert "url: --task rerank takes" in messages[3]
 
@@ -103,3 +103,26 @@ def test_rerank_under_chunking_and_a_tiny_pool_matches(models, tmp_path):
         assert [r["index"] for r in x["results"]] == [r["index"] for r in y["results"]]
         for r, s in zip(x["results"], y["results"]):
             assert abs(r["relevance_score"] - s["relevance_score"]) <= 1e-5  # (other GEMM shapes: float32 rounding)
+
+
+@pytest.mark.parametrize("task, model, suffix", [("rerank", "cross", ".parquet"), ("rerank", "bi", ".jsonl"),
+                                                 ("embed", "bi", ".parquet")])
+def test_retry_errors_runs_a_prefill_only_jobs_error_rows(models, tmp_path, task, model, suffix):
+    """--retry-errors on a prefill-only job: the ok rows are kept as written (their list columns read back from
+    JSONL or Parquet unchanged), the error row (too long for the first run's --max-model-len) runs again."""
+    from ops_jobs import read_output
+
+    short, long = random_texts(1, seed=50, max_words=3)[0], random_texts(1, seed=51, min_words=20)[0]
+    rows = ([{"id": "short", "query": short, "documents": [short, "w1 w2"]}, {"id": "long", "query": long, "documents": [long]}]
+            if task == "rerank" else [{"id": "short", "input": short}, {"id": "long", "input": long}])
+    src, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / f"out{suffix}"
+    code, stderr = run(src, "--out", out, "--model", models[model], "--task", task, "--max-model-len", "16")
+    first = read_output(out)
+    assert code == 1 and first[0]["error"] is None, stderr
+    assert first[1]["finish_reason"] == "error" and "the model's context is 16" in first[1]["error"]
+    code, stderr = run(src, "--out", out, "--model", models[model], "--task", task, "--retry-errors")
+    assert code == 0, stderr
+    again = read_output(out)
+    assert again[0] == first[0]  # kept as it was
+    column = "results" if task == "rerank" else "embedding"
+    assert again[1]["finish_reason"] == "stop" and again[1][column]

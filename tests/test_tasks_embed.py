@@ -14,7 +14,7 @@ from helpers import make_engine
 from ops_jobs import read_jsonl, read_output, run_inprocess, write_jsonl
 
 from cbatch.config import SamplingParams, UserError
-from cbatch.engine.pooling import PoolingParams
+from cbatch.engine.pooling import ClassifierHead, PoolingParams
 
 LAST = PoolingParams("embed", "last", normalize=True)
 
@@ -94,11 +94,11 @@ def test_cls_pooling_dimensions_and_normalize(models):
 
 def test_classification_and_reward_heads_match_hf(models):
     texts = random_texts(9, seed=4)
-    probs = torch.softmax(pooled(models["cls3"], texts, PoolingParams("classify", head=True), max_num_batched_tokens=16), 1)
+    probs = torch.softmax(pooled(models["cls3"], texts, PoolingParams("classify", head=ClassifierHead()), max_num_batched_tokens=16), 1)
     ref = torch.softmax(hf_classifier_logits(models["cls3"], texts), 1)
     torch.testing.assert_close(probs, ref, atol=1e-5, rtol=0)
     assert len(set(probs.argmax(1).tolist())) > 1  # decisive: not one label for every text
-    reward = pooled(models["reward"], texts, PoolingParams("reward", head=True))
+    reward = pooled(models["reward"], texts, PoolingParams("reward", head=ClassifierHead()))
     # a raw logit, against HF's float64 value: HF's own float32 logit is 1.3e-5 from it on these texts, so
     # float32 against float32 would measure two roundings, not ours
     ref = hf_classifier_logits(models["reward"], texts, dtype=torch.float64)
@@ -108,7 +108,7 @@ def test_classification_and_reward_heads_match_hf(models):
 
 def test_cross_encoder_scores_pairs_as_hf(models):
     pairs = list(zip(random_texts(6, seed=5), random_texts(6, seed=6)))
-    ours = pooled(models["reward"], pairs, PoolingParams("score", head=True), pairs=True)
+    ours = pooled(models["reward"], pairs, PoolingParams("score", head=ClassifierHead()), pairs=True)
     ref = hf_classifier_logits(models["reward"], pairs)
     torch.testing.assert_close(torch.sigmoid(ours), torch.sigmoid(ref), atol=1e-5, rtol=0)
 
@@ -321,7 +321,7 @@ def test_policies_and_the_prefix_cache(models):
 def test_other_families_classification_heads(tmp_path, arch):
     path = make_classifier(tmp_path / arch, 2, arch, seed=5)
     texts = random_texts(4, seed=19)
-    probs = torch.softmax(pooled(path, texts, PoolingParams("classify", head=True)), 1)
+    probs = torch.softmax(pooled(path, texts, PoolingParams("classify", head=ClassifierHead())), 1)
     torch.testing.assert_close(probs, torch.softmax(hf_classifier_logits(path, texts), 1), atol=1e-5, rtol=0)
 
 

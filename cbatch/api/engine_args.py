@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from cbatch.config import EngineConfig, UserError
+from cbatch.model.pooling_config import ClassifierTokens
 
 # vLLM's name -> EngineConfig's, where they differ
 RENAMED = {"enable_prefix_caching": "enable_prefix_cache", "swap_space": "swap_space_gb"}
@@ -20,6 +21,8 @@ RUNNERS = ("auto", "generate", "pooling")  # vLLM's `runner`
 QUANT_METHODS = {"fp8": "fp8", "compressed-tensors": "compressed-tensors", "awq": "awq", "awq_marlin": "awq",
                  "gptq": "gptq", "gptq_marlin": "gptq"}
 _CONFIG_FIELDS = frozenset(f.name for f in fields(EngineConfig))
+# vLLM's hf_overrides keys cbatch honours: an LM-head reranker's (`architectures` routes it to a classifier there)
+HF_OVERRIDES = ("classifier_from_token", "method", "is_original_qwen3_reranker", "architectures")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +31,7 @@ class LibrarySettings:
     enable_lora: bool = False  # LoRARequests may name adapters (the config's `loras` and new ones)
     task: str | None = None  # vLLM's task (embed, classify, score, reward): `encode`'s default pooling task
     quantization: str | None = None  # the checkpoint's quant_method it must have (checked once it is read)
+    classifier: ClassifierTokens | None = None  # hf_overrides' classifier_from_token: an LM-head reranker
 
 
 def library_settings(model: str | None, settings: dict[str, Any]) -> LibrarySettings:
@@ -46,6 +50,7 @@ def library_settings(model: str | None, settings: dict[str, Any]) -> LibrarySett
     if quantization is not None and quantization not in QUANT_METHODS:
         raise UserError(f"quantization={quantization!r}: cbatch quantizes nothing itself; it runs checkpoints "
                         f"quantized as {', '.join(sorted(set(QUANT_METHODS.values())))} (docs/models.md)")
+    classifier = _classifier(settings.pop("hf_overrides", None))
     tokenizer = settings.pop("tokenizer", None)
     if tokenizer is not None and tokenizer != model:
         raise UserError("tokenizer: cbatch uses the model's own tokenizer; leave tokenizer out")
@@ -65,7 +70,24 @@ def library_settings(model: str | None, settings: dict[str, Any]) -> LibrarySett
     if settings.get("seed", 0) is None:  # vLLM's "no seed": cbatch's runs are always seeded (default 0)
         del settings["seed"]
     return LibrarySettings(EngineConfig(model=model, **settings), enable_lora, task,
-                           QUANT_METHODS.get(quantization) if quantization else None)
+                           QUANT_METHODS.get(quantization) if quantization else None, classifier)
+
+
+def _classifier(overrides: Any) -> ClassifierTokens | None:
+    """vLLM's `hf_overrides` as far as cbatch honours it: an LM-head reranker's `classifier_from_token` (with
+    `method`, `is_original_qwen3_reranker`; `architectures` only beside them, where vLLM routes to a classifier);
+    any other key is refused by name."""
+    if overrides is None:
+        return None
+    if not isinstance(overrides, dict):
+        raise UserError("hf_overrides: cbatch takes a dict (an LM-head reranker's classifier_from_token)")
+    unknown = next((k for k in overrides if k not in HF_OVERRIDES), None)
+    if unknown is not None:
+        raise UserError(f"hf_overrides: cbatch does not override {unknown!r} (it takes {', '.join(HF_OVERRIDES)}); "
+                        "leave it out")
+    if "classifier_from_token" not in overrides:
+        raise UserError("hf_overrides: give classifier_from_token (its other keys go with it)")
+    return ClassifierTokens.from_config(overrides)
 
 
 def _dtype(value: Any) -> Any:

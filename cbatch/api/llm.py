@@ -23,8 +23,9 @@ from cbatch.io.rows import parse_messages, with_lora
 from cbatch.tasks import make_task
 from cbatch.tasks.classify_task import class_columns
 from cbatch.tasks.generate_task import prompt_token_ids
-from cbatch.tasks.pooled import PooledTask
-from cbatch.tasks.score_task import pair_score
+from cbatch.tasks.pooled import PooledTask, check_task_flags
+from cbatch.tasks.base import ParsedRow
+from cbatch.tasks.score_task import PairPlan
 from cbatch.tokenizer import encode_messages
 
 Params = RowSamplingParams | Sequence[RowSamplingParams] | None
@@ -44,6 +45,7 @@ class LLM:
         self.engine = build_engine(lib.config, resolved, show_progress=use_tqdm)
         self.enable_lora = lib.enable_lora or bool(lib.config.loras)
         self.task = lib.task
+        self.classifier = lib.classifier  # hf_overrides' classifier_from_token (an LM-head reranker)
         self._request_ids = itertools.count()
 
     @property
@@ -184,8 +186,9 @@ class LLM:
     def classify(self, prompts: PromptType | Sequence[PromptType], /, *,
                  use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
         """Each input's class probabilities (softmax over the sequence classification head's labels)."""
-        ids, vectors = self._pool_prompts(prompts, self._task("classify").pooling, use_tqdm)
-        columns = [class_columns(v, self.engine.spec.labels) for v in vectors]
+        params = self._task("classify").pooling
+        ids, vectors = self._pool_prompts(prompts, params, use_tqdm)
+        columns = [class_columns(v, params.head.labels) for v in vectors]
         return [ClassificationRequestOutput(self._request_id(), ClassificationOutput(**c), i)
                 for i, c in zip(ids, columns)]
 
@@ -211,34 +214,34 @@ class LLM:
                 for i, v in zip(ids, vectors)]
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *,
-              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
-        """Each pair's score: a cross-encoder's sigmoid(logit) of the pair, or an embedding model's cosine. One text
-        against many pairs it with each; two lists pair item by item."""
+              use_tqdm: bool = True, chat_template: str | None = None) -> list[ScoringRequestOutput]:
+        """Each pair's score, as `--task score` scores a row of lists (`PairPlan`): a cross-encoder's sigmoid(logit)
+        of the pair (an LM-head reranker's sigmoid(logit(true) - logit(false)) of text_1 + text_2), or an embedding
+        model's cosine. One text against many pairs it with each (1:N); two lists pair item by item (N:N).
+        `chat_template`: vLLM's score template (roles `query` and `document`), as --score-template."""
         first, second = _texts(data_1), _texts(data_2)
         if len(first) == 1:
             first = first * len(second)
         if len(first) != len(second):
             raise UserError(f"score: {len(first)} and {len(second)} texts; give one against many, or two lists "
                             "of the same length")
-        params = self._task("score").pooling
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise UserError("this model has no tokenizer; score needs one")
-        if params.head:  # a cross-encoder reads each pair as one input
-            pairs = [tokenizer.encode(a, b) for a, b in zip(first, second)]
-            scores = [pair_score([v]) for v in self._pool(pairs, params, use_tqdm)]
-        else:
-            pairs = [[*tokenizer.encode(a), *tokenizer.encode(b)] for a, b in zip(first, second)]
-            vectors = self._pool([tokenizer.encode(t) for t in [*first, *second]], params, use_tqdm)
-            scores = [pair_score([a, b]) for a, b in zip(vectors[: len(first)], vectors[len(first):])]
-        return [ScoringRequestOutput(self._request_id(), ScoringOutput(s), ids) for s, ids in zip(scores, pairs)]
+        task = self._task("score", score_template=chat_template)
+        params = task.pooling
+        plan = PairPlan.of(list(zip(first, second)), params.head, task.template)
+        prompts = plan.prompts(self.engine, ParsedRow(0, "score", None))
+        scores = plan.scores(self._pool(prompts, params, use_tqdm))
+        token_ids = [[t for j in slot for t in prompts[j]] for slot in plan.slots]  # a pair's input(s), in order
+        return [ScoringRequestOutput(self._request_id(), ScoringOutput(s), ids) for s, ids in zip(scores, token_ids)]
 
     def _task(self, task: str, pooling: str | None = None, normalize: bool | None = None,
-              dimensions: int | None = None) -> PooledTask:
+              dimensions: int | None = None, score_template: str | None = None) -> PooledTask:
         """The prefill-only task with these settings, resolved against the model as a job's --task is."""
         options = SimpleNamespace(task=task, defaults=RowSamplingParams(), pooling=pooling, normalize=normalize,
-                                  dimensions=dimensions, reasoning_split=True)
-        return make_task(options, self.engine.spec, self.engine.model_dir)
+                                  dimensions=dimensions, classifier=self.classifier, score_template=score_template,
+                                  reasoning_split=True)
+        task = make_task(options, self.engine.spec, self.engine.model_dir)
+        check_task_flags(task, options, self.engine.config.tensor_parallel_size)  # (hf_overrides' tokens: a head's)
+        return task
 
     def _pool_prompts(self, prompts: PromptType | Sequence[PromptType], params: PoolingParams,
                       use_tqdm: bool) -> tuple[list[list[int]], list[list[float]]]:

@@ -158,6 +158,29 @@ def effort_budgets(values: dict[str, Any]) -> dict[str, int] | None:
         fail(str(exc))
 
 
+def classifier_tokens(values: dict[str, Any]):
+    """--classifier-from-token parsed (None: not given); a bad value is one line naming the flag."""
+    if values["classifier_from_token"] is None:
+        return None
+    from cbatch.model.pooling_config import ClassifierTokens
+
+    try:
+        return ClassifierTokens(tuple(t.strip() for t in values["classifier_from_token"].split(",")))
+    except UserError as exc:
+        fail(f"--classifier-from-token: {exc}")
+
+
+def score_template(values: dict[str, Any]) -> str | None:
+    """--score-template's text (None: not given); an unreadable file is one line naming the flag."""
+    path = values["score_template"]
+    if path is None:
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"--score-template {path}: cannot read it ({exc})")
+
+
 @command(app, "run", RUN_FLAGS)
 def run(**values: Any) -> None:
     """Generate a completion for every row of INPUT and write them to OUTPUT."""
@@ -186,7 +209,8 @@ def run(**values: Any) -> None:
                                            "reasoning_split", "output_format", "keep_columns", "allow_duplicate_ids",
                                            "part_rows", "part_format", "task", "pooling", "normalize", "dimensions",
                                            "tool_call_parser")},
-        effort_budgets=effort_budgets(values),
+        effort_budgets=effort_budgets(values), classifier=classifier_tokens(values),
+        score_template=score_template(values),
     )
 
     def job() -> int:
@@ -248,7 +272,8 @@ def plan(**values: Any) -> None:
         **{name: values[name] for name in ("cost_from", "lengths_from", "device_kind", "report", "search",
                                            "allow_errors", "quiet", "lookahead", "result_cache", "task", "pooling",
                                            "normalize", "dimensions", "tool_call_parser")},
-        effort_budgets=effort_budgets(values),
+        effort_budgets=effort_budgets(values), classifier=classifier_tokens(values),
+        score_template=score_template(values),
     )
     exit_for(lambda: run_plan(options), resumable=False)
 

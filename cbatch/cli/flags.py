@@ -187,6 +187,13 @@ TASK_FLAGS = [  # prefill-only jobs (docs/tasks.md)
          "config says).", JOB, decls=("--normalize/--no-normalize",)),
     Flag("dimensions", Optional[int], None, "--task embed: keep the first N dimensions (Matryoshka), then normalize.",
          JOB, metavar="N"),
+    Flag("classifier_from_token", Optional[str], None, "--task score / rerank / classify with a causal LM (an LM-head "
+         "reranker such as Qwen3-Reranker): these vocabulary tokens' logits at the last prompt position are the head, as "
+         "vLLM's classifier_from_token (two: false,true, score = sigmoid(logit(true) - logit(false))); default: the "
+         "model's config.json's (docs/tasks.md).", JOB, metavar="FALSE,TRUE"),
+    Flag("score_template", Optional[Path], None, "--task score / rerank with a cross-encoder or an LM-head reranker: "
+         "render each pair through this Jinja template (vLLM's score template: `messages` of roles query and "
+         "document), then tokenize it (docs/tasks.md).", JOB, metavar="FILE"),
     Flag("tool_call_parser", Optional[str], None, "Rows with `tools`: the format their calls are parsed in (hermes | "
          "llama3_json | mistral; default: the model's chat template's; docs/tools.md).", JOB, metavar="NAME"),
     Flag("reasoning_effort_budgets", Optional[str], None, "Thinking tokens per `reasoning_effort` (default "

@@ -7,7 +7,7 @@ float32 values do not, in practice, once cast back), divided by the prompt lengt
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any
 
 import torch
 
@@ -31,11 +31,10 @@ class Pooler:
         if seq.num_computed == 0 or seq.is_finished:
             self._partial.pop(seq.seq_id, None)
 
-    def pool(self, hidden: torch.Tensor, rows: list[PoolRow],
-             head: Callable[[torch.Tensor], torch.Tensor] | None) -> dict[int, torch.Tensor]:
+    def pool(self, hidden: torch.Tensor, rows: list[PoolRow], model: Any) -> dict[int, torch.Tensor]:
         """hidden [T, H] (the step's final hidden states) -> {seq_id: float32 vector on hidden's device} for every row
-        whose chunk reaches the end of its prompt. Each vector is finished row by row (the head's matmul on one
-        row at a time), so a row's result never depends on the others in the batch."""
+        whose chunk reaches the end of its prompt. Each vector is finished row by row (its head, `PoolingParams.head`,
+        on `model` one row at a time), so a row's result never depends on the others in the batch."""
         done: dict[int, torch.Tensor] = {}
         for seq, num_new, first in rows:
             start, prompt_len = seq.num_computed, seq.prompt_len
@@ -57,16 +56,15 @@ class Pooler:
                 vector = (self._partial.pop(seq.seq_id) / prompt_len).float()
             else:
                 vector = self._partial.pop(seq.seq_id)
-            done[seq.seq_id] = finish_vector(vector, seq.pooling, head, hidden.dtype)
+            done[seq.seq_id] = finish_vector(vector, seq.pooling, model, hidden.dtype)
         return done
 
 
-def finish_vector(vector: torch.Tensor, params: PoolingParams, head: Callable[[torch.Tensor], torch.Tensor] | None,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """A pooled float32 [H] vector -> the request's result: the head's float32 logits [num_labels], or the
-    embedding (truncated to `dimensions`, then normalized where asked)."""
-    if params.head:
-        return head(vector.to(dtype)[None])[0].float()
+def finish_vector(vector: torch.Tensor, params: PoolingParams, model: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A pooled float32 [H] vector -> the request's result: its head's float32 logits [num_labels] (on `model`, the
+    runner's), or the embedding (truncated to `dimensions`, then normalized where asked)."""
+    if params.head is not None:
+        return params.head(model, vector.to(dtype)[None])[0].float()
     if params.dimensions is not None:
         vector = vector[: params.dimensions]
     if params.normalize:

@@ -84,11 +84,11 @@ class PoolingRows(RowFeature):
         self.rows.append((seq, num_new, offset))
         return True
 
-    def finish(self, hidden: torch.Tensor, rows: list[PoolRow], head: Callable | None
+    def finish(self, hidden: torch.Tensor, rows: list[PoolRow], model: LlamaForCausalLM
                ) -> tuple[dict[int, torch.Tensor], list[int]]:
         """({seq_id: float32 result} of the rows whose prompt ends this step, the seq_ids of the rows whose chunk
         ends their sequence: each gets a dummy token (prompt end, or static padding)). hidden: [T, hidden_size]."""
-        pooled = self.pooler.pool(hidden, rows, head) if rows else {}
+        pooled = self.pooler.pool(hidden, rows, model) if rows else {}
         return pooled, [seq.seq_id for seq, num_new, _ in rows if seq.num_computed + num_new == seq.num_tokens]
 
 

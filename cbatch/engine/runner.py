@@ -174,7 +174,7 @@ class ModelRunner:
                 feature.on_sampling(sampling_seqs, sampling)
         hidden, logits, tokens, prompt = self.run_step(inputs, sampling)
         logprobs = StepLogprobs(prompt={seq.seq_id: lp for seq, lp in zip(prompt_seqs, prompt)})
-        pooled, ends = self.pooling.finish(hidden, pool_rows, self.model.classify)
+        pooled, ends = self.pooling.finish(hidden, pool_rows, self.model)
         return StepLogits(sampling_seqs, logits, sampling, logprobs, tokens, ends, pooled)
 
     def release(self, plan: StepPlan) -> None:

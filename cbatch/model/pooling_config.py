@@ -1,12 +1,16 @@
 """A checkpoint's own pooling settings, read from its sentence-transformers files: `modules.json` lists the
 modules (Transformer, Pooling, Normalize, ...), `<Pooling path>/config.json` names the pooling (sentence-
 transformers 3-5: `pooling_mode_lasttoken: true` etc.; 6: `"pooling_mode": "lasttoken"`). A module cbatch does
-not apply (Dense, LayerNorm, ...) is refused by name rather than silently skipped."""
+not apply (Dense, LayerNorm, ...) is refused by name rather than silently skipped.
+
+An LM-head reranker's classifier tokens (`ClassifierTokens`): vLLM's `classifier_from_token` (+ `method`,
+`is_original_qwen3_reranker`), read from config.json or given per job (--classifier-from-token, `hf_overrides`)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cbatch.model.errors import UnsupportedModelError
 
@@ -55,4 +59,58 @@ def _pooling_mode(path: Path) -> str:
     return _ST_MODES[modes[0]]
 
 
-__all__ = ["ModelPooling", "model_pooling"]
+# vLLM's `method`s of reading a causal LM's head as a classifier (cbatch.engine.pooling.TokenLogitsHead)
+CLASSIFIER_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+@dataclass(frozen=True, slots=True)
+class ClassifierTokens:
+    """vLLM's `classifier_from_token`: vocabulary tokens (their spelling in the vocabulary, e.g. Qwen's "yes") whose
+    LM-head logits at the last prompt position are a classifier's outputs. `method` as vLLM names it:
+    from_2_way_softmax (two tokens [false, true]: one output, logit(true) - logit(false)) or no_post_processing (one
+    output per token, its logit). Left out: from_2_way_softmax for two tokens, no_post_processing otherwise (vLLM
+    asks for it, but for Qwen3's `is_original_qwen3_reranker`)."""
+
+    tokens: tuple[str, ...]
+    method: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.tokens or not all(isinstance(t, str) and t for t in self.tokens):
+            raise UnsupportedModelError("classifier_from_token: give a list of vocabulary tokens, e.g. [\"no\", \"yes\"]")
+        if self.method is not None and self.method not in CLASSIFIER_METHODS:
+            raise UnsupportedModelError(f"method {self.method!r}: one of {', '.join(CLASSIFIER_METHODS)} "
+                                        "(vLLM's classifier_from_token methods)")
+        if self.resolved_method == "from_2_way_softmax" and len(self.tokens) != 2:
+            raise UnsupportedModelError(f"classifier_from_token with from_2_way_softmax takes two tokens [false, true], "
+                                        f"got {len(self.tokens)}")
+
+    @property
+    def resolved_method(self) -> str:
+        if self.method is not None:
+            return self.method
+        return "from_2_way_softmax" if len(self.tokens) == 2 else "no_post_processing"
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> "ClassifierTokens | None":
+        """The tokens a config.json (or vLLM's `hf_overrides`) names, or None. Qwen3's `is_original_qwen3_reranker`
+        means from_2_way_softmax, as in vLLM."""
+        tokens = cfg.get("classifier_from_token")
+        if tokens is None:
+            return None
+        if not isinstance(tokens, (list, tuple)):
+            raise UnsupportedModelError(f"classifier_from_token: a list of tokens, got {tokens!r}")
+        method = cfg.get("method") or ("from_2_way_softmax" if cfg.get("is_original_qwen3_reranker") else None)
+        return cls(tuple(tokens), method)
+
+
+def model_classifier_tokens(model_dir: Path) -> ClassifierTokens | None:
+    """The classifier tokens `model_dir`'s config.json names, or None."""
+    path = model_dir / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # (read_config refused an unreadable one before any task is resolved)
+    return ClassifierTokens.from_config(cfg if isinstance(cfg, dict) else {})
+
+
+__all__ = ["CLASSIFIER_METHODS", "ClassifierTokens", "ModelPooling", "model_classifier_tokens", "model_pooling"]

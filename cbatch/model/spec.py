@@ -449,8 +449,9 @@ def _parse(cfg: dict[str, Any], arch: str, family: str, generation_cfg: dict[str
 
 def _head(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     """The checkpoint's head: a sequence classification head (num_labels from config.json, default 2 as HF),
-    none (a bare decoder: `*Model`), or the language-model head."""
-    if arch.endswith("ForSequenceClassification"):
+    none (a bare decoder: `*Model`), or the language-model head (also a *ForSequenceClassification config naming
+    `classifier_from_token`: vLLM's spelling of an LM-head reranker, whose checkpoint holds the LM head)."""
+    if arch.endswith("ForSequenceClassification") and cfg.get("classifier_from_token") is None:
         id2label = cfg.get("id2label") or {}
         num_labels = int(cfg.get("num_labels") or len(id2label) or 2)
         labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels))

@@ -16,6 +16,7 @@ from cbatch.model.shard import Shard
 from cbatch.io.reader import InputFile, inspect_input, iter_rows, open_input
 from cbatch.io.state import StorageError
 from cbatch.io.writer import check_writable
+from cbatch.model.pooling_config import ClassifierTokens
 from cbatch.observe.report import write_report
 from cbatch.plan.devices import DeviceKind, device_kind
 from cbatch.plan.lengths import OutputLengths
@@ -52,6 +53,8 @@ class PlanOptions:
     reasoning_split: bool = True  # (changes a record's columns, so the rows the result cache holds for the run)
     tool_call_parser: str | None = None
     effort_budgets: dict[str, int] | None = None
+    classifier: ClassifierTokens | None = None
+    score_template: str | None = None
 
 
 def run_plan(options: PlanOptions) -> int:

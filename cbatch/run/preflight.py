@@ -25,11 +25,13 @@ from cbatch.io.reader import InputFile, describe_places, find_duplicate_id, insp
 from cbatch.io.state import JobState, StateError, settings_digest
 from cbatch.io.writer import OUTPUT_COLUMNS, check_writable, output_columns, output_format, written_columns
 from cbatch.model.loader import ModelLoadError
+from cbatch.model.pooling_config import ClassifierTokens
 from cbatch.model.spec import UnsupportedModelError
 from cbatch.run.deadline import Deadline
 from cbatch.run.identity import output_identity
 from cbatch.run.result_cache import DEFAULT_CACHE_LIMIT, CacheLimit
 from cbatch.tasks import Task, make_task, task_class
+from cbatch.tasks.pooled import check_task_flags
 
 
 # the sampling fields a job's fingerprint has always held in full
@@ -71,6 +73,8 @@ class JobOptions:
     dimensions: int | None = None  # --dimensions (Matryoshka)
     tool_call_parser: str | None = None  # --tool-call-parser: rows with tools (None: the model's own format)
     effort_budgets: dict[str, int] | None = None  # --reasoning-effort-budgets (None: the defaults)
+    classifier: ClassifierTokens | None = None  # --classifier-from-token (None: the model's config.json's, if any)
+    score_template: str | None = None  # --score-template's text (score / rerank pairs rendered through it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +121,6 @@ def validate_paths(options: JobOptions) -> tuple[JobFormats, int]:
         total_rows = inspect_input(source, fields=task.input_fields)
         # a name the output has already is refused; a Parquet INPUT must have the kept columns, in types cbatch carries
         keep = KeepColumns.parse(options.keep_columns, OPENAI_LINE_FIELDS if openai_lines else OUTPUT_COLUMNS + task.columns)
-        if options.retry_errors and not task.decodes:
-            raise JobError(f"--retry-errors: not available for --task {options.task} yet; run again with --overwrite")
         kept_types = parquet_kept_types(keep, source.parts[0]) if keep is not None and source.format == "parquet" else None
         if not options.allow_duplicate_ids:
             check_unique_ids(source)
@@ -272,6 +274,8 @@ def resolve_task(options: Any, model: ResolvedModel) -> Task:
     """The job's --task with its settings against the model (cbatch/tasks/); a task the model cannot do is a
     JobError. `options`: a JobOptions, or `cbatch plan`'s PlanOptions (the same task fields)."""
     try:
-        return make_task(options, model.checkpoint.spec, model.checkpoint.path)
+        task = make_task(options, model.checkpoint.spec, model.checkpoint.path)
+        check_task_flags(task, options, options.engine.tensor_parallel_size)
     except UserError as exc:
         raise JobError(str(exc)) from None
+    return task

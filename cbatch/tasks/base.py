@@ -26,6 +26,7 @@ from cbatch.tasks.results import RowResult
 
 if TYPE_CHECKING:
     from cbatch.engine.engine import Engine, RequestOutput
+    from cbatch.model.pooling_config import ClassifierTokens
     from cbatch.model.spec import ModelSpec
 
 Part = tuple[int, int]  # (the request's number in its row, the sample index): one finished output of a row
@@ -43,6 +44,8 @@ class TaskOptions(Protocol):
     pooling: str | None
     normalize: bool | None
     dimensions: int | None
+    classifier: "ClassifierTokens | None"  # --classifier-from-token / hf_overrides (None: the model's config's, if any)
+    score_template: str | None  # --score-template's text: score / rerank pairs rendered through it
     reasoning_split: bool
 
 

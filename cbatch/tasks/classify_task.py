@@ -1,5 +1,6 @@
-"""`--task classify`: each row's class from the model's sequence classification head (vLLM's /v1/classify): the
-softmax over its labels and the most likely one, named by the model's id2label."""
+"""`--task classify`: each row's class from the model's sequence classification head, or an LM head read at
+--classifier-from-token's tokens (vLLM's /v1/classify): the softmax over its labels (one label: its sigmoid, as
+vLLM) and the most likely one, named by the model's id2label (the tokens, for an LM head)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,17 +26,19 @@ class ClassifyTask(PooledTask):
 
     @classmethod
     def for_job(cls, options: TaskOptions, spec: "ModelSpec", model_dir: Path | None) -> "ClassifyTask":
-        return cls(head_pooling(cls.name, options, spec, one_output=False), options.defaults)
+        return cls(head_pooling(cls.name, options, spec, one_output=False, model_dir=model_dir), options.defaults)
 
     def row_columns(self, vectors: list[list[float]], engine: "Engine", parsed: ParsedRow) -> dict[str, Any]:
-        return class_columns(vectors[0], engine.spec.labels if engine.spec else ())
+        return class_columns(vectors[0], self.pooling.head.labels)
 
     def add_to_item(self, item: dict[str, Any], record: dict[str, Any]) -> None:
         item["num_classes"] = len(record.get("probs") or [])
 
 
 def class_columns(logits: list[float], labels: tuple[str, ...]) -> dict[str, Any]:
-    """`label` + `probs`: the softmax over the head's logits, the best label named by the model's id2label."""
-    probs = torch.softmax(torch.tensor(logits, dtype=torch.float32), dim=0)
+    """`label` + `probs`: the softmax over the head's logits (one logit: its sigmoid, vLLM's), the best label named
+    by `labels`."""
+    values = torch.tensor(logits, dtype=torch.float32)
+    probs = torch.sigmoid(values) if len(logits) == 1 else torch.softmax(values, dim=0)
     best = int(probs.argmax())
     return {"label": labels[best] if best < len(labels) else str(best), "probs": probs.tolist()}

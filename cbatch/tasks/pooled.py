@@ -2,8 +2,9 @@
 pair of texts; each of its requests is one prefill whose hidden states the runner pools into one vector
 (engine/pooling.py); the row's columns come from those vectors once all of them are back.
 
-Settings are resolved once per job against the checkpoint: its head (a *ForSequenceClassification) or its
-sentence-transformers pooling config; a job the model cannot do is refused with one line naming the fix.
+Settings are resolved once per job against the checkpoint: its head (a *ForSequenceClassification, or a causal LM's
+head read at named tokens: an LM-head reranker, `classifier_from_token`) or its sentence-transformers pooling
+config; a job the model cannot do is refused with one line naming the fix.
 """
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from cbatch.config import SamplingParams
-from cbatch.engine.pooling import POOLING_MODES, PoolingParams
+from cbatch.engine.pooling import POOLING_MODES, ClassifierHead, PoolingHead, PoolingParams, TokenLogitsHead
 from cbatch.io.openai import request_digest
 from cbatch.io.pooling_rows import PoolingRow, RowFormat, parse_pooling_row
 from cbatch.io.row_fields import RowError
-from cbatch.model.pooling_config import model_pooling
+from cbatch.model.errors import UnsupportedModelError
+from cbatch.model.pooling_config import ClassifierTokens, model_classifier_tokens, model_pooling
 from cbatch.tasks.base import ParsedRow, Part, PendingRow, Request, RowWork, Task, TaskError, TaskOptions
 from cbatch.tasks.results import RowResult
-from cbatch.tokenizer import encode_messages
+from cbatch.tokenizer import encode_messages, encode_score_pair, load_tokenizer
 
 if TYPE_CHECKING:
     from cbatch.engine.engine import Engine, RequestOutput
@@ -46,7 +48,8 @@ class PooledTask(Task):
         self.defaults = defaults  # the settings its requests run with (one position each; no sampling)
 
     def identity(self) -> dict[str, Any]:
-        return {"task": asdict(self.pooling)}
+        head = self.pooling.head
+        return {"task": {**asdict(self.pooling), "head": head.identity() if head is not None else False}}
 
     def column_types(self) -> dict[str, Any]:
         import pyarrow as pa
@@ -113,20 +116,60 @@ def check_pooling_flag(options: TaskOptions) -> None:
         raise TaskError(f"--pooling: one of {', '.join(POOLING_MODES)}, not {options.pooling!r}")
 
 
-def head_pooling(task: str, options: TaskOptions, spec: "ModelSpec", one_output: bool) -> PoolingParams:
-    """A classification head's task (classify, reward, a cross-encoder's score): the head reads the last token
-    (HF's *ForSequenceClassification). `one_output`: the head must have one label."""
+def head_pooling(task: str, options: TaskOptions, spec: "ModelSpec", one_output: bool,
+                 model_dir: Path | None = None) -> PoolingParams:
+    """A head's task (classify, reward, a cross-encoder's score): the checkpoint's classification head, or its LM
+    head read at the job's classifier tokens (`token_head`), on the last token (HF's *ForSequenceClassification).
+    `one_output`: the head must have one output."""
     check_pooling_flag(options)
     arch = spec.architecture
-    if spec.head != "classify":
+    head: PoolingHead | None = token_head(task, options, spec, model_dir)
+    if head is not None:
+        outputs = head.num_outputs
+    elif spec.head == "classify":
+        head, outputs = ClassifierHead(spec.labels), spec.num_labels
+    else:
         raise TaskError(f"--task {task}: needs a sequence classification head (a *ForSequenceClassification "
-                        f"checkpoint); this is a {arch}, use --task embed")
-    if one_output and spec.num_labels != 1:
-        raise TaskError(f"--task {task}: needs a head with one output; this {arch} has {spec.num_labels} labels, "
-                        "use --task classify")
+                        f"checkpoint) or an LM-head reranker's tokens (--classifier-from-token); this is a {arch}, "
+                        "use --task embed")
+    if one_output and outputs != 1:
+        raise TaskError(f"--task {task}: needs a head with one output; this {arch} has {outputs} labels, use --task classify")
     if options.normalize is not None or options.dimensions is not None:
         raise TaskError(f"--normalize and --dimensions are for embeddings; leave them out for --task {task}")
-    return PoolingParams(task, options.pooling or "last", head=True)
+    return PoolingParams(task, options.pooling or "last", head=head)
+
+
+def job_classifier_tokens(options: TaskOptions, model_dir: Path | None) -> ClassifierTokens | None:
+    """The job's classifier tokens: --classifier-from-token (or the library's `hf_overrides`), else the model's
+    config.json's `classifier_from_token`; None: neither names any."""
+    if options.classifier is not None:
+        return options.classifier
+    try:
+        return model_classifier_tokens(model_dir) if model_dir is not None else None
+    except UnsupportedModelError as exc:
+        raise TaskError(f"{model_dir}/config.json: {exc}") from None
+
+
+def token_head(task: str, options: TaskOptions, spec: "ModelSpec", model_dir: Path | None) -> TokenLogitsHead | None:
+    """An LM-head reranker's head (vLLM's `classifier_from_token`): the named tokens' ids in the model's vocabulary;
+    None when the job and the model name no tokens."""
+    classifier = job_classifier_tokens(options, model_dir)
+    if classifier is None:
+        return None
+    if not spec.generates:
+        raise TaskError(f"--classifier-from-token reads a causal LM's head; this {spec.architecture} has none "
+                        f"({'its own classification head scores: leave the flag out' if spec.head == 'classify' else 'a bare decoder'})")
+    tokenizer = load_tokenizer(model_dir) if model_dir is not None else None
+    if tokenizer is None:
+        raise TaskError("--classifier-from-token: this model has no tokenizer to find the tokens in")
+    vocab = tokenizer.get_vocab()
+    missing = next((t for t in classifier.tokens if t not in vocab), None)
+    if missing is not None:
+        raise TaskError(f"--classifier-from-token: {missing!r} is not a token of this model's vocabulary; give each "
+                        "token as the vocabulary spells it (Qwen3-Reranker: no,yes)")
+    method = classifier.resolved_method
+    labels = classifier.tokens[1:] if method == "from_2_way_softmax" else classifier.tokens
+    return TokenLogitsHead(tuple(vocab[t] for t in classifier.tokens), method, labels)
 
 
 def embedding_pooling(task: str, options: TaskOptions, spec: "ModelSpec", model_dir: Path | None) -> PoolingParams:
@@ -144,10 +187,26 @@ def embedding_pooling(task: str, options: TaskOptions, spec: "ModelSpec", model_
     return PoolingParams(task, options.pooling or own.pooling, normalize=normalize, dimensions=dimensions)
 
 
+def check_task_flags(task: Task, options: TaskOptions, tensor_parallel_size: int) -> None:
+    """The job's task against the flags only some tasks read (a TaskError naming the flag, never a flag ignored):
+    --classifier-from-token (an LM-head head's tasks), --score-template (the pair tasks, which keep it as
+    `template`); and an LM-head reranker under tensor parallelism, whose vocabulary logits rank 0 reads alone
+    (a rank holds only its share of the LM head)."""
+    lm_head = isinstance(task, PooledTask) and isinstance(task.pooling.head, TokenLogitsHead)
+    if options.classifier is not None and not lm_head:
+        raise TaskError(f"--classifier-from-token is for --task score, rerank, classify or reward; leave it out for "
+                        f"--task {task.name}")
+    if options.score_template is not None and getattr(task, "template", None) is None:
+        raise TaskError(f"--score-template is for --task score or rerank; leave it out for --task {task.name}")
+    if tensor_parallel_size > 1 and lm_head:
+        raise TaskError("--classifier-from-token (an LM-head reranker) runs on one rank; use --tensor-parallel-size 1")
+
+
 # ---- inputs -----------------------------------------------------------------------------------------------------
-def input_ids(engine: "Engine", row: PoolingRow, text: str | None) -> list[int]:
+def input_ids(engine: "Engine", row: PoolingRow, text: str | None, template: str | None = None) -> list[int]:
     """A prefill-only request's token ids: its own, its text's or (`text` None with a pair: a cross-encoder) its
-    pair's, tokenized as HF and sentence-transformers do (the tokenizer's special tokens added)."""
+    pair's, tokenized as HF and sentence-transformers do (the tokenizer's special tokens added); with a score
+    `template` the pair rendered through it (`encode_score_pair`)."""
     tokenizer = engine.tokenizer
     if row.token_ids is not None:
         ids = row.token_ids
@@ -160,6 +219,11 @@ def input_ids(engine: "Engine", row: PoolingRow, text: str | None) -> list[int]:
             raise RowError(f"could not render `messages` ({type(exc).__name__}: {exc})") from None
     elif text is not None or row.pair is None:
         ids = list(tokenizer.encode(text if text is not None else row.text))
+    elif template is not None:
+        try:
+            ids = encode_score_pair(tokenizer, template, *row.pair)
+        except Exception as exc:  # a template raising on this pair
+            raise RowError(f"--score-template could not render this pair ({type(exc).__name__}: {exc})") from None
     else:
         ids = list(tokenizer.encode(*row.pair))
     if (error := engine.vocabulary_error("the input", ids)) is not None:
@@ -167,4 +231,4 @@ def input_ids(engine: "Engine", row: PoolingRow, text: str | None) -> list[int]:
     return ids
 
 
-__all__ = ["PooledTask", "embedding_pooling", "head_pooling", "input_ids"]
+__all__ = ["PooledTask", "embedding_pooling", "head_pooling", "input_ids", "check_task_flags", "job_classifier_tokens", "token_head"]

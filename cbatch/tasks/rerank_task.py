@@ -1,9 +1,11 @@
 """`--task rerank`: a query against a list of documents, the documents sorted by relevance (vLLM's and Cohere's
 /rerank). A row is `{"query", "documents": [...], "top_n"?, "return_documents"?}` or an OpenAI batch line whose url
 is /rerank, /v1/rerank or /v2/rerank with those fields in its body. Each (query, document) pair is scored exactly as
-`--task score` scores it, one prefill-only request per pair: a cross-encoder reads the pair, a bi-encoder embeds the
-query once and each document (the cosine of the two). The row's `results` lists `{index, relevance_score,
-document?}`, best first, the first `top_n`.
+`--task score` scores it, one prefill-only request per pair: a cross-encoder reads the pair (an LM-head reranker
+query + document as one text), a bi-encoder embeds the query once and each document (the cosine of the two). The
+row's `results` lists `{index, relevance_score, document?}`, best first, the first `top_n` (0 or none: all, as vLLM).
+A row's documents come back when it asks (`return_documents`); an OpenAI line's unless it says false (vLLM's
+/rerank always returns them, Cohere's when asked).
 """
 from __future__ import annotations
 
@@ -15,8 +17,7 @@ from cbatch.io.openai import RequestError, batch_body, request_digest
 from cbatch.io.pooling_rows import Pair
 from cbatch.io.row_fields import RowError, row_id_of, text_field
 from cbatch.tasks.base import ParsedRow, Request, RowWork, TaskOptions, register
-from cbatch.tasks.pooled import PooledTask
-from cbatch.tasks.score_task import PairPlan, ScoreTask
+from cbatch.tasks.score_task import PairPlan, PairTask, ScoreTask
 
 if TYPE_CHECKING:
     from cbatch.engine.engine import Engine
@@ -31,7 +32,7 @@ class RerankRow:
     query: str
     documents: list[str]
     top_n: int | None = None  # keep the best `top_n` (None: all)
-    return_documents: bool = False  # each result repeats its document's text
+    return_documents: bool = False  # each result repeats its document's text (an OpenAI line's default: true)
     echo: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -40,7 +41,7 @@ class RerankRow:
 
 
 @register
-class RerankTask(PooledTask):
+class RerankTask(PairTask):
     name: ClassVar[str] = "rerank"
     input_fields: ClassVar[tuple[str, ...]] = ("query", "body")
     columns: ClassVar[tuple[str, ...]] = ("results",)
@@ -49,7 +50,7 @@ class RerankTask(PooledTask):
     @classmethod
     def for_job(cls, options: TaskOptions, spec: "ModelSpec", model_dir: Path | None) -> "RerankTask":
         scoring = ScoreTask.for_job(options, spec, model_dir)  # the pairs are scored as --task score scores them
-        return cls(scoring.pooling, options.defaults)
+        return cls(scoring.pooling, options.defaults, scoring.template)
 
     def column_types(self) -> dict[str, Any]:
         import pyarrow as pa
@@ -65,7 +66,7 @@ class RerankTask(PooledTask):
         """The (query, document) pairs as --task score makes a row of lists' requests (`PairPlan`): a cross-encoder one
         request per pair; a bi-encoder the query's, then each distinct document's."""
         row: RerankRow = parsed.request
-        plan = PairPlan.of(row.pairs, self.pooling.head)
+        plan = PairPlan.of(row.pairs, self.pooling.head, self.template)
         prompts = plan.prompts(engine, parsed)
         key_ids = plan.key_ids(prompts, listed=True)  # (the settings that shape `results` are not ids:)
         key_ids += [-2 - (row.top_n or 0), -2 - int(row.return_documents)]
@@ -74,7 +75,7 @@ class RerankTask(PooledTask):
     def row_columns(self, vectors: list[list[float]], engine: "Engine", parsed: ParsedRow) -> dict[str, Any]:
         """`results`: each document's score as --task score gives it for the pair, best first."""
         row: RerankRow = parsed.request
-        return {"results": ranked(PairPlan.of(row.pairs, self.pooling.head).scores(vectors), row)}
+        return {"results": ranked(PairPlan.of(row.pairs, self.pooling.head, self.template).scores(vectors), row)}
 
     def openai_body(self, samples: list[dict[str, Any]], model: str, created: int) -> dict[str, Any]:
         """vLLM's and Cohere's rerank response: `{"id", "model", "usage", "results": [...]}`."""
@@ -84,8 +85,9 @@ class RerankTask(PooledTask):
         for r in results:
             if "document" in r:
                 r["document"] = {"text": r["document"]}
+        tokens = record["prompt_tokens"]
         return {"id": f"rerank-{request_digest(record)}", "model": echo.get("model") or model,
-                "usage": {"total_tokens": record["prompt_tokens"]}, "results": results}
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results}
 
 
 def ranked(scores: list[float], row: RerankRow) -> list[dict[str, Any]]:
@@ -123,12 +125,12 @@ def parse_rerank_row(raw: dict[str, Any] | str) -> RerankRow:
         raise RowError("`documents` must be a non-empty list of texts")
     documents = [text_field(f"documents[{i}]", d.get("text") if isinstance(d, dict) else d) for i, d in enumerate(documents)]
     top_n = fields.get("top_n")
-    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1):
-        raise RowError(f"`top_n` must be a positive integer, got {top_n!r}")
-    return_documents = fields.get("return_documents", False)
+    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0):
+        raise RowError(f"`top_n` must be a non-negative integer (0: every document), got {top_n!r}")
+    return_documents = fields.get("return_documents", bool(echo.get("openai")))
     if not isinstance(return_documents, bool):
         raise RowError(f"`return_documents` must be true or false, got {return_documents!r}")
-    return RerankRow(query, documents, top_n, return_documents, echo)
+    return RerankRow(query, documents, top_n or None, return_documents, echo)
 
 
 __all__ = ["RerankTask", "parse_rerank_row", "ranked"]

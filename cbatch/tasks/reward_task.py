@@ -22,7 +22,7 @@ class RewardTask(PooledTask):
 
     @classmethod
     def for_job(cls, options: TaskOptions, spec: "ModelSpec", model_dir: Path | None) -> "RewardTask":
-        return cls(head_pooling(cls.name, options, spec, one_output=True), options.defaults)
+        return cls(head_pooling(cls.name, options, spec, one_output=True, model_dir=model_dir), options.defaults)
 
     def row_columns(self, vectors: list[list[float]], engine: "Engine", parsed: ParsedRow) -> dict[str, Any]:
         return {"reward": vectors[0][0]}
