@@ -140,6 +140,9 @@ def check_tensor_parallel(spec: ModelSpec, world: int) -> None:
     """Refuses (ConfigError on --tensor-parallel-size) a split the model's shapes do not allow."""
     if world == 1:
         return
+    if spec.vision is not None:
+        raise ConfigError("tensor_parallel_size", "vision-language models run on one rank only for now; "
+                                                  "use --tensor-parallel-size 1")
     sizes = [("attention heads", spec.num_heads), ("MLP width", spec.intermediate_size)]
     if spec.moe is not None:
         sizes += [("expert width", spec.moe.intermediate_size), ("shared-expert width", spec.moe.shared_expert_size)]

@@ -7,7 +7,7 @@ expert of a MoE layer into two stacked tensors (`experts.w13` [E, 2I, H], `exper
 Checkpoints that already fuse them (Phi-3's qkv_proj and gate_up_proj, transformers 5's stacked
 experts) map one to one. Mixtral's `block_sparse_moe` and w1/w3/w2 expert names are read too, and a
 multimodal Gemma 3's text decoder (`language_model.model.*` or `model.language_model.*`; the vision
-tower is not used).
+tower is not used), and a Qwen2-VL's vision tower (`visual.*` or `model.visual.*`, one to one).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ _DOWN = ("down_proj", "w2")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)$")
 _TEXT_DECODER = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")  # multimodal Gemma 3
 _BARE_DECODER = ("layers.", "embed_tokens.", "norm.")
+_VISUAL = re.compile(r"^(?:model\.)?visual\.")  # a vision-language model's vision tower (model/vision.py)
 FP8_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts")  # kept in FP8 on the GPU path
 INT_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts")  # kept packed on the GPU path
 
@@ -116,6 +117,9 @@ def _layer_place(prefix: str, rest: str, spec: ModelSpec) -> Placement | None:
 
 def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
     """HF tensor name -> (where it goes, its kind: weight | bias | scale), or None for tensors we do not use."""
+    if _VISUAL.match(name):  # the vision tower's tensors map one to one (a text-only spec has none)
+        module, _, kind = _VISUAL.sub("visual.", name).rpartition(".")
+        return (Placement(module), kind) if spec.vision is not None and kind in ("weight", "bias") else None
     name = _TEXT_DECODER.sub("model.", name).replace("language_model.lm_head.", "lm_head.", 1)
     if name.startswith(_BARE_DECODER):  # a bare decoder saved alone (`Qwen3Model`, sentence-transformers)
         name = "model." + name
