@@ -192,3 +192,26 @@ def _processor(model_dir: Path | None, vision: VisionSpec, settings: ImageSettin
         elif key not in kwargs and edge in size:
             kwargs[key] = size[edge]
     return Processor(**kwargs)
+
+
+def expand_placeholders(prompt_ids: list[int], images: list[PromptImage], token: int) -> list[int]:
+    """The prompt with each image's one placeholder token (as the chat template writes it) repeated to the image's
+    token count, as the model's processor does; raises RowError when the counts differ."""
+    where = [i for i, t in enumerate(prompt_ids) if t == token]
+    if len(where) != len(images):
+        raise RowError(f"the prompt has {len(where)} image placeholder(s) for {len(images)} image(s); a chat puts one "
+                       "per image part, a text `prompt` must hold the model's image placeholder once per image")
+    out: list[int] = []
+    start = 0
+    for index, image in zip(where, images):
+        out += prompt_ids[start:index]
+        out += [token] * image.num_tokens
+        start = index + 1
+    return out + prompt_ids[start:]
+
+
+def template_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as a chat template reads them: each image part a bare `{"type": "image"}` (the template writes the
+    placeholder; the bytes stay out of it)."""
+    return [{**m, "content": [p if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
+            if isinstance(m.get("content"), list) else m for m in messages]

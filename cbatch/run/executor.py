@@ -125,7 +125,8 @@ class LocalExecutor:
                 if number:
                     self._parts[seq_id] = (index, number)
                 seqs.append(self.engine.add_request(request.prompt_ids, request.params, seq_id=seq_id,
-                                                    samples=samples if number == 0 else None, pooling=request.pooling))
+                                                    samples=samples if number == 0 else None, pooling=request.pooling,
+                                                    images=request.images))
         except Exception as exc:  # an engine check on this row alone: never the job
             self._ready.append(failed_result(index, parsed.row_id, exc, parsed.echo, kept))
             return

@@ -64,6 +64,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     pooling: PoolingParams | None = None  # a prefill-only request's settings
+    images: list | None = None  # the prompt's images (engine/images.PromptImage), in placeholder order
 
 
 @dataclass(slots=True)
@@ -73,7 +74,8 @@ class RowWork:
 
     parsed: ParsedRow
     requests: list[Request]
-    cache_key: tuple[list[int], SamplingParams] | None = None  # (token ids, settings) the result cache keys on
+    # (the prompt: its token ids, then "image:<digest>" of each image; settings) the result cache keys on
+    cache_key: tuple[list[int | str], SamplingParams] | None = None
 
 
 @dataclass(slots=True)
