@@ -18,6 +18,7 @@ import binascii
 import hashlib
 import io
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,7 +148,9 @@ class ImageReader:
         if not data:
             raise ImageError("is empty (0 bytes)")
         try:
-            image = Image.open(io.BytesIO(data))
+            with warnings.catch_warnings():  # (PIL's size warning: MAX_SOURCE_PIXELS is checked below)
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image = Image.open(io.BytesIO(data))
         except UnidentifiedImageError:
             raise ImageError("is not an image PIL can read (unknown or unsupported format)") from None
         except Exception as exc:  # a decompression bomb, a broken header

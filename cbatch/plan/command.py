@@ -50,6 +50,8 @@ class PlanOptions:
     reasoning_split: bool = True  # (changes a record's columns, so the rows the result cache holds for the run)
     tool_call_parser: str | None = None
     effort_budgets: dict[str, int] | None = None
+    image_min_pixels: int | None = None  # --image-min-pixels / --image-max-pixels (None: the model's)
+    image_max_pixels: int | None = None
 
 
 def run_plan(options: PlanOptions) -> int:

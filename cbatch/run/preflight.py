@@ -71,6 +71,8 @@ class JobOptions:
     dimensions: int | None = None  # --dimensions (Matryoshka)
     tool_call_parser: str | None = None  # --tool-call-parser: rows with tools (None: the model's own format)
     effort_budgets: dict[str, int] | None = None  # --reasoning-effort-budgets (None: the defaults)
+    image_min_pixels: int | None = None  # --image-min-pixels / --image-max-pixels (None: the model's)
+    image_max_pixels: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

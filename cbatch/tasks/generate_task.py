@@ -54,6 +54,9 @@ class GenerateTask(Task):
         images = ImageSettings(getattr(options, "image_min_pixels", None), getattr(options, "image_max_pixels", None))
         if images.identity() and spec.vision is None:
             raise TaskError(f"--image-min-pixels / --image-max-pixels: this {spec.architecture} reads no images")
+        low, high = images.min_pixels, images.max_pixels
+        if (low is not None and low < 1) or (high is not None and high < max(low or 1, 1)):
+            raise TaskError(f"--image-min-pixels {low} / --image-max-pixels {high}: need 1 <= min <= max")
         return cls(options.defaults, options.reasoning_split, parser,
                    getattr(options, "effort_budgets", None) or DEFAULT_EFFORT_BUDGETS, images)
 

@@ -1,0 +1,118 @@
+"""Rows with images through `cbatch run` (issue 48): an image given as an OpenAI `image_url` part (data: URI,
+file://), a row's `images` path, a Parquet column as Hugging Face datasets store images (struct of bytes/path) or
+plain binary gives the same completion; bad images are error rows naming the image, and the other rows complete."""
+from __future__ import annotations
+
+import base64
+import shutil
+import struct
+import zlib
+
+import pytest
+
+from ops_jobs import read_jsonl, run_inprocess, write_jsonl
+from vision_models import make_vl_checkpoint, png_bytes
+
+
+@pytest.fixture(scope="module")
+def vl_model(tmp_path_factory):
+    path = make_vl_checkpoint("qwen2_vl", tmp_path_factory.mktemp("vlrows") / "model")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run(model, input_path, out, *flags) -> int:
+    code, _, _ = run_inprocess("run", str(input_path), "-o", str(out), "--model", str(model), "--device", "cpu",
+                               "--display", "none", "--quiet", "--max-tokens", "6", *map(str, flags))
+    return code
+
+
+def data_uri(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def chat(*parts, text: str = "w1 w2") -> list[dict]:
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def test_one_image_given_every_way_gives_one_completion(vl_model, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    image, other = png_bytes(56, 84, seed=1), png_bytes(56, 84, seed=2)
+    (tmp_path / "page.png").write_bytes(image)
+    rows = [
+        {"id": "uri", "messages": chat({"type": "image_url", "image_url": {"url": data_uri(image)}})},
+        {"id": "file-url", "messages": chat({"type": "image_url", "image_url": {"url": f"file://{tmp_path}/page.png"}})},
+        {"id": "images-field", "messages": [{"role": "user", "content": "w1 w2"}], "images": [str(tmp_path / "page.png")]},
+        {"id": "other", "messages": chat({"type": "image_url", "image_url": {"url": data_uri(other)}})},
+        {"id": "text", "messages": [{"role": "user", "content": "w1 w2"}]},
+    ]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "out.jsonl") == 0
+    out = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert out["uri"]["completion"] == out["file-url"]["completion"] == out["images-field"]["completion"]
+    assert out["uri"]["completion"] != out["other"]["completion"]
+    assert out["uri"]["prompt_tokens"] == out["text"]["prompt_tokens"] + 2 + 6  # start, 6 placeholders (4 x 6 patches), end
+
+    messages = pa.array([[{"role": "user", "content": "w1 w2"}]] * 2)
+    table = pa.table({"id": ["struct", "binary"], "messages": messages,
+                      "images": pa.array([[{"bytes": image, "path": "page.png"}], None],
+                                         pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
+                      "image": pa.array([None, image], pa.binary())})
+    pq.write_table(table, tmp_path / "in.parquet")
+    assert run(vl_model, tmp_path / "in.parquet", tmp_path / "out2.jsonl") == 0
+    parquet = {r["id"]: r["completion"] for r in read_jsonl(tmp_path / "out2.jsonl")}
+    assert parquet == {"struct": out["uri"]["completion"], "binary": out["uri"]["completion"]}
+
+    # fewer pixels, fewer image tokens: --image-max-pixels
+    assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "out3.jsonl", "--image-max-pixels", 28 * 28 * 4) == 0
+    small = {r["id"]: r for r in read_jsonl(tmp_path / "out3.jsonl")}
+    assert small["uri"]["prompt_tokens"] == out["text"]["prompt_tokens"] + 2 + 2  # 56 x 84 scaled to 28 x 56
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says width x height, its pixel data empty (it is refused before decoding)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+
+
+def test_bad_images_are_error_rows_naming_the_image(vl_model, tmp_path):
+    good = png_bytes(28, 28, seed=3)
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "folder.png").mkdir()
+    (tmp_path / "junk.png").write_bytes(b"this is not an image")
+    (tmp_path / "truncated.png").write_bytes(png_bytes(200, 200, seed=4)[:400])
+    bad = {
+        "missing": (str(tmp_path / "nope.png"), "does not exist"),
+        "folder": (str(tmp_path / "folder.png"), "names a folder"),
+        "empty": (str(tmp_path / "empty.png"), "is empty"),
+        "junk": (str(tmp_path / "junk.png"), "unknown or unsupported format"),
+        "bad-base64": ("data:image/png;base64,@@@@", "does not decode"),
+        "truncated": (str(tmp_path / "truncated.png"), "cannot be decoded"),
+        "huge": (data_uri(_png_header(12_000, 12_000)), "more than the"),
+        "sliver": (data_uri(_png_header(2, 1_000)), "aspect ratios up to 200:1"),
+    }
+    rows = [{"id": name, "messages": [{"role": "user", "content": "w1"}], "images": [source]}
+            for name, (source, _) in bad.items()]
+    rows.append({"id": "good", "messages": [{"role": "user", "content": "w1"}], "images": [data_uri(good)]})
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "out.jsonl") == 1
+    out = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert out["good"]["finish_reason"] == "length" and out["good"]["completion"]
+    for name, (_, words) in bad.items():
+        error = out[name]["error"]
+        assert out[name]["finish_reason"] == "error" and error.startswith("`images[0]` (") and words in error, (name, error)
+    assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "out2.jsonl", "--allow-errors") == 0
+
+
+def test_an_image_for_a_text_model_is_an_error_row(tiny_checkpoints, tmp_path):
+    rows = [{"id": "x", "prompt_token_ids": [5, 6], "images": [data_uri(png_bytes(28, 28, 0))]}]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    assert run(tiny_checkpoints["llama"], tmp_path / "in.jsonl", tmp_path / "out.jsonl") == 1
+    error = read_jsonl(tmp_path / "out.jsonl")[0]["error"]
+    assert "`prompt_token_ids` cannot carry images" in error
