@@ -21,7 +21,7 @@ import torch
 
 from cbatch.config import Constraint, EngineConfig, SamplingParams
 from cbatch.engine.batching import ClosedAdmission
-from cbatch.engine.images import PromptImage, seq_images
+from cbatch.engine.images import PromptImage, SeqImages, seq_images
 from cbatch.engine.kv_blocks import BlockPool
 from cbatch.engine.logprobs import Logprobs
 from cbatch.engine.pooling import PoolingParams
@@ -144,13 +144,9 @@ class Engine:
             seq_id = self._next_id
         self._next_id = max(self._next_id, seq_id + 1)
         prompt_ids, error = self.check_request(prompt_ids, params)
-        mm = None
-        if error is None and images:
-            mm = self._images_error(images) or seq_images(prompt_ids, list(images), self.spec.vision)
-            error = mm if isinstance(mm, str) else None
-        elif error is None and self.spec is not None and self.spec.vision is not None \
-                and self.spec.vision.image_token_id in prompt_ids:
-            error = "the prompt has image placeholder tokens but the row gives no images"
+        mm = self.seq_images(prompt_ids, images) if error is None else None
+        if isinstance(mm, str):
+            error = mm
         if error is not None:
             return Sequence(seq_id=seq_id, prompt_ids=prompt_ids, params=params, eos_ids=self._eos_ids,
                             status=SequenceStatus.FINISHED, finish_reason=FinishReason.ERROR, error=error)
@@ -181,11 +177,17 @@ class Engine:
                      "thinking to bound; drop the field (or --thinking-budget)")
         return prompt_ids, error
 
-    def _images_error(self, images: Seq[PromptImage]) -> str | None:
-        if self.spec is None or self.spec.vision is None:
+    def seq_images(self, prompt_ids: list[int], images: Seq[PromptImage] | None) -> SeqImages | str | None:
+        """The request's images placed in its prompt (engine/images.py), None without images, or why they do not fit."""
+        vision = self.spec.vision if self.spec is not None else None
+        if not images:
+            if vision is not None and vision.image_token_id in prompt_ids:
+                return "the prompt has image placeholder tokens but the row gives no images"
+            return None
+        if vision is None:
             name = self.spec.architecture if self.spec is not None else "model"
             return f"this {name} reads no images; drop the row's images or use a vision-language model"
-        return None
+        return seq_images(prompt_ids, list(images), vision)
 
     def extra_seq_id(self) -> int:
         """A seq_id no row has (negative, as forked samples'): a request of a row beyond its own (a bi-encoder
