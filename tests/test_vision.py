@@ -13,7 +13,7 @@ from cbatch.io.images import ImageReader
 from helpers import make_engine
 from vision_models import IMAGE_TOKEN, VISION_END, VISION_START, hf_vl_greedy, make_vl_checkpoint, png_bytes
 
-GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 SIZES = [(56, 84), (28, 28), (112, 56), (84, 112)]  # pixels: 6, 1, 8 and 12 placeholder tokens
 
 

@@ -116,3 +116,41 @@ def test_an_image_for_a_text_model_is_an_error_row(tiny_checkpoints, tmp_path):
     assert run(tiny_checkpoints["llama"], tmp_path / "in.jsonl", tmp_path / "out.jsonl") == 1
     error = read_jsonl(tmp_path / "out.jsonl")[0]["error"]
     assert "`prompt_token_ids` cannot carry images" in error
+
+
+def test_images_are_read_off_the_engine_loop_and_the_row_waits_outside_the_engine(vl_model, monkeypatch):
+    """A row whose image read has not finished waits outside the engine while the engine steps other rows; it
+    enters once the read is done (the worker thread is held on an event: no timing involved)."""
+    import threading
+
+    from cbatch.config import EngineConfig
+    from cbatch.engine.build import build_engine
+    from cbatch.io.images import ImageReader
+    from cbatch.observe.metrics import JobMetrics
+    from cbatch.run.executor import LocalExecutor
+    from cbatch.run.job_spec import JobSpec
+    from cbatch.tasks.generate_task import GenerateTask
+
+    release, reading = threading.Event(), threading.Event()
+    read = ImageReader.read
+
+    def held_read(self, source, name):
+        reading.set()
+        assert release.wait(60)
+        return read(self, source, name)
+
+    monkeypatch.setattr(ImageReader, "read", held_read)
+    engine = build_engine(EngineConfig(model=str(vl_model), device="cpu", max_model_len=128))
+    executor = LocalExecutor(engine, JobSpec(engine.config, GenerateTask()), JobMetrics())
+    executor.submit(0, {"messages": [{"role": "user", "content": "w1"}], "images": [data_uri(png_bytes(28, 56, 5))],
+                        "max_tokens": 2})
+    executor.submit(1, {"messages": [{"role": "user", "content": "w2"}], "max_tokens": 2})
+    assert reading.wait(60) and executor.is_pending(0) and engine.scheduler.num_waiting == 1  # row 1 only
+    results = []
+    while not results:
+        results += executor.poll()  # the engine runs row 1 while row 0's image is still being read
+    assert [r.index for r in results] == [1] and executor.busy()
+    release.set()
+    while executor.busy():
+        results += executor.poll()
+    assert [r.index for r in results] == [1, 0] and results[1].ok and results[1].prompt_tokens == 10  # 6 text, 4 image

@@ -90,12 +90,17 @@ def png_bytes(height: int, width: int, seed: int) -> bytes:
     return buffer.getvalue()
 
 
+_HF_MODELS: dict[Path, object] = {}
+
+
 def hf_vl_greedy(path: Path, prompt_ids: list[int], images, max_new_tokens: int) -> list[int]:
     """HF `generate`, greedy, on the same prompt ids (placeholders expanded) and the same preprocessed images."""
     import transformers
 
-    config = json.loads((path / "config.json").read_text())
-    model = getattr(transformers, config["architectures"][0]).from_pretrained(path, dtype=torch.float32).eval()
+    if path not in _HF_MODELS:  # (loaded once per checkpoint)
+        config = json.loads((path / "config.json").read_text())
+        _HF_MODELS[path] = getattr(transformers, config["architectures"][0]).from_pretrained(path, dtype=torch.float32).eval()
+    model = _HF_MODELS[path]
     ids = torch.tensor([prompt_ids])
     kwargs = {}
     if images:

@@ -18,7 +18,9 @@ import binascii
 import hashlib
 import io
 import json
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,18 @@ from cbatch.io.row_fields import RowError
 from cbatch.model.vision_spec import VisionSpec
 
 MAX_SOURCE_PIXELS = 1 << 27  # a decoded image past this (134 M pixels, e.g. 11,585 x 11,585) is refused, not decoded
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def image_pool() -> ThreadPoolExecutor:
+    """The worker threads rows' images are read and preprocessed on (PIL and numpy release the GIL while they work),
+    made at the first image."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="cbatch-images")
+    return _POOL
 
 
 class ImageError(RowError):

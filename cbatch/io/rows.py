@@ -34,6 +34,7 @@ class RowRequest:
     tools: ToolSpec | None = None  # `tools`, `tool_choice`, `parallel_tool_calls` (a chat row's; cbatch/tools/)
     tool_format: ToolFormat | None = None  # the format its calls are parsed in (set when its task makes its requests)
     images: list[tuple[str, Any]] = field(default_factory=list)  # (where the row gave it, its source), prompt order
+    image_futures: list | None = None  # their PromptImages being read on worker threads (GenerateTask.prefetch)
 
 
 def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams,

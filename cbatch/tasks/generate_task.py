@@ -3,12 +3,13 @@ as one request with `n` samples, and each finished sample is one result: its com
 optional columns it asked for (reasoning, log-probabilities)."""
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from cbatch.config import SamplingParams, UserError
-from cbatch.io.images import ImageReader, ImageSettings, expand_placeholders, template_parts
+from cbatch.io.images import ImageReader, ImageSettings, expand_placeholders, image_pool, template_parts
 from cbatch.io.openai import request_digest
 from cbatch.io.reader import PROMPT_FIELDS
 from cbatch.io.row_fields import RowError
@@ -93,17 +94,36 @@ class GenerateTask(Task):
         return RowWork(parsed, [Request(prompt_ids, request.params, images=images or None)],
                        cache_key=(identity, request.params))
 
+    def prefetch(self, engine: "Engine", parsed: ParsedRow) -> list[Future] | None:
+        request: RowRequest = parsed.request
+        if not request.images:
+            return None
+        reader = self._reader(engine, request.images[0][0])
+        pool = image_pool()
+        request.image_futures = [pool.submit(reader.read, source, name) for name, source in request.images]
+        return request.image_futures
+
     def _read_images(self, engine: "Engine", request: RowRequest) -> list:
-        """The row's images read and preprocessed by the model's processor (io/images.py), in prompt order."""
+        """The row's images read and preprocessed by the model's processor (io/images.py), in prompt order: what
+        `prefetch` started, or read here."""
         if not request.images:
             return []
+        if request.image_futures is not None:
+            return [future.result() for future in request.image_futures]  # (an ImageError: the row's error)
+        reader = self._reader(engine, request.images[0][0])
+        return [reader.read(source, name) for name, source in request.images]
+
+    def _reader(self, engine: "Engine", first: str) -> ImageReader:
         if engine.spec is None or engine.spec.vision is None:
-            name = engine.spec.architecture if engine.spec is not None else "model"
-            raise RowError(f"`{request.images[0][0]}` is an image; this {name} reads no images (use a "
-                           "vision-language model, e.g. Qwen2.5-VL)")
+            model = engine.spec.architecture if engine.spec is not None else "model"
+            raise RowError(f"`{first}` is an image; this {model} reads no images (use a vision-language model, "
+                           "e.g. Qwen2.5-VL)")
         if self._image_reader is None or self._image_reader.vision is not engine.spec.vision:
             self._image_reader = ImageReader(engine.model_dir, engine.spec.vision, self.image_settings)
-        return [self._image_reader.read(source, name) for name, source in request.images]
+        return self._image_reader
+
+    def __getstate__(self) -> dict[str, Any]:  # (Ray ships the task: the processor is made again where it runs)
+        return {**self.__dict__, "_image_reader": None}
 
     def _add_tool_choice(self, engine: "Engine", request: RowRequest) -> None:
         """The row's tool-call format (--tool-call-parser, else the chat template's), and for tool_choice "required"
