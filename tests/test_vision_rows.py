@@ -4,6 +4,7 @@ plain binary gives the same completion; bad images are error rows naming the ima
 from __future__ import annotations
 
 import base64
+import json
 import shutil
 import struct
 import zlib
@@ -49,8 +50,12 @@ def test_one_image_given_every_way_gives_one_completion(vl_model, tmp_path):
         {"id": "text", "messages": [{"role": "user", "content": "w1 w2"}]},
     ]
     write_jsonl(tmp_path / "in.jsonl", rows)
-    assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "out.jsonl") == 0
+    assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "out.jsonl", "--report", tmp_path / "report.json") == 0
     out = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    report = json.loads((tmp_path / "report.json").read_text())["images"]
+    # three rows give the same bytes: the vision tower encodes them once, and the other image once
+    assert {k: report[k] for k in ("rows", "images", "image_tokens", "encoded", "encoded_tokens")} == \
+        {"rows": 4, "images": 4, "image_tokens": 24, "encoded": 2, "encoded_tokens": 12}
     assert out["uri"]["completion"] == out["file-url"]["completion"] == out["images-field"]["completion"]
     assert out["uri"]["completion"] != out["other"]["completion"]
     assert out["uri"]["prompt_tokens"] == out["text"]["prompt_tokens"] + 2 + 6  # start, 6 placeholders (4 x 6 patches), end

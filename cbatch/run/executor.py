@@ -179,6 +179,8 @@ class LocalExecutor:
             return
         self._rows[index] = row
         self.metrics.submitted_rows += 1
+        if work.requests[0].images:
+            self.metrics.count_images(work.requests[0].images)
         if self.task.decodes:
             self.metrics.submitted_max_tokens += work.requests[0].params.max_tokens * len(samples)
         for seq in seqs:
@@ -204,6 +206,9 @@ class LocalExecutor:
         metrics.record_step(engine_step_sample(metrics, engine))
         metrics.engine = engine_snapshot(engine)
         metrics.forward_seconds = engine.runner.forward_seconds
+        images = getattr(engine.runner, "images", None)  # (a vision-language model's image rows: its encoder's work)
+        if images is not None and images.images_encoded:
+            metrics.image_usage.update(encoded=images.images_encoded, encoded_tokens=images.image_tokens_encoded)
         return [result for seq in finished for result in self._results(seq)]
 
     def stop_starting(self) -> None:
