@@ -159,3 +159,23 @@ def test_images_are_read_off_the_engine_loop_and_the_row_waits_outside_the_engin
     while executor.busy():
         results += executor.poll()
     assert [r.index for r in results] == [1, 0] and results[1].ok and results[1].prompt_tokens == 10  # 6 text, 4 image
+
+
+def test_the_triton_backend_gives_hfs_tokens_with_images(vl_model):
+    """The GPU path's attention prologue reads each token's own M-RoPE cos/sin row (Triton; under its interpreter
+    where there is no GPU)."""
+    from cbatch.config import SamplingParams
+    from cbatch.io.images import ImageReader
+    from helpers import make_engine
+    from vision_models import IMAGE_TOKEN, VISION_END, VISION_START, hf_vl_greedy
+
+    engine = make_engine(vl_model, max_model_len=64, attention_backend="triton")
+    reader = ImageReader(vl_model, engine.spec.vision)
+    images = [reader.read(png_bytes(56, 84, 1), "a"), reader.read(png_bytes(28, 28, 2), "b")]
+    ids = [4, 10]
+    for image in images:
+        ids += [VISION_START, *[IMAGE_TOKEN] * image.num_tokens, VISION_END, 11]
+    seq = engine.add_request(ids, SamplingParams(max_tokens=5, temperature=0.0), images=images)
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.output_ids == hf_vl_greedy(vl_model, ids, images, 5)
