@@ -117,3 +117,24 @@ def test_a_prompt_whose_placeholders_do_not_fit_its_images_is_an_error(vl_model,
     assert seq.error and "placeholder" in seq.error
     seq = engine.add_request(prompt([images[0]], [5]), GREEDY)
     assert seq.error == "the prompt has image placeholder tokens but the row gives no images"
+
+
+def test_vision_tower_matches_hfs_image_features(vl_model, images):
+    """Every image of a step in one call (varlen attention; Qwen2.5-VL's windows, edge windows smaller) gives
+    transformers' embeddings of each image."""
+    import numpy as np
+    import torch
+
+    from cbatch.model.backend.registry import make_backend
+    from cbatch.model.loader import load_model, read_checkpoint
+    from vision_models import hf_model
+
+    cpu = torch.device("cpu")
+    model = load_model(read_checkpoint(vl_model), 64, cpu, torch.float32, make_backend("auto", cpu))
+    pixels = torch.from_numpy(np.concatenate([image.pixels for image in images]))
+    ours = model.visual(pixels, [image.grid for image in images])
+    with torch.no_grad():
+        ref = hf_model(vl_model).model.get_image_features(pixels, torch.tensor([image.grid for image in images]))
+    ref = torch.cat(ref.pooler_output)
+    assert ours.shape == ref.shape == (sum(image.num_tokens for image in images), 64)
+    assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()  # float32 rounding (conv vs matmul, batched SDPA)

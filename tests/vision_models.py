@@ -93,14 +93,19 @@ def png_bytes(height: int, width: int, seed: int) -> bytes:
 _HF_MODELS: dict[Path, object] = {}
 
 
-def hf_vl_greedy(path: Path, prompt_ids: list[int], images, max_new_tokens: int) -> list[int]:
-    """HF `generate`, greedy, on the same prompt ids (placeholders expanded) and the same preprocessed images."""
+def hf_model(path: Path):
+    """transformers' model of the checkpoint, float32 (loaded once per checkpoint)."""
     import transformers
 
-    if path not in _HF_MODELS:  # (loaded once per checkpoint)
+    if path not in _HF_MODELS:
         config = json.loads((path / "config.json").read_text())
         _HF_MODELS[path] = getattr(transformers, config["architectures"][0]).from_pretrained(path, dtype=torch.float32).eval()
-    model = _HF_MODELS[path]
+    return _HF_MODELS[path]
+
+
+def hf_vl_greedy(path: Path, prompt_ids: list[int], images, max_new_tokens: int) -> list[int]:
+    """HF `generate`, greedy, on the same prompt ids (placeholders expanded) and the same preprocessed images."""
+    model = hf_model(path)
     ids = torch.tensor([prompt_ids])
     kwargs = {}
     if images:

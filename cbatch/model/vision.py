@@ -12,6 +12,8 @@ eps 1e-6, exact GELU in the merger).
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -192,14 +194,17 @@ def _permute(x: torch.Tensor, order: np.ndarray, unit: int) -> torch.Tensor:
 
 def _patch_positions(grids: list[tuple[int, int, int]], merge: int) -> np.ndarray:
     """int64 [N, 2]: each patch's (row, col) in its image, in the processor's order (merge x merge blocks)."""
-    out = []
-    for t, h, w in grids:
-        rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        shape = (h // merge, merge, w // merge, merge)
-        rows = rows.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
-        cols = cols.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
-        out.append(np.tile(np.stack([rows, cols], axis=-1), (t, 1)))
-    return np.concatenate(out)
+    return np.concatenate([_grid_positions(tuple(grid), merge) for grid in grids])
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid_positions(grid: tuple[int, int, int], merge: int) -> np.ndarray:
+    t, h, w = grid
+    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    shape = (h // merge, merge, w // merge, merge)
+    rows = rows.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
+    cols = cols.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
+    return np.tile(np.stack([rows, cols], axis=-1), (t, 1))
 
 
 def _frame_seqlens(grids: list[tuple[int, int, int]]) -> np.ndarray:
@@ -212,16 +217,23 @@ def _window_order(grids: list[tuple[int, int, int]], vs: VisionSpec) -> tuple[np
     """Qwen2.5-VL's windows: (merged tokens in window order [N / merge^2], cu_seqlens of the windows in patches).
     Windows of window_size pixels tile each frame's grid of merged tokens row by row; edge windows are smaller."""
     side = vs.window_size // vs.merge_size // vs.patch_size  # merged tokens per window side
-    unit = vs.merge_size**2
-    order, lengths, base = [], [], 0
-    for t, h, w in grids:
-        gh, gw = h // vs.merge_size, w // vs.merge_size
-        index = np.arange(t * gh * gw).reshape(t, gh, gw) + base
-        for frame in index:
-            for r in range(0, gh, side):
-                for c in range(0, gw, side):
-                    window = frame[r : r + side, c : c + side].reshape(-1)
-                    order.append(window)
-                    lengths.append(window.size * unit)
-        base += t * gh * gw
-    return np.concatenate(order), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    orders, lengths, base = [], [], 0
+    for grid in grids:
+        order, sizes = _grid_windows(tuple(grid), vs.merge_size, side)
+        orders.append(order + base)
+        lengths.append(sizes)
+        base += order.size
+    cu = np.concatenate([[0], np.cumsum(np.concatenate(lengths)) * vs.merge_size**2])
+    return np.concatenate(orders), cu.astype(np.int64)
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid_windows(grid: tuple[int, int, int], merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """One image's merged tokens in window order and each window's size in merged tokens (cached by grid: pages
+    come in few sizes)."""
+    t, h, w = grid
+    gh, gw = h // merge, w // merge
+    index = np.arange(t * gh * gw).reshape(t, gh, gw)
+    windows = [frame[r : r + side, c : c + side].reshape(-1) for frame in index
+               for r in range(0, gh, side) for c in range(0, gw, side)]
+    return np.concatenate(windows), np.array([len(x) for x in windows], dtype=np.int64)

@@ -69,8 +69,8 @@ def expire_unsent(spec: JobSpec, index: int, raw: dict[str, Any] | str, done_sam
     return expired_results(index, parsed.row_id, parsed.num_samples, left, message, parsed.echo, kept)
 
 
-# rows whose inputs are being read on worker threads (images), past the rows the engine runs: they hold their
-# decoded pixels, so they are bounded apart from --lookahead
+# rows with images hold their preprocessed pixels until they finish: at most this many past the engine's
+# max_num_seqs are read ahead (being read on worker threads, or waiting in the engine), whatever --lookahead says
 PREFETCH_ROWS = 64
 
 
@@ -100,10 +100,12 @@ class LocalExecutor:
         self._parts: dict[int, tuple[int, int]] = {}  # a row's further requests: their seq_id -> (row index, number)
         self._ready: list[RowResult] = []  # rows that failed before reaching the engine, or came from the cache
         self._arriving: list[_Arriving] = []  # rows whose inputs are being read (images), in submission order
+        self._image_rows: set[int] = set()  # rows with images in the engine (they hold their pixels)
 
     def wants_rows(self) -> bool:
+        with_images = len(self._arriving) + len(self._image_rows)
         return (self.engine.scheduler.num_waiting + len(self._arriving) < self.spec.lookahead
-                and len(self._arriving) < PREFETCH_ROWS)
+                and with_images < PREFETCH_ROWS + self.engine.scheduler.max_num_seqs)
 
     def is_pending(self, index: int) -> bool:
         """The row is queued or running in the engine (or reading its images before it)."""
@@ -181,6 +183,7 @@ class LocalExecutor:
         self.metrics.submitted_rows += 1
         if work.requests[0].images:
             self.metrics.count_images(work.requests[0].images)
+            self._image_rows.add(index)
         if self.task.decodes:
             self.metrics.submitted_max_tokens += work.requests[0].params.max_tokens * len(samples)
         for seq in seqs:
@@ -229,6 +232,7 @@ class LocalExecutor:
             results += expired_results(index, row.parsed.row_id, row.parsed.num_samples, samples, message,
                                        row.parsed.echo, row.kept)
         self._rows.clear()
+        self._image_rows.clear()
         return results
 
     def expire_unsubmitted(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int],
@@ -253,6 +257,8 @@ class LocalExecutor:
             if not row.left:
                 del self._rows[index]
             results = self.task.collect(self.engine, row, part, out)
+        if index not in self._rows:
+            self._image_rows.discard(index)
         for result in results:
             result.timing = self._timing(seq, row, result.prompt_tokens, result.completion_tokens) if result.ok else None
             if self.engine.config.loras and result.ok:
