@@ -79,7 +79,9 @@ class ImageRows(RowFeature):
         self.chunks: list[tuple[Sequence, int, int, int]] = []  # (seq, first token, tokens, first flat row)
 
     def add_row(self, seq: Sequence, num_new: int, offset: int) -> bool:
-        if seq.images is not None and seq.num_computed < seq.images.prompt_len:
+        # NOTE: a chunk of the prompt's last token alone is not recorded (a quiet decode may take it): that token is
+        # text (engine/images.seq_images), at index + delta on every axis, which `fill`'s shift gives it
+        if seq.images is not None and seq.num_computed < seq.images.prompt_len - 1:
             self.chunks.append((seq, seq.num_computed, num_new, offset))
         return False
 
