@@ -179,3 +179,19 @@ def test_the_triton_backend_gives_hfs_tokens_with_images(vl_model):
     while engine.has_unfinished():
         engine.step()
     assert seq.output_ids == hf_vl_greedy(vl_model, ids, images, 5)
+
+
+def test_openai_lines_carry_images():
+    """A /v1/chat/completions body's image_url parts and a /v1/responses body's input_image parts are the row's images."""
+    from cbatch.config import SamplingParams
+    from cbatch.io.rows import parse_row
+
+    chat_line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"model": "m", "messages": chat({"type": "image_url", "image_url": {"url": "page.png"}})}}
+    responses_line = {"custom_id": "r", "method": "POST", "url": "/v1/responses",
+                      "body": {"model": "m", "input": [{"role": "user", "content": [
+                          {"type": "input_text", "text": "w1"}, {"type": "input_image", "image_url": "page.png"}]}]}}
+    chat_row, responses_row = (parse_row(i, line, SamplingParams()) for i, line in enumerate([chat_line, responses_line]))
+    assert chat_row.images == [("messages[0].content[0]", "page.png")]
+    assert responses_row.images == [("messages[0].content[1]", "page.png")]
+    assert [p["type"] for p in responses_row.messages[0]["content"]] == ["text", "image"]

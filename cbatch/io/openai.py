@@ -239,10 +239,16 @@ def _input_message(name: str, item: Any) -> dict[str, Any]:
         raise RequestError(f"{name}.{unknown}: not a field of a message item cbatch knows; remove it")
     content = item.get("content")
     if isinstance(content, list):
+        parts = []
         for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "input_image" and isinstance(part.get("image_url"), str):
+                parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})  # (a vision model's)
+                continue
             if not isinstance(part, dict) or part.get("type") not in RESPONSES_PART_TYPES or not isinstance(part.get("text"), str):
-                raise RequestError(f"{name}.content[{j}]: must be a text part ({{\"type\": \"input_text\", \"text\"}})")
-        content = [{"type": "text", "text": part["text"]} for part in content]
+                raise RequestError(f"{name}.content[{j}]: must be a text part ({{\"type\": \"input_text\", \"text\"}}) "
+                                   f"or an image ({{\"type\": \"input_image\", \"image_url\"}})")
+            parts.append({"type": "text", "text": part["text"]})
+        content = parts
     return {"role": item["role"], "content": content}
 
 
