@@ -72,7 +72,7 @@ BODY_FIELDS: dict[str, BodyField] = {
     **{spec.name: _yes(spec.body_note or spec.meaning, EVERY_URL if spec.name in RESPONSES_SAMPLING else CHAT_AND_COMPLETIONS)
        for spec in SAMPLING_FIELDS.values() if spec.in_body},
     # /v1/responses (OpenAI's Responses API): the body becomes a chat row (`responses_fields`)
-    "input": _yes("/v1/responses: a string (one user message) or a list of message items (text parts)", (RESPONSES_URL,)),
+    "input": _yes("/v1/responses: a string (one user message) or a list of message items (text parts; image parts for a vision-language model)", (RESPONSES_URL,)),
     "instructions": _yes("/v1/responses: a system message before the input", (RESPONSES_URL,)),
     "max_output_tokens": _yes("/v1/responses: as max_tokens", (RESPONSES_URL,)),
     "text": _yes("/v1/responses: `format` for structured output: type text, json_object or json_schema", (RESPONSES_URL,)),
