@@ -62,7 +62,7 @@ def test_responses_output_shape_structured_output_and_errors(tiny_chat_model, tm
             line("bad", RESPONSES_URL, input="x", tools=[]),
             line("chatfield", RESPONSES_URL, input="x", max_tokens=3),
             line("noinput", RESPONSES_URL, instructions="x"),
-            line("badpart", RESPONSES_URL, input=[{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]),
+            line("badpart", RESPONSES_URL, input=[{"role": "user", "content": [{"type": "input_file", "file_id": "u"}]}]),
             line("badformat", RESPONSES_URL, input="x", text={"format": {"type": "yaml"}})]
     out = tmp_path / "out.jsonl"
     run(write_jsonl(tmp_path / "in.jsonl", rows), out, tiny_chat_model, "--output-format", "openai")

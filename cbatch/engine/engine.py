@@ -21,6 +21,7 @@ import torch
 
 from cbatch.config import Constraint, EngineConfig, SamplingParams
 from cbatch.engine.batching import ClosedAdmission
+from cbatch.engine.images import PromptImage, SeqImages, seq_images
 from cbatch.engine.kv_blocks import BlockPool
 from cbatch.engine.logprobs import Logprobs
 from cbatch.engine.pooling import PoolingParams
@@ -129,18 +130,23 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None,
-                    samples: Seq[int] | None = None, pooling: PoolingParams | None = None) -> Sequence:
+                    samples: Seq[int] | None = None, pooling: PoolingParams | None = None,
+                    images: Seq[PromptImage] | None = None) -> Sequence:
         """Queues a request; a request that cannot run comes back already finished with an error.
 
         `samples`: which of its `params.n` samples to run (default all; a resumed row may need only some):
         the first is the returned parent, the others its `children`. `pooling`: a prefill-only request
-        (engine/pooling.py): one sample, one (dummy) output position that ends it with its prompt."""
+        (engine/pooling.py): one sample, one (dummy) output position that ends it with its prompt. `images`: the
+        prompt's images in placeholder order (a vision-language model's; engine/images.py)."""
         if pooling is not None:  # (one object per distinct settings: the host step checks each object once)
             params = self._prefill_params.setdefault(id(params), (params, _prefill_only(params)))[1]
         if seq_id is None:
             seq_id = self._next_id
         self._next_id = max(self._next_id, seq_id + 1)
         prompt_ids, error = self.check_request(prompt_ids, params)
+        mm = self.seq_images(prompt_ids, images) if error is None else None
+        if isinstance(mm, str):
+            error = mm
         if error is not None:
             return Sequence(seq_id=seq_id, prompt_ids=prompt_ids, params=params, eos_ids=self._eos_ids,
                             status=SequenceStatus.FINISHED, finish_reason=FinishReason.ERROR, error=error)
@@ -150,6 +156,8 @@ class Engine:
         seq = self._sequence(seq_id, seq_id, samples[0], prompt_ids, params)
         seq.pooling = pooling
         seq.children = [self._sequence(next(self._child_ids), seq_id, i, prompt_ids, params) for i in samples[1:]]
+        for sample in seq.samples:  # (every sample: a forked one recomputes its prompt after a preemption)
+            sample.images = mm
         self.scheduler.add(seq)
         return seq
 
@@ -168,6 +176,18 @@ class Engine:
             error = ("thinking_token_budget: this model's tokenizer has no <think> and </think> tokens, so it has no "
                      "thinking to bound; drop the field (or --thinking-budget)")
         return prompt_ids, error
+
+    def seq_images(self, prompt_ids: list[int], images: Seq[PromptImage] | None) -> SeqImages | str | None:
+        """The request's images placed in its prompt (engine/images.py), None without images, or why they do not fit."""
+        vision = self.spec.vision if self.spec is not None else None
+        if not images:
+            if vision is not None and vision.image_token_id in prompt_ids:
+                return "the prompt has image placeholder tokens but the row gives no images"
+            return None
+        if vision is None:
+            name = self.spec.architecture if self.spec is not None else "model"
+            return f"this {name} reads no images; drop the row's images or use a vision-language model"
+        return seq_images(prompt_ids, list(images), vision)
 
     def extra_seq_id(self) -> int:
         """A seq_id no row has (negative, as forked samples'): a request of a row beyond its own (a bi-encoder

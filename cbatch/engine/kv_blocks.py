@@ -25,8 +25,10 @@ from typing import Iterable
 from cbatch.engine.sequence import Sequence
 
 # (parent block's hash, this block's token ids); a first block's parent is the row's LoRA adapter (None: the base
-# model), so rows of different adapters never share KV: the same tokens make different keys under another adapter
-BlockKey = tuple[int | str | None, tuple[int, ...]]
+# model), so rows of different adapters never share KV: the same tokens make different keys under another adapter.
+# A block holding image placeholders has the digests of those images after its token ids (engine/images.py: the
+# same placeholder ids with other images make another key).
+BlockKey = tuple[int | str | None, tuple[int | str, ...]]
 
 
 def block_hash(parent: int | str | None, tokens: tuple[int, ...]) -> int:
@@ -147,9 +149,12 @@ def _block_hashes(pool: BlockPool, seq: Sequence, count: int) -> list[int]:
     """The chained hashes of `seq`'s first `count` full blocks, and their keys in `seq.block_keys`
     (extended lazily, kept on `seq`: tokens are only ever appended)."""
     hashes, keys, size = seq.block_hashes, seq.block_keys, pool.block_size
+    images = seq.images
     while len(hashes) < count:
         i = len(hashes)
         key = (hashes[i - 1] if i else seq.params.lora), tuple(seq.tokens(i * size, (i + 1) * size))
+        if images is not None and (salt := images.salt(i * size, (i + 1) * size)):
+            key = key[0], key[1] + salt  # image placeholders: keyed by the images' bytes too
         keys.append(key)
         hashes.append(block_hash(*key))
     return hashes

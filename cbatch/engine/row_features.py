@@ -1,6 +1,6 @@
 """Per-row features of a step: what a row asks beyond its tokens and its sampling (a LoRA adapter, prompt
 log-probabilities, pooling, a grammar's mask) as small objects that the input builder (input_builder.py) and the
-runner ask, in place of a branch each. A new per-row feature (images, speculative drafts) is one more object.
+runner ask, in place of a branch each. A new per-row feature (images: image_rows.py; speculative drafts) is one more object.
 
 A feature's hooks, in the order a step calls them; each does nothing by default:
   order_keys(scheduled)         build (rank 0): int [B] in plan order, keys >= -1 whose equal rows the batch
@@ -12,6 +12,7 @@ A feature's hooks, in the order a step calls them; each does nothing by default:
   fill(inputs, order, q_lens)   build: its arrays into `StepInputs` (what every tensor-parallel rank gets)
   on_sampling(seqs, batch)      rank 0, the step's sampling rows built, before the model runs
   prepare(inputs, ...)          every rank, before the model; False: the step may not run in a decode graph
+  forward_inputs()              every rank, after prepare: what it adds to the model call's ForwardContext
   release(seq) / reset()        a plan named `seq` preempted or finished / the runner forgets every sequence
 """
 from __future__ import annotations
@@ -54,6 +55,9 @@ class RowFeature:
 
     def prepare(self, inputs: StepInputs, device: torch.device, put: Callable | None) -> bool:
         return True
+
+    def forward_inputs(self) -> dict:
+        return {}
 
     def release(self, seq: Sequence) -> None:
         pass

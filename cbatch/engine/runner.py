@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cbatch.engine.cpu_memory import keep_freed_memory
+from cbatch.engine.image_rows import ImageRows
 from cbatch.engine.input_builder import build_step_inputs
 from cbatch.engine.kv_cache import BlockTableBuffer, KVCache
 from cbatch.engine.row_features import AdapterRows, GrammarRows, PoolingRows, PromptLogprobRows, RowFeature
@@ -68,6 +69,9 @@ class ModelRunner:
         self.pooling, self.prompt_logprobs, self.adapters = PoolingRows(), PromptLogprobRows(), AdapterRows()
         self.features: list[RowFeature] = [self.pooling, self.prompt_logprobs, self.adapters,
                                            GrammarRows(spec.vocab_size, device)]
+        self.images = ImageRows(model) if model.visual is not None else None  # a vision-language model's image rows
+        if self.images is not None:
+            self.features.append(self.images)
         self.reset()
         self.graphs = None  # DecodeGraphs once `capture_decode_graphs` ran (CUDA + Triton backend)
 
@@ -222,7 +226,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden)  # [T, vocab] float32 for the torch sampler
         else:
             self.backend.prepare(batch.meta)
-            ctx = ForwardContext(self.kv_cache.view, batch.meta)
+            extra = {key: value for feature in self.features for key, value in feature.forward_inputs().items()}
+            ctx = ForwardContext(self.kv_cache.view, batch.meta, **extra)
             hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, hidden]
             if num_sampling:
                 logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] float32

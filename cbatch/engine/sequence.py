@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 
 from cbatch.config import SamplingParams
+from cbatch.engine.images import SeqImages
 from cbatch.engine.logprobs import Logprobs
 from cbatch.engine.pooling import PoolingParams
 from cbatch.engine.stop import StopChecker
@@ -85,6 +86,7 @@ class Sequence:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = Logprobs()
     grammar: GrammarState | None = None  # structured output: the matcher of the request's constraint
+    images: SeqImages | None = None  # a vision-language prompt's images (engine/images.py); None: text only
     think_ids: tuple[int, int] | None = None  # a thinking budget's (think-start, think-end) tokens (engine/thinking.py)
     # len(prompt_ids), kept in the object itself: the prompt never changes, and the host step's per-row passes
     # read it for every running sequence (a slot read, not a trip to the list)

@@ -35,6 +35,10 @@ class StepInputs:
     placeholder_rows: list[int] = field(default_factory=list)  # flat rows whose token the last step samples
     placeholder_sources: list[int] = field(default_factory=list)  # and each one's row in that step's tokens
     lora_slots: np.ndarray | None = None  # int32 [T]: each token's LoRA adapter slot (-1: base); None: no adapter rows
+    # images (engine/image_rows.py): M-RoPE's 3-D positions int64 [3, T] where a chunk meets image placeholders, and
+    # the embedding rows the step takes: (first flat row, image, its first row, end row); None / []: none
+    mrope_positions: np.ndarray | None = None
+    image_slices: list = field(default_factory=list)
 
     def to_device(self, dev: torch.device, block_size: int, last_sampled: torch.Tensor | None = None,
                   staging: HostStaging | None = None) -> "_Batch":

@@ -72,7 +72,7 @@ BODY_FIELDS: dict[str, BodyField] = {
     **{spec.name: _yes(spec.body_note or spec.meaning, EVERY_URL if spec.name in RESPONSES_SAMPLING else CHAT_AND_COMPLETIONS)
        for spec in SAMPLING_FIELDS.values() if spec.in_body},
     # /v1/responses (OpenAI's Responses API): the body becomes a chat row (`responses_fields`)
-    "input": _yes("/v1/responses: a string (one user message) or a list of message items (text parts)", (RESPONSES_URL,)),
+    "input": _yes("/v1/responses: a string (one user message) or a list of message items (text parts; image parts for a vision-language model)", (RESPONSES_URL,)),
     "instructions": _yes("/v1/responses: a system message before the input", (RESPONSES_URL,)),
     "max_output_tokens": _yes("/v1/responses: as max_tokens", (RESPONSES_URL,)),
     "text": _yes("/v1/responses: `format` for structured output: type text, json_object or json_schema", (RESPONSES_URL,)),
@@ -239,10 +239,16 @@ def _input_message(name: str, item: Any) -> dict[str, Any]:
         raise RequestError(f"{name}.{unknown}: not a field of a message item cbatch knows; remove it")
     content = item.get("content")
     if isinstance(content, list):
+        parts = []
         for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "input_image" and isinstance(part.get("image_url"), str):
+                parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})  # (a vision model's)
+                continue
             if not isinstance(part, dict) or part.get("type") not in RESPONSES_PART_TYPES or not isinstance(part.get("text"), str):
-                raise RequestError(f"{name}.content[{j}]: must be a text part ({{\"type\": \"input_text\", \"text\"}})")
-        content = [{"type": "text", "text": part["text"]} for part in content]
+                raise RequestError(f"{name}.content[{j}]: must be a text part ({{\"type\": \"input_text\", \"text\"}}) "
+                                   f"or an image ({{\"type\": \"input_image\", \"image_url\"}})")
+            parts.append({"type": "text", "text": part["text"]})
+        content = parts
     return {"role": item["role"], "content": content}
 
 

@@ -30,12 +30,47 @@ def row_id_of(index: int, row: dict[str, Any] | str) -> str:
     return str(index) if row_id is None else row_id
 
 
-def parse_messages(value: Any) -> list[dict[str, Any]]:
-    """A row's `messages`, checked (raises RowError naming the message and field)."""
-    return _messages(value)
+def parse_messages(value: Any, images: bool = False) -> list[dict[str, Any]]:
+    """A row's `messages`, checked (raises RowError naming the message and field). `images`: image content parts are
+    taken (OpenAI's `image_url`, or `{"type": "image", "image": SOURCE}`; a bare `{"type": "image"}` takes the row's
+    next `images` entry): a message with one keeps its content as parts, `{"type": "text"}` and
+    `{"type": "image", "image": SOURCE or None, "name": where}` (io/images.py reads them)."""
+    return _messages(value, images)
 
 
-def _messages(value: Any) -> list[dict[str, Any]]:
+IMAGE_PART_TYPES = ("image_url", "image", "input_image")
+
+
+def _image_part(where: str, part: dict[str, Any]) -> dict[str, Any]:
+    """An image content part -> {"type": "image", "image": its source (None: the row's next `images` entry), "name"}."""
+    source = part.get("image_url", part.get("image"))
+    if isinstance(source, dict):  # OpenAI: {"url": ..., "detail": ...}
+        source = source.get("url")
+    if part.get("type") == "image_url" and not isinstance(source, str):
+        raise RowError(f"`{where}.image_url` must be {{\"url\": \"...\"}} (a URL, a path or a data: URI)")
+    return {"type": "image", "image": source, "name": where}
+
+
+def _content_parts(where: str, content: list[Any], images: bool) -> str | list[dict[str, Any]]:
+    """OpenAI content parts: the text parts joined, or (a message with images) the parts in order."""
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": _text(f"{where}[{j}].text", part["text"])})
+        elif kind in IMAGE_PART_TYPES and images:
+            parts.append(_image_part(f"{where}[{j}]", part))
+        elif kind in IMAGE_PART_TYPES:
+            raise RowError(f"`{where}[{j}]` is an image part; this task reads text only (images: --task generate "
+                           f"with a vision-language model)")
+        else:
+            raise RowError(f"`{where}` parts must be text or image parts ({{\"type\": \"text\", \"text\": ...}})")
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _messages(value: Any, images: bool = False) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise RowError("`messages` must be a non-empty list of {\"role\", \"content\"} objects")
     out = []
@@ -47,10 +82,11 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         except ToolFieldError as exc:
             raise RowError(str(exc)) from None
         content = message.get("content")
-        if isinstance(content, list):  # OpenAI content parts: keep the text parts
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise RowError(f"`messages[{i}].content` parts must all be text parts")
-            content = "".join(p["text"] for p in content)
+        if isinstance(content, list):  # OpenAI content parts
+            content = _content_parts(f"messages[{i}].content", content, images)
+        if isinstance(content, list):  # (a message with images: its parts, checked)
+            out.append({"role": _text(f"messages[{i}].role", message["role"]), "content": content, **tool_fields})
+            continue
         if not isinstance(content, str) and not (content is None and "tool_calls" in tool_fields):  # (calls only)
             raise RowError(f"`messages[{i}].content` must be a string")
         text = content if content is None else _text(f"messages[{i}].content", content)

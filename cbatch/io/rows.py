@@ -35,6 +35,8 @@ class RowRequest:
     tool_format: ToolFormat | None = None  # the format its calls are parsed in (set when its task makes its requests)
     reasoning_effort: str | None = None  # the row's (checked): a thinking budget, or a variable of a template reading it
     effort_budget: bool = False  # its thinking budget is its reasoning_effort's (not the row's own)
+    images: list[tuple[str, Any]] = field(default_factory=list)  # (where the row gave it, its source), prompt order
+    image_futures: list | None = None  # their PromptImages being read on worker threads (GenerateTask.prefetch)
 
 
 def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams,
@@ -59,9 +61,10 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams,
     if field == "prompt":
         request.prompt = text_field("prompt", row["prompt"])
     elif field == "messages":
-        request.messages = parse_messages(row["messages"])
+        request.messages = parse_messages(row["messages"], images=True)
     else:
         request.prompt_token_ids = token_ids_field(row["prompt_token_ids"])
+    request.images = _row_images(row, request)
     request.params = sampling_from_row(row, defaults)
     try:
         request.params = with_reasoning_effort(row, request.params, effort_budgets)
@@ -82,6 +85,41 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams,
     if isinstance(row.get("model"), str):
         request.echo["model"] = row["model"]
     return request
+
+
+def _row_images(row: dict[str, Any], request: RowRequest) -> list[tuple[str, Any]]:
+    """The row's images in prompt order, (where the row gave it, its source), unread: a chat's image parts (a bare
+    `{"type": "image"}` part takes the next entry of the row's `images`; entries left over go before the first user
+    message's text, as Qwen's examples put them), or a text prompt's `images`, one per image placeholder it has."""
+    key = "images" if row.get("images") is not None else "image"
+    given = row.get(key)
+    extra = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
+    for j, source in enumerate(extra):
+        if not (isinstance(source, (str, bytes, bytearray)) or (isinstance(source, dict) and ("bytes" in source or "path" in source))):
+            raise RowError(f"`{key}[{j}]` must be an image: a URL, a path, a data: URI, bytes or {{\"bytes\", \"path\"}}")
+    named = [(f"{key}[{j}]", source) for j, source in enumerate(extra)]
+    if request.messages is None:
+        if named and request.prompt_token_ids is not None:
+            raise RowError(f"`{key}` needs a `prompt` with the model's image placeholders, or `messages`; "
+                           "`prompt_token_ids` cannot carry images")
+        return named
+    left = list(named)
+    for message in request.messages:
+        for part in message["content"] if isinstance(message["content"], list) else ():
+            if part["type"] == "image" and part["image"] is None:
+                if not left:
+                    raise RowError(f"`{part['name']}` is an image part with no image, and the row's `images` has no "
+                                   "entry left for it")
+                part["name"], part["image"] = left.pop(0)
+    if left:
+        user = next((m for m in request.messages if m["role"] == "user"), None)
+        if user is None:
+            raise RowError(f"`{key}`: the chat has no user message to put the images in")
+        text = user["content"]
+        parts = text if isinstance(text, list) else [{"type": "text", "text": text or ""}]
+        user["content"] = [{"type": "image", "image": source, "name": name} for name, source in left] + parts
+    return [(part["name"], part["image"]) for message in request.messages if isinstance(message["content"], list)
+            for part in message["content"] if part["type"] == "image"]
 
 
 _WITH_LORA: dict[tuple[int, str], tuple[SamplingParams, SamplingParams]] = {}  # (id(params), adapter) -> both

@@ -21,10 +21,12 @@ from cbatch.model.gemma import GemmaDecoderLayer
 from cbatch.model.layers import Linear, RMSNorm
 from cbatch.model.mla import MLAAttention
 from cbatch.model.moe import feed_forward
+from cbatch.model.mrope import mrope_cos_sin, section_axes
 from cbatch.model.onednn import linear, packed_linear, prepack_weight
 from cbatch.model.rope import rope_table
 from cbatch.model.shard import Shard
 from cbatch.model.spec import ModelSpec
+from cbatch.model.vision import VisionTower
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
 
 
@@ -139,6 +141,10 @@ class ForwardContext:
 
     kv: KVCacheView
     meta: AttentionMetadata
+    # images (engine/image_rows.py): (flat rows int64 [n], their embeddings [n, hidden]) put in place of the
+    # placeholder tokens' embeddings, and M-RoPE's 3-D positions int64 [3, T] (None: `positions` on every axis)
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    mrope_positions: torch.Tensor | None = None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -160,18 +166,31 @@ class LlamaForCausalLM(nn.Module):
         self.score = Linear(spec.hidden_size, spec.num_labels, bias=False) if spec.head == "classify" else None
         self.max_positions = max_positions
         self.rope_tables: list[torch.Tensor] = []  # set by `build_rope_cache` once the device is known
+        # a vision-language model's image encoder (model/vision.py), called by the runner's image rows
+        self.visual = VisionTower(spec.vision, backend) if spec.vision is not None else None
+        self._mrope_axes: torch.Tensor | None = None  # M-RoPE: the axis of each rotary column (`build_rope_cache`)
 
     def build_rope_cache(self, device: torch.device) -> None:
         # float32 on purpose, whatever the model's dtype (HF computes RoPE angles in float32);
         # plain attributes, not buffers, so `.to(dtype)` leaves them alone.
         self.rope_tables = [rope_table(r, self.max_positions).to(device) for r in self.spec.rope]  # [max_positions, R] each
+        if self.spec.vision is not None:
+            self._mrope_axes = section_axes(self.spec.vision.mrope_section, self.spec.rope[0].rotary_dim).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         hidden = self.embed_tokens(input_ids)
         if self.spec.embed_scale is not None:  # Gemma: HF rounds the scale to the activations' dtype first
             hidden = hidden * torch.tensor(self.spec.embed_scale, dtype=hidden.dtype)
-        ropes = [self.backend.rotary(positions, table, hidden.dtype) for table in self.rope_tables]
+        if ctx.embeds is not None:  # image placeholders: the vision tower's embeddings
+            rows, embeds = ctx.embeds
+            hidden[rows] = embeds.to(hidden.dtype)
+        if ctx.mrope_positions is not None:  # each token's own cos | sin row, read at position t (0..T-1)
+            tables = [mrope_cos_sin(table, ctx.mrope_positions, self._mrope_axes) for table in self.rope_tables]
+            positions = torch.arange(hidden.shape[0], device=hidden.device)
+        else:
+            tables = self.rope_tables
+        ropes = [self.backend.rotary(positions, table, hidden.dtype) for table in tables]
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, ropes, ctx)

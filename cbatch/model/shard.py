@@ -146,6 +146,9 @@ def check_tensor_parallel(spec: ModelSpec, world: int) -> None:
     if spec.attn_sinks or (spec.moe is not None and spec.moe.experts_in_out_interleaved):
         raise ConfigError("tensor_parallel_size", "gpt-oss checkpoints (attention sinks, interleaved experts) run on one "
                                                   "rank only for now; use --tensor-parallel-size 1")
+    if spec.vision is not None:
+        raise ConfigError("tensor_parallel_size", "vision-language models run on one rank only for now; "
+                                                  "use --tensor-parallel-size 1")
     sizes = [("attention heads", spec.num_heads), ("MLP width", spec.intermediate_size)]
     if spec.moe is not None:
         sizes += [("expert width", spec.moe.intermediate_size), ("shared-expert width", spec.moe.shared_expert_size)]

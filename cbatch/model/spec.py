@@ -8,7 +8,7 @@ code reads the switches, never the family name.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from cbatch.model.errors import UnsupportedModelError
 from cbatch.model.mla_spec import MLASpec, mla_softmax_scale, parse_mla
 from cbatch.model.quant import QuantSpec, parse_quantization
 from cbatch.model.rope import RopeSpec, rope_spec
+from cbatch.model.vision_spec import VISION_ARCHITECTURES, VisionSpec, parse_vision, text_config
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # architecture name -> model family
@@ -27,6 +28,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its text decoder; images are not supported
     "Phi3ForCausalLM": "phi3",
+    # vision-language: a Qwen2 text decoder with M-RoPE, and the vision tower (model/vision.py, vision_spec.py)
+    "Qwen2VLForConditionalGeneration": "qwen2",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -126,6 +130,7 @@ class ModelSpec:
     head: str = "lm"  # lm (logits over the vocabulary) | classify (`score`: num_labels logits) | none (hidden states)
     num_labels: int = 0  # classify: the head's outputs
     labels: tuple[str, ...] = ()  # classify: config.json's id2label, in id order
+    vision: VisionSpec | None = None  # a vision-language model's image side (vision_spec.py); None: text only
 
     @property
     def generates(self) -> bool:
@@ -386,12 +391,20 @@ def _architecture(cfg: dict[str, Any]) -> tuple[str, str]:
 
 def parse_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None) -> ModelSpec:
     arch, family = _architecture(cfg)
+    if arch in VISION_ARCHITECTURES:  # text + vision: the text decoder's config, and the vision side
+        vision = parse_vision(cfg, arch)
+        spec = _parse_or_refuse(text_config(cfg), arch, family, generation_cfg or {})
+        return replace(spec, vision=vision)
     if arch == "Gemma3ForConditionalGeneration":  # text + vision: the text decoder's config
         text = {**_GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {})}
         cfg = {**text, "eos_token_id": cfg.get("eos_token_id", text.get("eos_token_id")),
                "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype") or text.get("torch_dtype")}
+    return _parse_or_refuse(cfg, arch, family, generation_cfg or {})
+
+
+def _parse_or_refuse(cfg: dict[str, Any], arch: str, family: str, generation_cfg: dict[str, Any]) -> ModelSpec:
     try:
-        return _parse(cfg, arch, family, generation_cfg or {})
+        return _parse(cfg, arch, family, generation_cfg)
     except KeyError as exc:
         raise UnsupportedModelError(f"config.json of a {arch} lacks {exc.args[0]!r}; the checkpoint looks incomplete") from None
 

@@ -95,6 +95,10 @@ class JobMetrics:
     # jobs with LoRA adapters: adapter name ("base" for the base model) -> {"rows", "prompt_tokens", "output_tokens"}
     # of the rows generated (not resumed or cached)
     lora_usage: dict[str, dict[str, int]] = field(default_factory=dict)
+    # rows with images (docs/vision.md): {"rows", "images", "image_tokens"} handed to an engine (placeholder tokens
+    # in their prompts), and {"encoded", "encoded_tokens"}: the vision tower's work (an image shared by rows, or
+    # kept across a preemption, is encoded once); empty for a text job
+    image_usage: dict[str, int] = field(default_factory=dict)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # raw StepSamples, newest last
     steps_recorded: int = 0
     _buckets: list[StepSample] = field(default_factory=list)  # closed, each `_bucket_width` steps
@@ -155,6 +159,13 @@ class JobMetrics:
         usage["rows"] += row_done
         usage["prompt_tokens"] += prompt_tokens
         usage["output_tokens"] += output_tokens
+
+    def count_images(self, images: list) -> None:
+        """A row with `images` (engine/images.PromptImage) handed to an engine."""
+        usage = self.image_usage
+        usage["rows"] = usage.get("rows", 0) + 1
+        usage["images"] = usage.get("images", 0) + len(images)
+        usage["image_tokens"] = usage.get("image_tokens", 0) + sum(image.num_tokens for image in images)
 
     def add_timing(self, timing: RequestTiming) -> None:
         """Keeps `timing` for the latency percentiles: all of them up to MAX_TIMINGS, then a uniform

@@ -56,6 +56,8 @@ def build_report(
     }
     if metrics.lora_usage:  # LoRA adapters: rows and tokens per adapter ("base": the base model's rows)
         report["lora"] = {name: dict(usage) for name, usage in sorted(metrics.lora_usage.items())}
+    if metrics.image_usage:  # rows with images: images and their tokens, what the vision tower encoded, images/s
+        report["images"] = {**metrics.image_usage, "images_per_s": metrics.image_usage.get("images", 0) / wall}
     if hardware is not None:
         report["hardware"] = hardware
     return report

@@ -55,6 +55,8 @@ class PlanOptions:
     effort_budgets: dict[str, int] | None = None
     classifier: ClassifierTokens | None = None
     score_template: str | None = None
+    image_min_pixels: int | None = None  # --image-min-pixels / --image-max-pixels (None: the model's)
+    image_max_pixels: int | None = None
 
 
 def run_plan(options: PlanOptions) -> int:

@@ -24,6 +24,7 @@ from cbatch.bench.simulator import CostModel, SimulatedRunner
 from cbatch.config import SAMPLING_FIELDS, EngineConfig, SamplingParams
 from cbatch.engine import memory
 from cbatch.engine.engine import Engine
+from cbatch.engine.images import PromptImage
 from cbatch.engine.pooling import PoolingParams
 from cbatch.engine.resolve import ResolvedModel
 from cbatch.engine.step import StepOutput, StepPlan
@@ -70,13 +71,18 @@ class PlannedRunner(SimulatedRunner):
 @dataclass(eq=False)
 class PlannedEngine(Engine):
     """The engine, checking each request as a run does (`Engine.add_request`), then planning its length.
-    No text is generated, so stop strings are not checked: the planned length stands for them."""
+    No text is generated, so stop strings are not checked: the planned length stands for them. Image placeholders
+    are prompt tokens like any other (the rows' images were checked by the first pass; none is encoded here)."""
 
     lengths: OutputLengths = field(default_factory=OutputLengths)
 
+    def seq_images(self, prompt_ids: list[int], images: Sequence_[PromptImage] | None) -> None:
+        return None
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None,
-                    samples: Sequence_[int] | None = None, pooling: PoolingParams | None = None) -> Sequence:
-        seq = super().add_request(prompt_ids, params, seq_id, samples, pooling)
+                    samples: Sequence_[int] | None = None, pooling: PoolingParams | None = None,
+                    images: Sequence_[PromptImage] | None = None) -> Sequence:
+        seq = super().add_request(prompt_ids, params, seq_id, samples, pooling, images)
         if not seq.is_finished:
             for sample in seq.samples:  # each sample its own planned length (as each draws its own tokens)
                 sample.stop = None

@@ -8,6 +8,8 @@ whose request fails, is one error row.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
 
 from cbatch.engine.engine import Engine
@@ -17,7 +19,7 @@ from cbatch.io.outcomes import EXPIRED
 from cbatch.io.row_fields import RowError, row_id_of
 from cbatch.observe.metrics import JobMetrics, RequestTiming, engine_snapshot, engine_step_sample
 from cbatch.run.job_spec import JobSpec
-from cbatch.tasks.base import Part, PendingRow, RowWork
+from cbatch.tasks.base import ParsedRow, Part, PendingRow, RowWork
 from cbatch.tasks.results import RowResult
 
 
@@ -67,6 +69,22 @@ def expire_unsent(spec: JobSpec, index: int, raw: dict[str, Any] | str, done_sam
     return expired_results(index, parsed.row_id, parsed.num_samples, left, message, parsed.echo, kept)
 
 
+# rows with images hold their preprocessed pixels until they finish: at most this many past the engine's
+# max_num_seqs are read ahead (being read on worker threads, or waiting in the engine), whatever --lookahead says
+PREFETCH_ROWS = 64
+
+
+@dataclass(slots=True)
+class _Arriving:
+    """A row waiting for its inputs (`Task.prefetch`) before it goes to the engine."""
+
+    index: int
+    raw: dict[str, Any] | str
+    done_samples: frozenset[int]
+    parsed: ParsedRow
+    futures: list[Future]
+
+
 class LocalExecutor:
     """Rows through one engine, as `spec` says. `spec.lookahead` bounds the rows waiting in the engine
     (longest-first orders within that window); each `poll` is one engine step, recorded in `metrics`. With a
@@ -81,22 +99,26 @@ class LocalExecutor:
         self._rows: dict[int, PendingRow] = {}  # row index (its first request's seq_id) -> the row in the engine
         self._parts: dict[int, tuple[int, int]] = {}  # a row's further requests: their seq_id -> (row index, number)
         self._ready: list[RowResult] = []  # rows that failed before reaching the engine, or came from the cache
+        self._arriving: list[_Arriving] = []  # rows whose inputs are being read (images), in submission order
+        self._image_rows: set[int] = set()  # rows with images in the engine (they hold their pixels)
 
     def wants_rows(self) -> bool:
-        return self.engine.scheduler.num_waiting < self.spec.lookahead
+        with_images = len(self._arriving) + len(self._image_rows)
+        return (self.engine.scheduler.num_waiting + len(self._arriving) < self.spec.lookahead
+                and with_images < PREFETCH_ROWS + self.engine.scheduler.max_num_seqs)
 
     def is_pending(self, index: int) -> bool:
-        """The row is queued or running in the engine."""
-        return index in self._rows
+        """The row is queued or running in the engine (or reading its images before it)."""
+        return index in self._rows or any(row.index == index for row in self._arriving)
 
-    def prepare(self, index: int, raw: dict[str, Any] | str) -> "RowWork | RowResult":
-        """A row parsed and its requests made, or its result already: an error row (anything wrong with this row
-        alone: its fields, its tokenization) or a result-cache hit. `submit` queues what this prepares; `cbatch
-        plan` checks every row with it."""
+    def prepare(self, index: int, raw: dict[str, Any] | str, parsed: ParsedRow | None = None) -> "RowWork | RowResult":
+        """A row parsed (unless `parsed` is given) and its requests made, or its result already: an error row
+        (anything wrong with this row alone: its fields, its tokenization, its images) or a result-cache hit.
+        `submit` queues what this prepares; `cbatch plan` checks every row with it."""
         kept = self.spec.keep.pick(raw) if self.spec.keep is not None else {}
         echo: dict[str, Any] = {}
         try:
-            parsed = self.task.parse(index, without_carried(raw, kept))
+            parsed = parsed or self.task.parse(index, without_carried(raw, kept))
             echo = parsed.echo
             work = self.task.requests(self.engine, parsed)
             hit = self.cache.lookup(index, parsed.row_id, *work.cache_key) if self.cache and work.cache_key else None
@@ -109,8 +131,35 @@ class LocalExecutor:
 
     def submit(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int] = frozenset()) -> None:
         """Queues the row's requests (its samples not in `done_samples`); anything wrong with this row alone (its
-        fields, its tokenization, its size) makes it an error result and never stops the job."""
-        work = self.prepare(index, raw)
+        fields, its tokenization, its size) makes it an error result and never stops the job. A row whose inputs
+        its task reads on worker threads (images: `Task.prefetch`) waits for them first, outside the engine."""
+        kept = self.spec.keep.pick(raw) if self.spec.keep is not None else {}
+        try:
+            parsed = self.task.parse(index, without_carried(raw, kept))
+            futures = self.task.prefetch(self.engine, parsed)
+        except Exception as exc:  # RowError: never the job
+            self._ready.append(failed_result(index, row_id_of(index, raw), exc, {}, kept))
+            return
+        if futures:
+            self._arriving.append(_Arriving(index, raw, done_samples, parsed, futures))
+            return
+        self._enqueue(index, raw, done_samples, parsed)
+
+    def _admit_arrived(self, wait_for_one: bool) -> None:
+        """The arriving rows whose inputs are read go to the engine (in submission order among them); with
+        `wait_for_one` (nothing else to do) this waits for the first one."""
+        if wait_for_one and self._arriving:
+            wait(self._arriving[0].futures)
+        still = []
+        for row in self._arriving:
+            if all(future.done() for future in row.futures):
+                self._enqueue(row.index, row.raw, row.done_samples, row.parsed)
+            else:
+                still.append(row)
+        self._arriving = still
+
+    def _enqueue(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int], parsed: ParsedRow) -> None:
+        work = self.prepare(index, raw, parsed)
         if isinstance(work, RowResult):
             self._ready.append(work)
             return
@@ -125,12 +174,16 @@ class LocalExecutor:
                 if number:
                     self._parts[seq_id] = (index, number)
                 seqs.append(self.engine.add_request(request.prompt_ids, request.params, seq_id=seq_id,
-                                                    samples=samples if number == 0 else None, pooling=request.pooling))
+                                                    samples=samples if number == 0 else None, pooling=request.pooling,
+                                                    images=request.images))
         except Exception as exc:  # an engine check on this row alone: never the job
             self._ready.append(failed_result(index, parsed.row_id, exc, parsed.echo, kept))
             return
         self._rows[index] = row
         self.metrics.submitted_rows += 1
+        if work.requests[0].images:
+            self.metrics.count_images(work.requests[0].images)
+            self._image_rows.add(index)
         if self.task.decodes:
             self.metrics.submitted_max_tokens += work.requests[0].params.max_tokens * len(samples)
         for seq in seqs:
@@ -141,11 +194,13 @@ class LocalExecutor:
         pass
 
     def busy(self) -> bool:
-        return bool(self._ready) or self.engine.has_unfinished()
+        return bool(self._ready) or bool(self._arriving) or self.engine.has_unfinished()
 
     def poll(self) -> list[RowResult]:
         """The rows that failed on arrival, else one engine step (an idle one while waiting for arrivals)
         and the rows it finished."""
+        if self._arriving:
+            self._admit_arrived(wait_for_one=not self._ready and not self.engine.has_unfinished())
         if self._ready:
             ready, self._ready = self._ready, []
             return ready
@@ -154,6 +209,9 @@ class LocalExecutor:
         metrics.record_step(engine_step_sample(metrics, engine))
         metrics.engine = engine_snapshot(engine)
         metrics.forward_seconds = engine.runner.forward_seconds
+        images = getattr(engine.runner, "images", None)  # (a vision-language model's image rows: its encoder's work)
+        if images is not None and images.images_encoded:
+            metrics.image_usage.update(encoded=images.images_encoded, encoded_tokens=images.image_tokens_encoded)
         return [result for seq in finished for result in self._results(seq)]
 
     def stop_starting(self) -> None:
@@ -163,11 +221,18 @@ class LocalExecutor:
         """The rows that failed on arrival as they are, and every row in the engine as `expired` (the engine is not
         stepped again)."""
         results, self._ready = self._ready, []
+        for row in self._arriving:  # (their reads finish on their own; nothing waits for them)
+            results += expired_results(row.index, row.parsed.row_id, row.parsed.num_samples,
+                                       [s for s in range(row.parsed.num_samples) if s not in row.done_samples],
+                                       message, row.parsed.echo,
+                                       self.spec.keep.pick(row.raw) if self.spec.keep is not None else {})
+        self._arriving = []
         for index, row in sorted(self._rows.items()):
             samples = {sample for _, sample in row.left}  # (a row's several requests are one result)
             results += expired_results(index, row.parsed.row_id, row.parsed.num_samples, samples, message,
                                        row.parsed.echo, row.kept)
         self._rows.clear()
+        self._image_rows.clear()
         return results
 
     def expire_unsubmitted(self, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int],
@@ -192,6 +257,8 @@ class LocalExecutor:
             if not row.left:
                 del self._rows[index]
             results = self.task.collect(self.engine, row, part, out)
+        if index not in self._rows:
+            self._image_rows.discard(index)
         for result in results:
             result.timing = self._timing(seq, row, result.prompt_tokens, result.completion_tokens) if result.ok else None
             if self.engine.config.loras and result.ok:

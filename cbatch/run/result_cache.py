@@ -246,14 +246,15 @@ class RowCache:
         self._pending: dict[int, str] = {}  # row index -> key, for rows in the engine
         self._write_failed = False
 
-    def row_key(self, index: int, prompt_ids: list[int], params: SamplingParams) -> str:
+    def row_key(self, index: int, prompt_ids: list[int | str], params: SamplingParams) -> str:
         settings = {k: v for k, v in asdict(params).items() if k not in SCHEDULING_ONLY and k != "seed"}
         seed = None if params.temperature == 0 else sample_seed(params.seed, self.job_seed, index, 0)
         payload = json.dumps([self._identity, settings, seed, prompt_ids], sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()
 
-    def lookup(self, index: int, row_id: str, prompt_ids: list[int], params: SamplingParams) -> RowResult | None:
-        """Row `index`'s result from the cache, or None (then its result is stored once it finishes). Rows
+    def lookup(self, index: int, row_id: str, prompt_ids: list[int | str], params: SamplingParams) -> RowResult | None:
+        """Row `index`'s result from the cache (`prompt_ids`: the prompt's identity: its token ids, then an image's
+        "image:<digest of its bytes>"), or None (then its result is stored once it finishes). Rows
         with n > 1 samples are neither looked up nor stored (one record per sample: not one entry)."""
         if params.n > 1:
             return None

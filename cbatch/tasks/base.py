@@ -9,6 +9,7 @@ job's task and never branch on which task it is.
 A row's life, as the executor drives it:
 
     task.parse(index, raw)          -> ParsedRow     (no engine: also how a deadline expires an unsent row)
+    task.prefetch(engine, parsed)   -> futures       (a row with images: read on worker threads; the row waits)
     task.requests(engine, parsed)   -> RowWork       (tokenized requests, the result-cache key)
     engine.add_request(...) for each request; the executor names each finished output by its `Part`
     task.collect(engine, row, part, output) -> the row's results so far (none until the task has what it needs)
@@ -16,6 +17,7 @@ A row's life, as the executor drives it:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -67,6 +69,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     pooling: PoolingParams | None = None  # a prefill-only request's settings
+    images: list | None = None  # the prompt's images (engine/images.PromptImage), in placeholder order
 
 
 @dataclass(slots=True)
@@ -76,7 +79,8 @@ class RowWork:
 
     parsed: ParsedRow
     requests: list[Request]
-    cache_key: tuple[list[int], SamplingParams] | None = None  # (token ids, settings) the result cache keys on
+    # (the prompt: its token ids, then "image:<digest>" of each image; settings) the result cache keys on
+    cache_key: tuple[list[int | str], SamplingParams] | None = None
 
 
 @dataclass(slots=True)
@@ -124,6 +128,12 @@ class Task(ABC):
     @abstractmethod
     def parse(self, index: int, raw: dict[str, Any] | str) -> ParsedRow:
         """The row read and checked; raises RowError naming the field."""
+
+    def prefetch(self, engine: "Engine", parsed: ParsedRow) -> list[Future] | None:
+        """Starts the row's slow input work (reading and preprocessing its images) on worker threads, so the engine's
+        steps never wait for it; `requests` then takes the results. None: nothing to wait for (the row goes to
+        `requests` at once); otherwise the futures the row waits on before `requests`."""
+        return None
 
     @abstractmethod
     def requests(self, engine: "Engine", parsed: ParsedRow) -> RowWork:

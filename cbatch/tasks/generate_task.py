@@ -3,11 +3,13 @@ as one request with `n` samples, and each finished sample is one result: its com
 optional columns it asked for (reasoning, log-probabilities)."""
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from cbatch.config import SamplingParams, UserError
+from cbatch.io.images import ImageReader, ImageSettings, expand_placeholders, image_pool, template_parts
 from cbatch.io.openai import request_digest
 from cbatch.io.reader import PROMPT_FIELDS
 from cbatch.io.row_fields import RowError
@@ -32,11 +34,14 @@ class GenerateTask(Task):
     columns: ClassVar[tuple[str, ...]] = ("tool_calls",)  # (only rows with tools that called one have it)
 
     def __init__(self, defaults: SamplingParams = SamplingParams(), reasoning_split: bool = True,
-                 tool_call_parser: str | None = None, effort_budgets: Mapping[str, int] = DEFAULT_EFFORT_BUDGETS) -> None:
+                 tool_call_parser: str | None = None, effort_budgets: Mapping[str, int] = DEFAULT_EFFORT_BUDGETS,
+                 images: ImageSettings = ImageSettings()) -> None:
         self.defaults = defaults  # the job's sampling settings, under each row's own
         self.reasoning_split = reasoning_split  # a thinking model's <think>...</think> goes to a `reasoning` column
         self.tool_call_parser = tool_call_parser  # --tool-call-parser (None: the model's own format)
         self.effort_budgets = dict(effort_budgets)  # --reasoning-effort-budgets: thinking tokens per reasoning_effort
+        self.image_settings = images  # --image-min-pixels / --image-max-pixels over the model's processor
+        self._image_reader: ImageReader | None = None  # made at the first row with images (the model's processor)
 
     @classmethod
     def for_job(cls, options: TaskOptions, spec: "ModelSpec", model_dir: Path | None) -> "GenerateTask":
@@ -48,14 +53,21 @@ class GenerateTask(Task):
         parser = getattr(options, "tool_call_parser", None)
         if parser is not None and parser not in FORMATS:
             raise TaskError(f"--tool-call-parser: one of {', '.join(FORMATS)}, not {parser!r}")
+        images = ImageSettings(getattr(options, "image_min_pixels", None), getattr(options, "image_max_pixels", None))
+        if images.identity() and spec.vision is None:
+            raise TaskError(f"--image-min-pixels / --image-max-pixels: this {spec.architecture} reads no images")
+        low, high = images.min_pixels, images.max_pixels
+        if (low is not None and low < 1) or (high is not None and high < max(low or 1, 1)):
+            raise TaskError(f"--image-min-pixels {low} / --image-max-pixels {high}: need 1 <= min <= max")
         return cls(options.defaults, options.reasoning_split, parser,
-                   getattr(options, "effort_budgets", None) or DEFAULT_EFFORT_BUDGETS)
+                   getattr(options, "effort_budgets", None) or DEFAULT_EFFORT_BUDGETS, images)
 
     def identity(self) -> dict[str, Any]:
         """What changes a row's output beyond its own fields (each absent at its default: older identities hold)."""
         return {**({} if self.reasoning_split else {"reasoning_split": False}),
                 **({"tool_call_parser": self.tool_call_parser} if self.tool_call_parser else {}),
-                **({"effort_budgets": self.effort_budgets} if self.effort_budgets != DEFAULT_EFFORT_BUDGETS else {})}
+                **({"effort_budgets": self.effort_budgets} if self.effort_budgets != DEFAULT_EFFORT_BUDGETS else {}),
+                **self.image_settings.identity()}
 
     def column_types(self) -> dict[str, Any]:
         import pyarrow as pa
@@ -78,8 +90,44 @@ class GenerateTask(Task):
         if (request.reasoning_effort is not None and request.messages is not None
                 and template_reads(engine.tokenizer, "reasoning_effort")):  # gpt-oss: "Reasoning: high", no budget
             request.params = effort_in_template(request.params, request.reasoning_effort, request.effort_budget)
+        images = self._read_images(engine, request)
         prompt_ids = prompt_token_ids(engine, request)
-        return RowWork(parsed, [Request(prompt_ids, request.params)], cache_key=(prompt_ids, request.params))
+        if images:
+            prompt_ids = expand_placeholders(prompt_ids, images, engine.spec.vision.image_token_id)
+        identity = [*prompt_ids, *(f"image:{image.digest}" for image in images)]  # images by their bytes, not names
+        return RowWork(parsed, [Request(prompt_ids, request.params, images=images or None)],
+                       cache_key=(identity, request.params))
+
+    def prefetch(self, engine: "Engine", parsed: ParsedRow) -> list[Future] | None:
+        request: RowRequest = parsed.request
+        if not request.images:
+            return None
+        reader = self._reader(engine, request.images[0][0])
+        pool = image_pool()
+        request.image_futures = [pool.submit(reader.read, source, name) for name, source in request.images]
+        return request.image_futures
+
+    def _read_images(self, engine: "Engine", request: RowRequest) -> list:
+        """The row's images read and preprocessed by the model's processor (io/images.py), in prompt order: what
+        `prefetch` started, or read here."""
+        if not request.images:
+            return []
+        if request.image_futures is not None:
+            return [future.result() for future in request.image_futures]  # (an ImageError: the row's error)
+        reader = self._reader(engine, request.images[0][0])
+        return [reader.read(source, name) for name, source in request.images]
+
+    def _reader(self, engine: "Engine", first: str) -> ImageReader:
+        if engine.spec is None or engine.spec.vision is None:
+            model = engine.spec.architecture if engine.spec is not None else "model"
+            raise RowError(f"`{first}` is an image; this {model} reads no images (use a vision-language model, "
+                           "e.g. Qwen2.5-VL)")
+        if self._image_reader is None or self._image_reader.vision is not engine.spec.vision:
+            self._image_reader = ImageReader(engine.model_dir, engine.spec.vision, self.image_settings)
+        return self._image_reader
+
+    def __getstate__(self) -> dict[str, Any]:  # (Ray ships the task: the processor is made again where it runs)
+        return {**self.__dict__, "_image_reader": None}
 
     def _add_tool_choice(self, engine: "Engine", request: RowRequest) -> None:
         """The row's tool-call format (--tool-call-parser, else the chat template's), and for tool_choice "required"
@@ -183,7 +231,8 @@ def prompt_token_ids(engine: "Engine", request: RowRequest) -> list[int]:
         try:
             if request.messages is not None:
                 tools = request.tools.tools if request.tools is not None and request.tools.tools else None
-                ids = encode_messages(tokenizer, request.messages, request.params.chat_template_kwargs, tools=tools)
+                ids = encode_messages(tokenizer, template_parts(request.messages), request.params.chat_template_kwargs,
+                                      tools=tools)
             else:
                 ids = encode_text(tokenizer, request.prompt)
         except Exception as exc:  # a chat template raising on odd roles, a tokenizer edge case

@@ -1,0 +1,139 @@
+"""Images as a row feature (row_features.py): the rows whose prompt has images get their placeholder tokens' embeddings
+from the vision tower, and M-RoPE positions (model/mrope.py).
+
+Per step: the build records each image row's chunk (`add_row`; a quiet decode is never recorded: it needs only its
+`delta`, read for every scheduled row by `order_keys`); `fill` shifts the rotary positions of image rows by their
+delta (text positions are equal on the three axes, so a step without image placeholders keeps 1-D positions and its
+decode graph), and for a step whose chunks meet image placeholders writes the 3-D positions and the embedding rows
+each chunk takes: a chunk may end inside an image's run, and the next takes the rest. `prepare` encodes every image
+of the step that the encoder cache lacks in one vision-tower call, then gathers the slices. The cache (`EncoderCache`,
+keyed by the image's digest) keeps an image encoded once across its row's chunks, preemptions and rows sharing it.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from cbatch.engine.images import PromptImage
+from cbatch.engine.row_features import RowFeature
+from cbatch.engine.sequence import Sequence
+from cbatch.engine.step_inputs import StepInputs
+from cbatch.model.decoder import LlamaForCausalLM
+
+ENCODER_CACHE_TOKENS = 32768  # embeddings kept past their step (LRU): a few pages' worth of a 7B's, ~0.5 GB in bf16
+
+
+class EncoderCache:
+    """digest -> the image's embeddings [num_tokens, hidden] on the device, least recently used evicted past
+    `max_tokens` (never the entries the current step reads: `trim` runs after the gather)."""
+
+    def __init__(self, max_tokens: int = ENCODER_CACHE_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._tokens = 0
+
+    def get(self, digest: str) -> torch.Tensor | None:
+        entry = self._entries.get(digest)
+        if entry is not None:
+            self._entries.move_to_end(digest)
+        return entry
+
+    def put(self, digest: str, embeds: torch.Tensor) -> None:
+        self._entries[digest] = embeds
+        self._tokens += embeds.shape[0]
+
+    def trim(self) -> None:
+        while self._tokens > self.max_tokens and len(self._entries) > 1:
+            _, embeds = self._entries.popitem(last=False)
+            self._tokens -= embeds.shape[0]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._tokens = 0
+
+
+class ImageRows(RowFeature):
+    """The image rows of a vision-language model's steps (see the module's docstring)."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.visual = model.visual
+        self.cache = EncoderCache()
+        self.images_encoded = 0  # vision-tower runs per image (an image encoded again after eviction counts again)
+        self.image_tokens_encoded = 0
+        self._deltas: np.ndarray | None = None
+        self._forward: dict[str, Any] = {}
+        self.start_step()
+
+    def reset(self) -> None:
+        self.cache.clear()
+
+    def order_keys(self, scheduled: list[tuple[Sequence, int]]) -> np.ndarray | None:
+        deltas = [seq.images.delta if seq.images is not None else 0 for seq, _ in scheduled]
+        self._deltas = np.asarray(deltas, dtype=np.int64) if any(seq.images is not None for seq, _ in scheduled) else None
+        return None
+
+    def start_step(self) -> None:
+        self.chunks: list[tuple[Sequence, int, int, int]] = []  # (seq, first token, tokens, first flat row)
+
+    def add_row(self, seq: Sequence, num_new: int, offset: int) -> bool:
+        # NOTE: a chunk of the prompt's last token alone is not recorded (a quiet decode may take it): that token is
+        # text (engine/images.seq_images), at index + delta on every axis, which `fill`'s shift gives it
+        if seq.images is not None and seq.num_computed < seq.images.prompt_len - 1:
+            self.chunks.append((seq, seq.num_computed, num_new, offset))
+        return False
+
+    def fill(self, inputs: StepInputs, order: np.ndarray | slice, q_lens: np.ndarray) -> None:
+        if self._deltas is None:
+            return
+        positions = inputs.positions + np.repeat(self._deltas[order], q_lens)  # past the prompt: index + delta
+        slices: list[tuple[int, PromptImage, int, int]] = []
+        for seq, start, num_new, offset in self.chunks:  # prompt tokens: the table (text equal on every axis)
+            images = seq.images
+            stop = min(start + num_new, images.prompt_len)
+            positions[offset : offset + stop - start] = images.positions[0, start:stop]
+            slices += [(offset + run + first - start, image, first, end)
+                       for run, image, first, end in images.overlapping(start, stop)]
+        inputs.positions = positions
+        if slices:  # 3-D positions where the chunks meet images
+            mrope = np.broadcast_to(positions, (3, positions.shape[0])).copy()  # [3, T]
+            for seq, start, num_new, offset in self.chunks:
+                stop = min(start + num_new, seq.images.prompt_len)
+                mrope[:, offset : offset + stop - start] = seq.images.positions[:, start:stop]
+            inputs.mrope_positions = mrope
+            inputs.image_slices = slices
+
+    def prepare(self, inputs: StepInputs, device: torch.device, put: Callable | None) -> bool:
+        self._forward = {}
+        if inputs.mrope_positions is None:
+            return True
+        slices = inputs.image_slices
+        self._encode([image for _, image, _, _ in slices], device)
+        rows = np.concatenate([np.arange(row, row + end - first) for row, _, first, end in slices])
+        embeds = torch.cat([self.cache.get(image.digest)[first:end] for _, image, first, end in slices])
+        self.cache.trim()
+        to_device = put or torch.from_numpy
+        self._forward = {"embeds": (to_device(rows).to(device), embeds),
+                         "mrope_positions": to_device(inputs.mrope_positions).to(device)}
+        return False  # (3-D positions: no decode graph)
+
+    def forward_inputs(self) -> dict[str, Any]:
+        return self._forward
+
+    def _encode(self, images: list[PromptImage], device: torch.device) -> None:
+        """Encodes the images the cache lacks, all in one vision-tower call."""
+        missing: dict[str, PromptImage] = {}
+        for image in images:
+            if image.digest not in missing and self.cache.get(image.digest) is None:
+                missing[image.digest] = image
+        if not missing:
+            return
+        todo = list(missing.values())
+        pixels = torch.from_numpy(np.concatenate([image.pixels for image in todo])).to(device)
+        embeds = self.visual(pixels, [image.grid for image in todo])  # [sum of num_tokens, hidden]
+        for image, part in zip(todo, embeds.split([image.num_tokens for image in todo])):
+            self.cache.put(image.digest, part)
+        self.images_encoded += len(todo)
+        self.image_tokens_encoded += embeds.shape[0]

@@ -1,0 +1,84 @@
+"""A request's images as the engine sees them: each image's preprocessed patches and the run of placeholder tokens it
+fills in the prompt (`PromptImage`, made by the row reader: cbatch/io/images.py), and a sequence's view of them
+(`SeqImages`): where each run starts, the prompt's M-RoPE positions (model/mrope.py) and the prefix cache's salt.
+
+NOTE: placeholder tokens are ordinary prompt tokens for the scheduler (budget, chunking, admission); only the
+runner's image rows (engine/image_rows.py) and the prefix cache's block keys look at the images behind them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cbatch.model.mrope import mrope_positions
+from cbatch.model.vision_spec import VisionSpec
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PromptImage:
+    """One image of a prompt, preprocessed by the model's image processor."""
+
+    digest: str  # hash of the image's bytes: the encoder cache's and the prefix cache's key
+    grid: tuple[int, int, int]  # patch grid (t, h, w)
+    num_tokens: int  # its placeholder tokens: t * h * w / merge^2
+    pixels: np.ndarray  # float32 [t * h * w, patch_dim]: the processor's flattened patches
+    name: str = ""  # how the row gave it (for messages)
+
+
+@dataclass(slots=True)
+class SeqImages:
+    """A sequence's images: `runs` [(first placeholder index, image)] in prompt order, the prompt's M-RoPE positions
+    int64 [3, prompt_len] and `delta` (every token past the prompt sits at its index + delta on all three axes)."""
+
+    runs: list[tuple[int, PromptImage]]
+    positions: np.ndarray
+    delta: int
+
+    @property
+    def prompt_len(self) -> int:
+        return self.positions.shape[1]
+
+    def overlapping(self, start: int, end: int) -> list[tuple[int, PromptImage, int, int]]:
+        """The images whose placeholders meet tokens [start, end): (run start, image, first, end) with [first, end)
+        the part of the image's embedding rows inside."""
+        out = []
+        for run, image in self.runs:
+            lo, hi = max(start, run), min(end, run + image.num_tokens)
+            if lo < hi:
+                out.append((run, image, lo - run, hi - run))
+        return out
+
+    def salt(self, start: int, end: int) -> tuple[str, ...]:
+        """The digests of the images whose placeholders meet tokens [start, end): a prefix-cache block holding them
+        is keyed by its tokens and these (rows with the same placeholders but other images never share KV)."""
+        return tuple(image.digest for _, image, _, _ in self.overlapping(start, end))
+
+
+def seq_images(prompt_ids: list[int], images: list[PromptImage], vision: VisionSpec) -> SeqImages | str:
+    """The sequence's view of `images` in `prompt_ids`, or why they do not fit its placeholders (one sentence)."""
+    token = vision.image_token_id
+    ids = np.asarray(prompt_ids, dtype=np.int64)
+    where = np.flatnonzero(ids == token)
+    runs, cursor = [], 0  # `cursor`: index into `where`
+    for number, image in enumerate(images, start=1):
+        if cursor + image.num_tokens > len(where):
+            return (f"the prompt has {len(where)} image placeholder tokens, too few for its {len(images)} image(s) "
+                    f"(image {number} needs {image.num_tokens}); was the prompt cut (truncate_prompt_tokens)?")
+        start = int(where[cursor])
+        if int(where[cursor + image.num_tokens - 1]) != start + image.num_tokens - 1:
+            return f"image {number}'s placeholder run in the prompt is {_run_length(where, cursor)} tokens, it needs {image.num_tokens}"
+        runs.append((start, image))
+        cursor += image.num_tokens
+    if cursor != len(where):
+        return (f"the prompt has {len(where) - cursor} image placeholder tokens no image fills; give one image per "
+                f"placeholder (the chat template puts one where a message has an image part)")
+    if runs and ids.size and ids[-1] == token:
+        return "the prompt ends with an image; add text after it"
+    positions, delta = mrope_positions(len(prompt_ids), [(start, image.grid) for start, image in runs], vision.merge_size)
+    return SeqImages(runs, positions, delta)
+
+
+def _run_length(where: np.ndarray, cursor: int) -> int:
+    breaks = np.flatnonzero(np.diff(where[cursor:]) != 1)
+    return int(breaks[0]) + 1 if breaks.size else len(where) - cursor

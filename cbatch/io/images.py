@@ -1,0 +1,234 @@
+"""A row's images: where each comes from (an OpenAI `image_url` part, a row's `images` entry, a Parquet image column as
+Hugging Face datasets store it), its bytes, and its preprocessing by the model's own image processor into a
+`PromptImage` (engine/images.py).
+
+Sources: a `data:` URI (base64), a local path, `file://`, any fsspec URL (`s3://...`, `hf://...`), raw bytes
+(a Parquet binary column), or a datasets Image struct `{"bytes", "path"}`. An image is read when its row's requests
+are made (the rows the engine is about to queue), never at the job's start. Anything wrong with one image is a
+RowError naming it (`ImageError`): the row becomes an error row and the job goes on.
+
+Preprocessing: transformers' PIL image processor of the model (`Qwen2VLImageProcessorPil`: resize so that both sides
+are multiples of patch x merge with the pixel count inside [min_pixels, max_pixels], rescale, normalize, patchify),
+settable per job (`ImageSettings`: --image-min-pixels / --image-max-pixels).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import json
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cbatch.engine.images import PromptImage
+from cbatch.io.row_fields import RowError
+from cbatch.model.vision_spec import VisionSpec
+
+MAX_SOURCE_PIXELS = 1 << 27  # a decoded image past this (134 M pixels, e.g. 11,585 x 11,585) is refused, not decoded
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def image_pool() -> ThreadPoolExecutor:
+    """The worker threads rows' images are read and preprocessed on (PIL and numpy release the GIL while they work),
+    made at the first image."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="cbatch-images")
+    return _POOL
+
+
+class ImageError(RowError):
+    """An image of a row that cannot be read or used; the message names the row's image and the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSettings:
+    """The job's image preprocessing settings over the model's preprocessor_config.json (None: the model's)."""
+
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+    def identity(self) -> dict[str, int]:
+        return {k: v for k, v in (("image_min_pixels", self.min_pixels), ("image_max_pixels", self.max_pixels))
+                if v is not None}
+
+
+def is_image_source(value: Any) -> bool:
+    """A value that names an image (its checks come when it is read)."""
+    return isinstance(value, (str, bytes, bytearray)) or (isinstance(value, dict) and ("bytes" in value or "path" in value))
+
+
+def describe(source: Any) -> str:
+    """A short name of an image source for messages (a data URI or bytes by their size, a path or URL as given)."""
+    if isinstance(source, dict):
+        source = source.get("path") or source.get("bytes")
+    if isinstance(source, (bytes, bytearray)):
+        return f"<{len(source)} bytes>"
+    if isinstance(source, str) and source.startswith("data:"):
+        return f"<data URI of {len(source)} characters>"
+    return repr(source) if isinstance(source, str) and len(source) <= 200 else repr(str(source)[:200] + "...")
+
+
+def read_source(source: Any) -> bytes:
+    """The image's bytes; raises ImageError (without the image's name: the caller adds it)."""
+    if isinstance(source, dict):  # a datasets Image struct: its bytes, else its path
+        data = source.get("bytes")
+        source = data if data is not None else source.get("path")
+        if source is None:
+            raise ImageError("has neither `bytes` nor `path`")
+    if isinstance(source, (bytes, bytearray)):
+        return bytes(source)
+    if not isinstance(source, str) or not source:
+        raise ImageError(f"must be a URL, a path, a data: URI or bytes, got {type(source).__name__}")
+    if source.startswith("data:"):
+        header, sep, payload = source.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise ImageError("is a data: URI without base64 data (data:image/png;base64,...)")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ImageError("is a data: URI whose base64 data does not decode") from None
+    if source.startswith(("http://", "https://")) or ("://" in source and not source.startswith("file://")):
+        return _read_url(source)
+    path = Path(source.removeprefix("file://")).expanduser()
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise ImageError("names a file that does not exist") from None
+    except IsADirectoryError:
+        raise ImageError("names a folder, not an image file") from None
+    except OSError as exc:
+        raise ImageError(f"cannot be read ({exc.strerror or exc})") from None
+
+
+def _read_url(url: str) -> bytes:
+    try:
+        import fsspec
+    except ImportError:
+        raise ImageError("is a URL, which needs fsspec (and its backend, e.g. s3fs): pip install 'cbatch[remote]'") from None
+    try:
+        with fsspec.open(url, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ImageError("names a file that does not exist") from None
+    except Exception as exc:  # network, credentials, an unknown protocol: the backend's own words
+        raise ImageError(f"cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+def digest_of(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+class ImageReader:
+    """The model's image processor with the job's settings: a row's image source -> `PromptImage`."""
+
+    def __init__(self, model_dir: Path | None, vision: VisionSpec, settings: ImageSettings = ImageSettings()) -> None:
+        self.vision = vision
+        self.processor = _processor(model_dir, vision, settings)
+
+    @property
+    def pixel_range(self) -> tuple[int, int]:
+        size = self.processor.size
+        return int(size["shortest_edge"]), int(size["longest_edge"])
+
+    def grid_for(self, height: int, width: int) -> tuple[int, int, int]:
+        """The patch grid (t, h, w) the processor makes of a height x width image (from its size alone)."""
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        vs = self.vision
+        low, high = self.pixel_range
+        h, w = smart_resize(height, width, factor=vs.patch_size * vs.merge_size, min_pixels=low, max_pixels=high)
+        return 1, h // vs.patch_size, w // vs.patch_size
+
+    def read(self, source: Any, name: str) -> PromptImage:
+        """The image `source` (called `name` in messages, e.g. "messages[0].content[1]") read and preprocessed;
+        raises ImageError naming it."""
+        try:
+            return self._read(source, name)
+        except ImageError as exc:
+            raise ImageError(f"`{name}` ({describe(source)}) {exc}") from None
+
+    def _read(self, source: Any, name: str) -> PromptImage:
+        from PIL import Image, UnidentifiedImageError
+
+        data = read_source(source)
+        if not data:
+            raise ImageError("is empty (0 bytes)")
+        try:
+            with warnings.catch_warnings():  # (PIL's size warning: MAX_SOURCE_PIXELS is checked below)
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image = Image.open(io.BytesIO(data))
+        except UnidentifiedImageError:
+            raise ImageError("is not an image PIL can read (unknown or unsupported format)") from None
+        except Exception as exc:  # a decompression bomb, a broken header
+            raise ImageError(f"cannot be opened ({type(exc).__name__}: {exc})") from None
+        width, height = image.size
+        if width * height > MAX_SOURCE_PIXELS:
+            raise ImageError(f"is {width} x {height} pixels, more than the {MAX_SOURCE_PIXELS:,} cbatch decodes; shrink it")
+        if min(width, height) < 1 or max(width, height) / min(width, height) > 200:
+            raise ImageError(f"is {width} x {height} pixels; the model's processor takes aspect ratios up to 200:1")
+        try:
+            image.load()
+            rgb = image.convert("RGB")
+        except Exception as exc:  # truncated or corrupt data past the header
+            raise ImageError(f"cannot be decoded ({type(exc).__name__}: {exc})") from None
+        out = self.processor(images=[rgb], return_tensors="np")
+        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        pixels = out["pixel_values"].astype("float32", copy=False)
+        return PromptImage(digest_of(data), grid, self.vision.tokens_for_grid(grid), pixels, name)
+
+
+_PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean",
+                   "image_std", "do_resize", "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb", "size")
+
+
+def _processor(model_dir: Path | None, vision: VisionSpec, settings: ImageSettings):
+    """transformers' PIL image processor for Qwen2-VL (no torchvision needed) from the checkpoint's
+    preprocessor_config.json, the vision spec's patch sizes where it has none, the job's pixel bounds on top."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as Processor
+    except ImportError:  # transformers before the PIL/torchvision split: the slow processor is the PIL one
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as Processor
+    path = model_dir / "preprocessor_config.json" if model_dir is not None else None
+    given = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    kwargs: dict[str, Any] = dict(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                                  merge_size=vision.merge_size)
+    kwargs.update({k: v for k, v in given.items() if k in _PROCESSOR_KEYS})
+    size = dict(kwargs.pop("size", None) or {})
+    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        value = getattr(settings, key)
+        if value is not None:
+            kwargs[key] = value
+        elif key not in kwargs and edge in size:
+            kwargs[key] = size[edge]
+    return Processor(**kwargs)
+
+
+def expand_placeholders(prompt_ids: list[int], images: list[PromptImage], token: int) -> list[int]:
+    """The prompt with each image's one placeholder token (as the chat template writes it) repeated to the image's
+    token count, as the model's processor does; raises RowError when the counts differ."""
+    where = [i for i, t in enumerate(prompt_ids) if t == token]
+    if len(where) != len(images):
+        raise RowError(f"the prompt has {len(where)} image placeholder(s) for {len(images)} image(s); a chat puts one "
+                       "per image part, a text `prompt` must hold the model's image placeholder once per image")
+    out: list[int] = []
+    start = 0
+    for index, image in zip(where, images):
+        out += prompt_ids[start:index]
+        out += [token] * image.num_tokens
+        start = index + 1
+    return out + prompt_ids[start:]
+
+
+def template_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as a chat template reads them: each image part a bare `{"type": "image"}` (the template writes the
+    placeholder; the bytes stay out of it)."""
+    return [{**m, "content": [p if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
+            if isinstance(m.get("content"), list) else m for m in messages]

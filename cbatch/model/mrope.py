@@ -1,0 +1,52 @@
+"""M-RoPE (Qwen2-VL's multimodal rotary positions): each token has three positions (temporal, height, width), and
+the rotary frequencies are split in sections, each turned by one of the three.
+
+Text tokens have the same position on all three axes (so a text-only prompt is plain RoPE); an image's merged
+patches sit on a grid starting where the image starts: temporal = start, height = start + row, width = start + col,
+and the text after it continues at start + max(rows, cols). The prompt's last position is then below its length:
+`delta` = (last position + 1) - prompt length, which every later token (the completion) adds to its index. As
+transformers' `get_rope_index` (image inputs), with the image's extent known from its patch grid.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def mrope_positions(prompt_len: int, images: list[tuple[int, tuple[int, int, int]]], merge_size: int
+                    ) -> tuple[np.ndarray, int]:
+    """(int64 [3, prompt_len] positions, delta). `images`: (first placeholder index, patch grid (t, h, w)) of each
+    image in prompt order; its placeholder run is t * (h / merge) * (w / merge) tokens."""
+    out = np.empty((3, prompt_len), dtype=np.int64)
+    index = position = 0  # the next token's index and the position it gets
+    for start, (t, h, w) in images:
+        text = start - index  # text tokens before the image: the same position on every axis
+        out[:, index:start] = np.arange(position, position + text)
+        position += text
+        gh, gw = h // merge_size, w // merge_size
+        grid_t, grid_h, grid_w = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+        count = t * gh * gw
+        out[0, start : start + count] = grid_t.reshape(-1) + position
+        out[1, start : start + count] = grid_h.reshape(-1) + position
+        out[2, start : start + count] = grid_w.reshape(-1) + position
+        position += max(gh, gw)
+        index = start + count
+    out[:, index:] = np.arange(position, position + prompt_len - index)
+    last = int(out[:, -1].max()) if prompt_len else -1
+    return out, last + 1 - prompt_len
+
+
+def section_axes(section: tuple[int, ...], rotary_dim: int) -> torch.Tensor:
+    """int64 [rotary_dim]: which axis (0 temporal, 1 height, 2 width) turns each column of a cos | sin table row."""
+    axes = torch.repeat_interleave(torch.arange(len(section)) % 3, torch.tensor(section))
+    if 2 * axes.numel() != rotary_dim:
+        raise ValueError(f"mrope_section {section} covers {2 * axes.numel()} rotary dimensions, the model has {rotary_dim}")
+    return torch.cat([axes, axes])
+
+
+def mrope_cos_sin(table: torch.Tensor, positions: torch.Tensor, axes: torch.Tensor) -> torch.Tensor:
+    """Each token's cos | sin row [T, R] for 3-D `positions` int64 [3, T]: column c read at the position of axis
+    axes[c] (`section_axes`). `table`: [max_positions, R] (rope.rope_table)."""
+    per_column = positions.t()[:, axes]  # [T, R]: the position each column turns by
+    columns = torch.arange(table.shape[1], device=table.device)
+    return table[per_column, columns]

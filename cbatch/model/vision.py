@@ -1,0 +1,239 @@
+"""The Qwen2-VL / Qwen2.5-VL vision tower and patch merger on our layers: every image of a step in one call.
+
+Input: the image processor's flattened patches of all images, concatenated ([N, C * T * P * P], each image's in
+its processor order: blocks of merge x merge patches, row-major), and each image's patch grid (t, h, w). Output:
+the language-model embeddings of the merged patches ([N / merge^2, out_hidden]), images in order.
+
+Attention is bidirectional within an image (Qwen2-VL: each frame of each image; Qwen2.5-VL: within windows of
+window_size pixels, except the `full_attention_blocks`), never across images: a varlen attention over the packed
+patches with block-diagonal segments (`varlen_attention`: one batched SDPA per distinct segment length, so the
+images of a step run together whatever their number). The numerics are transformers' (float32 rotary, LayerNorm
+eps 1e-6, exact GELU in the merger).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cbatch.model.backend import Backend
+from cbatch.model.layers import Linear, RMSNorm
+from cbatch.model.vision_spec import VisionSpec
+
+_EPS = 1e-6
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: np.ndarray,
+                     scale: float) -> torch.Tensor:
+    """Bidirectional attention within each segment [cu[i], cu[i+1]) of packed q, k, v [N, H, D] -> [N, H, D]: the
+    segments of one length gathered into one batched SDPA call ([S, H, L, D]), a call per distinct length."""
+    lengths = np.diff(cu_seqlens)
+    starts = cu_seqlens[:-1]
+    if len(lengths) == 1:  # one segment: no gather
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale)
+        return out.transpose(0, 1)
+    out = torch.empty_like(q)
+    for length in np.unique(lengths).tolist():
+        index = torch.as_tensor(starts[lengths == length], device=q.device)[:, None] + torch.arange(length, device=q.device)
+        qs, ks, vs = (x[index].transpose(1, 2) for x in (q, k, v))  # [S, H, L, D]
+        out[index] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(1, 2)
+    return out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _norm(vs: VisionSpec, size: int, backend: Backend) -> nn.Module:
+    return RMSNorm(size, _EPS, backend) if vs.rms_norm else nn.LayerNorm(size, eps=_EPS)
+
+
+class _PatchWeight(nn.Module):
+    """The patch embedding: transformers' Conv3d with kernel = stride = the patch is a linear map of each
+    flattened patch; its weight is kept in the checkpoint's shape [E, C, T, P, P]."""
+
+    def __init__(self, vs: VisionSpec) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vs.hidden_size, vs.in_channels, vs.temporal_patch_size,
+                                               vs.patch_size, vs.patch_size))
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        return F.linear(patches.to(self.weight.dtype), self.weight.reshape(self.weight.shape[0], -1))
+
+
+class _PatchEmbed(nn.Module):
+    def __init__(self, vs: VisionSpec) -> None:
+        super().__init__()
+        self.proj = _PatchWeight(vs)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        return self.proj(patches)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, vs: VisionSpec) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = vs.num_heads, vs.head_dim
+        self.qkv = Linear(vs.hidden_size, 3 * vs.hidden_size, bias=True)
+        self.proj = Linear(vs.hidden_size, vs.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: np.ndarray) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, D] each
+        dtype = q.dtype
+        q, k = ((t.float() * cos + _rotate_half(t.float()) * sin).to(dtype) for t in (q, k))  # float32 as HF
+        out = varlen_attention(q, k, v, cu_seqlens, self.head_dim**-0.5)
+        return self.proj(out.reshape(n, -1))
+
+
+class VisionMLP(nn.Module):
+    """Qwen2-VL: fc2(act(fc1(x))); Qwen2.5-VL (gated): down(act(gate(x)) * up(x)), biases on every matmul."""
+
+    def __init__(self, vs: VisionSpec) -> None:
+        super().__init__()
+        self.gated = vs.gated_mlp
+        self.activation = vs.activation
+        if self.gated:
+            self.gate_proj = Linear(vs.hidden_size, vs.intermediate_size, bias=True)
+            self.up_proj = Linear(vs.hidden_size, vs.intermediate_size, bias=True)
+            self.down_proj = Linear(vs.intermediate_size, vs.hidden_size, bias=True)
+        else:
+            self.fc1 = Linear(vs.hidden_size, vs.intermediate_size, bias=True)
+            self.fc2 = Linear(vs.intermediate_size, vs.hidden_size, bias=True)
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "quick_gelu":
+            return x * torch.sigmoid(1.702 * x)
+        if self.activation == "silu":
+            return F.silu(x)
+        return F.gelu(x, approximate="tanh" if self.activation == "gelu_pytorch_tanh" else "none")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
+        return self.fc2(self._act(self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, vs: VisionSpec, backend: Backend) -> None:
+        super().__init__()
+        self.norm1 = _norm(vs, vs.hidden_size, backend)
+        self.norm2 = _norm(vs, vs.hidden_size, backend)
+        self.attn = VisionAttention(vs)
+        self.mlp = VisionMLP(vs)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: np.ndarray) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """Each block of merge x merge patches (consecutive rows) -> one language-model token: norm, concatenate,
+    Linear, GELU, Linear (`mlp.0`, `mlp.2`: transformers' names)."""
+
+    def __init__(self, vs: VisionSpec, backend: Backend) -> None:
+        super().__init__()
+        self.width = vs.hidden_size * vs.merge_size**2
+        self.ln_q = _norm(vs, vs.hidden_size, backend)
+        self.mlp = nn.ModuleList([Linear(self.width, self.width, bias=True), nn.GELU(),
+                                  Linear(self.width, vs.out_hidden_size, bias=True)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln_q(x).reshape(-1, self.width)
+        return self.mlp[2](F.gelu(self.mlp[0](x)))
+
+
+class VisionTower(nn.Module):
+    """The vision tower + merger (`model.visual` in transformers' checkpoints)."""
+
+    def __init__(self, vs: VisionSpec, backend: Backend) -> None:
+        super().__init__()
+        self.vs = vs
+        self.patch_embed = _PatchEmbed(vs)
+        self.blocks = nn.ModuleList(VisionBlock(vs, backend) for _ in range(vs.depth))
+        self.merger = PatchMerger(vs, backend)
+
+    @torch.inference_mode()
+    def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """patches [N, patch_dim] of every image, grids [(t, h, w)] -> [N / merge^2, out_hidden]."""
+        vs = self.vs
+        hidden = self.patch_embed(patches)  # [N, E]
+        positions = torch.as_tensor(_patch_positions(grids, vs.merge_size), device=hidden.device)  # [N, 2]: (row, col)
+        spatial = vs.head_dim // 2  # rows and columns each turn half of the head's rotary pairs
+        inv_freq = 1.0 / (vs.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device=hidden.device) / spatial))
+        freqs = positions[..., None].float() * inv_freq  # [N, 2, D/4]
+        freqs = freqs.reshape(freqs.shape[0], -1)  # [N, D/2]: rows' then columns'
+        angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [N, 1, D]
+        cos, sin = angles.cos(), angles.sin()
+        full = _frame_seqlens(grids)
+        order = None
+        windows = full
+        if vs.window_size:
+            order, windows = _window_order(grids, vs)
+            unit = vs.merge_size**2
+            hidden, cos, sin = (_permute(t, order, unit) for t in (hidden, cos, sin))
+        for i, block in enumerate(self.blocks):
+            cu = full if (not vs.window_size or i in vs.full_attention_blocks) else windows
+            hidden = block(hidden, cos, sin, cu)
+        merged = self.merger(hidden)  # [N / merge^2, out_hidden]
+        if order is not None:  # back to the processor's order
+            merged = merged[torch.as_tensor(np.argsort(order), device=merged.device)]
+        return merged
+
+
+def _permute(x: torch.Tensor, order: np.ndarray, unit: int) -> torch.Tensor:
+    """Rows of `x` regrouped by merged token: the tokens' `unit` rows each, in `order`."""
+    shape = x.shape
+    grouped = x.reshape(shape[0] // unit, unit, -1)[torch.as_tensor(order, device=x.device)]
+    return grouped.reshape(shape)
+
+
+def _patch_positions(grids: list[tuple[int, int, int]], merge: int) -> np.ndarray:
+    """int64 [N, 2]: each patch's (row, col) in its image, in the processor's order (merge x merge blocks)."""
+    return np.concatenate([_grid_positions(tuple(grid), merge) for grid in grids])
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid_positions(grid: tuple[int, int, int], merge: int) -> np.ndarray:
+    t, h, w = grid
+    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    shape = (h // merge, merge, w // merge, merge)
+    rows = rows.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
+    cols = cols.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
+    return np.tile(np.stack([rows, cols], axis=-1), (t, 1))
+
+
+def _frame_seqlens(grids: list[tuple[int, int, int]]) -> np.ndarray:
+    """cu_seqlens [F + 1] of the frames of every image: each image frame attends within itself."""
+    lengths = [h * w for t, h, w in grids for _ in range(t)]
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def _window_order(grids: list[tuple[int, int, int]], vs: VisionSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen2.5-VL's windows: (merged tokens in window order [N / merge^2], cu_seqlens of the windows in patches).
+    Windows of window_size pixels tile each frame's grid of merged tokens row by row; edge windows are smaller."""
+    side = vs.window_size // vs.merge_size // vs.patch_size  # merged tokens per window side
+    orders, lengths, base = [], [], 0
+    for grid in grids:
+        order, sizes = _grid_windows(tuple(grid), vs.merge_size, side)
+        orders.append(order + base)
+        lengths.append(sizes)
+        base += order.size
+    cu = np.concatenate([[0], np.cumsum(np.concatenate(lengths)) * vs.merge_size**2])
+    return np.concatenate(orders), cu.astype(np.int64)
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid_windows(grid: tuple[int, int, int], merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """One image's merged tokens in window order and each window's size in merged tokens (cached by grid: pages
+    come in few sizes)."""
+    t, h, w = grid
+    gh, gw = h // merge, w // merge
+    index = np.arange(t * gh * gw).reshape(t, gh, gw)
+    windows = [frame[r : r + side, c : c + side].reshape(-1) for frame in index
+               for r in range(0, gh, side) for c in range(0, gw, side)]
+    return np.concatenate(windows), np.array([len(x) for x in windows], dtype=np.int64)

@@ -1,0 +1,126 @@
+"""A vision-language checkpoint's image side, from config.json: the vision tower's shapes (`VisionSpec`), the image
+placeholder token, and M-RoPE's sections. Qwen2-VL and Qwen2.5-VL (`Qwen2VLForConditionalGeneration`,
+`Qwen2_5_VLForConditionalGeneration`): their text decoder is a Qwen2 decoder whose rotary position is 3-D
+(temporal, height, width; model/mrope.py).
+
+Both spellings are read: transformers 5's (`text_config`, `vision_config`, `rope_parameters.mrope_section`) and the
+hub's older one (the text decoder's fields at the top level, `rope_scaling: {"type": "mrope", "mrope_section"}`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cbatch.model.errors import UnsupportedModelError
+
+VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+_VISION_ACTIVATIONS = ("quick_gelu", "silu", "gelu", "gelu_pytorch_tanh")
+
+
+@dataclass(frozen=True, slots=True)
+class VisionSpec:
+    """The vision tower (a ViT over 14 x 14 patches, 2-frame temporal patches) and its patch merger, which turns each
+    `merge_size` x `merge_size` block of patches into one language-model token."""
+
+    depth: int
+    hidden_size: int  # the tower's width (Qwen2-VL's embed_dim)
+    num_heads: int
+    intermediate_size: int  # its MLP's
+    activation: str  # quick_gelu (Qwen2-VL) | silu (Qwen2.5-VL) | gelu | gelu_pytorch_tanh
+    gated_mlp: bool  # Qwen2.5-VL: down(act(gate(x)) * up(x)); Qwen2-VL: fc2(act(fc1(x)))
+    rms_norm: bool  # Qwen2.5-VL: RMSNorm (no bias); Qwen2-VL: LayerNorm
+    out_hidden_size: int  # the language model's hidden size (the merger's output)
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int  # spatial_merge_size
+    rope_theta: float
+    window_size: int  # Qwen2.5-VL: windowed attention over window_size x window_size pixels; 0: full attention
+    full_attention_blocks: tuple[int, ...]  # Qwen2.5-VL: the blocks that attend over the whole image
+    image_token_id: int  # the placeholder token, one per merged patch
+    vision_start_token_id: int | None
+    mrope_section: tuple[int, ...]  # rotary frequency pairs per axis (temporal, height, width), summing to head_dim / 2
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per flattened patch: channels x temporal x patch x patch (the image processor's rows)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def tokens_for_grid(self, grid: tuple[int, int, int]) -> int:
+        """Language-model tokens of an image whose patch grid is (t, h, w)."""
+        t, h, w = grid
+        return t * h * w // self.merge_size**2
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text decoder's config of a vision-language checkpoint: the top level (older checkpoints keep the decoder's
+    fields there) under `text_config`, the rope's mrope_section taken out (model/mrope.py applies it)."""
+    top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+    text = {**top, **(cfg.get("text_config") or {})}
+    for key in ("rope_parameters", "rope_scaling"):
+        params = text.get(key)
+        if isinstance(params, dict):
+            params = {k: v for k, v in params.items() if k != "mrope_section"}
+            if params.get("type") == "mrope" or params.get("rope_type") == "mrope":
+                params.pop("type", None)
+                params["rope_type"] = "default"
+            text[key] = params
+    text["torch_dtype"] = cfg.get("torch_dtype") or cfg.get("dtype") or text.get("torch_dtype")
+    return text
+
+
+def _mrope_section(cfg: dict[str, Any]) -> tuple[int, ...]:
+    text = {**cfg, **(cfg.get("text_config") or {})}
+    for key in ("rope_parameters", "rope_scaling"):
+        params = text.get(key)
+        if isinstance(params, dict) and params.get("mrope_section"):
+            return tuple(int(s) for s in params["mrope_section"])
+    raise UnsupportedModelError("config.json of a Qwen2-VL model lacks rope mrope_section; the checkpoint looks incomplete")
+
+
+def parse_vision(cfg: dict[str, Any], arch: str) -> VisionSpec:
+    """The vision side of a VISION_ARCHITECTURES checkpoint's config.json."""
+    vision = cfg.get("vision_config")
+    if not isinstance(vision, dict):
+        raise UnsupportedModelError(f"config.json of a {arch} has no vision_config; the checkpoint looks incomplete")
+    qwen25 = arch == "Qwen2_5_VLForConditionalGeneration"
+    activation = vision.get("hidden_act", "silu" if qwen25 else "quick_gelu")
+    if activation not in _VISION_ACTIVATIONS:
+        raise UnsupportedModelError(f"vision hidden_act {activation!r} is not supported; supported: "
+                                    f"{', '.join(_VISION_ACTIVATIONS)}")
+    rope = vision.get("rope_parameters") or {}
+    if qwen25:
+        hidden = int(vision.get("hidden_size", 1280))
+        intermediate = int(vision.get("intermediate_size", 3420))
+        out_hidden = int(vision.get("out_hidden_size", 3584))
+    else:
+        hidden = int(vision.get("embed_dim", 1280))
+        intermediate = int(hidden * float(vision.get("mlp_ratio", 4)))
+        out_hidden = int(vision.get("hidden_size", 3584))
+    image_token = cfg.get("image_token_id", (cfg.get("text_config") or {}).get("image_token_id"))
+    if image_token is None:
+        raise UnsupportedModelError(f"config.json of a {arch} has no image_token_id; the checkpoint looks incomplete")
+    return VisionSpec(
+        depth=int(vision.get("depth", 32)),
+        hidden_size=hidden,
+        num_heads=int(vision.get("num_heads", 16)),
+        intermediate_size=intermediate,
+        activation=activation,
+        gated_mlp=qwen25,
+        rms_norm=qwen25,
+        out_hidden_size=out_hidden,
+        in_channels=int(vision.get("in_channels", vision.get("in_chans", 3))),
+        patch_size=int(vision.get("patch_size", vision.get("spatial_patch_size", 14))),
+        temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
+        merge_size=int(vision.get("spatial_merge_size", 2)),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        window_size=int(vision.get("window_size", 112)) if qwen25 else 0,
+        full_attention_blocks=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31))) if qwen25 else (),
+        image_token_id=int(image_token),
+        vision_start_token_id=cfg.get("vision_start_token_id"),
+        mrope_section=_mrope_section(cfg),
+    )

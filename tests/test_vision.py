@@ -1,0 +1,140 @@
+"""Images in prompts (issue 48): tiny random Qwen2-VL and Qwen2.5-VL checkpoints give HF `generate`'s greedy float32
+tokens (one image, several, a chunk ending inside an image's placeholders, rows of mixed sizes in one batch, a row
+preempted mid-prefill); an image is encoded once per engine; prefix caching shares KV between rows with the same
+image and never between rows whose placeholders match but whose images differ."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from cbatch.config import SamplingParams
+from cbatch.io.images import ImageReader
+from helpers import make_engine
+from vision_models import IMAGE_TOKEN, VISION_END, VISION_START, hf_vl_greedy, make_vl_checkpoint, png_bytes
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+SIZES = [(56, 84), (28, 28), (112, 56), (84, 112)]  # pixels: 6, 1, 8 and 12 placeholder tokens
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vl_model(request, tmp_path_factory):
+    path = make_vl_checkpoint(request.param, tmp_path_factory.mktemp(request.param) / "model")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def images(vl_model):
+    """The preprocessed test images (the model's PIL processor): SIZES, and a second image of SIZES[0]'s size."""
+    from cbatch.model.loader import read_checkpoint
+
+    reader = ImageReader(vl_model, read_checkpoint(vl_model).spec.vision)
+    made = [reader.read(png_bytes(h, w, seed), f"image{seed}") for seed, (h, w) in enumerate(SIZES)]
+    return made + [reader.read(png_bytes(*SIZES[0], seed=99), "twin")]
+
+
+def prompt(images, words: list[int], tail: int = 3) -> list[int]:
+    """A chat-like prompt: words, then each image's placeholder run between vision start/end, then `tail` words."""
+    ids = [4, *words]
+    for i, image in enumerate(images):
+        ids += [VISION_START, *[IMAGE_TOKEN] * image.num_tokens, VISION_END, 40 + i]
+    return ids + list(range(100, 100 + tail))
+
+
+def run(engine, requests):
+    """Every (prompt ids, images) request through `engine` at once; their completions in order."""
+    seqs = [engine.add_request(ids, GREEDY, images=imgs) for ids, imgs in requests]
+    assert not any(seq.error for seq in seqs), [seq.error for seq in seqs]
+    while engine.has_unfinished():
+        engine.step()
+    return [seq.output_ids for seq in seqs]
+
+
+def check_hf(path, requests, outputs):
+    for (ids, imgs), ours in zip(requests, outputs):
+        assert ours == hf_vl_greedy(path, ids, imgs, GREEDY.max_tokens)
+
+
+def test_greedy_tokens_match_hf_one_image_several_and_mixed_sizes(vl_model, images):
+    requests = [(prompt(images[:1], [10, 11]), images[:1]),
+                (prompt(images[:4], [12]), images[:4]),  # several images of mixed sizes in one prompt
+                (prompt([images[2], images[1]], [13, 14, 15]), [images[2], images[1]]),
+                (prompt([], [16, 17]), None)]  # a text-only row in the same batch
+    outputs = run(make_engine(vl_model, max_model_len=256), requests)
+    assert len(set(outputs[0])) > 2, "decisive: greedy output is not one repeated token"
+    check_hf(vl_model, requests, outputs)
+    # the image decides: the same prompt with the other image of the same size gives other tokens
+    twin = run(make_engine(vl_model, max_model_len=256), [(requests[0][0], [images[4]])])[0]
+    assert twin != outputs[0]
+
+
+def test_chunks_ending_inside_images_and_preemption_mid_prefill(vl_model, images):
+    """A 7-token budget cuts every image's placeholder run across steps; 14 blocks of 4 tokens cannot hold the rows
+    at once, so prefills are preempted part-way (recomputed) without encoding an image twice."""
+    requests = [(prompt([images[3], images[0]], [20, 21], tail=4), [images[3], images[0]]),
+                (prompt([images[2]], [22] * 5), [images[2]]),
+                (prompt([images[0], images[3]], [23]), [images[0], images[3]])]
+    engine = make_engine(vl_model, max_model_len=128, max_num_batched_tokens=7, num_kv_blocks=14, block_size=4,
+                         enable_prefix_cache=False)
+    seqs = [engine.add_request(ids, GREEDY, images=imgs) for ids, imgs in requests]
+    assert not any(seq.error for seq in seqs), [seq.error for seq in seqs]
+    preempted_at: list[tuple[int, int]] = []  # (computed tokens, prompt length) of each preemption
+    preempt = engine.scheduler._preempt
+
+    def noting(seq, plan):
+        preempted_at.append((seq.num_computed, seq.prompt_len))
+        preempt(seq, plan)
+
+    engine.scheduler._preempt = noting
+    while engine.has_unfinished():
+        engine.step()
+    assert any(0 < computed < prompt_len for computed, prompt_len in preempted_at), preempted_at
+    check_hf(vl_model, requests, [seq.output_ids for seq in seqs])
+    assert engine.runner.images.images_encoded == 3  # images 3, 0, 2: once each, whatever the chunks and preemptions
+
+
+def test_prefix_cache_shares_an_image_and_never_a_different_one(vl_model, images):
+    same_size = [images[0], images[4]]  # equal placeholder runs, different pixels
+    question = prompt([same_size[0]], [30, 31, 32, 33, 34, 35], tail=6)
+    requests = [(question, [same_size[0]]), (question, [same_size[1]]), (question, [same_size[0]])]
+    engine = make_engine(vl_model, max_model_len=128, block_size=4)
+    outputs = [run(engine, [request])[0] for request in requests]  # one after another: the cache is warm
+    stats = engine.scheduler.stats
+    assert outputs[0] == outputs[2] and outputs[1] != outputs[0]
+    check_hf(vl_model, requests[:2], outputs[:2])
+    # the third row takes the first's blocks (up to its last prompt token); the second only the text before the image
+    before_image = question.index(IMAGE_TOKEN) // 4
+    full = (len(question) - 1) // 4
+    assert stats.prefix_cache_hit_tokens == 4 * (before_image + full)
+    assert engine.runner.images.images_encoded == 2
+
+
+def test_a_prompt_whose_placeholders_do_not_fit_its_images_is_an_error(vl_model, images):
+    engine = make_engine(vl_model, max_model_len=128)
+    short = prompt([images[0]], [5])[:-4] + [100]  # one placeholder of the run cut off
+    seq = engine.add_request(short[:3] + short[4:], GREEDY, images=[images[0]])
+    assert seq.error and "placeholder" in seq.error
+    seq = engine.add_request(prompt([images[0]], [5]), GREEDY)
+    assert seq.error == "the prompt has image placeholder tokens but the row gives no images"
+
+
+def test_vision_tower_matches_hfs_image_features(vl_model, images):
+    """Every image of a step in one call (varlen attention; Qwen2.5-VL's windows, edge windows smaller) gives
+    transformers' embeddings of each image."""
+    import numpy as np
+    import torch
+
+    from cbatch.model.backend.registry import make_backend
+    from cbatch.model.loader import load_model, read_checkpoint
+    from vision_models import hf_model
+
+    cpu = torch.device("cpu")
+    model = load_model(read_checkpoint(vl_model), 64, cpu, torch.float32, make_backend("auto", cpu))
+    pixels = torch.from_numpy(np.concatenate([image.pixels for image in images]))
+    ours = model.visual(pixels, [image.grid for image in images])
+    with torch.no_grad():
+        ref = hf_model(vl_model).model.get_image_features(pixels, torch.tensor([image.grid for image in images]))
+    ref = torch.cat(ref.pooler_output)
+    assert ours.shape == ref.shape == (sum(image.num_tokens for image in images), 64)
+    assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()  # float32 rounding (conv vs matmul, batched SDPA)

@@ -1,0 +1,118 @@
+"""Tiny random Qwen2-VL and Qwen2.5-VL checkpoints (written by transformers itself) with a word-level tokenizer, a
+Qwen-style chat template that puts `<|vision_start|> <|image_pad|> <|vision_end|>` where a message has an image part,
+and the PIL image processor's preprocessor_config.json; and HF `generate` on the same prompt as the reference."""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+            "<|image_pad|>", "<|video_pad|>"]
+WORDS = [f"w{i}" for i in range(300)]
+VOCAB = 320
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = (SPECIALS.index(t) for t in
+                                                      ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"))
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} "
+    "{% if m['content'] is string %}{{ m['content'] }} "
+    "{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }} {% else %}<|vision_start|> <|image_pad|> <|vision_end|> {% endif %}"
+    "{% endfor %}{% endif %}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.3,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+VISION = {
+    "qwen2_vl": dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
+    # windows of 56 pixels = 2 x 2 merged tokens, so the test images have several (edge windows smaller)
+    "qwen2_5_vl": dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, window_size=56,
+                       fullatt_block_indexes=[1]),
+}
+MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 64
+
+
+def make_tokenizer(path: Path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                   unk_token="<unk>", additional_special_tokens=SPECIALS[4:])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def make_vl_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
+    """A tiny `kind` (qwen2_vl | qwen2_5_vl) checkpoint with its tokenizer and preprocessor_config.json at `path`.
+    Decisive: a wide text init, and the merger's output scaled so images move the logits."""
+    import transformers
+
+    cls, model_cls = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+                      "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration")}[kind]
+    config = getattr(transformers, cls)(text_config=dict(TEXT), vision_config=dict(VISION[kind]), image_token_id=IMAGE_TOKEN,
+                                        video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+                                        vision_end_token_id=VISION_END, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "language_model" in name and param.dim() == 2:
+                param.normal_(0.0, 0.3)
+            elif "visual" in name and param.dim() >= 2:
+                param.normal_(0.0, 0.2)
+        model.model.visual.merger.mlp[2].weight.mul_(8.0)
+    model.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}))
+    make_tokenizer(path)
+    return path
+
+
+def png_bytes(height: int, width: int, seed: int) -> bytes:
+    """A random RGB PNG."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+_HF_MODELS: dict[Path, object] = {}
+
+
+def hf_model(path: Path):
+    """transformers' model of the checkpoint, float32 (loaded once per checkpoint)."""
+    import transformers
+
+    if path not in _HF_MODELS:
+        config = json.loads((path / "config.json").read_text())
+        _HF_MODELS[path] = getattr(transformers, config["architectures"][0]).from_pretrained(path, dtype=torch.float32).eval()
+    return _HF_MODELS[path]
+
+
+def hf_vl_greedy(path: Path, prompt_ids: list[int], images, max_new_tokens: int) -> list[int]:
+    """HF `generate`, greedy, on the same prompt ids (placeholders expanded) and the same preprocessed images."""
+    model = hf_model(path)
+    ids = torch.tensor([prompt_ids])
+    kwargs = {}
+    if images:
+        kwargs = dict(pixel_values=torch.from_numpy(np.concatenate([im.pixels for im in images])),
+                      image_grid_thw=torch.tensor([im.grid for im in images]),
+                      mm_token_type_ids=(ids == IMAGE_TOKEN).int())
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0, **kwargs)
+    return out[0, len(prompt_ids):].tolist()
