@@ -56,6 +56,22 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams | 
     return [o.token_ids for o in run_to_completion(engine, prompts, per_row)]
 
 
+def ranks_generate(path: Path, tensor_parallel_size: int, prompts: list[list[int]],
+                   params: SamplingParams | list[SamplingParams] | None = None,
+                   **settings) -> tuple[list[list[int]], dict]:
+    """Greedy tokens of `prompts` (default: ignore_eos, 12 tokens each) on `tensor_parallel_size` CPU ranks, and
+    the scheduler's counters (the schedules of two runs compare)."""
+    config = EngineConfig(model=str(path), device="cpu", tensor_parallel_size=tensor_parallel_size, **settings)
+    engine = build_engine(config)
+    params = params or SamplingParams(max_tokens=12, ignore_eos=True)
+    try:
+        outputs = run_to_completion(engine, prompts, params if isinstance(params, list) else [params] * len(prompts))
+        stats = engine.scheduler.stats
+        return [o.token_ids for o in outputs], {"preemptions": stats.preemptions, "steps": stats.steps}
+    finally:
+        engine.close()
+
+
 # ---- schedulers on fake requests (no model, no tensors) ---------------------------------------------
 def fake_scheduler(policy: str = "fcfs", blocks: int = 100, block_size: int = 4, max_seqs: int = 8, budget: int = 32,
                    max_len: int = 1000, caching: bool = False, **options) -> tuple[Scheduler, BlockPool]:

@@ -6,7 +6,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -16,7 +16,7 @@ from cbatch.model.int4 import PackedTensorView, check_packed
 from cbatch.model.layers import Fp8Linear, Int4Linear
 from cbatch.model.decoder import LlamaForCausalLM
 from cbatch.model.moe import Experts
-from cbatch.model.quant import FP8_DTYPE, channel_scales, dequantize
+from cbatch.model.quant import FP8_DTYPE, channel_scales, dequantize, scale_slice
 from cbatch.model.shard import Piece, Shard
 from cbatch.model.spec import ModelSpec, parse_spec, read_config
 from cbatch.model.weights import Placement, TensorIndex, kept_fp8_modules, kept_int_module, place
@@ -166,13 +166,17 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
         if kind == "perm":  # act-order: q/k/v (gate/up) share their input, so their g_idx (and perm) agree
             filled[target] = _load_perm(index, name, param, filled[target])
             continue
-        pieces = shard.pieces(placement, kind, spec, param.dim())
+        weight_ndim = params[placement.param("weight")].dim() if kind == "scale" else param.dim()
+        pieces = shard.pieces(placement, kind, spec, weight_ndim)
         if pieces is not None and placement.module in int_keep:
             pieces = _packed_pieces(pieces, kind, spec.quant.packed)
+        elif pieces and kind == "scale":  # a kept FP8 weight's scales: with their rows, or their blocks
+            pieces = _fp8_scale_pieces(pieces, spec.quant.block, weight_ndim - (placement.expert is not None))
         if pieces is None:
             filled[target] += _load_whole(index, name, placement, kind, param, spec)
         else:
-            filled[target] += _load_pieces(index, name, placement, param, pieces)
+            read = _piece_reader(index, name, kind, param, spec)
+            filled[target] += _load_pieces(index, name, placement, param, pieces, read)
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
         raise ModelLoadError(f"{ckpt.path}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
@@ -191,22 +195,59 @@ def _load_whole(index: TensorIndex, name: str, placement: Placement, kind: str, 
     return dest.numel()
 
 
-def _load_pieces(index: TensorIndex, name: str, placement: Placement, param: torch.Tensor, pieces: list[Piece]) -> int:
+def _load_pieces(index: TensorIndex, name: str, placement: Placement, param: torch.Tensor, pieces: list[Piece],
+                 read: Callable[[Piece], torch.Tensor]) -> int:
     """Copies this rank's pieces of checkpoint tensor `name` (`Shard.pieces`) into `param`, read piece by piece
-    (safetensors slices: the rank never holds the whole tensor); a row-parallel bias off rank 0 (no pieces)
-    becomes zeros. (FP8 checkpoints run on one rank: `check_tensor_parallel`.)"""
+    (`read`: safetensors slices, the rank never holds the whole tensor); a row-parallel bias off rank 0 (no
+    pieces) becomes zeros."""
     dest = param if placement.expert is None else param[placement.expert]
     if not pieces:
         dest.zero_()
         return dest.numel()
     written = 0
     for piece in pieces:
-        part = index.get_slice(name, piece.dim, piece.src_start, piece.src_stop)
+        part = read(piece)
         target = dest.narrow(piece.dim, piece.dst_start, piece.src_stop - piece.src_start)
         _check_shape(index, name, part, target)
         target.copy_(part)
         written += target.numel()
     return written
+
+
+def _piece_reader(index: TensorIndex, name: str, kind: str, param: torch.Tensor,
+                  spec: ModelSpec) -> Callable[[Piece], torch.Tensor]:
+    """How a rank reads a piece of checkpoint tensor `name`: a slice of the file; an FP8 weight's slice
+    dequantized with its share of the scales (a float parameter: `quant.scale_slice`); a kept FP8 weight's
+    scales, the pieces of its channels or blocks (`_fp8_scale_pieces`; a per-tensor scale broadcast to rows)."""
+    quant = spec.quant
+    fp8 = quant is not None and quant.packed is None
+    if fp8 and kind == "scale":
+        rows = index.shape(f"{name.rpartition('.')[0]}.weight")[-2]
+        scale = index.get(name)
+        full = channel_scales(scale, rows) if quant.block is None else scale.float()
+        return lambda piece: full.narrow(piece.dim, piece.src_start, piece.src_stop - piece.src_start)
+    if fp8 and index.dtype_of[name] == "F8_E4M3" and param.dtype != FP8_DTYPE:
+        scale, shape = _scale_of(index, name, spec), index.shape(name)
+
+        def dequantized(piece: Piece) -> torch.Tensor:
+            part = index.get_slice(name, piece.dim, piece.src_start, piece.src_stop)
+            scales = scale_slice(scale, shape, quant.block, piece.dim, piece.src_start, piece.src_stop)
+            return dequantize(part, scales, quant.block, param.dtype)
+
+        return dequantized
+    return lambda piece: index.get_slice(name, piece.dim, piece.src_start, piece.src_stop)
+
+
+def _fp8_scale_pieces(pieces: list[Piece], block: tuple[int, int] | None, weight_ndim: int) -> list[Piece] | None:
+    """A kept FP8 weight's pieces (`Shard.pieces`, in rows or columns of the stored weight, of `weight_ndim`
+    dimensions) as pieces of its scales: per channel,
+    a column split's rows and nothing of a row split (each rank holds every output channel's scale: None); per
+    block, the blocks those rows or columns fill (whole blocks: `check_tensor_parallel`)."""
+    rows = pieces[0].dim == weight_ndim - 2
+    if block is None:
+        return pieces if rows else None
+    unit = block[0] if rows else block[1]
+    return [Piece(p.dim, p.src_start // unit, -(-p.src_stop // unit), p.dst_start // unit) for p in pieces]
 
 
 def _load_perm(index, name: str, param: torch.Tensor, filled: int) -> int:
@@ -286,13 +327,18 @@ def _read(index: TensorIndex, name: str, placement: Placement, kind: str, dest: 
     if kind == "scale":
         return _scale_rows(tensor, placement, dest, block, name)
     if tensor.dtype == FP8_DTYPE and dest.dtype != FP8_DTYPE:
-        scale_name = f"{name.rpartition('.')[0]}.{spec.quant.scale_suffix}"
-        if scale_name not in index.file_of:
-            raise ModelLoadError(f"{index.file_of[name].name}: FP8 tensor {name} has no {spec.quant.scale_suffix}")
-        scale = index.get(scale_name)
+        scale = _scale_of(index, name, spec)
         scale = channel_scales(scale, tensor.shape[0]) if block is None else scale
         return dequantize(tensor, scale, block, dest.dtype)
     return tensor
+
+
+def _scale_of(index: TensorIndex, name: str, spec: ModelSpec) -> torch.Tensor:
+    """The stored scale of FP8 weight `name`."""
+    scale_name = f"{name.rpartition('.')[0]}.{spec.quant.scale_suffix}"
+    if scale_name not in index.file_of:
+        raise ModelLoadError(f"{index.file_of[name].name}: FP8 tensor {name} has no {spec.quant.scale_suffix}")
+    return index.get(scale_name)
 
 
 def _scale_rows(scale: torch.Tensor, placement: Placement, dest: torch.Tensor, block: tuple[int, int] | None,

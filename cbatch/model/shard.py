@@ -137,34 +137,87 @@ def _split(leaf: str, slot: str, spec: ModelSpec, module: str) -> tuple[str, lis
 
 
 def check_tensor_parallel(spec: ModelSpec, world: int) -> None:
-    """Refuses (ConfigError on --tensor-parallel-size) a split the model's shapes do not allow."""
-    if world == 1:
+    """Refuses (ConfigError on --tensor-parallel-size) a split the model's shapes do not allow; a split that cuts
+    an FP8 checkpoint's scale blocks names the sizes that work."""
+    problem = _split_problem(spec, world)
+    if problem is None:
         return
+    if spec.quant is not None and spec.quant.packed is None and spec.quant.block is not None and \
+            _shape_problem(spec, world) is None:
+        works = ", ".join(str(w) for w in tensor_parallel_sizes(spec))
+        problem += f"; use --tensor-parallel-size {works}"
+    raise ConfigError("tensor_parallel_size", problem)
+
+
+def tensor_parallel_sizes(spec: ModelSpec, limit: int = 64) -> list[int]:
+    """The --tensor-parallel-size values up to `limit` this model splits into."""
+    return [world for world in range(1, limit + 1) if _split_problem(spec, world) is None]
+
+
+def _split_problem(spec: ModelSpec, world: int) -> str | None:
+    """Why `world` ranks cannot split this model (a sentence without the fix's sizes), or None."""
+    if world == 1:
+        return None
+    problem = _shape_problem(spec, world)
+    if problem is not None or spec.quant is None:
+        return problem
+    return _packed_problem(spec, world) if spec.quant.packed is not None else _fp8_block_problem(spec, world)
+
+
+def _shape_problem(spec: ModelSpec, world: int) -> str | None:
     sizes = [("attention heads", spec.num_heads), ("MLP width", spec.intermediate_size)]
     if spec.moe is not None:
         sizes += [("expert width", spec.moe.intermediate_size), ("shared-expert width", spec.moe.shared_expert_size)]
     for what, size in sizes:
         if size % world:
-            raise ConfigError("tensor_parallel_size", f"{world} does not divide the model's {what} ({size}); "
-                                                      f"use a divisor of {size}")
+            return f"{world} does not divide the model's {what} ({size}); use a divisor of {size}"
     kv = spec.num_kv_heads
     if kv % world and world % kv:
-        raise ConfigError("tensor_parallel_size", f"{world} and the model's {kv} KV heads do not divide one another; "
-                                                  f"use a divisor or a multiple of {kv}")
-    if spec.quant is not None and spec.quant.packed is not None:
-        _check_packed_split(spec, world)
-    elif spec.quant is not None:
-        raise ConfigError("tensor_parallel_size", "FP8 checkpoints run on one rank only for now; "
-                                                  "use --tensor-parallel-size 1")
+        return f"{world} and the model's {kv} KV heads do not divide one another; use a divisor or a multiple of {kv}"
+    return None
 
 
-def _check_packed_split(spec: ModelSpec, world: int) -> None:
+def _split_widths(spec: ModelSpec) -> tuple[list[tuple[str, Part]], list[tuple[str, Part]]]:
+    """(the column-parallel outputs, the row-parallel inputs): (layer, its split dimension) of the decoder's
+    matmuls."""
+    head = spec.head_dim
+    outputs = [("q_proj output (attention heads x head_dim)", Part(spec.q_size, head)),
+               ("k_proj/v_proj output (KV heads x head_dim)", Part(spec.kv_size, head))]
+    inputs = [("o_proj input (attention heads x head_dim)", Part(spec.q_size, head))]
+    if any(not spec.is_sparse(layer) for layer in range(spec.num_layers)):
+        outputs.append(("gate_proj/up_proj output (MLP width)", Part(spec.intermediate_size)))
+        inputs.append(("down_proj input (MLP width)", Part(spec.intermediate_size)))
+    if spec.moe is not None:
+        outputs.append(("experts' gate_proj/up_proj output", Part(spec.moe.intermediate_size)))
+        inputs.append(("experts' down_proj input", Part(spec.moe.intermediate_size)))
+        if spec.moe.shared_expert_size:
+            outputs.append(("shared expert's gate_proj/up_proj output", Part(spec.moe.shared_expert_size)))
+            inputs.append(("shared expert's down_proj input", Part(spec.moe.shared_expert_size)))
+    return outputs, inputs
+
+
+def _fp8_block_problem(spec: ModelSpec, world: int) -> str | None:
+    """A block-quantized FP8 checkpoint splits its scales with their blocks: each rank's rows of a
+    column-parallel weight, and its input columns of a row-parallel one, are whole blocks."""
+    block = spec.quant.block
+    if block is None:
+        return None  # per-tensor scales are replicated, per-channel ones split with their rows
+    outputs, inputs = _split_widths(spec)
+    for (what, part), unit, dim in [*((o, block[0], "rows") for o in outputs), *((i, block[1], "columns") for i in inputs)]:
+        local = part.local_size(world)
+        if part.size and local % unit:
+            return (f"{world} ranks split the {what} of {part.size} into {local} {dim} per rank, which cuts the FP8 "
+                    f"checkpoint's {block[0]}x{block[1]} scale blocks")
+    return None
+
+
+def _packed_problem(spec: ModelSpec, world: int) -> str | None:
     """An integer checkpoint splits its row-parallel inputs (o_proj, down_proj, the experts' w2) on whole groups
     (and whole int32 words); act-order ones, whose groups are scattered over the input rows, run on one rank."""
     packed = spec.quant.packed
     if packed.act_order:
-        raise ConfigError("tensor_parallel_size", f"{packed.describe()} checkpoints run on one rank only for now "
-                                                  f"(act-order groups span the input rows); use --tensor-parallel-size 1")
+        return (f"{packed.describe()} checkpoints run on one rank only for now (act-order groups span the input "
+                f"rows); use --tensor-parallel-size 1")
     unit = packed.per_int32 if packed.group_size == -1 else max(packed.group_size, packed.per_int32)
     inputs = [("o_proj input (attention heads x head_dim)", spec.q_size), ("down_proj input (MLP width)", spec.intermediate_size)]
     if spec.moe is not None:
@@ -172,6 +225,6 @@ def _check_packed_split(spec: ModelSpec, world: int) -> None:
                    ("shared expert's down_proj input", spec.moe.shared_expert_size)]
     for what, size in inputs:
         if size and (size // world) % unit:
-            raise ConfigError("tensor_parallel_size", f"{world} ranks split the {what} of {size} into {size // world} "
-                                                      f"rows, not whole groups of {unit} ({packed.describe()}); use "
-                                                      f"a size that leaves each rank a multiple of {unit}")
+            return (f"{world} ranks split the {what} of {size} into {size // world} rows, not whole groups of "
+                    f"{unit} ({packed.describe()}); use a size that leaves each rank a multiple of {unit}")
+    return None
