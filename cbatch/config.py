@@ -154,8 +154,6 @@ class EngineConfig:
         check(self.max_lora_rank >= 1, "max_lora_rank", "must be at least 1")
         names = [name for name, _ in self.loras]
         check(len(set(names)) == len(names), "lora", "names an adapter twice; give each adapter one name")
-        check(not (self.loras and self.tensor_parallel_size > 1), "lora",
-              "LoRA adapters do not work with --tensor-parallel-size > 1 yet; run on one rank")
 
 
 _INT64 = 2**63  # sampling settings become int64 tensors

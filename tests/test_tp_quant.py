@@ -1,6 +1,7 @@
 """Quantized checkpoints under tensor parallelism (CPU ranks over gloo): FP8 per tensor, per channel and per block
 split on their scales' boundaries give the tokens of one rank; a split that would cut a scale block is refused
-with the sizes that work; the GPU path's kept FP8 weights and scales hold each rank's share."""
+with the sizes that work; the GPU path's kept FP8 weights and scales hold each rank's share. Act-order 4-bit
+checkpoints likewise (their row-parallel layers held dequantized on the GPU path)."""
 from __future__ import annotations
 
 import pytest
@@ -9,11 +10,14 @@ import torch
 from cbatch.config import ConfigError, EngineConfig
 from cbatch.engine.resolve import load_rank_model, resolve_model
 from cbatch.model.decoder import LlamaForCausalLM
+from cbatch.model.int4 import dequantize_kept
+from cbatch.model.layers import Int4Linear
 from cbatch.model.quant import FP8_DTYPE, dequantize
 from cbatch.model.shard import check_tensor_parallel
 from cbatch.parallel.comm import Communicator
 from fp8_models import LAYOUTS, fp8_config, write_fp8_checkpoint
 from helpers import random_prompts, ranks_generate
+from int_checkpoints import make_int_checkpoint
 from ops_jobs import ROOT, run_inprocess
 
 PROMPTS = random_prompts(6, 384, seed=21, min_len=12, max_len=40)
@@ -100,3 +104,53 @@ def test_kept_fp8_weights_hold_each_ranks_share_of_weights_and_scales(layout, fp
         for name in kept:
             weight = dequantize(models["triton"][name], models["triton"][name + "_scale"], block, torch.float32)
             assert torch.equal(weight, models["torch"][name]), f"rank {rank}: {name}"
+
+
+# ---- act-order 4-bit: g_idx scatters each group over the input rows ---------------------------------------------
+@pytest.fixture(scope="module")
+def act_order_checkpoint(tiny_checkpoints, family_checkpoint, tmp_path_factory):
+    root, made = tmp_path_factory.mktemp("tp-int4"), {}
+
+    def get(arch: str, variant: str):
+        if (arch, variant) not in made:
+            src = tiny_checkpoints[arch] if arch in tiny_checkpoints else family_checkpoint(arch)
+            made[arch, variant] = make_int_checkpoint(src, root / f"{arch}-{variant}", variant)
+        return made[arch, variant]
+
+    return get
+
+
+# GPTQ desc_act on a dense model at 2 ranks; compressed-tensors actorder on a MoE at 4 (each rank 8 of an expert's
+# 32 down_proj inputs, which fall in any of its groups)
+@pytest.mark.parametrize("arch, variant, ranks", [("llama", "gptq-g32-actorder", 2),
+                                                  ("qwen3_moe", "ct-w4-g32-asym-actorder", 4)])
+def test_act_order_checkpoints_give_the_tokens_of_one_rank(arch, variant, ranks, act_order_checkpoint, one_rank):
+    path = act_order_checkpoint(arch, variant)
+    tokens = ranks_generate(path, ranks, PROMPTS, **SETTINGS)[0]
+    assert tokens == one_rank(path)
+    assert len({tuple(t) for t in tokens}) > 3
+
+
+def test_act_order_row_parallel_layers_are_held_dequantized_on_the_gpu_path(act_order_checkpoint, monkeypatch):
+    """Triton backend at 2 ranks: q/k/v and gate/up stay packed with the whole g_idx's perm (they take every input
+    row); o_proj and down_proj, whose rank holds input rows of any group, are dequantized at load. Either way each
+    rank's weights are exactly the CPU path's share."""
+    monkeypatch.setattr(LlamaForCausalLM, "prepack_for_cpu", lambda self: None)
+    path = act_order_checkpoint("llama", "gptq-g32-actorder")
+    cpu = torch.device("cpu")
+    for rank in range(2):
+        models = {}
+        for backend in ("torch", "triton"):
+            config = EngineConfig(model=str(path), device="cpu", attention_backend=backend, tensor_parallel_size=2)
+            models[backend] = load_rank_model(config, resolve_model(config), _Rank(rank, 2), cpu)
+        floats = dict(models["torch"].named_parameters())
+        for name, module in models["triton"].named_modules():
+            if isinstance(module, Int4Linear):
+                assert module.weight_perm is not None and name.endswith(("qkv_proj", "gate_up_proj")), name
+                weight = dequantize_kept(module.weight, module.weight_scale, module.weight_zero, module.weight_perm,
+                                         module.group_size, module.bits, torch.float32)
+                assert torch.equal(weight, floats[name + ".weight"]), f"rank {rank}: {name}"
+            elif name.endswith(("o_proj", "down_proj")):
+                assert torch.equal(module.weight, floats[name + ".weight"]), f"rank {rank}: {name}"
+        assert isinstance(models["triton"].layers[0].self_attn.qkv_proj, Int4Linear)
+        assert not isinstance(models["triton"].layers[0].self_attn.o_proj, Int4Linear)

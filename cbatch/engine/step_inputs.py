@@ -35,6 +35,8 @@ class StepInputs:
     placeholder_rows: list[int] = field(default_factory=list)  # flat rows whose token the last step samples
     placeholder_sources: list[int] = field(default_factory=list)  # and each one's row in that step's tokens
     lora_slots: np.ndarray | None = None  # int32 [T]: each token's LoRA adapter slot (-1: base); None: no adapter rows
+    # the adapter each slot holds (rank 0's `LoraSlots.resident`): a tensor-parallel worker loads the same ones
+    lora_resident: tuple[str | None, ...] | None = None
 
     def to_device(self, dev: torch.device, block_size: int, last_sampled: torch.Tensor | None = None,
                   staging: HostStaging | None = None) -> "_Batch":

@@ -139,6 +139,8 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
 
         def keep_packed(layer: str) -> bool:  # Int4Linear where the backend takes packed weights
             module = kept_int_module(layer, spec) if backend.keeps_int_weights else None
+            if module is not None and packed.act_order and _row_parallel(module, spec, comm.world):
+                module = None  # its rank's input rows fall in any group: held dequantized (`_row_parallel`)
             if module is not None:
                 int_keep.add(module)
             return module is not None
@@ -257,6 +259,15 @@ def _load_perm(index, name: str, param: torch.Tensor, filled: int) -> int:
                              f"with it (act-order g_idx differ); cbatch packs q/k/v and gate/up into one matmul")
     param.copy_(perm)
     return param.numel()
+
+
+def _row_parallel(module: str, spec: ModelSpec, world: int) -> bool:
+    """Whether `module` splits its inputs across the `world` ranks (o_proj, down_proj). An act-order layer's g_idx
+    scatters each group over the input rows, so a rank's share of them is no set of whole groups: the GPU path,
+    whose W4A16 kernel reads one scale row per group of `group_size` sorted rows, holds such a layer dequantized
+    (its column-parallel layers stay packed: they take every input row, with the whole g_idx)."""
+    split = Shard(0, world).ranges(module, spec)
+    return world > 1 and split is not None and split[0] == "row"
 
 
 def _packed_pieces(pieces: list[Piece], kind: str, packed) -> list[Piece] | None:

@@ -103,6 +103,16 @@ class Shard:
         full = placement.rows or slice(0, sum(p.size for p in parts))
         return self._intersect(parts, full, dim)
 
+    def ranges(self, module: str, spec: ModelSpec) -> tuple[str, list[tuple[int, int]]] | None:
+        """(column | row, this rank's [start, stop) in each packed part of the split dimension) of dense module
+        `module` (e.g. layers.0.self_attn.qkv_proj) of the full model `spec`; None: replicated. What LoRA factors
+        are cut by (cbatch/lora/runtime.py)."""
+        split = _split(module.rpartition(".")[2], "weight", spec, module)
+        if split is None:
+            return None
+        axis, parts = split
+        return axis, [part.rank_range(self.rank, self.world) for part in parts]
+
     def _intersect(self, parts: list[Part], full: slice, dim: int) -> list[Piece]:
         """The pieces of this rank's ranges inside `full` (the tensor's rows in the packed parameter)."""
         pieces = []
@@ -213,11 +223,11 @@ def _fp8_block_problem(spec: ModelSpec, world: int) -> str | None:
 
 def _packed_problem(spec: ModelSpec, world: int) -> str | None:
     """An integer checkpoint splits its row-parallel inputs (o_proj, down_proj, the experts' w2) on whole groups
-    (and whole int32 words); act-order ones, whose groups are scattered over the input rows, run on one rank."""
+    (and whole int32 words); act-order ones, whose groups are scattered over the input rows, hold those layers
+    dequantized under tensor parallelism, so any split the shapes allow works."""
     packed = spec.quant.packed
     if packed.act_order:
-        return (f"{packed.describe()} checkpoints run on one rank only for now (act-order groups span the input "
-                f"rows); use --tensor-parallel-size 1")
+        return None  # row-parallel layers are dequantized at load, each rank reading its input rows (loader.py)
     unit = packed.per_int32 if packed.group_size == -1 else max(packed.group_size, packed.per_int32)
     inputs = [("o_proj input (attention heads x head_dim)", spec.q_size), ("down_proj input (MLP width)", spec.intermediate_size)]
     if spec.moe is not None:
