@@ -108,6 +108,8 @@ def build_model(spec: ModelSpec, max_positions: int, device: torch.device, dtype
             setattr(model.get_submodule(parent), leaf, packed)
     model = model.to_empty(device=device)
     model.build_rope_cache(device)
+    if model.expert_load is not None:
+        model.expert_load.allocate(device)
     return model.eval().requires_grad_(False)
 
 
@@ -161,6 +163,9 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
         if placed is None or (placed[1] == "scale" and not _kept(placed[0], keep | int_keep)):
             continue  # unused, or the scale of a weight dequantized below
         placement, kind = placed
+        placement = shard.local_expert(placement, spec)  # expert parallelism: this rank's experts only
+        if placement is None:
+            continue
         target = placement.param(kind)
         if target not in params:
             raise ModelLoadError(f"{index.file_of[name].name}: tensor {name} has no place in a {spec.architecture}")
@@ -172,7 +177,8 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
         pieces = shard.pieces(placement, kind, spec, weight_ndim)
         if pieces is not None and placement.module in int_keep:
             pieces = _packed_pieces(pieces, kind, spec.quant.packed)
-        elif pieces and kind == "scale":  # a kept FP8 weight's scales: with their rows, or their blocks
+        elif pieces and kind == "scale" and pieces[0].dim >= weight_ndim - 2:  # a kept FP8 weight's scales:
+            # with their rows, or their blocks (not a stack of whole experts, split on its expert dimension)
             pieces = _fp8_scale_pieces(pieces, spec.quant.block, weight_ndim - (placement.expert is not None))
         if pieces is None:
             filled[target] += _load_whole(index, name, placement, kind, param, spec)

@@ -6,7 +6,14 @@ Megatron's layout, as vLLM and nano-vllm use it:
     row-parallel     o_proj, down_proj, the experts' w2 (input columns): each rank's output is a partial sum,
                      all-reduced once per block (`DecoderLayer`); their bias is added by rank 0 only
     replicated       norms, q/k norms, the MoE router and Qwen2-MoE's shared-expert gate
-Every expert is split like a dense MLP (each rank holds a slice of every expert), so routing is unchanged.
+Every expert is split like a dense MLP (each rank holds a slice of every expert), so routing is unchanged; with
+--expert-parallel (`MoESpec.expert_parallel`) each rank holds num_experts / N whole experts instead, and a shared
+expert whole (cbatch/model/moe.py combines the ranks' experts).
+
+FP8 checkpoints split their scales with their weights: a per-tensor scale is broadcast to the rows (then split as
+per-channel ones), per-channel scales go with their rows, block scales with their blocks (a rank's rows and input
+columns whole blocks, else `check_tensor_parallel` refuses the size). Packed integer checkpoints split on whole
+groups; act-order ones after dequantization (cbatch/model/loader.py).
 
 A packed parameter (qkv: [q | k | v]) is a list of `Part`s; a rank holds one range of each part, laid out in
 the same order in its local (smaller) parameter. Loading maps a checkpoint tensor's place in the full model
@@ -75,11 +82,29 @@ class Shard:
             return spec
         kv = Part(spec.kv_size, spec.head_dim).local_size(self.world) // spec.head_dim
         moe = spec.moe
-        if moe is not None:
+        if moe is not None and moe.expert_parallel:  # whole experts, a shared expert replicated
+            moe = replace(moe, expert_range=self.expert_range(spec))
+        elif moe is not None:
             moe = replace(moe, intermediate_size=moe.intermediate_size // self.world,
                           shared_expert_size=moe.shared_expert_size // self.world)
         return replace(spec, num_heads=spec.num_heads // self.world, num_kv_heads=kv,
                        intermediate_size=spec.intermediate_size // self.world, moe=moe)
+
+    def expert_range(self, spec: ModelSpec) -> tuple[int, int]:
+        """Expert parallelism: the [first, stop) of the experts this rank holds (a contiguous, equal share)."""
+        per = spec.moe.num_experts // self.world
+        return self.rank * per, (self.rank + 1) * per
+
+    def local_expert(self, placement: Placement, spec: ModelSpec) -> Placement | None:
+        """Expert parallelism: a checkpoint tensor of one expert at its place among this rank's experts, None
+        for another rank's expert; any other placement as it is."""
+        moe = spec.moe
+        if placement.expert is None or moe is None or not moe.expert_parallel or self.world == 1:
+            return placement
+        first, stop = self.expert_range(spec)
+        if not first <= placement.expert < stop:
+            return None
+        return replace(placement, expert=placement.expert - first)
 
     def local_vocab(self, vocab_size: int) -> int:
         return Part(vocab_size).local_size(self.world)
@@ -91,6 +116,11 @@ class Shard:
         """Where a checkpoint tensor placed at `placement` (in the full model) goes in this rank's parameter;
         None: the whole tensor, as is (replicated, or world 1); []: nothing of it (a row-parallel bias off rank 0)."""
         leaf = placement.module.rpartition(".")[2]
+        if self.world > 1 and leaf == "experts" and spec.moe.expert_parallel:  # whole experts (`local_expert`)
+            if placement.expert is not None:
+                return None
+            first, stop = self.expert_range(spec)
+            return [Piece(0, first, stop, 0)]  # a stack of every expert [E, rows, cols]: this rank's
         split = _split(leaf, placement.slot, spec, placement.module)
         if self.world == 1 or split is None:
             return None
@@ -135,6 +165,8 @@ def _split(leaf: str, slot: str, spec: ModelSpec, module: str) -> tuple[str, lis
     if leaf == "o_proj":
         return "row", [Part(spec.q_size, head)]
     width = spec.intermediate_size
+    if spec.moe is not None and spec.moe.expert_parallel and ".mlp.shared_expert" in module:
+        return None  # replicated beside experts held whole: each rank's MoE output is complete
     if spec.moe is not None and (leaf == "experts" or ".mlp.shared_expert" in module):
         width = spec.moe.intermediate_size if leaf == "experts" else spec.moe.shared_expert_size
     if leaf == "gate_up_proj" or slot == "w13":
@@ -144,6 +176,15 @@ def _split(leaf: str, slot: str, spec: ModelSpec, module: str) -> tuple[str, lis
     if leaf in ("embed_tokens", "lm_head"):
         return "column", [Part(spec.vocab_size)]
     return None
+
+
+def with_expert_parallel(spec: ModelSpec) -> ModelSpec:
+    """The spec with its experts spread whole over the ranks (--expert-parallel); a model without experts is
+    refused (ConfigError on expert_parallel)."""
+    if spec.moe is None:
+        raise ConfigError("expert_parallel", f"the model ({spec.architecture}) has no experts to spread over the "
+                                             f"ranks; leave --expert-parallel off")
+    return replace(spec, moe=replace(spec.moe, expert_parallel=True))
 
 
 def check_tensor_parallel(spec: ModelSpec, world: int) -> None:
@@ -176,7 +217,9 @@ def _split_problem(spec: ModelSpec, world: int) -> str | None:
 
 def _shape_problem(spec: ModelSpec, world: int) -> str | None:
     sizes = [("attention heads", spec.num_heads), ("MLP width", spec.intermediate_size)]
-    if spec.moe is not None:
+    if spec.moe is not None and spec.moe.expert_parallel:
+        sizes.append(("experts (--expert-parallel gives each rank whole experts)", spec.moe.num_experts))
+    elif spec.moe is not None:
         sizes += [("expert width", spec.moe.intermediate_size), ("shared-expert width", spec.moe.shared_expert_size)]
     for what, size in sizes:
         if size % world:
@@ -197,7 +240,7 @@ def _split_widths(spec: ModelSpec) -> tuple[list[tuple[str, Part]], list[tuple[s
     if any(not spec.is_sparse(layer) for layer in range(spec.num_layers)):
         outputs.append(("gate_proj/up_proj output (MLP width)", Part(spec.intermediate_size)))
         inputs.append(("down_proj input (MLP width)", Part(spec.intermediate_size)))
-    if spec.moe is not None:
+    if spec.moe is not None and not spec.moe.expert_parallel:  # (whole experts are not split)
         outputs.append(("experts' gate_proj/up_proj output", Part(spec.moe.intermediate_size)))
         inputs.append(("experts' down_proj input", Part(spec.moe.intermediate_size)))
         if spec.moe.shared_expert_size:
@@ -230,7 +273,7 @@ def _packed_problem(spec: ModelSpec, world: int) -> str | None:
         return None  # row-parallel layers are dequantized at load, each rank reading its input rows (loader.py)
     unit = packed.per_int32 if packed.group_size == -1 else max(packed.group_size, packed.per_int32)
     inputs = [("o_proj input (attention heads x head_dim)", spec.q_size), ("down_proj input (MLP width)", spec.intermediate_size)]
-    if spec.moe is not None:
+    if spec.moe is not None and not spec.moe.expert_parallel:
         inputs += [("experts' down_proj input", spec.moe.intermediate_size),
                    ("shared expert's down_proj input", spec.moe.shared_expert_size)]
     for what, size in inputs:

@@ -62,6 +62,10 @@ class MoESpec:
     weights_in_model_dtype: bool  # Qwen casts the routing weights to the activations' dtype; Mixtral keeps float32
     shared_expert_size: int  # Qwen2-MoE: a shared MLP scaled by sigmoid(shared_expert_gate(x)); 0: none
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of `intermediate_size`
+    # --expert-parallel: the experts spread whole over the tensor-parallel ranks (cbatch/model/shard.py)
+    expert_parallel: bool = False
+    # a rank's share under expert parallelism: the [first, stop) of the experts it holds; None: every expert
+    expert_range: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,3 +39,7 @@ class Backend(Protocol):
     def int_linear(self, x, weight, scale, zero, perm, group_size: int, bits: int, bias) -> torch.Tensor: ...
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, activation: str, w13_scale=None, w2_scale=None,
                   block: tuple[int, int] | None = None, int_experts=None) -> torch.Tensor: ...  # int4.IntExperts
+    # expert parallelism: [T, k, H], each token's slots in ascending expert order, those of experts
+    # [first_expert, first_expert + E) computed (w13 / w2 hold those E), the others zero; fused_moe = its sum(dim=1)
+    def fused_moe_slots(self, x, w13, w2, topk_weights, topk_ids, activation: str, w13_scale=None, w2_scale=None,
+                        block: tuple[int, int] | None = None, int_experts=None, first_expert: int = 0) -> torch.Tensor: ...

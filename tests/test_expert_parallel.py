@@ -1,0 +1,89 @@
+"""Expert parallelism (--expert-parallel) on CPU ranks over gloo: each rank holds num_experts / N whole experts (a
+shared expert whole), attention stays split by heads; the tokens are those of one rank (the combine sums each
+slot from its one owner, then a token's slots in one rank's order: bitwise one rank's output), and the report
+says how the assignments spread over the ranks."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from cbatch.config import ConfigError, EngineConfig
+from cbatch.engine.build import build_engine
+from cbatch.engine.resolve import load_rank_model, resolve_model
+from cbatch.model.decoder import LlamaForCausalLM
+from cbatch.model.shard import check_tensor_parallel
+from cbatch.observe.roofline import engine_hardware
+from cbatch.parallel.comm import Communicator
+from helpers import random_prompts, ranks_generate
+
+PROMPTS = random_prompts(6, 384, seed=17, min_len=12, max_len=40)
+SETTINGS = dict(max_num_batched_tokens=32, max_num_seqs=4, num_kv_blocks=24, block_size=8)  # chunks, preemption
+
+
+class _Rank(Communicator):
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+
+# Mixtral (8 experts, top-2) at 4 ranks: two experts each; Qwen2-MoE (a shared expert, a dense layer) and
+# Qwen3-MoE at 2 ranks: four each
+@pytest.mark.parametrize("family, ranks", [("mixtral", 4), ("qwen2_moe", 2), ("qwen3_moe", 2)])
+def test_expert_parallel_ranks_give_the_tokens_of_one(family, ranks, family_checkpoint):
+    path = family_checkpoint(family)
+    one, one_stats = ranks_generate(path, 1, PROMPTS, **SETTINGS)
+    many, many_stats = ranks_generate(path, ranks, PROMPTS, expert_parallel=True, **SETTINGS)
+    assert many == one and many_stats == one_stats
+    assert len({tuple(t) for t in one}) > 3  # the rows differ: a model repeating itself would prove nothing
+
+
+def test_each_rank_holds_its_experts_whole(family_checkpoint, monkeypatch):
+    """Qwen2-MoE at 2 ranks: rank r's expert stack is experts [4r, 4r + 4) of one rank's, unsplit; the shared
+    expert and the router whole on each; attention split by heads as without expert parallelism."""
+    monkeypatch.setattr(LlamaForCausalLM, "prepack_for_cpu", lambda self: None)
+    path = family_checkpoint("qwen2_moe")
+    cpu = torch.device("cpu")
+    config = EngineConfig(model=str(path), device="cpu")
+    whole = dict(load_rank_model(config, resolve_model(config), _Rank(0, 1), cpu).named_parameters())
+    config = EngineConfig(model=str(path), device="cpu", tensor_parallel_size=2, expert_parallel=True)
+    resolved = resolve_model(config)
+    for rank in range(2):
+        share = dict(load_rank_model(config, resolved, _Rank(rank, 2), cpu).named_parameters())
+        for name in ("layers.0.mlp.experts.w13", "layers.0.mlp.experts.w2"):
+            assert torch.equal(share[name], whole[name][4 * rank : 4 * rank + 4]), name
+        for name in ("layers.0.mlp.shared_expert.gate_up_proj.weight", "layers.0.mlp.shared_expert.down_proj.weight",
+                     "layers.0.mlp.gate.weight"):
+            assert torch.equal(share[name], whole[name]), name
+        assert share["layers.0.self_attn.o_proj.weight"].shape[1] * 2 == whole["layers.0.self_attn.o_proj.weight"].shape[1]
+        assert share["layers.1.mlp.down_proj.weight"].shape[1] * 2 == whole["layers.1.mlp.down_proj.weight"].shape[1]
+
+
+def test_the_report_shows_each_ranks_share_of_the_assignments(family_checkpoint):
+    engine = build_engine(EngineConfig(model=str(family_checkpoint("mixtral")), device="cpu", tensor_parallel_size=2,
+                                       expert_parallel=True, max_num_seqs=4))
+    try:
+        from cbatch.config import SamplingParams
+        from cbatch.engine.engine import run_to_completion
+
+        run_to_completion(engine, PROMPTS[:3], [SamplingParams(max_tokens=4)] * 3)
+        load = engine_hardware(engine, [], 1.0)["expert_parallel"]
+    finally:
+        engine.close()
+    assert load["ranks"] == 2 and all(t > 0 for t in load["tokens_per_rank_per_layer_step"])
+    # every token takes top-2 experts: the two ranks' mean assignments per layer and step add up to 2 x tokens
+    assert load["imbalance"] >= 1.0
+
+
+def test_expert_parallel_needs_experts_and_ranks(tiny_checkpoints, family_checkpoint):
+    with pytest.raises(ConfigError, match="give --tensor-parallel-size N > 1 as well"):
+        EngineConfig(model="x", expert_parallel=True)
+    with pytest.raises(ConfigError, match=r"has no experts to spread over the ranks; leave --expert-parallel off"):
+        resolve_model(EngineConfig(model=str(tiny_checkpoints["llama"]), device="cpu", tensor_parallel_size=2,
+                                   expert_parallel=True))
+    spec = resolve_model(EngineConfig(model=str(family_checkpoint("mixtral")), device="cpu", tensor_parallel_size=2,
+                                      expert_parallel=True)).spec
+    check_tensor_parallel(spec, 4)
+    with pytest.raises(ConfigError, match=r"4 does not divide the model's experts \(--expert-parallel gives each rank "
+                                          r"whole experts\) \(6\); use a divisor of 6"):
+        check_tensor_parallel(replace(spec, moe=replace(spec.moe, num_experts=6)), 4)
