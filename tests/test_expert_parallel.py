@@ -87,3 +87,29 @@ def test_expert_parallel_needs_experts_and_ranks(tiny_checkpoints, family_checkp
     with pytest.raises(ConfigError, match=r"4 does not divide the model's experts \(--expert-parallel gives each rank "
                                           r"whole experts\) \(6\); use a divisor of 6"):
         check_tensor_parallel(replace(spec, moe=replace(spec.moe, num_experts=6)), 4)
+
+
+def test_plan_sizes_each_rank_and_suggests_the_layout_that_fits():
+    """A Qwen3-235B-A22B-shaped MoE (bfloat16, ~470 GB) on H100s: one GPU is refused with the layout that fits (the
+    fewest ranks); with expert parallelism each rank holds 16 of the 128 experts whole: the same bytes as 1/8 of
+    every expert, and a KV pool beside them."""
+    from cbatch.engine.resolve import ResolvedModel
+    from cbatch.model.shard import with_expert_parallel
+    from cbatch.model.spec import parse_spec
+    from cbatch.plan.devices import PlanError, gpu_kind
+
+    raw = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+               moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+               head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+               rms_norm_eps=1e-6, torch_dtype="bfloat16")
+    spec = parse_spec(raw)
+    h100, cuda = gpu_kind("H100"), torch.device("cuda")
+    settings = dict(max_num_seqs=256, max_num_batched_tokens=8192)
+    with pytest.raises(PlanError, match=r"H100: .*; --tensor-parallel-size 8 fits \(5\d\.\d GiB of weights per rank\)"):
+        h100.kv_pool(EngineConfig(**settings), ResolvedModel(spec, cuda, torch.bfloat16, 8192))
+    tp = EngineConfig(**settings, tensor_parallel_size=8)
+    ep = EngineConfig(**settings, tensor_parallel_size=8, expert_parallel=True)
+    split = h100.weight_bytes_per_rank(tp, ResolvedModel(spec, cuda, torch.bfloat16, 8192))
+    whole = h100.weight_bytes_per_rank(ep, ResolvedModel(with_expert_parallel(spec), cuda, torch.bfloat16, 8192))
+    assert 55 * 2**30 < whole < 60 * 2**30 and abs(whole - split) / split < 0.01
+    assert h100.kv_pool(ep, ResolvedModel(with_expert_parallel(spec), cuda, torch.bfloat16, 8192)).num_blocks > 1000

@@ -135,7 +135,8 @@ class ModelSpec:
                 total += 3 * h * self.intermediate_size
                 continue
             moe = self.moe
-            experts = moe.num_experts if experts_per_token is None else experts_per_token
+            held = moe.num_experts if moe.expert_range is None else moe.expert_range[1] - moe.expert_range[0]
+            experts = held if experts_per_token is None else experts_per_token  # (an expert-parallel rank: its own)
             total += h * moe.num_experts + experts * 3 * h * moe.intermediate_size  # router + experts
             total += 3 * h * moe.shared_expert_size + (h if moe.shared_expert_size else 0)
         return total
