@@ -113,3 +113,7 @@ def test_plan_sizes_each_rank_and_suggests_the_layout_that_fits():
     whole = h100.weight_bytes_per_rank(ep, ResolvedModel(with_expert_parallel(spec), cuda, torch.bfloat16, 8192))
     assert 55 * 2**30 < whole < 60 * 2**30 and abs(whole - split) / split < 0.01
     assert h100.kv_pool(ep, ResolvedModel(with_expert_parallel(spec), cuda, torch.bfloat16, 8192)).num_blocks > 1000
+    # a decode step streams the experts its tokens touch: 16 whole ones per rank, or a slice of each of 128
+    split_cost = h100.default_cost(ResolvedModel(spec, cuda, torch.bfloat16, 8192), 8)
+    whole_cost = h100.default_cost(ResolvedModel(with_expert_parallel(spec), cuda, torch.bfloat16, 8192), 8)
+    assert 0 < whole_cost.per_step == pytest.approx(split_cost.per_step, rel=0.02)
