@@ -92,11 +92,13 @@ class ExpertLoad:
         self.counts[self.world] += 1
 
     def summary(self) -> dict[str, object]:
-        """For the report: each rank's mean assignments per MoE layer and step, and max / mean over the ranks."""
+        """For the report: each rank's assignments (all layers and steps), their mean per MoE layer and step, and
+        the busiest rank's over the mean (1.0: even)."""
         counts = self.counts.tolist()
-        per_rank, layer_steps = counts[: self.world], max(1, counts[self.world])
+        per_rank, layer_steps = counts[: self.world], counts[self.world]
         mean = sum(per_rank) / self.world
-        return {"ranks": self.world, "tokens_per_rank_per_layer_step": [round(c / layer_steps, 2) for c in per_rank],
+        return {"ranks": self.world, "assignments": per_rank, "layer_steps": layer_steps,
+                "tokens_per_rank_per_layer_step": [round(c / max(1, layer_steps), 2) for c in per_rank],
                 "imbalance": round(max(per_rank) / mean, 3) if mean else 1.0}
 
 
