@@ -175,11 +175,12 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
             continue
         weight_ndim = params[placement.param("weight")].dim() if kind == "scale" else param.dim()
         pieces = shard.pieces(placement, kind, spec, weight_ndim)
+        stored_ndim = weight_ndim - (placement.expert is not None)  # the checkpoint weight's: [..., N, K]
         if pieces is not None and placement.module in int_keep:
             pieces = _packed_pieces(pieces, kind, spec.quant.packed)
-        elif pieces and kind == "scale" and pieces[0].dim >= weight_ndim - 2:  # a kept FP8 weight's scales:
-            # with their rows, or their blocks (not a stack of whole experts, split on its expert dimension)
-            pieces = _fp8_scale_pieces(pieces, spec.quant.block, weight_ndim - (placement.expert is not None))
+        elif pieces and kind == "scale" and pieces[0].dim >= stored_ndim - 2:  # a kept FP8 weight's scales: with
+            # their rows, or their blocks (not a stack of whole experts, split on its expert dimension)
+            pieces = _fp8_scale_pieces(pieces, spec.quant.block, stored_ndim)
         if pieces is None:
             filled[target] += _load_whole(index, name, placement, kind, param, spec)
         else:
