@@ -152,9 +152,13 @@ class _WorkerRank:
 
 
 def _lora_slots(config: EngineConfig, model: LlamaForCausalLM, spec: ModelSpec) -> LoraSlots | None:
+    """This rank's share of the job's adapters in their slots (rank 0's build makes its own the same way)."""
     if not config.loras:
         return None
-    return LoraSlots.for_job(config.loras, model, spec, config.max_loras, config.max_lora_rank)
+    slots = LoraSlots.for_job(config.loras, model, spec, config.max_loras, config.max_lora_rank)
+    if slots.device.type == "cuda":
+        slots.warm_up()  # the shrink / expand kernels compile now, not mid-run
+    return slots
 
 
 def _serve(message: tuple, worker: _WorkerRank) -> None:
