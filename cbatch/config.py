@@ -110,6 +110,8 @@ class EngineConfig:
     admission: str = "optimistic"  # optimistic (admit on the prompt) | reserve (prompt + max_tokens must fit)
     priority_aging_steps: int | None = 1000  # a waiting request gains one priority class per this many steps
     tensor_parallel_size: int = 1  # ranks each layer is split across (one process per rank; cbatch/parallel)
+    # MoE: each of those ranks holds num_experts / N whole experts (attention stays split by heads)
+    expert_parallel: bool = False
     # schedule step N+1 while the device runs step N; None = on for CUDA with one rank (build_engine decides)
     async_scheduling: bool | None = None
     # LoRA adapters rows may name (docs/lora.md): (name, PEFT folder) each; at most max_loras in one step
@@ -146,6 +148,8 @@ class EngineConfig:
         check(-(2**31) <= self.seed < 2**31, "seed", "must be a 32-bit integer (-2147483648..2147483647)")
         check(self.swap_space_gb >= 0, "swap_space_gb", "must be a non-negative number of GB, e.g. 4")
         check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
+        check(not (self.expert_parallel and self.tensor_parallel_size == 1), "expert_parallel",
+              "spreads the experts over the tensor-parallel ranks; give --tensor-parallel-size N > 1 as well")
         check(not (self.async_scheduling and self.tensor_parallel_size > 1), "async_scheduling",
               "does not work with --tensor-parallel-size > 1 yet (the workers need each step's tokens); leave it off")
         check(self.priority_aging_steps is None or self.priority_aging_steps >= 0, "priority_aging_steps",
@@ -154,8 +158,6 @@ class EngineConfig:
         check(self.max_lora_rank >= 1, "max_lora_rank", "must be at least 1")
         names = [name for name, _ in self.loras]
         check(len(set(names)) == len(names), "lora", "names an adapter twice; give each adapter one name")
-        check(not (self.loras and self.tensor_parallel_size > 1), "lora",
-              "LoRA adapters do not work with --tensor-parallel-size > 1 yet; run on one rank")
 
 
 _INT64 = 2**63  # sampling settings become int64 tensors

@@ -56,6 +56,25 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams | 
     return [o.token_ids for o in run_to_completion(engine, prompts, per_row)]
 
 
+def ranks_generate(path: Path, tensor_parallel_size: int, prompts: list[list[int]],
+                   params: SamplingParams | list[SamplingParams] | None = None,
+                   **settings) -> tuple[list[list[int]], dict]:
+    """Greedy tokens of `prompts` (default: ignore_eos, 12 tokens each) on `tensor_parallel_size` CPU ranks, and
+    the scheduler's counters (the schedules of two runs compare; with --expert-parallel, the `ExpertLoad` summary
+    too)."""
+    config = EngineConfig(model=str(path), device="cpu", tensor_parallel_size=tensor_parallel_size, **settings)
+    engine = build_engine(config)
+    params = params or SamplingParams(max_tokens=12, ignore_eos=True)
+    try:
+        outputs = run_to_completion(engine, prompts, params if isinstance(params, list) else [params] * len(prompts))
+        stats = engine.scheduler.stats
+        counters = {"preemptions": stats.preemptions, "steps": stats.steps, "scheduled_tokens": stats.scheduled_tokens}
+        load = getattr(engine.runner.model, "expert_load", None)  # expert parallelism: the assignments per rank
+        return [o.token_ids for o in outputs], counters | ({"expert_load": load.summary()} if load is not None else {})
+    finally:
+        engine.close()
+
+
 # ---- schedulers on fake requests (no model, no tensors) ---------------------------------------------
 def fake_scheduler(policy: str = "fcfs", blocks: int = 100, block_size: int = 4, max_seqs: int = 8, budget: int = 32,
                    max_len: int = 1000, caching: bool = False, **options) -> tuple[Scheduler, BlockPool]:

@@ -13,45 +13,13 @@ from safetensors.torch import load_file, save_file
 
 from cbatch.config import SamplingParams
 from cbatch.model.layers import Linear
-from cbatch.model.quant import FP8_DTYPE, dequantize
+from cbatch.model.quant import FP8_DTYPE
 from cbatch.model.spec import UnsupportedModelError, parse_spec
 from helpers import generate, make_engine, random_prompts
+from fp8_models import LAYOUTS, write_fp8_checkpoint
 from tiny_models import hf_greedy, hf_model
 
 PROMPTS = random_prompts(2, vocab=384, seed=7, min_len=10, max_len=30)
-_WEIGHTS_8BIT_FLOAT = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
-LAYOUTS = {
-    # name: (quantization_config, block or None, per-tensor scale?)
-    "fp8-tensor": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": None}, None, True),
-    "fp8-block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}, (16, 16), False),
-    "ct-tensor": ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-                   "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**_WEIGHTS_8BIT_FLOAT, "strategy": "tensor"},
-                                                 "input_activations": {**_WEIGHTS_8BIT_FLOAT, "strategy": "tensor"}}}},
-                  None, True),
-    "ct-channel": ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-                    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**_WEIGHTS_8BIT_FLOAT, "strategy": "channel"},
-                                                  "input_activations": None}}}, None, False),
-}
-
-
-def _quantize(weight: torch.Tensor, block: tuple[int, int] | None, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, float32 scale) with weight ~ fp8 x scale: [] per tensor, [N, 1] per channel,
-    [N/bn, K/bk] per block."""
-    if per_tensor:
-        scale = weight.abs().max() / 448.0
-        return (weight / scale).to(FP8_DTYPE), scale
-    if block is None:
-        scale = weight.abs().amax(1, keepdim=True) / 448.0
-        return (weight / scale).to(FP8_DTYPE), scale
-    tiles = weight.unflatten(1, (-1, block[1])).unflatten(0, (-1, block[0]))  # [N/bn, bn, K/bk, bk]
-    scale = tiles.abs().amax(dim=(1, 3)) / 448.0
-    full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-    return (weight / full).to(FP8_DTYPE), scale
-
-
-def _quantized(name: str) -> bool:
-    """The decoder matmuls (attention, experts); not the router, norms, embeddings or lm_head."""
-    return name.startswith("model.layers.") and name.endswith("proj.weight")
 
 
 @pytest.fixture(scope="module")
@@ -59,30 +27,7 @@ def fp8_checkpoints(family_checkpoint, tmp_path_factory):
     """layout -> (the quantized checkpoint, a float checkpoint of its dequantized weights: HF's reference)."""
     src = family_checkpoint("qwen3_moe")
     root = tmp_path_factory.mktemp("fp8")
-    made = {}
-    for layout, (qconfig, block, per_tensor) in LAYOUTS.items():
-        tensors = load_file(str(src / "model.safetensors"))
-        quant, dequant = {}, {}
-        for name, tensor in tensors.items():
-            quant[name] = dequant[name] = tensor
-            if _quantized(name):
-                weight, scale = _quantize(tensor, block, per_tensor)
-                suffix = "weight_scale_inv" if qconfig["quant_method"] == "fp8" else "weight_scale"
-                quant[name] = weight
-                quant[name.removesuffix("weight") + suffix] = scale
-                if "input_activations" in qconfig.get("config_groups", {}).get("group_0", {}):
-                    quant[name.removesuffix("weight") + "input_scale"] = torch.ones(1)  # unused (weight-only)
-                flat_scale = scale.reshape(-1) if block is None else scale
-                dequant[name] = dequantize(weight, flat_scale if not per_tensor else flat_scale.expand(weight.shape[0]),
-                                           block, torch.float32)
-        for kind, state in (("quant", quant), ("dequant", dequant)):
-            dst = root / layout / kind
-            shutil.copytree(src, dst)
-            save_file(state, str(dst / "model.safetensors"))
-        config = json.loads((src / "config.json").read_text())
-        (root / layout / "quant" / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}))
-        made[layout] = (root / layout / "quant", root / layout / "dequant")
-    return made
+    return {layout: write_fp8_checkpoint(src, root / layout, *LAYOUTS[layout]) for layout in LAYOUTS}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -16,7 +16,7 @@ from cbatch.model.errors import UnsupportedModelError
 from cbatch.model.int4 import PackedQuant, unpack
 from cbatch.model.quant import parse_quantization
 from cbatch.model.spec import parse_spec
-from helpers import generate, make_engine, random_prompts
+from helpers import generate, make_engine, random_prompts, ranks_generate
 from int_checkpoints import FORMATS, make_int_checkpoint, pack, quantize, quantization_config
 from tiny_models import hf_greedy, hf_model
 
@@ -203,16 +203,12 @@ def test_checkpoints_whose_tensors_do_not_match_the_config_are_refused_at_prefli
 
 # ---- tensor parallelism ----------------------------------------------------------------------------------
 def test_two_cpu_ranks_give_the_tokens_of_one(int_checkpoint):
-    """Dequantized at load, each rank reads its share of the dequantized weights (group-aligned: g32)."""
-    from test_tensor_parallel import generate as tp_generate
-
-    quant, _ = int_checkpoint("llama", "gptq-g32-actorder")
-    with pytest.raises(Exception, match="act-order groups span the input rows"):
-        tp_generate(quant, 2, PROMPTS[:1])
+    """Dequantized at load, each rank reads its share of the dequantized weights (group-aligned: g32). (Act-order
+    checkpoints: tests/test_tp_quant.py.)"""
     quant, _ = int_checkpoint("llama", "awq-g32")
     prompts = random_prompts(3, 384, seed=3, min_len=10, max_len=30)
-    one, _ = tp_generate(quant, 1, prompts)
-    two, _ = tp_generate(quant, 2, prompts)
+    one, _ = ranks_generate(quant, 1, prompts)
+    two, _ = ranks_generate(quant, 2, prompts)
     assert two == one and len({tuple(t) for t in one}) > 1
 
 

@@ -132,6 +132,29 @@ def test_fused_moe_mxfp4_experts():
     assert torch.equal(kept, ref)  # the torch reference dequantizes MXFP4 experts the same way
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_expert_parallel_slots_of_each_ranks_experts_add_up_to_fused_moe(ranks):
+    """--expert-parallel: each rank's `fused_moe_slots` over its experts alone (the other slots zero, never
+    computed) summed over the ranks, then over a token's slots, is bitwise the one-rank fused MoE, in the Triton
+    kernels and in the torch backend."""
+    from cbatch.kernels.grouped_gemm import fused_moe_slots
+
+    num_experts, top_k, hidden, inter = 8, 2, 48, 40
+    x = randn(11, hidden, seed=9)
+    w13, w2 = randn(num_experts, 2 * inter, hidden, seed=10, scale=0.2), randn(num_experts, hidden, inter, seed=11, scale=0.2)
+    weights, ids = route(11, num_experts, top_k, seed=12, unused=(6,))
+    per = num_experts // ranks
+    for moe, slots_of, args in ((fused_moe, fused_moe_slots, (x, w13, w2, weights, ids)),
+                                (TorchBackend().fused_moe, TorchBackend().fused_moe_slots,
+                                 tuple(t.cpu() for t in (x, w13, w2, weights, ids)))):
+        xs, w13s, w2s, ws, ids_ = args
+        shares = [slots_of(xs, w13s[r * per : (r + 1) * per], w2s[r * per : (r + 1) * per], ws, ids_, "silu",
+                           first_expert=r * per) for r in range(ranks)]
+        assert all(bool((share != 0).any()) for share in shares)  # every rank computes some slots
+        assert all(int(((share != 0).any(-1)).sum()) < ids.numel() for share in shares)  # and not all of them
+        assert torch.equal(sum(shares).sum(dim=1), moe(xs, w13s, w2s, ws, ids_, "silu"))
+
+
 def test_sort_by_expert_groups_every_assignment_once():
     ids = torch.tensor([[5, 0], [5, 2], [0, 5], [7, 2]], device=DEVICE)
     sorted_ids, block_expert, used = sort_by_expert(ids, num_experts=8, block_m=4)

@@ -165,10 +165,10 @@ def test_structured_outputs(tiny):
 def test_lora_request_matches_hf_peft(tiny_chat_model, tmp_path):
     from peft import PeftModel
 
-    from test_lora import make_adapter
+    from tiny_models import make_lora_adapter
 
-    adapter = make_adapter(tiny_chat_model, tmp_path / "sql", seed=3, r=8, lora_alpha=16,
-                           target_modules=["q_proj", "v_proj", "down_proj"])
+    adapter = make_lora_adapter(tiny_chat_model, tmp_path / "sql", seed=3, r=8, lora_alpha=16,
+                               target_modules=["q_proj", "v_proj", "down_proj"])
     llm = LLM(model=str(tiny_chat_model), device="cpu", use_tqdm=False, enable_lora=True, max_lora_rank=8)
     prompts = ["Write SQL for the users table", "Hello"]
     params = SamplingParams(max_tokens=6)

@@ -13,14 +13,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from cbatch.config import SamplingParams
 from cbatch.lora.adapter import LoraError, check_adapter
 from cbatch.model.spec import parse_spec, read_config
 from helpers import generate, make_engine, random_prompts
 from ops_jobs import read_jsonl, run_inprocess, write_jsonl
-from tiny_models import hf_greedy, hf_model
+from tiny_models import hf_greedy, hf_model, make_lora_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -36,15 +35,6 @@ MAX_TOKENS = 8
 PRESSURE = dict(max_num_batched_tokens=24, block_size=4, num_kv_blocks=22)  # chunked prefill and preemption
 
 
-def make_adapter(checkpoint: Path, folder: Path, seed: int, **config) -> Path:
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = get_peft_model(hf_model(checkpoint), LoraConfig(init_lora_weights=False, **config))
-    model.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def model_case(tiny_checkpoints, family_checkpoint, tmp_path_factory):
     """name -> (checkpoint, {adapter: folder}, HF + PEFT's greedy tokens per row, the merged model's, the base's)."""
@@ -57,7 +47,7 @@ def model_case(tiny_checkpoints, family_checkpoint, tmp_path_factory):
             return cache[name]
         checkpoint = family_checkpoint(name) if name.startswith("gemma") else tiny_checkpoints[name]
         root = tmp_path_factory.mktemp(f"lora-{name}")
-        folders = {a: make_adapter(checkpoint, root / a, seed, **cfg) for seed, (a, cfg) in enumerate(ADAPTERS.items())}
+        folders = {a: make_lora_adapter(checkpoint, root / a, seed, **cfg) for seed, (a, cfg) in enumerate(ADAPTERS.items())}
         base = hf_model(checkpoint)
         base_tokens = [hf_greedy(base, p, MAX_TOKENS) for p in PROMPTS]
         peft_tokens, merged_tokens = list(base_tokens), list(base_tokens)  # base rows: the base model's
@@ -153,12 +143,12 @@ def test_unsupported_adapters_refused_by_name(model_case, tmp_path, tiny_checkpo
             check_adapter(name, folder, spec, 16)
     with pytest.raises(LoraError, match=r"LoRA adapter 'b': .*rank 16, above --max-lora-rank 8; run with --max-lora-rank 16"):
         check_adapter("b", folders["b"], spec, 8)
-    embed = make_adapter(checkpoint, tmp_path / "embed", 3, r=4, target_modules=["embed_tokens", "q_proj"])
+    embed = make_lora_adapter(checkpoint, tmp_path / "embed", 3, r=4, target_modules=["embed_tokens", "q_proj"])
     with pytest.raises(LoraError, match=r"LoRA adapter 'embed': targets embed_tokens, which cbatch cannot adapt"):
         check_adapter("embed", embed, spec, 16)
     moe = family_checkpoint("qwen3_moe")
     moe_spec = parse_spec(read_config(moe), {})
-    attention = make_adapter(moe, tmp_path / "moe-attn", 4, r=4, target_modules=["q_proj", "o_proj"])
+    attention = make_lora_adapter(moe, tmp_path / "moe-attn", 4, r=4, target_modules=["q_proj", "o_proj"])
     assert check_adapter("attn", attention, moe_spec, 16)  # attention adapters of an MoE model are fine
     with pytest.raises(LoraError, match=r"LoRA adapter 'a': targets the MLP of layers.0, a mixture-of-experts layer"):
         check_adapter("a", folders["a"], moe_spec, 16)

@@ -19,23 +19,11 @@ from cbatch.model.decoder import LlamaForCausalLM
 from cbatch.model.shard import check_tensor_parallel
 from cbatch.model.spec import parse_spec
 from cbatch.parallel.comm import Communicator
-from helpers import random_prompts
+from helpers import random_prompts, ranks_generate
 from ops_jobs import ROOT, part_records, run_inprocess, token_rows, write_jsonl
 from tiny_models import ARCHS, FAMILIES
 
 ALL_ARCHS = list(ARCHS) + [name for name in FAMILIES]
-
-
-def generate(path, tensor_parallel_size: int, prompts, **settings) -> tuple[list[list[int]], dict]:
-    """Greedy tokens of `prompts` (ignore_eos, 12 tokens each) and the scheduler's counters."""
-    config = EngineConfig(model=str(path), device="cpu", tensor_parallel_size=tensor_parallel_size, **settings)
-    engine = build_engine(config)
-    try:
-        outputs = run_to_completion(engine, prompts, [SamplingParams(max_tokens=12, ignore_eos=True)] * len(prompts))
-        stats = engine.scheduler.stats
-        return [o.token_ids for o in outputs], {"preemptions": stats.preemptions, "steps": stats.steps}
-    finally:
-        engine.close()
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
@@ -46,8 +34,8 @@ def test_two_ranks_give_the_tokens_of_one(arch, tiny_checkpoints, family_checkpo
     path = tiny_checkpoints[arch] if arch in ARCHS else family_checkpoint(arch)
     prompts = random_prompts(8, 384, seed=3, min_len=20, max_len=60)
     settings = dict(max_num_batched_tokens=24, max_num_seqs=6, num_kv_blocks=14, block_size=8)
-    one, one_stats = generate(path, 1, prompts, **settings)
-    two, two_stats = generate(path, 2, prompts, **settings)
+    one, one_stats = ranks_generate(path, 1, prompts, **settings)
+    two, two_stats = ranks_generate(path, 2, prompts, **settings)
     assert two == one
     assert one_stats["preemptions"] > 0 and two_stats == one_stats  # the same schedule, preemptions included
     assert len({tuple(t) for t in one}) > 4  # the rows differ: a model that repeats itself would prove nothing

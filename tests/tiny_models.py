@@ -69,6 +69,17 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
+def make_lora_adapter(checkpoint: Path, folder: Path, seed: int, **config) -> Path:
+    """A random PEFT LoRA adapter of `checkpoint`, made by PEFT with a decisive init (`init_lora_weights=False`: B
+    is not zero), saved into `folder`."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(hf_model(checkpoint), LoraConfig(init_lora_weights=False, **config))
+    model.save_pretrained(folder)
+    return folder
+
+
 # The families added with issue 17, built on demand (`family_checkpoint` fixture) so sessions that do not
 # test them do not pay for them. Small head_dim, two or three layers, windows (8) shorter than the prompts.
 _LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.9, 2.6], "long_factor": [1.1, 2.0, 3.9, 7.5]}

@@ -9,7 +9,8 @@ from cbatch.config import EngineConfig, UserError
 from cbatch.model.pooling_config import ClassifierTokens
 
 # vLLM's name -> EngineConfig's, where they differ
-RENAMED = {"enable_prefix_caching": "enable_prefix_cache", "swap_space": "swap_space_gb"}
+RENAMED = {"enable_prefix_caching": "enable_prefix_cache", "swap_space": "swap_space_gb",
+           "enable_expert_parallel": "expert_parallel"}
 # vLLM keywords for what cbatch always does: taken at that value only
 FIXED: dict[str, Any] = {"pipeline_parallel_size": 1, "cpu_offload_gb": 0, "enable_chunked_prefill": True,
                          "disable_log_stats": True, "trust_remote_code": False}

@@ -69,6 +69,9 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
         Flag("tensor_parallel_size", int, 1, "Split each layer across N GPUs (N CPU processes on CPU): models bigger "
              "than one device (docs/tensor-parallel.md).", ENGINE, decls=("--tensor-parallel-size", "-tp"),
              field="tensor_parallel_size", metavar="N"),
+        Flag("expert_parallel", bool, False, "MoE models with --tensor-parallel-size N: each rank holds 1/N of the "
+             "experts whole instead of a slice of every expert (docs/tensor-parallel.md).", ENGINE,
+             field="expert_parallel"),
         Flag("async_scheduling", Optional[bool], None, "Schedule the next step while the GPU runs this one (default: "
              "on for one GPU, off on CPU and with --tensor-parallel-size).", ENGINE,
              decls=("--async-scheduling/--no-async-scheduling",), field="async_scheduling"),

@@ -44,7 +44,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
     model = load_rank_model(config, resolved, comm, device, random_weights_seed, show_progress)
     kv_dtype = memory.kv_cache_dtype(config, dtype)
     # LoRA adapters: their slots in the adapted layers, allocated before the KV pool is sized from what is free
-    lora = load_loras(config, model) if config.loras else None
+    lora = load_loras(config, model, spec) if config.loras else None
     tuning = tune_kernels(config, resolved, model.backend, kv_dtype, comm, model)  # before memory is sized
 
     def make_runner(sized: EngineConfig, num_blocks: int, num_host_blocks: int = 0) -> ModelRunner:
@@ -79,13 +79,12 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
                   dtype=dtype, model_dir=model_dir, kernel_tuning=tuning)
 
 
-def load_loras(config: EngineConfig, model):
-    """The job's LoRA adapters (checked against the model again: preflight did it once) in their slots."""
-    from cbatch.lora.adapter import load_adapter
+def load_loras(config: EngineConfig, model, spec: ModelSpec):
+    """The job's LoRA adapters (checked against the full model `spec` again: preflight did it once) in the slots
+    of `model` (this rank's share)."""
     from cbatch.lora.runtime import LoraSlots
 
-    adapters = [load_adapter(name, path, model.spec, config.max_lora_rank) for name, path in config.loras]
-    return LoraSlots(model, adapters, config.max_loras, config.max_lora_rank)
+    return LoraSlots.for_job(config.loras, model, spec, config.max_loras, config.max_lora_rank)
 
 
 def add_loras(engine: Engine, loras: tuple[tuple[str, str], ...]) -> None:
@@ -95,7 +94,9 @@ def add_loras(engine: Engine, loras: tuple[tuple[str, str], ...]) -> None:
     if engine.has_unfinished():
         raise RuntimeError("adapters can be added only between runs (requests are queued)")
     config = replace(engine.config, loras=engine.config.loras + tuple(loras))  # (checks the names)
-    lora = load_loras(config, engine.runner.model)
+    lora = load_loras(config, engine.runner.model, engine.spec)
+    if engine.runner.peers is not None:
+        engine.runner.peers.send_loras(config)  # each worker makes its slots again too
     engine.runner.lora = lora
     if engine.device is not None and engine.device.type == "cuda":
         lora.warm_up()

@@ -6,7 +6,7 @@ compute backend (`load_rank_model`). Rank 0's build (cbatch/engine/build.py) and
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,7 +15,7 @@ from cbatch.model.backend import Backend, BackendUnavailable, auto_choice, make_
 from cbatch.model.cpu_features import bf16_speed_warning
 from cbatch.model.decoder import LlamaForCausalLM
 from cbatch.model.loader import Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir
-from cbatch.model.shard import check_tensor_parallel
+from cbatch.model.shard import check_tensor_parallel, with_expert_parallel
 from cbatch.model.spec import ModelSpec
 from cbatch.parallel.comm import Communicator
 
@@ -50,6 +50,9 @@ def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: t
 
         checkpoint = read_checkpoint(resolve_model_dir(config.model) if config.model else default_model_dir())
         spec = checkpoint.spec
+    if config.expert_parallel:
+        spec = with_expert_parallel(spec)
+        checkpoint = replace(checkpoint, spec=spec) if checkpoint is not None else None  # (what load_model reads)
     check_tensor_parallel(spec, config.tensor_parallel_size)
     if spec.mla is not None and config.kv_cache_dtype == "fp8":
         raise ConfigError("kv_cache_dtype", "fp8 is not supported for multi-head latent attention models (DeepSeek-V2/V3, "

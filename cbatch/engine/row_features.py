@@ -159,12 +159,14 @@ class AdapterRows(RowFeature):
     def fill(self, inputs: StepInputs, order: np.ndarray | slice, q_lens: np.ndarray) -> None:
         if self._row_slots is not None:
             inputs.lora_slots = np.repeat(self._row_slots[order], q_lens)  # int32 [T]
+            inputs.lora_resident = tuple(self.slots.resident)
 
     def prepare(self, inputs: StepInputs, device: torch.device, put: Callable | None) -> bool:
         if self.slots is not None:  # each token's adapter slot for the adapted layers (none: the base model)
             if inputs.lora_slots is None:
                 self.slots.step.clear()
             else:
+                self.slots.hold(inputs.lora_resident)  # (a worker rank: rank 0's slots; rank 0: as they are)
                 self.slots.step.set(inputs.lora_slots, self.slots.num_slots, device, put)
         return inputs.lora_slots is None  # the decode graphs hold the base model only
 

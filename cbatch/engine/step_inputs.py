@@ -39,6 +39,8 @@ class StepInputs:
     # the embedding rows the step takes: (first flat row, image, its first row, end row); None / []: none
     mrope_positions: np.ndarray | None = None
     image_slices: list = field(default_factory=list)
+    # the adapter each slot holds (rank 0's `LoraSlots.resident`): a tensor-parallel worker loads the same ones
+    lora_resident: tuple[str | None, ...] | None = None
 
     def to_device(self, dev: torch.device, block_size: int, last_sampled: torch.Tensor | None = None,
                   staging: HostStaging | None = None) -> "_Batch":

@@ -7,6 +7,7 @@ Rank 0 drives; a worker only mirrors its runner. Every message goes rank 0 -> wo
 (pickled, small: the step's host arrays, `StepInputs`, never tensors of activations):
     ("runner", kwargs)   build a ModelRunner like rank 0's (the GPU's dummy profiling runners included)
     ("capture", n, len)  capture the decode CUDA graphs (their collectives are captured on every rank)
+    ("loras", config)    make the LoRA adapter slots again for the config's adapters (the library adding one)
     ("step", inputs)     run the step: copies, swaps, forward, lm_head on the sampling rows (all-gathered
                          to rank 0, which samples)
     ("stop",)            exit
@@ -28,7 +29,9 @@ import torch.distributed as dist
 from cbatch.config import EngineConfig
 from cbatch.engine.resolve import ResolvedModel, load_rank_model
 from cbatch.engine.runner import ModelRunner
+from cbatch.lora.runtime import LoraSlots
 from cbatch.model.decoder import LlamaForCausalLM
+from cbatch.model.spec import ModelSpec
 from cbatch.parallel import WorkerFailure
 from cbatch.parallel.comm import ProcessGroupComm, init_process_group
 
@@ -65,6 +68,9 @@ class Peers:
 
     def send_step(self, inputs: Any) -> None:
         self.send(("step", inputs))
+
+    def send_loras(self, config: EngineConfig) -> None:
+        self.send(("loras", config))
 
     def send_capture(self, max_num_seqs: int, max_model_len: int) -> None:
         self.send(("capture", max_num_seqs, max_model_len))
@@ -121,7 +127,7 @@ def worker_main(args: WorkerArgs) -> None:
     comm = init_process_group(args.rank, args.world, args.port, device, args.timeout_s)
     control = dist.new_group(backend="gloo")
     model = load_rank_model(args.config, args.resolved, comm, device)
-    runner = None
+    rank = _WorkerRank(model, device, args.resolved.spec, _lora_slots(args.config, model, args.resolved.spec))
     try:
         while True:
             box: list[Any] = [None]
@@ -129,22 +135,50 @@ def worker_main(args: WorkerArgs) -> None:
             message = box[0]
             if message[0] == "stop":
                 break
-            runner = _serve(message, model, runner, device)
+            _serve(message, rank)
     finally:
         dist.destroy_process_group()
 
 
-def _serve(message: tuple, model: LlamaForCausalLM, runner: ModelRunner | None, device: torch.device) -> ModelRunner | None:
-    """Carries out one message from rank 0; returns the worker's (possibly new) runner."""
+@dataclass(slots=True)
+class _WorkerRank:
+    """A worker's state: its share of the model, its runner (once rank 0 built its own), its LoRA slots."""
+
+    model: LlamaForCausalLM
+    device: torch.device
+    spec: ModelSpec  # the full model's
+    lora: LoraSlots | None
+    runner: ModelRunner | None = None
+
+
+def _lora_slots(config: EngineConfig, model: LlamaForCausalLM, spec: ModelSpec) -> LoraSlots | None:
+    """This rank's share of the job's adapters in their slots (rank 0's build makes its own the same way)."""
+    if not config.loras:
+        return None
+    slots = LoraSlots.for_job(config.loras, model, spec, config.max_loras, config.max_lora_rank)
+    if slots.device.type == "cuda":
+        slots.warm_up()  # the shrink / expand kernels compile now, not mid-run
+    return slots
+
+
+def _serve(message: tuple, worker: _WorkerRank) -> None:
+    """Carries out one message from rank 0."""
     kind = message[0]
     if kind == "runner":
-        return ModelRunner(model, device=device, **message[1])
+        worker.runner = ModelRunner(worker.model, device=worker.device, **message[1])
+        worker.runner.lora = worker.lora
+        return
+    if kind == "loras":
+        worker.lora = _lora_slots(message[1], worker.model, worker.spec)
+        if worker.runner is not None:
+            worker.runner.lora = worker.lora
+        return
+    runner = worker.runner
     if kind == "capture":
         runner.capture_decode_graphs(message[1], message[2])
     elif kind == "step":
         runner.begin_step()
         runner.run_step(message[1])
-    return runner
 
 
 def _free_port() -> int:

@@ -148,28 +148,30 @@ def _grouped_gemm_kernel(
              mask=row_ok[:, None] & n_ok[None, :])
 
 
-def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int, spill: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_ids int32 [padded rows], block_expert int32 [row blocks], used_rows int32 [1]).
 
     sorted_ids lists the assignments (token * k + j) expert by expert, each expert's run padded with the
-    id T * k to a multiple of block_m; block_expert names the expert of each block of block_m rows."""
+    id T * k to a multiple of block_m; block_expert names the expert of each block of block_m rows. `spill`
+    (expert parallelism): ids equal to num_experts (another rank's experts) sort last, past used_rows."""
     flat = topk_ids.reshape(-1).long()  # [A]
     assignments, device = flat.numel(), flat.device
+    buckets = num_experts + int(spill)
     # [E]; not torch.bincount, which reads its input's max back to the host (no CUDA-graph capture)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(buckets, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert, in order within each
     by_expert = flat[order]
     rank = torch.arange(assignments, device=device) - (torch.cumsum(counts, 0) - counts)[by_expert]
-    max_rows = min(assignments * block_m, assignments + num_experts * (block_m - 1))
+    max_rows = min(assignments * block_m, assignments + buckets * (block_m - 1))
     max_rows = -(-max_rows // block_m) * block_m  # whole blocks: every program reads BLOCK_M ids
     sorted_ids = torch.full((max_rows,), assignments, dtype=torch.int32, device=device)
     sorted_ids[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
     block_starts = torch.arange(0, max_rows, block_m, device=device)
     block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, block_expert, ends[-1:].to(torch.int32)
+    return sorted_ids, block_expert, ends[num_experts - 1 : num_experts].to(torch.int32)
 
 
 def _tiles(rows: int, n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -276,6 +278,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     w2_scale), as gpt-oss checkpoints store them.
     `int_experts` (int4.IntExperts): w13 / w2 are packed ints [E, N, K * bits / 32] with float32 scales
     (w13_scale / w2_scale) and its uint8 zeros, [E, N, groups] each."""
+    if topk_ids.shape[0] == 0:
+        return torch.zeros_like(x)
+    return fused_moe_slots(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block, int_experts,
+                           None, w13_bias, w2_bias).sum(dim=1)
+
+
+def fused_moe_slots(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, activation: str = "silu", w13_scale: torch.Tensor | None = None,
+                    w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                    int_experts=None, first_expert: int | None = 0, w13_bias: torch.Tensor | None = None,
+                    w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fused_moe` before its sum: each token's k weighted expert outputs [T, k, H], in ascending expert order.
+    w13 / w2 hold experts [first_expert, first_expert + E) (expert parallelism: the slots of other experts are
+    zeros, never computed); None: every expert."""
     if w13.dtype == torch.uint8:  # MXFP4: the launches read the pairs as [E, N, K / 2]
         int_args13 = _mxfp4_args(x.shape[1], w13, w13_scale)
         int_args2 = _mxfp4_args(w2.shape[2] * MXFP4_BLOCK, w2, w2_scale)
@@ -290,20 +306,25 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     check_launchable(x, w13, w2, topk_weights, topk_ids)
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
-        return torch.zeros_like(x)
+        return x.new_zeros(0, top_k, w2.shape[1])
     ids, perm = topk_ids.sort(dim=1)  # each token's experts in ascending order: HF's summation order
     weights = topk_weights.gather(1, perm).reshape(-1).contiguous()  # [T * k]
+    local = w13.shape[0]
+    if first_expert is not None:  # another rank's experts: bucket `local`, past the rows the kernels run
+        ids = ids - first_expert
+        ids = torch.where((ids >= 0) & (ids < local), ids, local)
     assignments = num_tokens * top_k
-    block_m = 16 if assignments <= 64 * w13.shape[0] else 64  # rows per expert on average: few in decode steps
-    sorted_rows = sort_by_expert(ids, w13.shape[0], block_m)
-    inter = torch.empty((assignments, w13.shape[1]), dtype=x.dtype, device=x.device)  # [T * k, 2I]
+    block_m = 16 if assignments <= 64 * local else 64  # rows per expert on average: few in decode steps
+    sorted_rows = sort_by_expert(ids, local, block_m, spill=first_expert is not None)
+    make = torch.empty if first_expert is None else torch.zeros  # (the slots no kernel writes stay zero)
+    inter = make((assignments, w13.shape[1]), dtype=x.dtype, device=x.device)  # [T * k, 2I]
     _launch(x, w13, inter, assignments, scale=w13_scale, block=block, sorted_rows=sorted_rows,
             a_row_div=top_k, block_m=block_m, bias=w13_bias, **int_args13)
     if callable(activation):
         act = activation(inter).contiguous()  # [T * k, I]
     else:
         act = gelu_tanh_and_mul(inter) if activation == "gelu_tanh" else silu_and_mul(inter)  # [T * k, I]
-    down = torch.empty((assignments, w2.shape[1]), dtype=x.dtype, device=x.device)  # [T * k, H]
+    down = make((assignments, w2.shape[1]), dtype=x.dtype, device=x.device)  # [T * k, H]
     _launch(act, w2, down, assignments, scale=w2_scale, block=block, sorted_rows=sorted_rows,
             route_weights=weights, block_m=block_m, bias=w2_bias, **int_args2)
-    return down.view(num_tokens, top_k, -1).sum(dim=1)
+    return down.view(num_tokens, top_k, -1)

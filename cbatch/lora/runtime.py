@@ -8,6 +8,11 @@ zero, and each part's scale is folded into its b. So one adapter's delta on a pa
     out[tokens] += (x[tokens] @ a[slot].T) @ b[slot].T
 Zero padding adds exact zeros: the result is that of the adapter's own rank.
 
+Under tensor parallelism the factors are cut as their base layer (`Shard.ranges`): a column-parallel module
+(qkv_proj, gate_up_proj) holds its rows of each part's B and the whole A; a row-parallel one (o_proj, down_proj)
+its input columns of A and the whole B, so each rank adds B (A_r x_r), a partial sum the layer's all-reduce
+completes with the base's. Rank 0 assigns the slots; the workers load the adapters its step names (`hold`).
+
 The scheduler keeps at most S adapters among a step's rows (cbatch/engine/adapter_admission.py); `LoraSlots.assign`
 gives each of them a slot, copying an adapter's factors in when it is not resident (least recently used
 slot not in this step). Tensors keep their shapes, so a CUDA graph could hold them; the decode graphs run
@@ -20,7 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cbatch.lora.adapter import PACKED, LoraAdapter, module_in_size, module_out_sizes
+from cbatch.lora.adapter import PACKED, LoraAdapter, load_adapter, module_in_size, module_out_sizes
+from cbatch.model.shard import Shard
 from cbatch.model.spec import ModelSpec
 
 
@@ -105,8 +111,11 @@ class LoraSlots:
     """The runner's adapters: every adapter of the job (on the host), the slots of the modules any of them
     adapts, and which adapter each slot holds."""
 
-    def __init__(self, model, adapters: list[LoraAdapter], num_slots: int, max_rank: int) -> None:
-        spec: ModelSpec = model.spec
+    def __init__(self, model, adapters: list[LoraAdapter], num_slots: int, max_rank: int,
+                 full_spec: ModelSpec | None = None) -> None:
+        spec: ModelSpec = model.spec  # this rank's share (the whole model on one rank)
+        full_spec = full_spec or spec  # the adapters' shapes
+        shard = Shard(model.comm.rank, model.comm.world)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.adapters = {a.name: a for a in adapters}
@@ -120,6 +129,8 @@ class LoraSlots:
                                     sum(module_out_sizes(spec, name)), self.device, self.dtype)
                 module.lora = target
                 self.targets[(layer, name)] = target
+        # (layer, module) -> (column | row, this rank's [start, stop) of each part's rows or of the inputs)
+        self._ranges = {key: shard.ranges(f"layers.{key[0]}.{_BLOCK[key[1]]}.{key[1]}", full_spec) for key in self.targets}
         self._out_sizes = {name: module_out_sizes(spec, name) for name in PACKED}
         self.resident: list[str | None] = [None] * num_slots  # slot -> adapter name
         self._last_used = [0] * num_slots
@@ -163,6 +174,20 @@ class LoraSlots:
             out = torch.zeros(1, target.b.shape[1], device=self.device, dtype=self.dtype)
             add_lora(x, out, target.a, target.b, step)
 
+    @classmethod
+    def for_job(cls, loras: tuple[tuple[str, str], ...], model, full_spec: ModelSpec, num_slots: int,
+                max_rank: int) -> LoraSlots:
+        """The job's adapters (name, PEFT folder), checked against the full model `full_spec`, in the slots of
+        `model` (one tensor-parallel rank's share of it, or the whole)."""
+        adapters = [load_adapter(name, path, full_spec, max_rank) for name, path in loras]
+        return cls(model, adapters, num_slots, max_rank, full_spec)
+
+    def hold(self, resident: tuple[str | None, ...]) -> None:
+        """Makes each slot hold the adapter `resident` names (a worker rank following rank 0's `assign`)."""
+        for slot, name in enumerate(resident):
+            if name is not None and self.resident[slot] != name:
+                self._load(slot, self.adapters[name])
+
     @torch.no_grad()
     def _load(self, slot: int, adapter: LoraAdapter) -> None:
         r = self.max_rank
@@ -170,9 +195,18 @@ class LoraSlots:
             target.a[slot].zero_()
             target.b[slot].zero_()
             starts = np.cumsum([0, *self._out_sizes[name]]).tolist()
+            axis, ranges = self._ranges[(layer, name)]
             for part, lp in adapter.parts.get((layer, name), {}).items():
                 rank = lp.a.shape[0]
-                target.a[slot, part * r : part * r + rank].copy_(lp.a)
-                target.b[slot, starts[part] : starts[part + 1], part * r : part * r + rank].copy_(lp.b * lp.scale)
+                a, b = lp.a, lp.b
+                if axis == "column":  # this rank's output rows of the part
+                    b = b[ranges[part][0] : ranges[part][1]]
+                else:  # row-parallel (one part): this rank's input columns
+                    a = a[:, ranges[0][0] : ranges[0][1]]
+                target.a[slot, part * r : part * r + rank].copy_(a)
+                target.b[slot, starts[part] : starts[part + 1], part * r : part * r + rank].copy_(b * lp.scale)
         self.resident[slot] = adapter.name
         self.loads += 1
+
+
+_BLOCK = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}  # module's parent

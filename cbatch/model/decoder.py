@@ -20,7 +20,7 @@ from cbatch.model.backend import AttentionMetadata, Backend, KVLayer, RotaryStep
 from cbatch.model.gemma import GemmaDecoderLayer
 from cbatch.model.layers import Linear, RMSNorm
 from cbatch.model.mla import MLAAttention
-from cbatch.model.moe import feed_forward
+from cbatch.model.moe import ExpertLoad, feed_forward
 from cbatch.model.mrope import mrope_cos_sin, section_axes
 from cbatch.model.onednn import linear, packed_linear, prepack_weight
 from cbatch.model.rope import rope_table
@@ -105,14 +105,16 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm.add_forward(hidden, residual)
         hidden = self.comm.all_reduce(self.self_attn(hidden, ropes, ctx))
         hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
-        return self.comm.all_reduce(self.mlp(hidden)), residual
+        out = self.mlp(hidden)
+        return (out if getattr(self.mlp, "complete_output", False) else self.comm.all_reduce(out)), residual
 
 
-def decoder_layer(spec: ModelSpec, layer_idx: int, backend: Backend, comm: Communicator) -> nn.Module:
+def decoder_layer(spec: ModelSpec, layer_idx: int, backend: Backend, comm: Communicator,
+                  expert_load: ExpertLoad | None = None) -> nn.Module:
     """Attention and MLP (dense or experts) arranged as the family does: Llama's or Gemma's norms."""
     layer_cls = GemmaDecoderLayer if spec.sandwich_norms else DecoderLayer
     attention = MLAAttention(spec, layer_idx, backend) if spec.mla is not None else Attention(spec, layer_idx, backend)
-    return layer_cls(spec, attention, feed_forward(spec, layer_idx, backend), backend, comm)
+    return layer_cls(spec, attention, feed_forward(spec, layer_idx, backend, comm, expert_load), backend, comm)
 
 
 class VocabEmbedding(nn.Module):
@@ -158,7 +160,12 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         self.comm = comm
         self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, comm)
-        self.layers = nn.ModuleList(decoder_layer(spec, i, backend, comm) for i in range(spec.num_layers))
+        # expert parallelism: the assignments each rank's experts take (the report's load balance)
+        self.expert_load = None
+        if spec.moe is not None and spec.moe.expert_range is not None and comm.world > 1:
+            self.expert_load = ExpertLoad(comm.world, spec.moe.num_experts // comm.world)
+        self.layers = nn.ModuleList(decoder_layer(spec, i, backend, comm, self.expert_load)
+                                    for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend, unit_offset=spec.norm_unit_offset)
         vocab_rows = self.embed_tokens.weight.shape[0]
         self.lm_head = Linear(spec.hidden_size, vocab_rows, bias=False) if spec.head == "lm" and not spec.tie_word_embeddings else None

@@ -6,7 +6,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -17,7 +17,7 @@ from cbatch.model.layers import Fp8Linear, Int4Linear
 from cbatch.model.decoder import LlamaForCausalLM
 from cbatch.model.moe import Experts
 from cbatch.model.mxfp4 import Mxfp4TensorView, check_mxfp4, mxfp4_pairs
-from cbatch.model.quant import FP8_DTYPE, channel_scales, dequantize
+from cbatch.model.quant import FP8_DTYPE, channel_scales, dequantize, scale_slice
 from cbatch.model.shard import Piece, Shard
 from cbatch.model.spec import ModelSpec, parse_spec, read_config
 from cbatch.model.weights import Placement, TensorIndex, kept_fp8_modules, kept_int_module, kept_mxfp4_modules, place
@@ -114,6 +114,8 @@ def build_model(spec: ModelSpec, max_positions: int, device: torch.device, dtype
             model.get_submodule(name).keep_mxfp4()
     model = model.to_empty(device=device)
     model.build_rope_cache(device)
+    if model.expert_load is not None:
+        model.expert_load.allocate(device)
     return model.eval().requires_grad_(False)
 
 
@@ -145,6 +147,8 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
 
         def keep_packed(layer: str) -> bool:  # Int4Linear where the backend takes packed weights
             module = kept_int_module(layer, spec) if backend.keeps_int_weights else None
+            if module is not None and packed.act_order and _row_parallel(module, spec, comm.world):
+                module = None  # its rank's input rows fall in any group: held dequantized (`_row_parallel`)
             if module is not None:
                 int_keep.add(module)
             return module is not None
@@ -170,6 +174,9 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
         if placed is None or (placed[1] == "scale" and not _kept(placed[0], keep | int_keep | mxfp4_keep)):
             continue  # unused, or the scale of a weight dequantized below
         placement, kind = placed
+        placement = shard.local_expert(placement, spec)  # expert parallelism: this rank's experts only
+        if placement is None:
+            continue
         target = placement.param(kind)
         if target not in params:
             raise ModelLoadError(f"{index.file_of[name].name}: tensor {name} has no place in a {spec.architecture}")
@@ -177,13 +184,19 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
         if kind == "perm":  # act-order: q/k/v (gate/up) share their input, so their g_idx (and perm) agree
             filled[target] = _load_perm(index, name, param, filled[target])
             continue
-        pieces = shard.pieces(placement, kind, spec, param.dim())
+        weight_ndim = params[placement.param("weight")].dim() if kind == "scale" else param.dim()
+        pieces = shard.pieces(placement, kind, spec, weight_ndim)
+        stored_ndim = weight_ndim - (placement.expert is not None)  # the checkpoint weight's: [..., N, K]
         if pieces is not None and placement.module in int_keep:
             pieces = _packed_pieces(pieces, kind, spec.quant.packed)
+        elif pieces and kind == "scale" and pieces[0].dim >= stored_ndim - 2:  # a kept FP8 weight's scales: with
+            # their rows, or their blocks (not a stack of whole experts, split on its expert dimension)
+            pieces = _fp8_scale_pieces(pieces, spec.quant.block, stored_ndim)
         if pieces is None:
             filled[target] += _load_whole(index, name, placement, kind, param, spec)
         else:
-            filled[target] += _load_pieces(index, name, placement, param, pieces)
+            read = _piece_reader(index, name, kind, param, spec)
+            filled[target] += _load_pieces(index, name, placement, param, pieces, read)
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
         raise ModelLoadError(f"{ckpt.path}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
@@ -202,22 +215,59 @@ def _load_whole(index: TensorIndex, name: str, placement: Placement, kind: str, 
     return dest.numel()
 
 
-def _load_pieces(index: TensorIndex, name: str, placement: Placement, param: torch.Tensor, pieces: list[Piece]) -> int:
+def _load_pieces(index: TensorIndex, name: str, placement: Placement, param: torch.Tensor, pieces: list[Piece],
+                 read: Callable[[Piece], torch.Tensor]) -> int:
     """Copies this rank's pieces of checkpoint tensor `name` (`Shard.pieces`) into `param`, read piece by piece
-    (safetensors slices: the rank never holds the whole tensor); a row-parallel bias off rank 0 (no pieces)
-    becomes zeros. (FP8 checkpoints run on one rank: `check_tensor_parallel`.)"""
+    (`read`: safetensors slices, the rank never holds the whole tensor); a row-parallel bias off rank 0 (no
+    pieces) becomes zeros."""
     dest = param if placement.expert is None else param[placement.expert]
     if not pieces:
         dest.zero_()
         return dest.numel()
     written = 0
     for piece in pieces:
-        part = index.get_slice(name, piece.dim, piece.src_start, piece.src_stop)
+        part = read(piece)
         target = dest.narrow(piece.dim, piece.dst_start, piece.src_stop - piece.src_start)
         _check_shape(index, name, part, target)
         target.copy_(part)
         written += target.numel()
     return written
+
+
+def _piece_reader(index: TensorIndex, name: str, kind: str, param: torch.Tensor,
+                  spec: ModelSpec) -> Callable[[Piece], torch.Tensor]:
+    """How a rank reads a piece of checkpoint tensor `name`: a slice of the file; an FP8 weight's slice
+    dequantized with its share of the scales (a float parameter: `quant.scale_slice`); a kept FP8 weight's
+    scales, the pieces of its channels or blocks (`_fp8_scale_pieces`; a per-tensor scale broadcast to rows)."""
+    quant = spec.quant
+    fp8 = quant is not None and quant.packed is None
+    if fp8 and kind == "scale":
+        rows = index.shape(f"{name.rpartition('.')[0]}.weight")[-2]
+        scale = index.get(name)
+        full = channel_scales(scale, rows) if quant.block is None else scale.float()
+        return lambda piece: full.narrow(piece.dim, piece.src_start, piece.src_stop - piece.src_start)
+    if fp8 and index.dtype_of[name] == "F8_E4M3" and param.dtype != FP8_DTYPE:
+        scale, shape = _scale_of(index, name, spec), index.shape(name)
+
+        def dequantized(piece: Piece) -> torch.Tensor:
+            part = index.get_slice(name, piece.dim, piece.src_start, piece.src_stop)
+            scales = scale_slice(scale, shape, quant.block, piece.dim, piece.src_start, piece.src_stop)
+            return dequantize(part, scales, quant.block, param.dtype)
+
+        return dequantized
+    return lambda piece: index.get_slice(name, piece.dim, piece.src_start, piece.src_stop)
+
+
+def _fp8_scale_pieces(pieces: list[Piece], block: tuple[int, int] | None, weight_ndim: int) -> list[Piece] | None:
+    """A kept FP8 weight's pieces (`Shard.pieces`, in rows or columns of the stored weight, of `weight_ndim`
+    dimensions) as pieces of its scales: per channel,
+    a column split's rows and nothing of a row split (each rank holds every output channel's scale: None); per
+    block, the blocks those rows or columns fill (whole blocks: `check_tensor_parallel`)."""
+    rows = pieces[0].dim == weight_ndim - 2
+    if block is None:
+        return pieces if rows else None
+    unit = block[0] if rows else block[1]
+    return [Piece(p.dim, p.src_start // unit, -(-p.src_stop // unit), p.dst_start // unit) for p in pieces]
 
 
 def _load_perm(index, name: str, param: torch.Tensor, filled: int) -> int:
@@ -227,6 +277,15 @@ def _load_perm(index, name: str, param: torch.Tensor, filled: int) -> int:
                              f"with it (act-order g_idx differ); cbatch packs q/k/v and gate/up into one matmul")
     param.copy_(perm)
     return param.numel()
+
+
+def _row_parallel(module: str, spec: ModelSpec, world: int) -> bool:
+    """Whether `module` splits its inputs across the `world` ranks (o_proj, down_proj). An act-order layer's g_idx
+    scatters each group over the input rows, so a rank's share of them is no set of whole groups: the GPU path,
+    whose W4A16 kernel reads one scale row per group of `group_size` sorted rows, holds such a layer dequantized
+    (its column-parallel layers stay packed: they take every input row, with the whole g_idx)."""
+    split = Shard(0, world).ranges(module, spec)
+    return world > 1 and split is not None and split[0] == "row"
 
 
 def _packed_pieces(pieces: list[Piece], kind: str, packed) -> list[Piece] | None:
@@ -297,13 +356,18 @@ def _read(index: TensorIndex, name: str, placement: Placement, kind: str, dest: 
     if kind == "scale":
         return _scale_rows(tensor, placement, dest, block, name)
     if tensor.dtype == FP8_DTYPE and dest.dtype != FP8_DTYPE:
-        scale_name = f"{name.rpartition('.')[0]}.{spec.quant.scale_suffix}"
-        if scale_name not in index.file_of:
-            raise ModelLoadError(f"{index.file_of[name].name}: FP8 tensor {name} has no {spec.quant.scale_suffix}")
-        scale = index.get(scale_name)
+        scale = _scale_of(index, name, spec)
         scale = channel_scales(scale, tensor.shape[0]) if block is None else scale
         return dequantize(tensor, scale, block, dest.dtype)
     return tensor
+
+
+def _scale_of(index: TensorIndex, name: str, spec: ModelSpec) -> torch.Tensor:
+    """The stored scale of FP8 weight `name`."""
+    scale_name = f"{name.rpartition('.')[0]}.{spec.quant.scale_suffix}"
+    if scale_name not in index.file_of:
+        raise ModelLoadError(f"{index.file_of[name].name}: FP8 tensor {name} has no {spec.quant.scale_suffix}")
+    return index.get(scale_name)
 
 
 def _scale_rows(scale: torch.Tensor, placement: Placement, dest: torch.Tensor, block: tuple[int, int] | None,

@@ -16,6 +16,15 @@ shared experts ungated:
                 e_score_correction_bias), top-k (by the same biased scores) inside the topk_group best groups;
                 weights = the unbiased scores, renormalised with norm_topk_prob, x routed_scaling_factor
 gpt-oss's experts add biases to both projections and use a clamped SwiGLU (backend/clamped_swiglu.py).
+
+Expert parallelism (--expert-parallel, `MoESpec.expert_range`): each rank holds num_experts / N whole experts and a
+whole shared expert. Under tensor parallelism every rank already has every token's hidden state (attention's
+all-reduce), so dispatch is a local selection; the combine is one all-reduce of the per-slot outputs [T, k, H],
+in which each (token, slot) is non-zero on the one rank holding its expert (a sum with zeros: exact), after which
+every rank sums a token's k slots in the one-rank order (`fused_moe_slots`, then `.sum(dim=1)` as `fused_moe`
+does): the output is bitwise one rank's, and complete, so the decoder layer does not all-reduce it again. It
+moves k times the bytes of the dense all-reduce; an all-to-all of the routed tokens (DeepEP-style, with data
+parallel attention) is the faster layout where attention is not tensor-parallel.
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ from cbatch.model.layers import MLP, Linear
 from cbatch.model.mxfp4 import BLOCK as MXFP4_BLOCK
 from cbatch.model.quant import FP8_DTYPE
 from cbatch.model.spec import ModelSpec, MoESpec
+from cbatch.parallel.comm import SINGLE_RANK, Communicator
 
 
 class Experts(nn.Module):
@@ -128,11 +138,41 @@ class GroupLimitedRouter(nn.Module):
         return weights * self.routed_scaling_factor, ids
 
 
+class ExpertLoad:
+    """Expert parallelism's load balance: the (token, expert) assignments each rank's experts took, summed over
+    the MoE layers and steps, counted on the device (no host sync; captured in decode graphs too)."""
+
+    def __init__(self, world: int, experts_per_rank: int) -> None:
+        self.world, self.experts_per_rank = world, experts_per_rank
+        self.counts: torch.Tensor | None = None  # int64 [world + 1]: per rank, then the layer-steps counted
+
+    def allocate(self, device: torch.device) -> None:
+        self.counts = torch.zeros(self.world + 1, dtype=torch.int64, device=device)
+
+    def add(self, ids: torch.Tensor) -> None:
+        """ids [T, k]: one MoE layer's routing in one step."""
+        ranks = (ids // self.experts_per_rank).reshape(-1)
+        self.counts.scatter_add_(0, ranks, torch.ones_like(ranks))
+        self.counts[self.world] += 1
+
+    def summary(self) -> dict[str, object]:
+        """For the report: each rank's assignments (all layers and steps), their mean per MoE layer and step, and
+        the busiest rank's over the mean (1.0: even)."""
+        counts = self.counts.tolist()
+        per_rank, layer_steps = counts[: self.world], counts[self.world]
+        mean = sum(per_rank) / self.world
+        return {"ranks": self.world, "assignments": per_rank, "layer_steps": layer_steps,
+                "tokens_per_rank_per_layer_step": [round(c / max(1, layer_steps), 2) for c in per_rank],
+                "imbalance": round(max(per_rank) / mean, 3) if mean else 1.0}
+
+
 class SparseMoeBlock(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: Backend) -> None:
+    def __init__(self, spec: ModelSpec, backend: Backend, comm: Communicator = SINGLE_RANK,
+                 load: ExpertLoad | None = None) -> None:
         super().__init__()
         moe = spec.moe
         self.backend = backend
+        self.comm = comm
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
         self.weights_in_model_dtype = moe.weights_in_model_dtype
@@ -140,10 +180,15 @@ class SparseMoeBlock(nn.Module):
         self.activation: str | ClampedSwiGLU = spec.hidden_act
         if moe.swiglu_limit is not None:
             self.activation = ClampedSwiGLU(moe.swiglu_alpha, moe.swiglu_limit)
-        # the router: DeepSeek's, or a linear layer whose softmax top-k `route` takes
+        # the router (every expert's logit): DeepSeek's, or a linear layer whose softmax top-k `route` takes
         self.gate = (GroupLimitedRouter(moe, spec.hidden_size) if moe.grouped_scoring
                      else Linear(spec.hidden_size, moe.num_experts, bias=moe.biased))
-        self.experts = Experts(moe.num_experts, spec.hidden_size, moe.intermediate_size, bias=moe.biased)
+        first, stop = moe.expert_range or (0, moe.num_experts)
+        self.first_expert = first if moe.expert_range is not None else None  # None: every expert here
+        self.load = load
+        # an expert-parallel block's output is complete on every rank: the decoder layer all-reduces only partial ones
+        self.complete_output = moe.expert_range is not None and comm.world > 1
+        self.experts = Experts(stop - first, spec.hidden_size, moe.intermediate_size, bias=moe.biased)
         self.shared_expert = None
         self.shared_expert_gate = None
         if moe.shared_expert_size:
@@ -170,8 +215,16 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         e = self.experts
-        out = self.backend.fused_moe(x, e.w13, e.w2, weights, ids, self.activation, e.w13_scale, e.w2_scale, e.block,
-                                     e.int_experts(), w13_bias=e.w13_bias, w2_bias=e.w2_bias)
+        if self.first_expert is None:
+            out = self.backend.fused_moe(x, e.w13, e.w2, weights, ids, self.activation, e.w13_scale, e.w2_scale,
+                                         e.block, e.int_experts(), w13_bias=e.w13_bias, w2_bias=e.w2_bias)
+        else:  # expert parallelism: this rank's slots, every rank's gathered by an exact sum, then one rank's order
+            slots = self.backend.fused_moe_slots(x, e.w13, e.w2, weights, ids, self.activation, e.w13_scale,
+                                                 e.w2_scale, e.block, e.int_experts(), self.first_expert,
+                                                 e.w13_bias, e.w2_bias)  # [T, k, H]
+            out = self.comm.all_reduce(slots).sum(dim=1)
+            if self.load is not None:
+                self.load.add(ids)
         if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.shared_expert is not None:
@@ -179,8 +232,9 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-def feed_forward(spec: ModelSpec, layer: int, backend: Backend) -> nn.Module:
+def feed_forward(spec: ModelSpec, layer: int, backend: Backend, comm: Communicator = SINGLE_RANK,
+                 load: ExpertLoad | None = None) -> nn.Module:
     """Layer `layer`'s MLP: the experts where the spec makes it sparse, the dense gated MLP otherwise."""
     if spec.is_sparse(layer):
-        return SparseMoeBlock(spec, backend)
+        return SparseMoeBlock(spec, backend, comm, load)
     return MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.hidden_act, backend)

@@ -120,6 +120,20 @@ def channel_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
     return scale
 
 
+def scale_slice(scale: torch.Tensor, weight_shape: list[int], block: tuple[int, int] | None, dim: int, start: int,
+                stop: int) -> torch.Tensor:
+    """The float32 scales of a weight's elements [start, stop) along `dim` (of the stored weight [..., N, K]), as
+    `dequantize` takes them for that piece: per channel the piece's rows [n] (a row split) or every row [N] (a
+    column split); per block the blocks' rows or columns (a piece starts on a block boundary:
+    `shard.check_tensor_parallel` refuses other splits)."""
+    axis = dim - len(weight_shape)  # -2: rows (output channels), -1: columns (inputs)
+    if block is None:
+        scale = channel_scales(scale, weight_shape[-2])
+        return scale[start:stop] if axis == -2 else scale
+    unit = block[0] if axis == -2 else block[1]
+    return scale.float().narrow(axis, start // unit, -(-stop // unit) - start // unit)
+
+
 def expand_scales(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int] | None) -> torch.Tensor:
     """float32 scales broadcastable to a weight of `shape` [..., N, K]: [..., N, 1] or, per block, [..., N, K]."""
     if block is None:

@@ -6,7 +6,14 @@ Megatron's layout, as vLLM and nano-vllm use it:
     row-parallel     o_proj, down_proj, the experts' w2 (input columns): each rank's output is a partial sum,
                      all-reduced once per block (`DecoderLayer`); their bias is added by rank 0 only
     replicated       norms, q/k norms, the MoE router and Qwen2-MoE's shared-expert gate
-Every expert is split like a dense MLP (each rank holds a slice of every expert), so routing is unchanged.
+Every expert is split like a dense MLP (each rank holds a slice of every expert), so routing is unchanged; with
+--expert-parallel (`MoESpec.expert_parallel`) each rank holds num_experts / N whole experts instead, and a shared
+expert whole (cbatch/model/moe.py combines the ranks' experts).
+
+FP8 checkpoints split their scales with their weights: a per-tensor scale is broadcast to the rows (then split as
+per-channel ones), per-channel scales go with their rows, block scales with their blocks (a rank's rows and input
+columns whole blocks, else `check_tensor_parallel` refuses the size). Packed integer checkpoints split on whole
+groups; act-order ones after dequantization (cbatch/model/loader.py).
 
 A packed parameter (qkv: [q | k | v]) is a list of `Part`s; a rank holds one range of each part, laid out in
 the same order in its local (smaller) parameter. Loading maps a checkpoint tensor's place in the full model
@@ -75,11 +82,29 @@ class Shard:
             return spec
         kv = Part(spec.kv_size, spec.head_dim).local_size(self.world) // spec.head_dim
         moe = spec.moe
-        if moe is not None:
+        if moe is not None and moe.expert_parallel:  # whole experts, a shared expert replicated
+            moe = replace(moe, expert_range=self.expert_range(spec))
+        elif moe is not None:
             moe = replace(moe, intermediate_size=moe.intermediate_size // self.world,
                           shared_expert_size=moe.shared_expert_size // self.world)
         return replace(spec, num_heads=spec.num_heads // self.world, num_kv_heads=kv,
                        intermediate_size=spec.intermediate_size // self.world, moe=moe)
+
+    def expert_range(self, spec: ModelSpec) -> tuple[int, int]:
+        """Expert parallelism: the [first, stop) of the experts this rank holds (a contiguous, equal share)."""
+        per = spec.moe.num_experts // self.world
+        return self.rank * per, (self.rank + 1) * per
+
+    def local_expert(self, placement: Placement, spec: ModelSpec) -> Placement | None:
+        """Expert parallelism: a checkpoint tensor of one expert at its place among this rank's experts, None
+        for another rank's expert; any other placement as it is."""
+        moe = spec.moe
+        if placement.expert is None or moe is None or not moe.expert_parallel or self.world == 1:
+            return placement
+        first, stop = self.expert_range(spec)
+        if not first <= placement.expert < stop:
+            return None
+        return replace(placement, expert=placement.expert - first)
 
     def local_vocab(self, vocab_size: int) -> int:
         return Part(vocab_size).local_size(self.world)
@@ -91,6 +116,11 @@ class Shard:
         """Where a checkpoint tensor placed at `placement` (in the full model) goes in this rank's parameter;
         None: the whole tensor, as is (replicated, or world 1); []: nothing of it (a row-parallel bias off rank 0)."""
         leaf = placement.module.rpartition(".")[2]
+        if self.world > 1 and leaf == "experts" and spec.moe.expert_parallel:  # whole experts (`local_expert`)
+            if placement.expert is not None:
+                return None
+            first, stop = self.expert_range(spec)
+            return [Piece(0, first, stop, 0)]  # a stack of every expert [E, rows, cols]: this rank's
         split = _split(leaf, placement.slot, spec, placement.module)
         if self.world == 1 or split is None:
             return None
@@ -102,6 +132,16 @@ class Shard:
             dim += 1  # a stacked expert tensor [E, rows, cols], all experts at once
         full = placement.rows or slice(0, sum(p.size for p in parts))
         return self._intersect(parts, full, dim)
+
+    def ranges(self, module: str, spec: ModelSpec) -> tuple[str, list[tuple[int, int]]] | None:
+        """(column | row, this rank's [start, stop) in each packed part of the split dimension) of dense module
+        `module` (e.g. layers.0.self_attn.qkv_proj) of the full model `spec`; None: replicated. What LoRA factors
+        are cut by (cbatch/lora/runtime.py)."""
+        split = _split(module.rpartition(".")[2], "weight", spec, module)
+        if split is None:
+            return None
+        axis, parts = split
+        return axis, [part.rank_range(self.rank, self.world) for part in parts]
 
     def _intersect(self, parts: list[Part], full: slice, dim: int) -> list[Piece]:
         """The pieces of this rank's ranges inside `full` (the tensor's rows in the packed parameter)."""
@@ -125,6 +165,8 @@ def _split(leaf: str, slot: str, spec: ModelSpec, module: str) -> tuple[str, lis
     if leaf == "o_proj":
         return "row", [Part(spec.q_size, head)]
     width = spec.intermediate_size
+    if spec.moe is not None and spec.moe.expert_parallel and ".mlp.shared_expert" in module:
+        return None  # replicated beside experts held whole: each rank's MoE output is complete
     if spec.moe is not None and (leaf == "experts" or ".mlp.shared_expert" in module):
         width = spec.moe.intermediate_size if leaf == "experts" else spec.moe.shared_expert_size
     if leaf == "gate_up_proj" or slot == "w13":
@@ -136,51 +178,120 @@ def _split(leaf: str, slot: str, spec: ModelSpec, module: str) -> tuple[str, lis
     return None
 
 
+def with_expert_parallel(spec: ModelSpec) -> ModelSpec:
+    """The spec with its experts spread whole over the ranks (--expert-parallel); a model without experts is
+    refused (ConfigError on expert_parallel)."""
+    if spec.moe is None:
+        raise ConfigError("expert_parallel", f"the model ({spec.architecture}) has no experts to spread over the "
+                                             f"ranks; leave --expert-parallel off")
+    return replace(spec, moe=replace(spec.moe, expert_parallel=True))
+
+
 def check_tensor_parallel(spec: ModelSpec, world: int) -> None:
-    """Refuses (ConfigError on --tensor-parallel-size) a split the model's shapes do not allow."""
-    if world == 1:
+    """Refuses (ConfigError on --tensor-parallel-size) a split the model's shapes do not allow; a split that cuts
+    an FP8 checkpoint's scale blocks names the sizes that work."""
+    problem = _split_problem(spec, world)
+    if problem is None:
         return
+    if spec.quant is not None and spec.quant.packed is None and spec.quant.block is not None and \
+            _shape_problem(spec, world) is None:
+        works = ", ".join(str(w) for w in tensor_parallel_sizes(spec))
+        problem += f"; use --tensor-parallel-size {works}"
+    raise ConfigError("tensor_parallel_size", problem)
+
+
+def tensor_parallel_sizes(spec: ModelSpec, limit: int = 64) -> list[int]:
+    """The --tensor-parallel-size values up to `limit` this model splits into."""
+    return [world for world in range(1, limit + 1) if _split_problem(spec, world) is None]
+
+
+def _split_problem(spec: ModelSpec, world: int) -> str | None:
+    """Why `world` ranks cannot split this model (a sentence without the fix's sizes), or None."""
+    if world == 1:
+        return None
+    one_rank = _one_rank_family(spec)
+    if one_rank is not None:
+        return f"{one_rank} run on one rank only for now; use --tensor-parallel-size 1"
+    problem = _shape_problem(spec, world)
+    if problem is not None or spec.quant is None:
+        return problem
+    return _packed_problem(spec, world) if spec.quant.packed is not None else _fp8_block_problem(spec, world)
+
+
+def _one_rank_family(spec: ModelSpec) -> str | None:
+    """The kind of model that has no tensor-parallel split yet, or None."""
     if spec.mla is not None:
-        raise ConfigError("tensor_parallel_size", "multi-head latent attention models (DeepSeek-V2/V3, Kimi K2) run on "
-                                                  "one rank only for now; use --tensor-parallel-size 1")
+        return "multi-head latent attention models (DeepSeek-V2/V3, Kimi K2)"
     if spec.attn_sinks or (spec.moe is not None and spec.moe.experts_in_out_interleaved):
-        raise ConfigError("tensor_parallel_size", "gpt-oss checkpoints (attention sinks, interleaved experts) run on one "
-                                                  "rank only for now; use --tensor-parallel-size 1")
+        return "gpt-oss checkpoints (attention sinks, interleaved experts)"
     if spec.vision is not None:
-        raise ConfigError("tensor_parallel_size", "vision-language models run on one rank only for now; "
-                                                  "use --tensor-parallel-size 1")
+        return "vision-language models"
+    return None
+
+
+def _shape_problem(spec: ModelSpec, world: int) -> str | None:
     sizes = [("attention heads", spec.num_heads), ("MLP width", spec.intermediate_size)]
-    if spec.moe is not None:
+    if spec.moe is not None and spec.moe.expert_parallel:
+        sizes.append(("experts (--expert-parallel gives each rank whole experts)", spec.moe.num_experts))
+    elif spec.moe is not None:
         sizes += [("expert width", spec.moe.intermediate_size), ("shared-expert width", spec.moe.shared_expert_size)]
     for what, size in sizes:
         if size % world:
-            raise ConfigError("tensor_parallel_size", f"{world} does not divide the model's {what} ({size}); "
-                                                      f"use a divisor of {size}")
+            return f"{world} does not divide the model's {what} ({size}); use a divisor of {size}"
     kv = spec.num_kv_heads
     if kv % world and world % kv:
-        raise ConfigError("tensor_parallel_size", f"{world} and the model's {kv} KV heads do not divide one another; "
-                                                  f"use a divisor or a multiple of {kv}")
-    if spec.quant is not None and spec.quant.packed is not None:
-        _check_packed_split(spec, world)
-    elif spec.quant is not None:
-        raise ConfigError("tensor_parallel_size", "FP8 checkpoints run on one rank only for now; "
-                                                  "use --tensor-parallel-size 1")
+        return f"{world} and the model's {kv} KV heads do not divide one another; use a divisor or a multiple of {kv}"
+    return None
 
 
-def _check_packed_split(spec: ModelSpec, world: int) -> None:
+def _split_widths(spec: ModelSpec) -> tuple[list[tuple[str, Part]], list[tuple[str, Part]]]:
+    """(the column-parallel outputs, the row-parallel inputs): (layer, its split dimension) of the decoder's
+    matmuls."""
+    head = spec.head_dim
+    outputs = [("q_proj output (attention heads x head_dim)", Part(spec.q_size, head)),
+               ("k_proj/v_proj output (KV heads x head_dim)", Part(spec.kv_size, head))]
+    inputs = [("o_proj input (attention heads x head_dim)", Part(spec.q_size, head))]
+    if any(not spec.is_sparse(layer) for layer in range(spec.num_layers)):
+        outputs.append(("gate_proj/up_proj output (MLP width)", Part(spec.intermediate_size)))
+        inputs.append(("down_proj input (MLP width)", Part(spec.intermediate_size)))
+    if spec.moe is not None and not spec.moe.expert_parallel:  # (whole experts are not split)
+        outputs.append(("experts' gate_proj/up_proj output", Part(spec.moe.intermediate_size)))
+        inputs.append(("experts' down_proj input", Part(spec.moe.intermediate_size)))
+        if spec.moe.shared_expert_size:
+            outputs.append(("shared expert's gate_proj/up_proj output", Part(spec.moe.shared_expert_size)))
+            inputs.append(("shared expert's down_proj input", Part(spec.moe.shared_expert_size)))
+    return outputs, inputs
+
+
+def _fp8_block_problem(spec: ModelSpec, world: int) -> str | None:
+    """A block-quantized FP8 checkpoint splits its scales with their blocks: each rank's rows of a
+    column-parallel weight, and its input columns of a row-parallel one, are whole blocks."""
+    block = spec.quant.block
+    if block is None:
+        return None  # per-tensor scales are replicated, per-channel ones split with their rows
+    outputs, inputs = _split_widths(spec)
+    for (what, part), unit, dim in [*((o, block[0], "rows") for o in outputs), *((i, block[1], "columns") for i in inputs)]:
+        local = part.local_size(world)
+        if part.size and local % unit:
+            return (f"{world} ranks split the {what} of {part.size} into {local} {dim} per rank, which cuts the FP8 "
+                    f"checkpoint's {block[0]}x{block[1]} scale blocks")
+    return None
+
+
+def _packed_problem(spec: ModelSpec, world: int) -> str | None:
     """An integer checkpoint splits its row-parallel inputs (o_proj, down_proj, the experts' w2) on whole groups
-    (and whole int32 words); act-order ones, whose groups are scattered over the input rows, run on one rank."""
+    (and whole int32 words); act-order ones, whose groups are scattered over the input rows, hold those layers
+    dequantized under tensor parallelism, so any split the shapes allow works."""
     packed = spec.quant.packed
     if packed.act_order:
-        raise ConfigError("tensor_parallel_size", f"{packed.describe()} checkpoints run on one rank only for now "
-                                                  f"(act-order groups span the input rows); use --tensor-parallel-size 1")
+        return None  # row-parallel layers are dequantized at load, each rank reading its input rows (loader.py)
     unit = packed.per_int32 if packed.group_size == -1 else max(packed.group_size, packed.per_int32)
     inputs = [("o_proj input (attention heads x head_dim)", spec.q_size), ("down_proj input (MLP width)", spec.intermediate_size)]
-    if spec.moe is not None:
+    if spec.moe is not None and not spec.moe.expert_parallel:
         inputs += [("experts' down_proj input", spec.moe.intermediate_size),
                    ("shared expert's down_proj input", spec.moe.shared_expert_size)]
     for what, size in inputs:
         if size and (size // world) % unit:
-            raise ConfigError("tensor_parallel_size", f"{world} ranks split the {what} of {size} into {size // world} "
-                                                      f"rows, not whole groups of {unit} ({packed.describe()}); use "
-                                                      f"a size that leaves each rank a multiple of {unit}")
+            return (f"{world} ranks split the {what} of {size} into {size // world} rows, not whole groups of "
+                    f"{unit} ({packed.describe()}); use a size that leaves each rank a multiple of {unit}")
+    return None

@@ -91,6 +91,15 @@ class MoESpec:
     # gpt-oss checkpoints: the stacked experts stored [E, in, out] (w13's gate and up columns interleaved: gate 0,
     # up 0, gate 1, ...); the loader turns them into ours (weights.Placement.transposed / .interleaved)
     experts_in_out_interleaved: bool = False
+    # --expert-parallel: the experts spread whole over the tensor-parallel ranks (cbatch/model/shard.py)
+    expert_parallel: bool = False
+    # a rank's share under expert parallelism: the [first, stop) of the experts it holds; None: every expert
+    expert_range: tuple[int, int] | None = None
+
+    @property
+    def held_experts(self) -> int:
+        """The experts this (rank's) model holds."""
+        return self.num_experts if self.expert_range is None else self.expert_range[1] - self.expert_range[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +179,10 @@ class ModelSpec:
                 total += 3 * h * self.intermediate_size
                 continue
             moe = self.moe
-            experts = moe.num_experts if experts_per_token is None else experts_per_token
+            held = moe.held_experts  # (an expert-parallel rank: its own, and its share of a token's top-k)
+            experts = held if experts_per_token is None else experts_per_token
+            if experts_per_token is not None and moe.expert_range is not None:
+                experts = experts_per_token * held / moe.num_experts  # on average
             total += h * moe.num_experts + experts * 3 * h * moe.intermediate_size  # router + experts
             total += 3 * h * moe.shared_expert_size + (h if moe.shared_expert_size and moe.shared_expert_gated else 0)
         return total
@@ -192,8 +204,8 @@ class ModelSpec:
         if self.moe is None:
             return float(self.num_params())
         moe = self.moe
-        touched = moe.num_experts * (1.0 - (1.0 - moe.top_k / moe.num_experts) ** max(tokens, 0.0))
-        untouched_params = (moe.num_experts - touched) * 3 * self.hidden_size * moe.intermediate_size
+        touched = moe.held_experts * (1.0 - (1.0 - moe.top_k / moe.num_experts) ** max(tokens, 0.0))
+        untouched_params = (moe.held_experts - touched) * 3 * self.hidden_size * moe.intermediate_size
         return self.num_params() - sum(moe.sparse_layers) * untouched_params
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

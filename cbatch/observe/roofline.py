@@ -130,4 +130,6 @@ def engine_hardware(engine, samples: list[StepSample], forward_seconds: float) -
     estimate = hardware_estimate(engine.spec, dtype_bytes, samples, forward_seconds, name, dtype_bytes == 2,
                                  weight_bytes=weight_bytes or dtype_bytes)
     tuning = {"kernel_tuning": engine.kernel_tuning} if getattr(engine, "kernel_tuning", None) else {}
-    return {**estimate, "memory": engine.runner.memory(), **tuning}  # per rank under tensor parallelism
+    load = getattr(engine.runner.model, "expert_load", None)  # expert parallelism: rank 0 counts every rank's
+    experts = {"expert_parallel": load.summary()} if load is not None else {}
+    return {**estimate, "memory": engine.runner.memory(), **tuning, **experts}  # per rank under tensor parallelism

@@ -144,6 +144,7 @@ def plan_report(options: PlanOptions, setup: PlanSetup, cost_source: str, checke
     return {
         "input": str(options.input), "model": str(setup.model.checkpoint.path), "device_kind": setup.kind.name,
         "dtype": str(setup.model.dtype), "max_model_len": setup.model.max_model_len,
+        "layout": layout(first.config, setup),
         "settings": {"engine": asdict(first.config), "defaults": asdict(options.defaults)},
         "cost_model": {**cost_settings(setup.cost), "source": cost_source},
         "output_lengths": setup.lengths.source if setup.task.decodes else f"none (--task {options.task}: prefill only)",
@@ -159,6 +160,14 @@ def plan_report(options: PlanOptions, setup: PlanSetup, cost_source: str, checke
                        "wall_seconds": s.wall, "error_rows": len(s.errors)} for s in simulations],
         },
     }
+
+
+def layout(config: EngineConfig, setup: PlanSetup) -> dict[str, Any]:
+    """How the run splits the model: ranks, expert parallelism, and (a GPU plan) the weight bytes each rank holds."""
+    out: dict[str, Any] = {"tensor_parallel_size": config.tensor_parallel_size, "expert_parallel": config.expert_parallel}
+    if setup.kind.memory_gib is not None:
+        out["weight_bytes_per_rank"] = round(setup.kind.weight_bytes_per_rank(config, setup.model))
+    return out
 
 
 def adapter_usage(checked: CheckedRows, first: Simulation) -> dict[str, dict[str, int]]:
@@ -198,6 +207,12 @@ def print_plan(plan: dict[str, Any], quiet: bool) -> None:
             print(f"  ... and {len(plan['errors']) - MAX_ERRORS_SHOWN} more (every one is in --report)")
     if "lora" in plan:
         print("rows per LoRA adapter: " + ", ".join(f"{name} {u['rows']}" for name, u in plan["lora"].items()))
+    shape = plan["layout"]
+    if shape["tensor_parallel_size"] > 1 or "weight_bytes_per_rank" in shape:
+        ranks = f"{shape['tensor_parallel_size']} ranks" + (" (experts spread whole)" if shape["expert_parallel"] else "")
+        weights = (f", {shape['weight_bytes_per_rank'] / 2**30:,.1f} GiB of weights per rank"
+                   if "weight_bytes_per_rank" in shape else "")
+        print(f"layout: {ranks}{weights}")
     print(f"predicted on {plan['device_kind']}, {plan['dtype'].removeprefix('torch.')} (costs: "
           f"{plan['cost_model']['source']}; output lengths: {plan['output_lengths']}):")
     rates = (f"{p['requests_per_s']:,.1f} rows/s, {p['total_tokens_per_s']:,.1f} prompt tok/s" if "task" in plan else

@@ -26,7 +26,7 @@ real run's report on the same kind of machine (--cost-from) is what makes a pred
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,7 +35,7 @@ from cbatch.config import EngineConfig, UserError
 from cbatch.engine import memory
 from cbatch.engine.engine import KVPool
 from cbatch.engine.resolve import ResolvedModel, resolve_device
-from cbatch.model.shard import Shard
+from cbatch.model.shard import Shard, tensor_parallel_sizes, with_expert_parallel
 from cbatch.observe.roofline import DEVICE_PEAKS, ModelWork
 
 GPU_MEMORY_GIB = {"H200": 141, "H100 PCIe": 80, "H100": 80, "A100": 80, "L40S": 48, "L4": 24, "A10": 24}
@@ -45,6 +45,7 @@ CPU_CLOCK_HZ = 2.5e9
 CPU_BANDWIDTH_TB_S = 0.02
 CPU_FP32_FLOPS_PER_CYCLE = {"AVX512": 64, "AVX2": 32}  # per core: 2 FMA units x lanes x 2
 CUDA_CONTEXT_BYTES = 2**29  # the CUDA context and allocator slack next to the weights
+MAX_SUGGESTED_RANKS = 8  # a layout suggested for a model that does not fit: one machine's GPUs
 NVLINK_TB_S = 0.45  # one direction of an H100/H200 SXM's NVLink 4 (900 GB/s both ways), the ring all-reduce's bus
 
 
@@ -82,15 +83,52 @@ class DeviceKind:
         elif self.memory_gib is None:
             blocks = memory.cpu_kv_blocks(config, spec, kv_dtype, max_model_len)
         else:
-            # this rank's matrices (a vocab-parallel embedding and lm_head: a 1/N share of each)
-            weights = (spec.num_params() + spec.vocab_size * spec.hidden_size * (2 / ranks - 1)) * gpu_bytes_per_weight(model)
-            weights += CUDA_CONTEXT_BYTES
             try:
-                blocks = memory.kv_blocks_in_gpu_memory(config, spec, kv_dtype, max_model_len, self.memory_gib * 2**30,
-                                                        weights, activation_estimate(config, model))
+                blocks = self._gpu_kv_blocks(config, model)
             except MemoryError as exc:
-                raise PlanError(f"--device-kind {self.name}: {exc}") from None
+                raise PlanError(f"--device-kind {self.name}: {exc}{self._fitting_layout(config, model)}") from None
         return KVPool(blocks, memory.host_kv_blocks(config, spec, kv_dtype, blocks))
+
+    def weight_bytes_per_rank(self, config: EngineConfig, model: ResolvedModel) -> float:
+        """What one rank of `config`'s layout stores: its share of the matrices (a vocab-parallel embedding and
+        lm_head: 1/N of each; expert parallelism: its experts whole, a shared expert whole) at the bytes a GPU
+        run keeps per weight, and the CUDA context."""
+        ranks = config.tensor_parallel_size
+        spec = Shard(0, ranks).local_spec(model.spec)
+        return ((spec.num_params() + spec.vocab_size * spec.hidden_size * (2 / ranks - 1)) * gpu_bytes_per_weight(model)
+                + CUDA_CONTEXT_BYTES)
+
+    def _gpu_kv_blocks(self, config: EngineConfig, model: ResolvedModel) -> int:
+        """Blocks of one rank's KV pool in this GPU's memory (MemoryError: the weights leave no room)."""
+        spec = Shard(0, config.tensor_parallel_size).local_spec(model.spec)
+        return memory.kv_blocks_in_gpu_memory(config, spec, memory.kv_cache_dtype(config, model.dtype),
+                                              model.max_model_len, self.memory_gib * 2**30,
+                                              self.weight_bytes_per_rank(config, model), activation_estimate(config, model))
+
+    def _fitting_layout(self, config: EngineConfig, model: ResolvedModel) -> str:
+        """'; LAYOUT fits ...': the fewest ranks (up to one 8-GPU machine; expert parallelism where the model has
+        experts and it stores less) that leave room for a KV pool; '' when none does."""
+        spec = model.spec
+        if spec.moe is not None:
+            spec = replace(spec, moe=replace(spec.moe, expert_parallel=False))
+        layouts = [(spec, False)] + ([(with_expert_parallel(spec), True)] if spec.moe is not None else [])
+        for ranks in range(config.tensor_parallel_size + 1, MAX_SUGGESTED_RANKS + 1):
+            fits = []
+            for layout_spec, expert in layouts:
+                if ranks not in tensor_parallel_sizes(layout_spec, ranks):
+                    continue
+                candidate = replace(config, tensor_parallel_size=ranks, expert_parallel=expert)
+                planned = replace(model, spec=layout_spec)
+                try:
+                    blocks = self._gpu_kv_blocks(candidate, planned)
+                except MemoryError:
+                    continue
+                fits.append((-blocks, expert, self.weight_bytes_per_rank(candidate, planned)))
+            if fits:
+                _, expert, weights = min(fits)
+                flags = f"--tensor-parallel-size {ranks}" + (" --expert-parallel" if expert else "")
+                return f"; {flags} fits ({weights / 2**30:,.1f} GiB of weights per rank)"
+        return ""
 
     def default_cost(self, model: ResolvedModel, ranks: int = 1) -> CostModel:
         if self.peak_tflops is None or self.peak_tb_per_s is None:
@@ -115,8 +153,9 @@ class DeviceKind:
 
 def gpu_bytes_per_weight(model: ResolvedModel) -> float:
     """Bytes a GPU run stores per weight: the compute dtype's, or for an AWQ / GPTQ / compressed-tensors int
-    checkpoint the packed layers' real sizes (weights.stored_bytes_per_weight, from the safetensors headers), or
-    for an MXFP4 checkpoint (gpt-oss) its experts' 4.25 bits (mxfp4.stored_bytes_per_weight)."""
+    checkpoint the packed layers' real sizes (weights.stored_bytes_per_weight, from the safetensors headers), for
+    an FP8 one a byte per FP8 matrix weight, for an MXFP4 checkpoint (gpt-oss) its experts' 4.25 bits
+    (mxfp4.stored_bytes_per_weight)."""
     dtype_bytes = torch.finfo(model.dtype).bits // 8
     quant = model.spec.quant
     if model.checkpoint is not None and quant is not None and quant.mxfp4:
@@ -125,12 +164,24 @@ def gpu_bytes_per_weight(model: ResolvedModel) -> float:
 
         files = sorted(model.checkpoint.path.glob("*.safetensors"))
         return mxfp4_bytes_per_weight(TensorIndex(files), dtype_bytes) if files else float(dtype_bytes)
-    if model.checkpoint is None or quant is None or quant.packed is None:
+    if model.checkpoint is None or quant is None:
         return float(dtype_bytes)
     from cbatch.model.weights import TensorIndex, stored_bytes_per_weight
 
     files = sorted(model.checkpoint.path.glob("*.safetensors"))
-    return stored_bytes_per_weight(TensorIndex(files), quant.packed, model.spec, dtype_bytes) if files else float(dtype_bytes)
+    if not files:
+        return float(dtype_bytes)
+    index = TensorIndex(files)
+    if quant.packed is not None:
+        return stored_bytes_per_weight(index, quant.packed, model.spec, dtype_bytes)
+    # FP8: the GPU path keeps the FP8 matrices in one byte each (their float32 scales are a rounding error)
+    stored = weights = 0
+    for name in index.file_of:
+        if len(shape := index.shape(name)) >= 2:
+            numel = shape[0] * shape[1] * (shape[2] if len(shape) > 2 else 1)
+            weights += numel
+            stored += numel * (1 if index.dtype_of[name].startswith("F8") else dtype_bytes)
+    return stored / max(weights, 1)
 
 
 def activation_estimate(config: EngineConfig, model: ResolvedModel) -> float:

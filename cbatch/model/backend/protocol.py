@@ -49,3 +49,8 @@ class Backend(Protocol):
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, activation, w13_scale=None, w2_scale=None,
                   block: tuple[int, int] | None = None, int_experts=None, w13_bias=None,
                   w2_bias=None) -> torch.Tensor: ...  # int4.IntExperts
+    # expert parallelism: [T, k, H], each token's slots in ascending expert order, those of experts
+    # [first_expert, first_expert + E) computed (w13 / w2 hold those E), the others zero; fused_moe = its sum(dim=1)
+    def fused_moe_slots(self, x, w13, w2, topk_weights, topk_ids, activation, w13_scale=None, w2_scale=None,
+                        block: tuple[int, int] | None = None, int_experts=None, first_expert: int = 0,
+                        w13_bias=None, w2_bias=None) -> torch.Tensor: ...

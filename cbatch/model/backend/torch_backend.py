@@ -197,13 +197,28 @@ class TorchBackend:
         gathered; a token's k contributions are then summed in ascending expert order, as HF's eager loop
         adds them (and as the Triton kernels do). `activation`: silu | gelu_tanh, or a `ClampedSwiGLU`
         (gpt-oss, whose experts also add w13_bias [E, 2I] and w2_bias [E, H])."""
+        return self.fused_moe_slots(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block,
+                                    int_experts, None, w13_bias, w2_bias).sum(dim=1)
+
+    def fused_moe_slots(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, activation: str, w13_scale: torch.Tensor | None = None,
+                        w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                        int_experts=None, first_expert: int | None = 0, w13_bias: torch.Tensor | None = None,
+                        w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Each token's k weighted expert outputs [T, k, H], in ascending expert order. w13 / w2 hold experts
+        [first_expert, first_expert + E) (expert parallelism: the other slots are zeros); None: every expert."""
         num_tokens, top_k = topk_ids.shape
         ids, perm = topk_ids.sort(dim=1)
         weights = topk_weights.gather(1, perm).reshape(-1, 1)  # [T * k, 1]
         flat_ids = ids.reshape(-1)
+        local = w13.shape[0]
+        if first_expert is not None:  # another rank's experts: bucket `local`, never computed
+            flat_ids = flat_ids - first_expert
+            flat_ids = torch.where((flat_ids >= 0) & (flat_ids < local), flat_ids, local)
         order = flat_ids.argsort(stable=True)  # assignments (token * k + j) grouped by expert
-        counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-        contributions = torch.empty((num_tokens * top_k, x.shape[1]), dtype=x.dtype, device=x.device)
+        counts = torch.bincount(flat_ids, minlength=local).tolist()[:local]
+        make = torch.empty if first_expert is None else torch.zeros
+        contributions = make((num_tokens * top_k, x.shape[1]), dtype=x.dtype, device=x.device)
         zeros = (None, None) if int_experts is None else (int_experts.w13_zero, int_experts.w2_zero)
         start = 0
         for expert, n in enumerate(counts):
@@ -218,7 +233,7 @@ class TorchBackend:
             down = linear(act, _expert_weight(w2, w2_scale, block, expert, x.dtype, zeros[1], int_experts),
                           None if w2_bias is None else w2_bias[expert])  # [n, H]
             contributions[assignments] = (down * weights[assignments]).to(x.dtype)
-        return contributions.view(num_tokens, top_k, -1).sum(dim=1)
+        return contributions.view(num_tokens, top_k, -1)
 
 
 def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, block, expert: int, dtype: torch.dtype,

@@ -163,6 +163,14 @@ class TritonBackend:
         return fused_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block, int_experts,
                          w13_bias=w13_bias, w2_bias=w2_bias)
 
+    def fused_moe_slots(self, x, w13, w2, topk_weights, topk_ids, activation, w13_scale=None, w2_scale=None,
+                        block: tuple[int, int] | None = None, int_experts=None, first_expert: int = 0,
+                        w13_bias=None, w2_bias=None) -> torch.Tensor:
+        from cbatch.kernels.grouped_gemm import fused_moe_slots
+
+        return fused_moe_slots(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block, int_experts,
+                               first_expert, w13_bias, w2_bias)
+
 
 def _unavailable(device: torch.device) -> str | None:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
