@@ -123,6 +123,7 @@ class SamplingInputs:
                               positions=[len(s.output_ids) for s in seqs], put=self.put)
         if offsets is not None:
             batch.positions = [p + j for p, j in zip(batch.positions, offsets)]
+            batch.draft_offsets, batch.drafts = offsets, drafts
         if any(p.min_p > 0 for p in distinct):
             batch.min_ps = [float(p.min_p) for p in params]
         if any(p.logprobs is not None for p in distinct):

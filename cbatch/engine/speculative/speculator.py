@@ -66,9 +66,10 @@ class Speculator:
     @staticmethod
     def may_draft(seq: Sequence) -> bool:
         """A decoding row whose next token's sampling can be replayed per drafted position: its last token known
-        on the host (not a step in flight's), no samples to fork, no static padding, no grammar, no thinking budget."""
+        on the host (not a step in flight's), no samples to fork, no static padding, no thinking budget; a grammar only where its matcher can be forked (structured.py)."""
         return (seq.output_ids and seq.output_ids[-1] != PLACEHOLDER and not seq.pending_children
-                and seq.num_result_tokens is None and seq.grammar is None and seq.params.thinking_token_budget is None
+                and seq.num_result_tokens is None and seq.params.thinking_token_budget is None
+                and (seq.grammar is None or hasattr(seq.grammar.matcher, "fork"))
                 and seq.params.lora is None and seq.pooling is None)
 
     def step_threshold(self, step_tokens: int) -> float:
