@@ -16,6 +16,7 @@ from cbatch.engine.engine import run_to_completion
 from cbatch.engine.speculative import Speculator, StepCost
 from cbatch.engine.speculative.ngram import NgramIndex, copy_from
 from cbatch.engine.speculative.suffix import SuffixTable
+from cbatch.tokenizer import load_tokenizer
 from helpers import make_engine, random_prompts
 
 VOCAB = 384
@@ -98,20 +99,33 @@ def test_ngram_drafts_from_the_row_itself(looping_model):
     check_same(looping_model, prompts, params, "ngram", min_accepted=5, max_num_seqs=4)
 
 
-def test_stop_strings_and_grammar_rows(tiny_chat_model):
+def test_stop_strings_and_grammar_rows(tiny_chat_model, monkeypatch):
     """Stop strings checked per kept token; a grammar's mask at each drafted position is the matcher's after the
     drafts before it (xgrammar fork), advanced for real only by the kept tokens."""
     choice = Constraint("choice", json.dumps(["alpha beta alpha beta", "gamma delta", "alpha beta gamma"]), "choice")
     schema = Constraint("json_schema", json.dumps({"type": "object", "properties": {
         "k": {"enum": ["xyz", "abc"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
         "required": ["k", "n"]}), "json_schema")
-    base = [SamplingParams(max_tokens=24, temperature=0.9, seed=5, stop=["e", " a"]),
-            SamplingParams(max_tokens=16, constraint=choice),
-            SamplingParams(max_tokens=24, temperature=0.7, seed=2, constraint=schema)]
-    params = base * 4
-    prompts = random_prompts(3, 49152, seed=4, min_len=3, max_len=12) * 4
+    prompts = random_prompts(3, 49152, seed=4, min_len=3, max_len=12) * 2
+    # a stop string the first row meets part-way: the text of its 9th and 10th tokens without one
+    free = run_to_completion(make_engine(tiny_chat_model), prompts[:1], [SamplingParams(max_tokens=10, seed=5,
+                                                                                         temperature=0.9)])[0]
+    stop = load_tokenizer(tiny_chat_model).decode(free.token_ids[8:10]).strip() or "e"
+    params = [SamplingParams(max_tokens=16, temperature=0.9, seed=5, stop=[stop]),
+              SamplingParams(max_tokens=12, constraint=choice),
+              SamplingParams(max_tokens=16, temperature=0.7, seed=2, constraint=schema)] * 2
+    kept: dict[str, int] = {}  # accepted drafts by kind of row
+    verified = Speculator.verified
+
+    def count(self, seq, drafted, accepted):
+        kind = "grammar" if seq.grammar is not None else "stop" if seq.stop is not None else "plain"
+        kept[kind] = kept.get(kind, 0) + accepted
+        verified(self, seq, drafted, accepted)
+
+    monkeypatch.setattr(Speculator, "verified", count)
     plain, _ = check_same(tiny_chat_model, prompts, params, "suffix", max_num_seqs=3)
-    assert any(reason == "stop" for _, _, reason in plain[::3])
+    assert plain[0][2] == "stop" and len(plain[0][0]) >= 4
+    assert kept.get("grammar", 0) > 0 and kept.get("stop", 0) > 0, kept
 
 
 def test_identity_fields_and_refusals():
