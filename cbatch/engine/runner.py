@@ -178,7 +178,7 @@ class ModelRunner:
         they run the same model call on their shares of the weights."""
         self.release(plan)
         self.begin_step()
-        inputs, sampling_seqs, offsets, prompt_seqs, pool_rows = self._build(plan)
+        inputs, sampling_seqs, prompt_seqs, pool_rows, offsets = self._build(plan)
         if self.peers is not None:
             self.peers.send_step(inputs)
         sampling = self.sampling.build(sampling_seqs, offsets, plan.drafts) if sampling_seqs else None
@@ -201,13 +201,13 @@ class ModelRunner:
             for feature in self.features:
                 feature.release(seq)
 
-    def _build(self, plan: StepPlan) -> tuple[StepInputs, list[Sequence], list[int] | None, list[Sequence], list]:
-        """(the step's inputs as host arrays, the sequences that sample in logits-row order, each one's drafted
-        tokens before its position (None: no drafts), the sequences whose prompt log-probabilities this step
-        computes, in `prompt_rows` order, the pooling rows)."""
+    def _build(self, plan: StepPlan) -> tuple[StepInputs, list[Sequence], list[Sequence], list, list[int] | None]:
+        """(the step's inputs as host arrays, the sequences that sample in logits-row order, the sequences whose
+        prompt log-probabilities this step computes, in `prompt_rows` order, the pooling rows, each sampling
+        row's drafted tokens before its position (None: no drafts))."""
         inputs, sampling_seqs, offsets = build_step_inputs(plan, self.block_tables, self.block_size,
                                                            self.backend.groups_decodes, self._last_row, self.features)
-        return inputs, sampling_seqs, offsets, self.prompt_logprobs.seqs, self.pooling.rows
+        return inputs, sampling_seqs, self.prompt_logprobs.seqs, self.pooling.rows, offsets
 
     def begin_step(self) -> None:
         """Starts a step's host -> device copies (before any of its inputs or sampling settings is made): on a
