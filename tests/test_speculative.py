@@ -16,6 +16,7 @@ from cbatch.engine.engine import run_to_completion
 from cbatch.engine.speculative import Speculator, StepCost
 from cbatch.engine.speculative.ngram import NgramIndex, copy_from
 from cbatch.engine.speculative.suffix import SuffixTable
+from cbatch.observe.report import speculation
 from cbatch.tokenizer import load_tokenizer
 from helpers import make_engine, random_prompts
 
@@ -65,6 +66,9 @@ def test_tokens_and_logprobs_identical(tiny_checkpoints, mode):
     plain, engine = check_same(tiny_checkpoints["llama"], repeated_job(), MIXED, mode)
     assert engine.scheduler.stats.steps < engine.plain_steps  # the copies took fewer steps
     assert all(logprobs is not None and len(logprobs) == len(tokens) for tokens, logprobs, _ in plain)
+    report = speculation(engine.scheduler.stats, sum(len(tokens) for tokens, _, _ in plain))
+    assert 0 < report["acceptance_rate"] <= 1 and report["accepted_tokens"] > 0
+    assert report["output_tokens_per_step"] > sum(len(t) for t, _, _ in plain) / engine.plain_steps
 
 
 def test_chunked_prefill(tiny_checkpoints):
