@@ -144,6 +144,22 @@ def test_identity_fields_and_refusals():
         EngineConfig(speculative="ngram", loras=(("a", "/x"),))
 
 
+def test_a_row_matmul_is_the_same_bits_alone_or_in_a_batch():
+    """oneDNN sums a one-row product in another order from K ~ 1024 on: `packed_linear` runs one row as two, so a
+    lone row's step (a job's last row; plain decoding) equals the same row among others (verify rows, batches)."""
+    import torch
+
+    from cbatch.model import onednn
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(64, 1536), torch.randn(5, 1536)
+    packed = onednn.prepack_weight(weight)
+    if packed is None:
+        pytest.skip("oneDNN prepacking is not available here")
+    alone = onednn.packed_linear(x[:1], packed)
+    assert all(torch.equal(onednn.packed_linear(x[:m], packed)[:1], alone) for m in (2, 3, 5))
+
+
 # ---- the draft sources and the cost model, alone ---------------------------------------------------------------
 def test_ngram_index_finds_the_latest_longest_match():
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
@@ -175,3 +191,18 @@ def test_auto_drafts_where_it_pays():
     for tokens in (8, 64, 8, 64, 32):
         cost.observe(tokens, 0.010 + 0.001 * tokens)
     assert cost.fixed_tokens == pytest.approx(10.0)
+
+
+@pytest.mark.slow
+def test_smollm2_copying_passages(smollm2_dir):
+    """The real model repeating given passages: prompt lookup drafts most of each answer, tokens unchanged."""
+    from cbatch.tokenizer import encode_messages
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    passages = ["The old bridge was rebuilt in the early spring after a long delay, and the river traffic returned.",
+                "Seven copper wires were measured twice in one week by a young engineer near the harbour."]
+    prompts = [encode_messages(tokenizer, [{"role": "user", "content": f"Repeat exactly, word for word: {text}"}])
+               for text in passages]
+    params = [SamplingParams(max_tokens=28, logprobs=1), SamplingParams(max_tokens=28, temperature=0.7, seed=1)]
+    plain, engine = check_same(smollm2_dir, prompts, params, "ngram", min_accepted=10, max_num_seqs=2)
+    assert engine.scheduler.stats.steps < engine.plain_steps
