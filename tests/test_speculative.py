@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from cbatch.config import ConfigError, Constraint, EngineConfig, SamplingParams
 from cbatch.engine.engine import run_to_completion
+from cbatch.engine.sequence import Sequence
 from cbatch.engine.speculative import Speculator, StepCost
 from cbatch.engine.speculative.ngram import NgramIndex, copy_from
 from cbatch.engine.speculative.suffix import SuffixTable
@@ -187,6 +188,12 @@ def test_auto_drafts_where_it_pays():
     spec = Speculator("auto", 4, 2, 3, StepCost(fixed_tokens=16))
     assert spec.step_threshold(4) == pytest.approx(0.2)  # the tail: cheap drafts
     assert spec.step_threshold(256) > 0.9  # compute-bound: only near-certain drafts
+    # a compute-bound start still measures the job's acceptance: every 8th row it turns down probes
+    big = Speculator("auto", 4, 2, 3, StepCost(fixed_tokens=16))
+    seqs = [Sequence(seq_id=i, prompt_ids=[5, 6, 7, 5, 6], params=SamplingParams(), output_ids=[7])
+            for i in range(16)]
+    drafts = [big.propose(seq, 4, big.step_threshold(256)) for seq in seqs]
+    assert sum(1 for d in drafts if d) == 2 and [5, 6, 7, 5] in drafts
     cost = StepCost()
     for tokens in (8, 64, 8, 64, 32):
         cost.observe(tokens, 0.010 + 0.001 * tokens)

@@ -20,6 +20,10 @@ from cbatch.engine.speculative.suffix import SuffixTable
 
 PRIOR_ACCEPTANCE = 0.5  # alpha before any draft was verified
 ACCEPTANCE_MEMORY = 0.7  # weight of the old estimate in each update of an exponential average
+# auto: until this many drafted tokens were verified, every PROBE_EVERY-th row the cost model turns down drafts
+# anyway (the job's alpha is measured, not assumed: a compute-bound start would otherwise never learn it)
+PROBE_TOKENS = 256
+PROBE_EVERY = 8
 
 
 class StepCost:
@@ -61,6 +65,8 @@ class Speculator:
         self._rows: dict[int, NgramIndex] = {}  # seq_id -> its own tokens' index
         self._alpha: dict[int, float] = {}  # seq_id -> its acceptance per drafted token (auto)
         self._job_alpha = PRIOR_ACCEPTANCE
+        self._measured = 0  # drafted tokens verified so far
+        self._declined = 0  # rows auto turned down (every PROBE_EVERY-th probes while the job's alpha is young)
 
     # ---- the scheduler asks -----------------------------------------------------------------------------
     @staticmethod
@@ -85,6 +91,9 @@ class Speculator:
             j = 0
             while j < limit and alpha ** (j + 1) > threshold:
                 j += 1
+            if j == 0 and self._measured < PROBE_TOKENS:
+                self._declined += 1
+                j = limit if self._declined % PROBE_EVERY == 0 else 0
             limit = j
         if limit <= 0:
             return []
@@ -104,6 +113,7 @@ class Speculator:
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """`seq` verified `drafted` tokens, the first `accepted` of them equal to its own."""
         # per drafted token: accepted ones held; the first rejected one (if any) failed; the rest were never tried
+        self._measured += drafted
         rate = accepted / (accepted + (accepted < drafted))
         m = ACCEPTANCE_MEMORY
         self._alpha[seq.seq_id] = m * self._alpha.get(seq.seq_id, self._job_alpha) + (1 - m) * rate
