@@ -213,3 +213,20 @@ def test_smollm2_copying_passages(smollm2_dir):
     params = [SamplingParams(max_tokens=28, logprobs=1), SamplingParams(max_tokens=28, temperature=0.7, seed=1)]
     plain, engine = check_same(smollm2_dir, prompts, params, "ngram", min_accepted=10, max_num_seqs=2)
     assert engine.scheduler.stats.steps < engine.plain_steps
+
+
+def test_simulator_models_acceptance():
+    """The simulator (the engine with a cost-model runner) keeps a share of the drafts: fewer steps, the same
+    lengths; without an acceptance rate it keeps none and takes the plain run's steps."""
+    from cbatch.bench.simulator import CostModel, simulated_engine
+
+    prompts = [[3, 4, 5, 6] * 4 for _ in range(4)]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 4
+    steps = {}
+    for name, mode, acceptance in (("plain", "off", 0.0), ("none kept", "ngram", 0.0), ("kept", "ngram", 0.8)):
+        engine = simulated_engine(EngineConfig(speculative=mode, max_num_seqs=4), CostModel(), 128, 64)
+        engine.runner.acceptance = acceptance
+        outputs = run_to_completion(engine, prompts, params)
+        assert [len(o.token_ids) for o in outputs] == [40] * 4
+        steps[name] = engine.scheduler.stats.steps
+    assert steps["none kept"] == steps["plain"] and steps["kept"] < steps["plain"] * 0.7
