@@ -36,12 +36,16 @@ def repeated_job(rows: int = 4, seed: int = 0) -> list[list[int]]:
     return base + base
 
 
-def check_same(path, prompts, params, mode: str, min_accepted: int = 1, **settings):
+def check_same(path, prompts, params, mode: str, min_accepted: int = 1, reference=None, **settings):
+    """Runs the job plain (or takes `reference`: its (outputs, steps)) and with `mode`; asserts identical outputs,
+    accepted drafts and every block back. Returns (the plain outputs, the speculative engine)."""
     settings = {"max_num_seqs": 4, "policy": "fcfs", **settings}
-    reference = make_engine(path, **settings)
-    plain = outputs(reference, prompts, params)
+    if reference is None:
+        plain_engine = make_engine(path, **settings)
+        reference = outputs(plain_engine, prompts, params), plain_engine.scheduler.stats.steps
+    plain = reference[0]
     engine = make_engine(path, speculative=mode, **settings)
-    engine.plain_steps = reference.scheduler.stats.steps
+    engine.plain_steps = reference[1]
     assert outputs(engine, prompts, params) == plain
     stats = engine.scheduler.stats
     assert stats.accepted_tokens >= min_accepted, (stats.drafted_tokens, stats.accepted_tokens)
@@ -60,11 +64,17 @@ SAMPLES = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=1
 MIXED = [GREEDY, SAMPLED, PENALIZED, SAMPLES] * 2  # (row i and its copy, row i + 4, share their settings)
 
 
+@pytest.fixture(scope="module")
+def mixed_reference(tiny_checkpoints):
+    engine = make_engine(tiny_checkpoints["llama"], max_num_seqs=4, policy="fcfs")
+    return outputs(engine, repeated_job(), MIXED), engine.scheduler.stats.steps
+
+
 @pytest.mark.parametrize("mode", ["suffix", "auto"])
-def test_tokens_and_logprobs_identical(tiny_checkpoints, mode):
+def test_tokens_and_logprobs_identical(tiny_checkpoints, mixed_reference, mode):
     """Greedy, seeded top-p/top-k/min-p, penalties + min_tokens + logit_bias, and n = 3 rows (each sample its own
     row, seeded by (row seed, i)) in one job: the copies draft from the originals' outputs."""
-    plain, engine = check_same(tiny_checkpoints["llama"], repeated_job(), MIXED, mode)
+    plain, engine = check_same(tiny_checkpoints["llama"], repeated_job(), MIXED, mode, reference=mixed_reference)
     assert engine.scheduler.stats.steps < engine.plain_steps  # the copies took fewer steps
     assert all(logprobs is not None and len(logprobs) == len(tokens) for tokens, logprobs, _ in plain)
     report = speculation(engine.scheduler.stats, sum(len(tokens) for tokens, _, _ in plain))
