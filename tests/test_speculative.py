@@ -86,6 +86,11 @@ def test_chunked_prefill(tiny_checkpoints):
     check_same(tiny_checkpoints["llama"], repeated_job(3), SAMPLED, "suffix", max_num_batched_tokens=7, max_num_seqs=3)
 
 
+def test_asynchronous_scheduling(tiny_checkpoints):
+    """A step with drafts is never scheduled ahead of (its tokens decide the next drafts); around it steps are."""
+    check_same(tiny_checkpoints["llama"], repeated_job(3), GREEDY, "suffix", max_num_seqs=3, async_scheduling=True)
+
+
 def test_preemption(tiny_checkpoints):
     """Tokens only: a recomputed row's KV comes from a prefill chunk, which is not bitwise the decode steps' KV, so
     log-probabilities after a preemption differ in their last bits with or without speculation (the plain engine's
