@@ -15,6 +15,8 @@ DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap", "auto")
 ADMISSION_MODES: tuple[str, ...] = ("optimistic", "reserve")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
+# speculative decoding's draft sources (cbatch/engine/speculative/): never a change of any token
+SPECULATIVE_MODES: tuple[str, ...] = ("off", "ngram", "suffix", "auto")
 # The names of what the layers above register (tests/test_registries.py holds them to these): admission policies
 # (cbatch/engine/policy.py, the default first) and compute backends.
 POLICIES: tuple[str, ...] = ("longest-first", "fcfs", "static", "prefix")
@@ -119,6 +121,14 @@ class EngineConfig:
     max_loras: int = 4  # adapter slots: distinct adapters among one step's rows
     max_lora_rank: int = 16  # the largest adapter rank the slots hold
     lora_grouping: bool = True  # admission takes the waiting rows adapter by adapter (fewer adapters per step)
+    # speculative decoding without a second model (docs/speculative.md): drafted tokens are verified exactly (a
+    # draft is kept only where it equals the token a plain decode step would choose), so no output changes and
+    # none of these fields is an output setting. off | ngram (prompt lookup over the row's own tokens) | suffix
+    # (also the job's finished outputs) | auto (suffix, per step and row where the measured acceptance pays)
+    speculative: str = "off"
+    speculative_tokens: int = 4  # the most tokens drafted for a row in one step (k)
+    speculative_min_ngram: int = 2  # the shortest suffix of a row's tokens a draft is looked up by
+    speculative_max_ngram: int = 5  # the longest
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, fix: str) -> None:
@@ -136,6 +146,12 @@ class EngineConfig:
         one_of("preemption", PREEMPTION_MODES)
         one_of("admission", ADMISSION_MODES)
         one_of("kv_cache_dtype", KV_CACHE_DTYPES)
+        one_of("speculative", SPECULATIVE_MODES)
+        check(1 <= self.speculative_tokens <= 64, "speculative_tokens", "must be between 1 and 64")
+        check(1 <= self.speculative_min_ngram <= self.speculative_max_ngram <= 32, "speculative_min_ngram",
+              "must be at least 1 and at most --speculative-max-ngram (at most 32)")
+        check(not (self.speculative != "off" and self.loras), "speculative",
+              "does not work with LoRA adapters yet; leave --speculative off")
         check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
         check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
               "must be at least 1")

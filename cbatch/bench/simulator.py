@@ -8,6 +8,7 @@ from a real run's report, in seconds. Sampled tokens are made up (token 0, EOS i
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,10 +96,14 @@ class Done:
 
 class SimulatedRunner:
     """The engine's runner in a simulation: every sampling sequence "samples" token 0, and the clock
-    advances by the cost model's price of the step (an idle step, waiting for arrivals, costs `per_step`)."""
+    advances by the cost model's price of the step (an idle step, waiting for arrivals, costs `per_step`).
+    Speculative decoding (`--speculative`): drafted tokens are priced as decode tokens (they take the decode path);
+    each is kept with probability `acceptance` while the ones before it were (a seeded, per-row draw), the first
+    rejected one replaced by another token."""
 
-    def __init__(self, cost: CostModel) -> None:
+    def __init__(self, cost: CostModel, acceptance: float = 0.0) -> None:
         self.cost = cost
+        self.acceptance = acceptance
         self.forward_seconds = 0.0  # the simulated clock: all of it is "model time"
 
     def reset(self) -> None:
@@ -106,7 +111,21 @@ class SimulatedRunner:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         self.forward_seconds += self.cost.step_cost(plan.info)
-        return StepOutput(_ZERO_TOKENS)
+        if not plan.drafts:
+            return StepOutput(_ZERO_TOKENS)
+        return StepOutput(_ZERO_TOKENS, verified={seq_id: self._verify(seq_id, plan.step, drafted)
+                                                  for seq_id, drafted in plan.drafts.items()})
+
+    def _verify(self, seq_id: int, step: int, drafted: list[int]) -> list[int]:
+        """The "target's" tokens at a verified row's positions: the drafts while each draw keeps them, then one
+        that differs."""
+        rng = random.Random(hash((seq_id, step)))
+        kept = 0
+        while kept < len(drafted) and rng.random() < self.acceptance:
+            kept += 1
+        if kept == len(drafted):
+            return [*drafted, 0]
+        return [*drafted[:kept], drafted[kept] + 1]
 
     def launch(self, plan: StepPlan) -> "Done":
         """Asynchronous scheduling's half of a step: the simulated step is priced and "sampled" at once (its

@@ -105,7 +105,7 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
         Flag("priority_aging_steps", int, 1000, "A waiting row gains one priority class per this many steps (0 = no aging).",
              ENGINE, field="priority_aging_steps"),
     ]
-    flags += LORA_FLAGS
+    flags += LORA_FLAGS + SPECULATIVE_FLAGS
     if policy_default is not None:
         flags.insert(8, Flag("policy", str, policy_default, "Admission: longest-first | fcfs | static | prefix (rows opening "
                              "with the same tokens together, longest-first inside).", ENGINE, field="policy"))
@@ -125,6 +125,21 @@ LORA_FLAGS = [
          LORA, field="max_lora_rank"),
     Flag("lora_grouping", bool, True, "Admit waiting rows adapter by adapter (fewer adapters per step).", LORA,
          decls=("--lora-grouping/--no-lora-grouping",), field="lora_grouping"),
+]
+
+
+SPECULATIVE = "Speculative decoding (docs/speculative.md: never changes a token)"
+SPECULATIVE_FLAGS = [
+    Flag("speculative", str, "off", "off | ngram (draft from the row's own prompt and output) | suffix (also from the "
+         "job's finished rows) | auto (suffix where the measured acceptance pays for the drafted tokens). Drafts are "
+         "kept only where they equal the tokens a plain run chooses: outputs are identical.", SPECULATIVE,
+         field="speculative"),
+    Flag("speculative_tokens", int, 4, "Most tokens drafted for a row in one step.", SPECULATIVE,
+         field="speculative_tokens"),
+    Flag("speculative_min_ngram", int, 2, "Shortest suffix of a row's tokens a draft is looked up by.", SPECULATIVE,
+         field="speculative_min_ngram"),
+    Flag("speculative_max_ngram", int, 5, "Longest suffix of a row's tokens a draft is looked up by.", SPECULATIVE,
+         field="speculative_max_ngram"),
 ]
 
 

@@ -13,6 +13,7 @@ API (`LLM.generate`) is `llm.py`.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence as Seq
@@ -26,6 +27,7 @@ from cbatch.engine.kv_blocks import BlockPool
 from cbatch.engine.logprobs import Logprobs
 from cbatch.engine.pooling import PoolingParams
 from cbatch.engine.scheduler import Scheduler
+from cbatch.engine.speculative import Speculator
 from cbatch.engine.step import StepInfo, StepOutput, StepPlan
 from cbatch.engine.sequence import FinishReason, Sequence, SequenceStatus
 from cbatch.engine.stop import StopChecker, find_stop
@@ -262,9 +264,13 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return self._idle()
+        speculator = self.scheduler.speculator
+        start = time.perf_counter() if speculator is not None else 0.0
         out = self.runner.execute(plan)
+        if speculator is not None:  # (auto's cost model: what a step of this many tokens took)
+            speculator.observe_step(plan.num_tokens, time.perf_counter() - start)
         _take_pooled(plan, out)
-        return self.scheduler.update(plan, out.tokens, out.logprobs)
+        return self.scheduler.update(plan, out.tokens, out.logprobs, out.verified)
 
     def _step_ahead(self) -> list[Sequence]:
         """Asynchronous scheduling (vLLM v1, SGLang's overlap scheduler): step N+1 is scheduled, built and
@@ -292,7 +298,7 @@ class Engine:
     def _apply_tokens(self, plan: StepPlan, pending) -> list[Sequence]:
         out = pending.result()
         _take_pooled(plan, out)
-        return self.scheduler.apply_tokens(plan, out.tokens, out.logprobs)
+        return self.scheduler.apply_tokens(plan, out.tokens, out.logprobs, out.verified)
 
     def _idle(self) -> list[Sequence]:
         if self.scheduler.has_work():
@@ -373,8 +379,16 @@ def make_scheduler(config: EngineConfig, kv_pool: KVPool, max_model_len: int) ->
     return Scheduler(
         policy, pool, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
         priority=PriorityOrder(config.priority_aging_steps), preemption=PreemptionPolicy(config.preemption),
-        admission=admission, num_host_blocks=kv_pool.num_host_blocks,
+        admission=admission, num_host_blocks=kv_pool.num_host_blocks, speculator=make_speculator(config),
     )
+
+
+def make_speculator(config: EngineConfig) -> Speculator | None:
+    """The job's draft sources and choices (`--speculative`), None when off."""
+    if config.speculative == "off":
+        return None
+    return Speculator(config.speculative, config.speculative_tokens, config.speculative_min_ngram,
+                      config.speculative_max_ngram)
 
 
 def run_to_completion(engine: Engine, token_lists: list[list[int]], params: list[SamplingParams],

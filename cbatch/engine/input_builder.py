@@ -17,16 +17,29 @@ from cbatch.engine.step_inputs import StepInputs
 
 
 def build_step_inputs(plan: StepPlan, block_tables: BlockTableBuffer, block_size: int, by_context: bool,
-                      last_row: dict[int, int], features: list[RowFeature]) -> tuple[StepInputs, list[Sequence]]:
-    """(the step's inputs as host arrays, the sequences that sample in logits-row order); the row features keep
-    their own rows of the step. `by_context`: decodes ordered by context length (`batch_order`); `last_row`:
-    seq_id -> its row in the previous step's sampled tokens (the placeholders' sources)."""
-    keys = [k for feature in features if (k := feature.order_keys(plan.scheduled)) is not None]
+                      last_row: dict[int, int], features: list[RowFeature]
+                      ) -> tuple[StepInputs, list[Sequence], list[int] | None]:
+    """(the step's inputs as host arrays, the sequences that sample in logits-row order, each sampling row's
+    drafted tokens before its position (None: no row verifies drafts)); the row features keep their own rows of
+    the step. `by_context`: decodes ordered by context length (`batch_order`); `last_row`: seq_id -> its row in
+    the previous step's sampled tokens (the placeholders' sources).
+
+    A row verifying drafts (`plan.drafts`: speculative decoding) becomes 1 + len(drafts) one-token rows at the end
+    of the batch, row j feeding its j-th token (its last one, then the drafts) at position num_computed + j with
+    context num_computed + j + 1: to attention exactly a decode row each (the KV of the whole step is stored before
+    any row attends), so every position's logits are a plain decode step's. Each samples."""
+    scheduled, verify = plan.scheduled, []
+    if plan.drafts:
+        verify = [(seq, plan.drafts[seq.seq_id]) for seq, _ in scheduled if seq.seq_id in plan.drafts]
+        scheduled = [row for row in scheduled if row[0].seq_id not in plan.drafts]
+    keys = [k for feature in features if (k := feature.order_keys(scheduled)) is not None]
     # NOTE: one feature at most orders the batch (LoRA's adapter slots); every feature is asked each step
-    ordered, starts, q_lens, order = batch_order(plan.scheduled, by_context, keys[0] if keys else None)
-    n = len(ordered)
+    ordered, starts, q_lens, order = batch_order(scheduled, by_context, keys[0] if keys else None)
     seqs = [seq for seq, _ in ordered]
-    rows = block_tables.sync(seqs)
+    rows = block_tables.sync(seqs + [seq for seq, _ in verify])
+    if verify:
+        ordered, starts, q_lens, rows = _with_verify_rows(ordered, starts, q_lens, rows, verify)
+    n = len(ordered)
     cu_q = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu_q[1:])
     for feature in features:
@@ -35,13 +48,22 @@ def build_step_inputs(plan: StepPlan, block_tables: BlockTableBuffer, block_size
     flat = _FlatRows(last_row, [f for f in features if type(f).add_row is not RowFeature.add_row])
     offsets = cu_q.tolist()
     start = 0
-    fed = quiet_decode_tokens(ordered)
-    for i in ([i for i, token in enumerate(fed) if token is None] if None in fed else []) + [n]:
+    num_plain = len(seqs)  # the rows before the verified ones
+    fed = quiet_decode_tokens(ordered[:num_plain] if verify else ordered)
+    for i in ([i for i, token in enumerate(fed) if token is None] if None in fed else []) + [num_plain]:
         if i > start:
             flat.add_decodes(seqs[start:i], fed[start:i], offsets[start])
-        if i < n:
+        if i < num_plain:
             flat.add_row(seqs[i], ordered[i][1], offsets[i])
         start = i + 1
+    sampling_offsets = None
+    if verify:
+        sampling_offsets = [0] * len(flat.sampling_seqs)
+        offset = offsets[num_plain]
+        for seq, drafted in verify:
+            flat.add_verified(seq, drafted, offset)
+            sampling_offsets.extend(range(len(drafted) + 1))
+            offset += len(drafted) + 1
     num_tokens = offsets[-1]
     if num_tokens == n and int(q_lens.min()) == 1:  # one token per row (decodes)
         token_seq, positions = np.arange(n), starts.copy()
@@ -57,7 +79,21 @@ def build_step_inputs(plan: StepPlan, block_tables: BlockTableBuffer, block_size
                         flat.placeholder_rows, flat.placeholder_sources)
     for feature in features:
         feature.fill(inputs, order, q_lens)
-    return inputs, flat.sampling_seqs
+    return inputs, flat.sampling_seqs, sampling_offsets
+
+
+def _with_verify_rows(ordered: list[tuple[Sequence, int]], starts: np.ndarray, q_lens: np.ndarray, rows: np.ndarray,
+                      verify: list[tuple[Sequence, list[int]]]):
+    """`batch_order`'s rows followed by each verified row's one-token rows (see `build_step_inputs`); `rows`: the
+    block-table rows of `ordered`'s sequences, then one per verified sequence."""
+    plain = len(ordered)
+    sizes = [len(drafted) + 1 for _, drafted in verify]
+    extra_starts = np.concatenate([seq.num_computed + np.arange(size) for (seq, _), size in zip(verify, sizes)])
+    ordered = ordered + [(seq, 1) for (seq, _), size in zip(verify, sizes) for _ in range(size)]
+    starts = np.concatenate([starts, extra_starts.astype(np.int64)])
+    q_lens = np.concatenate([q_lens, np.ones(len(extra_starts), dtype=np.int64)])
+    rows = np.concatenate([rows[:plain], np.repeat(rows[plain:], sizes)])
+    return ordered, starts, q_lens, rows
 
 
 @dataclass(slots=True)
@@ -91,6 +127,13 @@ class _FlatRows:
             samples = seq.samples if seq.pending_children else [seq]
             self.sampling_seqs.extend(samples)
             self.logits_rows.extend([offset + num_new - 1] * len(samples))
+
+    def add_verified(self, seq: Sequence, drafted: list[int], offset: int) -> None:
+        """A row verifying `drafted`: its last token and the drafts at flat rows offset.., each sampling."""
+        self.token_ids.append(seq.token_at(seq.num_computed))  # (never a placeholder: see Speculator.may_draft)
+        self.token_ids.extend(drafted)
+        self.sampling_seqs.extend([seq] * (len(drafted) + 1))
+        self.logits_rows.extend(range(offset, offset + len(drafted) + 1))
 
     def add_decodes(self, seqs: list[Sequence], tokens: list[int], offset: int) -> None:
         """A run of quiet decodes (`quiet_decode_tokens`) feeding `tokens` at flat rows offset, offset + 1, ...: what

@@ -111,6 +111,13 @@ class BlockTableBuffer:
         self._written[row] = 0
         return row
 
+    def truncate(self, seq: Sequence, num_blocks: int) -> None:
+        """`seq` gave back its blocks from `num_blocks` on (rejected drafts'): those columns are written again when
+        it grows (with whatever blocks it gets then)."""
+        row = self._row_of.get(seq.seq_id)
+        if row is not None:
+            self._written[row] = min(self._written[row], num_blocks)
+
     def release(self, seq: Sequence) -> None:
         """Frees `seq`'s row (it finished or was preempted: its blocks are gone)."""
         row = self._row_of.pop(seq.seq_id, None)

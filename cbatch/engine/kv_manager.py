@@ -73,6 +73,16 @@ class KVManager:
                     if (num_tokens := s.prompt_len + len(s.output_ids)) > (num_blocks := len(s.block_ids)) * size
                     and s.seq_id not in at_limit])
 
+    def trim(self, seq: Sequence) -> int | None:
+        """Gives back the blocks `seq` holds beyond its tokens' (rejected drafts' KV: never registered, never
+        shared); returns the blocks it keeps, None when it held none extra."""
+        keep = self.pool.blocks_for(seq.num_tokens)
+        if len(seq.block_ids) <= keep:
+            return None
+        self.pool.release(seq.block_ids[keep:])
+        del seq.block_ids[keep:]
+        return keep
+
     # ---- starting ---------------------------------------------------------------------------
     def prepare_start(self, seq: Sequence, budget: int) -> Start | str:
         """What starting `seq` now would take, or why it cannot: "prefix_pending" (its next prefix block is

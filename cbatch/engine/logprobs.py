@@ -32,6 +32,11 @@ class Logprobs:
         self.top_ids.extend(other.top_ids)
         self.top_values.extend(other.top_values)
 
+    def at(self, position: int) -> "Logprobs":
+        """Position `position` alone (a verified draft's)."""
+        i = position
+        return Logprobs(self.token[i : i + 1], self.top_ids[i : i + 1], self.top_values[i : i + 1])
+
     def head(self, count: int) -> "Logprobs":
         """The first `count` positions (static batching's padding tokens cut off)."""
         return Logprobs(self.token[:count], self.top_ids[:count], self.top_values[:count])

@@ -179,4 +179,4 @@ class GrammarRows(RowFeature):
         self.token_masks = TokenMasks(vocab_size, device)
 
     def on_sampling(self, seqs: list[Sequence], batch: SamplingBatch) -> None:
-        batch.grammar_masks = self.token_masks.start(seqs)
+        batch.grammar_masks = self.token_masks.start(seqs, batch.draft_offsets, batch.drafts)

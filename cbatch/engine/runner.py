@@ -155,11 +155,20 @@ class ModelRunner:
                 sampled, logprobs = sample_batch(step.logits, step.sampling, self.fused_sampling,
                                                  num_splits=self.sampler_splits)
             self.forward_seconds += time.perf_counter() - start
-            step.logprobs.sampled.update((seq.seq_id, lp) for seq, lp in zip(step.seqs, logprobs) if lp is not None)
+            if step.offsets is None:
+                step.logprobs.sampled.update((seq.seq_id, lp) for seq, lp in zip(step.seqs, logprobs) if lp is not None)
+            else:  # a verified row's positions, in order, as one Logprobs (the scheduler keeps those it accepts)
+                for seq, lp, offset in zip(step.seqs, logprobs, step.offsets):
+                    if lp is not None:
+                        if offset:
+                            step.logprobs.sampled[seq.seq_id].extend(lp)
+                        else:
+                            step.logprobs.sampled[seq.seq_id] = lp
             # the next step's placeholders read these on the device: each sequence's row in `sampled`
             self._last_sampled = sampled
             self._last_row = dict(zip([seq.seq_id for seq in step.seqs], range(len(step.seqs))))
-        return PendingStep(step.seqs, *tokens_to_host(sampled), step.logprobs, self, step.pool_ends, step.pooled)
+        return PendingStep(step.seqs, *tokens_to_host(sampled), step.logprobs, self, step.pool_ends, step.pooled,
+                           step.offsets)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> "StepLogits":
@@ -169,32 +178,36 @@ class ModelRunner:
         they run the same model call on their shares of the weights."""
         self.release(plan)
         self.begin_step()
-        inputs, sampling_seqs, prompt_seqs, pool_rows = self._build(plan)
+        inputs, sampling_seqs, prompt_seqs, pool_rows, offsets = self._build(plan)
         if self.peers is not None:
             self.peers.send_step(inputs)
-        sampling = self.sampling.build(sampling_seqs) if sampling_seqs else None
+        sampling = self.sampling.build(sampling_seqs, offsets, plan.drafts) if sampling_seqs else None
         if sampling is not None:  # (structured output: the constrained rows' bitmasks, filled while the model runs)
             for feature in self.features:
                 feature.on_sampling(sampling_seqs, sampling)
         hidden, logits, tokens, prompt = self.run_step(inputs, sampling)
         logprobs = StepLogprobs(prompt={seq.seq_id: lp for seq, lp in zip(prompt_seqs, prompt)})
         pooled, ends = self.pooling.finish(hidden, pool_rows, self.model)
-        return StepLogits(sampling_seqs, logits, sampling, logprobs, tokens, ends, pooled)
+        return StepLogits(sampling_seqs, logits, sampling, logprobs, tokens, ends, pooled, offsets)
 
     def release(self, plan: StepPlan) -> None:
-        """Frees the rows of the sequences `plan` names preempted, or finished in the previous update."""
+        """Frees the rows of the sequences `plan` names preempted, or finished in the previous update; cuts the
+        block-table rows of those whose rejected drafts' blocks went back."""
+        for seq, num_blocks in plan.trimmed:
+            self.block_tables.truncate(seq, num_blocks)
         for seq in plan.preempted + plan.finished:
             self.block_tables.release(seq)
             self.sampling.release(seq)
             for feature in self.features:
                 feature.release(seq)
 
-    def _build(self, plan: StepPlan) -> tuple[StepInputs, list[Sequence], list[Sequence], list]:
-        """(the step's inputs as host arrays, the sequences that sample in logits-row order, the sequences
-        whose prompt log-probabilities this step computes, in `prompt_rows` order, the pooling rows)."""
-        inputs, sampling_seqs = build_step_inputs(plan, self.block_tables, self.block_size, self.backend.groups_decodes,
-                                                  self._last_row, self.features)
-        return inputs, sampling_seqs, self.prompt_logprobs.seqs, self.pooling.rows
+    def _build(self, plan: StepPlan) -> tuple[StepInputs, list[Sequence], list[Sequence], list, list[int] | None]:
+        """(the step's inputs as host arrays, the sequences that sample in logits-row order, the sequences whose
+        prompt log-probabilities this step computes, in `prompt_rows` order, the pooling rows, each sampling
+        row's drafted tokens before its position (None: no drafts))."""
+        inputs, sampling_seqs, offsets = build_step_inputs(plan, self.block_tables, self.block_size,
+                                                           self.backend.groups_decodes, self._last_row, self.features)
+        return inputs, sampling_seqs, self.prompt_logprobs.seqs, self.pooling.rows, offsets
 
     def begin_step(self) -> None:
         """Starts a step's host -> device copies (before any of its inputs or sampling settings is made): on a
@@ -262,22 +275,41 @@ class PendingStep:
     runner: ModelRunner  # the wait for the device counts as its model time
     pool_ends: list[int] = field(default_factory=list)  # prefill-only rows ending this step: a dummy token each
     pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # their results (engine/pooling.py)
+    offsets: list[int] | None = None  # per row of `tokens`: the drafted tokens before its position (None: no drafts)
 
     def result(self) -> StepOutput:
         """Waits for the step (and no later one); its tokens by sequence id (and the log-probabilities asked for)."""
-        tokens = {}
+        tokens, verified = {}, None
         if self.seqs:
             start = time.perf_counter()
             if self.ready is not None:
                 self.ready.synchronize()
-            tokens = dict(zip([seq.seq_id for seq in self.seqs], self.tokens.tolist()))
+            if self.offsets is None:
+                tokens = dict(zip([seq.seq_id for seq in self.seqs], self.tokens.tolist()))
+            else:
+                tokens, verified = _verified_tokens(self.seqs, self.tokens.tolist(), self.offsets)
             self.runner.forward_seconds += time.perf_counter() - start
         has_logprobs = self.logprobs.sampled or self.logprobs.prompt
         if self.pool_ends:
             tokens.update(dict.fromkeys(self.pool_ends, 0))
         # NOTE: read back here, not at launch: asynchronous scheduling builds the next step in between
         pooled = {seq_id: v.to("cpu") for seq_id, v in self.pooled.items()} if self.pooled else None
-        return StepOutput(tokens, self.logprobs if has_logprobs else None, pooled)
+        return StepOutput(tokens, self.logprobs if has_logprobs else None, pooled, verified)
+
+
+def _verified_tokens(seqs: list[Sequence], values: list[int], offsets: list[int]
+                     ) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """(seq_id -> the token at each row's first position, seq_id -> every position's token, for the rows that
+    verified drafts: those with a row at offset > 0)."""
+    tokens: dict[int, int] = {}
+    positions: dict[int, list[int]] = {}
+    for seq, token, offset in zip(seqs, values, offsets):
+        if offset == 0:
+            tokens[seq.seq_id] = token
+            positions[seq.seq_id] = [token]
+        else:
+            positions[seq.seq_id].append(token)
+    return tokens, {seq_id: toks for seq_id, toks in positions.items() if len(toks) > 1}
 
 
 @dataclass(slots=True)
@@ -289,3 +321,4 @@ class StepLogits:
     tokens: torch.Tensor | None = None  # int64 [N] when already sampled (inside a decode graph)
     pool_ends: list[int] = field(default_factory=list)  # prefill-only rows ending this step
     pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> float32 result
+    offsets: list[int] | None = None  # per row of `seqs`: drafted tokens before its position (None: no drafts)

@@ -113,6 +113,10 @@ class SamplingBatch:
     # host values -> a tensor on the logits' device (`staging.host_values`: on a GPU through pinned memory, so
     # that building the step's sampling inputs never waits for the step in flight); None: `staging.host_tensor`
     put: Callable[[Sequence, torch.dtype], torch.Tensor] | None = None
+    # speculative decoding: per row, the drafted tokens before its position (None: no row verifies drafts), and
+    # seq_id -> the drafts (what a row's position-dependent settings, penalties and grammar mask see)
+    draft_offsets: list[int] | None = None
+    drafts: Any = None
 
     def on_device(self, values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """`values` (host) as a tensor on `device`."""

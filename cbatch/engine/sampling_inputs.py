@@ -9,7 +9,7 @@ freed when a plan names the sequence preempted or finished (as the block tables'
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence as Values
+from typing import Callable, Mapping, Sequence as Values
 
 import torch
 
@@ -103,7 +103,11 @@ class SamplingInputs:
         self.thinking.release(seq)
         self._seeds.pop(seq.seq_id, None)
 
-    def build(self, seqs: list[Sequence]) -> SamplingBatch:
+    def build(self, seqs: list[Sequence], offsets: list[int] | None = None,
+              drafts: Mapping[int, list[int]] | None = None) -> SamplingBatch:
+        """The settings of the rows that sample, in logits order. `offsets` (speculative decoding): per row, the
+        drafted tokens (`drafts[seq_id]`) before its position; a row at offset j samples as a decode step would
+        after those j tokens were appended: its position, min_tokens and penalty counts see them."""
         params = [s.params for s in seqs]
         # NOTE: rows usually share a few SamplingParams objects: each option is looked for once per distinct
         # object, and the per-row work is done only for an option some row uses (the host step stays short)
@@ -117,6 +121,9 @@ class SamplingInputs:
             top_ks = [int(p.top_k) for p in params]
         batch = SamplingBatch(temperatures=temperatures, top_ps=top_ps, top_ks=top_ks, seeds=self._seeds_of(seqs),
                               positions=[len(s.output_ids) for s in seqs], put=self.put)
+        if offsets is not None:
+            batch.positions = [p + j for p, j in zip(batch.positions, offsets)]
+            batch.draft_offsets, batch.drafts = offsets, drafts
         if any(p.min_p > 0 for p in distinct):
             batch.min_ps = [float(p.min_p) for p in params]
         if any(p.logprobs is not None for p in distinct):
@@ -124,9 +131,10 @@ class SamplingInputs:
         batch.processors = LogitsProcessors(
             bias=self._sparse([(r, t, float(b)) for r, p in enumerate(params) for t, b in p.logit_bias.items()])
             if any(p.logit_bias for p in distinct) else None,
-            banned=self._sparse([(r, t, -float("inf")) for r, s in enumerate(seqs) for t in _banned(s)])
+            banned=self._sparse([(r, t, -float("inf")) for r, s in enumerate(seqs)
+                                 for t in _banned(s, offsets[r] if offsets is not None else 0)])
             if any(p.min_tokens > 0 for p in distinct) else None,
-            penalties=self._penalties(seqs) if any(p.penalized for p in distinct) else None,
+            penalties=self._penalties(seqs, offsets, drafts) if any(p.penalized for p in distinct) else None,
             forced=self._forced(seqs) if any(p.thinking_token_budget is not None for p in distinct) else None,
         )
         return batch
@@ -156,27 +164,36 @@ class SamplingInputs:
         rows, tokens = zip(*entries)
         return ForcedTokens(self.put(rows, torch.int64), self.put(tokens, torch.int64))
 
-    def _penalties(self, seqs: list[Sequence]) -> Penalties | None:
+    def _penalties(self, seqs: list[Sequence], offsets: list[int] | None = None,
+                   drafts: Mapping[int, list[int]] | None = None) -> Penalties | None:
         picked = [r for r, s in enumerate(seqs) if s.params.penalized]
         if not picked:
             return None
         rows = self.token_counts.rows([seqs[r] for r in picked])
         counts, mask = self.token_counts.counts, self.token_counts.prompt_mask
+        output_counts = counts.index_select(0, rows)
+        if offsets is not None:  # a verified row's position j counts the j drafts before it as output
+            extra = [(i, t) for i, r in enumerate(picked) if offsets[r] for t in drafts[seqs[r].seq_id][: offsets[r]]]
+            if extra:
+                at, tokens = zip(*extra)
+                output_counts.index_put_((self.put(at, torch.int64), self.put(tokens, torch.int64)),
+                                         torch.ones(len(at), dtype=torch.int32, device=self.device), accumulate=True)
 
         names = ("repetition_penalty", "frequency_penalty", "presence_penalty")
         values = {name: [float(getattr(seqs[r].params, name)) for r in picked] for name in names}
         repetition, frequency, presence = (self.put(values[name], torch.float32) for name in names)
         return Penalties(
             rows=self.put(picked, torch.int64), repetition=repetition, frequency=frequency,
-            presence=presence, output_counts=counts.index_select(0, rows), prompt_mask=mask.index_select(0, rows),
+            presence=presence, output_counts=output_counts, prompt_mask=mask.index_select(0, rows),
             used=(any(v != 1.0 for v in values[names[0]]), any(values[names[1]]), any(values[names[2]])),
         )
 
 
-def _banned(seq: Sequence) -> list[int]:
-    """Tokens that may not come yet: EOS (unless ignored) and stop_token_ids, before min_tokens (vLLM)."""
+def _banned(seq: Sequence, drafted: int = 0) -> list[int]:
+    """Tokens that may not come yet: EOS (unless ignored) and stop_token_ids, before min_tokens (vLLM). `drafted`:
+    tokens drafted before the position (speculative decoding)."""
     p = seq.params
-    if len(seq.output_ids) >= p.min_tokens:
+    if len(seq.output_ids) + drafted >= p.min_tokens:
         return []
     eos = [] if p.ignore_eos else sorted(seq.eos_ids)
     return sorted(set(eos) | set(p.stop_token_ids))

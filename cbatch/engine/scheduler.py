@@ -33,6 +33,7 @@ from cbatch.engine.kv_manager import KVManager, Start
 from cbatch.engine.policy import AdmissionPolicy, PreemptionPolicy, PriorityOrder
 from cbatch.engine.quiet_rows import quiet_decodes, quiet_samples, split_quiet
 from cbatch.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
+from cbatch.engine.speculative import Speculator
 from cbatch.engine.stats import SchedulerStats
 from cbatch.engine.step import StepInfo, StepLogprobs, StepPlan
 
@@ -50,6 +51,7 @@ class Scheduler:
         preemption: PreemptionPolicy = PreemptionPolicy(),
         admission: OptimisticAdmission = OptimisticAdmission(),
         num_host_blocks: int = 0,
+        speculator: Speculator | None = None,
     ) -> None:
         self.policy, self._order = policy, policy.new_key()  # the admission order's key (it may remember groups)
         self.batching = policy.batching()  # continuous, or static groups
@@ -73,6 +75,9 @@ class Scheduler:
         # every token that may stop some sequence this scheduler has seen (EOS ids, stop_token_ids): a sampled
         # token outside it cannot stop its sequence, whatever the sequence's own settings
         self._stop_tokens: set[int] = set()
+        # speculative decoding (engine/speculative/): who drafts what; None: off
+        self.speculator = speculator
+        self._trimmed: list[tuple[Sequence, int]] = []  # rows whose rejected drafts' blocks went back: the next plan says
 
     def admission_error(self, prompt_len: int, params: SamplingParams) -> str | None:
         """Why a request can never run here (too long for the model, or for the KV pool even alone), or None."""
@@ -126,14 +131,15 @@ class Scheduler:
 
         # Running sequences: decodes first, then chunked prefills continuing, both in admission order.
         decodes, prefills = self._pending()
-        growing = self._quiet_schedule(decodes, budget)
+        drafts = self._draft(decodes, prefills, budget) if self.speculator is not None and decodes else None
+        growing = self._quiet_schedule(decodes, budget) if not drafts else None
         if growing is not None:  # quiet decodes: no row can be cut, skipped or preempted
             for seq in growing:
                 self.grow(seq, 1, plan)  # never preempts: the free blocks cover every growing row
             plan.scheduled.extend(decodes)
             budget -= len(decodes)
             decodes = []
-        budget = self._schedule_running(decodes + prefills, plan, budget)
+        budget = self._schedule_running(decodes + prefills, plan, budget, drafts)
 
         if plan.preempted:
             # NOTE: no admission after a preemption: the freed blocks go to the running sequences
@@ -146,6 +152,7 @@ class Scheduler:
         if plan.scheduled:  # NOTE: an empty plan never reaches the runner: its news waits for the next one
             self._count(plan)  # (an idle step is counted by `count_idle`, when the engine idles)
             plan.finished, self._left = self._left, []
+            plan.trimmed, self._trimmed = self._trimmed, []
             plan.copies = self.kv_manager.take_copies()
         return plan
 
@@ -171,9 +178,11 @@ class Scheduler:
         growing, need = self.kv_manager.growing_decodes(decodes)
         return growing if need <= self.pool.num_free else None
 
-    def _schedule_running(self, pending: list[tuple[Sequence, int]], plan: StepPlan, budget: int) -> int:
+    def _schedule_running(self, pending: list[tuple[Sequence, int]], plan: StepPlan, budget: int,
+                          drafts: dict[int, list[int]] | None = None) -> int:
         """Schedules `pending` (running sequences, uncomputed tokens) in order, one by one, while the budget
-        lasts; grows their blocks, preempting less important sequences where needed. Returns the budget left."""
+        lasts; grows their blocks, preempting less important sequences where needed. Returns the budget left.
+        `drafts`: seq_id -> tokens drafted after its last one (a decode verifying them computes 1 + drafts)."""
         capacity = self.pool.block_size
         batching = self.batching
         for seq, uncomputed in pending:
@@ -181,7 +190,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                 continue
-            num_new = min(uncomputed, budget)
+            drafted = drafts.get(seq.seq_id) if drafts else None
+            num_new = min(uncomputed + len(drafted), budget) if drafted else min(uncomputed, budget)
             if seq.num_result_tokens is not None and batching.padding_blocked(self, seq, num_new):
                 continue
             fits = seq.num_computed + num_new <= len(seq.block_ids) * capacity  # no new block needed
@@ -189,9 +199,39 @@ class Scheduler:
                 continue  # `seq` itself was preempted
             plan.scheduled.append((seq, num_new))
             budget -= num_new
-            if num_new > 1:
+            if drafted:
+                if num_new > 1:
+                    plan.drafts[seq.seq_id] = drafted[: num_new - 1]
+            elif num_new > 1:
                 self.kv_manager.note_chunk(seq, num_new)
         return budget
+
+    def _draft(self, decodes: list[tuple[Sequence, int]], prefills: list[tuple[Sequence, int]], budget: int
+               ) -> dict[int, list[int]]:
+        """seq_id -> the tokens the speculator drafts after each decode's last one, within what is left once every
+        decode has its token: the budget (a draft never displaces a decode) and the free blocks (a draft never
+        preempts), each draft short of the row's max_tokens and the model's context."""
+        room = budget - len(decodes)
+        if room <= 0:
+            return {}
+        spec, size = self.speculator, self.pool.block_size
+        spare = self.pool.num_free - self.kv_manager.growing_decodes(decodes)[1]
+        threshold = spec.step_threshold(len(decodes) + min(room, sum(n for _, n in prefills)))
+        drafts: dict[int, list[int]] = {}
+        for seq, _ in decodes:
+            if room <= 0:
+                break
+            if not spec.may_draft(seq):
+                continue
+            limit = min(room, seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens - 1)
+            held = max(len(seq.block_ids), self.pool.blocks_for(seq.num_computed + 1))
+            limit = min(limit, (held + spare) * size - seq.num_computed - 1)  # positions the blocks can hold
+            drafted = spec.propose(seq, limit, threshold) if limit > 0 else []
+            if drafted:
+                spare -= max(0, self.pool.blocks_for(seq.num_computed + 1 + len(drafted)) - held)
+                room -= len(drafted)
+                drafts[seq.seq_id] = drafted
+        return drafts
 
     def grow(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Gives `seq` the blocks for `num_new` more tokens, preempting less important sequences if needed.
@@ -289,6 +329,8 @@ class Scheduler:
             seq.first_scheduled_step = self.stats.steps + 1  # the step being built (1-based)
             waits = self.stats.wait_steps_by_priority.setdefault(seq.params.priority, [])
             waits.append(self.stats.steps - seq.arrival_step)
+            if self.speculator is not None:
+                self.speculator.started(seq)
         self.running.append(seq)
 
     def stall(self, reason: str) -> None:
@@ -302,18 +344,19 @@ class Scheduler:
         self._count(StepPlan(scheduled=[]))
 
     def _count(self, plan: StepPlan) -> None:
-        plan.info = StepInfo.of(plan.scheduled)
+        plan.info = StepInfo.of(plan.scheduled, plan.drafts)
         plan.step = self.stats.count_step(plan.info, self.batching.padding_tokens(plan),
                                           len(self.running) / self.max_num_seqs, self.pool.num_used, self.pool.num_blocks)
 
     # ---- after the step ---------------------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: Mapping[int, int], logprobs: StepLogprobs | None = None) -> list[Sequence]:
+    def update(self, plan: StepPlan, sampled: Mapping[int, int], logprobs: StepLogprobs | None = None,
+               verified: Mapping[int, list[int]] | None = None) -> list[Sequence]:
         """Applies a computed step; returns the sequences that left the batch finished. `sampled`: seq_id -> token
         of every sequence whose chunk reached its last token, and of the samples it forks; `logprobs`: those asked.
         Its halves, `account` (what the step computed) and `apply_tokens` (what it sampled), run apart under
         asynchronous scheduling: the next step is scheduled between them. The step's counters go to `last_step`."""
         self.account(plan)
-        return self.apply_tokens(plan, sampled, logprobs)
+        return self.apply_tokens(plan, sampled, logprobs, verified)
 
     def account(self, plan: StepPlan) -> None:
         """What a launched step computes, before its tokens are known: the computed counts advance, and each
@@ -326,8 +369,9 @@ class Scheduler:
         for seq in quiet:  # `_account_row`'s whole effect on these rows
             seq.num_computed += 1
             seq.output_ids.append(PLACEHOLDER)
-        for seq, num_new in rest:
-            self._account_row(seq, num_new, plan.step)
+        drafts = plan.drafts
+        for seq, num_new in rest:  # (a verified row computed its last token; its drafts count once verified)
+            self._account_row(seq, num_new - len(drafts[seq.seq_id]) if seq.seq_id in drafts else num_new, plan.step)
         if self.pool.enable_caching:
             size, finished = self.pool.block_size, SequenceStatus.FINISHED
             for seq in [s for s, _ in plan.scheduled if s.num_computed // size > s.num_registered_blocks]:
@@ -347,9 +391,11 @@ class Scheduler:
         if seq.num_result_tokens is None and at_length_limit(seq, self.max_model_len):
             self._at_limit.add(seq.seq_id)
 
-    def apply_tokens(self, plan: StepPlan, sampled: Mapping[int, int], logprobs: StepLogprobs | None = None) -> list[Sequence]:
+    def apply_tokens(self, plan: StepPlan, sampled: Mapping[int, int], logprobs: StepLogprobs | None = None,
+                     verified: Mapping[int, list[int]] | None = None) -> list[Sequence]:
         """A step's sampled tokens replace its placeholders; returns the sequences that left the batch finished
-        (EOS, stop, grammar, length). See `update`."""
+        (EOS, stop, grammar, length). `verified`: the rows that verified drafts, their target's token at each
+        position (`StepOutput.verified`). See `update`."""
         info = plan.info
         finished: list[Sequence] = []
         self._applying_step = plan.step
@@ -369,6 +415,9 @@ class Scheduler:
             elif not seq.output_ids or seq.output_ids[-1] != PLACEHOLDER:
                 continue  # a prompt chunk short of the end: nothing sampled
             self._at_limit.discard(seq.seq_id)
+            if plan.drafts and seq.seq_id in plan.drafts:
+                finished.extend(self._apply_verified(seq, plan.drafts[seq.seq_id], sampled, verified, logprobs, info))
+                continue
             finished.extend(self._append(seq, sampled[seq.seq_id], logprobs, info))
         if plan.preempted:  # a static group may have lost its last unfinished members
             finished.extend(self._release_all(self.batching.stranded(self)))
@@ -382,7 +431,7 @@ class Scheduler:
         mask, the penalties' counts, a thinking budget's count, log-probabilities, the samples it forks), no static
         group, and enough free blocks that the next schedule cannot preempt (a victim's in-flight token would land
         on a waiting sequence)."""
-        if not self.batching.schedules_ahead:
+        if not self.batching.schedules_ahead or inflight.drafts:  # (the next drafts need this step's tokens)
             return False
         seqs = [seq for seq, _ in inflight.scheduled]
         if any([s.grammar is not None or s.prompt_logprobs is not None or (s.children and not s.forked) for s in seqs]):
@@ -392,15 +441,44 @@ class Scheduler:
             return False
         return self.kv_manager.next_tokens_blocks(self.running, self._at_limit) <= self.pool.num_free
 
-    def _append(self, seq: Sequence, token: int, logprobs: StepLogprobs | None, info: StepInfo) -> list[Sequence]:
-        """Puts a sampled token in its placeholder, or appends it (a forked sample's first token), with its
-        log-probabilities; returns the sequences that leave the batch finished because of it."""
+    def _apply_verified(self, seq: Sequence, drafted: list[int], sampled: Mapping[int, int],
+                        verified: Mapping[int, list[int]] | None, logprobs: StepLogprobs | None,
+                        info: StepInfo) -> list[Sequence]:
+        """A row that verified `drafted`: its target's tokens are appended one by one, as many decode steps would
+        append them (finish rules per token), while the drafts equal them, and the first that differs too (the
+        target's own token: accepted + 1 tokens). A kept draft's KV was computed from the right token: computed.
+        The blocks the rejected ones took go back. Returns the sequences that left the batch finished."""
+        targets = verified.get(seq.seq_id) if verified is not None else None
+        if targets is None:  # a runner that does not verify (a cost model): its one token, no draft kept
+            targets = [sampled[seq.seq_id]]
+        accepted = 0
+        while accepted < min(len(drafted), len(targets) - 1) and drafted[accepted] == targets[accepted]:
+            accepted += 1
+        self.speculator.verified(seq, len(drafted), accepted)
+        info.accepted_tokens += accepted
+        self.stats.accepted_tokens += accepted
+        for i in range(accepted + 1):
+            left = self._append(seq, targets[i], logprobs, info, position=i)
+            if seq.is_finished or seq.num_result_tokens is not None:
+                return left
+            if i < accepted:
+                seq.num_computed += 1  # the draft this token equals was fed at its position
+        keep = self.kv_manager.trim(seq)
+        if keep is not None:
+            self._trimmed.append((seq, keep))
+        return []
+
+    def _append(self, seq: Sequence, token: int, logprobs: StepLogprobs | None, info: StepInfo,
+                position: int | None = None) -> list[Sequence]:
+        """Puts a sampled token in its placeholder, or appends it (a forked sample's first token, a verified
+        draft's `position`), with its log-probabilities; returns the sequences that leave the batch finished because of it."""
         if seq.output_ids and seq.output_ids[-1] == PLACEHOLDER:
             seq.output_ids[-1] = token
         else:
             seq.output_ids.append(token)
         if seq.logprobs is not None and logprobs is not None:
-            seq.logprobs.extend(logprobs.sampled[seq.seq_id])
+            mine = logprobs.sampled[seq.seq_id]
+            seq.logprobs.extend(mine if position is None else mine.at(position))
         if seq.first_token_step is None:
             seq.first_token_step = self._applying_step
         if seq.num_result_tokens is not None:
@@ -448,4 +526,6 @@ class Scheduler:
                 self.running.remove(seq)
             self.kv_manager.free(seq)
             seq.status = SequenceStatus.FINISHED
+            if self.speculator is not None:
+                self.speculator.finished(seq)
         return leaving

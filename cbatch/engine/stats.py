@@ -44,6 +44,10 @@ class SchedulerStats:
     stalled_prefix_pending: int = 0  # the head shares a prefix block another sequence computes this step
     stalled_closed: int = 0  # admission closed (the job's deadline came: nothing new starts)
     stalled_max_loras: int = 0  # the head's LoRA adapter would be one more than --max-loras among the running rows
+    # speculative decoding (engine/speculative/): tokens drafted and verified, those kept, steps with drafts
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_steps: int = 0
     # queue wait (steps from arrival to first scheduling) per priority class
     wait_steps_by_priority: dict[int, list[int]] = field(default_factory=dict)
 
@@ -56,7 +60,15 @@ class SchedulerStats:
         self.occupancy_sum += occupancy
         self.kv_usage_sum += used_blocks / num_blocks
         self.peak_kv_blocks = max(self.peak_kv_blocks, used_blocks)
+        if info.drafted_tokens:
+            self.drafted_tokens += info.drafted_tokens
+            self.draft_steps += 1
         return self.steps
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Drafted tokens kept (speculative decoding); 0 without drafts."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -20,13 +20,19 @@ class StepInfo:
     attention_pairs: int = 0  # (query token, key token) pairs attended this step (attention FLOPs)
     sampled_tokens: int = 0  # new tokens that count as output (static padding excluded); set by `update`
     prompt_tokens: int = 0  # tokens of prompts computed (recomputes included, prefix-cache hits not)
+    drafted_tokens: int = 0  # speculative tokens verified (in `scheduled_tokens`, not in `prefill_tokens`)
+    accepted_tokens: int = 0  # of those, the ones kept; set by `update`
 
     @classmethod
-    def of(cls, scheduled: list[tuple[Sequence, int]]) -> "StepInfo":
-        """The work of a plan's `scheduled` list, before the step runs. (Sums over columns: it runs every step.)"""
+    def of(cls, scheduled: list[tuple[Sequence, int]], drafts: Mapping[int, list[int]] | None = None) -> "StepInfo":
+        """The work of a plan's `scheduled` list, before the step runs. (Sums over columns: it runs every step.)
+        `drafts`: the plan's drafted tokens (a verified row's chunk is its last token and its drafts)."""
         computed = [seq.num_computed for seq, _ in scheduled]
         new = [num_new for _, num_new in scheduled]
         info = cls(scheduled_tokens=sum(new), prefill_tokens=sum(n for n in new if n > 1))
+        if drafts:
+            info.drafted_tokens = sum(len(d) for d in drafts.values())
+            info.prefill_tokens -= sum(n for (seq, n) in scheduled if seq.seq_id in drafts)
         info.context_tokens = sum(computed) + info.scheduled_tokens
         # query i of the chunk (0-based) sees context - num_new + i + 1 keys (causal): num_new * computed +
         # num_new * (num_new + 1) / 2 pairs in all, computed + 1 for a decode
@@ -59,6 +65,12 @@ class StepPlan:
     # per row, set by `Scheduler.account`: True where accounting was only "computed + 1, placeholder appended"
     # (`quiet_rows.quiet_decodes`); `apply_tokens` takes its quiet rows among these (None before `account`: none)
     accounted_quiet: list[bool] | None = None
+    # speculative decoding: seq_id -> the tokens drafted after its last token; such a row's chunk is its last token
+    # and these (1 + len tokens), each position sampled as a decode step would (engine/speculative/)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+    # rows whose rejected drafts' blocks the last update gave back: (sequence, blocks it keeps); the runner cuts its
+    # block-table row to that length before this step is built
+    trimmed: list[tuple[Sequence, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -85,3 +97,6 @@ class StepOutput:
     # prefill-only requests whose prompt ended this step: seq_id -> float32 result (engine/pooling.py); their
     # `tokens` entry is a dummy the scheduler appends, which ends them (max_tokens 1)
     pooled: Mapping[int, object] | None = None
+    # speculative decoding: seq_id -> the target's token at each position of a row's verified chunk (its last token
+    # and each draft: 1 + drafts); `tokens` holds the first of them. None: no row verified drafts
+    verified: Mapping[int, list[int]] | None = None

@@ -184,13 +184,18 @@ class TokenMasks:
         self._batch_matcher: Any = None
         self._bitmask: torch.Tensor | None = None
 
-    def start(self, seqs: Seq[ConstrainedRow]) -> PendingMasks | None:
+    def start(self, seqs: Seq[ConstrainedRow], offsets: Seq[int] | None = None,
+              drafts: dict[int, list[int]] | None = None) -> PendingMasks | None:
         """Begins filling the masks of `seqs` (the step's sampling rows, in logits order) that are constrained;
-        None when none is."""
+        None when none is. `offsets` (speculative decoding): per row, the drafted tokens (`drafts[seq_id]`) before
+        its position: its mask is the grammar's after them (a fork of the matcher advanced through them; the row's
+        own matcher is advanced only by `Scheduler.update`)."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None and s.num_result_tokens is None and s.grammar.needs_mask]
         if not rows:
             return None
         matchers = [seqs[i].grammar.matcher for i in rows]
+        if offsets is not None and any(offsets[i] for i in rows):
+            rows, matchers = _draft_matchers(seqs, rows, matchers, offsets, drafts)
         bitmask = self._buffer(len(seqs))
         if self._worker is None:
             import xgrammar as xgr
@@ -212,6 +217,27 @@ class TokenMasks:
             shape = xgr.get_bitmask_shape(max(num_rows, 64), self.vocab_size)
             self._bitmask = torch.full(shape, -1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         return self._bitmask[:num_rows]
+
+
+def _draft_matchers(seqs: Seq[Any], rows: list[int], matchers: list[Any], offsets: Seq[int],
+                    drafts: dict[int, list[int]]) -> tuple[list[int], list[Any]]:
+    """The rows and matchers of `TokenMasks.start` with each verified draft position's matcher: the one before
+    advanced by the draft before it. A position after a draft the grammar refuses, or after the grammar ended,
+    gets no mask: its token is never kept (the target's token there differs from the refused draft)."""
+    kept_rows, kept = [], []
+    current = None
+    for i, matcher in zip(rows, matchers):
+        j = offsets[i]
+        if j == 0:
+            current = matcher
+        elif current is not None:
+            current = current.fork()
+            if not current.accept_token(drafts[seqs[i].seq_id][j - 1]) or current.is_terminated():
+                current = None
+        if current is not None:
+            kept_rows.append(i)
+            kept.append(current)
+    return kept_rows, kept
 
 
 __all__ = ["ANY_JSON_OBJECT", "ConstrainedRow", "ConstraintError", "GrammarState", "Grammars", "PendingMasks", "TokenMasks",

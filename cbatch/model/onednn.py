@@ -64,4 +64,11 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] @ packed -> [M, out]. A row's result is the same bits whatever M: oneDNN sums a one-row input
+    in another order when the inner dimension is large (seen from K = 1536, SmolLM2's down projection: last-bit
+    differences), so one row goes through as two (the copy costs nothing next to the weight reads). Batch
+    invariance rests on it: a lone row's decode step must equal the same row in a fuller step (and speculative
+    decoding's verify rows, docs/speculative.md)."""
+    if x.dim() == 2 and x.shape[0] == 1:
+        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), packed, bias, "none", [], "")[:1]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

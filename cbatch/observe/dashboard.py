@@ -84,6 +84,9 @@ class Dashboard:
             table.add_row("occupancy", f"{engine.running / self.max_num_seqs:.0%} of {self.max_num_seqs} seqs")
             table.add_row("token budget", f"{step_tokens / self.token_budget:.0%} of {self.token_budget} per step")
         table.add_row("KV blocks", f"{engine.kv_used}/{engine.kv_total} ({engine.kv_used / kv_total:.0%})")
+        if engine.drafted_tokens:
+            table.add_row("speculative", f"{engine.accepted_tokens:,}/{engine.drafted_tokens:,} drafted tokens kept "
+                          f"({engine.accepted_tokens / engine.drafted_tokens:.0%})")
         if self.max_num_seqs:
             table.add_row("occupancy ▸", sparkline([s.running / self.max_num_seqs for s in window]))
         return Group(Text("cbatch run", style="bold"), progress, table)

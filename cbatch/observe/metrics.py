@@ -57,6 +57,8 @@ class EngineSnapshot:
     preemptions: int = 0
     kv_used: int = 0
     kv_total: int = 0
+    drafted_tokens: int = 0  # speculative decoding: drafted tokens verified so far, and those kept
+    accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -194,4 +196,5 @@ def engine_snapshot(engine) -> EngineSnapshot:
     scheduler = engine.scheduler
     return EngineSnapshot(running=len(scheduler.running), waiting=scheduler.num_waiting,
                           preemptions=scheduler.stats.preemptions, kv_used=engine.pool.num_used,
-                          kv_total=engine.pool.num_blocks)
+                          kv_total=engine.pool.num_blocks, drafted_tokens=scheduler.stats.drafted_tokens,
+                          accepted_tokens=scheduler.stats.accepted_tokens)

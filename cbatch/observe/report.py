@@ -54,6 +54,8 @@ def build_report(
         "lengths": length_quantiles(metrics),
         "series": time_series(metrics.series, max_num_seqs, num_kv_blocks),
     }
+    if stats.drafted_tokens:  # speculative decoding (docs/speculative.md)
+        report["speculative"] = speculation(stats, metrics.output_tokens)
     if metrics.lora_usage:  # LoRA adapters: rows and tokens per adapter ("base": the base model's rows)
         report["lora"] = {name: dict(usage) for name, usage in sorted(metrics.lora_usage.items())}
     if metrics.image_usage:  # rows with images: images and their tokens, what the vision tower encoded, images/s
@@ -87,6 +89,19 @@ def utilization(stats: SchedulerStats, max_num_seqs: int, num_kv_blocks: int) ->
         "swapped_out_blocks": stats.swapped_out_blocks,
         "swapped_in_blocks": stats.swapped_in_blocks,
         "admission_stalls": stats.admission_stalls,
+    }
+
+
+def speculation(stats: SchedulerStats, output_tokens: int) -> dict[str, Any]:
+    """Drafted and kept tokens, the acceptance rate, and output tokens per step (plain decoding: at most one per
+    running row)."""
+    return {
+        "drafted_tokens": stats.drafted_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "acceptance_rate": stats.acceptance_rate,
+        "draft_steps": stats.draft_steps,
+        "accepted_per_draft_step": stats.accepted_tokens / max(stats.draft_steps, 1),
+        "output_tokens_per_step": output_tokens / max(stats.steps, 1),
     }
 
 
@@ -192,7 +207,13 @@ def summary_line(report: dict[str, Any]) -> str:
            f" | {report['tokens']['output']} output tokens in {report['time']['wall_seconds']:.1f}s"
            f" = {t['output_tokens_per_s']:.1f} tok/s ({t['total_tokens_per_s']:.1f} total)")
         + f" | occupancy {u['mean_batch_occupancy']:.0%}, peak KV {u['peak_kv_usage']:.0%}, preemptions {u['preemptions']}"
+        + (_speculation_text(report["speculative"]) if "speculative" in report else "")
     )
+
+
+def _speculation_text(spec: dict[str, Any]) -> str:
+    return (f" | speculative: {spec['accepted_tokens']:,}/{spec['drafted_tokens']:,} drafted tokens kept "
+            f"({spec['acceptance_rate']:.0%}), {spec['output_tokens_per_step']:.2f} output tok/step")
 
 
 def _prefill_only_rates(report: dict[str, Any]) -> str:
@@ -222,6 +243,8 @@ def summary_table(report: dict[str, Any]):
                   f"{u['mean_tokens_per_step']:.1f} tok/step, KV mean {u['mean_kv_usage']:.0%} peak {u['peak_kv_usage']:.0%}")
     table.add_row("preemption", f"{u['preemptions']} preemptions, {u['recomputed_tokens']:,} tokens recomputed, "
                   f"padding waste {u['padding_waste']:.1%}")
+    if "speculative" in report:
+        table.add_row("speculative", _speculation_text(report["speculative"]).removeprefix(" | speculative: "))
 
     def pct(p: dict) -> str:
         return "-" if p["p50"] is None else f"{p['p50']:.2f} / {p['p90']:.2f} / {p['p99']:.2f}"

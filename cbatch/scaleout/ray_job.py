@@ -360,7 +360,7 @@ class RayExecutor:
         """The replicas' live counters, summed (each as of its last block)."""
         snaps = [r.stats.engine for r in self.replicas if r.stats is not None and r.status == "running"]
         return EngineSnapshot(*(sum(getattr(s, f) for s in snaps) for f in
-                                ("running", "waiting", "preemptions", "kv_used", "kv_total")))
+                                ("running", "waiting", "preemptions", "kv_used", "kv_total", "drafted_tokens", "accepted_tokens")))
 
     def _replica_failed(self, handle: ReplicaHandle, block: Block, exc: Exception) -> None:
         """Requeues the block (and, once per replica, all its other unfinished blocks) and replaces the replica."""

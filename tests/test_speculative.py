@@ -1,0 +1,247 @@
+"""Speculative decoding never changes a token (docs/speculative.md): with --speculative ngram | suffix | auto every
+row's tokens (and log-probabilities) equal the plain run's, for greedy and seeded sampled rows, penalties, n > 1,
+stop strings, grammars, chunked prefill and preemption; and drafts really were accepted (no vacuous pass)."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from cbatch.config import ConfigError, Constraint, EngineConfig, SamplingParams
+from cbatch.engine.engine import run_to_completion
+from cbatch.engine.sequence import Sequence
+from cbatch.engine.speculative import Speculator, StepCost
+from cbatch.engine.speculative.ngram import NgramIndex, copy_from
+from cbatch.engine.speculative.suffix import SuffixTable
+from cbatch.observe.report import speculation
+from cbatch.tokenizer import load_tokenizer
+from helpers import make_engine, random_prompts
+
+VOCAB = 384
+
+
+def outputs(engine, prompts, params):
+    per_row = params if isinstance(params, list) else [params] * len(prompts)
+    return [(o.token_ids, o.logprobs, o.finish_reason) for o in run_to_completion(engine, prompts, per_row)]
+
+
+def repeated_job(rows: int = 4, seed: int = 0) -> list[list[int]]:
+    """Each prompt twice, the copies after all the originals: with fcfs and `rows` slots the copies start once the
+    originals finished, so the job's own outputs (suffix decoding) draft theirs."""
+    base = random_prompts(rows, VOCAB, seed=seed, min_len=5, max_len=30)
+    return base + base
+
+
+def check_same(path, prompts, params, mode: str, min_accepted: int = 1, reference=None, **settings):
+    """Runs the job plain (or takes `reference`: its (outputs, steps)) and with `mode`; asserts identical outputs,
+    accepted drafts and every block back. Returns (the plain outputs, the speculative engine)."""
+    settings = {"max_num_seqs": 4, "policy": "fcfs", **settings}
+    if reference is None:
+        plain_engine = make_engine(path, **settings)
+        reference = outputs(plain_engine, prompts, params), plain_engine.scheduler.stats.steps
+    plain = reference[0]
+    engine = make_engine(path, speculative=mode, **settings)
+    engine.plain_steps = reference[1]
+    assert outputs(engine, prompts, params) == plain
+    stats = engine.scheduler.stats
+    assert stats.accepted_tokens >= min_accepted, (stats.drafted_tokens, stats.accepted_tokens)
+    assert stats.accepted_tokens <= stats.drafted_tokens
+    assert engine.pool.num_free == engine.pool.num_blocks  # every block came back, trimmed ones included
+    return plain, engine
+
+
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3)
+SAMPLED = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.9, top_p=0.9, top_k=40, min_p=0.02, seed=7,
+                         logprobs=2)
+PENALIZED = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=3, repetition_penalty=1.3,
+                           frequency_penalty=0.4, presence_penalty=0.2, min_tokens=10, logit_bias={5: 2.0, 9: -1.0},
+                           logprobs=1)
+SAMPLES = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=11, n=3, logprobs=1)
+MIXED = [GREEDY, SAMPLED, PENALIZED, SAMPLES] * 2  # (row i and its copy, row i + 4, share their settings)
+
+
+@pytest.fixture(scope="module")
+def mixed_reference(tiny_checkpoints):
+    engine = make_engine(tiny_checkpoints["llama"], max_num_seqs=4, policy="fcfs")
+    return outputs(engine, repeated_job(), MIXED), engine.scheduler.stats.steps
+
+
+@pytest.mark.parametrize("mode", ["suffix", "auto"])
+def test_tokens_and_logprobs_identical(tiny_checkpoints, mixed_reference, mode):
+    """Greedy, seeded top-p/top-k/min-p, penalties + min_tokens + logit_bias, and n = 3 rows (each sample its own
+    row, seeded by (row seed, i)) in one job: the copies draft from the originals' outputs."""
+    plain, engine = check_same(tiny_checkpoints["llama"], repeated_job(), MIXED, mode, reference=mixed_reference)
+    assert engine.scheduler.stats.steps < engine.plain_steps  # the copies took fewer steps
+    assert all(logprobs is not None and len(logprobs) == len(tokens) for tokens, logprobs, _ in plain)
+    report = speculation(engine.scheduler.stats, sum(len(tokens) for tokens, _, _ in plain))
+    assert 0 < report["acceptance_rate"] <= 1 and report["accepted_tokens"] > 0
+    assert report["output_tokens_per_step"] > sum(len(t) for t, _, _ in plain) / engine.plain_steps
+
+
+def test_chunked_prefill(tiny_checkpoints):
+    check_same(tiny_checkpoints["llama"], repeated_job(3), SAMPLED, "suffix", max_num_batched_tokens=7, max_num_seqs=3)
+
+
+def test_asynchronous_scheduling(tiny_checkpoints):
+    """A step with drafts is never scheduled ahead of (its tokens decide the next drafts); around it steps are."""
+    check_same(tiny_checkpoints["llama"], repeated_job(3), GREEDY, "suffix", max_num_seqs=3, async_scheduling=True)
+
+
+def test_preemption(tiny_checkpoints):
+    """Tokens only: a recomputed row's KV comes from a prefill chunk, which is not bitwise the decode steps' KV, so
+    log-probabilities after a preemption differ in their last bits with or without speculation (the plain engine's
+    own limit: its tokens here are the same)."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    _, engine = check_same(tiny_checkpoints["llama"], repeated_job(3), params, "suffix", num_kv_blocks=14,
+                           block_size=4, max_num_seqs=3)
+    assert engine.scheduler.stats.preemptions > 0
+
+
+@pytest.fixture(scope="module")
+def looping_model(tiny_checkpoints, tmp_path_factory) -> Path:
+    """The tiny llama with its attention outputs scaled down: its greedy text falls into loops within a few dozen
+    tokens (the row's own n-grams predict them), while every layer still attends."""
+    path = tmp_path_factory.mktemp("looping") / "llama"
+    shutil.copytree(tiny_checkpoints["llama"], path)
+    weights = load_file(path / "model.safetensors")
+    save_file({k: v * 0.02 if "o_proj" in k else v for k, v in weights.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    return path
+
+
+def test_ngram_drafts_from_the_row_itself(looping_model):
+    prompts = random_prompts(4, VOCAB, seed=0, min_len=5, max_len=30)
+    params = SamplingParams(max_tokens=48, ignore_eos=True, logprobs=1)
+    check_same(looping_model, prompts, params, "ngram", min_accepted=5, max_num_seqs=4)
+
+
+def test_stop_strings_and_grammar_rows(tiny_chat_model, monkeypatch):
+    """Stop strings checked per kept token; a grammar's mask at each drafted position is the matcher's after the
+    drafts before it (xgrammar fork), advanced for real only by the kept tokens."""
+    choice = Constraint("choice", json.dumps(["alpha beta alpha beta", "gamma delta", "alpha beta gamma"]), "choice")
+    schema = Constraint("json_schema", json.dumps({"type": "object", "properties": {
+        "k": {"enum": ["xyz", "abc"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["k", "n"]}), "json_schema")
+    prompts = random_prompts(3, 49152, seed=4, min_len=3, max_len=12) * 2
+    # a stop string the first row meets part-way: the text of its 9th and 10th tokens without one
+    free = run_to_completion(make_engine(tiny_chat_model), prompts[:1], [SamplingParams(max_tokens=10, seed=5,
+                                                                                         temperature=0.9)])[0]
+    stop = load_tokenizer(tiny_chat_model).decode(free.token_ids[8:10]).strip() or "e"
+    params = [SamplingParams(max_tokens=16, temperature=0.9, seed=5, stop=[stop]),
+              SamplingParams(max_tokens=12, constraint=choice),
+              SamplingParams(max_tokens=16, temperature=0.7, seed=2, constraint=schema)] * 2
+    kept: dict[str, int] = {}  # accepted drafts by kind of row
+    verified = Speculator.verified
+
+    def count(self, seq, drafted, accepted):
+        kind = "grammar" if seq.grammar is not None else "stop" if seq.stop is not None else "plain"
+        kept[kind] = kept.get(kind, 0) + accepted
+        verified(self, seq, drafted, accepted)
+
+    monkeypatch.setattr(Speculator, "verified", count)
+    plain, _ = check_same(tiny_chat_model, prompts, params, "suffix", max_num_seqs=3)
+    assert plain[0][2] == "stop" and len(plain[0][0]) >= 4
+    assert kept.get("grammar", 0) > 0 and kept.get("stop", 0) > 0, kept
+
+
+def test_identity_fields_and_refusals():
+    from dataclasses import fields
+
+    for f in fields(EngineConfig):
+        if f.name.startswith("speculative"):
+            assert "output" not in f.metadata  # never part of the resume fingerprint or the result-cache key
+    with pytest.raises(ConfigError, match="speculative"):
+        EngineConfig(speculative="medusa")
+    with pytest.raises(ConfigError, match="speculative"):
+        EngineConfig(speculative="ngram", loras=(("a", "/x"),))
+
+
+def test_a_row_matmul_is_the_same_bits_alone_or_in_a_batch():
+    """oneDNN sums a one-row product in another order from K ~ 1024 on: `packed_linear` runs one row as two, so a
+    lone row's step (a job's last row; plain decoding) equals the same row among others (verify rows, batches)."""
+    import torch
+
+    from cbatch.model import onednn
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(64, 1536), torch.randn(5, 1536)
+    packed = onednn.prepack_weight(weight)
+    if packed is None:
+        pytest.skip("oneDNN prepacking is not available here")
+    alone = onednn.packed_linear(x[:1], packed)
+    assert all(torch.equal(onednn.packed_linear(x[:m], packed)[:1], alone) for m in (2, 3, 5))
+
+
+# ---- the draft sources and the cost model, alone ---------------------------------------------------------------
+def test_ngram_index_finds_the_latest_longest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    index = NgramIndex(2, 3)
+    assert index.propose(tokens, 3) == [7, 5, 1]  # after the latest earlier "1 2 3"
+    assert NgramIndex(2, 3).propose([4, 5, 6], 3) == []
+    assert copy_from([8, 1, 2, 1, 2], 3, 5) == [1, 2, 1, 2, 1]  # a copy running into the end repeats itself
+    tokens += [7]
+    assert index.propose(tokens, 2) == [5, 1]  # extended incrementally: "2 3 7" -> 5
+
+
+def test_suffix_table_walks_the_most_frequent_continuation():
+    table = SuffixTable(2, 3, max_contexts=10_000)
+    table.add([1, 2, 3, 4, 5])
+    table.add([1, 2, 3, 4, 6])
+    table.add([9, 2, 3, 8])
+    assert table.propose([7, 1, 2, 3], 3) == [4, 5]  # "1 2 3" -> 4; "2 3 4" -> 5 or 6 (tie: the smaller); then none
+    assert table.match_length([0, 2, 3]) == 2
+    small = SuffixTable(2, 2, max_contexts=3)
+    small.add(list(range(10)))
+    assert len(small) == 3  # bounded: the oldest contexts dropped
+
+
+def test_auto_drafts_where_it_pays():
+    spec = Speculator("auto", 4, 2, 3, StepCost(fixed_tokens=16))
+    assert spec.step_threshold(4) == pytest.approx(0.2)  # the tail: cheap drafts
+    assert spec.step_threshold(256) > 0.9  # compute-bound: only near-certain drafts
+    # a compute-bound start still measures the job's acceptance: every 8th row it turns down probes
+    big = Speculator("auto", 4, 2, 3, StepCost(fixed_tokens=16))
+    seqs = [Sequence(seq_id=i, prompt_ids=[5, 6, 7, 5, 6], params=SamplingParams(), output_ids=[7])
+            for i in range(16)]
+    drafts = [big.propose(seq, 4, big.step_threshold(256)) for seq in seqs]
+    assert sum(1 for d in drafts if d) == 2 and [5, 6, 7, 5] in drafts
+    cost = StepCost()
+    for tokens in (8, 64, 8, 64, 32):
+        cost.observe(tokens, 0.010 + 0.001 * tokens)
+    assert cost.fixed_tokens == pytest.approx(10.0)
+
+
+@pytest.mark.slow
+def test_smollm2_copying_passages(smollm2_dir):
+    """The real model repeating given passages: prompt lookup drafts most of each answer, tokens unchanged."""
+    from cbatch.tokenizer import encode_messages
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    passages = ["The old bridge was rebuilt in the early spring after a long delay, and the river traffic returned.",
+                "Seven copper wires were measured twice in one week by a young engineer near the harbour."]
+    prompts = [encode_messages(tokenizer, [{"role": "user", "content": f"Repeat exactly, word for word: {text}"}])
+               for text in passages]
+    params = [SamplingParams(max_tokens=28, logprobs=1), SamplingParams(max_tokens=28, temperature=0.7, seed=1)]
+    plain, engine = check_same(smollm2_dir, prompts, params, "ngram", min_accepted=10, max_num_seqs=2)
+    assert engine.scheduler.stats.steps < engine.plain_steps
+
+
+def test_simulator_models_acceptance():
+    """The simulator (the engine with a cost-model runner) keeps a share of the drafts: fewer steps, the same
+    lengths; without an acceptance rate it keeps none and takes the plain run's steps."""
+    from cbatch.bench.simulator import CostModel, simulated_engine
+
+    prompts = [[3, 4, 5, 6] * 4 for _ in range(4)]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 4
+    steps = {}
+    for name, mode, acceptance in (("plain", "off", 0.0), ("none kept", "ngram", 0.0), ("kept", "ngram", 0.8)):
+        engine = simulated_engine(EngineConfig(speculative=mode, max_num_seqs=4), CostModel(), 128, 64)
+        engine.runner.acceptance = acceptance
+        outputs = run_to_completion(engine, prompts, params)
+        assert [len(o.token_ids) for o in outputs] == [40] * 4
+        steps[name] = engine.scheduler.stats.steps
+    assert steps["none kept"] == steps["plain"] and steps["kept"] < steps["plain"] * 0.7
