@@ -138,3 +138,16 @@ def test_vision_tower_matches_hfs_image_features(vl_model, images):
     ref = torch.cat(ref.pooler_output)
     assert ours.shape == ref.shape == (sum(image.num_tokens for image in images), 64)
     assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()  # float32 rounding (conv vs matmul, batched SDPA)
+
+
+def test_tensor_parallel_is_refused_in_one_sentence(vl_model):
+    """The vision tower has no tensor-parallel split yet: -tp 2 is refused before loading, naming the fix."""
+    from cbatch.config import ConfigError, EngineConfig
+    from cbatch.engine.resolve import resolve_model
+    from cbatch.model.shard import check_tensor_parallel, tensor_parallel_sizes
+
+    spec = resolve_model(EngineConfig(model=str(vl_model), device="cpu")).spec
+    with pytest.raises(ConfigError, match="vision-language models run on one rank only for now; "
+                                          "use --tensor-parallel-size 1"):
+        check_tensor_parallel(spec, 2)
+    assert tensor_parallel_sizes(spec, limit=8) == [1]  # what cbatch plan suggests agrees
