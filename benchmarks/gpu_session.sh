@@ -73,12 +73,13 @@ declare -A PLAN=(
   [speed]="make_model:60 profile_bf16:100 profile_fp8:70 decode_kernels:110"
   [peer]="make_model:40 hf_vs_cbatch:450"
   [gpu-tests]="gpu_tests:150"
+  [families]="family_kernel_tests:150 mla_decode:120 moe_mxfp4:180"
   # the last step takes what the steps before it left of their budgets too (elastic_budget). profile_fp8 needs
   # ~37-48 s (its own tuning: the fp8 tiles are another key); profile_bf16 starts on the first step's compiled
   # kernels and tuning cache. The peer: cbatch ~20 s and hf-cb ~71 s on 64 requests, before the fallback's reserve.
   [all]="first_step:45 make_model:25 profile_bf16:70 profile_fp8:60 decode_kernels:35 host_step:15 hf_vs_cbatch:204"
 )
-PARTS="all speed peer gpu-tests kernels suite parity bench e2e e2e-more e2e-sync e2e-split e2e-gemm int4 lora"
+PARTS="all speed peer gpu-tests families kernels suite parity bench e2e e2e-more e2e-sync e2e-split e2e-gemm int4 lora"
 # the peer comparison (peer_args): hf-cb guarded by what the step's budget leaves before the fallback's reserve,
 # and skipped when that is under MIN_PEER_GUARD_S (on an H200, configured, it took 58 s for 64 requests, 71 s of
 # process); if it does not finish, both again on FALLBACK_REQUESTS inside the reserve (cbatch ~20 s with its graphs
@@ -296,6 +297,19 @@ part_all() {
   local budget
   budget=$(elastic_budget hf_vs_cbatch)
   STEP_BUDGET=$budget step hf_vs_cbatch $py benchmarks/compare_peers.py $(peer_args "$budget" "$ALL_PEER_REQUESTS") --engines cbatch,hf-cb
+}
+
+# families: the kernels of the families landed without a device (DeepSeek's MLA decode, gpt-oss's MXFP4 grouped GEMM,
+# expert parallelism's per-slot MoE): their tests on the GPU, then each kernel's time and bandwidth
+FAMILY_KERNEL_TESTS="tests/test_kernels_mla.py tests/test_kernels_models.py"
+part_families() {
+  if [ $DRY = 1 ]; then
+    step family_kernel_tests $py -m pytest -p no:cacheprovider -rfE tests/test_kernels_models.py -k "mxfp4 or expert_parallel"
+  else
+    step family_kernel_tests $py -m pytest -p no:cacheprovider -rfE $FAMILY_KERNEL_TESTS -k "mla or mxfp4 or expert_parallel or fused_moe"
+  fi
+  step mla_decode $py benchmarks/mla_decode.py $( [ $DRY = 1 ] && echo --cpu-smoke )
+  step moe_mxfp4 $py benchmarks/bench_moe_fp8.py --quick $( [ $DRY = 1 ] && echo --cpu-smoke ) --out "$LOGS/moe_mxfp4.txt"
 }
 
 part_kernels() {
