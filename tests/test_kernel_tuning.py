@@ -382,7 +382,7 @@ def test_an_engine_on_a_failing_device_starts_on_the_defaults(capsys, monkeypatc
     from test_kernels_gemm import _fake_model
 
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    spec = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=64)
+    spec = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=64, mla=None)
     resolved = SimpleNamespace(device=torch.device("cuda"), spec=spec, dtype=torch.bfloat16, max_model_len=4096)
     backend, model = TritonBackend(), _fake_model()
     report = build.tune_kernels(EngineConfig(max_num_seqs=40), resolved, backend, torch.bfloat16, SINGLE_RANK, model)

@@ -336,7 +336,7 @@ def test_the_switch(decode_gemm, monkeypatch):
             assert buckets == (16, 32, 64)  # --max-num-seqs 40: no bucket past the first that holds 40 rows
             return SimpleNamespace(describe=lambda: {"triton": 0})
 
-    spec = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=16)
+    spec = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=16, mla=None)
     resolved = SimpleNamespace(device=torch.device("cuda"), spec=spec, dtype=torch.bfloat16, max_model_len=64)
     model = _fake_model()
     config = EngineConfig(decode_gemm=decode_gemm, max_num_seqs=40)
