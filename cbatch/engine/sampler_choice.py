@@ -22,6 +22,9 @@ NEUTRAL = {  # field -> "every row leaves this option off"
     "logprobs": lambda values: all(k is None for k in values),
     "processors": lambda processors: not processors,
     "grammar_masks": lambda masks: masks is None,
+    # speculative verify rows: their drafts are already folded into `positions`, `processors` and `grammar_masks`
+    "draft_offsets": lambda offsets: True,
+    "drafts": lambda drafts: True,
 }
 
 
