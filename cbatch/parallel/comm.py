@@ -1,7 +1,8 @@
 """The collectives a tensor-parallel model calls: one all-reduce after each row-parallel block, one after the
 vocab-parallel embedding, one all-gather of the sampling rows' logits; with --expert-parallel, an all-to-all of
-the experts' slot outputs and an all-gather of the tokens' rows per MoE layer (parallel/expert_combine.py). The model holds a communicator as it
-holds its compute backend (no globals); on one rank it is `SINGLE_RANK`, whose calls return their input.
+the experts' slot outputs and an all-gather of the tokens' rows per MoE layer (parallel/expert_combine.py). The
+model holds a communicator as it holds its compute backend (no globals); on one rank it is `SINGLE_RANK`, whose
+calls return their input.
 """
 from __future__ import annotations
 
