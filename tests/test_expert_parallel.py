@@ -1,7 +1,8 @@
 """Expert parallelism (--expert-parallel) on CPU ranks over gloo: each rank holds num_experts / N whole experts (a
-shared expert whole), attention stays split by heads; the tokens are those of one rank (the combine sums each
-slot from its one owner, then a token's slots in one rank's order: bitwise one rank's output), and the report
-says how the assignments spread over the ranks."""
+shared expert whole), attention stays split by heads; the tokens are those of one rank (the combine's all-to-all
+sends each computed slot to its token's owner rank, which sums a token's slots in one rank's order: bitwise one
+rank's output; tests/test_expert_combine.py checks its layouts case by case), and the report says how the
+assignments spread over the ranks."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -32,7 +33,9 @@ class _Rank(Communicator):
 @pytest.mark.parametrize("family, ranks", [("mixtral", 4), ("qwen2_moe", 2), ("qwen3_moe", 2)])
 def test_expert_parallel_ranks_give_the_tokens_of_one(family, ranks, family_checkpoint):
     """Under chunked prefill and preemption: the same tokens and schedule; the report's load balance counts every
-    token of every MoE layer once per expert it picks, and every rank takes some."""
+    token of every MoE layer once per expert it picks, and every rank takes some. Mixtral at 4 ranks also meets
+    uneven steps: decode steps of fewer rows than ranks (ranks owning no token in the combine) and layer-steps in
+    which a rank's experts take no token (sending nothing)."""
     path = family_checkpoint(family)
     one, one_stats = ranks_generate(path, 1, PROMPTS, **SETTINGS)
     many, many_stats = ranks_generate(path, ranks, PROMPTS, expert_parallel=True, **SETTINGS)
@@ -45,6 +48,9 @@ def test_expert_parallel_ranks_give_the_tokens_of_one(family, ranks, family_chec
     assert load["ranks"] == ranks and load["layer_steps"] == one_stats["steps"] * moe_layers
     assert sum(load["assignments"]) == spec.moe.top_k * one_stats["scheduled_tokens"] * moe_layers
     assert min(load["assignments"]) > 0 and load["imbalance"] < ranks
+    assert all(0 <= idle < load["layer_steps"] for idle in load["idle_layer_steps"])
+    if ranks == 4:
+        assert max(load["idle_layer_steps"]) > 0
 
 
 def test_each_rank_holds_its_experts_whole(family_checkpoint, monkeypatch):
@@ -77,9 +83,10 @@ def test_the_report_carries_the_load_balance(family_checkpoint):
     model.expert_load.add(torch.tensor([[0, 5], [6, 7], [2, 4]]))  # experts 0-3 on rank 0, 4-7 on rank 1
     engine = SimpleNamespace(runner=SimpleNamespace(model=model, memory=dict), device=torch.device("cpu"),
                              dtype=torch.float32, spec=model.spec, kernel_tuning=None)
+    model.expert_load.add(torch.tensor([[4, 5], [6, 7]]))  # rank 0's experts sit this layer-step out
     load = engine_hardware(engine, [], 1.0)["expert_parallel"]
-    assert load == {"ranks": 2, "assignments": [2, 4], "layer_steps": 1, "tokens_per_rank_per_layer_step": [2.0, 4.0],
-                    "imbalance": 1.333}
+    assert load == {"ranks": 2, "assignments": [2, 8], "layer_steps": 2, "tokens_per_rank_per_layer_step": [1.0, 4.0],
+                    "imbalance": 1.6, "idle_layer_steps": [1, 0]}
 
 
 def test_expert_parallel_needs_experts_and_ranks(tiny_checkpoints, family_checkpoint):

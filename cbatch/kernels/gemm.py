@@ -199,6 +199,12 @@ def graph_warmup():
         _WARMING_UP_A_GRAPH.reset(token)
 
 
+def in_graph(x: torch.Tensor) -> bool:
+    """Whether the work on `x` is being captured into a CUDA graph, or is the eager warm-up just before a capture
+    (which must take the same paths, so that the capture finds every module loaded and connection made)."""
+    return _WARMING_UP_A_GRAPH.get() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 class DecodeGemm:
     """One layer shape's choice per batch bucket: a `GemmConfig` where the Triton kernel timed faster than cuBLAS
     at start-up, None (cuBLAS) elsewhere. `layers.Linear` calls it in place of F.linear.
@@ -223,12 +229,11 @@ class DecodeGemm:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         config = self.config_for(x.shape[0]) if x.dim() == 2 else None
         if config is not None and self.graphs_only:
-            in_graph = _WARMING_UP_A_GRAPH.get() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
-            config = config if in_graph else None
+            config = config if in_graph(x) else None
         if config is None or x.stride(-1) != 1:
             return F.linear(x, weight, bias)
         return decode_linear(x, weight, bias, config)
 
 
 __all__ = ["DecodeGemm", "GEMM_CANDIDATES", "GemmConfig", "MAX_ROWS", "ROW_BUCKETS", "decode_linear",
-           "gemm_candidates", "graph_warmup"]
+           "gemm_candidates", "graph_warmup", "in_graph"]

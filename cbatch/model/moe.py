@@ -19,12 +19,11 @@ gpt-oss's experts add biases to both projections and use a clamped SwiGLU (backe
 
 Expert parallelism (--expert-parallel, `MoESpec.expert_range`): each rank holds num_experts / N whole experts and a
 whole shared expert. Under tensor parallelism every rank already has every token's hidden state (attention's
-all-reduce), so dispatch is a local selection; the combine is one all-reduce of the per-slot outputs [T, k, H],
-in which each (token, slot) is non-zero on the one rank holding its expert (a sum with zeros: exact), after which
-every rank sums a token's k slots in the one-rank order (`fused_moe_slots`, then `.sum(dim=1)` as `fused_moe`
-does): the output is bitwise one rank's, and complete, so the decoder layer does not all-reduce it again. It
-moves k times the bytes of the dense all-reduce; an all-to-all of the routed tokens (DeepEP-style, with data
-parallel attention) is the faster layout where attention is not tensor-parallel.
+all-reduce), so dispatch is a local selection: each rank computes the slots [T, k, H] of its own experts
+(`fused_moe_slots`; the other slots zero). The combine (parallel/expert_combine.py) sends each computed slot to
+its token's owner rank (an all-to-all), the owner sums a token's k slots in the one-rank order (`.sum(dim=1)` as
+`fused_moe` does) and the owners' sums are all-gathered: the output is bitwise one rank's, and complete, so the
+decoder layer does not all-reduce it again. The shared expert runs whole on every rank, on every token.
 """
 from __future__ import annotations
 
@@ -40,6 +39,7 @@ from cbatch.model.mxfp4 import BLOCK as MXFP4_BLOCK
 from cbatch.model.quant import FP8_DTYPE
 from cbatch.model.spec import ModelSpec, MoESpec
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
+from cbatch.parallel.expert_combine import combine_slots
 
 
 class Experts(nn.Module):
@@ -140,30 +140,34 @@ class GroupLimitedRouter(nn.Module):
 
 class ExpertLoad:
     """Expert parallelism's load balance: the (token, expert) assignments each rank's experts took, summed over
-    the MoE layers and steps, counted on the device (no host sync; captured in decode graphs too)."""
+    the MoE layers and steps, and the layer-steps in which a rank's experts took none; counted on the device (no
+    host sync; captured in decode graphs too)."""
 
     def __init__(self, world: int, experts_per_rank: int) -> None:
         self.world, self.experts_per_rank = world, experts_per_rank
-        self.counts: torch.Tensor | None = None  # int64 [world + 1]: per rank, then the layer-steps counted
+        # int64 [2 * world + 1]: assignments per rank, then idle layer-steps per rank, then the layer-steps counted
+        self.counts: torch.Tensor | None = None
 
     def allocate(self, device: torch.device) -> None:
-        self.counts = torch.zeros(self.world + 1, dtype=torch.int64, device=device)
+        self.counts = torch.zeros(2 * self.world + 1, dtype=torch.int64, device=device)
 
     def add(self, ids: torch.Tensor) -> None:
         """ids [T, k]: one MoE layer's routing in one step."""
         ranks = (ids // self.experts_per_rank).reshape(-1)
-        self.counts.scatter_add_(0, ranks, torch.ones_like(ranks))
-        self.counts[self.world] += 1
+        taken = self.counts.new_zeros(self.world).scatter_add_(0, ranks, torch.ones_like(ranks))  # (no sync: graphs)
+        self.counts[: self.world] += taken
+        self.counts[self.world : 2 * self.world] += taken == 0
+        self.counts[2 * self.world] += 1
 
     def summary(self) -> dict[str, object]:
-        """For the report: each rank's assignments (all layers and steps), their mean per MoE layer and step, and
-        the busiest rank's over the mean (1.0: even)."""
+        """For the report: each rank's assignments (all layers and steps), their mean per MoE layer and step, the
+        busiest rank's over the mean (1.0: even), and the layer-steps each rank's experts sat out."""
         counts = self.counts.tolist()
-        per_rank, layer_steps = counts[: self.world], counts[self.world]
+        per_rank, idle, layer_steps = counts[: self.world], counts[self.world : 2 * self.world], counts[-1]
         mean = sum(per_rank) / self.world
         return {"ranks": self.world, "assignments": per_rank, "layer_steps": layer_steps,
                 "tokens_per_rank_per_layer_step": [round(c / max(1, layer_steps), 2) for c in per_rank],
-                "imbalance": round(max(per_rank) / mean, 3) if mean else 1.0}
+                "imbalance": round(max(per_rank) / mean, 3) if mean else 1.0, "idle_layer_steps": idle}
 
 
 class SparseMoeBlock(nn.Module):
@@ -185,6 +189,7 @@ class SparseMoeBlock(nn.Module):
                      else Linear(spec.hidden_size, moe.num_experts, bias=moe.biased))
         first, stop = moe.expert_range or (0, moe.num_experts)
         self.first_expert = first if moe.expert_range is not None else None  # None: every expert here
+        self.local_experts = stop - first
         self.load = load
         # an expert-parallel block's output is complete on every rank: the decoder layer all-reduces only partial ones
         self.complete_output = moe.expert_range is not None and comm.world > 1
@@ -218,11 +223,12 @@ class SparseMoeBlock(nn.Module):
         if self.first_expert is None:
             out = self.backend.fused_moe(x, e.w13, e.w2, weights, ids, self.activation, e.w13_scale, e.w2_scale,
                                          e.block, e.int_experts(), w13_bias=e.w13_bias, w2_bias=e.w2_bias)
-        else:  # expert parallelism: this rank's slots, every rank's gathered by an exact sum, then one rank's order
+        else:  # expert parallelism: this rank's experts' slots, each sent to its token's owner to be summed
             slots = self.backend.fused_moe_slots(x, e.w13, e.w2, weights, ids, self.activation, e.w13_scale,
                                                  e.w2_scale, e.block, e.int_experts(), self.first_expert,
                                                  e.w13_bias, e.w2_bias)  # [T, k, H]
-            out = self.comm.all_reduce(slots).sum(dim=1)
+            expert_ranks = ids.sort(dim=1).values // self.local_experts  # [T, k], in the slots' (ascending) order
+            out = combine_slots(slots, expert_ranks, self.comm)
             if self.load is not None:
                 self.load.add(ids)
         if self.shared_expert_gate is not None:

@@ -1,6 +1,8 @@
 """The collectives a tensor-parallel model calls: one all-reduce after each row-parallel block, one after the
-vocab-parallel embedding, one all-gather of the sampling rows' logits. The model holds a communicator as it
-holds its compute backend (no globals); on one rank it is `SINGLE_RANK`, whose calls return their input.
+vocab-parallel embedding, one all-gather of the sampling rows' logits; with --expert-parallel, an all-to-all of
+the experts' slot outputs and an all-gather of the tokens' rows per MoE layer (parallel/expert_combine.py). The
+model holds a communicator as it holds its compute backend (no globals); on one rank it is `SINGLE_RANK`, whose
+calls return their input.
 """
 from __future__ import annotations
 
@@ -20,8 +22,15 @@ class Communicator:
         """The sum of `x` over the ranks (in place)."""
         return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., n] per rank -> [..., world * n]: the ranks' slices side by side along the last dimension."""
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """[..., n, ...] per rank -> [..., world * n, ...]: the ranks' slices side by side along `dim` (the last
+        by default), in rank order."""
+        return x
+
+    def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
+        """x [sum(send_rows), ...]: its first send_rows[0] rows go to rank 0, the next send_rows[1] to rank 1, ...;
+        returns [sum(recv_rows), ...]: recv_rows[s] rows from each rank s, in rank order. Every rank's send_rows[r]
+        must equal rank r's recv_rows[rank]."""
         return x
 
 
@@ -39,10 +48,15 @@ class ProcessGroupComm(Communicator):
         dist.all_reduce(x)
         return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=dim)
+
+    def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
+        out = x.new_empty(sum(recv_rows), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv_rows, send_rows)
+        return out
 
 
 def init_process_group(rank: int, world: int, port: int, device: torch.device, timeout_s: float) -> ProcessGroupComm:
