@@ -215,6 +215,28 @@ def test_auto_drafts_where_it_pays():
     assert cost.fixed_tokens == pytest.approx(10.0)
 
 
+def test_auto_stops_drafting_for_a_row_whose_drafts_fail():
+    """auto per row: a row whose drafts are rejected sees its acceptance fall and stops drafting; a row whose drafts
+    hold drafts all k, even in a full compute-bound batch (near-certain drafts save the step's fixed cost)."""
+    spec = Speculator("auto", 4, 2, 3, StepCost(fixed_tokens=16))
+    failing, holding = (Sequence(seq_id=i, prompt_ids=[5, 6, 7, 5, 6], params=SamplingParams(), output_ids=[7])
+                        for i in range(2))
+    for _ in range(64):  # 256 verified tokens: the job's acceptance is measured, no more probes
+        spec.verified(holding, 4, 4)
+    tail = spec.step_threshold(4)  # 0.2: a few rows left, drafts are cheap
+    assert spec.propose(holding, 4, tail) == [5, 6, 7, 5]
+    drafted = []
+    for _ in range(6):
+        draft = spec.propose(failing, 4, tail)
+        drafted.append(len(draft))
+        if draft:
+            spec.verified(failing, len(draft), 0)
+    assert drafted[0] == 4 and drafted[-1] == 0 and drafted == sorted(drafted, reverse=True)
+    assert spec.propose(holding, 4, tail) == [5, 6, 7, 5]  # one row's failures do not stop another's
+    full = spec.step_threshold(256)
+    assert spec.propose(holding, 4, full) == [5, 6, 7, 5] and spec.propose(failing, 4, full) == []
+
+
 @pytest.mark.slow
 def test_smollm2_copying_passages(smollm2_dir):
     """The real model repeating given passages: prompt lookup drafts most of each answer, tokens unchanged."""
