@@ -1,7 +1,8 @@
-"""Images in prompts (issue 48): tiny random Qwen2-VL and Qwen2.5-VL checkpoints give HF `generate`'s greedy float32
-tokens (one image, several, a chunk ending inside an image's placeholders, rows of mixed sizes in one batch, a row
-preempted mid-prefill); an image is encoded once per engine; prefix caching shares KV between rows with the same
-image and never between rows whose placeholders match but whose images differ."""
+"""Images in prompts (issue 48): tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints give HF `generate`'s greedy
+float32 tokens (one image, several, a chunk ending inside an image's placeholders, rows of mixed sizes in one batch, a
+row preempted mid-prefill; Qwen3-VL's deepstack features sliced with the chunk's embeddings); an image is encoded once
+per engine; prefix caching shares KV between rows with the same image and never between rows whose placeholders match
+but whose images differ."""
 from __future__ import annotations
 
 import shutil
@@ -14,10 +15,11 @@ from helpers import make_engine
 from vision_models import IMAGE_TOKEN, VISION_END, VISION_START, hf_vl_greedy, make_vl_checkpoint, png_bytes
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
-SIZES = [(56, 84), (28, 28), (112, 56), (84, 112)]  # pixels: 6, 1, 8 and 12 placeholder tokens
+SIZES = [(56, 84), (28, 28), (112, 56), (84, 112)]  # pixels: 6, 1, 8 and 12 placeholder tokens (Qwen3-VL's 16-pixel
+# patches: resized to 64 x 96, 32 x 32, 128 x 64, 96 x 128, the same counts)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def vl_model(request, tmp_path_factory):
     path = make_vl_checkpoint(request.param, tmp_path_factory.mktemp(request.param) / "model")
     yield path
@@ -120,8 +122,9 @@ def test_a_prompt_whose_placeholders_do_not_fit_its_images_is_an_error(vl_model,
 
 
 def test_vision_tower_matches_hfs_image_features(vl_model, images):
-    """Every image of a step in one call (varlen attention; Qwen2.5-VL's windows, edge windows smaller) gives
-    transformers' embeddings of each image."""
+    """Every image of a step in one call (varlen attention; Qwen2.5-VL's windows, edge windows smaller; Qwen3-VL's
+    learned positions resampled to each grid) gives transformers' embeddings of each image, and Qwen3-VL's deepstack
+    features beside them."""
     import numpy as np
     import torch
 
@@ -135,8 +138,10 @@ def test_vision_tower_matches_hfs_image_features(vl_model, images):
     ours = model.visual(pixels, [image.grid for image in images])
     with torch.no_grad():
         ref = hf_model(vl_model).model.get_image_features(pixels, torch.tensor([image.grid for image in images]))
-    ref = torch.cat(ref.pooler_output)
-    assert ours.shape == ref.shape == (sum(image.num_tokens for image in images), 64)
+    deepstack = getattr(ref, "deepstack_features", None) or []  # Qwen3-VL's: one list of per-image parts per merger
+    ref = torch.cat([torch.cat(ref.pooler_output), *(torch.cat(parts) for parts in deepstack)], dim=1)
+    assert ours.shape == ref.shape == (sum(image.num_tokens for image in images), 64 * (1 + len(deepstack)))
+    assert len(deepstack) == (2 if "qwen3" in vl_model.parent.name else 0)
     assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()  # float32 rounding (conv vs matmul, batched SDPA)
 
 
@@ -151,3 +156,21 @@ def test_tensor_parallel_is_refused_in_one_sentence(vl_model):
                                           "use --tensor-parallel-size 1"):
         check_tensor_parallel(spec, 2)
     assert tensor_parallel_sizes(spec, limit=8) == [1]  # what cbatch plan suggests agrees
+
+
+def test_qwen3_vls_interleaved_mrope_axes_are_transformers():
+    """Qwen3-VL turns rotary pair c by axis c % 3 (while that axis has pairs left), Qwen2-VL by sections: the axis of
+    each cos | sin column at Qwen3-VL-8B's sections, as transformers' rotary embedding lays them out."""
+    import torch
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextConfig, Qwen3VLTextRotaryEmbedding
+
+    from cbatch.model.mrope import section_axes
+
+    config = Qwen3VLTextConfig(head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                              "mrope_section": [24, 20, 20], "mrope_interleaved": True})
+    axis_of = torch.arange(3.0)[:, None, None, None].expand(3, 1, 1, 64).clone()  # each axis's "frequencies": its id
+    theirs = Qwen3VLTextRotaryEmbedding(config).recomposition_frequencies(axis_of)[0, 0].long()
+    ours = section_axes((24, 20, 20), 128, interleaved=True)
+    assert ours.tolist() == theirs.tolist()
+    assert ours[:6].tolist() == [0, 1, 2, 0, 1, 2] and ours[60:64].tolist() == [0, 0, 0, 0]
+    assert section_axes((24, 20, 20), 128)[:64].tolist() == [0] * 24 + [1] * 20 + [2] * 20

@@ -1,4 +1,4 @@
-"""Tiny random Qwen2-VL and Qwen2.5-VL checkpoints (written by transformers itself) with a word-level tokenizer, a
+"""Tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints (written by transformers itself) with a word-level tokenizer, a
 Qwen-style chat template that puts `<|vision_start|> <|image_pad|> <|vision_end|>` where a message has an image part,
 and the PIL image processor's preprocessor_config.json; and HF `generate` on the same prompt as the reference."""
 from __future__ import annotations
@@ -33,8 +33,13 @@ VISION = {
     # windows of 56 pixels = 2 x 2 merged tokens, so the test images have several (edge windows smaller)
     "qwen2_5_vl": dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, window_size=56,
                        fullatt_block_indexes=[1]),
+    # a 4 x 4 learned position grid (resampled to every test image's), deepstack features from blocks 0 and 1 added
+    # after the decoder's layers 0 and 1 (of 3)
+    "qwen3_vl": dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=16,
+                     num_position_embeddings=16, deepstack_visual_indexes=[0, 1]),
 }
-MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 64
+TEXT_OVERRIDES = {"qwen3_vl": dict(num_hidden_layers=3, head_dim=16)}
+PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}  # pixels per patch side (x 2 x 2 per image token)
 
 
 def make_tokenizer(path: Path):
@@ -52,13 +57,15 @@ def make_tokenizer(path: Path):
 
 
 def make_vl_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
-    """A tiny `kind` (qwen2_vl | qwen2_5_vl) checkpoint with its tokenizer and preprocessor_config.json at `path`.
-    Decisive: a wide text init, and the merger's output scaled so images move the logits."""
+    """A tiny `kind` (qwen2_vl | qwen2_5_vl | qwen3_vl) checkpoint with its tokenizer and preprocessor_config.json at
+    `path`. Decisive: a wide text init, and the mergers' outputs scaled so images (and deepstack) move the logits."""
     import transformers
 
     cls, model_cls = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
-                      "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration")}[kind]
-    config = getattr(transformers, cls)(text_config=dict(TEXT), vision_config=dict(VISION[kind]), image_token_id=IMAGE_TOKEN,
+                      "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+                      "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration")}[kind]
+    text = {**TEXT, **TEXT_OVERRIDES.get(kind, {})}
+    config = getattr(transformers, cls)(text_config=text, vision_config=dict(VISION[kind]), image_token_id=IMAGE_TOKEN,
                                         video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
                                         vision_end_token_id=VISION_END, eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(seed)
@@ -69,12 +76,17 @@ def make_vl_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
                 param.normal_(0.0, 0.3)
             elif "visual" in name and param.dim() >= 2:
                 param.normal_(0.0, 0.2)
-        model.model.visual.merger.mlp[2].weight.mul_(8.0)
+        visual = model.model.visual
+        if kind == "qwen3_vl":
+            for merger in (visual.merger, *visual.deepstack_merger_list):
+                merger.linear_fc2.weight.mul_(8.0)
+        else:
+            visual.merger.mlp[2].weight.mul_(8.0)
     model.save_pretrained(path)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     (path / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
-        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": (2 * PATCH[kind]) ** 2,
+        "max_pixels": (2 * PATCH[kind]) ** 2 * 64, "patch_size": PATCH[kind], "temporal_patch_size": 2, "merge_size": 2,
         "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}))
     make_tokenizer(path)
     return path

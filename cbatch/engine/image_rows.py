@@ -27,7 +27,8 @@ ENCODER_CACHE_TOKENS = 32768  # embeddings kept past their step (LRU): a few pag
 
 
 class EncoderCache:
-    """digest -> the image's embeddings [num_tokens, hidden] on the device, least recently used evicted past
+    """digest -> the image's embeddings [num_tokens, hidden] (Qwen3-VL: [num_tokens, hidden * (1 + deepstack)], its
+    deepstack features beside them) on the device, least recently used evicted past
     `max_tokens` (never the entries the current step reads: `trim` runs after the gather)."""
 
     def __init__(self, max_tokens: int = ENCODER_CACHE_TOKENS) -> None:
@@ -60,7 +61,8 @@ class ImageRows(RowFeature):
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.visual = model.visual
-        self.cache = EncoderCache()
+        # Qwen3-VL's rows carry their deepstack features too (model/vision_qwen3.py): fewer rows, the same memory
+        self.cache = EncoderCache(ENCODER_CACHE_TOKENS // (1 + len(model.spec.vision.deepstack_layers)))
         self.images_encoded = 0  # vision-tower runs per image (an image encoded again after eviction counts again)
         self.image_tokens_encoded = 0
         self._deltas: np.ndarray | None = None
@@ -132,7 +134,7 @@ class ImageRows(RowFeature):
             return
         todo = list(missing.values())
         pixels = torch.from_numpy(np.concatenate([image.pixels for image in todo])).to(device)
-        embeds = self.visual(pixels, [image.grid for image in todo])  # [sum of num_tokens, hidden]
+        embeds = self.visual(pixels, [image.grid for image in todo])  # [sum of num_tokens, hidden x (1 + deepstack)]
         for image, part in zip(todo, embeds.split([image.num_tokens for image in todo])):
             self.cache.put(image.digest, part)
         self.images_encoded += len(todo)

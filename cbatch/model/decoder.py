@@ -27,6 +27,7 @@ from cbatch.model.rope import rope_table
 from cbatch.model.shard import Shard
 from cbatch.model.spec import ModelSpec
 from cbatch.model.vision import VisionTower
+from cbatch.model.vision_qwen3 import Qwen3VisionTower
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
 
 
@@ -144,7 +145,9 @@ class ForwardContext:
     kv: KVCacheView
     meta: AttentionMetadata
     # images (engine/image_rows.py): (flat rows int64 [n], their embeddings [n, hidden]) put in place of the
-    # placeholder tokens' embeddings, and M-RoPE's 3-D positions int64 [3, T] (None: `positions` on every axis)
+    # placeholder tokens' embeddings, and M-RoPE's 3-D positions int64 [3, T] (None: `positions` on every axis).
+    # Qwen3-VL: the embeddings are [n, hidden * (1 + K)], each row's K deepstack features beside its embedding
+    # (model/vision_qwen3.py); feature k is added to the row's hidden state after decoder layer k
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     mrope_positions: torch.Tensor | None = None
 
@@ -174,7 +177,9 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = max_positions
         self.rope_tables: list[torch.Tensor] = []  # set by `build_rope_cache` once the device is known
         # a vision-language model's image encoder (model/vision.py), called by the runner's image rows
-        self.visual = VisionTower(spec.vision, backend) if spec.vision is not None else None
+        self.visual = None
+        if spec.vision is not None:
+            self.visual = (Qwen3VisionTower if spec.vision.tower == "qwen3" else VisionTower)(spec.vision, backend)
         self._mrope_axes: torch.Tensor | None = None  # M-RoPE: the axis of each rotary column (`build_rope_cache`)
 
     def build_rope_cache(self, device: torch.device) -> None:
@@ -182,16 +187,22 @@ class LlamaForCausalLM(nn.Module):
         # plain attributes, not buffers, so `.to(dtype)` leaves them alone.
         self.rope_tables = [rope_table(r, self.max_positions).to(device) for r in self.spec.rope]  # [max_positions, R] each
         if self.spec.vision is not None:
-            self._mrope_axes = section_axes(self.spec.vision.mrope_section, self.spec.rope[0].rotary_dim).to(device)
+            vision = self.spec.vision
+            self._mrope_axes = section_axes(vision.mrope_section, self.spec.rope[0].rotary_dim,
+                                            vision.mrope_interleaved).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         hidden = self.embed_tokens(input_ids)
         if self.spec.embed_scale is not None:  # Gemma: HF rounds the scale to the activations' dtype first
             hidden = hidden * torch.tensor(self.spec.embed_scale, dtype=hidden.dtype)
+        deepstack: list[torch.Tensor] = []
         if ctx.embeds is not None:  # image placeholders: the vision tower's embeddings
             rows, embeds = ctx.embeds
-            hidden[rows] = embeds.to(hidden.dtype)
+            embeds = embeds.to(hidden.dtype)
+            size = hidden.shape[1]
+            hidden[rows] = embeds[:, :size]
+            deepstack = [embeds[:, start : start + size] for start in range(size, embeds.shape[1], size)]  # Qwen3-VL
         if ctx.mrope_positions is not None:  # each token's own cos | sin row, read at position t (0..T-1)
             tables = [mrope_cos_sin(table, ctx.mrope_positions, self._mrope_axes) for table in self.rope_tables]
             positions = torch.arange(hidden.shape[0], device=hidden.device)
@@ -199,8 +210,14 @@ class LlamaForCausalLM(nn.Module):
             tables = self.rope_tables
         ropes = [self.backend.rotary(positions, table, hidden.dtype) for table in tables]
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, ropes, ctx)
+            if i < len(deepstack):  # the layer's output (its residual stream) gets the feature at the image rows
+                hidden = hidden + residual
+                hidden[rows] += deepstack[i]
+                residual = None  # (the next layer or the final norm starts from `hidden` alone)
+        if residual is None:
+            return self.norm(hidden)
         hidden, _ = self.norm.add_forward(hidden, residual)
         return hidden
 

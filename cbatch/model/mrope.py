@@ -36,11 +36,19 @@ def mrope_positions(prompt_len: int, images: list[tuple[int, tuple[int, int, int
     return out, last + 1 - prompt_len
 
 
-def section_axes(section: tuple[int, ...], rotary_dim: int) -> torch.Tensor:
-    """int64 [rotary_dim]: which axis (0 temporal, 1 height, 2 width) turns each column of a cos | sin table row."""
-    axes = torch.repeat_interleave(torch.arange(len(section)) % 3, torch.tensor(section))
-    if 2 * axes.numel() != rotary_dim:
-        raise ValueError(f"mrope_section {section} covers {2 * axes.numel()} rotary dimensions, the model has {rotary_dim}")
+def section_axes(section: tuple[int, ...], rotary_dim: int, interleaved: bool = False) -> torch.Tensor:
+    """int64 [rotary_dim]: which axis (0 temporal, 1 height, 2 width) turns each column of a cos | sin table row.
+    In sections (Qwen2-VL): the first section[0] frequency pairs temporal, the next section[1] height, then width.
+    Interleaved (Qwen3-VL): pair c turned by axis c % 3 while that axis has pairs left (c < 3 * section[axis]), the
+    rest temporal."""
+    if sum(section) * 2 != rotary_dim:
+        raise ValueError(f"mrope_section {section} covers {2 * sum(section)} rotary dimensions, the model has {rotary_dim}")
+    if interleaved:
+        axes = torch.zeros(rotary_dim // 2, dtype=torch.int64)
+        for axis in (1, 2):
+            axes[axis : 3 * section[axis] : 3] = axis
+    else:
+        axes = torch.repeat_interleave(torch.arange(len(section)) % 3, torch.tensor(section))
     return torch.cat([axes, axes])
 
 

@@ -31,6 +31,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # vision-language: a Qwen2 text decoder with M-RoPE, and the vision tower (model/vision.py, vision_spec.py)
     "Qwen2VLForConditionalGeneration": "qwen2",
     "Qwen2_5_VLForConditionalGeneration": "qwen2",
+    "Qwen3VLForConditionalGeneration": "qwen3",  # a Qwen3 decoder, Qwen3-VL's tower (model/vision_qwen3.py)
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",

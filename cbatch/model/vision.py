@@ -54,21 +54,22 @@ def _norm(vs: VisionSpec, size: int, backend: Backend) -> nn.Module:
 
 class _PatchWeight(nn.Module):
     """The patch embedding: transformers' Conv3d with kernel = stride = the patch is a linear map of each
-    flattened patch; its weight is kept in the checkpoint's shape [E, C, T, P, P]."""
+    flattened patch; its weight is kept in the checkpoint's shape [E, C, T, P, P] (a bias: Qwen3-VL's)."""
 
-    def __init__(self, vs: VisionSpec) -> None:
+    def __init__(self, vs: VisionSpec, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vs.hidden_size, vs.in_channels, vs.temporal_patch_size,
                                                vs.patch_size, vs.patch_size))
+        self.bias = nn.Parameter(torch.empty(vs.hidden_size)) if bias else None
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        return F.linear(patches.to(self.weight.dtype), self.weight.reshape(self.weight.shape[0], -1))
+        return F.linear(patches.to(self.weight.dtype), self.weight.reshape(self.weight.shape[0], -1), self.bias)
 
 
-class _PatchEmbed(nn.Module):
-    def __init__(self, vs: VisionSpec) -> None:
+class PatchEmbed(nn.Module):
+    def __init__(self, vs: VisionSpec, bias: bool = False) -> None:
         super().__init__()
-        self.proj = _PatchWeight(vs)
+        self.proj = _PatchWeight(vs, bias)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         return self.proj(patches)
@@ -105,26 +106,30 @@ class VisionMLP(nn.Module):
             self.fc1 = Linear(vs.hidden_size, vs.intermediate_size, bias=True)
             self.fc2 = Linear(vs.intermediate_size, vs.hidden_size, bias=True)
 
-    def _act(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "quick_gelu":
-            return x * torch.sigmoid(1.702 * x)
-        if self.activation == "silu":
-            return F.silu(x)
-        return F.gelu(x, approximate="tanh" if self.activation == "gelu_pytorch_tanh" else "none")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
-        return self.fc2(self._act(self.fc1(x)))
+            return self.down_proj(activation(self.activation, self.gate_proj(x)) * self.up_proj(x))
+        return self.fc2(activation(self.activation, self.fc1(x)))
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The vision MLP's activation `name` (VisionSpec.activation) of x."""
+    if name == "quick_gelu":
+        return x * torch.sigmoid(1.702 * x)
+    if name == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if name == "gelu_pytorch_tanh" else "none")
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, vs: VisionSpec, backend: Backend) -> None:
+    """Pre-norm ViT block; `mlp`: the family's MLP (Qwen2-VL's and Qwen2.5-VL's `VisionMLP` when None)."""
+
+    def __init__(self, vs: VisionSpec, backend: Backend, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.norm1 = _norm(vs, vs.hidden_size, backend)
         self.norm2 = _norm(vs, vs.hidden_size, backend)
         self.attn = VisionAttention(vs)
-        self.mlp = VisionMLP(vs)
+        self.mlp = mlp if mlp is not None else VisionMLP(vs)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: np.ndarray) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
@@ -153,7 +158,7 @@ class VisionTower(nn.Module):
     def __init__(self, vs: VisionSpec, backend: Backend) -> None:
         super().__init__()
         self.vs = vs
-        self.patch_embed = _PatchEmbed(vs)
+        self.patch_embed = PatchEmbed(vs)
         self.blocks = nn.ModuleList(VisionBlock(vs, backend) for _ in range(vs.depth))
         self.merger = PatchMerger(vs, backend)
 
@@ -162,14 +167,8 @@ class VisionTower(nn.Module):
         """patches [N, patch_dim] of every image, grids [(t, h, w)] -> [N / merge^2, out_hidden]."""
         vs = self.vs
         hidden = self.patch_embed(patches)  # [N, E]
-        positions = torch.as_tensor(_patch_positions(grids, vs.merge_size), device=hidden.device)  # [N, 2]: (row, col)
-        spatial = vs.head_dim // 2  # rows and columns each turn half of the head's rotary pairs
-        inv_freq = 1.0 / (vs.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device=hidden.device) / spatial))
-        freqs = positions[..., None].float() * inv_freq  # [N, 2, D/4]
-        freqs = freqs.reshape(freqs.shape[0], -1)  # [N, D/2]: rows' then columns'
-        angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [N, 1, D]
-        cos, sin = angles.cos(), angles.sin()
-        full = _frame_seqlens(grids)
+        cos, sin = rotary_cos_sin(grids, vs, hidden.device)
+        full = frame_seqlens(grids)
         order = None
         windows = full
         if vs.window_size:
@@ -185,6 +184,19 @@ class VisionTower(nn.Module):
         return merged
 
 
+def rotary_cos_sin(grids: list[tuple[int, int, int]], vs: VisionSpec, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 2-D rotary's cos, sin float32 [N, 1, head_dim] of every patch (processor order): a patch's row turns the
+    first half of each half-head's frequency pairs, its column the second."""
+    positions = torch.as_tensor(_patch_positions(grids, vs.merge_size), device=device)  # [N, 2]: (row, col)
+    spatial = vs.head_dim // 2  # rows and columns each turn half of the head's rotary pairs
+    inv_freq = 1.0 / (vs.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device=device) / spatial))
+    freqs = positions[..., None].float() * inv_freq  # [N, 2, D/4]
+    freqs = freqs.reshape(freqs.shape[0], -1)  # [N, D/2]: rows' then columns'
+    angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [N, 1, D]
+    return angles.cos(), angles.sin()
+
+
 def _permute(x: torch.Tensor, order: np.ndarray, unit: int) -> torch.Tensor:
     """Rows of `x` regrouped by merged token: the tokens' `unit` rows each, in `order`."""
     shape = x.shape
@@ -194,11 +206,12 @@ def _permute(x: torch.Tensor, order: np.ndarray, unit: int) -> torch.Tensor:
 
 def _patch_positions(grids: list[tuple[int, int, int]], merge: int) -> np.ndarray:
     """int64 [N, 2]: each patch's (row, col) in its image, in the processor's order (merge x merge blocks)."""
-    return np.concatenate([_grid_positions(tuple(grid), merge) for grid in grids])
+    return np.concatenate([grid_positions(tuple(grid), merge) for grid in grids])
 
 
 @functools.lru_cache(maxsize=4096)
-def _grid_positions(grid: tuple[int, int, int], merge: int) -> np.ndarray:
+def grid_positions(grid: tuple[int, int, int], merge: int) -> np.ndarray:
+    """int64 [t * h * w, 2]: (row, col) of each patch of one image of patch grid (t, h, w), in processor order."""
     t, h, w = grid
     rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
     shape = (h // merge, merge, w // merge, merge)
@@ -207,7 +220,7 @@ def _grid_positions(grid: tuple[int, int, int], merge: int) -> np.ndarray:
     return np.tile(np.stack([rows, cols], axis=-1), (t, 1))
 
 
-def _frame_seqlens(grids: list[tuple[int, int, int]]) -> np.ndarray:
+def frame_seqlens(grids: list[tuple[int, int, int]]) -> np.ndarray:
     """cu_seqlens [F + 1] of the frames of every image: each image frame attends within itself."""
     lengths = [h * w for t, h, w in grids for _ in range(t)]
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)

@@ -1,7 +1,8 @@
 """A vision-language checkpoint's image side, from config.json: the vision tower's shapes (`VisionSpec`), the image
 placeholder token, and M-RoPE's sections. Qwen2-VL and Qwen2.5-VL (`Qwen2VLForConditionalGeneration`,
 `Qwen2_5_VLForConditionalGeneration`): their text decoder is a Qwen2 decoder whose rotary position is 3-D
-(temporal, height, width; model/mrope.py).
+(temporal, height, width; model/mrope.py). Qwen3-VL (`Qwen3VLForConditionalGeneration`): a Qwen3 decoder, M-RoPE's
+sections interleaved, and its own tower (model/vision_qwen3.py: learned positions, deepstack).
 
 Both spellings are read: transformers 5's (`text_config`, `vision_config`, `rope_parameters.mrope_section`) and the
 hub's older one (the text decoder's fields at the top level, `rope_scaling: {"type": "mrope", "mrope_section"}`).
@@ -13,7 +14,8 @@ from typing import Any
 
 from cbatch.model.errors import UnsupportedModelError
 
-VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                        "Qwen3VLForConditionalGeneration")
 _VISION_ACTIVATIONS = ("quick_gelu", "silu", "gelu", "gelu_pytorch_tanh")
 
 
@@ -40,6 +42,13 @@ class VisionSpec:
     image_token_id: int  # the placeholder token, one per merged patch
     vision_start_token_id: int | None
     mrope_section: tuple[int, ...]  # rotary frequency pairs per axis (temporal, height, width), summing to head_dim / 2
+    # Qwen3-VL (tower "qwen3": model/vision_qwen3.py): a learned position table of this many entries (a square grid,
+    # resampled to each image's), the blocks whose output a deepstack merger turns into features added to the
+    # decoder's first layers, and M-RoPE's axes interleaved (column c turned by axis c % 3) instead of in sections
+    tower: str = "qwen2"  # qwen2 (Qwen2-VL, Qwen2.5-VL: model/vision.py) | qwen3
+    num_position_embeddings: int = 0
+    deepstack_layers: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
 
     @property
     def patch_dim(self) -> int:
@@ -87,11 +96,10 @@ def parse_vision(cfg: dict[str, Any], arch: str) -> VisionSpec:
     vision = cfg.get("vision_config")
     if not isinstance(vision, dict):
         raise UnsupportedModelError(f"config.json of a {arch} has no vision_config; the checkpoint looks incomplete")
+    if arch == "Qwen3VLForConditionalGeneration":
+        return _parse_qwen3_vision(cfg, vision)
     qwen25 = arch == "Qwen2_5_VLForConditionalGeneration"
-    activation = vision.get("hidden_act", "silu" if qwen25 else "quick_gelu")
-    if activation not in _VISION_ACTIVATIONS:
-        raise UnsupportedModelError(f"vision hidden_act {activation!r} is not supported; supported: "
-                                    f"{', '.join(_VISION_ACTIVATIONS)}")
+    activation = _activation(vision, "silu" if qwen25 else "quick_gelu")
     rope = vision.get("rope_parameters") or {}
     if qwen25:
         hidden = int(vision.get("hidden_size", 1280))
@@ -101,9 +109,6 @@ def parse_vision(cfg: dict[str, Any], arch: str) -> VisionSpec:
         hidden = int(vision.get("embed_dim", 1280))
         intermediate = int(hidden * float(vision.get("mlp_ratio", 4)))
         out_hidden = int(vision.get("hidden_size", 3584))
-    image_token = cfg.get("image_token_id", (cfg.get("text_config") or {}).get("image_token_id"))
-    if image_token is None:
-        raise UnsupportedModelError(f"config.json of a {arch} has no image_token_id; the checkpoint looks incomplete")
     return VisionSpec(
         depth=int(vision.get("depth", 32)),
         hidden_size=hidden,
@@ -120,7 +125,57 @@ def parse_vision(cfg: dict[str, Any], arch: str) -> VisionSpec:
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         window_size=int(vision.get("window_size", 112)) if qwen25 else 0,
         full_attention_blocks=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31))) if qwen25 else (),
-        image_token_id=int(image_token),
+        image_token_id=_image_token(cfg, arch),
         vision_start_token_id=cfg.get("vision_start_token_id"),
         mrope_section=_mrope_section(cfg),
+    )
+
+
+def _activation(vision: dict[str, Any], default: str) -> str:
+    activation = vision.get("hidden_act", default)
+    if activation not in _VISION_ACTIVATIONS:
+        raise UnsupportedModelError(f"vision hidden_act {activation!r} is not supported; supported: "
+                                    f"{', '.join(_VISION_ACTIVATIONS)}")
+    return activation
+
+
+def _image_token(cfg: dict[str, Any], arch: str) -> int:
+    image_token = cfg.get("image_token_id", (cfg.get("text_config") or {}).get("image_token_id"))
+    if image_token is None:
+        raise UnsupportedModelError(f"config.json of a {arch} has no image_token_id; the checkpoint looks incomplete")
+    return int(image_token)
+
+
+def _parse_qwen3_vision(cfg: dict[str, Any], vision: dict[str, Any]) -> VisionSpec:
+    """Qwen3-VL's tower (transformers' Qwen3VLVisionConfig defaults): LayerNorm blocks with a GELU MLP, 16-pixel
+    patches, learned positions, deepstack mergers; its text decoder's M-RoPE interleaved."""
+    activation = _activation(vision, "gelu_pytorch_tanh")
+    depth = int(vision.get("depth", 27))
+    deepstack = tuple(int(i) for i in vision.get("deepstack_visual_indexes", (8, 16, 24)))
+    if any(not 0 <= i < depth for i in deepstack):
+        raise UnsupportedModelError(f"vision deepstack_visual_indexes {list(deepstack)} name blocks outside the "
+                                    f"tower's {depth}; the checkpoint's config.json looks broken")
+    return VisionSpec(
+        depth=depth,
+        hidden_size=int(vision.get("hidden_size", 1152)),
+        num_heads=int(vision.get("num_heads", 16)),
+        intermediate_size=int(vision.get("intermediate_size", 4304)),
+        activation=activation,
+        gated_mlp=False,
+        rms_norm=False,
+        out_hidden_size=int(vision.get("out_hidden_size", 3584)),
+        in_channels=int(vision.get("in_channels", 3)),
+        patch_size=int(vision.get("patch_size", 16)),
+        temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
+        merge_size=int(vision.get("spatial_merge_size", 2)),
+        rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        window_size=0,
+        full_attention_blocks=(),
+        image_token_id=_image_token(cfg, "Qwen3VLForConditionalGeneration"),
+        vision_start_token_id=cfg.get("vision_start_token_id"),
+        mrope_section=_mrope_section(cfg),
+        tower="qwen3",
+        num_position_embeddings=int(vision.get("num_position_embeddings", 2304)),
+        deepstack_layers=deepstack,
+        mrope_interleaved=True,  # transformers' Qwen3-VL interleaves whatever its config's mrope_interleaved says
     )

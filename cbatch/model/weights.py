@@ -9,7 +9,7 @@ experts) map one to one. DeepSeek's MLA projections keep their names (model/mla.
 our `shared_expert`, and its multi-token-prediction layers (past num_hidden_layers) are skipped.
 Mixtral's `block_sparse_moe` and w1/w3/w2 expert names are read too, and a
 multimodal Gemma 3's text decoder (`language_model.model.*` or `model.language_model.*`; the vision
-tower is not used), and a Qwen2-VL's vision tower (`visual.*` or `model.visual.*`, one to one). gpt-oss:
+tower is not used), and a Qwen-VL's vision tower (`visual.*` or `model.visual.*`, one to one). gpt-oss:
 `mlp.router` is our `mlp.gate`, `self_attn.sinks` a parameter of its own, and the stacked experts ([E, in, out],
 gate/up interleaved, with biases) are transposed and de-interleaved on load.
 """
