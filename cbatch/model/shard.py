@@ -227,7 +227,7 @@ def check_tensor_parallel(spec: ModelSpec, world: int) -> None:
         problem += f"; use --tensor-parallel-size {works}"
         if spec.moe is not None and not spec.moe.expert_parallel and \
                 _split_problem(replace(spec, moe=replace(spec.moe, expert_parallel=True)), world) is None:
-            problem += f", or --expert-parallel (whole experts on each of the {world} ranks)"
+            problem += f", or keep {world} ranks with --expert-parallel (whole experts, unsplit)"
     raise ConfigError("tensor_parallel_size", problem)
 
 
