@@ -163,3 +163,25 @@ def test_splits_that_cut_a_scale_block_are_refused_in_one_sentence(checkpoints):
         check_tensor_parallel(mxfp4, 2)
     resolve_model(EngineConfig(model=str(checkpoints("gpt_oss-mxfp4-32")), device="cpu", tensor_parallel_size=2,
                                expert_parallel=True))
+
+
+def test_plan_sizes_deepseek_v3_671b_fp8_per_rank():
+    """DeepSeek-V3's config.json alone (FP8 128x128, no weights) at -tp 8: ~85 GB of weights per rank (a byte per
+    decoder weight, its heads' share of MLA and a slice of every expert, the latent's projection whole), the whole
+    latent per token on every rank; 8 x H200 leave room for ~680k tokens of it, 8 x H100 none."""
+    from cbatch.engine.resolve import ResolvedModel
+    from cbatch.model.spec import parse_spec
+    from cbatch.plan.command import plan_kv_per_token
+    from cbatch.plan.devices import PlanError, gpu_kind
+    from test_mla import V3_671B
+
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    model = ResolvedModel(parse_spec({**V3_671B, "torch_dtype": "bfloat16", "quantization_config": fp8}),
+                          torch.device("cuda"), torch.bfloat16, 8192)
+    config = EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, tensor_parallel_size=8)
+    h200 = gpu_kind("H200")
+    assert 84e9 < h200.weight_bytes_per_rank(config, model) < 87e9
+    assert plan_kv_per_token(config, model)["bytes_per_token"] == (512 + 64) * 61 * 2
+    assert 600_000 < h200.kv_pool(config, model).num_blocks * config.block_size < 750_000
+    with pytest.raises(PlanError, match="H100: no GPU memory left for the KV cache"):
+        gpu_kind("H100").kv_pool(config, model)
