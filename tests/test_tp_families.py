@@ -60,13 +60,15 @@ def one_rank():
     return get
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3-fp8-8", "gpt_oss-mxfp4-64"])
-@pytest.mark.parametrize("expert_parallel", [False, True])
+# (DeepSeek's experts spread whole go through the expert-parallel code every MoE family shares: test_expert_parallel.py;
+# gpt-oss's stored [E, in, out] interleaved experts are read apart from the others, so both of its layouts run here)
+@pytest.mark.parametrize("name, expert_parallel", [("deepseek_v3-fp8-8", False), ("gpt_oss-mxfp4-64", False),
+                                                   ("gpt_oss-mxfp4-64", True)])
 def test_two_ranks_give_the_tokens_of_one(name, expert_parallel, checkpoints, one_rank):
     """Under chunked prefill and preemption, the same tokens and schedule at 2 ranks: DeepSeek-V3's MLA split by
     heads with FP8 8x8 blocks (q_b_proj and kv_b_proj two heads of rows each, o_proj their value columns), its
-    dense layer, shared expert and experts split (or spread whole); gpt-oss's heads and sinks, its biased MXFP4
-    experts split on whole 32-column blocks (the down bias added once) or spread whole."""
+    dense layer, shared expert and experts split; gpt-oss's heads and sinks, its biased MXFP4 experts split on
+    whole 32-column blocks (the down bias added once) or spread whole."""
     path = checkpoints(name)
     one, one_stats = one_rank(path)
     two, two_stats = ranks_generate(path, 2, PROMPTS, expert_parallel=expert_parallel, **SETTINGS)
