@@ -4,7 +4,7 @@ top-k-then-softmax router and the experts' clamped SwiGLU with biases. Greedy to
 batch (under chunked prefill with prompts longer than the window and preemption, the prefill logits and the Triton
 backend: tests/test_model_families.py, which runs every family); the MXFP4 checkpoint layout (`*_blocks` +
 `*_scales`) dequantized as transformers' own `convert_moe_packed_tensors` does, and its tokens identical to HF
-loading the same checkpoint, chunked and preempted."""
+loading the same checkpoint, chunked and preempted. Under tensor parallelism: tests/test_tp_families.py."""
 from __future__ import annotations
 
 import json
@@ -44,14 +44,6 @@ def test_config_switches(checkpoint):
     assert moe.experts_in_out_interleaved and moe.sparse_layers == (True, True)
     rope = spec.rope[0]
     assert rope.theta == 150000.0 and rope.scaling["rope_type"] == "yarn" and rope.scaling["truncate"] is False
-
-
-def test_tensor_parallelism_is_refused_in_one_sentence(checkpoint):
-    from cbatch.config import ConfigError
-    from cbatch.model.shard import check_tensor_parallel
-
-    with pytest.raises(ConfigError, match="gpt-oss checkpoints .* run on one rank only for now; use --tensor-parallel-size 1"):
-        check_tensor_parallel(parse_spec(read_config(checkpoint)), 2)
 
 
 def test_greedy_matches_hf_alone_and_in_a_batch(checkpoint, reference):

@@ -1,7 +1,8 @@
 """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) against HF transformers (float32, tiny random checkpoints
 with a decisive init: tests/mla_models.py): greedy tokens alone, in a batch, under chunked prefill and preemption;
 the absorbed decode against the naive form; DeepSeek's routers against HF's; the latent KV cache's size in the
-pool and in `cbatch plan`; an FP8 128x128-style block checkpoint against its dequantized weights; the refusals."""
+pool and in `cbatch plan`; an FP8 128x128-style block checkpoint against its dequantized weights; the refusals.
+Under tensor parallelism: tests/test_tp_families.py."""
 from __future__ import annotations
 
 import json
@@ -179,7 +180,7 @@ def test_triton_backend_matches_hf(fp8_checkpoint):
 
 def test_refusals_name_the_flag(mla_checkpoint):
     path, _ = mla_checkpoint("deepseek_v2")
-    with pytest.raises(ConfigError, match="tensor_parallel_size.*run on one rank only for now; use --tensor-parallel-size 1"):
-        resolve_model(EngineConfig(model=str(path), tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match="tensor_parallel_size: 3 does not divide the model's attention heads \\(4\\)"):
+        resolve_model(EngineConfig(model=str(path), tensor_parallel_size=3))  # (2 and 4 split it: test_tp_families.py)
     with pytest.raises(ConfigError, match="kv_cache_dtype.*use --kv-cache-dtype auto"):
         resolve_model(EngineConfig(model=str(path), kv_cache_dtype="fp8"))

@@ -27,7 +27,7 @@ from tiny_models import ARCHS
 # (llama), one KV head replicated + tied vocab rows (llama3-rope-tied), sharded qkv biases (qwen2), sandwich norms
 # and local/global layers (gemma3), the multimodal checkpoint's names (gemma3-multimodal), checkpoint-fused qkv
 # and gate_up (phi3), experts with a gated shared expert (qwen2_moe), experts with q/k norms (qwen3_moe).
-# Families that run on one rank only are refused in their own tests (test_gpt_oss.py, test_mla.py).
+# MLA (DeepSeek) and gpt-oss: tests/test_tp_families.py.
 SPLIT_ARCHS = ["llama", "llama3-rope-tied", "qwen2", "gemma3", "gemma3-multimodal", "phi3", "qwen2_moe", "qwen3_moe"]
 
 

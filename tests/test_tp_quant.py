@@ -77,7 +77,8 @@ def test_a_split_inside_a_scale_block_is_refused_with_the_sizes_that_work(fp8_ch
     check_tensor_parallel(spec, 2)
     with pytest.raises(ConfigError, match=r"4 ranks split the experts' gate_proj/up_proj output of 32 into 8 rows per "
                                           r"rank, which cuts the FP8 checkpoint's 16x16 scale blocks; use "
-                                          r"--tensor-parallel-size 1, 2$"):
+                                          r"--tensor-parallel-size 1, 2, or keep 4 ranks with --expert-parallel "
+                                          r"\(whole experts, unsplit\)$"):
         check_tensor_parallel(spec, 4)
     code, _, err = run_inprocess("run", str(ROOT / "sample_data" / "prompts.jsonl"), "--model", str(path), "-o",
                                  str(tmp_path / "never.jsonl"), "--device", "cpu", "--tensor-parallel-size", "4")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -16,7 +16,7 @@ from cbatch.model.int4 import PackedTensorView, check_packed
 from cbatch.model.layers import Fp8Linear, Int4Linear
 from cbatch.model.decoder import LlamaForCausalLM
 from cbatch.model.moe import Experts
-from cbatch.model.mxfp4 import Mxfp4TensorView, check_mxfp4, mxfp4_pairs
+from cbatch.model.mxfp4 import BLOCK as MXFP4_BLOCK, Mxfp4TensorView, check_mxfp4, mxfp4_pairs
 from cbatch.model.quant import FP8_DTYPE, channel_scales, dequantize, scale_slice
 from cbatch.model.shard import Piece, Shard
 from cbatch.model.spec import ModelSpec, parse_spec, read_config
@@ -185,10 +185,12 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
             filled[target] = _load_perm(index, name, param, filled[target])
             continue
         weight_ndim = params[placement.param("weight")].dim() if kind == "scale" else param.dim()
-        pieces = shard.pieces(placement, kind, spec, weight_ndim)
+        pieces = shard.pieces(placement, kind, spec)
         stored_ndim = weight_ndim - (placement.expert is not None)  # the checkpoint weight's: [..., N, K]
         if pieces is not None and placement.module in int_keep:
             pieces = _packed_pieces(pieces, kind, spec.quant.packed)
+        elif pieces and placement.module in mxfp4_keep:
+            pieces = _mxfp4_pieces(pieces)
         elif pieces and kind == "scale" and pieces[0].dim >= stored_ndim - 2:  # a kept FP8 weight's scales: with
             # their rows, or their blocks (not a stack of whole experts, split on its expert dimension)
             pieces = _fp8_scale_pieces(pieces, spec.quant.block, stored_ndim)
@@ -225,8 +227,8 @@ def _load_pieces(index: TensorIndex, name: str, placement: Placement, param: tor
         dest.zero_()
         return dest.numel()
     written = 0
-    for piece in pieces:
-        part = read(piece)
+    for piece in pieces:  # (in our dimensions: a transposed tensor is read along its stored one, then turned)
+        part = placement.to_ours(read(replace(piece, dim=placement.stored_dim(piece.dim, dest.dim()))))
         target = dest.narrow(piece.dim, piece.dst_start, piece.src_stop - piece.src_start)
         _check_shape(index, name, part, target)
         target.copy_(part)
@@ -240,7 +242,7 @@ def _piece_reader(index: TensorIndex, name: str, kind: str, param: torch.Tensor,
     dequantized with its share of the scales (a float parameter: `quant.scale_slice`); a kept FP8 weight's
     scales, the pieces of its channels or blocks (`_fp8_scale_pieces`; a per-tensor scale broadcast to rows)."""
     quant = spec.quant
-    fp8 = quant is not None and quant.packed is None
+    fp8 = quant is not None and quant.packed is None and not quant.mxfp4
     if fp8 and kind == "scale":
         rows = index.shape(f"{name.rpartition('.')[0]}.weight")[-2]
         scale = index.get(name)
@@ -268,6 +270,13 @@ def _fp8_scale_pieces(pieces: list[Piece], block: tuple[int, int] | None, weight
         return pieces if rows else None
     unit = block[0] if rows else block[1]
     return [Piece(p.dim, p.src_start // unit, -(-p.src_stop // unit), p.dst_start // unit) for p in pieces]
+
+
+def _mxfp4_pieces(pieces: list[Piece]) -> list[Piece]:
+    """Kept MXFP4 experts' pieces (blocks [E, N, K / 32, 16], scales [E, N, K / 32]): a split of the inputs (dim 2)
+    counted in blocks of 32 (whole blocks: `check_tensor_parallel`); output rows and whole experts as they are."""
+    return [Piece(2, p.src_start // MXFP4_BLOCK, p.src_stop // MXFP4_BLOCK, p.dst_start // MXFP4_BLOCK) if p.dim == 2
+            else p for p in pieces]
 
 
 def _load_perm(index, name: str, param: torch.Tensor, filled: int) -> int:

@@ -69,9 +69,20 @@ class Mxfp4TensorView:
         return weight.transpose(-1, -2)  # [..., K, N]
 
     def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of dimension `dim` of the view [..., K, N], dequantized from only the stored blocks
+        that hold them (a tensor-parallel rank's share: its outputs N, or its inputs K, read in whole blocks of 32)."""
         if name not in self.pairs:
             return self.index.get_slice(name, dim, start, stop)
-        return self.get(name).narrow(dim, start, stop - start)
+        ndim = len(self.shape(name))
+        offset = 0
+        if dim == ndim - 2:  # inputs: the blocks of 32 holding [start, stop), trimmed after dequantizing
+            stored_dim, first, last, offset = ndim - 1, start // BLOCK, -(-stop // BLOCK), start % BLOCK
+        else:  # outputs (the stored rows, one dimension up) or the expert dimension
+            stored_dim, first, last = (ndim - 2 if dim == ndim - 1 else dim), start, stop
+        blocks = self.index.get_slice(name + BLOCKS_SUFFIX, stored_dim, first, last)
+        scales = self.index.get_slice(name + SCALES_SUFFIX, stored_dim, first, last)
+        weight = dequantize_mxfp4(blocks, scales, self.dtype).transpose(-1, -2)  # [..., K, N]
+        return weight.narrow(dim, offset, stop - start)
 
     def shape(self, name: str) -> list[int]:
         if name not in self.pairs:

@@ -6,6 +6,11 @@ Megatron's layout, as vLLM and nano-vllm use it:
     row-parallel     o_proj, down_proj, the experts' w2 (input columns): each rank's output is a partial sum,
                      all-reduced once per block (`DecoderLayer`); their bias is added by rank 0 only
     replicated       norms, q/k norms, the MoE router and Qwen2-MoE's shared-expert gate
+Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) splits by heads: q_proj / q_b_proj and kv_b_proj (each head's
+up-projection W_UK | W_UV) column-parallel, o_proj row-parallel; the latent's projection (q_a_proj, kv_a_proj_with_mqa
+and their norms) is replicated, so every rank caches every token's whole latent, as vLLM does (the spec's one latent
+"KV head" is shared by all heads). gpt-oss's sinks (one per query head) go with their heads; its stacked experts
+are stored [E, in, out] with gate and up interleaved, so a rank's gate and up rows are one stored range.
 Every expert is split like a dense MLP (each rank holds a slice of every expert), so routing is unchanged; with
 --expert-parallel (`MoESpec.expert_parallel`) each rank holds num_experts / N whole experts instead, and a shared
 expert whole (cbatch/model/moe.py combines the ranks' experts).
@@ -25,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cbatch.config import ConfigError
+from cbatch.model.mxfp4 import BLOCK as MXFP4_BLOCK
 from cbatch.model.spec import ModelSpec
 from cbatch.model.weights import Placement
 
@@ -112,7 +118,7 @@ class Shard:
     def vocab_start(self, vocab_size: int) -> int:
         return Part(vocab_size).rank_range(self.rank, self.world)[0]
 
-    def pieces(self, placement: Placement, kind: str, spec: ModelSpec, param_ndim: int) -> list[Piece] | None:
+    def pieces(self, placement: Placement, kind: str, spec: ModelSpec) -> list[Piece] | None:
         """Where a checkpoint tensor placed at `placement` (in the full model) goes in this rank's parameter;
         None: the whole tensor, as is (replicated, or world 1); []: nothing of it (a row-parallel bias off rank 0)."""
         leaf = placement.module.rpartition(".")[2]
@@ -128,10 +134,14 @@ class Shard:
         if axis == "row" and kind == "bias":
             return None if self.rank == 0 else []  # a partial sum's bias: added once
         dim = 0 if axis == "column" else 1
-        if param_ndim == 3 and placement.expert is None:
-            dim += 1  # a stacked expert tensor [E, rows, cols], all experts at once
+        if leaf == "experts" and placement.expert is None:
+            dim += 1  # a stacked expert tensor [E, rows, ...] (or its biases [E, rows]), all experts at once
         full = placement.rows or slice(0, sum(p.size for p in parts))
-        return self._intersect(parts, full, dim)
+        pieces = self._intersect(parts, full, dim)
+        if placement.interleaved:  # gate i, up i stored side by side: this rank's [a, b) of each is the stored
+            (gate, up) = pieces    # range [2a, 2b), which de-interleaves (`Placement.to_ours`) into its gate | up
+            return [Piece(dim, 2 * gate.src_start, 2 * gate.src_stop, 0)]
+        return pieces
 
     def ranges(self, module: str, spec: ModelSpec) -> tuple[str, list[tuple[int, int]]] | None:
         """(column | row, this rank's [start, stop) in each packed part of the split dimension) of dense module
@@ -160,6 +170,10 @@ class Shard:
 def _split(leaf: str, slot: str, spec: ModelSpec, module: str) -> tuple[str, list[Part]] | None:
     """(column | row, the packed parts of the split dimension) of a parameter, or None (replicated)."""
     head = spec.head_dim
+    if spec.mla is not None and leaf in _MLA_HEAD_SPLIT:
+        return _mla_split(leaf, spec)
+    if leaf == "self_attn" and slot == "sinks":  # gpt-oss: one sink logit per query head
+        return "column", [Part(spec.num_heads)]
     if leaf == "qkv_proj":
         return "column", [Part(spec.q_size, head), Part(spec.kv_size, head), Part(spec.kv_size, head)]
     if leaf == "o_proj":
@@ -178,6 +192,19 @@ def _split(leaf: str, slot: str, spec: ModelSpec, module: str) -> tuple[str, lis
     return None
 
 
+_MLA_HEAD_SPLIT = ("q_proj", "q_b_proj", "kv_b_proj", "o_proj")  # MLA's per-head matrices (the rest: replicated)
+
+
+def _mla_split(leaf: str, spec: ModelSpec) -> tuple[str, list[Part]]:
+    """MLA's per-head matrices: each head's query rows (nope | rope), its kv_b_proj rows (W_UK | W_UV), and its
+    value columns of o_proj's input."""
+    mla, heads = spec.mla, spec.num_heads
+    if leaf == "o_proj":
+        return "row", [Part(heads * mla.v_head_dim, mla.v_head_dim)]
+    per_head = mla.qk_nope_head_dim + mla.v_head_dim if leaf == "kv_b_proj" else mla.qk_head_dim
+    return "column", [Part(heads * per_head, per_head)]
+
+
 def with_expert_parallel(spec: ModelSpec) -> ModelSpec:
     """The spec with its experts spread whole over the ranks (--expert-parallel); a model without experts is
     refused (ConfigError on expert_parallel)."""
@@ -189,14 +216,18 @@ def with_expert_parallel(spec: ModelSpec) -> ModelSpec:
 
 def check_tensor_parallel(spec: ModelSpec, world: int) -> None:
     """Refuses (ConfigError on --tensor-parallel-size) a split the model's shapes do not allow; a split that cuts
-    an FP8 checkpoint's scale blocks names the sizes that work."""
+    a quantized checkpoint's scale blocks names the sizes that work."""
     problem = _split_problem(spec, world)
     if problem is None:
         return
-    if spec.quant is not None and spec.quant.packed is None and spec.quant.block is not None and \
+    quant = spec.quant
+    if quant is not None and quant.packed is None and (quant.block is not None or quant.mxfp4) and \
             _shape_problem(spec, world) is None:
         works = ", ".join(str(w) for w in tensor_parallel_sizes(spec))
         problem += f"; use --tensor-parallel-size {works}"
+        if spec.moe is not None and not spec.moe.expert_parallel and \
+                _split_problem(replace(spec, moe=replace(spec.moe, expert_parallel=True)), world) is None:
+            problem += f", or keep {world} ranks with --expert-parallel (whole experts, unsplit)"
     raise ConfigError("tensor_parallel_size", problem)
 
 
@@ -209,28 +240,20 @@ def _split_problem(spec: ModelSpec, world: int) -> str | None:
     """Why `world` ranks cannot split this model (a sentence without the fix's sizes), or None."""
     if world == 1:
         return None
-    one_rank = _one_rank_family(spec)
-    if one_rank is not None:
-        return f"{one_rank} run on one rank only for now; use --tensor-parallel-size 1"
+    if spec.vision is not None:
+        return "vision-language models run on one rank only for now; use --tensor-parallel-size 1"
     problem = _shape_problem(spec, world)
     if problem is not None or spec.quant is None:
         return problem
-    return _packed_problem(spec, world) if spec.quant.packed is not None else _fp8_block_problem(spec, world)
-
-
-def _one_rank_family(spec: ModelSpec) -> str | None:
-    """The kind of model that has no tensor-parallel split yet, or None."""
-    if spec.mla is not None:
-        return "multi-head latent attention models (DeepSeek-V2/V3, Kimi K2)"
-    if spec.attn_sinks or (spec.moe is not None and spec.moe.experts_in_out_interleaved):
-        return "gpt-oss checkpoints (attention sinks, interleaved experts)"
-    if spec.vision is not None:
-        return "vision-language models"
-    return None
+    if spec.quant.packed is not None:
+        return _packed_problem(spec, world)
+    return _mxfp4_problem(spec, world) if spec.quant.mxfp4 else _fp8_block_problem(spec, world)
 
 
 def _shape_problem(spec: ModelSpec, world: int) -> str | None:
-    sizes = [("attention heads", spec.num_heads), ("MLP width", spec.intermediate_size)]
+    sizes = [("attention heads", spec.num_heads)]
+    if not all(spec.is_sparse(layer) for layer in range(spec.num_layers)):
+        sizes.append(("MLP width", spec.intermediate_size))
     if spec.moe is not None and spec.moe.expert_parallel:
         sizes.append(("experts (--expert-parallel gives each rank whole experts)", spec.moe.num_experts))
     elif spec.moe is not None:
@@ -248,9 +271,16 @@ def _split_widths(spec: ModelSpec) -> tuple[list[tuple[str, Part]], list[tuple[s
     """(the column-parallel outputs, the row-parallel inputs): (layer, its split dimension) of the decoder's
     matmuls."""
     head = spec.head_dim
-    outputs = [("q_proj output (attention heads x head_dim)", Part(spec.q_size, head)),
-               ("k_proj/v_proj output (KV heads x head_dim)", Part(spec.kv_size, head))]
-    inputs = [("o_proj input (attention heads x head_dim)", Part(spec.q_size, head))]
+    if spec.mla is not None:  # (kv_b_proj is dequantized at load, from whole blocks of rows too)
+        mla, heads = spec.mla, spec.num_heads
+        outputs = [("q_proj/q_b_proj output (attention heads x qk_head_dim)", Part(heads * mla.qk_head_dim, mla.qk_head_dim)),
+                   ("kv_b_proj output (attention heads x (qk_nope_head_dim + v_head_dim))",
+                    Part(heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.qk_nope_head_dim + mla.v_head_dim))]
+        inputs = [("o_proj input (attention heads x v_head_dim)", Part(heads * mla.v_head_dim, mla.v_head_dim))]
+    else:
+        outputs = [("q_proj output (attention heads x head_dim)", Part(spec.q_size, head)),
+                   ("k_proj/v_proj output (KV heads x head_dim)", Part(spec.kv_size, head))]
+        inputs = [("o_proj input (attention heads x head_dim)", Part(spec.q_size, head))]
     if any(not spec.is_sparse(layer) for layer in range(spec.num_layers)):
         outputs.append(("gate_proj/up_proj output (MLP width)", Part(spec.intermediate_size)))
         inputs.append(("down_proj input (MLP width)", Part(spec.intermediate_size)))
@@ -278,6 +308,19 @@ def _fp8_block_problem(spec: ModelSpec, world: int) -> str | None:
     return None
 
 
+def _mxfp4_problem(spec: ModelSpec, world: int) -> str | None:
+    """An MXFP4 checkpoint (gpt-oss) holds its experts as stored on the GPU path, one e8m0 scale per 32 inputs: each
+    rank's input columns of the experts' down_proj are whole blocks of 32 (their outputs split anywhere)."""
+    moe = spec.moe
+    if moe is None or moe.expert_parallel:
+        return None
+    local = moe.intermediate_size // world
+    if local % MXFP4_BLOCK:
+        return (f"{world} ranks split the experts' down_proj input of {moe.intermediate_size} into {local} columns per "
+                f"rank, which cuts the MXFP4 checkpoint's {MXFP4_BLOCK}-column scale blocks")
+    return None
+
+
 def _packed_problem(spec: ModelSpec, world: int) -> str | None:
     """An integer checkpoint splits its row-parallel inputs (o_proj, down_proj, the experts' w2) on whole groups
     (and whole int32 words); act-order ones, whose groups are scattered over the input rows, hold those layers
@@ -286,12 +329,9 @@ def _packed_problem(spec: ModelSpec, world: int) -> str | None:
     if packed.act_order:
         return None  # row-parallel layers are dequantized at load, each rank reading its input rows (loader.py)
     unit = packed.per_int32 if packed.group_size == -1 else max(packed.group_size, packed.per_int32)
-    inputs = [("o_proj input (attention heads x head_dim)", spec.q_size), ("down_proj input (MLP width)", spec.intermediate_size)]
-    if spec.moe is not None and not spec.moe.expert_parallel:
-        inputs += [("experts' down_proj input", spec.moe.intermediate_size),
-                   ("shared expert's down_proj input", spec.moe.shared_expert_size)]
-    for what, size in inputs:
-        if size and (size // world) % unit:
-            return (f"{world} ranks split the {what} of {size} into {size // world} rows, not whole groups of "
+    for what, part in _split_widths(spec)[1]:
+        local = part.local_size(world)
+        if local % unit:
+            return (f"{world} ranks split the {what} of {part.size} into {local} rows, not whole groups of "
                     f"{unit} ({packed.describe()}); use a size that leaves each rank a multiple of {unit}")
     return None

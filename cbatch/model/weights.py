@@ -69,6 +69,13 @@ class Placement:
         rows = slice(self.rows.start // rows_per_block, -(-self.rows.stop // rows_per_block))
         return Placement(self.module, self.slot, self.expert, rows)
 
+    def stored_dim(self, dim: int, ndim: int) -> int:
+        """The stored tensor's dimension that holds our dimension `dim` (of `ndim`): transposed storage swaps the
+        last two."""
+        if self.transposed and dim >= ndim - 2:
+            return 2 * ndim - 3 - dim
+        return dim
+
     def to_ours(self, tensor: torch.Tensor) -> torch.Tensor:
         """A stored tensor in our layout: transposed to [E, out, in]; gate | up halves along the expert stack's
         output rows (dimension 1 of a weight [E, out, in], a bias [E, out], MXFP4 blocks and scales [E, out, ...])."""

@@ -36,6 +36,7 @@ from cbatch.engine import memory
 from cbatch.engine.engine import KVPool
 from cbatch.engine.resolve import ResolvedModel, resolve_device
 from cbatch.model.shard import Shard, tensor_parallel_sizes, with_expert_parallel
+from cbatch.model.spec import ModelSpec
 from cbatch.observe.roofline import DEVICE_PEAKS, ModelWork
 
 GPU_MEMORY_GIB = {"H200": 141, "H100 PCIe": 80, "H100": 80, "A100": 80, "L40S": 48, "L4": 24, "A10": 24}
@@ -164,13 +165,14 @@ def gpu_bytes_per_weight(model: ResolvedModel) -> float:
 
         files = sorted(model.checkpoint.path.glob("*.safetensors"))
         return mxfp4_bytes_per_weight(TensorIndex(files), dtype_bytes) if files else float(dtype_bytes)
-    if model.checkpoint is None or quant is None:
+    if quant is None:
         return float(dtype_bytes)
     from cbatch.model.weights import TensorIndex, stored_bytes_per_weight
 
-    files = sorted(model.checkpoint.path.glob("*.safetensors"))
-    if not files:
-        return float(dtype_bytes)
+    files = sorted(model.checkpoint.path.glob("*.safetensors")) if model.checkpoint is not None else []
+    if not files:  # a config.json alone (or a bare spec): an FP8 checkpoint's layers in FP8, its embeddings not
+        fp8 = quant.packed is None and not quant.mxfp4
+        return _fp8_spec_bytes_per_weight(model.spec, dtype_bytes) if fp8 else float(dtype_bytes)
     index = TensorIndex(files)
     if quant.packed is not None:
         return stored_bytes_per_weight(index, quant.packed, model.spec, dtype_bytes)
@@ -182,6 +184,13 @@ def gpu_bytes_per_weight(model: ResolvedModel) -> float:
             weights += numel
             stored += numel * (1 if index.dtype_of[name].startswith("F8") else dtype_bytes)
     return stored / max(weights, 1)
+
+
+def _fp8_spec_bytes_per_weight(spec: ModelSpec, dtype_bytes: int) -> float:
+    """Bytes per weight of an FP8 checkpoint known by its config alone: every decoder matrix at one byte (as the
+    GPU path keeps them; block scales are a rounding error), the lm_head (counted by `num_params`) at `dtype_bytes`."""
+    head = spec.vocab_size * spec.hidden_size
+    return ((spec.num_params() - head) + head * dtype_bytes) / spec.num_params()
 
 
 def activation_estimate(config: EngineConfig, model: ResolvedModel) -> float:
