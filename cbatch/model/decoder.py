@@ -25,6 +25,8 @@ from cbatch.model.mrope import mrope_cos_sin, section_axes
 from cbatch.model.onednn import linear, packed_linear, prepack_weight
 from cbatch.model.rope import rope_table
 from cbatch.model.shard import Shard
+from cbatch.model.siglip import SiglipTower
+from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.spec import ModelSpec
 from cbatch.model.vision import VisionTower
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
@@ -173,15 +175,18 @@ class LlamaForCausalLM(nn.Module):
         self.score = Linear(spec.hidden_size, spec.num_labels, bias=False) if spec.head == "classify" else None
         self.max_positions = max_positions
         self.rope_tables: list[torch.Tensor] = []  # set by `build_rope_cache` once the device is known
-        # a vision-language model's image encoder (model/vision.py), called by the runner's image rows
-        self.visual = VisionTower(spec.vision, backend) if spec.vision is not None else None
+        # a vision-language model's image encoder (model/vision.py; Gemma 3's: siglip.py), called by the runner's
+        # image rows
+        self.visual = None
+        if spec.vision is not None:
+            self.visual = (SiglipTower if isinstance(spec.vision, SiglipSpec) else VisionTower)(spec.vision, backend)
         self._mrope_axes: torch.Tensor | None = None  # M-RoPE: the axis of each rotary column (`build_rope_cache`)
 
     def build_rope_cache(self, device: torch.device) -> None:
         # float32 on purpose, whatever the model's dtype (HF computes RoPE angles in float32);
         # plain attributes, not buffers, so `.to(dtype)` leaves them alone.
         self.rope_tables = [rope_table(r, self.max_positions).to(device) for r in self.spec.rope]  # [max_positions, R] each
-        if self.spec.vision is not None:
+        if self.spec.vision is not None and self.spec.vision.mrope_section:
             self._mrope_axes = section_axes(self.spec.vision.mrope_section, self.spec.rope[0].rotary_dim).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
