@@ -4,8 +4,8 @@ Input: the flattened patches of every image, concatenated ([B * N, C * P * P]: e
 row-major, each patch channel-major, as io/images.py cuts them), and each image's grid (unused: every image is one
 S x S square). Output: the language-model embeddings of the images ([B * mm_tokens_per_image, text hidden]).
 
-Every image has the same number of patches, so the images of a step are one batch [B, N, E]: one SDPA call per
-layer, bidirectional within each image. transformers' numerics: the patch Conv2d as a matmul, LayerNorm, exact
+Every image has the same number of patches, so the images of a step are one batch: rows [B * N, E] for the
+matmuls, viewed [B, H, N, D] for one SDPA call per layer, bidirectional within each image. transformers' numerics: the patch Conv2d as a matmul, LayerNorm, exact
 SDPA, then the projector's average pool, Gemma's (1 + w) RMSNorm and the projection (`mm_input_projection_weight`,
 [E, text hidden]).
 """
@@ -40,8 +40,10 @@ class _Embeddings(nn.Module):
         self.position_embedding = nn.Embedding(vs.patches_per_side**2, vs.hidden_size)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        """[B, N, C * P * P] -> [B, N, E]: each patch's embedding plus its position's."""
-        return self.patch_embedding(patches) + self.position_embedding.weight
+        """[B * N, C * P * P] -> [B * N, E]: each patch's embedding plus its position's."""
+        embeds = self.patch_embedding(patches)
+        positions = self.position_embedding.weight  # [N, E]
+        return (embeds.view(-1, *positions.shape) + positions).view(embeds.shape)
 
 
 class _Attention(nn.Module):
@@ -51,12 +53,12 @@ class _Attention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (Linear(vs.hidden_size, vs.hidden_size, bias=True)
                                                                  for _ in range(4))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, n, width = x.shape
-        q, k, v = (proj(x).view(batch, n, self.num_heads, self.head_dim).transpose(1, 2)
+    def forward(self, x: torch.Tensor, patches: int) -> torch.Tensor:
+        """x [B * N, E] (each image's N = `patches` rows in a block) -> [B * N, E]."""
+        q, k, v = (proj(x).view(-1, patches, self.num_heads, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))  # [B, H, N, D]
         out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)  # every patch of its image
-        return self.out_proj(out.transpose(1, 2).reshape(batch, n, width))
+        return self.out_proj(out.transpose(1, 2).reshape(x.shape))
 
 
 class _MLP(nn.Module):
@@ -78,8 +80,8 @@ class _EncoderLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(vs.hidden_size, eps=vs.layer_norm_eps)
         self.mlp = _MLP(vs)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
+    def forward(self, x: torch.Tensor, patches: int) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), patches)
         return x + self.mlp(self.layer_norm2(x))
 
 
@@ -90,7 +92,7 @@ class _Encoder(nn.Module):
 
 
 class Gemma3Projector(nn.Module):
-    """[B, N, E] patch states -> [B, mm_tokens_per_image, text hidden]: average pool over pool x pool patches,
+    """[B * N, E] patch states -> [B * mm_tokens_per_image, text hidden]: average pool over pool x pool patches,
     RMSNorm (1 + w), projection."""
 
     def __init__(self, vs: SiglipSpec, backend: Backend) -> None:
@@ -100,8 +102,8 @@ class Gemma3Projector(nn.Module):
         self.mm_input_projection_weight = nn.Parameter(torch.empty(vs.hidden_size, vs.out_hidden_size))
 
     def forward(self, states: torch.Tensor) -> torch.Tensor:
-        batch, _, width = states.shape
-        grid = states.transpose(1, 2).reshape(batch, width, self.side, self.side)
+        width = states.shape[-1]
+        grid = states.view(-1, self.side * self.side, width).transpose(1, 2).reshape(-1, width, self.side, self.side)
         pooled = F.avg_pool2d(grid, self.pool).flatten(2).transpose(1, 2)  # [B, T, E]
         normed = self.mm_soft_emb_norm(pooled.reshape(-1, width))  # [B * T, E]
         return torch.matmul(normed, self.mm_input_projection_weight).to(states.dtype)
@@ -122,7 +124,7 @@ class SiglipTower(nn.Module):
     @torch.inference_mode()
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """patches [B * N, C * P * P] of every image (grids: one per image) -> [B * mm_tokens_per_image, hidden]."""
-        states = self.embeddings(patches.view(len(grids), self.vs.patches_per_side**2, -1))  # [B, N, E]
+        states = self.embeddings(patches)  # [B * N, E]: image after image
         for layer in self.encoder.layers:
-            states = layer(states)
+            states = layer(states, self.vs.patches_per_side**2)
         return self.projector(self.post_layernorm(states))
