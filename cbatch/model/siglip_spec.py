@@ -42,7 +42,11 @@ class SiglipSpec:
     boi_token_id: int  # `<start_of_image>`: what a chat template writes per image
     eoi_token_id: int
 
-    mrope_section: ClassVar[tuple[int, ...]] = ()  # 1-D rotary positions (Qwen2-VL's VisionSpec has three axes)
+    # what code reading a Qwen VisionSpec asks of any tower: 1-D rotary positions (no M-RoPE sections), no deepstack
+    tower: ClassVar[str] = "siglip"
+    mrope_section: ClassVar[tuple[int, ...]] = ()
+    mrope_interleaved: ClassVar[bool] = False
+    deepstack_layers: ClassVar[tuple[int, ...]] = ()
     bidirectional_images: ClassVar[bool] = True  # an image's tokens attend to each other both ways
 
     @property
