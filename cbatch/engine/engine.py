@@ -191,7 +191,8 @@ class Engine:
             return f"this {name} reads no images; drop the row's images or use a vision-language model"
         placed = seq_images(prompt_ids, list(images), vision)
         budget = self.scheduler.max_num_batched_tokens
-        if isinstance(placed, SeqImages) and placed.bidirectional and (largest := max(i.num_tokens for i in images)) > budget:
+        largest = max(image.num_tokens for image in images)
+        if isinstance(placed, SeqImages) and placed.bidirectional and largest > budget:  # (an image is one chunk)
             return (f"an image of this {self.spec.architecture} is {largest} tokens, computed in one step, more than "
                     f"--max-num-batched-tokens {budget}; raise it to at least {largest}")
         return placed

@@ -103,7 +103,8 @@ class ImageRows(RowFeature):
         spans: dict[int, list[tuple[int, int]]] = {}
         for seq, start, num_new, offset in self.chunks:
             if seq.images.bidirectional:  # Gemma 3: the chunk's image runs (whole), attended both ways
-                runs = [(run + first, run + end) for run, _, first, end in seq.images.overlapping(start, start + num_new)]
+                overlapping = seq.images.overlapping(start, start + num_new)
+                runs = [(run + first, run + end) for run, _, first, end in overlapping]
                 if runs:
                     spans[offset] = runs
         inputs.image_spans = spans or None

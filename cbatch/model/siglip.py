@@ -5,9 +5,9 @@ row-major, each patch channel-major, as io/images.py cuts them), and each image'
 S x S square). Output: the language-model embeddings of the images ([B * mm_tokens_per_image, text hidden]).
 
 Every image has the same number of patches, so the images of a step are one batch: rows [B * N, E] for the
-matmuls, viewed [B, H, N, D] for one SDPA call per layer, bidirectional within each image. transformers' numerics: the patch Conv2d as a matmul, LayerNorm, exact
-SDPA, then the projector's average pool, Gemma's (1 + w) RMSNorm and the projection (`mm_input_projection_weight`,
-[E, text hidden]).
+matmuls, viewed [B, H, N, D] for one SDPA call per layer, bidirectional within each image. transformers'
+numerics: the patch Conv2d as a matmul, LayerNorm, exact SDPA, then the projector's average pool, Gemma's (1 + w)
+RMSNorm and the projection (`mm_input_projection_weight`, [E, text hidden]).
 """
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ _SIGLIP_DEFAULTS: dict[str, Any] = dict(hidden_size=768, intermediate_size=3072,
 @dataclass(frozen=True, slots=True)
 class SiglipSpec:
     """The SigLIP tower (a ViT over patch_size x patch_size patches of an image_size square, learned positions; its
-    pooling head, if any, unused) and Gemma 3's projector (average pool to mm_tokens_per_image, RMSNorm, one projection)."""
+    pooling head, if any, unused) and Gemma 3's projector (average pool to mm_tokens_per_image, RMSNorm, one
+    projection)."""
 
     depth: int
     hidden_size: int
