@@ -79,11 +79,19 @@ def test_multimodal_gemma3_runs_its_text_decoder_with_hf_defaults():
            "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
                            "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
                            "sliding_window": 1024},
-           "vision_config": {"model_type": "siglip_vision_model"}}
+           "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                             "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                             "patch_size": 14, "vision_use_head": False},
+           "mm_tokens_per_image": 256, "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144}
     from cbatch.model.presets import preset_spec
 
     got = parse_spec(hub)
-    assert got == dataclasses.replace(preset_spec("gemma-3-4b"), architecture="Gemma3ForConditionalGeneration")
+    assert dataclasses.replace(got, vision=None) == dataclasses.replace(preset_spec("gemma-3-4b"),
+                                                                         architecture="Gemma3ForConditionalGeneration")
+    vision = got.vision  # its SigLIP tower: 64 x 64 patches of 896 pixels pooled 4 x 4 into 256 tokens
+    assert (vision.depth, vision.hidden_size, vision.patches_per_side, vision.pool, vision.out_hidden_size) == \
+        (27, 1152, 64, 4, 2560)
+    assert (vision.image_token_id, vision.boi_token_id, vision.eoi_token_id) == (262144, 255999, 256000)
 
 
 def test_roofline_counts_active_experts_and_fp8_bytes():

@@ -10,9 +10,9 @@ import shutil
 import pytest
 
 from cbatch.config import SamplingParams
-from cbatch.io.images import ImageReader
 from helpers import make_engine
-from vision_models import IMAGE_TOKEN, VISION_END, VISION_START, hf_vl_greedy, make_vl_checkpoint, png_bytes
+from vision_models import (IMAGE_TOKEN, VISION_END, VISION_START, hf_vl_greedy, make_vl_checkpoint, read_test_images,
+                           run_requests)
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 SIZES = [(56, 84), (28, 28), (112, 56), (84, 112)]  # pixels: 6, 1, 8 and 12 placeholder tokens (Qwen3-VL's 16-pixel
@@ -29,11 +29,7 @@ def vl_model(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def images(vl_model):
     """The preprocessed test images (the model's PIL processor): SIZES, and a second image of SIZES[0]'s size."""
-    from cbatch.model.loader import read_checkpoint
-
-    reader = ImageReader(vl_model, read_checkpoint(vl_model).spec.vision)
-    made = [reader.read(png_bytes(h, w, seed), f"image{seed}") for seed, (h, w) in enumerate(SIZES)]
-    return made + [reader.read(png_bytes(*SIZES[0], seed=99), "twin")]
+    return read_test_images(vl_model, SIZES)
 
 
 def prompt(images, words: list[int], tail: int = 3) -> list[int]:
@@ -45,12 +41,7 @@ def prompt(images, words: list[int], tail: int = 3) -> list[int]:
 
 
 def run(engine, requests):
-    """Every (prompt ids, images) request through `engine` at once; their completions in order."""
-    seqs = [engine.add_request(ids, GREEDY, images=imgs) for ids, imgs in requests]
-    assert not any(seq.error for seq in seqs), [seq.error for seq in seqs]
-    while engine.has_unfinished():
-        engine.step()
-    return [seq.output_ids for seq in seqs]
+    return run_requests(engine, requests, GREEDY)
 
 
 def check_hf(path, requests, outputs):

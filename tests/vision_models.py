@@ -42,16 +42,17 @@ TEXT_OVERRIDES = {"qwen3_vl": dict(num_hidden_layers=3, head_dim=16)}
 PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}  # pixels per patch side (x 2 x 2 per image token)
 
 
-def make_tokenizer(path: Path):
+def make_tokenizer(path: Path, specials: list[str] = SPECIALS, chat_template: str = CHAT_TEMPLATE, words: int = 300):
+    """A word-level tokenizer: `specials` (pad, eos, bos, unk and the model's own), then w0 .. w{words - 1}."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(words)])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                                   unk_token="<unk>", additional_special_tokens=SPECIALS[4:])
-    fast.chat_template = CHAT_TEMPLATE
+                                   unk_token="<unk>", additional_special_tokens=specials[4:])
+    fast.chat_template = chat_template
     fast.save_pretrained(path)
     return fast
 
@@ -90,6 +91,26 @@ def make_vl_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
         "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}))
     make_tokenizer(path)
     return path
+
+
+def read_test_images(path: Path, sizes: list[tuple[int, int]]) -> list:
+    """Random PNGs of `sizes` (seeds 0, 1, ...) and a second one of sizes[0] (seed 99), through the checkpoint's own
+    image processor: `PromptImage`s."""
+    from cbatch.io.images import ImageReader
+    from cbatch.model.loader import read_checkpoint
+
+    reader = ImageReader(path, read_checkpoint(path).spec.vision)
+    made = [reader.read(png_bytes(h, w, seed), f"image{seed}") for seed, (h, w) in enumerate(sizes)]
+    return made + [reader.read(png_bytes(*sizes[0], seed=99), "twin")]
+
+
+def run_requests(engine, requests, params) -> list[list[int]]:
+    """Every (prompt ids, images) request through `engine` at once with `params`; their completions in order."""
+    seqs = [engine.add_request(ids, params, images=imgs) for ids, imgs in requests]
+    assert not any(seq.error for seq in seqs), [seq.error for seq in seqs]
+    while engine.has_unfinished():
+        engine.step()
+    return [seq.output_ids for seq in seqs]
 
 
 def png_bytes(height: int, width: int, seed: int) -> bytes:

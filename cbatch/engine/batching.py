@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from cbatch.engine.images import whole_images
 from cbatch.engine.kv_blocks import prefix_hits
 from cbatch.engine.kv_manager import KVManager
 from cbatch.engine.sequence import Sequence
@@ -93,7 +94,9 @@ class StaticGroups(ContinuousBatching):
         for seq in sched.running:
             if budget == 0:
                 break
-            num_new = min(seq.num_uncomputed, budget)
+            num_new = whole_images(seq, min(seq.num_uncomputed, budget))
+            if num_new == 0:  # (an image computed whole: the next step)
+                continue
             if not sched.grow(seq, num_new, plan):
                 continue
             plan.scheduled.append((seq, num_new))

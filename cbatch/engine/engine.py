@@ -189,7 +189,13 @@ class Engine:
         if vision is None:
             name = self.spec.architecture if self.spec is not None else "model"
             return f"this {name} reads no images; drop the row's images or use a vision-language model"
-        return seq_images(prompt_ids, list(images), vision)
+        placed = seq_images(prompt_ids, list(images), vision)
+        budget = self.scheduler.max_num_batched_tokens
+        largest = max(image.num_tokens for image in images)
+        if isinstance(placed, SeqImages) and placed.bidirectional and largest > budget:  # (an image is one chunk)
+            return (f"an image of this {self.spec.architecture} is {largest} tokens, computed in one step, more than "
+                    f"--max-num-batched-tokens {budget}; raise it to at least {largest}")
+        return placed
 
     def extra_seq_id(self) -> int:
         """A seq_id no row has (negative, as forked samples'): a request of a row beyond its own (a bi-encoder

@@ -1,5 +1,6 @@
 """Images as a row feature (row_features.py): the rows whose prompt has images get their placeholder tokens' embeddings
-from the vision tower, and M-RoPE positions (model/mrope.py).
+from the vision tower, and M-RoPE positions (model/mrope.py); Gemma 3's rows their image runs, which the attention
+takes both ways (`StepInputs.image_spans`).
 
 Per step: the build records each image row's chunk (`add_row`; a quiet decode is never recorded: it needs only its
 `delta`, read for every scheduled row by `order_keys`); `fill` shifts the rotary positions of image rows by their
@@ -61,6 +62,7 @@ class ImageRows(RowFeature):
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.visual = model.visual
+        self.mrope = bool(model.spec.vision.mrope_section)  # Qwen2-VL: 3-D positions; Gemma 3: 1-D
         # Qwen3-VL's rows carry their deepstack features too (model/vision_qwen3.py): fewer rows, the same memory
         self.cache = EncoderCache(ENCODER_CACHE_TOKENS // (1 + len(model.spec.vision.deepstack_layers)))
         self.images_encoded = 0  # vision-tower runs per image (an image encoded again after eviction counts again)
@@ -99,17 +101,25 @@ class ImageRows(RowFeature):
             slices += [(offset + run + first - start, image, first, end)
                        for run, image, first, end in images.overlapping(start, stop)]
         inputs.positions = positions
-        if slices:  # 3-D positions where the chunks meet images
+        inputs.image_slices = slices
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for seq, start, num_new, offset in self.chunks:
+            if seq.images.bidirectional:  # Gemma 3: the chunk's image runs (whole), attended both ways
+                overlapping = seq.images.overlapping(start, start + num_new)
+                runs = [(run + first, run + end) for run, _, first, end in overlapping]
+                if runs:
+                    spans[offset] = runs
+        inputs.image_spans = spans or None
+        if slices and self.mrope:  # 3-D positions where the chunks meet images
             mrope = np.broadcast_to(positions, (3, positions.shape[0])).copy()  # [3, T]
             for seq, start, num_new, offset in self.chunks:
                 stop = min(start + num_new, seq.images.prompt_len)
                 mrope[:, offset : offset + stop - start] = seq.images.positions[:, start:stop]
             inputs.mrope_positions = mrope
-            inputs.image_slices = slices
 
     def prepare(self, inputs: StepInputs, device: torch.device, put: Callable | None) -> bool:
         self._forward = {}
-        if inputs.mrope_positions is None:
+        if not inputs.image_slices:
             return True
         slices = inputs.image_slices
         self._encode([image for _, image, _, _ in slices], device)
@@ -117,9 +127,10 @@ class ImageRows(RowFeature):
         embeds = torch.cat([self.cache.get(image.digest)[first:end] for _, image, first, end in slices])
         self.cache.trim()
         to_device = put or torch.from_numpy
-        self._forward = {"embeds": (to_device(rows).to(device), embeds),
-                         "mrope_positions": to_device(inputs.mrope_positions).to(device)}
-        return False  # (3-D positions: no decode graph)
+        self._forward = {"embeds": (to_device(rows).to(device), embeds)}
+        if inputs.mrope_positions is not None:
+            self._forward["mrope_positions"] = to_device(inputs.mrope_positions).to(device)
+        return False  # (image embeddings, 3-D positions: no decode graph)
 
     def forward_inputs(self) -> dict[str, Any]:
         return self._forward

@@ -3,7 +3,9 @@ fills in the prompt (`PromptImage`, made by the row reader: cbatch/io/images.py)
 (`SeqImages`): where each run starts, the prompt's M-RoPE positions (model/mrope.py) and the prefix cache's salt.
 
 NOTE: placeholder tokens are ordinary prompt tokens for the scheduler (budget, chunking, admission); only the
-runner's image rows (engine/image_rows.py) and the prefix cache's block keys look at the images behind them.
+runner's image rows (engine/image_rows.py) and the prefix cache's block keys look at the images behind them, and,
+for a model whose image tokens attend to each other both ways (Gemma 3: `bidirectional`), the scheduler's chunk
+sizes (`whole_images`): a chunk never ends inside an image's run, so the run's queries see all of its keys.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cbatch.model.mrope import mrope_positions
+from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.vision_spec import VisionSpec
 
 
@@ -29,11 +32,13 @@ class PromptImage:
 @dataclass(slots=True)
 class SeqImages:
     """A sequence's images: `runs` [(first placeholder index, image)] in prompt order, the prompt's M-RoPE positions
-    int64 [3, prompt_len] and `delta` (every token past the prompt sits at its index + delta on all three axes)."""
+    int64 [3, prompt_len] and `delta` (every token past the prompt sits at its index + delta on all three axes);
+    a model without M-RoPE (Gemma 3): its 1-D positions [1, prompt_len] and delta 0."""
 
     runs: list[tuple[int, PromptImage]]
     positions: np.ndarray
     delta: int
+    bidirectional: bool = False  # Gemma 3: an image's tokens attend to each other both ways (whole in one chunk)
 
     @property
     def prompt_len(self) -> int:
@@ -49,13 +54,31 @@ class SeqImages:
                 out.append((run, image, lo - run, hi - run))
         return out
 
+    def chunk_tokens(self, start: int, num_new: int) -> int:
+        """The tokens of a chunk [start, start + num_new) that keep every image whole (`bidirectional`): a chunk
+        that would end inside an image's run stops before it (0 when it starts at or inside that run: the row waits
+        for a step with budget for the whole run)."""
+        end = start + num_new
+        if self.bidirectional:
+            for run, image in self.runs:
+                if run < end < run + image.num_tokens:
+                    return max(0, run - start)
+        return num_new
+
     def salt(self, start: int, end: int) -> tuple[str, ...]:
         """The digests of the images whose placeholders meet tokens [start, end): a prefix-cache block holding them
         is keyed by its tokens and these (rows with the same placeholders but other images never share KV)."""
         return tuple(image.digest for _, image, _, _ in self.overlapping(start, end))
 
 
-def seq_images(prompt_ids: list[int], images: list[PromptImage], vision: VisionSpec) -> SeqImages | str:
+def whole_images(seq, num_new: int) -> int:
+    """`num_new` tokens for sequence `seq`'s next chunk, cut so that no image of a bidirectional model is split
+    (`SeqImages.chunk_tokens`); the scheduler's every chunk size goes through it."""
+    images = seq.images
+    return num_new if images is None else images.chunk_tokens(seq.num_computed, num_new)
+
+
+def seq_images(prompt_ids: list[int], images: list[PromptImage], vision: VisionSpec | SiglipSpec) -> SeqImages | str:
     """The sequence's view of `images` in `prompt_ids`, or why they do not fit its placeholders (one sentence)."""
     token = vision.image_token_id
     ids = np.asarray(prompt_ids, dtype=np.int64)
@@ -75,6 +98,8 @@ def seq_images(prompt_ids: list[int], images: list[PromptImage], vision: VisionS
                 f"placeholder (the chat template puts one where a message has an image part)")
     if runs and ids.size and ids[-1] == token:
         return "the prompt ends with an image; add text after it"
+    if not vision.mrope_section:  # 1-D positions: the token's index
+        return SeqImages(runs, np.arange(len(prompt_ids), dtype=np.int64)[None], 0, vision.bidirectional_images)
     positions, delta = mrope_positions(len(prompt_ids), [(start, image.grid) for start, image in runs], vision.merge_size)
     return SeqImages(runs, positions, delta)
 

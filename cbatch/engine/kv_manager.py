@@ -87,13 +87,18 @@ class KVManager:
     def prepare_start(self, seq: Sequence, budget: int) -> Start | str:
         """What starting `seq` now would take, or why it cannot: "prefix_pending" (its next prefix block is
         being computed this step by another sequence: waiting one step turns it and the rest of the shared
-        prefix into hits; never a deadlock, `_inflight` holds this step's blocks only) or "no_free_blocks"."""
+        prefix into hits; never a deadlock, `_inflight` holds this step's blocks only), "no_free_blocks" or
+        "token_budget" (its next chunk is an image to compute whole, past the budget left)."""
         hits = prefix_hits(self.pool, seq)
         if first_missing_hash(self.pool, seq, len(hits)) in self._inflight:
             return "prefix_pending"
         reused = len(seq.host_block_ids) + len(hits)  # blocks it starts with before new ones
         computed = seq.num_computed + len(hits) * self.pool.block_size
         num_new = min(seq.num_tokens - computed, budget)
+        if seq.images is not None:  # (a bidirectional model's images are computed whole: engine/images.py)
+            num_new = seq.images.chunk_tokens(computed, num_new)
+            if num_new == 0:
+                return "token_budget"
         fresh = max(0, self.pool.blocks_for(computed + num_new) - reused)
         cost = fresh + len(seq.host_block_ids) + sum(1 for b in hits if self.pool.is_evictable(b))
         return "no_free_blocks" if cost > self.pool.num_free else Start(hits, num_new, fresh)

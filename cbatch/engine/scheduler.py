@@ -28,6 +28,7 @@ from typing import Mapping
 from cbatch.config import SamplingParams, distinct_params
 from cbatch.engine.batching import OptimisticAdmission
 from cbatch.engine.finish import at_length_limit, finish_reason
+from cbatch.engine.images import whole_images
 from cbatch.engine.kv_blocks import BlockPool
 from cbatch.engine.kv_manager import KVManager, Start
 from cbatch.engine.policy import AdmissionPolicy, PreemptionPolicy, PriorityOrder
@@ -181,17 +182,22 @@ class Scheduler:
     def _schedule_running(self, pending: list[tuple[Sequence, int]], plan: StepPlan, budget: int,
                           drafts: dict[int, list[int]] | None = None) -> int:
         """Schedules `pending` (running sequences, uncomputed tokens) in order, one by one, while the budget
-        lasts; grows their blocks, preempting less important sequences where needed. Returns the budget left.
+        lasts; grows their blocks, preempting less important sequences where needed. Returns the budget left (0
+        while a row waits for budget to compute an image whole, so that admission does not starve it).
         `drafts`: seq_id -> tokens drafted after its last one (a decode verifying them computes 1 + drafts)."""
         capacity = self.pool.block_size
         batching = self.batching
+        image_waits = False  # (new rows would keep taking the budget a whole image needs: engine/images.py)
         for seq, uncomputed in pending:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                 continue
             drafted = drafts.get(seq.seq_id) if drafts else None
-            num_new = min(uncomputed + len(drafted), budget) if drafted else min(uncomputed, budget)
+            num_new = min(uncomputed + len(drafted), budget) if drafted else whole_images(seq, min(uncomputed, budget))
+            if num_new == 0:  # an image to compute whole, past the budget left: no admission until it fits
+                image_waits = True
+                continue
             if seq.num_result_tokens is not None and batching.padding_blocked(self, seq, num_new):
                 continue
             fits = seq.num_computed + num_new <= len(seq.block_ids) * capacity  # no new block needed
@@ -204,7 +210,7 @@ class Scheduler:
                     plan.drafts[seq.seq_id] = drafted[: num_new - 1]
             elif num_new > 1:
                 self.kv_manager.note_chunk(seq, num_new)
-        return budget
+        return 0 if image_waits else budget
 
     def _draft(self, decodes: list[tuple[Sequence, int]], prefills: list[tuple[Sequence, int]], budget: int
                ) -> dict[int, list[int]]:

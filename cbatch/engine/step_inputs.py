@@ -39,6 +39,8 @@ class StepInputs:
     # the embedding rows the step takes: (first flat row, image, its first row, end row); None / []: none
     mrope_positions: np.ndarray | None = None
     image_slices: list = field(default_factory=list)
+    # Gemma 3's bidirectional image runs: a chunk's first flat row -> [(first, end)) context positions (metadata.py)
+    image_spans: dict[int, list[tuple[int, int]]] | None = None
     # the adapter each slot holds (rank 0's `LoraSlots.resident`): a tensor-parallel worker loads the same ones
     lora_resident: tuple[str | None, ...] | None = None
 
@@ -59,6 +61,7 @@ class StepInputs:
             query_lens_host=q_lens.tolist(),
             seq_lens_host=self.seq_lens.tolist(),
             block_size=block_size,
+            image_spans=self.image_spans,
         )
         input_ids = put(np.array(self.token_ids, dtype=np.int64))
         if self.placeholder_rows:

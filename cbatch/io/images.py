@@ -9,7 +9,8 @@ RowError naming it (`ImageError`): the row becomes an error row and the job goes
 
 Preprocessing: transformers' PIL image processor of the model (`Qwen2VLImageProcessorPil`: resize so that both sides
 are multiples of patch x merge with the pixel count inside [min_pixels, max_pixels], rescale, normalize, patchify),
-settable per job (`ImageSettings`: --image-min-pixels / --image-max-pixels).
+settable per job (`ImageSettings`: --image-min-pixels / --image-max-pixels); Gemma 3's (`Gemma3ImageProcessorPil`:
+resize to the tower's square, rescale, normalize), its patches cut here.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from typing import Any
 
 from cbatch.engine.images import PromptImage
 from cbatch.io.row_fields import RowError
+from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.vision_spec import VisionSpec
 
 MAX_SOURCE_PIXELS = 1 << 27  # a decoded image past this (134 M pixels, e.g. 11,585 x 11,585) is refused, not decoded
@@ -129,9 +131,11 @@ def digest_of(data: bytes) -> str:
 class ImageReader:
     """The model's image processor with the job's settings: a row's image source -> `PromptImage`."""
 
-    def __init__(self, model_dir: Path | None, vision: VisionSpec, settings: ImageSettings = ImageSettings()) -> None:
+    def __init__(self, model_dir: Path | None, vision: VisionSpec | SiglipSpec,
+                 settings: ImageSettings = ImageSettings()) -> None:
         self.vision = vision
-        self.processor = _processor(model_dir, vision, settings)
+        siglip = isinstance(vision, SiglipSpec)
+        self.processor = _siglip_processor(model_dir, vision) if siglip else _processor(model_dir, vision, settings)
 
     @property
     def pixel_range(self) -> tuple[int, int]:
@@ -180,8 +184,11 @@ class ImageReader:
         except Exception as exc:  # truncated or corrupt data past the header
             raise ImageError(f"cannot be decoded ({type(exc).__name__}: {exc})") from None
         out = self.processor(images=[rgb], return_tensors="np")
-        grid = tuple(int(x) for x in out["image_grid_thw"][0])
-        pixels = out["pixel_values"].astype("float32", copy=False)
+        if isinstance(self.vision, SiglipSpec):
+            grid, pixels = _square_patches(out["pixel_values"][0], self.vision.patch_size)
+        else:
+            grid = tuple(int(x) for x in out["image_grid_thw"][0])
+            pixels = out["pixel_values"].astype("float32", copy=False)
         return PromptImage(digest_of(data), grid, self.vision.tokens_for_grid(grid), pixels, name)
 
 
@@ -211,9 +218,46 @@ def _processor(model_dir: Path | None, vision: VisionSpec, settings: ImageSettin
     return Processor(**kwargs)
 
 
-def expand_placeholders(prompt_ids: list[int], images: list[PromptImage], token: int) -> list[int]:
-    """The prompt with each image's one placeholder token (as the chat template writes it) repeated to the image's
-    token count, as the model's processor does; raises RowError when the counts differ."""
+def _siglip_processor(model_dir: Path | None, vision: SiglipSpec):
+    """transformers' PIL image processor for Gemma 3 (no torchvision needed) from the checkpoint's
+    preprocessor_config.json, resizing to the tower's square whatever the file says (its positions fix the size).
+    Pan-and-scan crops are not made (the processor's default; a config asking for them is read without them)."""
+    try:
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil as Processor
+    except ImportError:  # transformers before the PIL/torchvision split: the slow processor is the PIL one
+        from transformers.models.gemma3.image_processing_gemma3 import Gemma3ImageProcessor as Processor
+    path = model_dir / "preprocessor_config.json" if model_dir is not None else None
+    given = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    kwargs = {k: v for k, v in given.items() if k in _PROCESSOR_KEYS + ("resample",) and v is not None}
+    kwargs["size"] = {"height": vision.image_size, "width": vision.image_size}
+    return Processor(**kwargs, do_pan_and_scan=False)
+
+
+def _square_patches(image: Any, patch: int) -> tuple[tuple[int, int, int], Any]:
+    """A processed image [C, S, S] -> (grid (1, S / P, S / P), float32 [(S / P)^2, C * P * P]: its patches row-major,
+    each channel-major as the patch convolution's weight reads them)."""
+    channels, side = image.shape[0], image.shape[1] // patch
+    patches = image.reshape(channels, side, patch, side, patch).transpose(1, 3, 0, 2, 4)
+    return (1, side, side), patches.reshape(side * side, -1).astype("float32")
+
+
+def expand_placeholders(prompt_ids: list[int], images: list[PromptImage], vision: VisionSpec | SiglipSpec,
+                        tokenizer: Any = None) -> list[int]:
+    """The prompt with each image's one placeholder token (as the chat template writes it) expanded to the image's
+    run, as the model's processor does: Qwen2-VL's `<|image_pad|>` repeated to the image's token count; Gemma 3's
+    `<start_of_image>` turned into "\n\n" <start_of_image>, its `<image_soft_token>`s, <end_of_image> "\n\n"
+    (the newlines as `tokenizer` encodes them alone). Raises RowError when the counts differ."""
+    if isinstance(vision, SiglipSpec):
+        token = vision.boi_token_id
+        newlines = list(tokenizer.encode("\n\n", add_special_tokens=False)) if tokenizer is not None else []
+
+        def run(image: PromptImage) -> list[int]:
+            return [*newlines, token, *[vision.image_token_id] * image.num_tokens, vision.eoi_token_id, *newlines]
+    else:
+        token = vision.image_token_id
+
+        def run(image: PromptImage) -> list[int]:
+            return [token] * image.num_tokens
     where = [i for i, t in enumerate(prompt_ids) if t == token]
     if len(where) != len(images):
         raise RowError(f"the prompt has {len(where)} image placeholder(s) for {len(images)} image(s); a chat puts one "
@@ -221,8 +265,7 @@ def expand_placeholders(prompt_ids: list[int], images: list[PromptImage], token:
     out: list[int] = []
     start = 0
     for index, image in zip(where, images):
-        out += prompt_ids[start:index]
-        out += [token] * image.num_tokens
+        out += prompt_ids[start:index] + run(image)
         start = index + 1
     return out + prompt_ids[start:]
 

@@ -25,6 +25,8 @@ from cbatch.model.mrope import mrope_cos_sin, section_axes
 from cbatch.model.onednn import linear, packed_linear, prepack_weight
 from cbatch.model.rope import rope_table
 from cbatch.model.shard import Shard
+from cbatch.model.siglip import SiglipTower
+from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.spec import ModelSpec
 from cbatch.model.vision import VisionTower
 from cbatch.model.vision_qwen3 import Qwen3VisionTower
@@ -176,18 +178,21 @@ class LlamaForCausalLM(nn.Module):
         self.score = Linear(spec.hidden_size, spec.num_labels, bias=False) if spec.head == "classify" else None
         self.max_positions = max_positions
         self.rope_tables: list[torch.Tensor] = []  # set by `build_rope_cache` once the device is known
-        # a vision-language model's image encoder (model/vision.py), called by the runner's image rows
+        # a vision-language model's image encoder (model/vision.py; Qwen3-VL's: vision_qwen3.py; Gemma 3's:
+        # siglip.py), called by the runner's image rows
         self.visual = None
         if spec.vision is not None:
-            self.visual = (Qwen3VisionTower if spec.vision.tower == "qwen3" else VisionTower)(spec.vision, backend)
+            tower = (SiglipTower if isinstance(spec.vision, SiglipSpec)
+                     else Qwen3VisionTower if spec.vision.tower == "qwen3" else VisionTower)
+            self.visual = tower(spec.vision, backend)
         self._mrope_axes: torch.Tensor | None = None  # M-RoPE: the axis of each rotary column (`build_rope_cache`)
 
     def build_rope_cache(self, device: torch.device) -> None:
         # float32 on purpose, whatever the model's dtype (HF computes RoPE angles in float32);
         # plain attributes, not buffers, so `.to(dtype)` leaves them alone.
         self.rope_tables = [rope_table(r, self.max_positions).to(device) for r in self.spec.rope]  # [max_positions, R] each
-        if self.spec.vision is not None:
-            vision = self.spec.vision
+        vision = self.spec.vision
+        if vision is not None and vision.mrope_section:
             self._mrope_axes = section_axes(vision.mrope_section, self.spec.rope[0].rotary_dim,
                                             vision.mrope_interleaved).to(device)
 

@@ -16,6 +16,7 @@ from cbatch.model.errors import UnsupportedModelError
 from cbatch.model.mla_spec import MLASpec, mla_softmax_scale, parse_mla
 from cbatch.model.quant import QuantSpec, parse_quantization
 from cbatch.model.rope import RopeSpec, rope_spec
+from cbatch.model.siglip_spec import SiglipSpec, parse_siglip
 from cbatch.model.vision_spec import VISION_ARCHITECTURES, VisionSpec, parse_vision, text_config
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -26,7 +27,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
-    "Gemma3ForConditionalGeneration": "gemma3",  # its text decoder; images are not supported
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text decoder and the SigLIP tower (model/siglip.py)
     "Phi3ForCausalLM": "phi3",
     # vision-language: a Qwen2 text decoder with M-RoPE, and the vision tower (model/vision.py, vision_spec.py)
     "Qwen2VLForConditionalGeneration": "qwen2",
@@ -140,7 +141,8 @@ class ModelSpec:
     head: str = "lm"  # lm (logits over the vocabulary) | classify (`score`: num_labels logits) | none (hidden states)
     num_labels: int = 0  # classify: the head's outputs
     labels: tuple[str, ...] = ()  # classify: config.json's id2label, in id order
-    vision: VisionSpec | None = None  # a vision-language model's image side (vision_spec.py); None: text only
+    # a vision-language model's image side (vision_spec.py; Gemma 3's: siglip_spec.py); None: text only
+    vision: VisionSpec | SiglipSpec | None = None
 
     @property
     def generates(self) -> bool:
@@ -408,10 +410,12 @@ def parse_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None
         vision = parse_vision(cfg, arch)
         spec = _parse_or_refuse(text_config(cfg), arch, family, generation_cfg or {})
         return replace(spec, vision=vision)
-    if arch == "Gemma3ForConditionalGeneration":  # text + vision: the text decoder's config
+    if arch == "Gemma3ForConditionalGeneration":  # text + vision: the text decoder's config, and SigLIP's side
         text = {**_GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {})}
-        cfg = {**text, "eos_token_id": cfg.get("eos_token_id", text.get("eos_token_id")),
-               "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype") or text.get("torch_dtype")}
+        text = {**text, "eos_token_id": cfg.get("eos_token_id", text.get("eos_token_id")),
+                "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype") or text.get("torch_dtype")}
+        spec = _parse_or_refuse(text, arch, family, generation_cfg or {})
+        return replace(spec, vision=parse_siglip(cfg, spec.hidden_size))
     return _parse_or_refuse(cfg, arch, family, generation_cfg or {})
 
 

@@ -8,8 +8,9 @@ Checkpoints that already fuse them (Phi-3's qkv_proj and gate_up_proj, transform
 experts) map one to one. DeepSeek's MLA projections keep their names (model/mla.py), its `shared_experts` are
 our `shared_expert`, and its multi-token-prediction layers (past num_hidden_layers) are skipped.
 Mixtral's `block_sparse_moe` and w1/w3/w2 expert names are read too, and a
-multimodal Gemma 3's text decoder (`language_model.model.*` or `model.language_model.*`; the vision
-tower is not used), and a Qwen-VL's vision tower (`visual.*` or `model.visual.*`, one to one). gpt-oss:
+multimodal Gemma 3's text decoder (`language_model.model.*` or `model.language_model.*`), its SigLIP tower
+(`vision_tower.vision_model.*` or `vision_tower.*`: our `visual.*`) and projector (`multi_modal_projector.*`: `visual.projector.*`),
+and a Qwen-VL's vision tower (`visual.*` or `model.visual.*`, one to one). gpt-oss:
 `mlp.router` is our `mlp.gate`, `self_attn.sinks` a parameter of its own, and the stacked experts ([E, in, out],
 gate/up interleaved, with biases) are transposed and de-interleaved on load.
 """
@@ -37,6 +38,9 @@ _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)$")
 _TEXT_DECODER = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")  # multimodal Gemma 3
 _BARE_DECODER = ("layers.", "embed_tokens.", "norm.")
 _VISUAL = re.compile(r"^(?:model\.)?visual\.")  # a vision-language model's vision tower (model/vision.py)
+_SIGLIP = re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?")  # Gemma 3's (model/siglip.py)
+_SIGLIP_HEAD = re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?head\.")  # its pooling head: unused
+_PROJECTOR = re.compile(r"^(?:model\.)?multi_modal_projector\.")
 # kept in FP8 on the GPU path (MLA's projections but kv_b_proj, which its attention reads as a plain weight)
 FP8_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts", "q_proj", "q_a_proj", "q_b_proj",
                "kv_a_proj_with_mqa")
@@ -147,8 +151,13 @@ def _layer_place(prefix: str, rest: str, spec: ModelSpec) -> Placement | None:
 
 def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
     """HF tensor name -> (where it goes, its kind: weight | bias | scale), or None for tensors we do not use."""
+    if _SIGLIP_HEAD.match(name):
+        return None
+    name = _PROJECTOR.sub("visual.projector.", _SIGLIP.sub("visual.", name))
     if _VISUAL.match(name):  # the vision tower's tensors map one to one (a text-only spec has none)
         module, _, kind = _VISUAL.sub("visual.", name).rpartition(".")
+        if spec.vision is not None and kind == "mm_input_projection_weight":  # Gemma 3's projection [E, text]
+            return Placement(module, kind), "weight"
         return (Placement(module), kind) if spec.vision is not None and kind in ("weight", "bias") else None
     name = _TEXT_DECODER.sub("model.", name).replace("language_model.lm_head.", "lm_head.", 1)
     if name.startswith(_BARE_DECODER):  # a bare decoder saved alone (`Qwen3Model`, sentence-transformers)

@@ -14,6 +14,7 @@ from cbatch.io.openai import request_digest
 from cbatch.io.reader import PROMPT_FIELDS
 from cbatch.io.row_fields import RowError
 from cbatch.io.rows import RowRequest, parse_row, with_lora
+from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.reasoning import DEFAULT_EFFORT_BUDGETS, effort_in_template
 from cbatch.tasks.base import ParsedRow, Part, PendingRow, Request, RowWork, Task, TaskError, TaskOptions, register
 from cbatch.tasks.results import RowResult
@@ -54,8 +55,9 @@ class GenerateTask(Task):
         if parser is not None and parser not in FORMATS:
             raise TaskError(f"--tool-call-parser: one of {', '.join(FORMATS)}, not {parser!r}")
         images = ImageSettings(getattr(options, "image_min_pixels", None), getattr(options, "image_max_pixels", None))
-        if images.identity() and spec.vision is None:
-            raise TaskError(f"--image-min-pixels / --image-max-pixels: this {spec.architecture} reads no images")
+        if images.identity() and (spec.vision is None or isinstance(spec.vision, SiglipSpec)):
+            why = "reads no images" if spec.vision is None else "resizes every image to its tower's square"
+            raise TaskError(f"--image-min-pixels / --image-max-pixels: this {spec.architecture} {why}")
         low, high = images.min_pixels, images.max_pixels
         if (low is not None and low < 1) or (high is not None and high < max(low or 1, 1)):
             raise TaskError(f"--image-min-pixels {low} / --image-max-pixels {high}: need 1 <= min <= max")
@@ -93,7 +95,7 @@ class GenerateTask(Task):
         images = self._read_images(engine, request)
         prompt_ids = prompt_token_ids(engine, request)
         if images:
-            prompt_ids = expand_placeholders(prompt_ids, images, engine.spec.vision.image_token_id)
+            prompt_ids = expand_placeholders(prompt_ids, images, engine.spec.vision, engine.tokenizer)
         identity = [*prompt_ids, *(f"image:{image.digest}" for image in images)]  # images by their bytes, not names
         return RowWork(parsed, [Request(prompt_ids, request.params, images=images or None)],
                        cache_key=(identity, request.params))
@@ -121,7 +123,7 @@ class GenerateTask(Task):
         if engine.spec is None or engine.spec.vision is None:
             model = engine.spec.architecture if engine.spec is not None else "model"
             raise RowError(f"`{first}` is an image; this {model} reads no images (use a vision-language model, "
-                           "e.g. Qwen2.5-VL)")
+                           "e.g. Qwen2.5-VL or Gemma 3)")
         if self._image_reader is None or self._image_reader.vision is not engine.spec.vision:
             self._image_reader = ImageReader(engine.model_dir, engine.spec.vision, self.image_settings)
         return self._image_reader

@@ -35,7 +35,8 @@ class CpuBackend(TorchBackend):
     def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         cache: _CacheReader, scoring: _Scoring, meta: AttentionMetadata) -> None:
         """Every prefill chunk of the step, fresh or after cached context, in one call of the compiled causal
-        kernel, whatever their lengths; what the kernel does not take on the torch path."""
+        kernel, whatever their lengths; what the kernel does not take on the torch path (so do the chunks with
+        Gemma 3's images, whose mask is not causal)."""
         if cache.scaled or not cpu_kernels.supports(q.dtype) or meta.block_table.dtype != torch.int32:
             super().attend_prefills(q, k, v, out, cache, scoring, meta)
             return
@@ -48,6 +49,8 @@ class CpuBackend(TorchBackend):
         if state.chunks_i32.shape[1]:
             cpu_kernels.prefill_attention(q, k, v, out, state.chunks_i32, scoring.scale, cache.kv.k, cache.kv.v,
                                           meta.block_table, scoring.sliding_window, scoring.softcap, _float32(scoring.sinks))
+        for chunk in state.image_chunks:  # Gemma 3's images (causal kernel): the torch path's bidirectional mask
+            chunk.attend(q, k, v, cache, out, scoring)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
         fused = cpu_kernels.rms_norm(x, weight, eps, unit_offset)

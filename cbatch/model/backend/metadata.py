@@ -26,6 +26,10 @@ class AttentionMetadata:
     seq_lens_host: list[int] = field(default_factory=list)
     block_size: int = 16
     backend_state: object = None  # what a backend prepared once per step, reused by every layer
+    # Gemma 3's images: a prefill chunk's first flat query row -> [(first, end)) context positions of the image runs
+    # in it, whose tokens attend to each other both ways (a later one too; a sliding window still bounds the
+    # earlier side). A run is whole in its chunk, or its earlier part cached (engine/images.py). None: all causal
+    image_spans: dict[int, list[tuple[int, int]]] | None = None
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

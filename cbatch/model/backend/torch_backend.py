@@ -5,6 +5,7 @@ backend (RMSNorm, rotary, gated activations, mixture-of-experts, FP8 matmul) wit
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -115,7 +116,7 @@ class TorchBackend:
             else:
                 for chunk in group.chunks:
                     chunk.attend(q, k, v, cache, out, scoring)
-        for chunk in state.prefills:
+        for chunk in state.prefills + state.image_chunks:
             chunk.attend(q, k, v, cache, out, scoring)
 
     def attend_decodes(self, q: torch.Tensor, out: torch.Tensor, cache: "_CacheReader", scoring: "_Scoring",
@@ -395,6 +396,7 @@ class _PrefillChunk:
     ctx: int  # context length after this chunk
     slots: torch.Tensor | None  # int64 [ctx] cache slots of the whole context, None for a fresh prefill
     device: torch.device
+    spans: tuple[tuple[int, int], ...] = ()  # Gemma 3's image runs [first, end) (context positions): both ways
     biases: _BiasCache = field(init=False)  # [q_len, ctx]
 
     def __post_init__(self) -> None:
@@ -404,7 +406,9 @@ class _PrefillChunk:
         q_pos = torch.arange(self.ctx - self.q_len, self.ctx, device=self.device)[:, None]  # [n, 1]
         k_pos = torch.arange(self.ctx, device=self.device)[None, :]  # [1, ctx]
         masked = k_pos > q_pos
-        if sliding_window is not None:
+        for first, end in self.spans:  # a later token of the query's own image is attended too
+            masked &= ~((q_pos >= first) & (q_pos < end) & (k_pos >= first) & (k_pos < end))
+        if sliding_window is not None:  # (HF's: the window bounds the earlier side only)
             masked |= q_pos - k_pos >= sliding_window
         return masked
 
@@ -422,8 +426,8 @@ class _PrefillChunk:
             out[rows] = self._attend_matmul(q[rows], k_seq, v_seq, scoring)
             return
         sliding_window, scale = scoring.sliding_window, scoring.scale
-        mask = None  # a fresh prefill without a window is plainly causal
-        if self.slots is not None or sliding_window is not None:
+        mask = None  # a fresh prefill without a window or images is plainly causal
+        if self.slots is not None or sliding_window is not None or self.spans:
             mask = self.biases.get(q.dtype, sliding_window)
         attended = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1).unsqueeze(0), k_seq.transpose(0, 1).unsqueeze(0), v_seq.transpose(0, 1).unsqueeze(0),
@@ -478,7 +482,7 @@ def _group_fresh(prefills: list[_PrefillChunk], device: torch.device) -> tuple[l
     """(fresh prompts grouped by length where two or more share one, every other chunk)."""
     by_len: dict[int, list[_PrefillChunk]] = {}
     for chunk in prefills:
-        if chunk.slots is None:
+        if chunk.slots is None and not chunk.spans:
             by_len.setdefault(chunk.q_len, []).append(chunk)
     groups = [c for c in by_len.values() if len(c) > 1]
     grouped = {id(chunk) for chunks in groups for chunk in chunks}
@@ -496,6 +500,7 @@ class _TorchStepState:
     decode_rows: list[int]  # batch index of every single-token query row, in batch order
     prefills: list[_PrefillChunk]  # every chunk not in `fresh_groups`
     fresh_groups: list[_FreshPrefills]
+    image_chunks: list[_PrefillChunk]  # chunks with Gemma 3's image runs (`meta.image_spans`): masked torch attention
     _groups: list[_DecodeGroup] | None = None
     decode_rows_i32: torch.Tensor | None = None  # int32 [n]: `decode_rows` for the compiled kernel (CpuBackend)
     chunks_i32: torch.Tensor | None = None  # int32 [4, P]: every prefill chunk for the compiled kernel (CpuBackend)
@@ -516,22 +521,43 @@ class _TorchStepState:
         store_slots = None if store_all else meta.slot_mapping[store_rows]
 
         starts = meta.query_start_loc.tolist()
-        block_size = meta.block_size
         seq_lens = meta.seq_lens_host
         decode_rows = [b for b, n in enumerate(meta.query_lens_host) if n == 1]
         prefills = []
+        spans = meta.image_spans or {}
         for b, q_len in enumerate(meta.query_lens_host):
             if q_len == 1:
                 continue
             ctx = seq_lens[b]
-            slots = None
-            if ctx != q_len:
-                pos = torch.arange(ctx, device=device)
-                table = meta.block_table[b, : -(-ctx // block_size)].long()
-                slots = table[pos // block_size] * block_size + pos % block_size
-            prefills.append(_PrefillChunk(starts[b], q_len, b, ctx, slots, device))
-        fresh_groups, prefills = _group_fresh(prefills, device)
-        return cls(store_all, store_rows, store_slots, starts, decode_rows, prefills, fresh_groups)
+            slots = _context_slots(meta, b) if ctx != q_len else None
+            prefills.append(_PrefillChunk(starts[b], q_len, b, ctx, slots, device, tuple(spans.get(starts[b], ()))))
+        image_chunks = [c for c in prefills if c.spans]
+        fresh_groups, prefills = _group_fresh([c for c in prefills if not c.spans], device)
+        return cls(store_all, store_rows, store_slots, starts, decode_rows, prefills, fresh_groups, image_chunks)
+
+
+def _context_slots(meta: AttentionMetadata, b: int) -> torch.Tensor:
+    """int64 [ctx]: the cache slots of batch row b's whole context (this step's tokens included)."""
+    ctx, block_size = meta.seq_lens_host[b], meta.block_size
+    pos = torch.arange(ctx, device=meta.slot_mapping.device)
+    table = meta.block_table[b, : -(-ctx // block_size)].long()
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+def attend_image_chunks(q: torch.Tensor, out: torch.Tensor, kv: KVLayer, meta: AttentionMetadata,
+                        layer: AttentionLayer) -> None:
+    """out[rows] of every prefill chunk holding Gemma 3's image runs (`meta.image_spans`), attended again with the
+    bidirectional mask over the context the cache holds (this step's K/V stored): the fallback of a backend whose
+    own kernel is causal only (the Triton backend). q, out [T, Hq, D]."""
+    starts = [0, *itertools.accumulate(meta.query_lens_host)]  # (host values: no device sync per layer)
+    scoring = _Scoring(layer.scale, layer.sliding_window, layer.softcap, getattr(layer, "sinks", None))
+    cache = _CacheReader(kv, q.dtype)
+    for b, q_len in enumerate(meta.query_lens_host):
+        spans = meta.image_spans.get(starts[b])
+        if spans and q_len > 1:
+            chunk = _PrefillChunk(starts[b], q_len, b, meta.seq_lens_host[b], _context_slots(meta, b), q.device,
+                                  tuple(spans))
+            chunk.attend(q, None, None, cache, out, scoring)
 
 
 def _decode_groups(meta: AttentionMetadata, decode_rows: list[int], starts: list[int]) -> list[_DecodeGroup]:

@@ -1,0 +1,98 @@
+"""A tiny random Gemma 3 with its SigLIP tower (`Gemma3ForConditionalGeneration`, written by transformers itself), the
+PIL image processor's preprocessor_config.json, and HF `generate` on the same prompt and images as the reference.
+
+Shapes: images resized to 42 x 42 pixels, 6 x 6 patches of 7, pooled 2 x 2 into 9 image tokens; a sliding window of
+6 tokens on two of the three text layers, shorter than an image's run (so the window and the image's bidirectional
+attention meet)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PAD, EOS, BOS = 0, 1, 2
+BOI, EOI, IMAGE = 6, 7, 8  # <start_of_image>, <end_of_image>, <image_soft_token>
+TOKENS_PER_IMAGE = 9
+IMAGE_SIZE, PATCH = 42, 7
+TEXT = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=1024,
+            rms_norm_eps=1e-6, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIZE,
+              patch_size=PATCH)
+
+
+def make_gemma3_checkpoint(path: Path, seed: int = 0) -> Path:
+    """Decisive: a wide init of every matrix, RMSNorm weights randomised (HF zeroes Gemma's), the text embeddings
+    shrunk (Gemma multiplies them by sqrt(hidden)) and the projector's weight (zero at HF's init) drawn narrow, so
+    that neither the image's tokens nor the text's swamp the other: the image and its bidirectional attention
+    change the greedy tokens (tests/test_gemma3_vision.py checks both)."""
+    import transformers
+
+    config = transformers.Gemma3Config(text_config=dict(TEXT), vision_config=dict(VISION), mm_tokens_per_image=TOKENS_PER_IMAGE,
+                                       boi_token_index=BOI, eoi_token_index=EOI, image_token_index=IMAGE,
+                                       eos_token_id=EOS)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+            elif param.dim() >= 2:
+                param.normal_(0.0, 0.3)
+        model.get_input_embeddings().weight.mul_(0.1)
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "bos_token_id": BOS}))
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Gemma3ImageProcessor", "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2, "do_pan_and_scan": None}))
+    return path
+
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+            "<end_of_image>", "<image_soft_token>"]  # ids as PAD, EOS, BOS, BOI, EOI, IMAGE above
+# Gemma's template in short: one <start_of_image> where a message has an image part (vision_models.make_tokenizer)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn> {{ m['role'] }} "
+    "{% if m['content'] is string %}{{ m['content'] }} "
+    "{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }} {% else %}<start_of_image> {% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn> {% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn> model {% endif %}"
+)
+
+
+def pixel_values(images) -> torch.Tensor:
+    """The images' patches (PromptImage.pixels [36, 3 * 7 * 7] each) back in the processor's [B, 3, 42, 42]."""
+    side = IMAGE_SIZE // PATCH
+    return torch.from_numpy(np.stack([im.pixels.reshape(side, side, 3, PATCH, PATCH).transpose(2, 0, 3, 1, 4)
+                                      .reshape(3, IMAGE_SIZE, IMAGE_SIZE) for im in images]))
+
+
+_HF: dict[Path, object] = {}
+
+
+def hf_gemma3(path: Path):
+    import transformers
+
+    if path not in _HF:
+        _HF[path] = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    return _HF[path]
+
+
+def hf_gemma3_greedy(path: Path, prompt_ids: list[int], images, max_new_tokens: int, bidirectional: bool = True) -> list[int]:
+    """HF `generate`, greedy, on the same prompt ids (runs expanded) and images; `bidirectional` False: without the
+    token types, every token causal (what a missing image mask would give)."""
+    ids = torch.tensor([prompt_ids])
+    kwargs = {}
+    if images:
+        kwargs["pixel_values"] = pixel_values(images)
+        if bidirectional:
+            kwargs["token_type_ids"] = (ids == IMAGE).long()
+    with torch.no_grad():
+        out = hf_gemma3(path).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                       do_sample=False, pad_token_id=PAD, **kwargs)
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,198 @@
+"""Gemma 3 with images (issue 48): a tiny random Gemma3ForConditionalGeneration with its SigLIP tower gives HF
+`generate`'s greedy float32 tokens (one image, two, text rows beside image rows, images of several pixel sizes, an
+image after text chunked across steps, a row preempted mid-prefill, a prefix-cache hit ending inside an image); the
+image tokens attend to each other both ways (HF's causal output differs), so a chunk never ends inside an image."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from cbatch.config import SamplingParams
+from gemma3_vision_models import BOI, BOS, EOI, IMAGE, TOKENS_PER_IMAGE, hf_gemma3_greedy, make_gemma3_checkpoint
+from helpers import make_engine
+from vision_models import png_bytes, read_test_images, run_requests
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+SIZES = [(56, 84), (28, 28), (112, 56)]  # pixels (every image is resized to 42 x 42: 9 tokens each)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    path = make_gemma3_checkpoint(tmp_path_factory.mktemp("gemma3_vision") / "model")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def images(gemma3):
+    """SIZES' images through the model's PIL processor, and a second image of SIZES[0]'s size."""
+    return read_test_images(gemma3, SIZES)
+
+
+def prompt(images, words: list[int], tail: int = 3) -> list[int]:
+    """BOS, words, then each image's run as the processor expands it (boi, soft tokens, eoi) and a word, then text."""
+    ids = [BOS, *words]
+    for i, image in enumerate(images):
+        ids += [BOI, *[IMAGE] * image.num_tokens, EOI, 40 + i]
+    return ids + list(range(100, 100 + tail))
+
+
+def run(engine, requests):
+    return run_requests(engine, requests, GREEDY)
+
+
+def references(path, requests) -> list[list[int]]:
+    return [hf_gemma3_greedy(path, ids, imgs, GREEDY.max_tokens) for ids, imgs in requests]
+
+
+def test_greedy_tokens_match_hf_one_image_two_and_text_rows(gemma3, images):
+    requests = [(prompt(images[:1], [10, 11]), images[:1]),
+                (prompt(images[:2], [12]), images[:2]),  # two images of different pixel sizes
+                (prompt([images[2]], [13, 14, 15]), [images[2]]),
+                (prompt([], [16, 17]), None)]  # a text row in the same batch
+    outputs = run(make_engine(gemma3, max_model_len=256), requests)
+    assert outputs == references(gemma3, requests)
+    assert len(set(outputs[0])) > 2, "decisive: greedy output is not one repeated token"
+    # the image decides (the same prompt with another image of the same size), and so does its bidirectional
+    # attention: HF with every token causal gives other tokens
+    twin = run(make_engine(gemma3, max_model_len=256), [(requests[0][0], [images[3]])])[0]
+    assert twin != outputs[0]
+    assert hf_gemma3_greedy(gemma3, *requests[1], GREEDY.max_tokens, bidirectional=False) != outputs[1]
+
+
+def test_chunked_prefill_keeps_each_image_whole_under_preemption(gemma3, images):
+    """A 12-token budget: a long text before an image is chunked across steps, but no chunk ends inside an image's
+    9-token run (it stops before it); 12 blocks of 4 tokens cannot hold the rows at once, so prefills are preempted
+    part-way (recomputed) and each image is encoded once."""
+    requests = [(prompt([images[0]], list(range(20, 37)), tail=4), [images[0]]),
+                (prompt(images[1:3], [37, 38]), images[1:3]),
+                (prompt([images[2]], list(range(50, 60))), [images[2]])]
+    engine = make_engine(gemma3, max_model_len=128, max_num_batched_tokens=12, num_kv_blocks=12, block_size=4,
+                         enable_prefix_cache=False)
+    seqs = [engine.add_request(ids, GREEDY, images=imgs) for ids, imgs in requests]
+    preempted_at: list[tuple[int, int]] = []  # (computed tokens, prompt length) of each preemption
+    chunks: list[tuple[int, int, int]] = []  # (row, first token, tokens) of every prompt chunk
+    preempt, schedule = engine.scheduler._preempt, engine.scheduler.schedule
+
+    def noting(seq, plan):
+        preempted_at.append((seq.num_computed, seq.prompt_len))
+        preempt(seq, plan)
+
+    def scheduling():
+        plan = schedule()
+        chunks.extend((seqs.index(seq), seq.num_computed, n) for seq, n in plan.scheduled
+                      if seq in seqs and seq.num_computed < seq.prompt_len)
+        return plan
+
+    engine.scheduler._preempt, engine.scheduler.schedule = noting, scheduling
+    while engine.has_unfinished():
+        engine.step()
+    assert [seq.output_ids for seq in seqs] == references(gemma3, requests)
+    assert any(0 < computed < prompt_len for computed, prompt_len in preempted_at), preempted_at
+    runs = [[(start, start + TOKENS_PER_IMAGE) for start, _ in seq.images.runs] for seq in seqs]
+    assert any(n < 12 and first + n < len(requests[row][0]) for row, first, n in chunks)  # a chunk cut short
+    for row, first, n in chunks:  # never ends inside a run
+        assert not any(start < first + n < end for start, end in runs[row]), (row, first, n)
+    assert engine.runner.images.images_encoded == 3
+
+
+def test_a_prefix_cache_hit_may_end_inside_an_image(gemma3, images):
+    """The second of two equal rows reuses whole blocks up to its last prompt token: the last one ends inside the
+    image's run (its earlier tokens' KV already saw the whole image); the rest of the run attends both ways."""
+    ids = prompt([images[1]], [60, 61, 62])  # the run is tokens 5..13; blocks of 4 end at 8 and 12, inside it
+    engine = make_engine(gemma3, max_model_len=128, block_size=4, max_num_batched_tokens=16)
+    first = run(engine, [(ids, [images[1]])])[0]
+    again = run(engine, [(ids, [images[1]])])[0]
+    assert first == again == references(gemma3, [(ids, [images[1]])])[0]
+    hits = engine.scheduler.stats.prefix_cache_hit_tokens
+    assert hits == 4 * ((len(ids) - 1) // 4) and 5 < hits < 5 + TOKENS_PER_IMAGE + len(ids) - 14
+
+
+def test_a_budget_smaller_than_an_image_is_refused_in_one_sentence(gemma3, images):
+    engine = make_engine(gemma3, max_model_len=128, max_num_batched_tokens=8)
+    seq = engine.add_request(prompt(images[:1], [10]), GREEDY, images=images[:1])
+    assert seq.error == ("an image of this Gemma3ForConditionalGeneration is 9 tokens, computed in one step, more "
+                         "than --max-num-batched-tokens 8; raise it to at least 9")
+
+
+def test_the_tower_matches_hfs_image_features(gemma3, images):
+    """Every image of a step in one batched call gives transformers' projected embeddings of each."""
+    import numpy as np
+    import torch
+
+    from cbatch.model.backend.registry import make_backend
+    from cbatch.model.loader import load_model, read_checkpoint
+    from gemma3_vision_models import hf_gemma3, pixel_values
+
+    cpu = torch.device("cpu")
+    model = load_model(read_checkpoint(gemma3), 64, cpu, torch.float32, make_backend("auto", cpu))
+    ours = model.visual(torch.from_numpy(np.concatenate([image.pixels for image in images])),
+                        [image.grid for image in images])
+    with torch.no_grad():
+        ref = hf_gemma3(gemma3).model.get_image_features(pixel_values(images)).pooler_output
+    assert ours.shape == (len(images) * TOKENS_PER_IMAGE, 64)
+    ref = ref.reshape(ours.shape)
+    assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()  # float32 rounding (conv vs matmul)
+
+
+def test_the_placeholder_expands_as_hfs_processor_does(gemma3, images):
+    """A chat template's one <start_of_image> per image -> "\\n\\n", boi, the image's soft tokens, eoi, "\\n\\n" (the
+    newlines as the tokenizer encodes them), as Gemma3Processor expands it."""
+    from cbatch.io.images import expand_placeholders
+    from cbatch.model.loader import read_checkpoint
+
+    class Newlines:  # a tokenizer that encodes "\n\n" as one token, 99
+        def encode(self, text, add_special_tokens=True):
+            assert text == "\n\n" and not add_special_tokens
+            return [99]
+
+    vision = read_checkpoint(gemma3).spec.vision
+    got = expand_placeholders([BOS, 10, BOI, 11, BOI, 12], images[:2], vision, Newlines())
+    run_ = [99, BOI, *[IMAGE] * TOKENS_PER_IMAGE, EOI, 99]
+    assert got == [BOS, 10, *run_, 11, *run_, 12]
+
+
+def test_rows_with_images_through_cbatch_run(gemma3, images, tmp_path):
+    """`cbatch run` on chat rows: the template's <start_of_image> expanded to the image's run (HF's tokens for
+    the expanded prompt), a text row beside, a bad image an error row naming it."""
+    import base64
+
+    from gemma3_vision_models import CHAT_TEMPLATE, SPECIALS
+    from vision_models import make_tokenizer
+    from ops_jobs import read_jsonl, run_inprocess, write_jsonl
+
+    gemma3 = shutil.copytree(gemma3, tmp_path / "model")  # (the module's checkpoint stays without a tokenizer)
+    tokenizer = make_tokenizer(gemma3, SPECIALS, CHAT_TEMPLATE)
+    image = png_bytes(*SIZES[0], seed=0)  # images[0]'s bytes
+    uri = "data:image/png;base64," + base64.b64encode(image).decode()
+    chat = [{"role": "user", "content": [{"type": "text", "text": "w1 w2"}, {"type": "image_url", "image_url": {"url": uri}},
+                                         {"type": "text", "text": "w3"}]}]
+    rows = [{"id": "image", "messages": chat}, {"id": "text", "messages": [{"role": "user", "content": "w1 w2 w3"}]},
+            {"id": "bad", "messages": [{"role": "user", "content": "w1"}], "images": ["data:image/png;base64,@@"]}]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    code, _, _ = run_inprocess("run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--model",
+                               str(gemma3), "--device", "cpu", "--display", "none", "--quiet", "--max-tokens", "8")
+    assert code == 1  # the bad image's row
+    out = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "w1 w2"},
+                                                                       {"type": "image"}, {"type": "text", "text": "w3"}]}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+    at = ids.index(BOI)
+    expanded = ids[:at] + [BOI, *[IMAGE] * TOKENS_PER_IMAGE, EOI] + ids[at + 1 :]  # ("\n\n" is no token here)
+    assert out["image"]["prompt_tokens"] == len(expanded) == out["text"]["prompt_tokens"] + 11
+    assert out["image"]["completion"] == tokenizer.decode(hf_gemma3_greedy(gemma3, expanded, images[:1], 8),
+                                                          skip_special_tokens=True)
+    assert out["bad"]["finish_reason"] == "error" and out["bad"]["error"].startswith("`images[0]` (")
+
+
+def test_the_triton_backend_gives_hfs_tokens_with_images(gemma3, images):
+    """The causal Triton kernel's image chunks are attended again by the torch path's bidirectional mask (under the
+    Triton interpreter where there is no GPU)."""
+    ids = prompt(images[:2], [12])
+    engine = make_engine(gemma3, max_model_len=64, attention_backend="triton")
+    seq = engine.add_request(ids, SamplingParams(max_tokens=3, temperature=0.0), images=images[:2])
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.output_ids == hf_gemma3_greedy(gemma3, ids, images[:2], 3)
+    assert seq.output_ids != hf_gemma3_greedy(gemma3, ids, images[:2], 3, bidirectional=False)
