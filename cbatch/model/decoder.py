@@ -173,8 +173,9 @@ class LlamaForCausalLM(nn.Module):
         self.score = Linear(spec.hidden_size, spec.num_labels, bias=False) if spec.head == "classify" else None
         self.max_positions = max_positions
         self.rope_tables: list[torch.Tensor] = []  # set by `build_rope_cache` once the device is known
-        # a vision-language model's image encoder (model/vision.py), called by the runner's image rows
-        self.visual = VisionTower(spec.vision, backend) if spec.vision is not None else None
+        # a vision-language model's image encoder (model/vision.py), called by the runner's image rows; rank 0's
+        # alone under tensor parallelism (it broadcasts the embeddings: engine/image_rows.py)
+        self.visual = VisionTower(spec.vision, backend) if spec.vision is not None and comm.rank == 0 else None
         self._mrope_axes: torch.Tensor | None = None  # M-RoPE: the axis of each rotary column (`build_rope_cache`)
 
     def build_rope_cache(self, device: torch.device) -> None:

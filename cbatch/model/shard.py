@@ -6,6 +6,7 @@ Megatron's layout, as vLLM and nano-vllm use it:
     row-parallel     o_proj, down_proj, the experts' w2 (input columns): each rank's output is a partial sum,
                      all-reduced once per block (`DecoderLayer`); their bias is added by rank 0 only
     replicated       norms, q/k norms, the MoE router and Qwen2-MoE's shared-expert gate
+    rank 0 alone     a vision-language model's vision tower, whole (engine/image_rows.py broadcasts its output)
 Every expert is split like a dense MLP (each rank holds a slice of every expert), so routing is unchanged; with
 --expert-parallel (`MoESpec.expert_parallel`) each rank holds num_experts / N whole experts instead, and a shared
 expert whole (cbatch/model/moe.py combines the ranks' experts).
@@ -27,6 +28,8 @@ from dataclasses import dataclass, replace
 from cbatch.config import ConfigError
 from cbatch.model.spec import ModelSpec
 from cbatch.model.weights import Placement
+
+VISION_TOWER = "visual."  # a vision-language model's tower and merger (model/vision.py): never split
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,10 @@ class Shard:
             return None
         return replace(placement, expert=placement.expert - first)
 
+    def holds(self, placement: Placement) -> bool:
+        """Whether this rank holds anything of `placement`'s module: the vision tower is rank 0's alone."""
+        return self.rank == 0 or not placement.module.startswith(VISION_TOWER)
+
     def local_vocab(self, vocab_size: int) -> int:
         return Part(vocab_size).local_size(self.world)
 
@@ -159,6 +166,8 @@ class Shard:
 
 def _split(leaf: str, slot: str, spec: ModelSpec, module: str) -> tuple[str, list[Part]] | None:
     """(column | row, the packed parts of the split dimension) of a parameter, or None (replicated)."""
+    if module.startswith(VISION_TOWER):
+        return None  # whole, on rank 0 (`holds`)
     head = spec.head_dim
     if leaf == "qkv_proj":
         return "column", [Part(spec.q_size, head), Part(spec.kv_size, head), Part(spec.kv_size, head)]
@@ -224,8 +233,6 @@ def _one_rank_family(spec: ModelSpec) -> str | None:
         return "multi-head latent attention models (DeepSeek-V2/V3, Kimi K2)"
     if spec.attn_sinks or (spec.moe is not None and spec.moe.experts_in_out_interleaved):
         return "gpt-oss checkpoints (attention sinks, interleaved experts)"
-    if spec.vision is not None:
-        return "vision-language models"
     return None
 
 

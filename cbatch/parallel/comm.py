@@ -1,6 +1,7 @@
 """The collectives a tensor-parallel model calls: one all-reduce after each row-parallel block, one after the
-vocab-parallel embedding, one all-gather of the sampling rows' logits. The model holds a communicator as it
-holds its compute backend (no globals); on one rank it is `SINGLE_RANK`, whose calls return their input.
+vocab-parallel embedding, one all-gather of the sampling rows' logits, and a broadcast of rank 0's image embeddings
+in a step that has some (engine/image_rows.py). The model holds a communicator as it holds its compute backend (no
+globals); on one rank it is `SINGLE_RANK`, whose calls return their input.
 """
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ class Communicator:
         """[..., n] per rank -> [..., world * n]: the ranks' slices side by side along the last dimension."""
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank (in place: the others pass a tensor of its shape and dtype)."""
+        return x
+
 
 SINGLE_RANK = Communicator()
 
@@ -43,6 +48,10 @@ class ProcessGroupComm(Communicator):
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(x, src=0)
+        return x
 
 
 def init_process_group(rank: int, world: int, port: int, device: torch.device, timeout_s: float) -> ProcessGroupComm:
