@@ -181,3 +181,26 @@ def test_a_worker_rank_holds_no_vision_tower(vl_model):
     assert ranks[0].visual is not None and ranks[1].visual is None
     whole = sum(p.numel() for p in ranks[0].visual.parameters())
     assert sum(p.numel() for p in ranks[0].parameters()) - whole == sum(p.numel() for p in ranks[1].parameters())
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the flash varlen kernel runs on CUDA")
+def test_flash_varlen_segments_match_sdpa_per_length_on_the_gpu():
+    """The GPU path's one-launch varlen attention against SDPA per segment length, bf16, on segments of a page's
+    shapes (windows of 64 patches, edge windows smaller, a whole image of 1,200): the kit's `vision` part runs it."""
+    import numpy as np
+    import torch
+
+    from cbatch.model.vision import Segments
+
+    torch.manual_seed(0)
+    lengths = [64] * 6 + [32, 16, 48, 1200, 64, 8]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    q, k, v = (torch.randn(int(cu[-1]), 16, 80, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flash = Segments(cu, q.device, q.dtype)
+    assert flash.flash is not None, "this torch has no torch.nn.attention.varlen"
+    ours = flash.attend(q, k, v, 80**-0.5)
+    per_length = Segments(cu, q.device, q.dtype)
+    per_length.flash = None
+    ref = per_length.attend(q, k, v, 80**-0.5)
+    assert flash.flash is not None  # (it did not fall back)
+    assert (ours.float() - ref.float()).abs().max() < 2e-2
