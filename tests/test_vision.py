@@ -140,6 +140,7 @@ def test_vision_tower_matches_hfs_image_features(vl_model, images):
     assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()  # float32 rounding (conv vs matmul, batched SDPA)
 
 
+@pytest.mark.parametrize("vl_model", ["qwen2_5_vl"], indirect=True)  # (the split never touches the tower: one kind)
 def test_two_ranks_give_the_tokens_of_one(vl_model, images):
     """-tp 2 over gloo: rank 0 encodes (the workers hold no tower) and broadcasts the embeddings; the language model
     is split as for text. Under chunks ending inside images and preemption, the tokens are one rank's."""
@@ -164,6 +165,7 @@ def test_two_ranks_give_the_tokens_of_one(vl_model, images):
     assert tensor_parallel_sizes(engine.spec, limit=4) == [1, 2, 4]  # what cbatch plan offers agrees
 
 
+@pytest.mark.parametrize("vl_model", ["qwen2_5_vl"], indirect=True)
 def test_a_worker_rank_holds_no_vision_tower(vl_model):
     import torch
 
