@@ -197,7 +197,8 @@ def test_flash_varlen_segments_match_sdpa_per_length_on_the_gpu():
     torch.manual_seed(0)
     lengths = [64] * 6 + [32, 16, 48, 1200, 64, 8]
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    q, k, v = (torch.randn(int(cu[-1]), 16, 80, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qkv = torch.randn(int(cu[-1]), 3, 16, 80, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(1)  # strided, as the tower's packed qkv gives them
     flash = Segments(cu, q.device, q.dtype)
     assert flash.flash is not None, "this torch has no torch.nn.attention.varlen"
     ours = flash.attend(q, k, v, 80**-0.5)

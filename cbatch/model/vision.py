@@ -48,6 +48,7 @@ class Segments:
         """Bidirectional attention within each segment of packed q, k, v [N, H, D] -> [N, H, D]."""
         if self.flash is not None and scale == q.shape[-1] ** -0.5:  # (the kernel's default scale)
             try:
+                q, k, v = (x.contiguous() for x in (q, k, v))  # (v is a strided slice of the packed qkv)
                 return self.flash(q, k, v, self.cu, self.cu, self.max_len, self.max_len)
             except (RuntimeError, TypeError) as exc:  # a torch whose kernel refuses this shape or these arguments
                 warnings.warn(f"cbatch: the vision tower's flash varlen attention failed ({type(exc).__name__}: "
