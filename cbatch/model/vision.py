@@ -135,7 +135,8 @@ class VisionAttention(nn.Module):
         self.qkv = Linear(vs.hidden_size, 3 * vs.hidden_size, bias=True)
         self.proj = Linear(vs.hidden_size, vs.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: Segments | np.ndarray) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, D] each
         dtype = q.dtype
@@ -180,7 +181,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(vs)
         self.mlp = VisionMLP(vs)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: Segments | np.ndarray) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
