@@ -4,7 +4,8 @@ the device (no download, no checkpoint on disk), for cbatch or HF transformers (
 the GPU's memory). Prints images/s and output tok/s and writes them to --json.
 
     python benchmarks/vision_gpu.py --engine cbatch --json OUT/vision_cbatch.json
-    python benchmarks/vision_gpu.py --engine hf --deadline 160 --json OUT/vision_hf.json --against OUT/vision_cbatch.json
+    python benchmarks/vision_gpu.py --engine hf --deadline 160 --json OUT/vision_hf.json \
+        --against OUT/vision_cbatch.json
     python benchmarks/vision_gpu.py --cpu-dry-run --engine cbatch ...     tiny shapes on the CPU (the kit's dry run)
 
 Both engines get the same rows and the same images, preprocessed by the same PIL processor before the timing (a
@@ -39,7 +40,8 @@ QWEN25_VL_7B = dict(
 # the dry run's: tiny, on CPU
 TINY = dict(
     text_config=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                     num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=1,
+                     eos_token_id=2,
                      rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]},
                      tie_word_embeddings=False),
     vision_config=dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, window_size=56,
@@ -68,8 +70,8 @@ def pages(rows: int, tiny: bool, seed: int = 0):
 
     rng = np.random.default_rng(seed)
     sides = ([56, 84, 112], [56, 84]) if tiny else (range(980, 1177, 28), range(756, 925, 28))
-    return [Image.fromarray(rng.integers(0, 256, (int(rng.choice(sides[0])), int(rng.choice(sides[1])), 3), dtype=np.uint8))
-            for _ in range(rows)]
+    shapes = [(int(rng.choice(sides[0])), int(rng.choice(sides[1])), 3) for _ in range(rows)]
+    return [Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)) for shape in shapes]
 
 
 def requests(vision, vision_end: int, images, question_len: int, seed: int = 1):
@@ -118,9 +120,9 @@ def run_cbatch(args, device: torch.device, dtype: torch.dtype) -> dict:
     sync(device)
     seconds = time.perf_counter() - start
     tokens = sum(len(seq.output_ids) for seq in seqs)
-    result = dict(engine="cbatch", rows=len(rows), image_tokens=sum(p.num_tokens for _, p in rows), output_tokens=tokens,
-                  seconds=seconds, images_per_s=len(rows) / seconds, output_tok_per_s=tokens / seconds,
-                  startup_s=startup, preprocess_images_per_s=len(rows) / prep,
+    result = dict(engine="cbatch", rows=len(rows), image_tokens=sum(p.num_tokens for _, p in rows),
+                  output_tokens=tokens, seconds=seconds, images_per_s=len(rows) / seconds,
+                  output_tok_per_s=tokens / seconds, startup_s=startup, preprocess_images_per_s=len(rows) / prep,
                   tower=tower_rates(engine.runner.model.visual, [p for _, p in rows[:8]], device))
     engine.close()
     return result
@@ -211,7 +213,8 @@ def main() -> int:
     result = (run_cbatch if args.engine == "cbatch" else run_hf)(args, device, dtype)
     shape = "tiny (dry run)" if args.cpu_dry_run else "Qwen2.5-VL-7B shape, random bf16 weights"
     print(f"{result['engine']}: {shape}; {result['rows']} rows, {result['image_tokens']} image tokens, "
-          f"{result['output_tokens']} output tokens in {result['seconds']:.1f} s (start-up {result['startup_s']:.1f} s)")
+          f"{result['output_tokens']} output tokens in {result['seconds']:.1f} s "
+          f"(start-up {result['startup_s']:.1f} s)")
     images = f"{result['images_per_s']:.2f} images/s" if result["images_per_s"] is not None else \
         f"images/s n/a (max_time cut it at {result['tokens_per_row']} tokens a row)"
     print(f"{result['engine']}: {images}, {result['output_tok_per_s']:.1f} output tok/s; preprocessing "

@@ -304,7 +304,7 @@ def test_a_text_model_refuses_images_in_one_sentence(tiny, tmp_path):
     from PIL import Image
 
     image = Image.new("RGB", (28, 28))
-    with pytest.raises(UserError, match=r"prompt 0: `multi_modal_data.image\[0\]` is an image; this \w+ reads no images"):
+    with pytest.raises(UserError, match=r"prompt 0: `multi_modal_data.image\[0\]` is an image; this \w+ reads no"):
         tiny.generate({"prompt": "x", "multi_modal_data": {"image": image}})
     with pytest.raises(UserError, match=r"conversation 0: `messages\[0\].content\[0\]` is an image; this \w+ reads no"):
         tiny.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}])

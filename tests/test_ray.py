@@ -318,7 +318,8 @@ def test_image_rows_run_on_replicas_as_locally(ray_cluster, tmp_path):
         content = [{"type": "image_url", "image_url": {"url": page}}, {"type": "text", "text": f"w{i} w{i + 1}"}]
         rows.append({"id": f"r{i}", "messages": [{"role": "user", "content": content}]} if i % 2 else
                     {"id": f"r{i}", "messages": [{"role": "user", "content": f"w{i}"}], "images": [page]})
-    rows.append({"id": "missing", "messages": [{"role": "user", "content": "w5"}], "images": [str(tmp_path / "no.png")]})
+    missing = str(tmp_path / "no.png")
+    rows.append({"id": "missing", "messages": [{"role": "user", "content": "w5"}], "images": [missing]})
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     reports = {}
@@ -332,6 +333,7 @@ def test_image_rows_run_on_replicas_as_locally(ray_cluster, tmp_path):
     out = jsonl_records((tmp_path / "local.jsonl").read_text())
     assert "does not exist" in out[-1]["error"] and len({tuple(r["completion_token_ids"]) for r in out[:-1]}) > 4
     local, ray = reports["local"]["images"], reports["ray"]["images"]
-    assert {k: ray[k] for k in ("rows", "images", "image_tokens")} == {k: local[k] for k in ("rows", "images", "image_tokens")}
+    counts = ("rows", "images", "image_tokens")
+    assert {k: ray[k] for k in counts} == {k: local[k] for k in counts}
     assert local["rows"] == 8 and local["image_tokens"] == 3 * 6 + 3 * 1 + 2 * 8
     assert 3 <= ray["encoded"] <= 6  # each replica encodes a page once, whichever of its rows comes first

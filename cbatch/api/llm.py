@@ -24,7 +24,8 @@ from cbatch.engine.resolve import resolve_model
 from cbatch.io.rows import RowRequest, parse_messages, row_images, with_lora
 from cbatch.tasks import make_task
 from cbatch.tasks.classify_task import class_columns
-from cbatch.tasks.generate_task import GenerateTask, prompt_token_ids as row_token_ids  # (generate's keyword shadows it)
+# (renamed: `generate`'s keyword prompt_token_ids shadows it)
+from cbatch.tasks.generate_task import GenerateTask, prompt_token_ids as row_token_ids
 from cbatch.tasks.pooled import PooledTask, check_task_flags
 from cbatch.tasks.base import ParsedRow
 from cbatch.tasks.score_task import PairPlan
@@ -104,7 +105,8 @@ class LLM:
         for i, (conversation, p) in enumerate(zip(conversations, params)):
             where = f"conversation {i}"
             try:
-                request = RowRequest(index=i, row_id=str(i), messages=parse_messages(conversation, images=True), params=p)
+                messages = parse_messages(conversation, images=True)
+                request = RowRequest(index=i, row_id=str(i), messages=messages, params=p)
                 request.images = row_images({}, request)
             except UserError as exc:
                 raise UserError(f"{where}: {exc}") from None
