@@ -5,7 +5,7 @@
 # under its own `timeout`, and each part installs what it needs, so parts run in any order on a fresh or warm
 # machine).
 #
-#   bash benchmarks/gpu_session.sh PART        PART: all | speed | peer | gpu-tests | kernels | suite | parity | bench | e2e | e2e-more | e2e-sync | e2e-split | e2e-gemm | int4 | lora
+#   bash benchmarks/gpu_session.sh PART        PART: all | speed | peer | gpu-tests | kernels | suite | parity | bench | e2e | e2e-more | e2e-sync | e2e-split | e2e-gemm | int4 | lora | vision
 #   bash benchmarks/gpu_session.sh --list      the parts, their steps, time budgets and worst cases
 #   bash benchmarks/gpu_session.sh --cpu-dry-run [PART...]   every part (or those named) on this CPU (Triton interpreter, tiny shapes,
 #                                              a few requests): the same files and summary, to catch shell
@@ -31,7 +31,8 @@
 # --no-split-kv: the split-KV policy's gain), e2e-gemm ~3 (e2e with --no-decode-gemm: the tuned decode GEMMs' gain), int4 ~7 (the W4A16 GEMM
 # against bf16 matmul on 70B shapes, and e2e's workload on an AWQ-g128 copy of the model: its tok/s against
 # e2e's), lora ~3 (4 adapters x 128 rows + 128 base rows against the base model alone, grouped and ungrouped,
-# the Triton shrink/expand kernels). The GPU issue's order: kernels, suite, parity, e2e, bench, e2e-more, e2e-sync;
+# the Triton shrink/expand kernels), vision ~8 (images/s and output tok/s of OCR-shaped rows on a random
+# Qwen2.5-VL-7B shape, cbatch then transformers). The GPU issue's order: kernels, suite, parity, e2e, bench, e2e-more, e2e-sync;
 # then int4, lora.
 #
 # Carry (device tool `carry`): .carry (SmolLM2's tokenizer for the CLI tests; `python benchmarks/make_carry.py`
@@ -74,12 +75,13 @@ declare -A PLAN=(
   [peer]="make_model:40 hf_vs_cbatch:450"
   [gpu-tests]="gpu_tests:150"
   [families]="family_kernel_tests:150 mla_decode:120 moe_mxfp4:180"
+  [vision]="vision_check:60 vision_cbatch:240 vision_hf:180"
   # the last step takes what the steps before it left of their budgets too (elastic_budget). profile_fp8 needs
   # ~37-48 s (its own tuning: the fp8 tiles are another key); profile_bf16 starts on the first step's compiled
   # kernels and tuning cache. The peer: cbatch ~20 s and hf-cb ~71 s on 64 requests, before the fallback's reserve.
   [all]="first_step:45 make_model:25 profile_bf16:70 profile_fp8:60 decode_kernels:35 host_step:15 hf_vs_cbatch:204"
 )
-PARTS="all speed peer gpu-tests families kernels suite parity bench e2e e2e-more e2e-sync e2e-split e2e-gemm int4 lora"
+PARTS="all speed peer gpu-tests families kernels suite parity bench e2e e2e-more e2e-sync e2e-split e2e-gemm int4 lora vision"
 # the peer comparison (peer_args): hf-cb guarded by what the step's budget leaves before the fallback's reserve,
 # and skipped when that is under MIN_PEER_GUARD_S (on an H200, configured, it took 58 s for 64 requests, 71 s of
 # process); if it does not finish, both again on FALLBACK_REQUESTS inside the reserve (cbatch ~20 s with its graphs
@@ -100,6 +102,9 @@ declare -A STEP_NOTE=(
   [all/host_step]="CPU only, nothing else running: host_overhead.py --cpu-time at 256 and 1024 sequences"
   [all/hf_vs_cbatch]="$(peer_note "$ALL_PEER_REQUESTS"); also takes what the steps before it left unused"
   [peer/hf_vs_cbatch]="$(peer_note 256)"
+  [vision/vision_check]="the vision tower's GPU attention (flash varlen) against SDPA per segment length, and the tower against HF's"
+  [vision/vision_cbatch]="64 rows of one ~1,200-token page + ~1,000 output tokens, random Qwen2.5-VL-7B shape; the tower alone on 8 pages"
+  [vision/vision_hf]="transformers' batched generate on 16 of those rows, max_time inside the budget"
 )
 KERNEL_TESTS="tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_kernels_sampler.py tests/test_kernels_gemm.py tests/test_fp32_logits.py tests/test_kernels_compile.py tests/test_compile_count.py tests/test_triton_e2e.py tests/test_fp8_kv.py"
 MODEL=/tmp/qwen3-0.6b-random
@@ -310,6 +315,17 @@ part_families() {
   fi
   step mla_decode $py benchmarks/mla_decode.py $( [ $DRY = 1 ] && echo --cpu-smoke )
   step moe_mxfp4 $py benchmarks/bench_moe_fp8.py --quick $( [ $DRY = 1 ] && echo --cpu-smoke ) --out "$LOGS/moe_mxfp4.txt"
+}
+
+# vision: an OCR-shaped workload (issue 48) on a random-weight Qwen2.5-VL-7B shape built on the device, cbatch then
+# transformers (each its own process: each takes the GPU's memory), and the tower's GPU attention checked first
+part_vision() {
+  step vision_check $py -m pytest -p no:cacheprovider -rfE tests/test_vision.py -k "flash or tower"
+  local dry=""
+  [ $DRY = 1 ] && dry=--cpu-dry-run
+  step vision_cbatch $py benchmarks/vision_gpu.py $dry --engine cbatch --json "$OUT/vision_cbatch.json"
+  step vision_hf $py benchmarks/vision_gpu.py $dry --engine hf --deadline $(($(scaled "$(budget_of vision_hf)") - KILL_AFTER_S)) \
+    --json "$OUT/vision_hf.json" --against "$OUT/vision_cbatch.json"
 }
 
 part_kernels() {

@@ -244,3 +244,67 @@ def test_engine_keywords(tiny_chat_model):
     assert (config.max_lora_rank, config.max_loras) == (32, 2)
     assert settings.enable_lora and settings.task == "embed" and config.num_kv_blocks == 50
     assert library_settings(model, {"dtype": torch.bfloat16}).config.dtype == "bfloat16"
+
+
+def test_images_in_chat_and_generate_give_the_clis_tokens(tmp_path):
+    """OpenAI image parts in `chat` (a path, a data: URI, vLLM's image_pil) and vLLM's `multi_modal_data` in
+    `generate` (PIL images): the tokens `cbatch run` gives the same rows; and the mistakes, one sentence each."""
+    import base64
+
+    from PIL import Image
+
+    from vision_models import make_vl_checkpoint, png_bytes
+
+    model = make_vl_checkpoint("qwen2_5_vl", tmp_path / "vl")
+    pages = [tmp_path / f"p{i}.png" for i in range(2)]
+    for i, (page, (h, w)) in enumerate(zip(pages, [(56, 84), (84, 112)])):
+        page.write_bytes(png_bytes(h, w, seed=i))
+    data_uri = "data:image/png;base64," + base64.b64encode(pages[1].read_bytes()).decode()
+    chats = [[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(pages[0])}},
+                                           {"type": "text", "text": "w1 w2 w3"}]}],
+             [{"role": "user", "content": [{"type": "text", "text": "w4"},
+                                           {"type": "image_url", "image_url": {"url": data_uri}},
+                                           {"type": "image_url", "image_url": {"url": str(pages[0])}},
+                                           {"type": "text", "text": "w5"}]}],
+             [{"role": "user", "content": "w6 w7"}]]
+    placeholder = "<|vision_start|> <|image_pad|> <|vision_end|>"
+    texts = [f"w8 {placeholder} w9 w10", f"{placeholder} w11 {placeholder} w12"]
+    rows = [{"id": f"c{i}", "messages": c, "max_tokens": 6} for i, c in enumerate(chats)]
+    rows += [{"id": "t0", "prompt": texts[0], "images": [str(pages[1])], "max_tokens": 6},
+             {"id": "t1", "prompt": texts[1], "images": [str(pages[0]), str(pages[1])], "max_tokens": 6}]
+    cli = cli_records(model, tmp_path, rows, "vl")
+    llm = LLM(model=str(model), device="cpu", use_tqdm=False)
+    params = SamplingParams(max_tokens=6)
+    answers = llm.chat(chats, params, use_tqdm=False)
+    assert [a.outputs[0].token_ids for a in answers] == [cli[(f"c{i}", 0)]["completion_token_ids"] for i in range(3)]
+    images = [Image.open(page) for page in pages]
+    generated = llm.generate([TextPrompt(prompt=texts[0], multi_modal_data={"image": images[1]}),
+                              {"prompt": texts[1], "multi_modal_data": {"image": images}}], params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in generated] == [cli[(f"t{i}", 0)]["completion_token_ids"] for i in range(2)]
+    assert generated[0].prompt == texts[0] and answers[0].prompt.count("<|image_pad|>") == 1  # as given, not expanded
+    assert len({tuple(a.outputs[0].token_ids) for a in [*answers, *generated]}) == 5  # decisive: each row its own
+    pil_part = [{"role": "user", "content": [{"type": "image_pil", "image_pil": images[0]},
+                                             {"type": "text", "text": "w1 w2 w3"}]}]
+    assert llm.chat(pil_part, params, use_tqdm=False)[0].outputs[0].token_ids == answers[0].outputs[0].token_ids
+
+    with pytest.raises(UserError, match=r"prompt 0: the prompt has 2 image placeholder\(s\) for 1 image\(s\)"):
+        llm.generate({"prompt": texts[1], "multi_modal_data": {"image": images[0]}}, params)
+    with pytest.raises(UserError, match="prompt_token_ids cannot carry images"):
+        llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": images[0]}}, params)
+    with pytest.raises(UserError, match="takes images only .*not video"):
+        llm.generate({"prompt": texts[0], "multi_modal_data": {"video": images}}, params)
+    missing = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(tmp_path / "no.png")}}]}]
+    with pytest.raises(UserError, match=r"conversation 0: `messages\[0\].content\[0\]` .* does not exist"):
+        llm.chat(missing, params)
+    with pytest.raises(UserError, match="images are for generate and chat"):
+        llm.embed({"prompt": texts[0], "multi_modal_data": {"image": images[0]}}, pooling="last")
+
+
+def test_a_text_model_refuses_images_in_one_sentence(tiny, tmp_path):
+    from PIL import Image
+
+    image = Image.new("RGB", (28, 28))
+    with pytest.raises(UserError, match=r"prompt 0: `multi_modal_data.image\[0\]` is an image; this \w+ reads no"):
+        tiny.generate({"prompt": "x", "multi_modal_data": {"image": image}})
+    with pytest.raises(UserError, match=r"conversation 0: `messages\[0\].content\[0\]` is an image; this \w+ reads no"):
+        tiny.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}])

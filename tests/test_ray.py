@@ -301,3 +301,39 @@ def test_an_address_nobody_answers_fails_fast():
         port = s.getsockname()[1]
     with pytest.raises(JobError, match=rf"--ray 127.0.0.1:{port}: no Ray cluster answers there"):
         check_reachable(f"127.0.0.1:{port}", timeout_s=2)
+
+
+def test_image_rows_run_on_replicas_as_locally(ray_cluster, tmp_path):
+    """Rows with images (chat image parts naming files, a `images` field, a file that does not exist) on two
+    replicas: the local run's bytes, and the report's image counts over the replicas."""
+    from cbatch.scaleout.ray_job import run_ray_job
+    from vision_models import make_vl_checkpoint, png_bytes
+
+    model = make_vl_checkpoint("qwen2_vl", tmp_path / "vl")
+    for i, (h, w) in enumerate([(56, 84), (28, 28), (112, 56)]):
+        (tmp_path / f"p{i}.png").write_bytes(png_bytes(h, w, seed=i))
+    rows = []
+    for i in range(8):
+        page = str(tmp_path / f"p{i % 3}.png")
+        content = [{"type": "image_url", "image_url": {"url": page}}, {"type": "text", "text": f"w{i} w{i + 1}"}]
+        rows.append({"id": f"r{i}", "messages": [{"role": "user", "content": content}]} if i % 2 else
+                    {"id": f"r{i}", "messages": [{"role": "user", "content": f"w{i}"}], "images": [page]})
+    missing = str(tmp_path / "no.png")
+    rows.append({"id": "missing", "messages": [{"role": "user", "content": "w5"}], "images": [missing]})
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reports = {}
+    for name in ("local", "ray"):
+        report = tmp_path / f"{name}.report.json"
+        job = options(inp, tmp_path / f"{name}.jsonl", model, report=report)
+        code = run_job(job) if name == "local" else run_ray_job(job, ray_options(block_rows=2))
+        assert code == 1  # the missing image's row is an error row, as locally
+        reports[name] = json.loads(report.read_text())
+    assert (tmp_path / "ray.jsonl").read_bytes() == (tmp_path / "local.jsonl").read_bytes()
+    out = jsonl_records((tmp_path / "local.jsonl").read_text())
+    assert "does not exist" in out[-1]["error"] and len({tuple(r["completion_token_ids"]) for r in out[:-1]}) > 4
+    local, ray = reports["local"]["images"], reports["ray"]["images"]
+    counts = ("rows", "images", "image_tokens")
+    assert {k: ray[k] for k in counts} == {k: local[k] for k in counts}
+    assert local["rows"] == 8 and local["image_tokens"] == 3 * 6 + 3 * 1 + 2 * 8
+    assert 3 <= ray["encoded"] <= 6  # each replica encodes a page once, whichever of its rows comes first

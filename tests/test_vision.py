@@ -136,17 +136,73 @@ def test_vision_tower_matches_hfs_image_features(vl_model, images):
     assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()  # float32 rounding (conv vs matmul, batched SDPA)
 
 
-def test_tensor_parallel_is_refused_in_one_sentence(vl_model):
-    """The vision tower has no tensor-parallel split yet: -tp 2 is refused before loading, naming the fix."""
-    from cbatch.config import ConfigError, EngineConfig
-    from cbatch.engine.resolve import resolve_model
-    from cbatch.model.shard import check_tensor_parallel, tensor_parallel_sizes
+@pytest.mark.parametrize("vl_model", ["qwen2_5_vl"], indirect=True)  # (the split never touches the tower: one kind)
+def test_two_ranks_give_the_tokens_of_one(vl_model, images):
+    """-tp 2 over gloo: rank 0 encodes (the workers hold no tower) and broadcasts the embeddings; the language model
+    is split as for text. Under chunks ending inside images and preemption, the tokens are one rank's."""
+    from cbatch.model.shard import tensor_parallel_sizes
 
-    spec = resolve_model(EngineConfig(model=str(vl_model), device="cpu")).spec
-    with pytest.raises(ConfigError, match="vision-language models run on one rank only for now; "
-                                          "use --tensor-parallel-size 1"):
-        check_tensor_parallel(spec, 2)
-    assert tensor_parallel_sizes(spec, limit=8) == [1]  # what cbatch plan suggests agrees
+    requests = [(prompt([images[3], images[0]], [20, 21], tail=4), [images[3], images[0]]),
+                (prompt([images[2]], [22] * 5), [images[2]]),
+                (prompt([], [16, 17]), None),
+                (prompt([images[1], images[3]], [23]), [images[1], images[3]])]
+    settings = dict(max_model_len=128, max_num_batched_tokens=9, num_kv_blocks=14, block_size=4)
+    outputs = {}
+    for tp in (1, 2):
+        engine = make_engine(vl_model, tensor_parallel_size=tp, **settings)
+        try:
+            outputs[tp] = run(engine, requests)
+            assert engine.scheduler.stats.preemptions > 0
+            assert engine.runner.images.images_encoded == 4
+        finally:
+            engine.close()
+    assert outputs[2] == outputs[1]
+    assert len({tuple(o) for o in outputs[1]}) == len(requests)  # decisive: every row its own tokens
+    assert tensor_parallel_sizes(engine.spec, limit=4) == [1, 2, 4]  # what cbatch plan offers agrees
+
+
+@pytest.mark.parametrize("vl_model", ["qwen2_5_vl"], indirect=True)
+def test_a_worker_rank_holds_no_vision_tower(vl_model):
+    import torch
+
+    from cbatch.config import EngineConfig
+    from cbatch.engine.resolve import load_rank_model, resolve_model
+    from cbatch.parallel.comm import Communicator
+
+    class Rank(Communicator):  # a rank's identity without a group: loading a shard needs no collective
+        def __init__(self, rank: int) -> None:
+            self.rank, self.world = rank, 2
+
+    config = EngineConfig(model=str(vl_model), device="cpu")
+    resolved = resolve_model(config)
+    ranks = [load_rank_model(config, resolved, Rank(r), torch.device("cpu")) for r in (0, 1)]
+    assert ranks[0].visual is not None and ranks[1].visual is None
+    whole = sum(p.numel() for p in ranks[0].visual.parameters())
+    assert sum(p.numel() for p in ranks[0].parameters()) - whole == sum(p.numel() for p in ranks[1].parameters())
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the flash varlen kernel runs on CUDA")
+def test_flash_varlen_segments_match_sdpa_per_length_on_the_gpu():
+    """The GPU path's one-launch varlen attention against SDPA per segment length, bf16, on segments of a page's
+    shapes (windows of 64 patches, edge windows smaller, a whole image of 1,200): the kit's `vision` part runs it."""
+    import numpy as np
+    import torch
+
+    from cbatch.model.vision import Segments
+
+    torch.manual_seed(0)
+    lengths = [64] * 6 + [32, 16, 48, 1200, 64, 8]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    qkv = torch.randn(int(cu[-1]), 3, 16, 80, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(1)  # strided, as the tower's packed qkv gives them
+    flash = Segments(cu, q.device, q.dtype)
+    assert flash.flash is not None, "this torch has no torch.nn.attention.varlen"
+    ours = flash.attend(q, k, v, 80**-0.5)
+    per_length = Segments(cu, q.device, q.dtype)
+    per_length.flash = None
+    ref = per_length.attend(q, k, v, 80**-0.5)
+    assert flash.flash is not None  # (it did not fall back)
+    assert (ours.float() - ref.float()).abs().max() < 2e-2
 
 
 def test_qwen3_vls_interleaved_mrope_axes_are_transformers():

@@ -1,10 +1,12 @@
-"""The prompts the library takes, in vLLM's shapes: a string, `TextPrompt` ({"prompt": ...}), `TokensPrompt`
-({"prompt_token_ids": [...]}), or a list of them; read into `RowRequest`s, the rows `cbatch run` tokenizes."""
+"""The prompts the library takes, in vLLM's shapes: a string, `TextPrompt` ({"prompt": ...}, with
+`multi_modal_data={"image": ...}` for a vision-language model), `TokensPrompt` ({"prompt_token_ids": [...]}), or a
+list of them; read into `RowRequest`s, the rows `cbatch run` tokenizes."""
 from __future__ import annotations
 
 from typing import Any, NotRequired, Sequence, TypedDict, Union
 
 from cbatch.config import UserError
+from cbatch.io.images import is_image_source
 from cbatch.io.rows import RowRequest, is_token_ids, text_field
 
 
@@ -12,7 +14,7 @@ class TextPrompt(TypedDict):
     """A text prompt (tokenized with the model's special tokens, as `cbatch run` does a row's `prompt`)."""
 
     prompt: str
-    multi_modal_data: NotRequired[Any]  # refused: cbatch runs text models only
+    multi_modal_data: NotRequired[Any]  # {"image": a PIL image or a list}: the prompt holds one placeholder per image
 
 
 class TokensPrompt(TypedDict):
@@ -20,11 +22,11 @@ class TokensPrompt(TypedDict):
 
     prompt_token_ids: list[int]
     prompt: NotRequired[str]  # ignored for the model; returned as the output's `prompt`
-    multi_modal_data: NotRequired[Any]
+    multi_modal_data: NotRequired[Any]  # refused: token ids cannot carry images (as a row's)
 
 
 PromptType = Union[str, TextPrompt, TokensPrompt]
-_KEYS = ("prompt", "prompt_token_ids")
+_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
 
 
 def as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -46,16 +48,40 @@ def row_request(index: int, prompt: PromptType) -> RowRequest:
         raise UserError(f"{where}: must be a string, a TextPrompt or a TokensPrompt, got {type(prompt).__name__}")
     unknown = sorted(set(prompt) - set(_KEYS))
     if unknown:
-        raise UserError(f"{where}: cbatch does not take {', '.join(unknown)} (text models only: "
-                        "give prompt or prompt_token_ids)")
+        raise UserError(f"{where}: cbatch does not take {', '.join(unknown)} (give prompt or prompt_token_ids, "
+                        "and multi_modal_data for images)")
+    images = _images(where, prompt.get("multi_modal_data"))
     if "prompt_token_ids" in prompt:
+        if images:
+            raise UserError(f"{where}: multi_modal_data needs a text prompt holding the model's image placeholders; "
+                            "prompt_token_ids cannot carry images")
         ids = list(prompt["prompt_token_ids"])
         if not is_token_ids(ids):
             raise UserError(f"{where}: prompt_token_ids must be a non-empty list of non-negative integers")
         return RowRequest(index=index, row_id=str(index), prompt_token_ids=ids)
     if "prompt" not in prompt:
         raise UserError(f"{where}: give prompt (a string) or prompt_token_ids")
-    return RowRequest(index=index, row_id=str(index), prompt=text_field(f"{where}.prompt", prompt["prompt"]))
+    return RowRequest(index=index, row_id=str(index), prompt=text_field(f"{where}.prompt", prompt["prompt"]),
+                      images=images)
+
+
+def _images(where: str, data: Any) -> list[tuple[str, Any]]:
+    """vLLM's `multi_modal_data` -> the prompt's images (where it gave each, its source): {"image": a PIL image, a
+    path, a URL or bytes, or a list of them}; other modalities are refused by name."""
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: multi_modal_data must be a dict such as {{\"image\": PIL.Image}}")
+    other = sorted(set(data) - {"image"})
+    if other:
+        raise UserError(f"{where}: multi_modal_data takes images only (\"image\"), not {', '.join(other)}")
+    given = data.get("image")
+    sources = list(given) if isinstance(given, (list, tuple)) else [given]
+    for j, source in enumerate(sources):
+        if not is_image_source(source):
+            raise UserError(f"{where}: multi_modal_data image {j} must be a PIL image, a path, a URL or bytes, "
+                            f"got {type(source).__name__}")
+    return [(f"multi_modal_data.image[{j}]", source) for j, source in enumerate(sources)]
 
 
 __all__ = ["PromptType", "TextPrompt", "TokensPrompt", "as_list", "row_request"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from cbatch.api.engine_args import check_quantization, library_settings
 from cbatch.api.inputs import PromptType, as_list, row_request
@@ -17,12 +17,15 @@ from cbatch.api.sampling import LoRARequest, SamplingParams
 from cbatch.config import RESERVED_TEMPLATE_KWARGS, SamplingParams as RowSamplingParams, UserError
 from cbatch.engine.build import add_loras, build_engine
 from cbatch.engine.engine import RequestOutput as EngineOutput, run_to_completion
+from cbatch.engine.images import PromptImage
+from cbatch.io.images import expand_placeholders, template_parts
 from cbatch.engine.pooling import PoolingParams
 from cbatch.engine.resolve import resolve_model
-from cbatch.io.rows import parse_messages, with_lora
+from cbatch.io.rows import RowRequest, parse_messages, row_images, with_lora
 from cbatch.tasks import make_task
 from cbatch.tasks.classify_task import class_columns
-from cbatch.tasks.generate_task import prompt_token_ids
+# (renamed: `generate`'s keyword prompt_token_ids shadows it)
+from cbatch.tasks.generate_task import GenerateTask, prompt_token_ids as row_token_ids
 from cbatch.tasks.pooled import PooledTask, check_task_flags
 from cbatch.tasks.base import ParsedRow
 from cbatch.tasks.score_task import PairPlan
@@ -47,6 +50,7 @@ class LLM:
         self.task = lib.task
         self.classifier = lib.classifier  # hf_overrides' classifier_from_token (an LM-head reranker)
         self._request_ids = itertools.count()
+        self._images = GenerateTask()  # reads prompts' images with the model's processor, as `cbatch run` does
 
     @property
     def tokenizer(self):
@@ -64,9 +68,15 @@ class LLM:
             raise UserError("give prompts or prompt_token_ids (one of them)")
         items = as_list(prompts) if prompts is not None else [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         params = self._params(sampling_params, len(items), lora_request)
-        token_lists = [self._tokenize(i, item, p) for i, (item, p) in enumerate(zip(items, params))]
+        token_lists, images = [], []
+        for i, (item, p) in enumerate(zip(items, params)):
+            request = row_request(i, item)
+            request.params = p
+            ids, read = self._with_images(f"prompt {i}", request, lambda: row_token_ids(self.engine, request))
+            token_lists.append(ids)
+            images.append(read)
         shown = [p if isinstance(p, str) else p.get("prompt") for p in items]
-        return self._generate(token_lists, params, shown, use_tqdm)
+        return self._generate(token_lists, params, shown, use_tqdm, images)
 
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: Params = None,
              use_tqdm: bool = True, lora_request: Lora = None, chat_template: str | None = None, *,
@@ -75,7 +85,8 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, rendered with the model's chat
         template (or `chat_template`), the assistant's turn opened unless `add_generation_prompt=False`. Content
-        reaches the template as a string (text parts joined)."""
+        reaches the template as a string (text parts joined); a message with image parts (`image_url`, `image`,
+        `image_pil`: a vision-language model's) as its parts, each image a bare {"type": "image"}."""
         if self.engine.tokenizer is None:
             raise UserError("this model has no tokenizer; chat needs one")
         if chat_template_content_format not in ("auto", "string"):
@@ -90,22 +101,41 @@ class LLM:
         reserved = [k for k in RESERVED_TEMPLATE_KWARGS if k in extra]
         if reserved:
             raise UserError(f"chat_template_kwargs may not set {', '.join(reserved)} (cbatch sets it)")
-        token_lists = []
+        token_lists, images, shown = [], [], []
         for i, (conversation, p) in enumerate(zip(conversations, params)):
+            where = f"conversation {i}"
             try:
-                token_lists.append(encode_messages(self.engine.tokenizer, parse_messages(conversation),
-                                                   {**p.chat_template_kwargs, **extra}, add_generation_prompt))
+                messages = parse_messages(conversation, images=True)
+                request = RowRequest(index=i, row_id=str(i), messages=messages, params=p)
+                request.images = row_images({}, request)
             except UserError as exc:
-                raise UserError(f"conversation {i}: {exc}") from None
-        shown = [self.engine.tokenizer.decode(ids) for ids in token_lists]
-        return self._generate(token_lists, params, shown, use_tqdm)
+                raise UserError(f"{where}: {exc}") from None
+            template = {**p.chat_template_kwargs, **extra}
+            ids, read = self._with_images(where, request, lambda: encode_messages(
+                self.engine.tokenizer, template_parts(request.messages), template, add_generation_prompt))
+            token_lists.append(ids)
+            images.append(read)
+            shown.append(self.engine.tokenizer.decode(ids))
+        return self._generate(token_lists, params, shown, use_tqdm, images)
+
+    def _with_images(self, where: str, request: RowRequest, tokenize: Callable[[], list[int]]
+                     ) -> tuple[list[int], list[PromptImage] | None]:
+        """(a generation prompt's token ids, one placeholder per image as the template or text wrote it; its images
+        read by the model's processor as `cbatch run` reads a row's); a UserError naming the prompt."""
+        try:
+            images = self._images.read_images(self.engine, request) or None  # (first: a text model refuses them)
+            return tokenize(), images
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}") from None
 
     def _tokenize(self, index: int, prompt: PromptType, params: RowSamplingParams | None = None) -> list[int]:
-        """A prompt's token ids as `cbatch run` tokenizes the same row; a UserError naming the prompt."""
+        """A prefill-only prompt's token ids as `cbatch run` tokenizes the same row; a UserError naming the prompt."""
         request = row_request(index, prompt)
         request.params = params
         try:
-            return prompt_token_ids(self.engine, request)
+            if request.images:
+                raise UserError("multi_modal_data: images are for generate and chat (the pooling calls read text)")
+            return row_token_ids(self.engine, request)
         except UserError as exc:
             raise UserError(f"prompt {index}: {exc}") from None
 
@@ -141,13 +171,23 @@ class LLM:
             add_loras(self.engine, tuple(new.items()))
 
     def _generate(self, token_lists: list[list[int]], params: list[RowSamplingParams], shown: list[str | None],
-                  use_tqdm: bool) -> list[RequestOutput]:
-        """Runs the prompts (each with the seq_id of its index, as the CLI's rows) and groups each one's samples."""
-        for i, (ids, p) in enumerate(zip(token_lists, params)):
-            error = self.engine.check_request(ids, p)[1]
+                  use_tqdm: bool, images: list[list[PromptImage] | None]) -> list[RequestOutput]:
+        """Runs the prompts (each with the seq_id of its index, as the CLI's rows) and groups each one's samples;
+        a prompt's images (`images`) each take its placeholder, expanded to the image's tokens here."""
+        token_lists = list(token_lists)
+        for i, (ids, p, read) in enumerate(zip(token_lists, params, images)):
+            try:
+                if read:
+                    token_lists[i] = ids = expand_placeholders(ids, read, self.engine.spec.vision.image_token_id)
+                prompt, error = self.engine.check_request(ids, p)
+                fit = self.engine.seq_images(prompt, read) if error is None else None
+                error = fit if isinstance(fit, str) else error
+            except UserError as exc:
+                error = str(exc)
             if error is not None:
                 raise UserError(f"prompt {i}: {error}")
-        outs = run_to_completion(self.engine, token_lists, params, bool(use_tqdm), seq_ids=range(len(token_lists)))
+        outs = run_to_completion(self.engine, token_lists, params, bool(use_tqdm), seq_ids=range(len(token_lists)),
+                                 images=images)
         self._raise_failed(outs)
         results, start = [], 0
         for text, p in zip(shown, params):

@@ -399,13 +399,16 @@ def make_speculator(config: EngineConfig) -> Speculator | None:
 
 def run_to_completion(engine: Engine, token_lists: list[list[int]], params: list[SamplingParams],
                       use_tqdm: bool = False, seq_ids: Seq[int] | None = None,
-                      pooling: PoolingParams | None = None) -> list[RequestOutput]:
+                      pooling: PoolingParams | None = None,
+                      images: Seq[Seq[PromptImage] | None] | None = None) -> list[RequestOutput]:
     """Runs every request through the engine; outputs in input order, a request's n samples in sample order.
     `use_tqdm`: a bar over finished requests with the output token rate (tqdm.auto: a widget in notebooks).
     `seq_ids`: each request's (its seed's row index, as `cbatch run` gives a row its input index); `pooling`:
-    prefill-only requests."""
+    prefill-only requests; `images`: each request's (a vision-language model's, placeholders expanded)."""
     ids_of = list(seq_ids) if seq_ids is not None else [None] * len(token_lists)
-    seqs = [engine.add_request(ids, p, seq_id=i, pooling=pooling) for ids, p, i in zip(token_lists, params, ids_of)]
+    images_of = list(images) if images is not None else [None] * len(token_lists)
+    seqs = [engine.add_request(ids, p, seq_id=i, pooling=pooling, images=im)
+            for ids, p, i, im in zip(token_lists, params, ids_of, images_of)]
     what = "generating" if pooling is None else pooling.task
     bar = _progress_bar(sum(len(s.samples) for s in seqs), what) if use_tqdm else None  # one tick a sample
     finished_tokens = 0

@@ -9,10 +9,16 @@ decode graph), and for a step whose chunks meet image placeholders writes the 3-
 each chunk takes: a chunk may end inside an image's run, and the next takes the rest. `prepare` encodes every image
 of the step that the encoder cache lacks in one vision-tower call, then gathers the slices. The cache (`EncoderCache`,
 keyed by the image's digest) keeps an image encoded once across its row's chunks, preemptions and rows sharing it.
+
+Tensor parallelism: the vision tower is rank 0's alone (whole; the language model is split as for text). Rank 0 sends
+the workers the step's image slices without pixels (`for_workers`), encodes, and broadcasts the step's gathered
+embeddings [image rows, hidden]; every rank then puts the same values in place of its placeholders. The workers need
+no tower, no encoder cache and no pixels, and the embeddings are rank 0's bit for bit.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
@@ -61,9 +67,13 @@ class ImageRows(RowFeature):
     """The image rows of a vision-language model's steps (see the module's docstring)."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
-        self.visual = model.visual
+        self.visual = model.visual  # None on a tensor-parallel worker: rank 0 encodes and broadcasts (`prepare`)
+        self.comm = model.comm
+        self.embed_dtype = model.embed_tokens.weight.dtype  # the embeddings' (the broadcast's) dtype
         self.mrope = bool(model.spec.vision.mrope_section)  # Qwen2-VL: 3-D positions; Gemma 3: 1-D
-        # Qwen3-VL's rows carry their deepstack features too (model/vision_qwen3.py): fewer rows, the same memory
+        # Qwen3-VL's rows carry their deepstack features too (model/vision_qwen3.py): wider rows, fewer of them in
+        # the same memory
+        self.row_width = model.spec.hidden_size * (1 + len(model.spec.vision.deepstack_layers))
         self.cache = EncoderCache(ENCODER_CACHE_TOKENS // (1 + len(model.spec.vision.deepstack_layers)))
         self.images_encoded = 0  # vision-tower runs per image (an image encoded again after eviction counts again)
         self.image_tokens_encoded = 0
@@ -122,10 +132,15 @@ class ImageRows(RowFeature):
         if not inputs.image_slices:
             return True
         slices = inputs.image_slices
-        self._encode([image for _, image, _, _ in slices], device)
         rows = np.concatenate([np.arange(row, row + end - first) for row, _, first, end in slices])
-        embeds = torch.cat([self.cache.get(image.digest)[first:end] for _, image, first, end in slices])
-        self.cache.trim()
+        if self.visual is not None:
+            self._encode([image for _, image, _, _ in slices], device)
+            embeds = torch.cat([self.cache.get(image.digest)[first:end] for _, image, first, end in slices])
+            self.cache.trim()
+            embeds = embeds.to(self.embed_dtype)
+        else:  # a tensor-parallel worker: rank 0's embeddings land here
+            embeds = torch.empty(len(rows), self.row_width, dtype=self.embed_dtype, device=device)
+        embeds = self.comm.broadcast(embeds)  # (one rank: as it is)
         to_device = put or torch.from_numpy
         self._forward = {"embeds": (to_device(rows).to(device), embeds)}
         if inputs.mrope_positions is not None:
@@ -134,6 +149,14 @@ class ImageRows(RowFeature):
 
     def forward_inputs(self) -> dict[str, Any]:
         return self._forward
+
+    @staticmethod
+    def for_workers(inputs: StepInputs) -> StepInputs:
+        """The step's inputs as the other tensor-parallel ranks get them: the image slices without their images
+        (rank 0 encodes them and broadcasts the embeddings, so the pixels never travel)."""
+        if not inputs.image_slices:
+            return inputs
+        return replace(inputs, image_slices=[(row, None, first, end) for row, _, first, end in inputs.image_slices])
 
     def _encode(self, images: list[PromptImage], device: torch.device) -> None:
         """Encodes the images the cache lacks, all in one vision-tower call."""

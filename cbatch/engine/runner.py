@@ -69,7 +69,7 @@ class ModelRunner:
         self.pooling, self.prompt_logprobs, self.adapters = PoolingRows(), PromptLogprobRows(), AdapterRows()
         self.features: list[RowFeature] = [self.pooling, self.prompt_logprobs, self.adapters,
                                            GrammarRows(spec.vocab_size, device)]
-        self.images = ImageRows(model) if model.visual is not None else None  # a vision-language model's image rows
+        self.images = ImageRows(model) if spec.vision is not None else None  # a vision-language model's image rows
         if self.images is not None:
             self.features.append(self.images)
         self.reset()
@@ -113,7 +113,8 @@ class ModelRunner:
         pass  # nothing to compute (a step waiting for arrivals)
 
     def memory(self) -> dict[str, int]:
-        """What this rank holds (every rank holds the same, under tensor parallelism): for the report."""
+        """What this rank holds (under tensor parallelism every rank holds the same, but a vision tower is rank
+        0's alone): for the report."""
         weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
         packed = getattr(self.model, "packed_logits_weight", None)  # a tied embedding's oneDNN copy for the logits
         weights += sum(m.packed.numel() * m.packed.element_size() for m in self.model.modules()
@@ -180,7 +181,7 @@ class ModelRunner:
         self.begin_step()
         inputs, sampling_seqs, prompt_seqs, pool_rows, offsets = self._build(plan)
         if self.peers is not None:
-            self.peers.send_step(inputs)
+            self.peers.send_step(inputs if self.images is None else self.images.for_workers(inputs))
         sampling = self.sampling.build(sampling_seqs, offsets, plan.drafts) if sampling_seqs else None
         if sampling is not None:  # (structured output: the constrained rows' bitmasks, filled while the model runs)
             for feature in self.features:

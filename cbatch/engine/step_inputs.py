@@ -36,7 +36,8 @@ class StepInputs:
     placeholder_sources: list[int] = field(default_factory=list)  # and each one's row in that step's tokens
     lora_slots: np.ndarray | None = None  # int32 [T]: each token's LoRA adapter slot (-1: base); None: no adapter rows
     # images (engine/image_rows.py): M-RoPE's 3-D positions int64 [3, T] where a chunk meets image placeholders, and
-    # the embedding rows the step takes: (first flat row, image, its first row, end row); None / []: none
+    # the embedding rows the step takes: (first flat row, image, its first row, end row); None / []: none (a
+    # tensor-parallel worker gets image None: rank 0 broadcasts the embeddings)
     mrope_positions: np.ndarray | None = None
     image_slices: list = field(default_factory=list)
     # Gemma 3's bidirectional image runs: a chunk's first flat row -> [(first, end)) context positions (metadata.py)

@@ -3,9 +3,9 @@ Hugging Face datasets store it), its bytes, and its preprocessing by the model's
 `PromptImage` (engine/images.py).
 
 Sources: a `data:` URI (base64), a local path, `file://`, any fsspec URL (`s3://...`, `hf://...`), raw bytes
-(a Parquet binary column), or a datasets Image struct `{"bytes", "path"}`. An image is read when its row's requests
-are made (the rows the engine is about to queue), never at the job's start. Anything wrong with one image is a
-RowError naming it (`ImageError`): the row becomes an error row and the job goes on.
+(a Parquet binary column), a datasets Image struct `{"bytes", "path"}`, or a PIL image (the library's). An image is
+read when its row's requests are made (the rows the engine is about to queue), never at the job's start. Anything
+wrong with one image is a RowError naming it (`ImageError`): the row becomes an error row and the job goes on.
 
 Preprocessing: transformers' PIL image processor of the model (`Qwen2VLImageProcessorPil`: resize so that both sides
 are multiples of patch x merge with the pixel count inside [min_pixels, max_pixels], rescale, normalize, patchify),
@@ -63,12 +63,20 @@ class ImageSettings:
 
 
 def is_image_source(value: Any) -> bool:
-    """A value that names an image (its checks come when it is read)."""
-    return isinstance(value, (str, bytes, bytearray)) or (isinstance(value, dict) and ("bytes" in value or "path" in value))
+    """A value that names an image (its checks come when it is read); a PIL image (the library's) is one too."""
+    return (isinstance(value, (str, bytes, bytearray)) or is_pil_image(value)
+            or (isinstance(value, dict) and ("bytes" in value or "path" in value)))
+
+
+def is_pil_image(value: Any) -> bool:
+    """A PIL image object (the library's `multi_modal_data`), without importing PIL for the rows that have none."""
+    return any(cls.__module__.startswith("PIL.") and cls.__name__ == "Image" for cls in type(value).__mro__)
 
 
 def describe(source: Any) -> str:
     """A short name of an image source for messages (a data URI or bytes by their size, a path or URL as given)."""
+    if is_pil_image(source):
+        return f"<PIL image {source.size[0]} x {source.size[1]}>"
     if isinstance(source, dict):
         source = source.get("path") or source.get("bytes")
     if isinstance(source, (bytes, bytearray)):
@@ -160,19 +168,7 @@ class ImageReader:
             raise ImageError(f"`{name}` ({describe(source)}) {exc}") from None
 
     def _read(self, source: Any, name: str) -> PromptImage:
-        from PIL import Image, UnidentifiedImageError
-
-        data = read_source(source)
-        if not data:
-            raise ImageError("is empty (0 bytes)")
-        try:
-            with warnings.catch_warnings():  # (PIL's size warning: MAX_SOURCE_PIXELS is checked below)
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                image = Image.open(io.BytesIO(data))
-        except UnidentifiedImageError:
-            raise ImageError("is not an image PIL can read (unknown or unsupported format)") from None
-        except Exception as exc:  # a decompression bomb, a broken header
-            raise ImageError(f"cannot be opened ({type(exc).__name__}: {exc})") from None
+        image, digest = (source, _pil_digest(source)) if is_pil_image(source) else _open(source)
         width, height = image.size
         if width * height > MAX_SOURCE_PIXELS:
             raise ImageError(f"is {width} x {height} pixels, more than the {MAX_SOURCE_PIXELS:,} cbatch decodes; shrink it")
@@ -189,7 +185,31 @@ class ImageReader:
         else:
             grid = tuple(int(x) for x in out["image_grid_thw"][0])
             pixels = out["pixel_values"].astype("float32", copy=False)
-        return PromptImage(digest_of(data), grid, self.vision.tokens_for_grid(grid), pixels, name)
+        return PromptImage(digest, grid, self.vision.tokens_for_grid(grid), pixels, name)
+
+
+def _open(source: Any):
+    """(the PIL image of a source's bytes, not decoded yet, the digest of the bytes); raises ImageError."""
+    from PIL import Image, UnidentifiedImageError
+
+    data = read_source(source)
+    if not data:
+        raise ImageError("is empty (0 bytes)")
+    try:
+        with warnings.catch_warnings():  # (PIL's size warning: MAX_SOURCE_PIXELS is checked by the caller)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(data)), digest_of(data)
+    except UnidentifiedImageError:
+        raise ImageError("is not an image PIL can read (unknown or unsupported format)") from None
+    except Exception as exc:  # a decompression bomb, a broken header
+        raise ImageError(f"cannot be opened ({type(exc).__name__}: {exc})") from None
+
+
+def _pil_digest(image) -> str:
+    """A PIL image's digest: of its mode, size and pixel bytes (it has no file bytes)."""
+    digest = hashlib.blake2b(f"{image.mode} {image.size}".encode(), digest_size=16)
+    digest.update(image.tobytes())
+    return digest.hexdigest()
 
 
 _PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean",

@@ -38,12 +38,12 @@ def parse_messages(value: Any, images: bool = False) -> list[dict[str, Any]]:
     return _messages(value, images)
 
 
-IMAGE_PART_TYPES = ("image_url", "image", "input_image")
+IMAGE_PART_TYPES = ("image_url", "image", "input_image", "image_pil")  # (image_pil: vLLM's, a library PIL image)
 
 
 def _image_part(where: str, part: dict[str, Any]) -> dict[str, Any]:
     """An image content part -> {"type": "image", "image": its source (None: the row's next `images` entry), "name"}."""
-    source = part.get("image_url", part.get("image"))
+    source = part.get("image_url", part.get("image", part.get("image_pil")))
     if isinstance(source, dict):  # OpenAI: {"url": ..., "detail": ...}
         source = source.get("url")
     if part.get("type") == "image_url" and not isinstance(source, str):

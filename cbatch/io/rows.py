@@ -64,7 +64,7 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams,
         request.messages = parse_messages(row["messages"], images=True)
     else:
         request.prompt_token_ids = token_ids_field(row["prompt_token_ids"])
-    request.images = _row_images(row, request)
+    request.images = row_images(row, request)
     request.params = sampling_from_row(row, defaults)
     try:
         request.params = with_reasoning_effort(row, request.params, effort_budgets)
@@ -87,7 +87,7 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams,
     return request
 
 
-def _row_images(row: dict[str, Any], request: RowRequest) -> list[tuple[str, Any]]:
+def row_images(row: dict[str, Any], request: RowRequest) -> list[tuple[str, Any]]:
     """The row's images in prompt order, (where the row gave it, its source), unread: a chat's image parts (a bare
     `{"type": "image"}` part takes the next entry of the row's `images`; entries left over go before the first user
     message's text, as Qwen's examples put them), or a text prompt's `images`, one per image placeholder it has."""

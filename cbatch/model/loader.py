@@ -175,7 +175,7 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
             continue  # unused, or the scale of a weight dequantized below
         placement, kind = placed
         placement = shard.local_expert(placement, spec)  # expert parallelism: this rank's experts only
-        if placement is None:
+        if placement is None or not shard.holds(placement):
             continue
         target = placement.param(kind)
         if target not in params:

@@ -6,6 +6,7 @@ Megatron's layout, as vLLM and nano-vllm use it:
     row-parallel     o_proj, down_proj, the experts' w2 (input columns): each rank's output is a partial sum,
                      all-reduced once per block (`DecoderLayer`); their bias is added by rank 0 only
     replicated       norms, q/k norms, the MoE router and Qwen2-MoE's shared-expert gate
+    rank 0 alone     a vision-language model's vision tower, whole (engine/image_rows.py broadcasts its output)
 Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) splits by heads: q_proj / q_b_proj and kv_b_proj (each head's
 up-projection W_UK | W_UV) column-parallel, o_proj row-parallel; the latent's projection (q_a_proj, kv_a_proj_with_mqa
 and their norms) is replicated, so every rank caches every token's whole latent, as vLLM does (the spec's one latent
@@ -33,6 +34,8 @@ from cbatch.config import ConfigError
 from cbatch.model.mxfp4 import BLOCK as MXFP4_BLOCK
 from cbatch.model.spec import ModelSpec
 from cbatch.model.weights import Placement
+
+VISION_TOWER = "visual."  # a vision-language model's tower and merger (model/vision.py): never split
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,10 @@ class Shard:
             return None
         return replace(placement, expert=placement.expert - first)
 
+    def holds(self, placement: Placement) -> bool:
+        """Whether this rank holds anything of `placement`'s module: the vision tower is rank 0's alone."""
+        return self.rank == 0 or not placement.module.startswith(VISION_TOWER)
+
     def local_vocab(self, vocab_size: int) -> int:
         return Part(vocab_size).local_size(self.world)
 
@@ -169,6 +176,8 @@ class Shard:
 
 def _split(leaf: str, slot: str, spec: ModelSpec, module: str) -> tuple[str, list[Part]] | None:
     """(column | row, the packed parts of the split dimension) of a parameter, or None (replicated)."""
+    if module.startswith(VISION_TOWER):
+        return None  # whole, on rank 0 (`holds`)
     head = spec.head_dim
     if spec.mla is not None and leaf in _MLA_HEAD_SPLIT:
         return _mla_split(leaf, spec)

@@ -6,13 +6,16 @@ the language-model embeddings of the merged patches ([N / merge^2, out_hidden]),
 
 Attention is bidirectional within an image (Qwen2-VL: each frame of each image; Qwen2.5-VL: within windows of
 window_size pixels, except the `full_attention_blocks`), never across images: a varlen attention over the packed
-patches with block-diagonal segments (`varlen_attention`: one batched SDPA per distinct segment length, so the
-images of a step run together whatever their number). The numerics are transformers' (float32 rotary, LayerNorm
-eps 1e-6, exact GELU in the merger).
+patches with block-diagonal segments (`Segments`: flash attention's varlen kernel on CUDA in 16 bits, else one
+batched SDPA per distinct segment length, so the images of a step run together whatever their number). The GEMMs
+run in the model's dtype (bfloat16 on the GPU; float32 on CPU). The numerics are transformers' (float32 rotary,
+LayerNorm eps 1e-6, exact GELU in the merger).
 """
 from __future__ import annotations
 
 import functools
+import warnings
+from typing import Callable
 
 import numpy as np
 import torch
@@ -26,21 +29,72 @@ from cbatch.model.vision_spec import VisionSpec
 _EPS = 1e-6
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: np.ndarray,
+class Segments:
+    """Block-diagonal attention's segments [cu[i], cu[i+1]) of the packed patches (each image, frame or window),
+    prepared once per tower call for every layer: on CUDA in 16 bits, flash attention's varlen kernel over the
+    whole pack (one launch, no gather; `torch.nn.attention.varlen`); elsewhere (CPU float32: exact as
+    transformers') the segments of one length gathered into one batched SDPA ([S, H, L, D]), a call per distinct
+    length, each length's gather index made once, not per layer."""
+
+    def __init__(self, cu_seqlens: np.ndarray, device: torch.device, dtype: torch.dtype) -> None:
+        self.cu_seqlens, self.device = cu_seqlens, device
+        self.flash = _flash_varlen() if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) else None
+        if self.flash is not None:
+            self.cu = torch.as_tensor(cu_seqlens, dtype=torch.int32).to(device)
+            self.max_len = int(np.diff(cu_seqlens).max())
+        self._groups: list[torch.Tensor] | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Bidirectional attention within each segment of packed q, k, v [N, H, D] -> [N, H, D]."""
+        if self.flash is not None and scale == q.shape[-1] ** -0.5:  # (the kernel's default scale)
+            try:
+                q, k, v = (x.contiguous() for x in (q, k, v))  # (v is a strided slice of the packed qkv)
+                return self.flash(q, k, v, self.cu, self.cu, self.max_len, self.max_len)
+            except (RuntimeError, TypeError) as exc:  # a torch whose kernel refuses this shape or these arguments
+                warnings.warn(f"cbatch: the vision tower's flash varlen attention failed ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}); it runs on SDPA per segment length")
+                global _FLASH_FAILED
+                _FLASH_FAILED = True
+                self.flash = None
+        if len(self.cu_seqlens) == 2:  # one segment: plain SDPA, no gather
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale)
+            return out.transpose(0, 1)
+        out = torch.empty_like(q)
+        for index in self.groups():
+            qs, ks, vs = (x[index].transpose(1, 2) for x in (q, k, v))  # [S, H, L, D]
+            out[index] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(1, 2)
+        return out
+
+    def groups(self) -> list[torch.Tensor]:
+        """Per distinct segment length: int64 [S, L], the rows of its segments (made at the first layer)."""
+        if self._groups is None:
+            lengths, starts = np.diff(self.cu_seqlens), self.cu_seqlens[:-1]
+            self._groups = [torch.as_tensor(starts[lengths == n][:, None] + np.arange(n)).to(self.device)
+                            for n in np.unique(lengths).tolist()]
+        return self._groups
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments | np.ndarray,
                      scale: float) -> torch.Tensor:
-    """Bidirectional attention within each segment [cu[i], cu[i+1]) of packed q, k, v [N, H, D] -> [N, H, D]: the
-    segments of one length gathered into one batched SDPA call ([S, H, L, D]), a call per distinct length."""
-    lengths = np.diff(cu_seqlens)
-    starts = cu_seqlens[:-1]
-    if len(lengths) == 1:  # one segment: no gather
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale)
-        return out.transpose(0, 1)
-    out = torch.empty_like(q)
-    for length in np.unique(lengths).tolist():
-        index = torch.as_tensor(starts[lengths == length], device=q.device)[:, None] + torch.arange(length, device=q.device)
-        qs, ks, vs = (x[index].transpose(1, 2) for x in (q, k, v))  # [S, H, L, D]
-        out[index] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(1, 2)
-    return out
+    """Bidirectional attention within each segment of packed q, k, v [N, H, D] -> [N, H, D]; `segments`: prepared
+    (`Segments`), or cu_seqlens [S + 1] (prepared here)."""
+    if isinstance(segments, np.ndarray):
+        segments = Segments(segments, q.device, q.dtype)
+    return segments.attend(q, k, v, scale)
+
+
+_FLASH_FAILED = False  # the kernel failed once in this process: SDPA per segment length from then on
+
+
+def _flash_varlen() -> Callable | None:
+    """torch's flash-attention varlen kernel (CUDA, 16-bit), or None where this torch has none (or it failed)."""
+    if _FLASH_FAILED:
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -82,12 +136,13 @@ class VisionAttention(nn.Module):
         self.qkv = Linear(vs.hidden_size, 3 * vs.hidden_size, bias=True)
         self.proj = Linear(vs.hidden_size, vs.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: np.ndarray) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: Segments | np.ndarray) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, D] each
         dtype = q.dtype
         q, k = ((t.float() * cos + _rotate_half(t.float()) * sin).to(dtype) for t in (q, k))  # float32 as HF
-        out = varlen_attention(q, k, v, cu_seqlens, self.head_dim**-0.5)
+        out = varlen_attention(q, k, v, segments, self.head_dim**-0.5)
         return self.proj(out.reshape(n, -1))
 
 
@@ -131,8 +186,9 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(vs)
         self.mlp = mlp if mlp is not None else VisionMLP(vs)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: np.ndarray) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: Segments | np.ndarray) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -168,16 +224,17 @@ class VisionTower(nn.Module):
         vs = self.vs
         hidden = self.patch_embed(patches)  # [N, E]
         cos, sin = rotary_cos_sin(grids, vs, hidden.device)
-        full = frame_seqlens(grids)
+        full = Segments(frame_seqlens(grids), hidden.device, hidden.dtype)
         order = None
         windows = full
         if vs.window_size:
-            order, windows = _window_order(grids, vs)
+            order, window_cu = _window_order(grids, vs)
+            windows = Segments(window_cu, hidden.device, hidden.dtype)
             unit = vs.merge_size**2
             hidden, cos, sin = (_permute(t, order, unit) for t in (hidden, cos, sin))
         for i, block in enumerate(self.blocks):
-            cu = full if (not vs.window_size or i in vs.full_attention_blocks) else windows
-            hidden = block(hidden, cos, sin, cu)
+            segments = full if (not vs.window_size or i in vs.full_attention_blocks) else windows
+            hidden = block(hidden, cos, sin, segments)
         merged = self.merger(hidden)  # [N / merge^2, out_hidden]
         if order is not None:  # back to the processor's order
             merged = merged[torch.as_tensor(np.argsort(order), device=merged.device)]

@@ -1,8 +1,8 @@
 """The collectives a tensor-parallel model calls: one all-reduce after each row-parallel block, one after the
-vocab-parallel embedding, one all-gather of the sampling rows' logits; with --expert-parallel, an all-to-all of
-the experts' slot outputs and an all-gather of the tokens' rows per MoE layer (parallel/expert_combine.py). The
-model holds a communicator as it holds its compute backend (no globals); on one rank it is `SINGLE_RANK`, whose
-calls return their input.
+vocab-parallel embedding, one all-gather of the sampling rows' logits, and a broadcast of rank 0's image embeddings
+in a step that has some (engine/image_rows.py); with --expert-parallel, an all-to-all of the experts' slot outputs
+and an all-gather of the tokens' rows per MoE layer (parallel/expert_combine.py). The model holds a communicator as
+it holds its compute backend (no globals); on one rank it is `SINGLE_RANK`, whose calls return their input.
 """
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ class Communicator:
         must equal rank r's recv_rows[rank]."""
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank (in place: the others pass a tensor of its shape and dtype)."""
+        return x
+
 
 SINGLE_RANK = Communicator()
 
@@ -57,6 +61,10 @@ class ProcessGroupComm(Communicator):
         out = x.new_empty(sum(recv_rows), *x.shape[1:])
         dist.all_to_all_single(out, x.contiguous(), recv_rows, send_rows)
         return out
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(x, src=0)
+        return x
 
 
 def init_process_group(rank: int, world: int, port: int, device: torch.device, timeout_s: float) -> ProcessGroupComm:

@@ -19,7 +19,7 @@ import os
 
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -398,6 +398,7 @@ class RayExecutor:
         snapshots = [r.stats for r in self.replicas if r.stats is not None]
         total = merge_scheduler_stats([s.scheduler for s in snapshots])
         self.metrics.forward_seconds = sum(s.forward_seconds for s in snapshots)
+        self.metrics.image_usage = dict(sum((Counter(s.image_usage) for s in snapshots), Counter()))
         options = self.options
         report = build_report(
             self.metrics, total, wall_seconds=wall_seconds,

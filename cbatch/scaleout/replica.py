@@ -48,6 +48,7 @@ class ReplicaStats:
     memory: dict[str, int] = field(default_factory=dict)  # per rank: ModelRunner.memory()
     scheduler: SchedulerStats = field(default_factory=SchedulerStats)
     engine: EngineSnapshot = field(default_factory=EngineSnapshot)  # live counters at the last block
+    image_usage: dict[str, int] = field(default_factory=dict)  # rows with images: JobMetrics.image_usage
 
     def as_report(self) -> dict[str, Any]:
         steps = max(self.scheduler.steps, 1)
@@ -146,5 +147,6 @@ class Replica:
         stats.alive_seconds = time.perf_counter() - self._ready
         stats.scheduler = SchedulerStats(**asdict(engine.scheduler.stats))
         stats.engine = self.executor.metrics.engine
+        stats.image_usage = dict(metrics.image_usage)
         # a detached copy: the live stats keep changing while the result travels
         return BlockResult(results=results, stats=replace(stats, scheduler=stats.scheduler))

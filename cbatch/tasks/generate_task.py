@@ -92,7 +92,7 @@ class GenerateTask(Task):
         if (request.reasoning_effort is not None and request.messages is not None
                 and template_reads(engine.tokenizer, "reasoning_effort")):  # gpt-oss: "Reasoning: high", no budget
             request.params = effort_in_template(request.params, request.reasoning_effort, request.effort_budget)
-        images = self._read_images(engine, request)
+        images = self.read_images(engine, request)
         prompt_ids = prompt_token_ids(engine, request)
         if images:
             prompt_ids = expand_placeholders(prompt_ids, images, engine.spec.vision, engine.tokenizer)
@@ -109,7 +109,7 @@ class GenerateTask(Task):
         request.image_futures = [pool.submit(reader.read, source, name) for name, source in request.images]
         return request.image_futures
 
-    def _read_images(self, engine: "Engine", request: RowRequest) -> list:
+    def read_images(self, engine: "Engine", request: RowRequest) -> list:
         """The row's images read and preprocessed by the model's processor (io/images.py), in prompt order: what
         `prefetch` started, or read here."""
         if not request.images:
