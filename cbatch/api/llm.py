@@ -178,7 +178,8 @@ class LLM:
         for i, (ids, p, read) in enumerate(zip(token_lists, params, images)):
             try:
                 if read:
-                    token_lists[i] = ids = expand_placeholders(ids, read, self.engine.spec.vision.image_token_id)
+                    token_lists[i] = ids = expand_placeholders(ids, read, self.engine.spec.vision,
+                                                                self.engine.tokenizer)
                 prompt, error = self.engine.check_request(ids, p)
                 fit = self.engine.seq_images(prompt, read) if error is None else None
                 error = fit if isinstance(fit, str) else error

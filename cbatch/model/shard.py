@@ -249,8 +249,6 @@ def _split_problem(spec: ModelSpec, world: int) -> str | None:
     """Why `world` ranks cannot split this model (a sentence without the fix's sizes), or None."""
     if world == 1:
         return None
-    if spec.vision is not None:
-        return "vision-language models run on one rank only for now; use --tensor-parallel-size 1"
     problem = _shape_problem(spec, world)
     if problem is not None or spec.quant is None:
         return problem
