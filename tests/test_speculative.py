@@ -245,3 +245,33 @@ def test_simulator_models_acceptance():
         assert [len(o.token_ids) for o in outputs] == [40] * 4
         steps[name] = engine.scheduler.stats.steps
     assert steps["none kept"] == steps["plain"] and steps["kept"] < steps["plain"] * 0.7
+
+
+def test_image_rows_verify_at_their_m_rope_positions(tmp_path, monkeypatch):
+    """A Qwen2-VL row past its prompt sits at index + delta (M-RoPE): its verify rows must too, whether or not the
+    step's plain rows have images. The drafter is an oracle (the plain run's own next tokens), so every draft holds."""
+    from cbatch.io.images import ImageReader
+    from cbatch.model.loader import read_checkpoint
+    from vision_models import IMAGE_TOKEN, VISION_END, VISION_START, make_vl_checkpoint, png_bytes
+
+    path = make_vl_checkpoint("qwen2_vl", tmp_path / "vl")
+    reader = ImageReader(path, read_checkpoint(path).spec.vision)
+    image, other = reader.read(png_bytes(56, 84, 1), "a"), reader.read(png_bytes(28, 56, 2), "b")
+    requests = [([4, 10, VISION_START, *[IMAGE_TOKEN] * image.num_tokens, VISION_END, 20, 21], [image]),
+                ([4, 30, 31, 32, 33, 34, 35], None),  # text only: a plain decode beside the image rows
+                ([4, *range(40, 52), VISION_START, *[IMAGE_TOKEN] * other.num_tokens, VISION_END, 60], [other])]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+
+    def run(**settings):
+        engine = make_engine(path, max_model_len=128, max_num_batched_tokens=16, **settings)
+        seqs = [engine.add_request(ids, params, images=images) for ids, images in requests]
+        while engine.has_unfinished():
+            engine.step()
+        return [seq.output_ids for seq in seqs], engine
+
+    plain, _ = run()
+    monkeypatch.setattr(Speculator, "propose", lambda self, seq, limit, threshold=0.0:
+                        plain[seq.seq_id][len(seq.output_ids) : len(seq.output_ids) + min(limit, 3)])
+    drafted, engine = run(speculative="ngram")
+    assert drafted == plain
+    assert engine.scheduler.stats.accepted_tokens == engine.scheduler.stats.drafted_tokens > 0
