@@ -176,6 +176,33 @@ def test_a_row_matmul_is_the_same_bits_alone_or_in_a_batch():
     assert all(torch.equal(onednn.packed_linear(x[:m], packed)[:1], alone) for m in (2, 3, 5))
 
 
+def test_an_unpacked_row_matmul_is_the_same_bits_alone_or_in_a_batch():
+    """`linear` (unpacked weights: each MoE expert's slice, MLA's up-projection) runs one row as two too: an expert
+    that gets one token this step must give it the bits it gives that token among others."""
+    import torch
+
+    from cbatch.model import onednn
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 64), torch.randn(5, 64)
+    alone = onednn.linear(x[:1], weight)
+    assert all(torch.equal(onednn.linear(x[:m], weight)[:1], alone) for m in (2, 3, 5))
+
+
+def test_moe_rows_verify_to_the_same_bits(family_checkpoint, monkeypatch):
+    """A tiny Mixtral, an oracle drafter (the plain run's own tokens): tokens and log-probabilities equal bit for
+    bit, though the verify steps route other numbers of tokens to each expert than the plain steps."""
+    path = family_checkpoint("mixtral")
+    prompts = random_prompts(3, 128, seed=1, min_len=3, max_len=20)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
+    plain = outputs(make_engine(path, max_num_seqs=3, policy="fcfs"), prompts, params)
+    monkeypatch.setattr(Speculator, "propose", lambda self, seq, limit, threshold=0.0:
+                        plain[seq.seq_id][0][len(seq.output_ids) : len(seq.output_ids) + min(limit, 3)])
+    engine = make_engine(path, max_num_seqs=3, policy="fcfs", speculative="ngram")
+    assert outputs(engine, prompts, params) == plain
+    assert engine.scheduler.stats.accepted_tokens > 0
+
+
 # ---- the draft sources and the cost model, alone ---------------------------------------------------------------
 def test_ngram_index_finds_the_latest_longest_match():
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
@@ -267,3 +294,33 @@ def test_simulator_models_acceptance():
         assert [len(o.token_ids) for o in outputs] == [40] * 4
         steps[name] = engine.scheduler.stats.steps
     assert steps["none kept"] == steps["plain"] and steps["kept"] < steps["plain"] * 0.7
+
+
+def test_image_rows_verify_at_their_m_rope_positions(tmp_path, monkeypatch):
+    """A Qwen2-VL row past its prompt sits at index + delta (M-RoPE): its verify rows must too, whether or not the
+    step's plain rows have images. The drafter is an oracle (the plain run's own next tokens), so every draft holds."""
+    from cbatch.io.images import ImageReader
+    from cbatch.model.loader import read_checkpoint
+    from vision_models import IMAGE_TOKEN, VISION_END, VISION_START, make_vl_checkpoint, png_bytes
+
+    path = make_vl_checkpoint("qwen2_vl", tmp_path / "vl")
+    reader = ImageReader(path, read_checkpoint(path).spec.vision)
+    image, other = reader.read(png_bytes(56, 84, 1), "a"), reader.read(png_bytes(28, 56, 2), "b")
+    requests = [([4, 10, VISION_START, *[IMAGE_TOKEN] * image.num_tokens, VISION_END, 20, 21], [image]),
+                ([4, 30, 31, 32, 33, 34, 35], None),  # text only: a plain decode beside the image rows
+                ([4, *range(40, 52), VISION_START, *[IMAGE_TOKEN] * other.num_tokens, VISION_END, 60], [other])]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+
+    def run(**settings):
+        engine = make_engine(path, max_model_len=128, max_num_batched_tokens=16, **settings)
+        seqs = [engine.add_request(ids, params, images=images) for ids, images in requests]
+        while engine.has_unfinished():
+            engine.step()
+        return [seq.output_ids for seq in seqs], engine
+
+    plain, _ = run()
+    monkeypatch.setattr(Speculator, "propose", lambda self, seq, limit, threshold=0.0:
+                        plain[seq.seq_id][len(seq.output_ids) : len(seq.output_ids) + min(limit, 3)])
+    drafted, engine = run(speculative="ngram")
+    assert drafted == plain
+    assert engine.scheduler.stats.accepted_tokens == engine.scheduler.stats.drafted_tokens > 0

@@ -32,13 +32,18 @@ def build_step_inputs(plan: StepPlan, block_tables: BlockTableBuffer, block_size
     if plan.drafts:
         verify = [(seq, plan.drafts[seq.seq_id]) for seq, _ in scheduled if seq.seq_id in plan.drafts]
         scheduled = [row for row in scheduled if row[0].seq_id not in plan.drafts]
-    keys = [k for feature in features if (k := feature.order_keys(scheduled)) is not None]
+    # the features see every row of the step, the verify rows after the plain ones (their `fill` indexes its
+    # per-row values by `order`: an image row's M-RoPE delta applies to its verify rows too)
+    expanded = [(seq, 1) for seq, drafted in verify for _ in range(len(drafted) + 1)]
+    keys = [k for feature in features if (k := feature.order_keys(scheduled + expanded)) is not None]
     # NOTE: one feature at most orders the batch (LoRA's adapter slots); every feature is asked each step
-    ordered, starts, q_lens, order = batch_order(scheduled, by_context, keys[0] if keys else None)
+    ordered, starts, q_lens, order = batch_order(scheduled, by_context, keys[0][: len(scheduled)] if keys else None)
     seqs = [seq for seq, _ in ordered]
     rows = block_tables.sync(seqs + [seq for seq, _ in verify])
     if verify:
         ordered, starts, q_lens, rows = _with_verify_rows(ordered, starts, q_lens, rows, verify)
+        if not isinstance(order, slice):  # (a whole slice already takes them, in place)
+            order = np.concatenate([order, np.arange(len(seqs), len(seqs) + len(expanded))])
     n = len(ordered)
     cu_q = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu_q[1:])

@@ -24,9 +24,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Why: torch sends CPU float32 matmuls to MKL, which runs its AVX2 kernels on AMD CPUs; oneDNN uses
     AVX-512 there (about twice the rate: benchmarks/NOTES.md). Results differ from MKL's only in
-    summation order. bfloat16 already goes to oneDNN through F.linear.
+    summation order. bfloat16 already goes to oneDNN through F.linear. As in `packed_linear`, one row goes
+    through as two: oneDNN sums a lone row in another order (at every K with unpacked weights), and an MoE expert
+    that gets one token in a step must give it the bits it would among others (batch invariance:
+    docs/speculative.md).
     """
     if _ONEDNN_LINEAR and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
+        if x.shape[0] == 1:
+            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), weight, bias, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
