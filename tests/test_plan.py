@@ -273,6 +273,40 @@ def test_expert_parallel_prices_the_combine_from_its_bytes():
         (1824 - 1392) / (NVLINK_TB_S * 1e12 * BANDWIDTH_EFFICIENCY))
 
 
+def test_a_model_too_big_for_one_machine_says_what_it_needs():
+    """A ~2.6 TB bfloat16 MoE does not fit 8 GPUs of any preset: the message gives the weights per rank at 8 ranks
+    against the GPU's memory and the fix, not --gpu-memory-utilization; ~260 GB of weights fit 8 H100s but not 8 L4s
+    (a bigger GPU is named); a model that 8 GPUs hold at a higher --gpu-memory-utilization keeps that advice."""
+    from cbatch.config import EngineConfig
+    from cbatch.plan.devices import PlanError, gpu_kind
+
+    huge = small_moe(hidden_size=8192, moe_intermediate_size=4096, num_hidden_layers=100, num_experts=128,
+                     num_attention_heads=64, num_key_value_heads=8, vocab_size=32000)
+    config = EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192)
+    h200 = gpu_kind("H200")
+    per_rank = h200.weight_bytes_per_rank(replace(config, tensor_parallel_size=8), huge)  # (whole experts: the same)
+    assert 141 * 2**30 < per_rank < per_rank * 8 < 2.7e12  # more than an H200 holds
+    for tp in (1, 8):
+        with pytest.raises(PlanError) as refused:
+            h200.kv_pool(replace(config, tensor_parallel_size=tp), huge)
+        assert str(refused.value) == (
+            "--device-kind H200: the model does not fit one machine's 8 GPUs: at --tensor-parallel-size 8 each rank's "
+            f"weights take {per_rank / 2**30:,.1f} GiB of the GPU's 141.0 GiB, which "
+            "leaves no room for a KV cache even at --gpu-memory-utilization 1.0; use a smaller (quantized) checkpoint: "
+            "more GPUs than one machine holds is not supported")
+    mid = small_moe(hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=80, num_experts=64,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # ~260 GB: ~30 GiB per rank at 8
+    with pytest.raises(PlanError, match=r"^--device-kind L4: the model does not fit one machine's 8 GPUs: at "
+                                        r"--tensor-parallel-size 8 each rank's weights take "
+                                        r"\d+\.\d GiB of the GPU's 24\.0 GiB, .*; use a GPU with more memory "
+                                        r"\(--device-kind l40s fits\) or a smaller \(quantized\) checkpoint$"):
+        gpu_kind("L4").kv_pool(replace(config, tensor_parallel_size=8), mid)
+    h100 = gpu_kind("H100")
+    assert h100.kv_pool(replace(config, tensor_parallel_size=8), mid).num_blocks > 0
+    with pytest.raises(PlanError, match=r"H100: no GPU memory left .*raise --gpu-memory-utilization"):
+        h100.kv_pool(replace(config, tensor_parallel_size=8, gpu_memory_utilization=0.05), mid)
+
+
 def test_plan_consults_the_result_cache_without_writing_it(tiny_checkpoints, tmp_path):
     source = write_jsonl(tmp_path / "job.jsonl", token_rows(12, seed=6))
     flags = ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu"]

@@ -90,7 +90,10 @@ class DeviceKind:
             try:
                 blocks = self._gpu_kv_blocks(config, model)
             except MemoryError as exc:
-                raise PlanError(f"--device-kind {self.name}: {exc}{self._fitting_layout(config, model)}") from None
+                suggestion = self._fitting_layout(config, model)
+                if not suggestion and (too_big := self._beyond_one_machine(config, model)):
+                    raise PlanError(too_big) from None
+                raise PlanError(f"--device-kind {self.name}: {exc}{suggestion}") from None
         return KVPool(blocks, memory.host_kv_blocks(config, spec, kv_dtype, blocks))
 
     def weight_bytes_per_rank(self, config: EngineConfig, model: ResolvedModel) -> float:
@@ -109,13 +112,45 @@ class DeviceKind:
                                               model.max_model_len, self.memory_gib * 2**30,
                                               self.weight_bytes_per_rank(config, model), activation_estimate(config, model))
 
+    def _layouts(self, spec: ModelSpec) -> list[tuple[ModelSpec, bool]]:
+        """(spec, expert parallel) of the layouts a plan may suggest: plain tensor parallelism, and expert
+        parallelism where the model has experts."""
+        if spec.moe is None:
+            return [(spec, False)]
+        spec = replace(spec, moe=replace(spec.moe, expert_parallel=False))
+        return [(spec, False), (with_expert_parallel(spec), True)]
+
+    def _beyond_one_machine(self, config: EngineConfig, model: ResolvedModel) -> str | None:
+        """Why no setting can fit the model on one machine of these GPUs (None: --gpu-memory-utilization or smaller
+        steps might): at MAX_SUGGESTED_RANKS ranks (or --tensor-parallel-size, if more), in the layout storing least
+        per rank, with the whole GPU and the smallest default steps, no KV block is left."""
+        ranks = max(config.tensor_parallel_size, MAX_SUGGESTED_RANKS)
+        seqs, tokens = memory.GPU_MIN_STEP
+        smallest = replace(config, gpu_memory_utilization=1.0, tensor_parallel_size=ranks,
+                           max_num_seqs=min(config.max_num_seqs or seqs, seqs),
+                           max_num_batched_tokens=min(config.max_num_batched_tokens or tokens, tokens))
+        least = min(((self.weight_bytes_per_rank(replace(smallest, expert_parallel=expert), replace(model, spec=spec)),
+                      expert, spec) for spec, expert in self._layouts(model.spec)), key=lambda option: option[0])
+        weights, expert, spec = least
+        try:
+            self._gpu_kv_blocks(replace(smallest, expert_parallel=expert), replace(model, spec=spec))
+            return None
+        except MemoryError:
+            pass
+        flags = f"--tensor-parallel-size {ranks}" + (" --expert-parallel" if expert else "")
+        by_memory = sorted(preset_names().items(), key=lambda preset: GPU_MEMORY_GIB[preset[1]])
+        bigger = next((spelling for spelling, name in by_memory if GPU_MEMORY_GIB[name] > self.memory_gib
+                       and not gpu_kind(name)._beyond_one_machine(config, model)), None)
+        fix = (f"use a GPU with more memory (--device-kind {bigger} fits) or a smaller (quantized) checkpoint" if bigger
+               else "use a smaller (quantized) checkpoint: more GPUs than one machine holds is not supported")
+        return (f"--device-kind {self.name}: the model does not fit one machine's {ranks} GPUs: at {flags} each rank's "
+                f"weights take {weights / 2**30:,.1f} GiB of the GPU's {self.memory_gib:,.1f} GiB, which leaves no room "
+                f"for a KV cache even at --gpu-memory-utilization 1.0; {fix}")
+
     def _fitting_layout(self, config: EngineConfig, model: ResolvedModel) -> str:
         """'; LAYOUT fits ...': the fewest ranks (up to one 8-GPU machine; expert parallelism where the model has
         experts and it stores less) that leave room for a KV pool; '' when none does."""
-        spec = model.spec
-        if spec.moe is not None:
-            spec = replace(spec, moe=replace(spec.moe, expert_parallel=False))
-        layouts = [(spec, False)] + ([(with_expert_parallel(spec), True)] if spec.moe is not None else [])
+        layouts = self._layouts(model.spec)
         for ranks in range(config.tensor_parallel_size + 1, MAX_SUGGESTED_RANKS + 1):
             fits = []
             for layout_spec, expert in layouts:
