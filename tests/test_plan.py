@@ -234,6 +234,79 @@ def test_default_costs_follow_the_model_and_the_device(tiny_checkpoints):
     assert fp32.per_prefill_token > 8 * fast.per_prefill_token  # no tensor cores in float32
 
 
+def small_moe(**changes) -> "ResolvedModel":
+    """A Qwen2-MoE-shaped spec in bfloat16 (no checkpoint: the plan's device figures read the spec alone): 4 layers
+    of hidden 64, the first dense (`mlp_only_layers`), the other 3 with 8 experts of top-2."""
+    from cbatch.engine.resolve import ResolvedModel
+    from cbatch.model.spec import parse_spec
+
+    raw = dict(architectures=["Qwen2MoeForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
+               moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+               num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], max_position_embeddings=512,
+               rms_norm_eps=1e-6, torch_dtype="bfloat16")
+    return ResolvedModel(parse_spec({**raw, **changes}), torch.device("cuda"), torch.bfloat16, 512)
+
+
+def test_expert_parallel_prices_the_combine_from_its_bytes():
+    """4 ranks, H = 64 bfloat16 (128 B a vector), k = 2, a step of 10 prefill and 6 decode tokens, by hand:
+    a ring all-reduce sends 2 x 3/4 x 128 = 192 B a token; every layer's attention all-reduces (4 x 192 = 768), and
+    the MLP: the dense layer 0 all-reduces (192); each of the 3 MoE layers under --expert-parallel combines instead,
+    routed in eager (prefill) steps 3/4 x (2/4 + 1) x 128 = 144 B, padded in CUDA-graph decode steps 3/4 x 3 x 128
+    = 288 B. So 1,392 B per prefill token, 1,824 per decode token; plain tensor parallelism 8 x 192 = 1,536 both."""
+    from cbatch.model.shard import with_expert_parallel
+    from cbatch.plan.devices import NVLINK_TB_S, BANDWIDTH_EFFICIENCY, cpu_kind, gpu_kind
+
+    plain = small_moe()
+    expert = replace(plain, spec=with_expert_parallel(plain.spec))
+    h100 = gpu_kind("H100")
+    sent = h100.comm_bytes(expert, 4)
+    assert (sent.prefill, sent.decode) == (1392, 1824)
+    assert sent.per_step(10, 6) == 10 * 1392 + 6 * 1824 == 24_864
+    assert h100.comm_bytes(plain, 4).per_step(10, 6) == 16 * 1536
+    eager = 16 * 1392  # no CUDA graphs (--enforce-eager, or a CPU): every step routed
+    assert h100.comm_bytes(expert, 4, enforce_eager=True).per_step(10, 6) == cpu_kind().comm_bytes(expert, 4).per_step(10, 6) == eager
+    assert h100.comm_bytes(expert, 1).per_step(10, 6) == 0
+    # the cost model prices those bytes at NVLink's speed: only the decode token's combine differs when eager
+    graphs, no_graphs = h100.default_cost(expert, 4), h100.default_cost(expert, 4, enforce_eager=True)
+    assert graphs.per_prefill_token == no_graphs.per_prefill_token
+    assert graphs.per_decode_token - no_graphs.per_decode_token == pytest.approx(
+        (1824 - 1392) / (NVLINK_TB_S * 1e12 * BANDWIDTH_EFFICIENCY))
+
+
+def test_a_model_too_big_for_one_machine_says_what_it_needs():
+    """A ~2.6 TB bfloat16 MoE does not fit 8 GPUs of any preset: the message gives the weights per rank at 8 ranks
+    against the GPU's memory and the fix, not --gpu-memory-utilization; ~260 GB of weights fit 8 H100s but not 8 L4s
+    (a bigger GPU is named); a model that 8 GPUs hold at a higher --gpu-memory-utilization keeps that advice."""
+    from cbatch.config import EngineConfig
+    from cbatch.plan.devices import PlanError, gpu_kind
+
+    huge = small_moe(hidden_size=8192, moe_intermediate_size=4096, num_hidden_layers=100, num_experts=128,
+                     num_attention_heads=64, num_key_value_heads=8, vocab_size=32000)
+    config = EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192)
+    h200 = gpu_kind("H200")
+    per_rank = h200.weight_bytes_per_rank(replace(config, tensor_parallel_size=8), huge)  # (whole experts: the same)
+    assert 141 * 2**30 < per_rank < per_rank * 8 < 2.7e12  # more than an H200 holds
+    for tp in (1, 8):
+        with pytest.raises(PlanError) as refused:
+            h200.kv_pool(replace(config, tensor_parallel_size=tp), huge)
+        assert str(refused.value) == (
+            "--device-kind H200: the model does not fit one machine's 8 GPUs: at --tensor-parallel-size 8 each rank's "
+            f"weights take {per_rank / 2**30:,.1f} GiB of the GPU's 141.0 GiB, which "
+            "leaves no room for a KV cache even at --gpu-memory-utilization 1.0; use a smaller (quantized) checkpoint: "
+            "more GPUs than one machine holds is not supported")
+    mid = small_moe(hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=80, num_experts=64,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # ~260 GB: ~30 GiB per rank at 8
+    with pytest.raises(PlanError, match=r"^--device-kind L4: the model does not fit one machine's 8 GPUs: at "
+                                        r"--tensor-parallel-size 8 each rank's weights take "
+                                        r"\d+\.\d GiB of the GPU's 24\.0 GiB, .*; use a GPU with more memory "
+                                        r"\(--device-kind l40s fits\) or a smaller \(quantized\) checkpoint$"):
+        gpu_kind("L4").kv_pool(replace(config, tensor_parallel_size=8), mid)
+    h100 = gpu_kind("H100")
+    assert h100.kv_pool(replace(config, tensor_parallel_size=8), mid).num_blocks > 0
+    with pytest.raises(PlanError, match=r"H100: no GPU memory left .*raise --gpu-memory-utilization"):
+        h100.kv_pool(replace(config, tensor_parallel_size=8, gpu_memory_utilization=0.05), mid)
+
+
 def test_plan_consults_the_result_cache_without_writing_it(tiny_checkpoints, tmp_path):
     source = write_jsonl(tmp_path / "job.jsonl", token_rows(12, seed=6))
     flags = ["--model", str(tiny_checkpoints["llama"]), "--device", "cpu"]

@@ -120,8 +120,10 @@ def plan_tokenizer(model: ResolvedModel) -> Any:
 def cost_model(options: PlanOptions, kind: DeviceKind, model: ResolvedModel) -> tuple[CostModel, str]:
     if options.cost_from is not None:
         return CostModel.fit(options.cost_from), f"fitted to {options.cost_from}"
-    return kind.default_cost(model, options.engine.tensor_parallel_size), (f"the default for {kind.name} from the model's FLOPs and bytes: rough; "
-                                      "--cost-from a real run's report makes it accurate")
+    engine = options.engine
+    source = (f"the default for {kind.name} from the model's FLOPs and bytes: rough; "
+              "--cost-from a real run's report makes it accurate")
+    return kind.default_cost(model, engine.tensor_parallel_size, engine.enforce_eager), source
 
 
 def plan_cache(options: PlanOptions, kind: DeviceKind, model: ResolvedModel, config: EngineConfig,
@@ -163,8 +165,12 @@ def plan_report(options: PlanOptions, setup: PlanSetup, cost_source: str, checke
 
 
 def layout(config: EngineConfig, setup: PlanSetup) -> dict[str, Any]:
-    """How the run splits the model: ranks, expert parallelism, and (a GPU plan) the weight bytes each rank holds."""
+    """How the run splits the model: ranks, expert parallelism, the bytes a rank sends per token (more than one
+    rank: prefill tokens and decode tokens), and (a GPU plan) the weight bytes each rank holds."""
     out: dict[str, Any] = {"tensor_parallel_size": config.tensor_parallel_size, "expert_parallel": config.expert_parallel}
+    if config.tensor_parallel_size > 1:
+        sent = setup.kind.comm_bytes(setup.model, config.tensor_parallel_size, config.enforce_eager)
+        out["comm_bytes_per_token"] = {"prefill": round(sent.prefill), "decode": round(sent.decode)}
     if setup.kind.memory_gib is not None:
         out["weight_bytes_per_rank"] = round(setup.kind.weight_bytes_per_rank(config, setup.model))
     return out
@@ -212,7 +218,9 @@ def print_plan(plan: dict[str, Any], quiet: bool) -> None:
         ranks = f"{shape['tensor_parallel_size']} ranks" + (" (experts spread whole)" if shape["expert_parallel"] else "")
         weights = (f", {shape['weight_bytes_per_rank'] / 2**30:,.1f} GiB of weights per rank"
                    if "weight_bytes_per_rank" in shape else "")
-        print(f"layout: {ranks}{weights}")
+        sent = shape.get("comm_bytes_per_token")
+        sends = f", each sends {sent['prefill']:,} B per prefill token, {sent['decode']:,} per decode token" if sent else ""
+        print(f"layout: {ranks}{weights}{sends}")
     print(f"predicted on {plan['device_kind']}, {plan['dtype'].removeprefix('torch.')} (costs: "
           f"{plan['cost_model']['source']}; output lengths: {plan['output_lengths']}):")
     rates = (f"{p['requests_per_s']:,.1f} rows/s, {p['total_tokens_per_s']:,.1f} prompt tok/s" if "task" in plan else

@@ -16,8 +16,10 @@ over the device's peaks, at fixed efficiencies (assumptions, not measurements):
                         + attention FLOPs per (query, key) pair / (peak FLOP/s x flop_efficiency)
 
 With --tensor-parallel-size N every figure is one rank's (its heads, MLP width and KV heads: `Shard.local_spec`;
-its share of the weights), and each token adds the two all-reduces per layer of a ring over NVLink:
-    per token += layers x 2 x 2 (N - 1) / N x hidden x dtype bytes / (NVLINK_TB_S x BANDWIDTH_EFFICIENCY)
+its share of the weights), and each token adds the bytes a rank sends over NVLink for it (cbatch/plan/collectives.py:
+two ring all-reduces per layer, or for an MoE layer under --expert-parallel one all-reduce and the expert combine,
+routed in prefill steps and padded in decode steps' CUDA graphs):
+    per token += bytes sent per token / (NVLINK_TB_S x BANDWIDTH_EFFICIENCY)
 
 GPU peaks are the datasheets' dense bf16/fp16 figures (roofline.DEVICE_PEAKS); float32 runs without
 tensor cores at about 1/16 of them. A CPU's peak is estimated from its threads and vector ISA at an
@@ -38,6 +40,7 @@ from cbatch.engine.resolve import ResolvedModel, resolve_device
 from cbatch.model.shard import Shard, tensor_parallel_sizes, with_expert_parallel
 from cbatch.model.spec import ModelSpec
 from cbatch.observe.roofline import DEVICE_PEAKS, ModelWork
+from cbatch.plan.collectives import CommBytes, comm_bytes_per_token
 
 GPU_MEMORY_GIB = {"H200": 141, "H100 PCIe": 80, "H100": 80, "A100": 80, "L40S": 48, "L4": 24, "A10": 24}
 FP32_SHARE_OF_PEAK = 1 / 16  # float32 on a GPU: CUDA cores, not tensor cores
@@ -87,7 +90,10 @@ class DeviceKind:
             try:
                 blocks = self._gpu_kv_blocks(config, model)
             except MemoryError as exc:
-                raise PlanError(f"--device-kind {self.name}: {exc}{self._fitting_layout(config, model)}") from None
+                suggestion = self._fitting_layout(config, model)
+                if not suggestion and (too_big := self._beyond_one_machine(config, model)):
+                    raise PlanError(too_big) from None
+                raise PlanError(f"--device-kind {self.name}: {exc}{suggestion}") from None
         return KVPool(blocks, memory.host_kv_blocks(config, spec, kv_dtype, blocks))
 
     def weight_bytes_per_rank(self, config: EngineConfig, model: ResolvedModel) -> float:
@@ -106,13 +112,45 @@ class DeviceKind:
                                               model.max_model_len, self.memory_gib * 2**30,
                                               self.weight_bytes_per_rank(config, model), activation_estimate(config, model))
 
+    def _layouts(self, spec: ModelSpec) -> list[tuple[ModelSpec, bool]]:
+        """(spec, expert parallel) of the layouts a plan may suggest: plain tensor parallelism, and expert
+        parallelism where the model has experts."""
+        if spec.moe is None:
+            return [(spec, False)]
+        spec = replace(spec, moe=replace(spec.moe, expert_parallel=False))
+        return [(spec, False), (with_expert_parallel(spec), True)]
+
+    def _beyond_one_machine(self, config: EngineConfig, model: ResolvedModel) -> str | None:
+        """Why no setting can fit the model on one machine of these GPUs (None: --gpu-memory-utilization or smaller
+        steps might): at MAX_SUGGESTED_RANKS ranks (or --tensor-parallel-size, if more), in the layout storing least
+        per rank, with the whole GPU and the smallest default steps, no KV block is left."""
+        ranks = max(config.tensor_parallel_size, MAX_SUGGESTED_RANKS)
+        seqs, tokens = memory.GPU_MIN_STEP
+        smallest = replace(config, gpu_memory_utilization=1.0, tensor_parallel_size=ranks,
+                           max_num_seqs=min(config.max_num_seqs or seqs, seqs),
+                           max_num_batched_tokens=min(config.max_num_batched_tokens or tokens, tokens))
+        least = min(((self.weight_bytes_per_rank(replace(smallest, expert_parallel=expert), replace(model, spec=spec)),
+                      expert, spec) for spec, expert in self._layouts(model.spec)), key=lambda option: option[0])
+        weights, expert, spec = least
+        try:
+            self._gpu_kv_blocks(replace(smallest, expert_parallel=expert), replace(model, spec=spec))
+            return None
+        except MemoryError:
+            pass
+        flags = f"--tensor-parallel-size {ranks}" + (" --expert-parallel" if expert else "")
+        by_memory = sorted(preset_names().items(), key=lambda preset: GPU_MEMORY_GIB[preset[1]])
+        bigger = next((spelling for spelling, name in by_memory if GPU_MEMORY_GIB[name] > self.memory_gib
+                       and not gpu_kind(name)._beyond_one_machine(config, model)), None)
+        fix = (f"use a GPU with more memory (--device-kind {bigger} fits) or a smaller (quantized) checkpoint" if bigger
+               else "use a smaller (quantized) checkpoint: more GPUs than one machine holds is not supported")
+        return (f"--device-kind {self.name}: the model does not fit one machine's {ranks} GPUs: at {flags} each rank's "
+                f"weights take {weights / 2**30:,.1f} GiB of the GPU's {self.memory_gib:,.1f} GiB, which leaves no room "
+                f"for a KV cache even at --gpu-memory-utilization 1.0; {fix}")
+
     def _fitting_layout(self, config: EngineConfig, model: ResolvedModel) -> str:
         """'; LAYOUT fits ...': the fewest ranks (up to one 8-GPU machine; expert parallelism where the model has
         experts and it stores less) that leave room for a KV pool; '' when none does."""
-        spec = model.spec
-        if spec.moe is not None:
-            spec = replace(spec, moe=replace(spec.moe, expert_parallel=False))
-        layouts = [(spec, False)] + ([(with_expert_parallel(spec), True)] if spec.moe is not None else [])
+        layouts = self._layouts(model.spec)
         for ranks in range(config.tensor_parallel_size + 1, MAX_SUGGESTED_RANKS + 1):
             fits = []
             for layout_spec, expert in layouts:
@@ -131,24 +169,31 @@ class DeviceKind:
                 return f"; {flags} fits ({weights / 2**30:,.1f} GiB of weights per rank)"
         return ""
 
-    def default_cost(self, model: ResolvedModel, ranks: int = 1) -> CostModel:
+    def comm_bytes(self, model: ResolvedModel, ranks: int, enforce_eager: bool = False) -> CommBytes:
+        """What one rank sends per token (decode steps in CUDA graphs on a GPU unless `enforce_eager`)."""
+        dtype_bytes = torch.finfo(model.dtype).bits // 8
+        return comm_bytes_per_token(model.spec, ranks, dtype_bytes, self.memory_gib is not None and not enforce_eager)
+
+    def default_cost(self, model: ResolvedModel, ranks: int = 1, enforce_eager: bool = False) -> CostModel:
+        """The cost model of the module docstring for `ranks` ranks (`enforce_eager`: no CUDA graphs for decode)."""
         if self.peak_tflops is None or self.peak_tb_per_s is None:
             raise PlanError(f"no peak figures for {self.name}: give --cost-from a real run's report on it, "
                             f"or --device-kind one of cpu, {', '.join(preset_names())}")
         dtype_bytes = torch.finfo(model.dtype).bits // 8
         spec = Shard(0, ranks).local_spec(model.spec)
         work = ModelWork.of(spec, dtype_bytes, gpu_bytes_per_weight(model) if self.memory_gib else dtype_bytes)
-        all_reduce = spec.num_layers * 2 * 2 * (ranks - 1) / ranks * spec.hidden_size * dtype_bytes
+        sent = self.comm_bytes(model, ranks, enforce_eager)
+        link = NVLINK_TB_S * 1e12 * BANDWIDTH_EFFICIENCY
         peak = self.peak_tflops * (FP32_SHARE_OF_PEAK if dtype_bytes == 4 and self.memory_gib else 1.0)
         flops = peak * 1e12 * self.flop_efficiency
         bandwidth = self.peak_tb_per_s * 1e12 * BANDWIDTH_EFFICIENCY
         return CostModel(
             per_step=work.weight_bytes() / bandwidth + self.step_overhead_s,
-            per_prefill_token=work.layer_flops_per_token / flops + all_reduce / (NVLINK_TB_S * 1e12 * BANDWIDTH_EFFICIENCY),
+            per_prefill_token=work.layer_flops_per_token / flops + sent.prefill / link,
             per_context_token=work.kv_bytes_per_token / bandwidth + work.flops_per_attention_pair / flops,
             unit="s",
             per_decode_token=(work.layer_flops_per_token + work.head_flops_per_token / ranks) / flops
-            + all_reduce / (NVLINK_TB_S * 1e12 * BANDWIDTH_EFFICIENCY),
+            + sent.decode / link,
         )
 
 
