@@ -85,7 +85,7 @@ def test_speculative_decoding_leaves_budget_rows_alone(random_thinker, monkeypat
 
     engine = make_engine(random_thinker, max_num_seqs=2, policy="fcfs")
     prompt = encode_messages(engine.tokenizer, QUESTION)
-    params = [SamplingParams(max_tokens=32), SamplingParams(max_tokens=32, thinking_token_budget=8)] * 2
+    params = [SamplingParams(max_tokens=16), SamplingParams(max_tokens=16, thinking_token_budget=6)] * 2
     plain = [o.token_ids for o in run_to_completion(engine, [prompt] * 4, params)]
     kept: dict[int | None, int] = {}
     verified = Speculator.verified
