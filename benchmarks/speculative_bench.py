@@ -118,8 +118,8 @@ def compare(name: str, engine, prompts, params, modes: list[str]) -> dict[str, A
 
 
 def describe(r: dict[str, Any]) -> str:
-    return (f"{r['tok_s']:8.1f} output tok/s  {r['seconds']:7.1f} s  {r['steps']:5d} steps  {r['tokens_per_step']:6.2f} "
-            f"tok/step  drafted {r['drafted']:6d}  accepted {r['accepted']:6d} ({r['acceptance']:.0%})")
+    return (f"{r['tok_s']:8.1f} output tok/s  {r['seconds']:7.1f} s  {r['steps']:5d} steps  "
+            f"{r['tokens_per_step']:6.2f} tok/step  drafted {r['drafted']:6d}  accepted {r['accepted']:6d} ({r['acceptance']:.0%})")
 
 
 def bench_engine(model: Path, device: str, settings: dict[str, Any], seed: int):

@@ -261,8 +261,8 @@ def test_simulated_auto_fits_the_cost_clock():
     100 tokens (the line through every step), whatever the machine."""
     from cbatch.bench.simulator import CostModel, simulated_engine
 
-    engine = simulated_engine(EngineConfig(speculative="auto"), CostModel(per_step=1.0, per_prefill_token=0.01, per_decode_token=0.01),
-                              128, 64, acceptance=1.0)
+    cost = CostModel(per_step=1.0, per_prefill_token=0.01, per_decode_token=0.01)
+    engine = simulated_engine(EngineConfig(speculative="auto"), cost, 128, 64, acceptance=1.0)
     run_to_completion(engine, [[1, 2, 3]] * 2, [SamplingParams(max_tokens=30, ignore_eos=True)] * 2)
     assert engine.scheduler.speculator.cost.fixed_tokens == pytest.approx(100.0)
 

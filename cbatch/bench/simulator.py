@@ -152,7 +152,8 @@ def simulated_engine(config: EngineConfig, cost: CostModel, max_model_len: int, 
     share of drafted tokens kept (`kept_drafts`; --speculative-acceptance)."""
     config = with_step_limits(config, torch.device("cpu"))  # the simulated step: the CPU's defaults unless given
     num_blocks = config.num_kv_blocks or blocks_for_every_slot(config, min(longest_request, max_model_len))
-    return on_cost_clock(Engine(config, SimulatedRunner(cost, acceptance), KVPool(num_blocks), max_model_len, spec=spec))
+    runner = SimulatedRunner(cost, acceptance)
+    return on_cost_clock(Engine(config, runner, KVPool(num_blocks), max_model_len, spec=spec))
 
 
 def on_cost_clock(engine: Engine) -> Engine:

@@ -252,8 +252,8 @@ def bench(**values: Any) -> None:
         run_bench(BenchOptions(
             engine=config, cost=cost,
             **{name: values[name] for name in ("model_config", "num_prompts", "input_len", "output_len", "seed", "trace",
-                                               "policy", "simulate", "report", "plot", "quiet", "warmup", "shared_prefix",
-                                               "speculative_acceptance")},
+                                               "policy", "simulate", "report", "plot", "quiet", "warmup",
+                                               "shared_prefix", "speculative_acceptance")},
         ))
         return 0
 

@@ -200,7 +200,8 @@ def planned_engine(config: EngineConfig, setup: PlanSetup) -> PlannedEngine:
     return on_cost_clock(PlannedEngine(
         config, PlannedRunner(setup.cost, spec.eos_token_ids, spec.vocab_size, setup.acceptance),
         setup.kind.kv_pool(config, setup.model), setup.model.max_model_len, spec=spec, tokenizer=setup.tokenizer,
-        device=setup.model.device, dtype=setup.model.dtype, model_dir=setup.model.checkpoint.path, lengths=setup.lengths,
+        device=setup.model.device, dtype=setup.model.dtype, model_dir=setup.model.checkpoint.path,
+        lengths=setup.lengths,
     ))
 
 
