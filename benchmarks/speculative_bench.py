@@ -154,7 +154,8 @@ def into_vocab(prompts: list[list[int]], vocab: int) -> list[list[int]]:
 def copying_checkpoint(source: Path, target: Path, tokens: set[int]) -> Path:
     """A variant of a random-weight checkpoint whose greedy text loops over `tokens`: attention outputs x 0.02 (the
     next token is nearly a function of the current one) and the output rows of every other token zeroed (the argmax
-    stays among `tokens`: a function on a few hundred tokens soon cycles)."""
+    stays among `tokens`: a function on a few hundred tokens soon cycles). A `target` that holds a checkpoint already
+    is kept (a warm machine: the same prompts, the same variant)."""
     import torch
     from safetensors.torch import load_file, save_file
 
