@@ -5,8 +5,9 @@
 
 1. copy-heavy: SmolLM2-135M-Instruct (the default model) rewriting and extracting from given passages (repeat
    exactly, the sentences naming a word, a bullet list of the sentences): most of each answer is in its prompt.
-2. random: the nano-vllm-style workload (random token ids, random lengths, ignore_eos) on the same model, where
-   drafts rarely hold: auto must switch itself off (target >= 0.97x).
+2. random: nano-vllm's benchmark workload (random token ids, random lengths, ignore_eos, temperature 0.6; each row
+   seeded so both runs draw the same tokens) on the same model, where drafts mostly fail: auto must switch itself
+   off (target >= 0.97x). `--random-temperature 0` makes it greedy, where SmolLM2 falls into loops drafts copy.
 
 One engine runs every mode in turn (`Engine.reset(speculative=...)`, after a warm-up); the tokens of each mode are
 compared with off's (they must be identical) and output tok/s, the ratio, the acceptance rate and tokens per step
@@ -73,11 +74,13 @@ def copy_heavy_prompts(tokenizer, rows: int, seed: int) -> list[list[int]]:
 
 
 def random_workload(rows: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                    vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """nano-vllm's benchmark shape: random token ids and lengths, every row to its length (ignore_eos)."""
+                    vocab: int, temperature: float = 0.6) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's benchmark shape: random token ids and lengths, every row to its length (ignore_eos), sampled at
+    its temperature (0.6) with a seed per row."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(rows)]
-    params = [SamplingParams(max_tokens=rng.randint(*output_range), ignore_eos=True) for _ in range(rows)]
+    params = [SamplingParams(max_tokens=rng.randint(*output_range), ignore_eos=True, temperature=temperature,
+                             seed=seed * 100_003 + i if temperature > 0 else None) for i in range(rows)]
     return prompts, params
 
 
@@ -205,6 +208,7 @@ def main() -> None:
     parser.add_argument("--random-rows", type=int, default=64)
     parser.add_argument("--random-prompt", type=span, default=(100, 1024), help="random prompts' lengths A:B")
     parser.add_argument("--random-output", type=span, default=(100, 1024), help="random outputs' lengths A:B")
+    parser.add_argument("--random-temperature", type=float, default=0.6, help="nano-vllm's 0.6; 0: greedy")
     parser.add_argument("--mode", default="auto", help="the speculative modes compared with off, comma-separated")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -252,7 +256,8 @@ def main() -> None:
     engine = bench_engine(model, args.device, settings, args.seed)
     vocab = engine.spec.vocab_size
     record(compare("copy-heavy", engine, into_vocab(copy_prompts, vocab), copy_params, modes))
-    prompts, params = random_workload(args.random_rows, args.seed, args.random_prompt, args.random_output, vocab)
+    prompts, params = random_workload(args.random_rows, args.seed, args.random_prompt, args.random_output, vocab,
+                                      args.random_temperature)
     record(compare("random", engine, prompts, params, modes))
     release(engine)
     if failed:
