@@ -5,7 +5,7 @@
 # under its own `timeout`, and each part installs what it needs, so parts run in any order on a fresh or warm
 # machine).
 #
-#   bash benchmarks/gpu_session.sh PART        PART: all | speed | peer | gpu-tests | kernels | suite | parity | bench | e2e | e2e-more | e2e-sync | e2e-split | e2e-gemm | int4 | lora | vision
+#   bash benchmarks/gpu_session.sh PART        PART: all | speed | peer | gpu-tests | kernels | suite | parity | bench | e2e | e2e-more | e2e-sync | e2e-split | e2e-gemm | int4 | lora | vision | spec
 #   bash benchmarks/gpu_session.sh --list      the parts, their steps, time budgets and worst cases
 #   bash benchmarks/gpu_session.sh --cpu-dry-run [PART...]   every part (or those named) on this CPU (Triton interpreter, tiny shapes,
 #                                              a few requests): the same files and summary, to catch shell
@@ -32,7 +32,9 @@
 # against bf16 matmul on 70B shapes, and e2e's workload on an AWQ-g128 copy of the model: its tok/s against
 # e2e's), lora ~3 (4 adapters x 128 rows + 128 base rows against the base model alone, grouped and ungrouped,
 # the Triton shrink/expand kernels), vision ~8 (images/s and output tok/s of OCR-shaped rows on a random
-# Qwen2.5-VL-7B shape, cbatch then transformers). The GPU issue's order: kernels, suite, parity, e2e, bench, e2e-more, e2e-sync;
+# Qwen2.5-VL-7B shape, cbatch then transformers). spec ~4 (speculative decoding, issue 51: benchmarks/speculative_bench.py's
+# copy-heavy and random workloads on a random Qwen3-0.6B and a looping variant of it, off against auto and ngram in
+# one process, tokens compared). The GPU issue's order: kernels, suite, parity, e2e, bench, e2e-more, e2e-sync;
 # then int4, lora.
 #
 # Carry (device tool `carry`): .carry (SmolLM2's tokenizer for the CLI tests; `python benchmarks/make_carry.py`
@@ -76,12 +78,15 @@ declare -A PLAN=(
   [gpu-tests]="gpu_tests:150"
   [families]="family_kernel_tests:150 mla_decode:120 moe_mxfp4:180"
   [vision]="vision_check:60 vision_cbatch:240 vision_hf:180"
+  # two engines (the looping variant, then the random model), each tuned and captured once (~40-60 s), then
+  # off / auto / ngram in turn on each workload (a few seconds each at ~20k tok/s); the variant written ~10 s
+  [spec]="make_model:70 spec_bench:420"
   # the last step takes what the steps before it left of their budgets too (elastic_budget). profile_fp8 needs
   # ~37-48 s (its own tuning: the fp8 tiles are another key); profile_bf16 starts on the first step's compiled
   # kernels and tuning cache. The peer: cbatch ~20 s and hf-cb ~71 s on 64 requests, before the fallback's reserve.
   [all]="first_step:45 make_model:25 profile_bf16:70 profile_fp8:60 decode_kernels:35 host_step:15 hf_vs_cbatch:204"
 )
-PARTS="all speed peer gpu-tests families kernels suite parity bench e2e e2e-more e2e-sync e2e-split e2e-gemm int4 lora vision"
+PARTS="all speed peer gpu-tests families kernels suite parity bench e2e e2e-more e2e-sync e2e-split e2e-gemm int4 lora vision spec"
 # the peer comparison (peer_args): hf-cb guarded by what the step's budget leaves before the fallback's reserve,
 # and skipped when that is under MIN_PEER_GUARD_S (on an H200, configured, it took 58 s for 64 requests, 71 s of
 # process); if it does not finish, both again on FALLBACK_REQUESTS inside the reserve (cbatch ~20 s with its graphs
@@ -406,6 +411,23 @@ part_lora() {  # LoRA adapters per row (issue 36): 4 adapters x rows + base rows
     step lora_bench $py benchmarks/lora_bench.py --device cuda --hidden 1024 --layers 8 --rows 128 --prompt-len 128:512 \
       --output-len 128 --max-num-seqs 256 --rounds 3
   fi
+}
+
+# spec: speculative decoding (issue 51) on the random Qwen3-0.6B: speculative_bench.py's copy-heavy workload (SmolLM2's
+# token ids of its prompts: the carried tokenizer) and the random one, off against auto and ngram on one engine,
+# tokens compared; first the copy-heavy workload on a variant of the model that loops over its prompts' tokens
+# (where drafts hold). Figures in $OUT/spec.json, rewritten after each workload (dry: the tiny model, a few rows)
+spec_args() {
+  if [ $DRY = 1 ]; then
+    echo "--device cpu --dtype float32 --model $(model_dir) --copying-model $(model_dir)-copying --rows 3 --max-tokens 16 --random-rows 2 --random-prompt 8:16 --random-output 6:10 --ignore-eos --mode auto,ngram --engine-arg attention_backend=triton$(off_args)"
+  else
+    echo "--device cuda --dtype bfloat16 --model $MODEL --copying-model $MODEL-copying --rows 256 --max-tokens 160 --random-rows 256 --random-prompt 100:1024 --random-output 100:1024 --ignore-eos --mode auto,ngram --engine-arg max_model_len=2048 --engine-arg cuda_graph_max_batch=256$(off_args)"
+  fi
+}
+
+part_spec() {
+  step make_model $py benchmarks/make_random_model.py "$(model_preset)" "$(model_dir)"
+  TAIL_LINES=16 step spec_bench $py benchmarks/speculative_bench.py $(spec_args) --json "$OUT/spec.json"
 }
 
 run_part() {

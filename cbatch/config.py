@@ -150,8 +150,6 @@ class EngineConfig:
         check(1 <= self.speculative_tokens <= 64, "speculative_tokens", "must be between 1 and 64")
         check(1 <= self.speculative_min_ngram <= self.speculative_max_ngram <= 32, "speculative_min_ngram",
               "must be at least 1 and at most --speculative-max-ngram (at most 32)")
-        check(not (self.speculative != "off" and self.loras), "speculative",
-              "does not work with LoRA adapters yet; leave --speculative off")
         check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
         check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
               "must be at least 1")

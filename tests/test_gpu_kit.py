@@ -45,7 +45,7 @@ def test_every_part_of_the_plan_leaves_its_reserve(tmp_path):
     listing = kit("main --list", tmp_path)
     parts = re.findall(r"^part (\S+): worst case (\d+) s of its (\d+) s limit, reserve (\d+) s before the "
                        r"device's 600 s kill", listing, re.M)
-    assert len(parts) == 17
+    assert len(parts) == 18
     for name, worst, limit, reserve in parts:
         assert int(reserve) >= 60 and int(worst) + int(reserve) == 600 and int(worst) <= int(limit), name
         block = listing.split(f"part {name}:")[1].split("\npart ")[0]

@@ -113,6 +113,30 @@ def test_grouping_admits_adapter_by_adapter(model_case):
     assert changes[True] == 2 and changes[False] > 2
 
 
+def test_speculative_decoding_drafts_the_base_rows_of_an_adapter_job(model_case, monkeypatch):
+    """--speculative with adapters: base-model rows draft and verify (their verify rows run on the base model, in
+    steps whose other rows carry adapters), adapter rows do not draft; every token as without speculation."""
+    from cbatch.engine.speculative import Speculator
+
+    checkpoint, folders, *_ = model_case("llama")
+    prompts, adapters = PROMPTS * 2, ROW_ADAPTERS * 2  # the copies start once the originals finished (fcfs, 3 slots)
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, lora=a) for a in adapters]
+    settings = dict(loras=loras(folders), max_num_seqs=3, policy="fcfs")
+    plain = generate(make_engine(checkpoint, **settings), prompts, params)
+    kept: dict[str | None, int] = {}
+    verified = Speculator.verified
+
+    def count(self, seq, drafted, accepted):
+        kept[seq.params.lora] = kept.get(seq.params.lora, 0) + accepted
+        verified(self, seq, drafted, accepted)
+
+    monkeypatch.setattr(Speculator, "verified", count)
+    engine = make_engine(checkpoint, speculative="suffix", **settings)
+    assert generate(engine, prompts, params) == plain
+    assert list(kept) == [None] and kept[None] > 0  # only base rows verified drafts, and kept some
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
 def test_unknown_adapter_is_an_error_row(model_case):
     checkpoint, folders, peft_tokens, *_ = model_case("llama")
     engine = make_engine(checkpoint, loras=loras(folders))

@@ -396,3 +396,33 @@ def test_a_long_job_is_checked_whole_and_simulated_on_an_even_sample(tiny_checkp
     for key in ("wall_seconds", "output_tokens", "prompt_tokens", "steps"):
         assert s[key] == pytest.approx(w[key], rel=0.03), (key, s[key], w[key])  # seen: within 1.2%
     assert s["wall_seconds"] != w["wall_seconds"]  # a real sample, not the whole again
+
+
+def test_plan_takes_a_speculative_acceptance(tiny_checkpoints, tmp_path):
+    """--speculative with --speculative-acceptance: drafted tokens priced as decode tokens, each kept by a seeded
+    draw. 4 rows of 23 planned tokens (filler 0 0 0 ...: an n-gram draft of 4 from the third token on): kept all,
+    23 tokens in 1 + 1 + 1 + 4 steps, 16 drafted tokens a row; kept none, the plain run's 23 steps."""
+    rng = random.Random(2)
+    rows = [{"id": f"s{i}", "prompt_token_ids": [rng.randrange(3, 384) for _ in range(12)], "max_tokens": 23,
+             "ignore_eos": True} for i in range(4)]
+    source = write_jsonl(tmp_path / "job.jsonl", rows)
+    flags = [str(source), "--model", str(tiny_checkpoints["llama"]), "--device", "cpu", "--no-search",
+             "--max-num-seqs", "4", "--report", str(tmp_path / "plan.json")]
+    predicted, printed = {}, {}
+    for name, extra in (("off", []), ("none", ["--speculative", "ngram"]),
+                        ("all", ["--speculative", "ngram", "--speculative-acceptance", "1"]),
+                        ("some", ["--speculative", "ngram", "--speculative-acceptance", "0.6"])):
+        code, printed[name], err = plan(*flags, *extra)
+        assert code == 0, err
+        predicted[name] = json.loads((tmp_path / "plan.json").read_text())["predicted"]
+    assert "speculative" not in predicted["off"] and predicted["off"]["steps"] == 23
+    assert predicted["none"]["steps"] == 23 and predicted["none"]["speculative"]["accepted_tokens"] == 0
+    assert predicted["all"]["steps"] == 7
+    assert predicted["all"]["speculative"]["drafted_tokens"] == predicted["all"]["speculative"]["accepted_tokens"] == 64
+    some = predicted["some"]
+    assert 7 < some["steps"] < 23 and 0 < some["speculative"]["accepted_tokens"] < some["speculative"]["drafted_tokens"]
+    assert all(p["output_tokens"] == 4 * 23 for p in predicted.values())
+    assert "speculative (ngram, acceptance 100% assumed): 64/64 drafted tokens kept (100%)" in printed["all"]
+    assert "acceptance 0% assumed" in printed["none"]
+    code, _, err = plan(*flags, "--speculative-acceptance", "0.5")
+    assert code == 2 and "--speculative-acceptance: needs --speculative" in err and err.count("\n") == 1, err

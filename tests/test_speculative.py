@@ -156,8 +156,7 @@ def test_identity_fields_and_refusals():
             assert "output" not in f.metadata  # never part of the resume fingerprint or the result-cache key
     with pytest.raises(ConfigError, match="speculative"):
         EngineConfig(speculative="medusa")
-    with pytest.raises(ConfigError, match="speculative"):
-        EngineConfig(speculative="ngram", loras=(("a", "/x"),))
+    EngineConfig(speculative="ngram", loras=(("a", "/x"),))  # adapter rows do not draft; base rows do (test_lora.py)
 
 
 def test_a_row_matmul_is_the_same_bits_alone_or_in_a_batch():
@@ -279,21 +278,65 @@ def test_smollm2_copying_passages(smollm2_dir):
     assert engine.scheduler.stats.steps < engine.plain_steps
 
 
-def test_simulator_models_acceptance():
-    """The simulator (the engine with a cost-model runner) keeps a share of the drafts: fewer steps, the same
-    lengths; without an acceptance rate it keeps none and takes the plain run's steps."""
+def simulated_steps(mode: str, acceptance: float, rows: int = 4, max_tokens: int = 23, **settings):
+    """A simulated job (the engine with a cost-model runner: every row "samples" token 0) of `rows` rows whose
+    prompts hold no 0: (its steps, drafted, kept tokens, output lengths)."""
     from cbatch.bench.simulator import CostModel, simulated_engine
 
-    prompts = [[3, 4, 5, 6] * 4 for _ in range(4)]
-    params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 4
-    steps = {}
-    for name, mode, acceptance in (("plain", "off", 0.0), ("none kept", "ngram", 0.0), ("kept", "ngram", 0.8)):
-        engine = simulated_engine(EngineConfig(speculative=mode, max_num_seqs=4), CostModel(), 128, 64)
-        engine.runner.acceptance = acceptance
-        outputs = run_to_completion(engine, prompts, params)
-        assert [len(o.token_ids) for o in outputs] == [40] * 4
-        steps[name] = engine.scheduler.stats.steps
-    assert steps["none kept"] == steps["plain"] and steps["kept"] < steps["plain"] * 0.7
+    engine = simulated_engine(EngineConfig(speculative=mode, max_num_seqs=rows, **settings), CostModel(), 128, 64,
+                              acceptance=acceptance)
+    prompts = [[i + 1, 9, 8, 7, 6, 5, 4, 3] for i in range(rows)]
+    outputs = run_to_completion(engine, prompts, [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * rows)
+    stats = engine.scheduler.stats
+    return stats.steps, stats.drafted_tokens, stats.accepted_tokens, [len(o.token_ids) for o in outputs]
+
+
+def test_simulator_models_acceptance():
+    """The simulator keeps each drafted token with the given probability while the ones before it were, with
+    draws seeded by row and step. The rows (lockstep) output 0 0 0 ...: a draft of k = 4 from their third token on,
+    each step's draft short of max_tokens (23): kept all, 1 + 1 + 1 + 5 + 5 + 5 + 5 = 23 tokens in 7 steps; kept
+    none, the plain 23 steps (a rejected draft's place takes token 1, so the rows draft less often)."""
+    assert simulated_steps("off", 0.0) == (23, 0, 0, [23] * 4)
+    steps, drafted, kept, lengths = simulated_steps("ngram", 0.0)
+    assert (steps, kept, lengths) == (23, 0, [23] * 4) and drafted >= 4 * 16
+    assert simulated_steps("ngram", 1.0) == (7, 4 * 16, 4 * 16, [23] * 4)
+    steps, drafted, kept, lengths = simulated_steps("ngram", 0.6)
+    assert 7 < steps < 23 and 0 < kept < drafted and lengths == [23] * 4
+    assert simulated_steps("ngram", 0.6) == (steps, drafted, kept, lengths)  # seeded: the same in every run
+
+
+def test_simulated_auto_fits_the_cost_clock():
+    """auto's step cost is fitted to the simulated steps' prices (not this process's wall time): a fixed step cost of
+    100 tokens (the line through every step), whatever the machine."""
+    from cbatch.bench.simulator import CostModel, simulated_engine
+
+    cost = CostModel(per_step=1.0, per_prefill_token=0.01, per_decode_token=0.01)
+    engine = simulated_engine(EngineConfig(speculative="auto"), cost, 128, 64, acceptance=1.0)
+    run_to_completion(engine, [[1, 2, 3]] * 2, [SamplingParams(max_tokens=30, ignore_eos=True)] * 2)
+    assert engine.scheduler.speculator.cost.fixed_tokens == pytest.approx(100.0)
+
+
+def test_bench_simulate_takes_an_acceptance(tmp_path):
+    from ops_jobs import run_inprocess
+
+    flags = ["bench", "--simulate", "--num-prompts", "8", "--input-len", "8:16", "--output-len", "40", "--policy",
+             "fcfs", "--speculative", "ngram", "--report", str(tmp_path / "bench.json")]
+    reports = {}
+    for acceptance in ("0", "0.8"):
+        code, stdout, err = run_inprocess(*flags, "--speculative-acceptance", acceptance)
+        assert code == 0, err
+        assert "speculative" in stdout and "drafted tokens kept" in stdout
+        reports[acceptance] = json.loads((tmp_path / "bench.json").read_text())["runs"][0]
+    assert reports["0"]["speculative"]["accepted_tokens"] == 0
+    assert reports["0.8"]["speculative"]["accepted_tokens"] > 0
+    assert reports["0.8"]["utilization"]["steps"] < reports["0"]["utilization"]["steps"]
+    assert reports["0.8"]["settings"]["speculative_acceptance"] == 0.8
+    for args, expected in ((flags + ["--speculative-acceptance", "2"], "between 0 and 1"),
+                           (flags + ["--speculative", "off", "--speculative-acceptance", "0.5"], "needs --speculative"),
+                           ([f for f in flags if f != "--simulate"] + ["--speculative-acceptance", "0.5"],
+                            "only with --simulate")):
+        code, _, err = run_inprocess(*args)
+        assert code == 2 and expected in err and err.count("\n") == 1, err
 
 
 def test_image_rows_verify_at_their_m_rope_positions(tmp_path, monkeypatch):

@@ -78,6 +78,29 @@ def test_budgets_bound_the_thinking_then_the_model_answers(random_thinker, async
     assert sampled.token_ids[:8] != unbounded.token_ids[:8]  # (it did sample)
 
 
+def test_speculative_decoding_leaves_budget_rows_alone(random_thinker, monkeypatch):
+    """--speculative: a row with a thinking budget does not draft (its forced </think> is decided per sampled
+    token), so it decodes as without speculation; rows without one draft beside it. Tokens identical."""
+    from cbatch.engine.speculative import Speculator
+
+    engine = make_engine(random_thinker, max_num_seqs=2, policy="fcfs")
+    prompt = encode_messages(engine.tokenizer, QUESTION)
+    params = [SamplingParams(max_tokens=16), SamplingParams(max_tokens=16, thinking_token_budget=6)] * 2
+    plain = [o.token_ids for o in run_to_completion(engine, [prompt] * 4, params)]
+    kept: dict[int | None, int] = {}
+    verified = Speculator.verified
+
+    def count(self, seq, drafted, accepted):
+        budget = seq.params.thinking_token_budget
+        kept[budget] = kept.get(budget, 0) + accepted
+        verified(self, seq, drafted, accepted)
+
+    monkeypatch.setattr(Speculator, "verified", count)
+    engine = make_engine(random_thinker, max_num_seqs=2, policy="fcfs", speculative="suffix")
+    assert [o.token_ids for o in run_to_completion(engine, [prompt] * 4, params)] == plain
+    assert list(kept) == [None] and kept[None] > 0  # the copy of the unbounded row drafted from the first's output
+
+
 def test_a_budget_closes_the_models_own_thinking(thinking_model):  # noqa: F811
     """The scripted model of test_reasoning.py opens <think> itself and thinks one token ("Maybe"): a budget of 0
     closes it at once and the answer follows; a budget of 1 or more changes nothing."""

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from cbatch.bench.result import BenchRun, comparison_rows, comparison_table
-from cbatch.bench.simulator import SIMULATED_VOCAB, CostModel, cost_settings, simulated_engine
+from cbatch.bench.simulator import SIMULATED_VOCAB, CostModel, check_acceptance, cost_settings, simulated_engine
 from cbatch.bench.trial import make_bench_engine, run_trial, warm_up, workload_prompts
 from cbatch.bench.workload import BenchRequest, WorkloadError, parse_distribution, read_trace, synthetic_workload
 from cbatch.config import POLICIES, EngineConfig
@@ -33,6 +33,7 @@ class BenchOptions:
     quiet: bool = False
     warmup: bool = True
     shared_prefix: int = 0  # every prompt starts with the same this many tokens
+    speculative_acceptance: float | None = None  # --simulate with --speculative: the share of drafts kept
 
 
 def policies_of(name: str) -> list[str]:
@@ -131,8 +132,12 @@ def _bench_engine(options: BenchOptions, requests: list[BenchRequest]):
 
         longest = max(r.prompt_len + r.output_len for r in requests)
         spec = preset_spec(options.model_config) if options.model_config is not None else None
-        engine = simulated_engine(options.engine, options.cost, _sim_max_model_len(options, requests), longest, spec)
+        acceptance = check_acceptance(options.speculative_acceptance, options.engine)
+        engine = simulated_engine(options.engine, options.cost, _sim_max_model_len(options, requests), longest, spec,
+                                  acceptance)
         return engine, lambda: engine.runner.forward_seconds
+    if options.speculative_acceptance is not None:
+        raise WorkloadError("--speculative-acceptance: only with --simulate (a real run measures its own acceptance)")
     graphs = options.engine.cuda_graph_max_batch or len(requests)  # no CUDA graph above what the workload can run
     engine = make_bench_engine(replace(options.engine, cuda_graph_max_batch=graphs), options.model_config, options.seed)
     if options.warmup:
@@ -145,6 +150,8 @@ def _run_settings(options: BenchOptions, engine, policy: str) -> dict[str, Any]:
                                 "max_model_len": engine.max_model_len, "shared_prefix": options.shared_prefix}
     if options.simulate:
         settings["cost_model"] = cost_settings(options.cost)
+        if options.engine.speculative != "off":
+            settings["speculative_acceptance"] = options.speculative_acceptance or 0.0
     else:
         settings.update(model=options.model_config or options.engine.model or "default", device=str(engine.device),
                         dtype=str(engine.dtype))

@@ -91,4 +91,8 @@ def comparison_table(runs: list[dict[str, Any]]):
                 cell += f" ({ratio:.2f}x)"
             cells.append(cell)
         table.add_row(label, *cells)
+    if any("speculative" in r for r in runs):  # --speculative: drafts kept and output tokens per step
+        table.add_row("speculative", *(f"{s['accepted_tokens']:,}/{s['drafted_tokens']:,} kept, "
+                                       f"{s['output_tokens_per_step']:.2f} tok/step" if (s := r.get("speculative"))
+                                       else "-" for r in runs))
     return table

@@ -94,12 +94,22 @@ class Done:
         return self.output
 
 
+def kept_drafts(seq_id: int, step: int, drafted: int, acceptance: float) -> int:
+    """How many of a row's `drafted` tokens a simulated target keeps at `step`: each with probability `acceptance`
+    while the ones before it were. The draws are seeded by (row, step), so a simulation gives the same steps in
+    every run."""
+    rng = random.Random(seq_id * 1_000_003 + step)
+    kept = 0
+    while kept < drafted and rng.random() < acceptance:
+        kept += 1
+    return kept
+
+
 class SimulatedRunner:
     """The engine's runner in a simulation: every sampling sequence "samples" token 0, and the clock
     advances by the cost model's price of the step (an idle step, waiting for arrivals, costs `per_step`).
     Speculative decoding (`--speculative`): drafted tokens are priced as decode tokens (they take the decode path);
-    each is kept with probability `acceptance` while the ones before it were (a seeded, per-row draw), the first
-    rejected one replaced by another token."""
+    `kept_drafts` decides how many are kept, the first rejected one replaced by another token."""
 
     def __init__(self, cost: CostModel, acceptance: float = 0.0) -> None:
         self.cost = cost
@@ -117,12 +127,8 @@ class SimulatedRunner:
                                                   for seq_id, drafted in plan.drafts.items()})
 
     def _verify(self, seq_id: int, step: int, drafted: list[int]) -> list[int]:
-        """The "target's" tokens at a verified row's positions: the drafts while each draw keeps them, then one
-        that differs."""
-        rng = random.Random(hash((seq_id, step)))
-        kept = 0
-        while kept < len(drafted) and rng.random() < self.acceptance:
-            kept += 1
+        """The "target's" tokens at a verified row's positions: the kept drafts, then one that differs."""
+        kept = kept_drafts(seq_id, step, len(drafted), self.acceptance)
         if kept == len(drafted):
             return [*drafted, 0]
         return [*drafted[:kept], drafted[kept] + 1]
@@ -140,12 +146,33 @@ class SimulatedRunner:
 
 
 def simulated_engine(config: EngineConfig, cost: CostModel, max_model_len: int, longest_request: int,
-                     spec: ModelSpec | None = None) -> Engine:
+                     spec: ModelSpec | None = None, acceptance: float = 0.0) -> Engine:
     """An engine whose runner is the cost model: the real Scheduler, BlockPool and update. The pool is
-    `--num-kv-blocks`, else one that never binds (every slot can hold the longest request)."""
+    `--num-kv-blocks`, else one that never binds (every slot can hold the longest request). `acceptance`: the
+    share of drafted tokens kept (`kept_drafts`; --speculative-acceptance)."""
     config = with_step_limits(config, torch.device("cpu"))  # the simulated step: the CPU's defaults unless given
     num_blocks = config.num_kv_blocks or blocks_for_every_slot(config, min(longest_request, max_model_len))
-    return Engine(config, SimulatedRunner(cost), KVPool(num_blocks), max_model_len, spec=spec)
+    runner = SimulatedRunner(cost, acceptance)
+    return on_cost_clock(Engine(config, runner, KVPool(num_blocks), max_model_len, spec=spec))
+
+
+def on_cost_clock(engine: Engine) -> Engine:
+    """`--speculative auto` fits its step cost to the simulated steps' prices, not to this process's wall time."""
+    engine.step_clock = lambda: engine.runner.forward_seconds
+    return engine
+
+
+def check_acceptance(acceptance: float | None, config: EngineConfig) -> float:
+    """--speculative-acceptance as the simulator takes it (0 when not given); raises UserError for a bad one."""
+    if acceptance is None:
+        return 0.0
+    if not 0.0 <= acceptance <= 1.0:
+        raise UserError(f"--speculative-acceptance: must be between 0 and 1 (the share of drafted tokens kept), "
+                        f"not {acceptance}")
+    if config.speculative == "off":
+        raise UserError("--speculative-acceptance: needs --speculative ngram, suffix or auto (nothing is drafted "
+                        "with it off)")
+    return acceptance
 
 
 def simulate(requests: list[BenchRequest], config: EngineConfig, cost: CostModel, max_model_len: int,

@@ -252,7 +252,8 @@ def bench(**values: Any) -> None:
         run_bench(BenchOptions(
             engine=config, cost=cost,
             **{name: values[name] for name in ("model_config", "num_prompts", "input_len", "output_len", "seed", "trace",
-                                               "policy", "simulate", "report", "plot", "quiet", "warmup", "shared_prefix")},
+                                               "policy", "simulate", "report", "plot", "quiet", "warmup",
+                                               "shared_prefix", "speculative_acceptance")},
         ))
         return 0
 
@@ -272,7 +273,7 @@ def plan(**values: Any) -> None:
         **{name: values[name] for name in ("cost_from", "lengths_from", "device_kind", "report", "search",
                                            "allow_errors", "quiet", "lookahead", "result_cache", "task", "pooling",
                                            "normalize", "dimensions", "tool_call_parser", "image_min_pixels",
-                                           "image_max_pixels")},
+                                           "image_max_pixels", "speculative_acceptance")},
         effort_budgets=effort_budgets(values), classifier=classifier_tokens(values),
         score_template=score_template(values),
     )

@@ -263,6 +263,9 @@ BENCH_FLAGS = [
     Flag("cost_per_context_token", float, 0.0, "Simulated cost per KV token read.", SIMULATOR),
     Flag("cost_per_decode_token", float, 0.0, "Simulated cost per decode token (a one-token chunk).", SIMULATOR),
     Flag("cost_from", Optional[Path], None, "Fit the cost model (in seconds) to a real run's --report.", SIMULATOR),
+    Flag("speculative_acceptance", Optional[float], None, "With --speculative: the share of drafted tokens the "
+         "simulation keeps (each kept with this probability while the ones before it were; default 0).", SIMULATOR,
+         metavar="0..1"),
     Flag("report", Optional[Path], None, "Write every run's JSON report here.", JOB),
     Flag("plot", Optional[Path], None, "Draw occupancy, KV usage, tokens/s and latency (.png or .html).", JOB),
     Flag("warmup", bool, True, "Run a few short requests before timing (real runs).", JOB),
@@ -287,6 +290,9 @@ PLAN_OWN_FLAGS = [
          "l4, a10 (default: this one).", PLAN),
     Flag("search", bool, True, "Also try other --max-num-seqs / --max-num-batched-tokens and name the fastest.", PLAN,
          decls=("--search/--no-search",)),
+    Flag("speculative_acceptance", Optional[float], None, "With --speculative: the share of drafted tokens the plan "
+         "assumes kept (each kept with this probability while the ones before it were; default 0: measure it with "
+         "a real run's report, `speculative.acceptance_rate`).", PLAN, metavar="0..1"),
     Flag("report", Optional[Path], None, "Write the plan (error rows, prediction, search) as JSON here.", PLAN),
 ]
 

@@ -16,7 +16,7 @@ import itertools
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Protocol, Sequence as Seq
+from typing import Any, Callable, Iterable, Protocol, Sequence as Seq
 
 import torch
 
@@ -95,6 +95,9 @@ class Engine:
     dtype: torch.dtype | None = None
     model_dir: Path | None = None
     kernel_tuning: dict | None = None  # what start-up tuning chose (GPU), for the report
+    # what a step's time is measured on for `--speculative auto`'s cost model: wall time, or a simulation's cost
+    # clock (bench/simulator.py: deterministic)
+    step_clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self) -> None:
         self._eos_ids = frozenset(self.spec.eos_token_ids) if self.spec is not None else frozenset()
@@ -271,10 +274,10 @@ class Engine:
         if not plan:
             return self._idle()
         speculator = self.scheduler.speculator
-        start = time.perf_counter() if speculator is not None else 0.0
+        start = self.step_clock() if speculator is not None else 0.0
         out = self.runner.execute(plan)
         if speculator is not None:  # (auto's cost model: what a step of this many tokens took)
-            speculator.observe_step(plan.num_tokens, time.perf_counter() - start)
+            speculator.observe_step(plan.num_tokens, self.step_clock() - start)
         _take_pooled(plan, out)
         return self.scheduler.update(plan, out.tokens, out.logprobs, out.verified)
 

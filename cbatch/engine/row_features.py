@@ -158,7 +158,10 @@ class AdapterRows(RowFeature):
 
     def fill(self, inputs: StepInputs, order: np.ndarray | slice, q_lens: np.ndarray) -> None:
         if self._row_slots is not None:
-            inputs.lora_slots = np.repeat(self._row_slots[order], q_lens)  # int32 [T]
+            rows = self._row_slots[order]
+            if len(rows) < len(q_lens):  # speculative verify rows, after the others: base-model rows (adapter rows
+                rows = np.concatenate([rows, np.full(len(q_lens) - len(rows), -1, rows.dtype)])  # never draft)
+            inputs.lora_slots = np.repeat(rows, q_lens)  # int32 [T]
             inputs.lora_resident = tuple(self.slots.resident)
 
     def prepare(self, inputs: StepInputs, device: torch.device, put: Callable | None) -> bool:

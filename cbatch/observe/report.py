@@ -207,12 +207,13 @@ def summary_line(report: dict[str, Any]) -> str:
            f" | {report['tokens']['output']} output tokens in {report['time']['wall_seconds']:.1f}s"
            f" = {t['output_tokens_per_s']:.1f} tok/s ({t['total_tokens_per_s']:.1f} total)")
         + f" | occupancy {u['mean_batch_occupancy']:.0%}, peak KV {u['peak_kv_usage']:.0%}, preemptions {u['preemptions']}"
-        + (_speculation_text(report["speculative"]) if "speculative" in report else "")
+        + (f" | speculative: {speculation_text(report['speculative'])}" if "speculative" in report else "")
     )
 
 
-def _speculation_text(spec: dict[str, Any]) -> str:
-    return (f" | speculative: {spec['accepted_tokens']:,}/{spec['drafted_tokens']:,} drafted tokens kept "
+def speculation_text(spec: dict[str, Any]) -> str:
+    """The `speculative` figures in one line (the summary, the report table, `cbatch plan`)."""
+    return (f"{spec['accepted_tokens']:,}/{spec['drafted_tokens']:,} drafted tokens kept "
             f"({spec['acceptance_rate']:.0%}), {spec['output_tokens_per_step']:.2f} output tok/step")
 
 
@@ -244,7 +245,7 @@ def summary_table(report: dict[str, Any]):
     table.add_row("preemption", f"{u['preemptions']} preemptions, {u['recomputed_tokens']:,} tokens recomputed, "
                   f"padding waste {u['padding_waste']:.1%}")
     if "speculative" in report:
-        table.add_row("speculative", _speculation_text(report["speculative"]).removeprefix(" | speculative: "))
+        table.add_row("speculative", speculation_text(report["speculative"]))
 
     def pct(p: dict) -> str:
         return "-" if p["p50"] is None else f"{p['p50']:.2f} / {p['p90']:.2f} / {p['p99']:.2f}"

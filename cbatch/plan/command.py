@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cbatch.bench.simulator import CostModel, cost_settings
+from cbatch.bench.simulator import CostModel, check_acceptance, cost_settings
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine.memory import kv_cache_dtype, kv_per_token
 from cbatch.engine.resolve import ResolvedModel, engine_backend
@@ -17,7 +17,7 @@ from cbatch.io.reader import InputFile, inspect_input, iter_rows, open_input
 from cbatch.io.state import StorageError
 from cbatch.io.writer import check_writable
 from cbatch.model.pooling_config import ClassifierTokens
-from cbatch.observe.report import write_report
+from cbatch.observe.report import speculation_text, write_report
 from cbatch.plan.devices import DeviceKind, device_kind
 from cbatch.plan.lengths import OutputLengths
 from cbatch.plan.simulate import (CheckedRows, PlanSetup, Simulation, check_rows, fastest, search, simulate_checked,
@@ -57,6 +57,7 @@ class PlanOptions:
     score_template: str | None = None
     image_min_pixels: int | None = None  # --image-min-pixels / --image-max-pixels (None: the model's)
     image_max_pixels: int | None = None
+    speculative_acceptance: float | None = None  # with --speculative: the share of drafted tokens kept (default 0)
 
 
 def run_plan(options: PlanOptions) -> int:
@@ -72,9 +73,10 @@ def run_plan(options: PlanOptions) -> int:
 
         adapter_digests(config.loras, model.spec, config.max_lora_rank)
     cost, cost_source = cost_model(options, kind, model)
+    acceptance = check_acceptance(options.speculative_acceptance, config)
     lengths = (OutputLengths.from_report(options.lengths_from, config.seed) if options.lengths_from is not None
                else OutputLengths(source="max_tokens, an upper bound"))
-    setup = PlanSetup(model, kind, plan_tokenizer(model), cost, lengths, task, options.lookahead)
+    setup = PlanSetup(model, kind, plan_tokenizer(model), cost, lengths, task, options.lookahead, acceptance)
     cache = plan_cache(options, kind, model, config, task)
     if task.decodes:  # rows checked, then an even sample replayed and searched; prefill-only rows: each simulated once
         checked = check_rows(iter_rows(source), config, setup, total_rows, cache)
@@ -150,6 +152,7 @@ def plan_report(options: PlanOptions, setup: PlanSetup, cost_source: str, checke
         "settings": {"engine": asdict(first.config), "defaults": asdict(options.defaults)},
         "cost_model": {**cost_settings(setup.cost), "source": cost_source},
         "output_lengths": setup.lengths.source if setup.task.decodes else f"none (--task {options.task}: prefill only)",
+        **({"speculative_acceptance": setup.acceptance} if first.config.speculative != "off" else {}),
         **({} if setup.task.decodes else {"task": options.task}),
         "requests": {"total": total, "ok": total - len(errors), "error": len(errors), "cached": checked.cached},
         "errors": [{"index": r.index, "id": r.row_id, "error": r.error} for r in errors],
@@ -228,6 +231,9 @@ def print_plan(plan: dict[str, Any], quiet: bool) -> None:
     print(f"  wall {p['wall_seconds']:,.1f} s, {rates}, {p['steps']:,} steps, occupancy {p['mean_batch_occupancy']:.0%}, "
           f"peak KV {p['peak_kv_usage']:.0%} of {p['num_kv_blocks']:,} blocks, {p['preemptions']} preemptions"
           + (f", prefix cache hits {p['prefix_cache_hit_rate']:.0%}" if p["prefix_cache_hit_rate"] else ""))
+    if "speculative" in p:
+        print(f"  speculative ({plan['settings']['engine']['speculative']}, acceptance "
+              f"{plan['speculative_acceptance']:.0%} assumed): {speculation_text(p['speculative'])}")
     kv = plan["kv_cache"]
     print(f"  KV cache: {kv['bytes_per_token']:,} bytes per token ({kv['layout']}), "
           f"{p['num_kv_blocks'] * plan['settings']['engine']['block_size']:,} tokens in the pool")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 from typing import Sequence as Sequence_
 
-from cbatch.bench.simulator import CostModel, SimulatedRunner
+from cbatch.bench.simulator import CostModel, SimulatedRunner, kept_drafts, on_cost_clock
 from cbatch.config import SAMPLING_FIELDS, EngineConfig, SamplingParams
 from cbatch.engine import memory
 from cbatch.engine.engine import Engine
@@ -49,13 +49,21 @@ PLAN_SIMULATED_ROWS = 25_000  # above it the schedule is simulated on an even sa
 
 class PlannedRunner(SimulatedRunner):
     """The simulator's runner with planned output lengths: a row samples a filler token (never EOS) until
-    it has `targets[seq_id] - 1` tokens, then EOS; the clock advances by the cost model's price."""
+    it has `targets[seq_id] - 1` tokens, then EOS; the clock advances by the cost model's price. A row verifying
+    drafts (--speculative) keeps as many as `kept_drafts` draws (--speculative-acceptance), never past its
+    planned length: a draft that is an EOS id is kept only where the plan ends the row."""
 
-    def __init__(self, cost: CostModel, eos_ids: tuple[int, ...], vocab_size: int) -> None:
-        super().__init__(cost)
+    def __init__(self, cost: CostModel, eos_ids: tuple[int, ...], vocab_size: int, acceptance: float = 0.0) -> None:
+        super().__init__(cost, acceptance)
         self.targets: dict[int, int] = {}  # seq_id -> planned output length
+        self.eos_ids = frozenset(eos_ids)
         self.eos = min(eos_ids) if eos_ids else None
-        self.filler = next(t for t in range(vocab_size) if t not in eos_ids)
+        # two non-EOS tokens: the filler, and the target's own token where it rejects a draft equal to the filler
+        self.filler, self.other = [t for t in range(vocab_size) if t not in eos_ids][:2]
+
+    def planned(self, seq: Sequence, index: int) -> int:
+        """The token the plan puts at output index `index` of `seq`: EOS at its planned length, else the filler."""
+        return self.eos if index + 1 >= self.targets[seq.seq_id] and self.eos is not None else self.filler
 
     def execute(self, plan: StepPlan) -> StepOutput:
         self.forward_seconds += self.cost.step_cost(plan.info)
@@ -63,9 +71,26 @@ class PlannedRunner(SimulatedRunner):
         for seq, num_new in plan.scheduled:
             if seq.num_computed + num_new >= seq.num_tokens:  # this chunk reaches the end: it samples
                 for sample in seq.samples if seq.pending_children else [seq]:  # and so do the samples it forks
-                    last = len(sample.output_ids) + 1 >= self.targets[sample.seq_id]
-                    sampled[sample.seq_id] = self.eos if last and self.eos is not None else self.filler
-        return StepOutput(sampled)
+                    sampled[sample.seq_id] = self.planned(sample, len(sample.output_ids))
+        if not plan.drafts:
+            return StepOutput(sampled)
+        rows = {seq.seq_id: seq for seq, _ in plan.scheduled}
+        return StepOutput(sampled, verified={seq_id: self._planned_targets(rows[seq_id], plan.step, drafted)
+                                             for seq_id, drafted in plan.drafts.items()})
+
+    def _planned_targets(self, seq: Sequence, step: int, drafted: list[int]) -> list[int]:
+        """The target's tokens at a verified row's positions, up to the first that differs from its draft."""
+        kept, start, targets = kept_drafts(seq.seq_id, step, len(drafted), self.acceptance), len(seq.output_ids), []
+        for j, draft in enumerate(drafted):
+            planned = self.planned(seq, start + j)
+            if j < kept:  # kept, unless the plan ends the row here or the draft would end it early
+                target = planned if planned == self.eos or draft in self.eos_ids else draft
+            else:  # the draw rejects it: the target's token differs
+                target = planned if planned != draft else self.other
+            targets.append(target)
+            if target != draft:
+                return targets
+        return [*targets, self.planned(seq, start + len(drafted))]
 
 
 @dataclass(eq=False)
@@ -103,6 +128,7 @@ class PlanSetup:
     lengths: OutputLengths
     task: Task  # --task with its settings (the sampling defaults among them)
     lookahead: int
+    acceptance: float = 0.0  # --speculative-acceptance: the share of drafted tokens the simulation keeps
 
     def spec(self, config: EngineConfig, cache: CacheSpec | None = None) -> JobSpec:
         """The job as a run of `config` would take it (the rows a planned run copies from `cache`: lookups only)."""
@@ -157,7 +183,13 @@ class Simulation:
             "prefix_cache_hit_rate": u["prefix_cache_hit_rate"], "num_kv_blocks": u["kv_blocks_total"],
             "max_num_seqs": self.config.max_num_seqs, "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "latency_seconds": r["latency"]["seconds"]["total"], "simulated_rows": r["requests"]["total"],
+            **({"speculative": self.speculative()} if "speculative" in r else {}),
         }
+
+    def speculative(self) -> dict[str, Any]:
+        """--speculative: drafted and kept tokens scaled to the job; the rates (acceptance, per step) as they are."""
+        spec, k = self.report["speculative"], self.scale
+        return {**spec, **{key: round(spec[key] * k) for key in ("drafted_tokens", "accepted_tokens", "draft_steps")}}
 
 
 def planned_engine(config: EngineConfig, setup: PlanSetup) -> PlannedEngine:
@@ -165,11 +197,12 @@ def planned_engine(config: EngineConfig, setup: PlanSetup) -> PlannedEngine:
     the run would get on that device fill in what `config` leaves unset."""
     spec = setup.model.spec
     config = memory.with_step_limits(config, setup.kind.device)
-    return PlannedEngine(
-        config, PlannedRunner(setup.cost, spec.eos_token_ids, spec.vocab_size), setup.kind.kv_pool(config, setup.model),
-        setup.model.max_model_len, spec=spec, tokenizer=setup.tokenizer, device=setup.model.device,
-        dtype=setup.model.dtype, model_dir=setup.model.checkpoint.path, lengths=setup.lengths,
-    )
+    return on_cost_clock(PlannedEngine(
+        config, PlannedRunner(setup.cost, spec.eos_token_ids, spec.vocab_size, setup.acceptance),
+        setup.kind.kv_pool(config, setup.model), setup.model.max_model_len, spec=spec, tokenizer=setup.tokenizer,
+        device=setup.model.device, dtype=setup.model.dtype, model_dir=setup.model.checkpoint.path,
+        lengths=setup.lengths,
+    ))
 
 
 def check_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, total_rows: int,
