@@ -124,6 +124,9 @@ class KVManager:
             self.stats.prefix_cache_queries += 1
             self.stats.prefix_cache_query_tokens += seq.num_tokens
             self.stats.prefix_cache_hit_tokens += seq.num_computed
+            if seq.images is not None:
+                self.stats.prefix_cache_hit_image_tokens += sum(
+                    end - first for _, _, first, end in seq.images.overlapping(0, seq.num_computed))
 
     # ---- leaving ----------------------------------------------------------------------------
     def swap_out(self, seq: Sequence, plan: StepPlan) -> None:

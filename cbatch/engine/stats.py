@@ -30,6 +30,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # sequences that looked up the cache when starting
     prefix_cache_query_tokens: int = 0  # their tokens
     prefix_cache_hit_tokens: int = 0  # of those, tokens found cached (not computed)
+    prefix_cache_hit_image_tokens: int = 0  # of those, image placeholder tokens (their image's KV not computed again)
     # swap preemption
     swap_preemptions: int = 0
     swapped_out_blocks: int = 0

@@ -211,7 +211,8 @@ class LocalExecutor:
         metrics.forward_seconds = engine.runner.forward_seconds
         images = getattr(engine.runner, "images", None)  # (a vision-language model's image rows: its encoder's work)
         if images is not None and images.images_encoded:
-            metrics.image_usage.update(encoded=images.images_encoded, encoded_tokens=images.image_tokens_encoded)
+            metrics.image_usage.update(encoded=images.images_encoded, encoded_tokens=images.image_tokens_encoded,
+                                       prefix_cache_hit_tokens=engine.scheduler.stats.prefix_cache_hit_image_tokens)
         return [result for seq in finished for result in self._results(seq)]
 
     def stop_starting(self) -> None:

@@ -1,0 +1,82 @@
+"""Jobs of rows with images (issue 48), through `cbatch run` on a tiny random Qwen2-VL checkpoint: 64 questions about
+4 images compute each image's KV once (the prefix cache) and give the tokens of a run without it."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from ops_jobs import read_jsonl, run_inprocess, write_jsonl
+from vision_models import make_vl_checkpoint, png_bytes
+
+
+@pytest.fixture(scope="module")
+def vl_model(tmp_path_factory):
+    path = make_vl_checkpoint("qwen2_vl", tmp_path_factory.mktemp("vljobs") / "model")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run(model, input_path, out, *flags) -> int:
+    code, _, err = run_inprocess("run", str(input_path), "-o", str(out), "--model", str(model), "--device", "cpu",
+                                 "--display", "none", "--quiet", "--max-tokens", "4", *map(str, flags))
+    assert code == 0, err
+    return code
+
+
+def test_questions_about_shared_images_compute_each_images_kv_once(vl_model, tmp_path):
+    """64 rows, 16 different questions about each of 4 images (56 x 56 pixels: 4 image tokens each). A prompt is
+    `<|im_start|> user <|vision_start|> [4 image tokens] <|vision_end|> QUESTION <|im_end|> <|im_start|> assistant`
+    (12 tokens): with 4-token blocks its first 2 blocks (the image's run ends at the second's end) are shared by the
+    16 rows about the same image, so 15 of them take the image's KV from the prefix cache."""
+    from cbatch.observe.report import summary_line
+
+    for k in range(4):
+        (tmp_path / f"page{k}.png").write_bytes(png_bytes(56, 56, seed=10 + k))
+    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"w{20 + i}"}],
+             "images": [str(tmp_path / f"page{i % 4}.png")]} for i in range(64)]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    common = ("--block-size", 4, "--max-model-len", 64)
+    run(vl_model, tmp_path / "in.jsonl", tmp_path / "cached.jsonl", *common, "--report", tmp_path / "cached.json")
+    run(vl_model, tmp_path / "in.jsonl", tmp_path / "plain.jsonl", *common, "--no-prefix-cache",
+        "--report", tmp_path / "plain.json")
+
+    cached, plain = read_jsonl(tmp_path / "cached.jsonl"), read_jsonl(tmp_path / "plain.jsonl")
+    assert [r["prompt_tokens"] for r in cached] == [12] * 64
+    assert [r["completion"] for r in cached] == [r["completion"] for r in plain]
+    assert len({r["completion"] for r in cached}) > 4, "decisive: the questions change the answers"
+    report, plain_report = (json.loads((tmp_path / name).read_text()) for name in ("cached.json", "plain.json"))
+    images = report["images"]
+    assert {k: v for k, v in images.items() if k != "images_per_s"} == {
+        "rows": 64, "images": 64, "image_tokens": 256, "encoded": 4, "encoded_tokens": 16,
+        "prefix_cache_hit_tokens": 60 * 4}  # image tokens computed: 256 - 240 = 16, each image's 4 once
+    assert images["images_per_s"] > 0
+    assert report["utilization"]["prefix_cache_saved_tokens"] == 60 * 8
+    assert report["utilization"]["computed_prompt_tokens"] == 64 * 12 - 60 * 8
+    # without the prefix cache every row computes its image's KV (the vision tower still encodes each image once)
+    assert plain_report["images"]["prefix_cache_hit_tokens"] == 0 and plain_report["images"]["encoded"] == 4
+    assert "images: 64 (256 tokens), 4 encoded, 240 image tokens from the prefix cache" in summary_line(report)
+
+
+def test_the_dashboard_shows_a_jobs_images():
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from cbatch.config import EngineConfig
+    from cbatch.observe.dashboard import Dashboard
+    from cbatch.observe.metrics import JobMetrics
+
+    now = [0.0]
+    metrics = JobMetrics(total_rows=64, clock=lambda: now[0])
+    metrics.image_usage.update(rows=32, images=32, image_tokens=128, encoded=4, encoded_tokens=16,
+                               prefix_cache_hit_tokens=112)
+    now[0] = 8.0
+    dashboard = Dashboard(metrics, SimpleNamespace(engine=EngineConfig(max_num_seqs=8, max_num_batched_tokens=64)),
+                          start=False)
+    console = Console(record=True, force_terminal=True, width=160, file=io.StringIO())
+    console.print(dashboard.render())
+    assert "images       32 (128 tokens), 4 encoded, 112 image tokens from the prefix cache, 4.0 images/s" in \
+        console.export_text()
