@@ -80,3 +80,26 @@ def test_the_dashboard_shows_a_jobs_images():
     console.print(dashboard.render())
     assert "images       32 (128 tokens), 4 encoded, 112 image tokens from the prefix cache, 4.0 images/s" in \
         console.export_text()
+
+
+def test_images_are_read_as_rows_are_admitted_and_few_are_held(vl_model, tmp_path):
+    """A job of file references reads each image when its row is about to enter the engine, never at the start: when
+    the k-th image is opened, at least k - cap rows have finished (cap: the executor's rows with images, read ahead
+    or in the engine), and the decoded images alive at once never exceed the cap. Counted, not timed: 300 rows here;
+    benchmarks/vision_memory.py runs 10,000 (benchmarks/RESULTS.md)."""
+    from cbatch.run.executor import PREFETCH_ROWS
+    from vision_models import ImageWatch
+
+    rows, max_num_seqs = 300, 4
+    for k in range(8):
+        (tmp_path / f"p{k}.png").write_bytes(png_bytes(28, 28, seed=k))
+    write_jsonl(tmp_path / "in.jsonl", [{"id": str(i), "messages": [{"role": "user", "content": f"w{i % 200}"}],
+                                         "images": [str(tmp_path / f"p{i % 8}.png")]} for i in range(rows)])
+    with ImageWatch() as watch:
+        run(vl_model, tmp_path / "in.jsonl", tmp_path / "out.jsonl", "--max-tokens", 1, "--max-num-seqs", max_num_seqs)
+    cap = PREFETCH_ROWS + max_num_seqs
+    assert len(read_jsonl(tmp_path / "out.jsonl")) == rows and watch.done == rows
+    assert watch.opened == rows  # each row's image read once
+    assert all(done >= k - cap for k, done in enumerate(watch.done_at_open, start=1)), watch.done_at_open
+    assert watch.done_at_open[-1] >= rows - cap > 0  # the last image is opened after most rows are done
+    assert watch.peak_alive <= cap, watch.peak_alive

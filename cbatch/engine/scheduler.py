@@ -525,6 +525,7 @@ class Scheduler:
             if seq in self.running:
                 self.running.remove(seq)
             self.kv_manager.free(seq)
+            seq.images = None  # (its images' pixels go now, not when the next plan, which names it finished, does)
             seq.status = SequenceStatus.FINISHED
             if self.speculator is not None:
                 self.speculator.finished(seq)
