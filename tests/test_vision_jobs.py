@@ -103,3 +103,42 @@ def test_images_are_read_as_rows_are_admitted_and_few_are_held(vl_model, tmp_pat
     assert all(done >= k - cap for k, done in enumerate(watch.done_at_open, start=1)), watch.done_at_open
     assert watch.done_at_open[-1] >= rows - cap > 0  # the last image is opened after most rows are done
     assert watch.peak_alive <= cap, watch.peak_alive
+
+
+def test_plan_counts_image_tokens_from_headers_without_decoding(vl_model, tmp_path, monkeypatch):
+    """`cbatch plan` takes each image's size from its header and the processor's resize rule: the grid and tokens
+    of a full read (scaled up to min_pixels, down to max_pixels or --image-max-pixels, odd sizes), no pixels."""
+    from PIL import Image, ImageFile
+
+    from cbatch.io.images import ImageReader, ImageSettings
+    from cbatch.model.loader import read_checkpoint
+
+    vision = read_checkpoint(vl_model).spec.vision
+    sizes = [(20, 30), (57, 85), (600, 200), (28, 28), (13, 1300), (333, 444)]  # (height, width)
+    sources = [png_bytes(h, w, seed=k) for k, (h, w) in enumerate(sizes)]
+    # the model's bounds (28 x 28 .. 28 x 28 x 64 pixels), then tighter ones: each image's tokens
+    for settings, tokens in ((ImageSettings(), [1, 6, 52, 1, 10, 54]),
+                             (ImageSettings(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 9), [6, 6, 5, 4, 20, 6])):
+        reader = ImageReader(vl_model, vision, settings)
+        for source, expected in zip(sources, tokens):
+            full, counted = reader.read(source, "a"), reader.read(source, "a", decode=False)
+            assert (counted.grid, counted.num_tokens, counted.digest) == (full.grid, full.num_tokens, full.digest)
+            assert counted.num_tokens == expected and counted.pixels is None
+
+    for k, source in enumerate(sources):
+        (tmp_path / f"p{k}.png").write_bytes(source)
+    rows = [{"id": str(i), "messages": [{"role": "user", "content": f"w{i}"}],
+             "images": [str(tmp_path / f"p{i % len(sizes)}.png")], "max_tokens": 2} for i in range(8)]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    run(vl_model, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+    prompt_tokens = sum(r["prompt_tokens"] for r in read_jsonl(tmp_path / "out.jsonl"))
+    decoded = []
+    for cls in (Image.Image, ImageFile.ImageFile):  # every way to pixels goes through a `load`
+        monkeypatch.setattr(cls, "load", lambda self, load=cls.load: decoded.append(self.size) or load(self))
+    code, _, err = run_inprocess("plan", str(tmp_path / "in.jsonl"), "--model", str(vl_model), "--device", "cpu",
+                                 "--report", str(tmp_path / "plan.json"), "--no-search")
+    assert code == 0, err
+    assert json.loads((tmp_path / "plan.json").read_text())["predicted"]["prompt_tokens"] == prompt_tokens
+    assert decoded == []
+    reader.read(sources[0], "a")  # (a decode is seen)
+    assert sizes[0][::-1] in decoded

@@ -142,13 +142,13 @@ class ImageWatch:
         read, poll = ImageReader.read, LocalExecutor.poll
         watch = self
 
-        def counted_read(reader, source, name):
+        def counted_read(reader, source, name, *args):
             with watch._lock:
                 watch.opened += 1
                 watch.done_at_open.append(watch.done)
                 if watch.on_open is not None:
                     watch.on_open(watch.opened)
-            image = read(reader, source, name)
+            image = read(reader, source, name, *args)
             with watch._lock:
                 watch.alive += 1
                 watch.peak_alive = max(watch.peak_alive, watch.alive)

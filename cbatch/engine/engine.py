@@ -16,7 +16,7 @@ import itertools
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Protocol, Sequence as Seq
+from typing import Any, ClassVar, Iterable, Protocol, Sequence as Seq
 
 import torch
 
@@ -95,6 +95,9 @@ class Engine:
     dtype: torch.dtype | None = None
     model_dir: Path | None = None
     kernel_tuning: dict | None = None  # what start-up tuning chose (GPU), for the report
+    # rows' images are decoded into pixels for the vision tower; False (cbatch plan's engine): their headers give
+    # each one's size, which alone sets its placeholder tokens
+    decodes_images: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self._eos_ids = frozenset(self.spec.eos_token_ids) if self.spec is not None else frozenset()
