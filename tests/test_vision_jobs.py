@@ -142,3 +142,51 @@ def test_plan_counts_image_tokens_from_headers_without_decoding(vl_model, tmp_pa
     assert decoded == []
     reader.read(sources[0], "a")  # (a decode is seen)
     assert sizes[0][::-1] in decoded
+
+
+def test_a_resume_notices_an_image_file_changed_since_the_partial_run(vl_model, tmp_path, monkeypatch):
+    """A finished row's record keeps its images' digests; a resume reads the images of the rows it keeps again and
+    refuses (exit 2, one line) when one has other bytes or is gone, as it refuses a changed INPUT. Restored, the same
+    command resumes and gives the uninterrupted run's OUTPUT."""
+    from cbatch.io.images import digest_of
+    from ops_jobs import part_records
+    from test_ops_resume import _sigterm_after
+
+    pages = [png_bytes(28, 56, seed=k) for k in range(6)]
+    for k, page in enumerate(pages):
+        (tmp_path / f"p{k}.png").write_bytes(page)
+    write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "messages": [{"role": "user", "content": f"w{i}"}],
+                                         "images": [str(tmp_path / f"p{i % 6}.png")]} for i in range(30)])
+    flags = ("--max-num-seqs", 2)
+    run(vl_model, tmp_path / "in.jsonl", tmp_path / "ref.jsonl", *flags)
+    out = tmp_path / "out.jsonl"
+    _sigterm_after(monkeypatch, 4)
+    code, _, err = run_inprocess("run", str(tmp_path / "in.jsonl"), "-o", str(out), "--model", str(vl_model),
+                                 "--device", "cpu", "--max-tokens", "4", "--max-num-seqs", "2")
+    assert code == 143, err
+    monkeypatch.undo()
+    records = part_records(out)
+    assert 0 < len(records) < 30
+    assert all(r["image_digests"] == [digest_of(pages[r["index"] % 6])] for r in records)
+    finished = records[0]["index"]
+
+    def resume() -> tuple[int, str]:
+        code, _, err = run_inprocess("run", str(tmp_path / "in.jsonl"), "-o", str(out), "--model", str(vl_model),
+                                     "--device", "cpu", "--display", "none", "--max-tokens", "4", *map(str, flags))
+        return code, err
+
+    (tmp_path / f"p{finished % 6}.png").write_bytes(png_bytes(28, 56, seed=99))  # other bytes, same path
+    code, err = resume()
+    assert code == 2 and err.count("\n") == 1, err
+    first = min(r["index"] for r in records if r["index"] % 6 == finished % 6)
+    assert (f"finished row {first} ('r{first}') with `images[0]` ('{tmp_path}/p{finished % 6}.png'), which has "
+            "other bytes now; restore the image and run the same command to resume, or pass --overwrite") in err
+    (tmp_path / f"p{finished % 6}.png").unlink()
+    code, err = resume()
+    assert code == 2 and "names a file that does not exist now" in err, err
+    assert not out.exists()
+
+    (tmp_path / f"p{finished % 6}.png").write_bytes(pages[finished % 6])
+    code, err = resume()
+    assert code == 0 and f"resuming: {len(records)} of 30 rows" in err, err
+    assert read_jsonl(out) == read_jsonl(tmp_path / "ref.jsonl")

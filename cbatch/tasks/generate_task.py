@@ -98,6 +98,9 @@ class GenerateTask(Task):
         return RowWork(parsed, [Request(prompt_ids, request.params, images=images or None)],
                        cache_key=(identity, request.params))
 
+    def image_sources(self, parsed: ParsedRow) -> list[tuple[str, Any]]:
+        return list(parsed.request.images or [])
+
     def prefetch(self, engine: "Engine", parsed: ParsedRow) -> list[Future] | None:
         request: RowRequest = parsed.request
         if not request.images:
