@@ -190,3 +190,46 @@ def test_a_resume_notices_an_image_file_changed_since_the_partial_run(vl_model, 
     code, err = resume()
     assert code == 0 and f"resuming: {len(records)} of 30 rows" in err, err
     assert read_jsonl(out) == read_jsonl(tmp_path / "ref.jsonl")
+
+
+def run_counting_encodes(model, limit: int | None, sizes, text_first: bool):
+    """Rows of one image each (`sizes`: (height, width)), greedy, through one engine with --max-image-tokens-per-step
+    `limit`: (image tokens encoded in each step, the completions, steps whose admission waited for the budget)."""
+    from cbatch.config import SamplingParams
+    from cbatch.io.images import ImageReader
+    from helpers import make_engine
+    from vision_models import IMAGE_TOKEN, VISION_END, VISION_START
+
+    engine = make_engine(model, max_model_len=128, max_image_tokens_per_step=limit)
+    reader = ImageReader(model, engine.spec.vision)
+    seqs = []
+    for k, (h, w) in enumerate(sizes):
+        image = reader.read(png_bytes(h, w, k), f"image{k}")
+        ids = [*([4, 10 + k, 11, VISION_START] if text_first else []), *[IMAGE_TOKEN] * image.num_tokens, VISION_END, 12 + k]
+        seqs.append(engine.add_request(ids, SamplingParams(max_tokens=3, temperature=0.0), images=[image]))
+    encoded, images = [], engine.runner.images
+    while engine.has_unfinished():
+        before = images.image_tokens_encoded
+        engine.step()
+        encoded.append(images.image_tokens_encoded - before)
+    return encoded, [seq.output_ids for seq in seqs], engine.scheduler.stats.stalled_encoder_budget
+
+
+def test_the_encoder_budget_spreads_images_over_steps(vl_model):
+    """--max-image-tokens-per-step 8: images of 12, 6, 1, 6 and 1 tokens (26 in all, one step without a limit). The
+    12-token image runs alone in the first step (larger than the budget, it is the step's first); the rows behind it
+    compute their text up to their image and wait; then 6 + 1 + 1, then 6. Rows opening with their image wait in the
+    queue instead (admission stalls) and are admitted in order, one a step. The tokens are the same."""
+    from cbatch.config import ConfigError, EngineConfig
+
+    sizes = [(56, 84), (84, 112), (28, 28), (56, 84), (28, 28)]
+    free, free_tokens, _ = run_counting_encodes(vl_model, None, sizes, text_first=True)
+    capped, capped_tokens, _ = run_counting_encodes(vl_model, 8, sizes, text_first=True)
+    assert free == [26, 0, 0] and capped == [12, 8, 6, 0, 0]
+    assert capped_tokens == free_tokens
+    free, free_tokens, _ = run_counting_encodes(vl_model, None, [(56, 84)] * 3, text_first=False)
+    capped, capped_tokens, stalls = run_counting_encodes(vl_model, 6, [(56, 84)] * 3, text_first=False)
+    assert free == [18, 0, 0] and capped == [6, 6, 6, 0, 0] and stalls == 2
+    assert capped_tokens == free_tokens
+    with pytest.raises(ConfigError, match="max_image_tokens_per_step: must be at least 1"):  # (the CLI: the flag)
+        EngineConfig(max_image_tokens_per_step=0)

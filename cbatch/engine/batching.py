@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from cbatch.engine.encoder_budget import EncoderBudget
 from cbatch.engine.kv_blocks import prefix_hits
 from cbatch.engine.kv_manager import KVManager
 from cbatch.engine.sequence import Sequence
@@ -30,6 +31,7 @@ class Scheduler(Protocol):
 
     running: list[Sequence]
     kv_manager: KVManager
+    encoder: EncoderBudget
     admission: "OptimisticAdmission"
     max_model_len: int
 
@@ -93,11 +95,12 @@ class StaticGroups(ContinuousBatching):
         for seq in sched.running:
             if budget == 0:
                 break
-            num_new = min(seq.num_uncomputed, budget)
-            if not sched.grow(seq, num_new, plan):
+            num_new = sched.encoder.fit(seq, seq.num_computed, min(seq.num_uncomputed, budget))
+            if not num_new or not sched.grow(seq, num_new, plan):
                 continue
             plan.scheduled.append((seq, num_new))
             budget -= num_new
+            sched.encoder.take(seq, seq.num_computed, num_new)
         return budget
 
     def leaving(self, sched: Scheduler, seq: Sequence) -> list[Sequence]:

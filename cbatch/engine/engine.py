@@ -383,6 +383,7 @@ def make_scheduler(config: EngineConfig, kv_pool: KVPool, max_model_len: int) ->
         policy, pool, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
         priority=PriorityOrder(config.priority_aging_steps), preemption=PreemptionPolicy(config.preemption),
         admission=admission, num_host_blocks=kv_pool.num_host_blocks, speculator=make_speculator(config),
+        max_image_tokens_per_step=config.max_image_tokens_per_step,
     )
 
 

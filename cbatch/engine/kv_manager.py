@@ -9,6 +9,7 @@ tensors are the runner's, and block copies travel in the StepPlan (`swap_out`, `
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from cbatch.config import SamplingParams
 from cbatch.engine.kv_blocks import BlockPool, cache_computed_blocks, first_missing_hash, hashes_completed, prefix_hits
@@ -84,16 +85,20 @@ class KVManager:
         return keep
 
     # ---- starting ---------------------------------------------------------------------------
-    def prepare_start(self, seq: Sequence, budget: int) -> Start | str:
+    def prepare_start(self, seq: Sequence, budget: int, fit: Callable[[Sequence, int, int], int] | None = None
+                      ) -> Start | str:
         """What starting `seq` now would take, or why it cannot: "prefix_pending" (its next prefix block is
         being computed this step by another sequence: waiting one step turns it and the rest of the shared
-        prefix into hits; never a deadlock, `_inflight` holds this step's blocks only) or "no_free_blocks"."""
+        prefix into hits; never a deadlock, `_inflight` holds this step's blocks only), "encoder_budget" (`fit`,
+        the step's encoder budget, gives its first chunk no token: encoder_budget.py) or "no_free_blocks"."""
         hits = prefix_hits(self.pool, seq)
         if first_missing_hash(self.pool, seq, len(hits)) in self._inflight:
             return "prefix_pending"
         reused = len(seq.host_block_ids) + len(hits)  # blocks it starts with before new ones
         computed = seq.num_computed + len(hits) * self.pool.block_size
         num_new = min(seq.num_tokens - computed, budget)
+        if fit is not None and not (num_new := fit(seq, computed, num_new)):
+            return "encoder_budget"
         fresh = max(0, self.pool.blocks_for(computed + num_new) - reused)
         cost = fresh + len(seq.host_block_ids) + sum(1 for b in hits if self.pool.is_evictable(b))
         return "no_free_blocks" if cost > self.pool.num_free else Start(hits, num_new, fresh)

@@ -8,7 +8,7 @@ from cbatch.engine.step import StepInfo
 # Why waiting work was not admitted in a step (one reason per step, counted in SchedulerStats).
 STALL_REASONS = (
     "no_free_blocks", "token_budget", "max_num_seqs", "reserved", "after_preemption", "static_group", "prefix_pending",
-    "closed", "max_loras",
+    "closed", "max_loras", "encoder_budget",
 )
 
 
@@ -45,6 +45,7 @@ class SchedulerStats:
     stalled_prefix_pending: int = 0  # the head shares a prefix block another sequence computes this step
     stalled_closed: int = 0  # admission closed (the job's deadline came: nothing new starts)
     stalled_max_loras: int = 0  # the head's LoRA adapter would be one more than --max-loras among the running rows
+    stalled_encoder_budget: int = 0  # the head's first image would pass this step's --max-image-tokens-per-step
     # speculative decoding (engine/speculative/): tokens drafted and verified, those kept, steps with drafts
     drafted_tokens: int = 0
     accepted_tokens: int = 0
