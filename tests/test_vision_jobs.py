@@ -233,3 +233,17 @@ def test_the_encoder_budget_spreads_images_over_steps(vl_model):
     assert capped_tokens == free_tokens
     with pytest.raises(ConfigError, match="max_image_tokens_per_step: must be at least 1"):  # (the CLI: the flag)
         EngineConfig(max_image_tokens_per_step=0)
+
+
+def test_the_sample_pages_job_runs(vl_model, tmp_path, monkeypatch):
+    """sample_data/pages.jsonl (README's OCR example, run from the repository's root) names existing pages: every row
+    completes, the receipt read by two rows is encoded once."""
+    from ops_jobs import ROOT
+
+    monkeypatch.chdir(ROOT)
+    run(vl_model, "sample_data/pages.jsonl", tmp_path / "out.jsonl", "--report", tmp_path / "report.json")
+    out = read_jsonl(tmp_path / "out.jsonl")
+    assert [r["id"] for r in out] == ["memo", "receipt", "table", "receipt-total"]
+    assert all(r["error"] is None and r["completion_tokens"] > 0 for r in out)
+    images = json.loads((tmp_path / "report.json").read_text())["images"]
+    assert (images["images"], images["encoded"]) == (4, 3)
