@@ -8,7 +8,7 @@ had been opened (a figure, not a check: it moves with the allocator).
     PYTHONPATH=$PWD python benchmarks/vision_memory.py                 # 10,000 rows
     PYTHONPATH=$PWD python benchmarks/vision_memory.py --rows 500      # a quick check of the script
 
-tests/test_vision_jobs.py asserts the same on 300 rows.
+tests/test_vision_jobs.py asserts the same on 200 rows.
 """
 from __future__ import annotations
 

@@ -3,26 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from ops_jobs import read_jsonl, run_inprocess, write_jsonl
-from vision_models import make_vl_checkpoint, png_bytes
-
-
-@pytest.fixture(scope="module")
-def vl_model(tmp_path_factory):
-    path = make_vl_checkpoint("qwen2_vl", tmp_path_factory.mktemp("vljobs") / "model")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def run(model, input_path, out, *flags) -> int:
-    code, _, err = run_inprocess("run", str(input_path), "-o", str(out), "--model", str(model), "--device", "cpu",
-                                 "--display", "none", "--quiet", "--max-tokens", "4", *map(str, flags))
-    assert code == 0, err
-    return code
+from test_vision_rows import run, vl_model  # noqa: F401 (the tiny Qwen2-VL checkpoint, `cbatch run` on it)
+from vision_models import png_bytes
 
 
 def test_questions_about_shared_images_compute_each_images_kv_once(vl_model, tmp_path):
@@ -38,9 +24,9 @@ def test_questions_about_shared_images_compute_each_images_kv_once(vl_model, tmp
              "images": [str(tmp_path / f"page{i % 4}.png")]} for i in range(64)]
     write_jsonl(tmp_path / "in.jsonl", rows)
     common = ("--block-size", 4, "--max-model-len", 64)
-    run(vl_model, tmp_path / "in.jsonl", tmp_path / "cached.jsonl", *common, "--report", tmp_path / "cached.json")
-    run(vl_model, tmp_path / "in.jsonl", tmp_path / "plain.jsonl", *common, "--no-prefix-cache",
-        "--report", tmp_path / "plain.json")
+    assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "cached.jsonl", *common, "--report", tmp_path / "cached.json") == 0
+    assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "plain.jsonl", *common, "--no-prefix-cache",
+               "--report", tmp_path / "plain.json") == 0
 
     cached, plain = read_jsonl(tmp_path / "cached.jsonl"), read_jsonl(tmp_path / "plain.jsonl")
     assert [r["prompt_tokens"] for r in cached] == [12] * 64
@@ -85,18 +71,19 @@ def test_the_dashboard_shows_a_jobs_images():
 def test_images_are_read_as_rows_are_admitted_and_few_are_held(vl_model, tmp_path):
     """A job of file references reads each image when its row is about to enter the engine, never at the start: when
     the k-th image is opened, at least k - cap rows have finished (cap: the executor's rows with images, read ahead
-    or in the engine), and the decoded images alive at once never exceed the cap. Counted, not timed: 300 rows here;
+    or in the engine), and the decoded images alive at once never exceed the cap. Counted, not timed: 200 rows here;
     benchmarks/vision_memory.py runs 10,000 (benchmarks/RESULTS.md)."""
     from cbatch.run.executor import PREFETCH_ROWS
     from vision_models import ImageWatch
 
-    rows, max_num_seqs = 300, 4
+    rows, max_num_seqs = 200, 4
     for k in range(8):
         (tmp_path / f"p{k}.png").write_bytes(png_bytes(28, 28, seed=k))
     write_jsonl(tmp_path / "in.jsonl", [{"id": str(i), "messages": [{"role": "user", "content": f"w{i % 200}"}],
                                          "images": [str(tmp_path / f"p{i % 8}.png")]} for i in range(rows)])
     with ImageWatch() as watch:
-        run(vl_model, tmp_path / "in.jsonl", tmp_path / "out.jsonl", "--max-tokens", 1, "--max-num-seqs", max_num_seqs)
+        assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "out.jsonl", "--max-tokens", 1,
+                   "--max-num-seqs", max_num_seqs) == 0
     cap = PREFETCH_ROWS + max_num_seqs
     assert len(read_jsonl(tmp_path / "out.jsonl")) == rows and watch.done == rows
     assert watch.opened == rows  # each row's image read once
@@ -130,7 +117,7 @@ def test_plan_counts_image_tokens_from_headers_without_decoding(vl_model, tmp_pa
     rows = [{"id": str(i), "messages": [{"role": "user", "content": f"w{i}"}],
              "images": [str(tmp_path / f"p{i % len(sizes)}.png")], "max_tokens": 2} for i in range(8)]
     write_jsonl(tmp_path / "in.jsonl", rows)
-    run(vl_model, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+    assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "out.jsonl") == 0
     prompt_tokens = sum(r["prompt_tokens"] for r in read_jsonl(tmp_path / "out.jsonl"))
     decoded = []
     for cls in (Image.Image, ImageFile.ImageFile):  # every way to pixels goes through a `load`
@@ -148,9 +135,12 @@ def test_a_resume_notices_an_image_file_changed_since_the_partial_run(vl_model, 
     """A finished row's record keeps its images' digests; a resume reads the images of the rows it keeps again and
     refuses (exit 2, one line) when one has other bytes or is gone, as it refuses a changed INPUT. Restored, the same
     command resumes and gives the uninterrupted run's OUTPUT."""
+    import os
+    import signal
+
     from cbatch.io.images import digest_of
+    from cbatch.io.state import JobState
     from ops_jobs import part_records
-    from test_ops_resume import _sigterm_after
 
     pages = [png_bytes(28, 56, seed=k) for k in range(6)]
     for k, page in enumerate(pages):
@@ -158,11 +148,18 @@ def test_a_resume_notices_an_image_file_changed_since_the_partial_run(vl_model, 
     write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "messages": [{"role": "user", "content": f"w{i}"}],
                                          "images": [str(tmp_path / f"p{i % 6}.png")]} for i in range(30)])
     flags = ("--max-num-seqs", 2)
-    run(vl_model, tmp_path / "in.jsonl", tmp_path / "ref.jsonl", *flags)
+    assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "ref.jsonl", *flags) == 0
     out = tmp_path / "out.jsonl"
-    _sigterm_after(monkeypatch, 4)
+    append = JobState.append
+
+    def append_then_stop(state, record, *args, **kwargs):  # a real SIGTERM once 5 rows are on disk
+        append(state, record, *args, **kwargs)
+        if state.num_rows == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(JobState, "append", append_then_stop)
     code, _, err = run_inprocess("run", str(tmp_path / "in.jsonl"), "-o", str(out), "--model", str(vl_model),
-                                 "--device", "cpu", "--max-tokens", "4", "--max-num-seqs", "2")
+                                 "--device", "cpu", "--max-tokens", "6", "--max-num-seqs", "2")
     assert code == 143, err
     monkeypatch.undo()
     records = part_records(out)
@@ -172,7 +169,7 @@ def test_a_resume_notices_an_image_file_changed_since_the_partial_run(vl_model, 
 
     def resume() -> tuple[int, str]:
         code, _, err = run_inprocess("run", str(tmp_path / "in.jsonl"), "-o", str(out), "--model", str(vl_model),
-                                     "--device", "cpu", "--display", "none", "--max-tokens", "4", *map(str, flags))
+                                     "--device", "cpu", "--display", "none", "--max-tokens", "6", *map(str, flags))
         return code, err
 
     (tmp_path / f"p{finished % 6}.png").write_bytes(png_bytes(28, 56, seed=99))  # other bytes, same path
@@ -241,7 +238,9 @@ def test_the_sample_pages_job_runs(vl_model, tmp_path, monkeypatch):
     from ops_jobs import ROOT
 
     monkeypatch.chdir(ROOT)
-    run(vl_model, "sample_data/pages.jsonl", tmp_path / "out.jsonl", "--report", tmp_path / "report.json")
+    rows = [{**row, "max_tokens": 3} for row in read_jsonl(ROOT / "sample_data" / "pages.jsonl")]  # (a quick run)
+    assert run(vl_model, write_jsonl(tmp_path / "pages.jsonl", rows), tmp_path / "out.jsonl",
+               "--report", tmp_path / "report.json") == 0
     out = read_jsonl(tmp_path / "out.jsonl")
     assert [r["id"] for r in out] == ["memo", "receipt", "table", "receipt-total"]
     assert all(r["error"] is None and r["completion_tokens"] > 0 for r in out)
