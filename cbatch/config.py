@@ -79,6 +79,8 @@ class EngineConfig:
     # An engine's own config always has them set (build_engine fills them in).
     max_num_seqs: int | None = None  # sequences in one step
     max_num_batched_tokens: int | None = None  # token budget of one step (decodes + prefill chunks)
+    # image tokens the vision tower may encode in one step (rows with images; None: no limit; engine/encoder_budget.py)
+    max_image_tokens_per_step: int | None = None
     block_size: int = 16  # tokens per KV block
     kv_cache_dtype: str = field(default="auto", metadata=OUTPUT_CHANGED)  # auto (the activations' dtype) | fp8 (e4m3, per-head scales: half the KV bytes)
     num_kv_blocks: int | None = None  # None = size the pool from the memory budget
@@ -153,6 +155,8 @@ class EngineConfig:
         check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
         check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
               "must be at least 1")
+        check(self.max_image_tokens_per_step is None or self.max_image_tokens_per_step >= 1,
+              "max_image_tokens_per_step", "must be at least 1")
         check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
               "must be a power of two (e.g. 16)")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be at least 1")

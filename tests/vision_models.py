@@ -1,11 +1,14 @@
 """Tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints (written by transformers itself) with a word-level tokenizer, a
 Qwen-style chat template that puts `<|vision_start|> <|image_pad|> <|vision_end|>` where a message has an image part,
-and the PIL image processor's preprocessor_config.json; and HF `generate` on the same prompt as the reference."""
+and the PIL image processor's preprocessor_config.json; HF `generate` on the same prompt as the reference; and a
+counter of what a job does with its images (`ImageWatch`)."""
 from __future__ import annotations
 
 import io
 import json
+import weakref
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -149,3 +152,56 @@ def hf_vl_greedy(path: Path, prompt_ids: list[int], images, max_new_tokens: int)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=0, **kwargs)
     return out[0, len(prompt_ids):].tolist()
+
+
+class ImageWatch:
+    """While active (`with ImageWatch() as watch:`), counts what a job does with its images, without timing: the
+    images the reader opens (`opened`), the decoded ones alive at once (their pixel arrays, each watched by a
+    weakref; `peak_alive`), and for each image opened the rows the executor had returned by then (`done_at_open`)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self.opened = self.alive = self.peak_alive = self.done = 0
+        self.done_at_open: list[int] = []
+        self.on_open: Callable[[int], object] | None = None  # called with k when the k-th image is opened
+        self._undo: list = []
+
+    def __enter__(self) -> "ImageWatch":
+        from cbatch.io.images import ImageReader
+        from cbatch.run.executor import LocalExecutor
+
+        read, poll = ImageReader.read, LocalExecutor.poll
+        watch = self
+
+        def counted_read(reader, source, name, *args):
+            with watch._lock:
+                watch.opened += 1
+                watch.done_at_open.append(watch.done)
+                if watch.on_open is not None:
+                    watch.on_open(watch.opened)
+            image = read(reader, source, name, *args)
+            with watch._lock:
+                watch.alive += 1
+                watch.peak_alive = max(watch.peak_alive, watch.alive)
+            weakref.finalize(image.pixels, watch._freed)
+            return image
+
+        def counted_poll(executor):
+            results = poll(executor)
+            with watch._lock:
+                watch.done += sum(result.last for result in results)
+            return results
+
+        ImageReader.read, LocalExecutor.poll = counted_read, counted_poll
+        self._undo = [(ImageReader, "read", read), (LocalExecutor, "poll", poll)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in self._undo:
+            setattr(owner, name, original)
+
+    def _freed(self) -> None:
+        with self._lock:
+            self.alive -= 1

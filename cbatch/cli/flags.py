@@ -66,6 +66,9 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
              "runs on the device; docs/ARCHITECTURE.md).", ENGINE, field="attention_backend"),
         Flag("max_model_len", Optional[int], None, "Cap on prompt + completion tokens (default: the model's).", ENGINE,
              field="max_model_len"),
+        Flag("max_image_tokens_per_step", Optional[int], None, "Rows with images: most image tokens the vision tower "
+             "encodes in one step (default: no limit; a larger image runs alone; docs/vision.md).", ENGINE,
+             field="max_image_tokens_per_step", metavar="N"),
         Flag("tensor_parallel_size", int, 1, "Split each layer across N GPUs (N CPU processes on CPU): models bigger "
              "than one device (docs/tensor-parallel.md).", ENGINE, decls=("--tensor-parallel-size", "-tp"),
              field="tensor_parallel_size", metavar="N"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from cbatch.engine.encoder_budget import EncoderBudget
 from cbatch.engine.images import whole_images
 from cbatch.engine.kv_blocks import prefix_hits
 from cbatch.engine.kv_manager import KVManager
@@ -31,6 +32,7 @@ class Scheduler(Protocol):
 
     running: list[Sequence]
     kv_manager: KVManager
+    encoder: EncoderBudget
     admission: "OptimisticAdmission"
     max_model_len: int
 
@@ -94,13 +96,14 @@ class StaticGroups(ContinuousBatching):
         for seq in sched.running:
             if budget == 0:
                 break
-            num_new = whole_images(seq, min(seq.num_uncomputed, budget))
-            if num_new == 0:  # (an image computed whole: the next step)
-                continue
-            if not sched.grow(seq, num_new, plan):
+            num_new = whole_images(seq, min(seq.num_uncomputed, budget))  # (0: an image computed whole: the next step)
+            if num_new:
+                num_new = sched.encoder.fit(seq, seq.num_computed, num_new)
+            if not num_new or not sched.grow(seq, num_new, plan):
                 continue
             plan.scheduled.append((seq, num_new))
             budget -= num_new
+            sched.encoder.take(seq, seq.num_computed, num_new)
         return budget
 
     def leaving(self, sched: Scheduler, seq: Sequence) -> list[Sequence]:

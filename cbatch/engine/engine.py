@@ -16,7 +16,7 @@ import itertools
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, Sequence as Seq
+from typing import Any, Callable, ClassVar, Iterable, Protocol, Sequence as Seq
 
 import torch
 
@@ -98,6 +98,9 @@ class Engine:
     # what a step's time is measured on for `--speculative auto`'s cost model: wall time, or a simulation's cost
     # clock (bench/simulator.py: deterministic)
     step_clock: Callable[[], float] = time.perf_counter
+    # rows' images are decoded into pixels for the vision tower; False (cbatch plan's engine): their headers give
+    # each one's size, which alone sets its placeholder tokens
+    decodes_images: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self._eos_ids = frozenset(self.spec.eos_token_ids) if self.spec is not None else frozenset()
@@ -389,6 +392,7 @@ def make_scheduler(config: EngineConfig, kv_pool: KVPool, max_model_len: int) ->
         policy, pool, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
         priority=PriorityOrder(config.priority_aging_steps), preemption=PreemptionPolicy(config.preemption),
         admission=admission, num_host_blocks=kv_pool.num_host_blocks, speculator=make_speculator(config),
+        max_image_tokens_per_step=config.max_image_tokens_per_step,
     )
 
 

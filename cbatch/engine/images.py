@@ -25,7 +25,9 @@ class PromptImage:
     digest: str  # hash of the image's bytes: the encoder cache's and the prefix cache's key
     grid: tuple[int, int, int]  # patch grid (t, h, w)
     num_tokens: int  # its placeholder tokens: t * h * w / merge^2
-    pixels: np.ndarray  # float32 [t * h * w, patch_dim]: the processor's flattened patches
+    # float32 [t * h * w, patch_dim]: the processor's flattened patches; None for an image counted from its header
+    # alone (cbatch plan: the grid and token count, never encoded)
+    pixels: np.ndarray | None
     name: str = ""  # how the row gave it (for messages)
 
 

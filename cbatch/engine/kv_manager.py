@@ -9,6 +9,7 @@ tensors are the runner's, and block copies travel in the StepPlan (`swap_out`, `
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from cbatch.config import SamplingParams
 from cbatch.engine.kv_blocks import BlockPool, cache_computed_blocks, first_missing_hash, hashes_completed, prefix_hits
@@ -84,11 +85,13 @@ class KVManager:
         return keep
 
     # ---- starting ---------------------------------------------------------------------------
-    def prepare_start(self, seq: Sequence, budget: int) -> Start | str:
+    def prepare_start(self, seq: Sequence, budget: int, fit: Callable[[Sequence, int, int], int] | None = None
+                      ) -> Start | str:
         """What starting `seq` now would take, or why it cannot: "prefix_pending" (its next prefix block is
         being computed this step by another sequence: waiting one step turns it and the rest of the shared
-        prefix into hits; never a deadlock, `_inflight` holds this step's blocks only), "no_free_blocks" or
-        "token_budget" (its next chunk is an image to compute whole, past the budget left)."""
+        prefix into hits; never a deadlock, `_inflight` holds this step's blocks only), "token_budget" (its next
+        chunk is an image to compute whole, past the budget left), "encoder_budget" (`fit`, the step's encoder
+        budget, gives its first chunk no token: encoder_budget.py) or "no_free_blocks"."""
         hits = prefix_hits(self.pool, seq)
         if first_missing_hash(self.pool, seq, len(hits)) in self._inflight:
             return "prefix_pending"
@@ -99,6 +102,8 @@ class KVManager:
             num_new = seq.images.chunk_tokens(computed, num_new)
             if num_new == 0:
                 return "token_budget"
+        if fit is not None and not (num_new := fit(seq, computed, num_new)):
+            return "encoder_budget"
         fresh = max(0, self.pool.blocks_for(computed + num_new) - reused)
         cost = fresh + len(seq.host_block_ids) + sum(1 for b in hits if self.pool.is_evictable(b))
         return "no_free_blocks" if cost > self.pool.num_free else Start(hits, num_new, fresh)
@@ -129,6 +134,9 @@ class KVManager:
             self.stats.prefix_cache_queries += 1
             self.stats.prefix_cache_query_tokens += seq.num_tokens
             self.stats.prefix_cache_hit_tokens += seq.num_computed
+            if seq.images is not None:
+                self.stats.prefix_cache_hit_image_tokens += sum(
+                    end - first for _, _, first, end in seq.images.overlapping(0, seq.num_computed))
 
     # ---- leaving ----------------------------------------------------------------------------
     def swap_out(self, seq: Sequence, plan: StepPlan) -> None:

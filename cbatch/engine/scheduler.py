@@ -27,6 +27,7 @@ from typing import Mapping
 
 from cbatch.config import SamplingParams, distinct_params
 from cbatch.engine.batching import OptimisticAdmission
+from cbatch.engine.encoder_budget import EncoderBudget
 from cbatch.engine.finish import at_length_limit, finish_reason
 from cbatch.engine.images import whole_images
 from cbatch.engine.kv_blocks import BlockPool
@@ -53,6 +54,7 @@ class Scheduler:
         admission: OptimisticAdmission = OptimisticAdmission(),
         num_host_blocks: int = 0,
         speculator: Speculator | None = None,
+        max_image_tokens_per_step: int | None = None,
     ) -> None:
         self.policy, self._order = policy, policy.new_key()  # the admission order's key (it may remember groups)
         self.batching = policy.batching()  # continuous, or static groups
@@ -78,6 +80,7 @@ class Scheduler:
         self._stop_tokens: set[int] = set()
         # speculative decoding (engine/speculative/): who drafts what; None: off
         self.speculator = speculator
+        self.encoder = EncoderBudget(max_image_tokens_per_step)  # the vision tower's image tokens per step
         self._trimmed: list[tuple[Sequence, int]] = []  # rows whose rejected drafts' blocks went back: the next plan says
 
     def admission_error(self, prompt_len: int, params: SamplingParams) -> str | None:
@@ -129,6 +132,7 @@ class Scheduler:
         plan = StepPlan(scheduled=[])
         budget = self.max_num_batched_tokens
         self.kv_manager.begin_step()
+        self.encoder.begin_step()
 
         # Running sequences: decodes first, then chunked prefills continuing, both in admission order.
         decodes, prefills = self._pending()
@@ -198,6 +202,8 @@ class Scheduler:
             if num_new == 0:  # an image to compute whole, past the budget left: no admission until it fits
                 image_waits = True
                 continue
+            if seq.images is not None and not (num_new := self.encoder.fit(seq, seq.num_computed, num_new)):
+                continue  # its next image waits for the next step's encoder budget
             if seq.num_result_tokens is not None and batching.padding_blocked(self, seq, num_new):
                 continue
             fits = seq.num_computed + num_new <= len(seq.block_ids) * capacity  # no new block needed
@@ -205,6 +211,7 @@ class Scheduler:
                 continue  # `seq` itself was preempted
             plan.scheduled.append((seq, num_new))
             budget -= num_new
+            self.encoder.take(seq, seq.num_computed, num_new)
             if drafted:
                 if num_new > 1:
                     plan.drafts[seq.seq_id] = drafted[: num_new - 1]
@@ -318,7 +325,7 @@ class Scheduler:
     def _try_start(self, seq: Sequence, budget: int, plan: StepPlan) -> str | None:
         """Starts `seq` with the blocks for its next chunk (reusing cached prefix blocks or its swapped
         copy) and schedules that chunk; returns why not instead when the blocks are not there."""
-        start = self.kv_manager.prepare_start(seq, budget)
+        start = self.kv_manager.prepare_start(seq, budget, self.encoder.fit if seq.images is not None else None)
         if not isinstance(start, Start):
             return start
         if (reason := self.admission.refuses(self, seq, start.hits)) is not None:
@@ -326,6 +333,7 @@ class Scheduler:
         self.kv_manager.start(seq, start, plan)
         self.start(seq)
         plan.scheduled.append((seq, start.num_new))
+        self.encoder.take(seq, seq.num_computed, start.num_new)
         return None
 
     def start(self, seq: Sequence) -> None:
@@ -531,6 +539,7 @@ class Scheduler:
             if seq in self.running:
                 self.running.remove(seq)
             self.kv_manager.free(seq)
+            seq.images = None  # (its images' pixels go now, not when the next plan, which names it finished, does)
             seq.status = SequenceStatus.FINISHED
             if self.speculator is not None:
                 self.speculator.finished(seq)

@@ -8,7 +8,7 @@ from cbatch.engine.step import StepInfo
 # Why waiting work was not admitted in a step (one reason per step, counted in SchedulerStats).
 STALL_REASONS = (
     "no_free_blocks", "token_budget", "max_num_seqs", "reserved", "after_preemption", "static_group", "prefix_pending",
-    "closed", "max_loras",
+    "closed", "max_loras", "encoder_budget",
 )
 
 
@@ -30,6 +30,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # sequences that looked up the cache when starting
     prefix_cache_query_tokens: int = 0  # their tokens
     prefix_cache_hit_tokens: int = 0  # of those, tokens found cached (not computed)
+    prefix_cache_hit_image_tokens: int = 0  # of those, image placeholder tokens (their image's KV not computed again)
     # swap preemption
     swap_preemptions: int = 0
     swapped_out_blocks: int = 0
@@ -44,6 +45,7 @@ class SchedulerStats:
     stalled_prefix_pending: int = 0  # the head shares a prefix block another sequence computes this step
     stalled_closed: int = 0  # admission closed (the job's deadline came: nothing new starts)
     stalled_max_loras: int = 0  # the head's LoRA adapter would be one more than --max-loras among the running rows
+    stalled_encoder_budget: int = 0  # the head's first image would pass this step's --max-image-tokens-per-step
     # speculative decoding (engine/speculative/): tokens drafted and verified, those kept, steps with drafts
     drafted_tokens: int = 0
     accepted_tokens: int = 0

@@ -151,29 +151,42 @@ class ImageReader:
         return int(size["shortest_edge"]), int(size["longest_edge"])
 
     def grid_for(self, height: int, width: int) -> tuple[int, int, int]:
-        """The patch grid (t, h, w) the processor makes of a height x width image (from its size alone)."""
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+        """The patch grid (t, h, w) the processor makes of a height x width image, from its size alone: the
+        processor's own resize rule (both sides multiples of patch x merge, the pixel count in its bounds; Gemma 3:
+        one square whatever the size)."""
+        import importlib
 
-        vs = self.vision
+        if isinstance(self.vision, SiglipSpec):
+            return 1, self.vision.patches_per_side, self.vision.patches_per_side
+        processor = self.processor
+        smart_resize = importlib.import_module(type(processor).__module__).smart_resize
         low, high = self.pixel_range
-        h, w = smart_resize(height, width, factor=vs.patch_size * vs.merge_size, min_pixels=low, max_pixels=high)
-        return 1, h // vs.patch_size, w // vs.patch_size
+        patch = int(processor.patch_size)
+        if getattr(processor, "do_resize", True):
+            height, width = smart_resize(height, width, factor=patch * int(processor.merge_size), min_pixels=low,
+                                         max_pixels=high)
+        return 1, height // patch, width // patch
 
-    def read(self, source: Any, name: str) -> PromptImage:
+    def read(self, source: Any, name: str, decode: bool = True) -> PromptImage:
         """The image `source` (called `name` in messages, e.g. "messages[0].content[1]") read and preprocessed;
-        raises ImageError naming it."""
+        raises ImageError naming it. `decode=False` (cbatch plan): its header's size alone gives its grid and
+        tokens (the processor's resize depends on nothing else), no pixels are decoded (`pixels` None), and data
+        broken past the header is not noticed."""
         try:
-            return self._read(source, name)
+            return self._read(source, name, decode)
         except ImageError as exc:
             raise ImageError(f"`{name}` ({describe(source)}) {exc}") from None
 
-    def _read(self, source: Any, name: str) -> PromptImage:
+    def _read(self, source: Any, name: str, decode: bool) -> PromptImage:
         image, digest = (source, _pil_digest(source)) if is_pil_image(source) else _open(source)
         width, height = image.size
         if width * height > MAX_SOURCE_PIXELS:
             raise ImageError(f"is {width} x {height} pixels, more than the {MAX_SOURCE_PIXELS:,} cbatch decodes; shrink it")
         if min(width, height) < 1 or max(width, height) / min(width, height) > 200:
             raise ImageError(f"is {width} x {height} pixels; the model's processor takes aspect ratios up to 200:1")
+        if not decode:
+            grid = self.grid_for(height, width)
+            return PromptImage(digest, grid, self.vision.tokens_for_grid(grid), None, name)
         try:
             image.load()
             rgb = image.convert("RGB")

@@ -13,6 +13,7 @@ from rich.text import Text
 
 from cbatch.observe.metrics import JobMetrics
 from cbatch.observe.progress import eta_seconds, format_eta
+from cbatch.observe.report import images_text
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -87,6 +88,9 @@ class Dashboard:
         if engine.drafted_tokens:
             table.add_row("speculative", f"{engine.accepted_tokens:,}/{engine.drafted_tokens:,} drafted tokens kept "
                           f"({engine.accepted_tokens / engine.drafted_tokens:.0%})")
+        if images := dict(m.image_usage):  # (a copy: the job thread updates it)
+            images["images_per_s"] = images.get("images", 0) / elapsed
+            table.add_row("images", images_text(images).removeprefix("images: "))
         if self.max_num_seqs:
             table.add_row("occupancy ▸", sparkline([s.running / self.max_num_seqs for s in window]))
         return Group(Text("cbatch run", style="bold"), progress, table)

@@ -98,8 +98,9 @@ class JobMetrics:
     # of the rows generated (not resumed or cached)
     lora_usage: dict[str, dict[str, int]] = field(default_factory=dict)
     # rows with images (docs/vision.md): {"rows", "images", "image_tokens"} handed to an engine (placeholder tokens
-    # in their prompts), and {"encoded", "encoded_tokens"}: the vision tower's work (an image shared by rows, or
-    # kept across a preemption, is encoded once); empty for a text job
+    # in their prompts), {"encoded", "encoded_tokens"}: the vision tower's work (an image shared by rows, or
+    # kept across a preemption, is encoded once), and {"prefix_cache_hit_tokens"}: image tokens whose KV came from
+    # the prefix cache (rows sharing an image); empty for a text job
     image_usage: dict[str, int] = field(default_factory=dict)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # raw StepSamples, newest last
     steps_recorded: int = 0

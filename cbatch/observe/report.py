@@ -208,7 +208,16 @@ def summary_line(report: dict[str, Any]) -> str:
            f" = {t['output_tokens_per_s']:.1f} tok/s ({t['total_tokens_per_s']:.1f} total)")
         + f" | occupancy {u['mean_batch_occupancy']:.0%}, peak KV {u['peak_kv_usage']:.0%}, preemptions {u['preemptions']}"
         + (f" | speculative: {speculation_text(report['speculative'])}" if "speculative" in report else "")
+        + (" | " + images_text(report["images"]) if "images" in report else "")
     )
+
+
+def images_text(images: dict[str, Any]) -> str:
+    """A job's images in a few words (the summary line, the table, the dashboard): images and their tokens, what
+    the vision tower encoded, the image tokens whose KV the prefix cache gave, images per second."""
+    return (f"images: {images.get('images', 0):,} ({images.get('image_tokens', 0):,} tokens), "
+            f"{images.get('encoded', 0):,} encoded, {images.get('prefix_cache_hit_tokens', 0):,} image tokens "
+            f"from the prefix cache, {images.get('images_per_s', 0.0):,.1f} images/s")
 
 
 def speculation_text(spec: dict[str, Any]) -> str:
@@ -246,6 +255,8 @@ def summary_table(report: dict[str, Any]):
                   f"padding waste {u['padding_waste']:.1%}")
     if "speculative" in report:
         table.add_row("speculative", speculation_text(report["speculative"]))
+    if "images" in report:
+        table.add_row("images", images_text(report["images"]).removeprefix("images: "))
 
     def pct(p: dict) -> str:
         return "-" if p["p50"] is None else f"{p['p50']:.2f} / {p['p90']:.2f} / {p['p99']:.2f}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 from typing import Sequence as Sequence_
 
 from cbatch.bench.simulator import CostModel, SimulatedRunner, kept_drafts, on_cost_clock
@@ -97,9 +97,11 @@ class PlannedRunner(SimulatedRunner):
 class PlannedEngine(Engine):
     """The engine, checking each request as a run does (`Engine.add_request`), then planning its length.
     No text is generated, so stop strings are not checked: the planned length stands for them. Image placeholders
-    are prompt tokens like any other (the rows' images were checked by the first pass; none is encoded here)."""
+    are prompt tokens like any other: the first pass counts each image's from its header (its size; no pixels are
+    decoded) and none is encoded here."""
 
     lengths: OutputLengths = field(default_factory=OutputLengths)
+    decodes_images: ClassVar[bool] = False  # an image's header is enough to plan its tokens
 
     def seq_images(self, prompt_ids: list[int], images: Sequence_[PromptImage] | None) -> None:
         return None

@@ -56,6 +56,11 @@ def failed_result(index: int, row_id: str, exc: Exception, echo: dict[str, Any],
     return failed
 
 
+def image_digests(work: RowWork) -> list[str]:
+    """The digests of the images a row's first request reads (its results keep them for a resume's check)."""
+    return [image.digest for image in work.requests[0].images or []] if work.requests else []
+
+
 def expire_unsent(spec: JobSpec, index: int, raw: dict[str, Any] | str, done_samples: frozenset[int],
                   message: str) -> list[RowResult]:
     """A row a deadline kept from starting: its missing samples `expired` (a row that is bad in itself is reported
@@ -126,6 +131,7 @@ class LocalExecutor:
             return failed_result(index, row_id_of(index, raw), exc, echo, kept)
         if hit is not None:
             hit.echo, hit.kept = echo, kept
+            hit.image_digests = image_digests(work)
             return hit
         return work
 
@@ -166,7 +172,8 @@ class LocalExecutor:
         parsed, kept = work.parsed, self.spec.keep.pick(raw) if self.spec.keep is not None else {}
         samples = [i for i in range(parsed.num_samples) if i not in done_samples]
         left = {(0, s) for s in samples} | {(k, 0) for k in range(1, len(work.requests))}
-        row = PendingRow(parsed, left, self.metrics.now(), self.engine.scheduler.stats.steps, kept)
+        row = PendingRow(parsed, left, self.metrics.now(), self.engine.scheduler.stats.steps, kept,
+                         image_digests=image_digests(work))
         seqs: list[Sequence] = []
         try:
             for number, request in enumerate(work.requests):
@@ -211,7 +218,8 @@ class LocalExecutor:
         metrics.forward_seconds = engine.runner.forward_seconds
         images = getattr(engine.runner, "images", None)  # (a vision-language model's image rows: its encoder's work)
         if images is not None and images.images_encoded:
-            metrics.image_usage.update(encoded=images.images_encoded, encoded_tokens=images.image_tokens_encoded)
+            metrics.image_usage.update(encoded=images.images_encoded, encoded_tokens=images.image_tokens_encoded,
+                                       prefix_cache_hit_tokens=engine.scheduler.stats.prefix_cache_hit_image_tokens)
         return [result for seq in finished for result in self._results(seq)]
 
     def stop_starting(self) -> None:
@@ -253,6 +261,7 @@ class LocalExecutor:
             del self._rows[index]
             results = [failed_result(index, row.parsed.row_id, ValueError(out.error or "failed"), row.parsed.echo,
                                      row.kept, len(out.prompt_token_ids))]
+            results[0].image_digests = row.image_digests
         else:
             if not row.left:
                 del self._rows[index]

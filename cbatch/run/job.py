@@ -28,6 +28,7 @@ from cbatch.run.executor import Executor, LocalExecutor
 from cbatch.run.exit_codes import EXIT_EXPIRED, EXIT_OK, EXIT_ROW_ERRORS
 from cbatch.run.interrupt import Interrupt
 from cbatch.run.preflight import JobError, JobOptions, PreparedJob, preflight
+from cbatch.run.resumed_images import check_resumed_images
 from cbatch.run.job_spec import JobSpec
 from cbatch.run.result_cache import cache_spec
 from cbatch.tasks.base import Task
@@ -143,6 +144,12 @@ def run_rows(options: JobOptions, prepared: PreparedJob, executor: Executor, met
             done = state.open(options.overwrite, options.retry_errors)
         except StateError as exc:
             raise JobError(str(exc)) from None
+        if done.rows or done.partial:
+            try:  # the image files its finished rows read are the ones they name now
+                check_resumed_images(state, iter_rows(prepared.formats.input), prepared.task)
+            except StateError as exc:
+                state.close()
+                raise JobError(str(exc)) from None
         metrics.skipped_rows = len(done.rows)
         metrics.restart_clock()  # the job's time starts with its rows (model loading is not in it)
         if (done.rows or done.partial) and not options.quiet:

@@ -93,12 +93,14 @@ class PendingRow:
     queued_step: int
     kept: dict[str, Any] = field(default_factory=dict)  # --keep-columns: input columns carried to the output
     outputs: dict[Part, "RequestOutput"] = field(default_factory=dict)  # finished parts the task keeps until it is whole
+    image_digests: list[str] = field(default_factory=list)  # of the images it read (its results' `image_digests`)
 
     def result(self, finish_reason: str, **values: Any) -> RowResult:
         """A result of this row, `last` when no part is left."""
         parsed = self.parsed
         return RowResult(parsed.index, parsed.row_id, finish_reason, num_samples=parsed.num_samples,
-                         last=not self.left, echo=parsed.echo, kept=self.kept, **values)
+                         last=not self.left, echo=parsed.echo, kept=self.kept, image_digests=self.image_digests,
+                         **values)
 
 
 class Task(ABC):
@@ -128,6 +130,10 @@ class Task(ABC):
     @abstractmethod
     def parse(self, index: int, raw: dict[str, Any] | str) -> ParsedRow:
         """The row read and checked; raises RowError naming the field."""
+
+    def image_sources(self, parsed: ParsedRow) -> list[tuple[str, Any]]:
+        """The row's images as (name in messages, source) (io/images.py), in order; [] for a task without images."""
+        return []
 
     def prefetch(self, engine: "Engine", parsed: ParsedRow) -> list[Future] | None:
         """Starts the row's slow input work (reading and preprocessing its images) on worker threads, so the engine's

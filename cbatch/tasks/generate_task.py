@@ -100,6 +100,9 @@ class GenerateTask(Task):
         return RowWork(parsed, [Request(prompt_ids, request.params, images=images or None)],
                        cache_key=(identity, request.params))
 
+    def image_sources(self, parsed: ParsedRow) -> list[tuple[str, Any]]:
+        return list(parsed.request.images or [])
+
     def prefetch(self, engine: "Engine", parsed: ParsedRow) -> list[Future] | None:
         request: RowRequest = parsed.request
         if not request.images:
@@ -111,13 +114,13 @@ class GenerateTask(Task):
 
     def read_images(self, engine: "Engine", request: RowRequest) -> list:
         """The row's images read and preprocessed by the model's processor (io/images.py), in prompt order: what
-        `prefetch` started, or read here."""
+        `prefetch` started, or read here (cbatch plan's engine: counted from their headers, not decoded)."""
         if not request.images:
             return []
         if request.image_futures is not None:
             return [future.result() for future in request.image_futures]  # (an ImageError: the row's error)
         reader = self._reader(engine, request.images[0][0])
-        return [reader.read(source, name) for name, source in request.images]
+        return [reader.read(source, name, engine.decodes_images) for name, source in request.images]
 
     def _reader(self, engine: "Engine", first: str) -> ImageReader:
         if engine.spec is None or engine.spec.vision is None:

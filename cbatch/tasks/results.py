@@ -16,7 +16,7 @@ from cbatch.observe.metrics import RequestTiming
 
 Record = dict[str, Any]
 _BASE_KEYS = frozenset({"index", "id", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error",
-                        "completion_token_ids", "sample_index", "num_samples", "echo", "kept"})
+                        "completion_token_ids", "sample_index", "num_samples", "echo", "kept", "image_digests"})
 
 
 def _writable(text: str | None) -> str | None:
@@ -42,6 +42,9 @@ class RowResult:
     columns: dict[str, Any] = field(default_factory=dict)  # optional output columns: reasoning, logprobs, ...
     echo: dict[str, Any] = field(default_factory=dict)  # request fields an OpenAI output line repeats (io/openai.py)
     kept: dict[str, Any] = field(default_factory=dict)  # --keep-columns: input columns carried to the output
+    # the digests of the images the row read (io/images.digest_of), in its order: kept in the part files (not OUTPUT)
+    # so that a resume notices an image file changed since (run/resumed_images.py)
+    image_digests: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -68,6 +71,7 @@ class RowResult:
             "completion_tokens": self.completion_tokens, "error": _writable(self.error),
             "completion_token_ids": self.completion_token_ids,
             **({"echo": self.echo} if self.echo else {}), **({"kept": self.kept} if self.kept else {}),
+            **({"image_digests": self.image_digests} if self.image_digests else {}),
         }
         if self.num_samples > 1:
             record.update(sample_index=self.sample_index, num_samples=self.num_samples)
