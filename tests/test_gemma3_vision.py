@@ -71,6 +71,8 @@ def test_chunked_prefill_keeps_each_image_whole_under_preemption(gemma3, images)
     engine = make_engine(gemma3, max_model_len=128, max_num_batched_tokens=12, num_kv_blocks=12, block_size=4,
                          enable_prefix_cache=False)
     seqs = [engine.add_request(ids, GREEDY, images=imgs) for ids, imgs in requests]
+    # each row's image runs [start, end) (a finished row lets go of its images)
+    runs = [[(start, start + TOKENS_PER_IMAGE) for start, _ in seq.images.runs] for seq in seqs]
     preempted_at: list[tuple[int, int]] = []  # (computed tokens, prompt length) of each preemption
     chunks: list[tuple[int, int, int]] = []  # (row, first token, tokens) of every prompt chunk
     preempt, schedule = engine.scheduler._preempt, engine.scheduler.schedule
@@ -90,7 +92,6 @@ def test_chunked_prefill_keeps_each_image_whole_under_preemption(gemma3, images)
         engine.step()
     assert [seq.output_ids for seq in seqs] == references(gemma3, requests)
     assert any(0 < computed < prompt_len for computed, prompt_len in preempted_at), preempted_at
-    runs = [[(start, start + TOKENS_PER_IMAGE) for start, _ in seq.images.runs] for seq in seqs]
     assert any(n < 12 and first + n < len(requests[row][0]) for row, first, n in chunks)  # a chunk cut short
     for row, first, n in chunks:  # never ends inside a run
         assert not any(start < first + n < end for start, end in runs[row]), (row, first, n)
