@@ -184,3 +184,22 @@ def test_refusals_name_the_flag(mla_checkpoint):
         resolve_model(EngineConfig(model=str(path), tensor_parallel_size=3))  # (2 and 4 split it: test_tp_families.py)
     with pytest.raises(ConfigError, match="kv_cache_dtype.*use --kv-cache-dtype auto"):
         resolve_model(EngineConfig(model=str(path), kv_cache_dtype="fp8"))
+
+
+def test_softmax_scale_follows_deepseeks_yarn_mscale():
+    """qk_head_dim ** -0.5 x mscale(factor, mscale_all_dim) ** 2 (HF DeepSeek's); a YaRN config without `factor` takes
+    the context's growth over the original, as the RoPE tables do; unscaled RoPE keeps the plain scale."""
+    import math
+
+    from cbatch.model.mla_spec import MLASpec, mla_softmax_scale
+
+    mla = MLASpec(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                  rope_interleave=True)
+    plain = 24**-0.5
+    assert mla_softmax_scale(mla, {"rope_type": "default"}) == plain
+    mscale = 0.1 * 0.707 * math.log(40) + 1.0
+    stated = {"rope_type": "yarn", "factor": 40, "mscale_all_dim": 0.707}
+    assert mla_softmax_scale(mla, stated) == pytest.approx(plain * mscale**2, rel=1e-12)
+    grown = {"rope_type": "yarn", "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+             "max_position_embeddings": 163840}
+    assert mla_softmax_scale(mla, grown) == pytest.approx(plain * mscale**2, rel=1e-12)

@@ -9,9 +9,10 @@ cache part instead of K and V).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
+
+from cbatch.model.rope import yarn_factor, yarn_mscale
 
 # HF's DeepseekV2/V3 q_a_layernorm and kv_a_layernorm are built with RMSNorm's default eps, not rms_norm_eps
 MLA_NORM_EPS = 1e-6
@@ -58,16 +59,12 @@ def parse_mla(cfg: dict[str, Any], family: str) -> MLASpec:
     )
 
 
-def _yarn_mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def mla_softmax_scale(mla: MLASpec, rope_params: dict[str, Any]) -> float:
     """qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim) ** 2 when a scaled RoPE states mscale_all_dim
     (DeepSeek's YaRN: the long-context softmax temperature), as HF's DeepSeek attention computes it."""
     scale = mla.qk_head_dim**-0.5
     mscale_all_dim = rope_params.get("mscale_all_dim") or 0
     if rope_params.get("rope_type", "default") != "default" and mscale_all_dim:
-        mscale = _yarn_mscale(float(rope_params["factor"]), float(mscale_all_dim))
+        mscale = yarn_mscale(yarn_factor(rope_params), float(mscale_all_dim))
         scale = scale * mscale * mscale
     return scale

@@ -93,20 +93,29 @@ def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context scaled `scale` times (1 when not scaled)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_factor(s: dict[str, Any]) -> float:
+    """A YaRN scaling's factor: as stated, else the context's growth over the original (1 when neither is known)."""
+    if s.get("factor"):
+        return float(s["factor"])
+    original, extended = s.get("original_max_position_embeddings"), s.get("max_position_embeddings")
+    return extended / original if original and extended else 1.0
 
 
 def _yarn(theta: float, dim: int, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
     original = s["original_max_position_embeddings"]
-    factor = s.get("factor") or s["max_position_embeddings"] / original
+    factor = yarn_factor(s)
     attention_factor = s.get("attention_factor")
     if attention_factor is None:
         mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
         if mscale and mscale_all_dim:
-            attention_factor = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+            attention_factor = float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
         else:
-            attention_factor = _yarn_mscale(factor)
+            attention_factor = yarn_mscale(factor)
     beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
