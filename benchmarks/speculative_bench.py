@@ -36,7 +36,7 @@ from typing import Any
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.engine.build import build_engine
 from cbatch.engine.engine import run_to_completion
-from cbatch.model.cpu_features import cpu_flags, vector_isa_flags
+from cbatch.model.cpu_features import cpu_description
 from cbatch.model.default_model import default_model_dir
 from cbatch.tokenizer import encode_messages, load_tokenizer
 
@@ -180,18 +180,6 @@ def copying_checkpoint(source: Path, target: Path, tokens: set[int]) -> Path:
     if (source / "model.safetensors.index.json").is_file():
         (target / "model.safetensors.index.json").unlink(missing_ok=True)
     return target
-
-
-def cpu_description() -> str:
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return (f"CPU: {fields.get('model name', '?')} (family {fields.get('cpu family', '?')}, model "
-            f"{fields.get('model', '?')}); vector flags: {' '.join(vector_isa_flags(cpu_flags())) or 'none'}")
 
 
 def span(text: str) -> tuple[int, int]:

@@ -49,7 +49,8 @@ def run_cbatch(path: Path, rows, max_tokens: int) -> tuple[float, list[list[int]
     for i, (image, question) in enumerate(rows):
         prompt = reader.read(image, f"row {i}")
         ids = encode_messages(engine.tokenizer, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}])
-        seqs.append(engine.add_request(expand_placeholders(ids, [prompt], IMAGE_TOKEN), params, images=[prompt]))
+        seqs.append(engine.add_request(expand_placeholders(ids, [prompt], engine.spec.vision), params,
+                                       images=[prompt]))
     while engine.has_unfinished():
         engine.step()
     return time.perf_counter() - start, [seq.output_ids for seq in seqs]
@@ -61,12 +62,13 @@ def hf_inputs(path: Path, rows):
     from cbatch.model.loader import read_checkpoint
     from cbatch.tokenizer import encode_messages, load_tokenizer
 
-    reader, tokenizer = ImageReader(path, read_checkpoint(path).spec.vision), load_tokenizer(path)
+    vision = read_checkpoint(path).spec.vision
+    reader, tokenizer = ImageReader(path, vision), load_tokenizer(path)
     out = []
     for i, (image, question) in enumerate(rows):
         prompt = reader.read(image, f"row {i}")
         ids = encode_messages(tokenizer, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}])
-        out.append((expand_placeholders(ids, [prompt], IMAGE_TOKEN), prompt))
+        out.append((expand_placeholders(ids, [prompt], vision), prompt))
     return out
 
 
@@ -103,6 +105,9 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/cbatch-vision-bench"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from cbatch.model.cpu_features import cpu_description
+
+    print(cpu_description())
     heads = max(4, args.hidden // 64)
     half = args.hidden // heads // 2  # rotary pairs per head, split 2:3:3 over (temporal, height, width) as Qwen's
     vision_models.TEXT.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,

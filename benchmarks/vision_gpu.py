@@ -87,7 +87,7 @@ def requests(vision, vision_end: int, images, question_len: int, seed: int = 1):
         page = reader.read(image, f"page {i}")
         question = rng.integers(100, 300 if vision.image_token_id < 100 else 150000, question_len).tolist()
         ids = [vision.vision_start_token_id, vision.image_token_id, vision_end, *question]
-        out.append((expand_placeholders(ids, [page], vision.image_token_id), page))
+        out.append((expand_placeholders(ids, [page], vision), page))
     return out, time.perf_counter() - start
 
 

@@ -59,3 +59,16 @@ def bf16_speed_warning(dtype: torch.dtype, device: torch.device, flags: Iterable
         return None
     return ("--dtype bfloat16 on a CPU without native bfloat16 (no avx512_bf16, no AMX, or capped by "
             "ONEDNN_MAX_CPU_ISA/ATEN_CPU_CAPABILITY) runs slower than float32; --dtype auto picks float32 here")
+
+
+def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """"CPU: <model name> (family F, model M); vector flags: ..." for a benchmark's first line."""
+    fields: dict[str, str] = {}
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return (f"CPU: {fields.get('model name', '?')} (family {fields.get('cpu family', '?')}, model "
+            f"{fields.get('model', '?')}); vector flags: {' '.join(vector_isa_flags(cpu_flags(cpuinfo))) or 'none'}")
