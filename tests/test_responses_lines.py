@@ -92,6 +92,15 @@ def test_responses_output_shape_structured_output_and_errors(tiny_chat_model, tm
     assert errors["badformat"].startswith("body.text.format.type: ")
 
 
+def test_a_message_items_bad_content_is_named_by_its_input_index():
+    """The item's own place in `body.input` (not the chat message it becomes, which `instructions` shifts by one)."""
+    from cbatch.io.openai import responses_fields
+
+    body = {"instructions": "Be brief.", "input": [{"role": "user", "content": "hi"}, {"role": "user", "content": 7}]}
+    with pytest.raises(RequestError, match=r"^body\.input\[1\]\.content: must be a string or a list .* got int$"):
+        responses_fields(body)
+
+
 def test_responses_fields_are_refused_on_chat_lines():
     with pytest.raises(RequestError, match=r"^body\.input: not a field cbatch knows for /v1/chat/completions"):
         request_fields(line("a", CHAT, messages=[{"role": "user", "content": "hi"}], input="x"))

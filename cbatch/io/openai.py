@@ -238,6 +238,9 @@ def _input_message(name: str, item: Any) -> dict[str, Any]:
     if unknown is not None:
         raise RequestError(f"{name}.{unknown}: not a field of a message item cbatch knows; remove it")
     content = item.get("content")
+    if not isinstance(content, (str, list)):
+        raise RequestError(f"{name}.content: must be a string or a list of input_text / input_image parts, got "
+                           f"{type(content).__name__}")
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
