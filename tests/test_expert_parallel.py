@@ -30,7 +30,8 @@ class _Rank(Communicator):
 
 # Mixtral (8 experts, top-2) at 4 ranks: two experts each; Qwen2-MoE (a shared expert, a dense layer) and
 # Qwen3-MoE at 2 ranks: four each
-@pytest.mark.parametrize("family, ranks", [("mixtral", 4), ("qwen2_moe", 2), ("qwen3_moe", 2)])
+# (the combine's layouts at 2 and 4 ranks on every routing shape: tests/test_expert_combine.py, without processes)
+@pytest.mark.parametrize("family, ranks", [("mixtral", 4), ("qwen2_moe", 2)])
 def test_expert_parallel_ranks_give_the_tokens_of_one(family, ranks, family_checkpoint):
     """Under chunked prefill and preemption: the same tokens and schedule; the report's load balance counts every
     token of every MoE layer once per expert it picks, and every rank takes some. Mixtral at 4 ranks also meets
