@@ -241,6 +241,20 @@ def test_auto_drafts_where_it_pays():
     assert cost.fixed_tokens == pytest.approx(10.0)
 
 
+def test_auto_fits_its_step_cost_on_decode_steps_only():
+    """Prefill chunks (cheaper per token: no lm_head, no sampling) would tilt the fitted line towards a fixed cost
+    decode steps do not pay; only decode steps (verify rows among them) are fitted."""
+    from cbatch.engine.step import StepInfo
+
+    spec = Speculator("auto", 4, 2, 3)
+    for tokens in (8, 64, 8, 64, 32):  # decode steps: 2 ms a step + 1 ms a token
+        spec.observe_step(StepInfo(scheduled_tokens=tokens), 0.002 + 0.001 * tokens)
+    assert spec.cost.fixed_tokens == pytest.approx(2.0)
+    for tokens in (512, 2048, 1024):  # prefill steps at a third of a sampled token's cost: ignored
+        spec.observe_step(StepInfo(scheduled_tokens=tokens, prefill_tokens=tokens - 8), 0.01 + 0.0003 * tokens)
+    assert spec.cost.fixed_tokens == pytest.approx(2.0)
+
+
 def test_auto_stops_drafting_for_a_row_whose_drafts_fail():
     """auto per row: a row whose drafts are rejected sees its acceptance fall and stops drafting; a row whose drafts
     hold drafts all k, even in a full compute-bound batch (near-certain drafts save the step's fixed cost)."""

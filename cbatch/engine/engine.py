@@ -279,8 +279,8 @@ class Engine:
         speculator = self.scheduler.speculator
         start = self.step_clock() if speculator is not None else 0.0
         out = self.runner.execute(plan)
-        if speculator is not None:  # (auto's cost model: what a step of this many tokens took)
-            speculator.observe_step(plan.num_tokens, self.step_clock() - start)
+        if speculator is not None:  # (auto's cost model: what a step of this work took)
+            speculator.observe_step(plan.info, self.step_clock() - start)
         _take_pooled(plan, out)
         return self.scheduler.update(plan, out.tokens, out.logprobs, out.verified)
 

@@ -15,6 +15,7 @@ choice here is about speed alone.
 from __future__ import annotations
 
 from cbatch.engine.sequence import PLACEHOLDER, Sequence
+from cbatch.engine.step import StepInfo
 from cbatch.engine.speculative.ngram import NgramIndex, copy_from
 from cbatch.engine.speculative.suffix import SuffixTable
 
@@ -131,5 +132,10 @@ class Speculator:
         if self.shared is not None and seq.output_ids:
             self.shared.add(seq.result_ids)
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        self.cost.observe(tokens, seconds)
+    def observe_step(self, info: StepInfo, seconds: float) -> None:
+        """A step's time, for auto's cost model. Only decode steps (verify rows included) are fitted: drafting
+        competes with decodes, and a prefill token costs less than a sampled one (no lm_head, no sampling), so
+        mixing prefill chunks in tilts the line towards a large fixed cost that decode steps do not have (on a CPU,
+        where the step is compute-bound, that made auto draft where it lost 5%: benchmarks/RESULTS.md)."""
+        if not info.prefill_tokens:
+            self.cost.observe(info.scheduled_tokens, seconds)
