@@ -73,8 +73,9 @@ class ImageRows(RowFeature):
         self.mrope = bool(model.spec.vision.mrope_section)  # Qwen2-VL: 3-D positions; Gemma 3: 1-D
         # Qwen3-VL's rows carry their deepstack features too (model/vision_qwen3.py): wider rows, fewer of them in
         # the same memory
-        self.row_width = model.spec.hidden_size * (1 + len(model.spec.vision.deepstack_layers))
-        self.cache = EncoderCache(ENCODER_CACHE_TOKENS // (1 + len(model.spec.vision.deepstack_layers)))
+        features = 1 + len(model.spec.vision.deepstack_layers)  # the embedding, then one per deepstack merger
+        self.row_width = model.spec.hidden_size * features
+        self.cache = EncoderCache(ENCODER_CACHE_TOKENS // features)
         self.images_encoded = 0  # vision-tower runs per image (an image encoded again after eviction counts again)
         self.image_tokens_encoded = 0
         self._deltas: np.ndarray | None = None
