@@ -1,7 +1,8 @@
 """Gemma 3 with images (issue 48): a tiny random Gemma3ForConditionalGeneration with its SigLIP tower gives HF
 `generate`'s greedy float32 tokens (one image, two, text rows beside image rows, images of several pixel sizes, an
 image after text chunked across steps, a row preempted mid-prefill, a prefix-cache hit ending inside an image); the
-image tokens attend to each other both ways (HF's causal output differs), so a chunk never ends inside an image."""
+image tokens attend to each other both ways (HF's causal output differs), so a chunk never ends inside an image; two
+tensor-parallel ranks give one rank's tokens."""
 from __future__ import annotations
 
 import shutil
@@ -197,3 +198,25 @@ def test_the_triton_backend_gives_hfs_tokens_with_images(gemma3, images):
         engine.step()
     assert seq.output_ids == hf_gemma3_greedy(gemma3, ids, images[:2], 3)
     assert seq.output_ids != hf_gemma3_greedy(gemma3, ids, images[:2], 3, bidirectional=False)
+
+
+def test_two_ranks_give_the_tokens_of_one(gemma3, images):
+    """-tp 2 over gloo: rank 0 encodes with the SigLIP tower and projector (the worker holds none) and broadcasts the
+    embeddings; the worker's heads attend with the same bidirectional image runs (sent with the step) and the same
+    1-D positions. Rows with one image, two, and a long text before an image chunked across steps under a 12-token
+    budget (the chunks, which never end inside an image, are rank 0's scheduler's): the tokens are one rank's."""
+    requests = [(prompt(images[:1], [10, 11]), images[:1]),
+                (prompt(images[1:3], [12]), images[1:3]),
+                (prompt([images[3]], list(range(20, 37)), tail=4), [images[3]]),
+                (prompt([], [16, 17]), None)]
+    outputs = {}
+    for tp in (1, 2):
+        engine = make_engine(gemma3, tensor_parallel_size=tp, max_model_len=128, max_num_batched_tokens=12)
+        try:
+            assert engine.runner.model.visual is not None  # rank 0's tower, under -tp 2 as well
+            outputs[tp] = run(engine, requests)
+            assert engine.runner.images.images_encoded == 4
+        finally:
+            engine.close()
+    assert outputs[2] == outputs[1]
+    assert len({tuple(o) for o in outputs[1]}) == len(requests)  # decisive: every row its own tokens

@@ -16,7 +16,6 @@ from cbatch.model.cpu_features import bf16_speed_warning
 from cbatch.model.decoder import LlamaForCausalLM
 from cbatch.model.loader import Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir
 from cbatch.model.shard import check_tensor_parallel, with_expert_parallel
-from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.spec import ModelSpec
 from cbatch.parallel.comm import Communicator
 
@@ -54,11 +53,6 @@ def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: t
     if config.expert_parallel:
         spec = with_expert_parallel(spec)
         checkpoint = replace(checkpoint, spec=spec) if checkpoint is not None else None  # (what load_model reads)
-    if config.tensor_parallel_size > 1 and isinstance(spec.vision, SiglipSpec):  # no split of its tower yet
-        print("cbatch: note: Gemma 3 runs text-only under --tensor-parallel-size above 1 (rows with images are "
-              "refused); use --tensor-parallel-size 1 for images", file=sys.stderr)
-        spec = replace(spec, vision=None)
-        checkpoint = replace(checkpoint, spec=spec) if checkpoint is not None else None
     check_tensor_parallel(spec, config.tensor_parallel_size)
     if spec.mla is not None and config.kv_cache_dtype == "fp8":
         raise ConfigError("kv_cache_dtype", "fp8 is not supported for multi-head latent attention models (DeepSeek-V2/V3, "
