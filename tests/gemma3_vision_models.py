@@ -68,7 +68,7 @@ CHAT_TEMPLATE = (
 def pixel_values(images) -> torch.Tensor:
     """The images' patches (PromptImage.pixels [36, 3 * 7 * 7] each) back in the processor's [B, 3, 42, 42]."""
     side = IMAGE_SIZE // PATCH
-    return torch.from_numpy(np.stack([im.pixels.reshape(side, side, 3, PATCH, PATCH).transpose(2, 0, 3, 1, 4)
+    return torch.from_numpy(np.stack([im.patches().reshape(side, side, 3, PATCH, PATCH).transpose(2, 0, 3, 1, 4)
                                       .reshape(3, IMAGE_SIZE, IMAGE_SIZE) for im in images]))
 
 
