@@ -13,6 +13,7 @@ from cbatch.engine.encoder_memory import (EncoderMemory, dummy_grids, encoder_ca
                                          patch_width)
 from cbatch.engine.memory import bytes_per_block, kv_blocks_in_gpu_memory
 from helpers import make_engine
+from gemma3_vision_models import GEMMA_3_4B_CONFIG
 from vision_models import make_vl_checkpoint
 
 
@@ -27,18 +28,6 @@ QWEN2_5_VL_7B = {
                       "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
                       "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu",
                       "in_chans": 3}}
-
-# gemma-3-4b-it's (tests/test_spec.py)
-GEMMA_3_4B = {
-    "architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "torch_dtype": "bfloat16",
-    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
-                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-                    "sliding_window": 1024},
-    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
-                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
-                      "patch_size": 14, "vision_use_head": False},
-    "mm_tokens_per_image": 256, "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144}
-
 
 def test_encoder_cache_bytes_of_real_shapes():
     # Qwen2.5-VL-7B: hidden 3584, no deepstack, bf16; its processor's max_pixels 12,845,056 = 16,384 tokens of 28 x 28
@@ -63,7 +52,7 @@ def test_a_steps_image_tokens_and_their_dummy_images():
     assert grids == [(1, 64, 80)] * 6 + [(1, 32, 64)]
     assert sum(vision.tokens_for_grid(grid) for grid in grids) == 8192
     assert dummy_grids(vision, 7, 64) == [(1, 2, 14)]  # a prime count: one row of merged tokens
-    gemma = parse_spec(GEMMA_3_4B).vision  # every image one 64 x 64 patch square, 256 tokens
+    gemma = parse_spec(GEMMA_3_4B_CONFIG).vision  # every image one 64 x 64 patch square, 256 tokens
     assert encoder_step_tokens(1000, None, 256) == 1000
     assert dummy_grids(gemma, 1000, 256) == [(1, 64, 64)] * 4 and patch_width(gemma) == 3 * 14 * 14
 
