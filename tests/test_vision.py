@@ -88,9 +88,10 @@ def test_chunks_ending_inside_images_and_preemption_mid_prefill(vl_model, images
 
 
 def test_pixels_go_once_encoded_and_an_evicted_image_is_read_again(vl_model, images):
-    """A row's images release their pixels once encoded (counted by `ImageWatch`: the arrays alive), and with an
-    encoder cache of one image the preemptions above drop embeddings a row needs again: its image is read again from
-    its source (no pixels were kept), encoded again, and the tokens are those of the default cache (HF's, above)."""
+    """A row's images release their pixels once encoded (counted by `ImageWatch`: the arrays alive while the rows
+    still decode). Then the rows above again, preempted mid-prefill (14 blocks) with an encoder cache of one image:
+    embeddings a row needs again are gone, so its image is read again from its source (no pixels were kept) and
+    encoded again, and the tokens are those of the run without preemption (HF's: the test above)."""
     from vision_models import ImageWatch
 
     with ImageWatch() as watch:
@@ -98,9 +99,9 @@ def test_pixels_go_once_encoded_and_an_evicted_image_is_read_again(vl_model, ima
         requests = [(prompt([fresh[3], fresh[0]], [20, 21], tail=4), [fresh[3], fresh[0]]),
                     (prompt([fresh[2]], [22] * 5), [fresh[2]]),
                     (prompt([fresh[0], fresh[3]], [23]), [fresh[0], fresh[3]])]
-        outputs = {}
-        for cache_tokens in (None, 1):
-            engine = make_engine(vl_model, max_model_len=128, max_num_batched_tokens=7, num_kv_blocks=14,
+        outputs = []
+        for num_kv_blocks, cache_tokens in ((200, None), (14, 1)):
+            engine = make_engine(vl_model, max_model_len=128, max_num_batched_tokens=7, num_kv_blocks=num_kv_blocks,
                                  block_size=4, enable_prefix_cache=False)
             if cache_tokens is not None:
                 engine.runner.images.cache.max_tokens = cache_tokens  # (trim keeps one image)
@@ -110,15 +111,14 @@ def test_pixels_go_once_encoded_and_an_evicted_image_is_read_again(vl_model, ima
                 engine.step()
                 if alive_prefilled is None and all(seq.num_computed >= seq.prompt_len for seq in seqs):
                     alive_prefilled = watch.alive  # every row past its images, still decoding
-            assert engine.scheduler.stats.preemptions > 0
-            encoded = engine.runner.images.images_encoded
-            outputs[cache_tokens] = [seq.output_ids for seq in seqs]
+            outputs.append([seq.output_ids for seq in seqs])
             assert alive_prefilled == watch.alive == 2  # images 1 and 4 (no row's) hold theirs; 0, 2, 3 none
+            encoded, preemptions = engine.runner.images.images_encoded, engine.scheduler.stats.preemptions
             if cache_tokens is None:
-                assert encoded == 3 and watch.opened == opened == 5  # once each, nothing read again
+                assert (preemptions, encoded, watch.opened, opened) == (0, 3, 5, 5)  # once each, nothing read again
             else:  # more encodings than images (evictions), each reading its image again (the pixels had gone)
-                assert encoded > 3 and watch.opened - opened == encoded, (encoded, watch.opened)
-    assert outputs[1] == outputs[None]
+                assert preemptions > 0 and encoded > 3 and watch.opened - opened == encoded, (encoded, watch.opened)
+    assert outputs[1] == outputs[0]
 
 
 def test_prefix_cache_shares_an_image_and_never_a_different_one(vl_model, images):
