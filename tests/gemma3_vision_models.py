@@ -24,6 +24,18 @@ VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_att
               patch_size=PATCH)
 
 
+# gemma-3-4b-it's config.json as published: a text_config stating only what differs from Gemma3TextConfig's defaults
+GEMMA_3_4B_CONFIG = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "torch_dtype": "bfloat16",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                      "patch_size": 14, "vision_use_head": False},
+    "mm_tokens_per_image": 256, "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144}
+
+
 def make_gemma3_checkpoint(path: Path, seed: int = 0) -> Path:
     """Decisive: a wide init of every matrix, RMSNorm weights randomised (HF zeroes Gemma's), the text embeddings
     shrunk (Gemma multiplies them by sqrt(hidden)) and the projector's weight (zero at HF's init) drawn narrow, so
@@ -68,7 +80,7 @@ CHAT_TEMPLATE = (
 def pixel_values(images) -> torch.Tensor:
     """The images' patches (PromptImage.pixels [36, 3 * 7 * 7] each) back in the processor's [B, 3, 42, 42]."""
     side = IMAGE_SIZE // PATCH
-    return torch.from_numpy(np.stack([im.pixels.reshape(side, side, 3, PATCH, PATCH).transpose(2, 0, 3, 1, 4)
+    return torch.from_numpy(np.stack([im.patches().reshape(side, side, 3, PATCH, PATCH).transpose(2, 0, 3, 1, 4)
                                       .reshape(3, IMAGE_SIZE, IMAGE_SIZE) for im in images]))
 
 

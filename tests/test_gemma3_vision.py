@@ -129,7 +129,7 @@ def test_the_tower_matches_hfs_image_features(gemma3, images):
 
     cpu = torch.device("cpu")
     model = load_model(read_checkpoint(gemma3), 64, cpu, torch.float32, make_backend("auto", cpu))
-    ours = model.visual(torch.from_numpy(np.concatenate([image.pixels for image in images])),
+    ours = model.visual(torch.from_numpy(np.concatenate([image.patches() for image in images])),
                         [image.grid for image in images])
     with torch.no_grad():
         ref = hf_gemma3(gemma3).model.get_image_features(pixel_values(images)).pooler_output

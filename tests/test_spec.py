@@ -75,17 +75,10 @@ def test_refusals_name_the_problem(arch, cfg, message):
 
 def test_multimodal_gemma3_runs_its_text_decoder_with_hf_defaults():
     """gemma-3-4b-it's config.json: a text_config stating only what differs from Gemma3TextConfig's defaults."""
-    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "torch_dtype": "bfloat16",
-           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
-                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-                           "sliding_window": 1024},
-           "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
-                             "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
-                             "patch_size": 14, "vision_use_head": False},
-           "mm_tokens_per_image": 256, "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144}
     from cbatch.model.presets import preset_spec
+    from gemma3_vision_models import GEMMA_3_4B_CONFIG
 
-    got = parse_spec(hub)
+    got = parse_spec(GEMMA_3_4B_CONFIG)
     assert dataclasses.replace(got, vision=None) == dataclasses.replace(preset_spec("gemma-3-4b"),
                                                                          architecture="Gemma3ForConditionalGeneration")
     vision = got.vision  # its SigLIP tower: 64 x 64 patches of 896 pixels pooled 4 x 4 into 256 tokens

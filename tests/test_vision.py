@@ -87,6 +87,40 @@ def test_chunks_ending_inside_images_and_preemption_mid_prefill(vl_model, images
     assert engine.runner.images.images_encoded == 3  # images 3, 0, 2: once each, whatever the chunks and preemptions
 
 
+def test_pixels_go_once_encoded_and_an_evicted_image_is_read_again(vl_model, images):
+    """A row's images release their pixels once encoded (counted by `ImageWatch`: the arrays alive while the rows
+    still decode). Then the rows above again, preempted mid-prefill (14 blocks) with an encoder cache of one image:
+    embeddings a row needs again are gone, so its image is read again from its source (no pixels were kept) and
+    encoded again, and the tokens are those of the run without preemption (HF's: the test above)."""
+    from vision_models import ImageWatch
+
+    with ImageWatch() as watch:
+        fresh = read_test_images(vl_model, SIZES)  # 5 images, read (opened) inside the watch
+        requests = [(prompt([fresh[3], fresh[0]], [20, 21], tail=4), [fresh[3], fresh[0]]),
+                    (prompt([fresh[2]], [22] * 5), [fresh[2]]),
+                    (prompt([fresh[0], fresh[3]], [23]), [fresh[0], fresh[3]])]
+        outputs = []
+        for num_kv_blocks, cache_tokens in ((200, None), (14, 1)):
+            engine = make_engine(vl_model, max_model_len=128, max_num_batched_tokens=7, num_kv_blocks=num_kv_blocks,
+                                 block_size=4, enable_prefix_cache=False)
+            if cache_tokens is not None:
+                engine.runner.images.cache.max_tokens = cache_tokens  # (trim keeps one image)
+            seqs = [engine.add_request(ids, GREEDY, images=imgs) for ids, imgs in requests]
+            opened, alive_prefilled = watch.opened, None
+            while engine.has_unfinished():
+                engine.step()
+                if alive_prefilled is None and all(seq.num_computed >= seq.prompt_len for seq in seqs):
+                    alive_prefilled = watch.alive  # every row past its images, still decoding
+            outputs.append([seq.output_ids for seq in seqs])
+            assert alive_prefilled == watch.alive == 2  # images 1 and 4 (no row's) hold theirs; 0, 2, 3 none
+            encoded, preemptions = engine.runner.images.images_encoded, engine.scheduler.stats.preemptions
+            if cache_tokens is None:
+                assert (preemptions, encoded, watch.opened, opened) == (0, 3, 5, 5)  # once each, nothing read again
+            else:  # more encodings than images (evictions), each reading its image again (the pixels had gone)
+                assert preemptions > 0 and encoded > 3 and watch.opened - opened == encoded, (encoded, watch.opened)
+    assert outputs[1] == outputs[0]
+
+
 def test_prefix_cache_shares_an_image_and_never_a_different_one(vl_model, images):
     same_size = [images[0], images[4]]  # equal placeholder runs, different pixels
     question = prompt([same_size[0]], [30, 31, 32, 33, 34, 35], tail=6)
@@ -125,7 +159,7 @@ def test_vision_tower_matches_hfs_image_features(vl_model, images):
 
     cpu = torch.device("cpu")
     model = load_model(read_checkpoint(vl_model), 64, cpu, torch.float32, make_backend("auto", cpu))
-    pixels = torch.from_numpy(np.concatenate([image.pixels for image in images]))
+    pixels = torch.from_numpy(np.concatenate([image.patches() for image in images]))
     ours = model.visual(pixels, [image.grid for image in images])
     with torch.no_grad():
         ref = hf_model(vl_model).model.get_image_features(pixels, torch.tensor([image.grid for image in images]))

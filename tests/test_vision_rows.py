@@ -115,6 +115,31 @@ def test_bad_images_are_error_rows_naming_the_image(vl_model, tmp_path):
     assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "out2.jsonl", "--allow-errors") == 0
 
 
+def test_a_released_image_is_read_again_from_its_source_or_refused_in_one_sentence(vl_model, tmp_path):
+    """Once encoded, an image keeps its source, not its pixels: read again it gives the same patches; a file changed
+    or gone since its row was queued is an ImageError naming it (the prefix cache knows the image by its bytes)."""
+    import numpy as np
+
+    from cbatch.io.images import ImageError, ImageReader
+    from cbatch.model.loader import read_checkpoint
+
+    reader = ImageReader(vl_model, read_checkpoint(vl_model).spec.vision)
+    path = tmp_path / "page.png"
+    path.write_bytes(png_bytes(56, 28, seed=3))
+    image = reader.read(str(path), "images[0]")
+    pixels = image.pixels.copy()
+    image.release()
+    assert image.pixels is None and np.array_equal(image.patches(), pixels) and image.pixels is None
+    path.write_bytes(png_bytes(56, 28, seed=4))
+    with pytest.raises(ImageError, match=r"^`images\[0\]` \('.*page.png'\) has other bytes than when its row was "
+                                         r"queued; keep a job's images in place and unchanged until it finishes$"):
+        image.patches()
+    path.unlink()
+    with pytest.raises(ImageError, match=r"^`images\[0\]` \('.*page.png'\) names a file that does not exist, read "
+                                         r"again for its preempted row; keep a job's images in place"):
+        image.patches()
+
+
 def test_an_image_for_a_text_model_is_an_error_row(tiny_checkpoints, tmp_path):
     rows = [{"id": "x", "prompt_token_ids": [5, 6], "images": [data_uri(png_bytes(28, 28, 0))]}]
     write_jsonl(tmp_path / "in.jsonl", rows)

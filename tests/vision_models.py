@@ -145,7 +145,7 @@ def hf_vl_greedy(path: Path, prompt_ids: list[int], images, max_new_tokens: int)
     ids = torch.tensor([prompt_ids])
     kwargs = {}
     if images:
-        kwargs = dict(pixel_values=torch.from_numpy(np.concatenate([im.pixels for im in images])),
+        kwargs = dict(pixel_values=torch.from_numpy(np.concatenate([im.patches() for im in images])),
                       image_grid_thw=torch.tensor([im.grid for im in images]),
                       mm_token_type_ids=(ids == IMAGE_TOKEN).int())
     with torch.no_grad():

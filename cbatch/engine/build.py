@@ -57,7 +57,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
         runner.peers = peers
         return runner
 
-    config, kv_pool = _kv_pool(config, resolved, model.spec, kv_dtype, make_runner)
+    config, kv_pool = _kv_pool(config, resolved, model.spec, kv_dtype, make_runner, encoder_memory(resolved, model))
     if config.async_scheduling is None:  # where the host can run ahead of the device
         config = replace(config, async_scheduling=device.type == "cuda" and comm.world == 1)
     runner = make_runner(config, kv_pool.num_blocks, kv_pool.num_host_blocks)
@@ -153,14 +153,30 @@ def decode_gemm_layers(model) -> list[Linear]:
             and m.weight.dtype in (torch.bfloat16, torch.float16)]
 
 
+def encoder_memory(resolved: ResolvedModel, model):
+    """What a vision-language model's images take on the GPU beside a text step (engine/encoder_memory.py), or None
+    (a text model, the CPU, a tensor-parallel worker without the tower)."""
+    if resolved.device.type != "cuda" or getattr(model, "visual", None) is None:
+        return None
+    from cbatch.engine.encoder_memory import EncoderMemory
+    from cbatch.io.images import ImageReader
+
+    vision = model.spec.vision
+    model_dir = resolved.checkpoint.path if resolved.checkpoint is not None else None
+    return EncoderMemory(model.visual, vision, model.spec.hidden_size, resolved.dtype,
+                         ImageReader(model_dir, vision).max_image_tokens)
+
+
 def _kv_pool(config: EngineConfig, resolved: ResolvedModel, spec: ModelSpec, kv_dtype: torch.dtype,
-             make_runner) -> tuple[EngineConfig, KVPool]:
+             make_runner, encoder=None) -> tuple[EngineConfig, KVPool]:
     """(config with its step limits, pool): the pool forced by --num-kv-blocks, else from the memory budget
-    (GPU: after profiled dummy steps, which also size the step); the host swap space from --swap-space,
-    never more than 4 pools' worth. `spec`: this rank's (its share of the KV heads)."""
+    (GPU: after profiled dummy steps, which also size the step; `encoder`: a vision-language model's images'
+    share, engine/encoder_memory.py); the host swap space from --swap-space, never more than 4 pools' worth.
+    `spec`: this rank's (its share of the KV heads)."""
     device = resolved.device
     if device.type == "cuda" and config.num_kv_blocks is None:
-        config, num_blocks = memory.gpu_step_and_pool(config, spec, kv_dtype, resolved.max_model_len, make_runner)
+        config, num_blocks = memory.gpu_step_and_pool(config, spec, kv_dtype, resolved.max_model_len, make_runner,
+                                                      encoder)
     else:
         config = memory.with_step_limits(config, device)
         num_blocks = config.num_kv_blocks or memory.cpu_kv_blocks(config, spec, kv_dtype, resolved.max_model_len)

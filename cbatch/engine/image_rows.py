@@ -9,6 +9,9 @@ decode graph), and for a step whose chunks meet image placeholders writes the 3-
 each chunk takes: a chunk may end inside an image's run, and the next takes the rest. `prepare` encodes every image
 of the step that the encoder cache lacks in one vision-tower call, then gathers the slices. The cache (`EncoderCache`,
 keyed by the image's digest) keeps an image encoded once across its row's chunks, preemptions and rows sharing it.
+A step's images release their pixels once read (`PromptImage.release`): a row holds float32 patches only until its
+images are encoded; an image the cache dropped before its row's prefill consumed it (a preempted row, a chunk after
+an eviction) is read again from its source (`PromptImage.patches`).
 
 Tensor parallelism: the vision tower is rank 0's alone (whole; the language model is split as for text). Rank 0 sends
 the workers the step's image slices without pixels (`for_workers`), encodes, and broadcasts the step's gathered
@@ -30,7 +33,18 @@ from cbatch.engine.sequence import Sequence
 from cbatch.engine.step_inputs import StepInputs
 from cbatch.model.decoder import LlamaForCausalLM
 
-ENCODER_CACHE_TOKENS = 32768  # embeddings kept past their step (LRU): a few pages' worth of a 7B's, ~0.5 GB in bf16
+ENCODER_CACHE_TOKENS = 32768  # embeddings kept past their step (LRU): a few pages' worth; a 7B's: 0.22 GiB in bf16
+
+
+def features_per_row(vision) -> int:
+    """Features an image token's row carries: its embedding, then (Qwen3-VL) one per deepstack merger."""
+    return 1 + len(vision.deepstack_layers)
+
+
+def encoder_cache_rows(features: int) -> int:
+    """The encoder cache's rows for rows of `features` features each (the embedding, then one per deepstack merger):
+    wider rows, fewer of them, the same memory."""
+    return ENCODER_CACHE_TOKENS // features
 
 
 class EncoderCache:
@@ -73,9 +87,9 @@ class ImageRows(RowFeature):
         self.mrope = bool(model.spec.vision.mrope_section)  # Qwen2-VL: 3-D positions; Gemma 3: 1-D
         # Qwen3-VL's rows carry their deepstack features too (model/vision_qwen3.py): wider rows, fewer of them in
         # the same memory
-        features = 1 + len(model.spec.vision.deepstack_layers)  # the embedding, then one per deepstack merger
+        features = features_per_row(model.spec.vision)
         self.row_width = model.spec.hidden_size * features
-        self.cache = EncoderCache(ENCODER_CACHE_TOKENS // features)
+        self.cache = EncoderCache(encoder_cache_rows(features))
         self.images_encoded = 0  # vision-tower runs per image (an image encoded again after eviction counts again)
         self.image_tokens_encoded = 0
         self._deltas: np.ndarray | None = None
@@ -137,6 +151,8 @@ class ImageRows(RowFeature):
         if self.visual is not None:
             self._encode([image for _, image, _, _ in slices], device)
             embeds = torch.cat([self.cache.get(image.digest)[first:end] for _, image, first, end in slices])
+            for _, image, _, _ in slices:  # encoded (or found encoded): the cache has them, the row no longer needs them
+                image.release()
             self.cache.trim()
             embeds = embeds.to(self.embed_dtype)
         else:  # a tensor-parallel worker: rank 0's embeddings land here
@@ -168,9 +184,11 @@ class ImageRows(RowFeature):
         if not missing:
             return
         todo = list(missing.values())
-        pixels = torch.from_numpy(np.concatenate([image.pixels for image in todo])).to(device)
+        # (a released image's patches are read again from its source: a preempted row the cache had dropped)
+        pixels = torch.from_numpy(np.concatenate([image.patches() for image in todo])).to(device)
         embeds = self.visual(pixels, [image.grid for image in todo])  # [sum of num_tokens, hidden x (1 + deepstack)]
         for image, part in zip(todo, embeds.split([image.num_tokens for image in todo])):
-            self.cache.put(image.digest, part)
+            # each entry its own memory: a view would keep the whole step's tensor alive until its last part goes
+            self.cache.put(image.digest, part.clone() if len(todo) > 1 else part)
         self.images_encoded += len(todo)
         self.image_tokens_encoded += embeds.shape[0]

@@ -10,6 +10,7 @@ sizes (`whole_images`): a chunk never ends inside an image's run, so the run's q
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -18,17 +19,37 @@ from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.vision_spec import VisionSpec
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class PromptImage:
-    """One image of a prompt, preprocessed by the model's image processor."""
+    """One image of a prompt, preprocessed by the model's image processor.
+
+    Its pixels are needed only until the vision tower has encoded it: the runner `release`s them once a step has
+    read the image (its embedding is then in the encoder cache until the row's prefill has consumed it). A row
+    preempted after the cache dropped that embedding gets the pixels again from `reread` (the image's source and
+    the reader that made them, cheap to keep), so a row in the engine holds float32 patches only until encoded."""
 
     digest: str  # hash of the image's bytes: the encoder cache's and the prefix cache's key
     grid: tuple[int, int, int]  # patch grid (t, h, w)
     num_tokens: int  # its placeholder tokens: t * h * w / merge^2
-    # float32 [t * h * w, patch_dim]: the processor's flattened patches; None for an image counted from its header
-    # alone (cbatch plan: the grid and token count, never encoded)
+    # float32 [t * h * w, patch_dim]: the processor's flattened patches; None once released, and for an image
+    # counted from its header alone (cbatch plan: the grid and token count, never encoded)
     pixels: np.ndarray | None
     name: str = ""  # how the row gave it (for messages)
+    # the patches read and preprocessed again from the image's source (io/images.ImageReader.reread: raises
+    # ImageError if the source is gone or has other bytes); None: nothing to read again
+    reread: Callable[[], np.ndarray] | None = None
+
+    def patches(self) -> np.ndarray:
+        """The image's patches for the vision tower: the ones held, else read again from its source."""
+        if self.pixels is not None:
+            return self.pixels
+        if self.reread is None:
+            raise ValueError(f"image {self.name!r} holds no pixels and has no source to read them from again")
+        return self.reread()
+
+    def release(self) -> None:
+        """Drops the held patches (the encoder cache has the image's embedding; `patches` reads them again)."""
+        self.pixels = None
 
 
 @dataclass(slots=True)

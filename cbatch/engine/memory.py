@@ -4,7 +4,9 @@ and how large a step may be (max_num_seqs / max_num_batched_tokens when the user
 GPU: budget = total x gpu_memory_utilization - memory in use after the weights - the peak activation
 of the largest step (measured by running one dummy step of max_num_batched_tokens prompt tokens spread
 over max_num_seqs sequences, each sampling with top-k/top-p: the torch sampler's worst case) - a reserve
-for CUDA graphs (their pool and the logits of the largest decode graph). Invertible: the report states
+for CUDA graphs (their pool and the logits of the largest decode graph). A vision-language model's step peak is
+the larger of that and one vision-tower forward over the largest image batch a step encodes (measured too), plus
+its encoder cache full (engine/encoder_memory.py). Invertible: the report states
 the pool size, so a user can pick --num-kv-blocks or --gpu-memory-utilization from it.
 
 Step size: the CPU keeps its measured best (64 sequences, 2048 tokens). A GPU starts from vLLM's H100
@@ -15,12 +17,16 @@ sequence holds at least one).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from cbatch.config import EngineConfig, SamplingParams
 from cbatch.fp8_kv import FP8_KV_DTYPE
 from cbatch.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from cbatch.engine.encoder_memory import EncoderMemory
 
 CUDA_GRAPH_RESERVE = 512 * 2**20  # decode graphs' own pool and workspace, besides their logits
 CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS = 64, 2048
@@ -120,15 +126,19 @@ def host_kv_blocks(config: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype,
 
 
 def gpu_step_and_pool(config: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, max_model_len: int,
-                      make_runner) -> tuple[EngineConfig, int]:
+                      make_runner, encoder: "EncoderMemory | None" = None) -> tuple[EngineConfig, int]:
     """(config with its step limits, KV blocks) on a GPU: the defaults halved while their activations leave
-    the pool less than MIN_POOL_SEQUENCES sequences of max_model_len tokens (see the module docstring)."""
+    the pool less than MIN_POOL_SEQUENCES sequences of max_model_len tokens (see the module docstring).
+    `encoder` (a vision-language model's): the vision tower's peak and the encoder cache reserved too."""
     seqs, tokens = GPU_MAX_NUM_SEQS, GPU_MAX_NUM_BATCHED_TOKENS
     block_tokens_wanted = MIN_POOL_SEQUENCES * max_model_len
     while True:
         sized = with_step_limits(config, torch.device("cuda"), seqs, tokens)
         at_floor = (seqs, tokens) <= GPU_MIN_STEP or (config.max_num_seqs and config.max_num_batched_tokens)
         peak = profile_activation_peak(make_runner, sized, max_model_len)
+        if encoder is not None:
+            peak = encoder.reserve(peak, sized.max_num_batched_tokens, sized.max_image_tokens_per_step,
+                                   torch.device("cuda"))
         try:
             blocks = gpu_kv_blocks(sized, spec, kv_dtype, max_model_len, peak)
         except MemoryError:  # no room for any KV at this step size: smaller steps, unless already smallest

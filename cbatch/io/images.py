@@ -4,8 +4,11 @@ Hugging Face datasets store it), its bytes, and its preprocessing by the model's
 
 Sources: a `data:` URI (base64), a local path, `file://`, any fsspec URL (`s3://...`, `hf://...`), raw bytes
 (a Parquet binary column), a datasets Image struct `{"bytes", "path"}`, or a PIL image (the library's). An image is
-read when its row's requests are made (the rows the engine is about to queue), never at the job's start. Anything
-wrong with one image is a RowError naming it (`ImageError`): the row becomes an error row and the job goes on.
+read when its row's requests are made (the rows the engine is about to queue), never at the job's start; its
+pixels go once the vision tower has encoded it, and a preempted row whose embedding the encoder cache dropped reads
+it again (`ImageReader.reread`: the source is kept, never the float32 patches). Anything wrong with one image is
+a RowError naming it (`ImageError`): the row becomes an error row and the job goes on (an image that cannot be read
+again for its running row stops the job with that one line).
 
 Preprocessing: transformers' PIL image processor of the model (`Qwen2VLImageProcessorPil`: resize so that both sides
 are multiples of patch x merge with the pixel count inside [min_pixels, max_pixels], rescale, normalize, patchify),
@@ -23,6 +26,7 @@ import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +154,15 @@ class ImageReader:
         size = self.processor.size
         return int(size["shortest_edge"]), int(size["longest_edge"])
 
+    @property
+    def max_image_tokens(self) -> int:
+        """The most placeholder tokens one image gets: the processor's max_pixels in merged patches (Gemma 3: its
+        one square's)."""
+        if isinstance(self.vision, SiglipSpec):
+            return self.vision.mm_tokens_per_image
+        side = int(self.processor.patch_size) * int(self.processor.merge_size)
+        return self.pixel_range[1] // side**2
+
     def grid_for(self, height: int, width: int) -> tuple[int, int, int]:
         """The patch grid (t, h, w) the processor makes of a height x width image, from its size alone: the
         processor's own resize rule (both sides multiples of patch x merge, the pixel count in its bounds; Gemma 3:
@@ -198,7 +211,22 @@ class ImageReader:
         else:
             grid = tuple(int(x) for x in out["image_grid_thw"][0])
             pixels = out["pixel_values"].astype("float32", copy=False)
-        return PromptImage(digest, grid, self.vision.tokens_for_grid(grid), pixels, name)
+        return PromptImage(digest, grid, self.vision.tokens_for_grid(grid), pixels, name,
+                           partial(self.reread, source, name, digest))
+
+    def reread(self, source: Any, name: str, digest: str) -> Any:
+        """The patches of the image `source` (read before as `name`, its bytes hashing to `digest`) read and
+        preprocessed again: a preempted row's image whose embedding the encoder cache dropped after its pixels
+        were released. Raises ImageError if the source is gone or its bytes changed since (the prefix cache and
+        the row's record know the image by `digest`)."""
+        keep = "keep a job's images in place and unchanged until it finishes"
+        try:
+            image = self.read(source, name)
+        except ImageError as exc:
+            raise ImageError(f"{exc}, read again for its preempted row; {keep}") from None
+        if image.digest != digest:
+            raise ImageError(f"`{name}` ({describe(source)}) has other bytes than when its row was queued; {keep}")
+        return image.pixels
 
 
 def _open(source: Any):

@@ -74,8 +74,9 @@ def expire_unsent(spec: JobSpec, index: int, raw: dict[str, Any] | str, done_sam
     return expired_results(index, parsed.row_id, parsed.num_samples, left, message, parsed.echo, kept)
 
 
-# rows with images hold their preprocessed pixels until they finish: at most this many past the engine's
-# max_num_seqs are read ahead (being read on worker threads, or waiting in the engine), whatever --lookahead says
+# rows with images hold their preprocessed pixels until the vision tower has encoded them (then only their images'
+# sources): at most this many past the engine's max_num_seqs are read ahead (being read on worker threads, or
+# waiting in the engine), whatever --lookahead says
 PREFETCH_ROWS = 64
 
 
@@ -105,7 +106,7 @@ class LocalExecutor:
         self._parts: dict[int, tuple[int, int]] = {}  # a row's further requests: their seq_id -> (row index, number)
         self._ready: list[RowResult] = []  # rows that failed before reaching the engine, or came from the cache
         self._arriving: list[_Arriving] = []  # rows whose inputs are being read (images), in submission order
-        self._image_rows: set[int] = set()  # rows with images in the engine (they hold their pixels)
+        self._image_rows: set[int] = set()  # rows with images in the engine (their pixels until encoded)
 
     def wants_rows(self) -> bool:
         with_images = len(self._arriving) + len(self._image_rows)

@@ -1,0 +1,98 @@
+"""GPU memory a vision-language model's images take beside a text step, reserved before the KV pool is sized
+(memory.gpu_step_and_pool):
+
+- the encoder cache full (engine/image_rows.EncoderCache): its rows, at least one largest image (the cache keeps
+  one entry however large), x the row width (hidden x (1 + deepstack mergers)) x the embeddings' dtype bytes;
+- the vision tower's peak activations for the largest image batch a step encodes, measured as a text step's are:
+  one tower forward over dummy images of that many tokens. A step encodes the whole images its chunks start, within
+  its token budget (--max-image-tokens-per-step when lower), and at least one image of the largest size the model's
+  processor makes (its max_pixels: an image larger than the budget runs alone).
+
+The tower runs before the language model's forward (`ImageRows.prepare`) and frees its activations but its output
+(kept by the cache, counted above), so a step's peak is the larger of the two: text and tower are not added.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cbatch.engine.image_rows import encoder_cache_rows, features_per_row
+from cbatch.model.siglip_spec import SiglipSpec
+from cbatch.model.vision_spec import VisionSpec
+
+
+def encoder_cache_bytes(hidden_size: int, features: int, dtype_bytes: int, largest_image: int) -> int:
+    """The encoder cache's bytes when full: max(its rows, one largest image) x hidden x features x dtype bytes."""
+    return max(encoder_cache_rows(features), largest_image) * hidden_size * features * dtype_bytes
+
+
+def encoder_step_tokens(max_num_batched_tokens: int, max_image_tokens_per_step: int | None,
+                        largest_image: int) -> int:
+    """The most image tokens one step encodes: the step's token budget (or the encoder's, when lower), at least
+    one largest image."""
+    budget = min(max_num_batched_tokens, max_image_tokens_per_step or max_num_batched_tokens)
+    return max(budget, largest_image)
+
+
+def dummy_grids(vision: VisionSpec | SiglipSpec, tokens: int, largest_image: int) -> list[tuple[int, int, int]]:
+    """Patch grids (t, h, w) of images adding up to at least `tokens` placeholder tokens, each at most
+    `largest_image` (Gemma 3: its one square, as many as it takes). A Qwen image of n tokens is the near-square
+    h x w merged tokens with h x w = n (the tower's windows and positions as for a page)."""
+    if isinstance(vision, SiglipSpec):
+        side = vision.patches_per_side
+        return [(1, side, side)] * -(-tokens // vision.mm_tokens_per_image)
+    grids, merge = [], vision.merge_size
+    while tokens > 0:
+        n = min(tokens, largest_image)
+        h = next(d for d in range(math.isqrt(n), 0, -1) if n % d == 0)
+        grids.append((1, h * merge, n // h * merge))
+        tokens -= n
+    return grids
+
+
+def patch_width(vision: VisionSpec | SiglipSpec) -> int:
+    """Values per patch row the tower takes (the processor's flattened patches)."""
+    if isinstance(vision, SiglipSpec):
+        return vision.in_channels * vision.patch_size**2
+    return vision.patch_dim
+
+
+@dataclass(frozen=True)
+class EncoderMemory:
+    """What a vision-language model reserves for its images on the GPU (see the module's docstring)."""
+
+    visual: torch.nn.Module  # the vision tower with its merger(s) (rank 0's)
+    vision: VisionSpec | SiglipSpec
+    hidden_size: int  # the language model's: the embeddings' width, per feature
+    dtype: torch.dtype  # the tower's output's (the model's)
+    largest_image: int  # the most placeholder tokens one image gets (the model's processor at its max_pixels)
+
+    @property
+    def cache_bytes(self) -> int:
+        return encoder_cache_bytes(self.hidden_size, features_per_row(self.vision), self.dtype.itemsize,
+                                   self.largest_image)
+
+    def tower_peak(self, max_num_batched_tokens: int, max_image_tokens_per_step: int | None,
+                   device: torch.device) -> int:
+        """Bytes one tower forward over a step's largest image batch allocates beyond what is held (CUDA)."""
+        tokens = encoder_step_tokens(max_num_batched_tokens, max_image_tokens_per_step, self.largest_image)
+        grids = dummy_grids(self.vision, tokens, self.largest_image)
+        patches = sum(t * h * w for t, h, w in grids)
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        pixels = torch.zeros(patches, patch_width(self.vision), dtype=torch.float32, device=device)
+        out = self.visual(pixels, grids)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - baseline
+        del out, pixels
+        torch.cuda.empty_cache()
+        return max(0, peak)
+
+    def reserve(self, text_peak: int, max_num_batched_tokens: int, max_image_tokens_per_step: int | None,
+                device: torch.device) -> int:
+        """A step's peak with images: the larger of the text step's and the tower's, plus the encoder cache full."""
+        tower = self.tower_peak(max_num_batched_tokens, max_image_tokens_per_step, device)
+        return max(text_peak, tower) + self.cache_bytes

@@ -1,0 +1,138 @@
+"""What a vision-language model reserves on the GPU for its images before the KV pool (engine/encoder_memory.py): the
+encoder cache full and the vision tower's largest step, with real model shapes counted by hand; the dummy image batch
+the tower is measured on is a valid batch of the tower (run on CPU)."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from cbatch.config import EngineConfig
+from cbatch.engine.encoder_memory import (EncoderMemory, dummy_grids, encoder_cache_bytes, encoder_step_tokens,
+                                         patch_width)
+from cbatch.engine.memory import bytes_per_block, kv_blocks_in_gpu_memory
+from helpers import make_engine
+from gemma3_vision_models import GEMMA_3_4B_CONFIG
+from vision_models import make_vl_checkpoint
+
+
+# Qwen2.5-VL-7B-Instruct's config.json (the fields cbatch reads)
+QWEN2_5_VL_7B = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_size": 3584,
+    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+    "vocab_size": 152064, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "hidden_act": "silu",
+    "image_token_id": 151655, "vision_start_token_id": 151652, "tie_word_embeddings": False,
+    "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                      "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                      "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu",
+                      "in_chans": 3}}
+
+def test_encoder_cache_bytes_of_real_shapes():
+    # Qwen2.5-VL-7B: hidden 3584, no deepstack, bf16; its processor's max_pixels 12,845,056 = 16,384 tokens of 28 x 28
+    # pixels, fewer than the cache's 32,768 rows: 32,768 x 3,584 x 2 bytes
+    assert encoder_cache_bytes(3584, 1, 2, largest_image=16384) == 32768 * 3584 * 2 == 234_881_024
+    # Qwen3-VL-8B: hidden 4096, 3 deepstack mergers (4 features a row: 8,192 rows), but one largest image (16,384
+    # tokens of 32 x 32 pixels) stays in the cache whole: 16,384 x 4,096 x 4 x 2 bytes
+    assert encoder_cache_bytes(4096, 4, 2, largest_image=16384) == 16384 * 16384 * 2 == 536_870_912
+    # gemma-3-4b: hidden 2560, 256 tokens an image
+    assert encoder_cache_bytes(2560, 1, 2, largest_image=256) == 32768 * 2560 * 2
+
+
+def test_a_steps_image_tokens_and_their_dummy_images():
+    from cbatch.model.spec import parse_spec
+
+    assert encoder_step_tokens(8192, None, 16384) == 16384  # one largest image runs alone past the budget
+    assert encoder_step_tokens(8192, None, 1280) == 8192
+    assert encoder_step_tokens(8192, 2048, 1280) == 2048  # --max-image-tokens-per-step
+    assert encoder_step_tokens(2048, 4096, 1280) == 2048  # a step's chunks start images within its budget
+    vision = parse_spec(QWEN2_5_VL_7B).vision
+    grids = dummy_grids(vision, 8192, 1280)  # 6 pages of 1,280 tokens (32 x 40 merged), one of 512 (16 x 32)
+    assert grids == [(1, 64, 80)] * 6 + [(1, 32, 64)]
+    assert sum(vision.tokens_for_grid(grid) for grid in grids) == 8192
+    assert dummy_grids(vision, 7, 64) == [(1, 2, 14)]  # a prime count: one row of merged tokens
+    gemma = parse_spec(GEMMA_3_4B_CONFIG).vision  # every image one 64 x 64 patch square, 256 tokens
+    assert encoder_step_tokens(1000, None, 256) == 1000
+    assert dummy_grids(gemma, 1000, 256) == [(1, 64, 64)] * 4 and patch_width(gemma) == 3 * 14 * 14
+
+
+def test_a_steps_reserve_is_the_larger_peak_and_the_cache(monkeypatch):
+    """The tower runs before the language model's forward: the larger of the two peaks, not their sum, plus the
+    encoder cache full."""
+    from cbatch.model.spec import parse_spec
+
+    spec = parse_spec(QWEN2_5_VL_7B)
+    encoder = EncoderMemory(torch.nn.Identity(), spec.vision, spec.hidden_size, torch.bfloat16, largest_image=16384)
+    asked = []
+    monkeypatch.setattr(EncoderMemory, "tower_peak", lambda self, *args: asked.append(args) or 3 * 2**30)
+    assert encoder.cache_bytes == 234_881_024
+    assert encoder.reserve(2 * 2**30, 8192, None, torch.device("cpu")) == 3 * 2**30 + 234_881_024
+    assert encoder.reserve(5 * 2**30, 8192, 4096, torch.device("cpu")) == 5 * 2**30 + 234_881_024
+    assert asked == [(8192, None, torch.device("cpu")), (8192, 4096, torch.device("cpu"))]
+
+
+def test_the_reserve_comes_out_of_the_kv_pool():
+    """An 80 GiB GPU at 0.9, 17 GiB in use, a 2 GiB text step: Qwen2.5-VL-7B's encoder cache (234,881,024 bytes)
+    takes that many bytes of KV blocks (57,344 bytes a token: 2 x 28 layers x 4 KV heads x 128 x 2)."""
+    from cbatch.model.spec import parse_spec
+
+    spec = parse_spec(QWEN2_5_VL_7B)
+    config = EngineConfig(model="x", max_num_seqs=256, max_num_batched_tokens=8192, enforce_eager=True,
+                          gpu_memory_utilization=0.9, block_size=16)
+    assert bytes_per_block(spec, torch.bfloat16, 16) == 57344 * 16
+    args = (config, spec, torch.bfloat16, 32768, 80 * 2**30, 17 * 2**30)
+    text = kv_blocks_in_gpu_memory(*args, 2 * 2**30)
+    with_images = kv_blocks_in_gpu_memory(*args, 2 * 2**30 + encoder_cache_bytes(3584, 1, 2, 16384))
+    budget = 80 * 2**30 * 0.9 - 19 * 2**30
+    assert (text, with_images) == (int(budget // (57344 * 16)), int((budget - 234_881_024) // (57344 * 16)))
+    assert text - with_images == 256  # 234,881,024 / 917,504 = 256 blocks exactly
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "gemma3"])
+def vl_model(request, tmp_path_factory):
+    from gemma3_vision_models import make_gemma3_checkpoint
+
+    path = tmp_path_factory.mktemp(request.param) / "model"
+    path = make_gemma3_checkpoint(path) if request.param == "gemma3" else make_vl_checkpoint(request.param, path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_the_tower_runs_the_dummy_batch_and_the_reader_knows_the_largest_image(vl_model):
+    """The dummy images are a batch the tiny towers take (a step of 75 image tokens, at most 64 an image: Qwen's
+    max_pixels (2 x patch)^2 x 64; Gemma 3's tiny images are 9 tokens each, 9 of them)."""
+    from cbatch.io.images import ImageReader
+
+    model = make_engine(vl_model, max_model_len=64).runner.model
+    vision = model.spec.vision
+    largest = ImageReader(vl_model, vision).max_image_tokens
+    grids = dummy_grids(vision, 75, largest)
+    pixels = torch.zeros(sum(t * h * w for t, h, w in grids), patch_width(vision))
+    out = model.visual(pixels, grids)
+    if vision.tower == "siglip":
+        assert largest == 9 and len(grids) == 9 and out.shape[0] == 81
+    else:
+        assert largest == 64 and len(grids) == 2 and out.shape[0] == 75
+
+
+def test_the_gpu_sizing_takes_the_reserve(monkeypatch):
+    """`gpu_step_and_pool` (the GPU's sizing, its CUDA measurements stubbed): the pool is sized with the step's
+    reserve for images in place of the text step's peak, the tower measured at the step's limits."""
+    from cbatch.engine import memory
+    from cbatch.model.spec import parse_spec
+
+    spec = parse_spec(QWEN2_5_VL_7B)
+    encoder = EncoderMemory(torch.nn.Identity(), spec.vision, spec.hidden_size, torch.bfloat16, largest_image=16384)
+    asked, sized_with = [], []
+    monkeypatch.setattr(memory, "profile_activation_peak", lambda make_runner, config, length: 2**30)
+    monkeypatch.setattr(EncoderMemory, "tower_peak", lambda self, *args: asked.append(args) or 3 * 2**30)
+    monkeypatch.setattr(memory, "gpu_kv_blocks", lambda *args: sized_with.append(args[-1]) or 10**6)
+    config = EngineConfig(model="x", max_num_seqs=128, max_num_batched_tokens=4096, max_image_tokens_per_step=1024)
+    sized, blocks = memory.gpu_step_and_pool(config, spec, torch.bfloat16, 4096, None, encoder)
+    assert (sized.max_num_seqs, sized.max_num_batched_tokens, blocks) == (128, 4096, 10**6)
+    assert asked == [(4096, 1024, torch.device("cuda"))]
+    assert sized_with == [3 * 2**30 + 234_881_024]
+    sized_with.clear()
+    memory.gpu_step_and_pool(config, spec, torch.bfloat16, 4096, None)  # a text model: its step's peak alone
+    assert sized_with == [2**30]
