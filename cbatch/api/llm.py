@@ -180,9 +180,7 @@ class LLM:
                 if read:
                     token_lists[i] = ids = expand_placeholders(ids, read, self.engine.spec.vision,
                                                                 self.engine.tokenizer)
-                prompt, error = self.engine.check_request(ids, p)
-                fit = self.engine.seq_images(prompt, read) if error is None else None
-                error = fit if isinstance(fit, str) else error
+                error = self.engine.check_prompt(ids, p, read)[2]
             except UserError as exc:
                 error = str(exc)
             if error is not None:
