@@ -5,6 +5,7 @@ image tokens attend to each other both ways (HF's causal output differs), so a c
 tensor-parallel ranks give one rank's tokens."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -186,6 +187,13 @@ def test_rows_with_images_through_cbatch_run(gemma3, images, tmp_path):
     assert out["image"]["completion"] == tokenizer.decode(hf_gemma3_greedy(gemma3, expanded, images[:1], 8),
                                                           skip_special_tokens=True)
     assert out["bad"]["finish_reason"] == "error" and out["bad"]["error"].startswith("`images[0]` (")
+    # `cbatch plan` places the images as the run does: a step budget below one image refuses the image's row
+    code, _, err = run_inprocess("plan", str(tmp_path / "in.jsonl"), "--model", str(gemma3), "--device", "cpu",
+                                 "--max-tokens", "8", "--max-num-batched-tokens", "8", "--no-search",
+                                 "--report", str(tmp_path / "plan.json"))
+    assert code == 1, err
+    assert {r["id"]: r["error"][:40] for r in json.loads((tmp_path / "plan.json").read_text())["errors"]} == {
+        "image": "an image of this Gemma3ForConditionalGen", "bad": out["bad"]["error"][:40]}
 
 
 def test_the_triton_backend_gives_hfs_tokens_with_images(gemma3, images):

@@ -97,6 +97,45 @@ def test_reasoning_column_and_chat_template_kwargs(thinking_model, tmp_path):
     assert (read_jsonl(flagged)[0]["reasoning"], read_jsonl(flagged)[0]["completion"]) == (None, "Yes")
 
 
+def test_openai_bodies_carry_the_reasoning(thinking_model, tmp_path):
+    """--output-format openai: a /v1/responses body's `output` has a `reasoning` item (OpenAI's Responses shape:
+    summary [], content [reasoning_text]) before the message; cut while thinking, it is the incomplete item. A
+    chat.completion's message has `reasoning` (vLLM's field), null for a row that did not think."""
+    def line(custom_id: str, url: str, **body) -> dict:
+        return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+    lines = [line("responses", "/v1/responses", input=QUESTION[0]["content"]),
+             line("responses-cut", "/v1/responses", input=QUESTION[0]["content"], max_output_tokens=2),
+             line("chat", "/v1/chat/completions", messages=QUESTION),
+             line("chat-direct", "/v1/chat/completions", messages=QUESTION,
+                  chat_template_kwargs={"enable_thinking": False})]
+    out = tmp_path / "out.jsonl"
+    code, _, err = run_inprocess("run", str(write_jsonl(tmp_path / "in.jsonl", lines)), "--out", str(out), "--model",
+                                 str(thinking_model), "--device", "cpu", "--max-tokens", "20", "--output-format", "openai")
+    assert code == 0, err
+    body = {r["custom_id"]: r["response"]["body"] for r in read_jsonl(out)}
+    reasoning, message = body["responses"]["output"]
+    digest = body["responses"]["id"].removeprefix("resp_")
+    assert reasoning == {"type": "reasoning", "id": f"rs_{digest}", "summary": [],
+                         "content": [{"type": "reasoning_text", "text": "Maybe"}], "status": "completed"}
+    assert (message["type"], message["content"][0]["text"], body["responses"]["status"]) == ("message", "Yes", "completed")
+    reasoning, message = body["responses-cut"]["output"]
+    assert (reasoning["content"][0]["text"], reasoning["status"]) == ("Maybe", "incomplete")
+    assert (message["content"][0]["text"], body["responses-cut"]["status"]) == ("", "incomplete")
+    chat, direct = body["chat"]["choices"][0]["message"], body["chat-direct"]["choices"][0]["message"]
+    assert (chat["content"], chat["reasoning"]) == ("Yes", "Maybe")
+    assert (direct["content"], direct["reasoning"]) == ("Yes", None)
+    # --no-reasoning-split: the raw text in the message, no reasoning item or field
+    code, _, err = run_inprocess("run", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "raw.jsonl"), "--model",
+                                 str(thinking_model), "--device", "cpu", "--max-tokens", "20", "--output-format",
+                                 "openai", "--no-reasoning-split")
+    assert code == 0, err
+    raw = {r["custom_id"]: r["response"]["body"] for r in read_jsonl(tmp_path / "raw.jsonl")}
+    assert [item["type"] for item in raw["responses"]["output"]] == ["message"]
+    assert raw["responses"]["output"][0]["content"][0]["text"] == "<think>Maybe</think>\n\nYes"
+    assert "reasoning" not in raw["chat"]["choices"][0]["message"]
+
+
 @pytest.mark.parametrize("text,want", [
     ("<think>\nweigh it\n</think>\n\nYes.", ("weigh it", "Yes.")),
     ("weigh it</think>Yes.", ("weigh it", "Yes.")),  # the template opened <think> in the prompt

@@ -1,5 +1,5 @@
-"""`--task score` rows and /score lines of lists (vLLM's semantics): one text against a list (one to many), two lists
-of the same length item by item (many to many). Each pair's score equals the pair row's own (within 1e-6, every
+"""`--task score` rows and /score lines of lists (vLLM's semantics): one text, or a list of one, against a text or a
+list (one to one, one to many), two lists of the same length item by item (many to many). Each pair's score equals the pair row's own (within 1e-6, every
 request computing alone), for a cross-encoder and a bi-encoder; the cbatch format's `scores` column and vLLM's
 `data` list; other shapes are error rows naming the fields."""
 from __future__ import annotations
@@ -49,6 +49,8 @@ def test_list_rows_score_each_pair_as_a_pair_row_does(models, tmp_path, kind):
     rows = [{"id": "1n", "text_1": query, "text_2": documents},
             {"id": "nn", "queries": lefts, "documents": documents[:3]},
             {"id": "one-list", "text_1": [query], "text_2": documents},
+            {"id": "one-list-text", "text_1": [query], "text_2": documents[0]},
+            {"id": "text-one-list", "text_1": query, "text_2": [documents[0]]},
             {"id": "single", "text_1": query, "text_2": documents[0]},
             {"id": "single1", "text_1": query, "text_2": documents[1]},
             {"id": "repeat", "text_1": query, "text_2": [documents[1], documents[1]]}]
@@ -58,6 +60,8 @@ def test_list_rows_score_each_pair_as_a_pair_row_does(models, tmp_path, kind):
     assert close(got["1n"]["scores"], reference[:4]) and got["1n"]["score"] is None
     assert close(got["nn"]["scores"], reference[4:])
     assert close(got["one-list"]["scores"], reference[:4])
+    for name in ("one-list-text", "text-one-list"):  # a list on either side: the row's scores, of one pair
+        assert close(got[name]["scores"], reference[:1]) and got[name]["score"] is None, got[name]
     assert close(got["repeat"]["scores"], [reference[1]] * 2)
     assert abs(got["single"]["score"] - reference[0]) <= 1e-6 and got["single"]["scores"] is None
     # a bi-encoder embeds each distinct text once (the repeated pair costs one pair's tokens), a cross-encoder reads
@@ -75,6 +79,7 @@ def test_score_lines_of_lists_and_bad_shapes(models, tmp_path):
     lines = [line("v1", "/v1/score", model="scorer", queries=query, documents=documents),
              line("plain", "/score", text_1=query, text_2=documents),
              line("pair", "/score", text_1=query, text_2=documents[0]),
+             line("one", "/score", text_1=[query], text_2=documents[1]),
              line("lengths", "/score", text_1=[query, query], text_2=documents),
              line("empty", "/score", text_1=query, text_2=[]),
              line("flipped", "/score", text_1=documents, text_2=query),
@@ -90,8 +95,36 @@ def test_score_lines_of_lists_and_bad_shapes(models, tmp_path):
     assert got["v1"]["body"]["model"] == "scorer"
     [item] = got["pair"]["body"]["data"]
     assert item["index"] == 0 and abs(item["score"] - reference[0]) <= 1e-6
+    [item] = got["one"]["body"]["data"]
+    assert item["index"] == 0 and abs(item["score"] - reference[1]) <= 1e-6
     errors = {k: v["body"]["error"]["message"] for k, v in got.items() if v["status_code"] != 200}
-    assert set(errors) == {"lengths", "empty", "flipped", "blank"}
-    for name in ("lengths", "empty", "flipped"):
-        assert errors[name].startswith("`text_1` and `text_2`: give one text and a list of texts")
-    assert errors["blank"] == "`text_2[1]` is empty"
+    assert errors == {
+        "lengths": "`text_1` has 2 texts and `text_2` 3: give one `text_1` text (scored against each `text_2` text) "
+                   "or as many as `text_2` has (scored item by item)",
+        "empty": "`text_2` must be a text or a non-empty list of texts, got an empty list",
+        "flipped": "`text_1` has 3 texts and `text_2` 1: give one `text_1` text (scored against each `text_2` text) "
+                   "or as many as `text_2` has (scored item by item)",
+        "blank": "`text_2[1]` is empty"}
+
+
+def test_score_inputs_pair_up_by_vllms_rules():
+    """Every shape vLLM's `LLM.score` and /score take (each side a text or a list; 1:1, 1:N, N:N), and N:1, an
+    empty list or a non-text refused naming the field; the library's `LLM.score` takes the same rules."""
+    from cbatch.io.pooling_rows import score_pairs
+    from cbatch.io.row_fields import RowError
+
+    assert score_pairs("text_1", "q", "text_2", "d") == [("q", "d")]
+    assert score_pairs("text_1", ["q"], "text_2", "d") == [("q", "d")]
+    assert score_pairs("text_1", "q", "text_2", ["d"]) == [("q", "d")]
+    assert score_pairs("text_1", ["q"], "text_2", ["d", "e"]) == [("q", "d"), ("q", "e")]
+    assert score_pairs("text_1", "q", "text_2", ("d", "e")) == [("q", "d"), ("q", "e")]
+    assert score_pairs("queries", ["a", "b"], "documents", ["d", "e"]) == [("a", "d"), ("b", "e")]
+    for lefts, rights, message in (
+            (["a", "b"], "d", "`text_1` has 2 texts and `text_2` 1: "),
+            (["a", "b"], ["d", "e", "f"], "`text_1` has 2 texts and `text_2` 3: "),
+            ([], "d", "`text_1` must be a text or a non-empty list of texts, got an empty list"),
+            ("q", 7, "`text_2` must be a text or a non-empty list of texts, got int"),
+            ("q", ["d", 7], "`text_2[1]` must be a string, got int")):
+        with pytest.raises(RowError) as error:
+            score_pairs("text_1", lefts, "text_2", rights)
+        assert str(error.value).startswith(message)

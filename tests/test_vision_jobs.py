@@ -246,3 +246,23 @@ def test_the_sample_pages_job_runs(vl_model, tmp_path, monkeypatch):
     assert all(r["error"] is None and r["completion_tokens"] > 0 for r in out)
     images = json.loads((tmp_path / "report.json").read_text())["images"]
     assert (images["images"], images["encoded"]) == (4, 3)
+
+
+@pytest.mark.parametrize("same_image", [False, True])
+def test_plans_prefix_cache_keys_image_blocks_by_the_images_bytes(vl_model, tmp_path, same_image):
+    """Two rows asking the same question about images of the same size have the same tokens; `cbatch plan`'s
+    simulated prefix cache shares their image blocks only when the images' bytes are the same, as the run's does:
+    12-token prompts with 4-token blocks, the second row takes the first's 2 leading blocks (8 tokens of 24)."""
+    pages = [png_bytes(56, 56, seed=3), png_bytes(56, 56, seed=3 if same_image else 4)]
+    for k, page in enumerate(pages):
+        (tmp_path / f"p{k}.png").write_bytes(page)
+    write_jsonl(tmp_path / "in.jsonl", [{"id": str(k), "messages": [{"role": "user", "content": "w7"}],
+                                         "images": [str(tmp_path / f"p{k}.png")]} for k in range(2)])
+    common = ("--block-size", 4, "--max-model-len", 64, "--max-num-seqs", 1, "--max-tokens", 2)
+    assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "out.jsonl", *common, "--report", tmp_path / "run.json") == 0
+    code, _, err = run_inprocess("plan", str(tmp_path / "in.jsonl"), "--model", str(vl_model), "--device", "cpu",
+                                 *map(str, common), "--report", str(tmp_path / "plan.json"), "--no-search")
+    assert code == 0, err
+    planned = json.loads((tmp_path / "plan.json").read_text())["predicted"]["prefix_cache_hit_rate"]
+    ran = json.loads((tmp_path / "run.json").read_text())["utilization"]["prefix_cache_hit_rate"]
+    assert planned == ran == (8 / 24 if same_image else 0.0)

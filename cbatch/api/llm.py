@@ -21,6 +21,8 @@ from cbatch.engine.images import PromptImage
 from cbatch.io.images import expand_placeholders, template_parts
 from cbatch.engine.pooling import PoolingParams
 from cbatch.engine.resolve import resolve_model
+from cbatch.io.pooling_rows import score_pairs
+from cbatch.io.row_fields import RowError
 from cbatch.io.rows import RowRequest, parse_messages, row_images, with_lora
 from cbatch.tasks import make_task
 from cbatch.tasks.classify_task import class_columns
@@ -180,9 +182,7 @@ class LLM:
                 if read:
                     token_lists[i] = ids = expand_placeholders(ids, read, self.engine.spec.vision,
                                                                 self.engine.tokenizer)
-                prompt, error = self.engine.check_request(ids, p)
-                fit = self.engine.seq_images(prompt, read) if error is None else None
-                error = fit if isinstance(fit, str) else error
+                error = self.engine.check_prompt(ids, p, read)[2]
             except UserError as exc:
                 error = str(exc)
             if error is not None:
@@ -260,15 +260,13 @@ class LLM:
         of the pair (an LM-head reranker's sigmoid(logit(true) - logit(false)) of text_1 + text_2), or an embedding
         model's cosine. One text against many pairs it with each (1:N); two lists pair item by item (N:N).
         `chat_template`: vLLM's score template (roles `query` and `document`), as --score-template."""
-        first, second = _texts(data_1), _texts(data_2)
-        if len(first) == 1:
-            first = first * len(second)
-        if len(first) != len(second):
-            raise UserError(f"score: {len(first)} and {len(second)} texts; give one against many, or two lists "
-                            "of the same length")
+        try:
+            pairs = score_pairs("data_1", data_1, "data_2", data_2)  # (a row's rules: vLLM's)
+        except RowError as exc:
+            raise UserError(f"score: {exc}") from None
         task = self._task("score", score_template=chat_template)
         params = task.pooling
-        plan = PairPlan.of(list(zip(first, second)), params.head, task.template)
+        plan = PairPlan.of(pairs, params.head, task.template)
         prompts = plan.prompts(self.engine, ParsedRow(0, "score", None))
         scores = plan.scores(self._pool(prompts, params, use_tqdm))
         token_ids = [[t for j in slot for t in prompts[j]] for slot in plan.slots]  # a pair's input(s), in order
@@ -304,13 +302,6 @@ class LLM:
 
     def _request_id(self) -> str:
         return str(next(self._request_ids))
-
-
-def _texts(data: str | Sequence[str]) -> list[str]:
-    texts = [data] if isinstance(data, str) else list(data)
-    if not texts or not all(isinstance(t, str) for t in texts):
-        raise UserError("score: give a text or a non-empty list of texts")
-    return texts
 
 
 def _folder(path: str) -> str:

@@ -151,10 +151,7 @@ class Engine:
         if seq_id is None:
             seq_id = self._next_id
         self._next_id = max(self._next_id, seq_id + 1)
-        prompt_ids, error = self.check_request(prompt_ids, params)
-        mm = self.seq_images(prompt_ids, images) if error is None else None
-        if isinstance(mm, str):
-            error = mm
+        prompt_ids, mm, error = self.check_prompt(prompt_ids, params, images)
         if error is not None:
             return Sequence(seq_id=seq_id, prompt_ids=prompt_ids, params=params, eos_ids=self._eos_ids,
                             status=SequenceStatus.FINISHED, finish_reason=FinishReason.ERROR, error=error)
@@ -184,6 +181,16 @@ class Engine:
             error = ("thinking_token_budget: this model's tokenizer has no <think> and </think> tokens, so it has no "
                      "thinking to bound; drop the field (or --thinking-budget)")
         return prompt_ids, error
+
+    def check_prompt(self, prompt_ids: Seq[int], params: SamplingParams, images: Seq[PromptImage] | None = None
+                     ) -> tuple[list[int], SeqImages | None, str | None]:
+        """(the prompt the request runs on, its images placed in it or None, why it cannot run or None): every check
+        `add_request` makes before queueing (`check_request`, then `seq_images`)."""
+        prompt_ids, error = self.check_request(prompt_ids, params)
+        placed = self.seq_images(prompt_ids, images) if error is None else None
+        if isinstance(placed, str):
+            return prompt_ids, None, placed
+        return prompt_ids, placed, error
 
     def seq_images(self, prompt_ids: list[int], images: Seq[PromptImage] | None) -> SeqImages | str | None:
         """The request's images placed in its prompt (engine/images.py), None without images, or why they do not fit."""

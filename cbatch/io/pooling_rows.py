@@ -2,8 +2,9 @@
 
 In: `{"input" | "text" | "prompt": "...", "id"?}` or `{"prompt_token_ids": [...]}` (classify and reward also
 `{"messages": [...]}`: a chat, rendered with the chat template, no generation prompt); score rows give a pair,
-`text_1` + `text_2` (vLLM's names), `queries` + `documents` or `query` + `document`, or lists (vLLM's /score: one
-text and a list, one against each; two lists of the same length, item by item). OpenAI Batch lines: `url` "/v1/embeddings" with
+`text_1` + `text_2` (vLLM's names), `queries` + `documents` or `query` + `document`, or lists (vLLM's /score: each
+side one text or a list; one text, or a list of one, against each of the other side's; two lists of the same length,
+item by item). OpenAI Batch lines: `url` "/v1/embeddings" with
 `body.input` (one string or one list of token ids) and optional `dimensions`, `encoding_format` "float";
 "/v1/score" (or "/score") with `body.text_1` / `body.text_2` or `body.queries` / `body.documents` (vLLM's score API); "/v1/classify" and "/v1/pooling" with
 `body.input`. A field cbatch does not know is an error naming it.
@@ -121,23 +122,31 @@ def _pairs(row: dict[str, Any]) -> tuple[list[Pair], bool]:
             missing = first if row.get(first) is None else second if row.get(second) is None else None
             if missing is not None:
                 raise RowError(f"missing `{missing}`: a score row gives both `{first}` and `{second}`")
-            if isinstance(row[first], str) and isinstance(row[second], str):
-                return [(text_field(first, row[first]), text_field(second, row[second]))], False
-            return _listed_pairs(first, row[first], second, row[second]), True
+            listed = not (isinstance(row[first], str) and isinstance(row[second], str))
+            return score_pairs(first, row[first], second, row[second]), listed
     raise RowError("missing pair: a score row gives `text_1` and `text_2` (or `queries` and `documents`, or `query` "
                    "and `document`)")
 
 
-def _listed_pairs(first: str, lefts: Any, second: str, rights: Any) -> list[Pair]:
-    """vLLM's /score lists: one text (or a list of one) against each of a list, or two lists item by item."""
-    if isinstance(lefts, str):
-        lefts = [lefts]
-    if not isinstance(lefts, list) or not isinstance(rights, list) or not rights or len(lefts) not in (1, len(rights)):
-        raise RowError(f"`{first}` and `{second}`: give one text and a list of texts (one scored against each), or two "
-                       "lists of the same length (scored item by item)")
-    lefts = [text_field(f"{first}[{i}]", text) for i, text in enumerate(lefts)]
-    rights = [text_field(f"{second}[{i}]", text) for i, text in enumerate(rights)]
+def score_pairs(first: str, lefts: Any, second: str, rights: Any) -> list[Pair]:
+    """The (first, second) pairs a score input names, by vLLM's rules (its `LLM.score` and /score): each side one
+    text or a non-empty list of texts; one `first` text (or a list of one) is scored against each `second` text
+    (1:1, 1:N), two lists of the same length item by item (N:N); N:1 is refused. Raises RowError naming the fields."""
+    lefts, rights = _score_texts(first, lefts), _score_texts(second, rights)
+    if len(lefts) not in (1, len(rights)):
+        raise RowError(f"`{first}` has {len(lefts)} texts and `{second}` {len(rights)}: give one `{first}` text "
+                       f"(scored against each `{second}` text) or as many as `{second}` has (scored item by item)")
     return list(zip(lefts * len(rights) if len(lefts) == 1 else lefts, rights))
 
 
-__all__ = ["PAIR_FIELDS", "Pair", "TEXT_FIELDS", "PoolingRow", "RowFormat", "parse_pooling_row"]
+def _score_texts(name: str, value: Any) -> list[str]:
+    """One side of a score input as its texts: a string is one text, a list (or tuple) its items."""
+    if isinstance(value, str):
+        return [text_field(name, value)]
+    if not isinstance(value, (list, tuple)) or not value:
+        got = "an empty list" if isinstance(value, (list, tuple)) else type(value).__name__
+        raise RowError(f"`{name}` must be a text or a non-empty list of texts, got {got}")
+    return [text_field(f"{name}[{i}]", text) for i, text in enumerate(value)]
+
+
+__all__ = ["PAIR_FIELDS", "Pair", "TEXT_FIELDS", "PoolingRow", "RowFormat", "parse_pooling_row", "score_pairs"]

@@ -1,11 +1,16 @@
 """The job's rows through the same code as `cbatch run`, with a cost model in place of the model. Two passes:
 
     1. check: every row -> LocalExecutor.prepare (its task's parse and requests, the result cache)
-              -> Engine.check_request (context length, KV pool, grammar): the error rows, the rows that run
+              -> Engine.check_prompt (context length, KV pool, grammar, images): the error rows, the rows that run
     2. simulate: those rows (their token ids; above PLAN_SIMULATED_ROWS an even sample of them) -> RowFeed
               -> LocalExecutor -> PlannedEngine -> the real Scheduler and BlockPool, stepped by PlannedRunner
               (the simulator's runner: time is its cost model's, each row "generates" its planned length)
               -> the driver's counts -> report, its totals scaled from the sample to every row
+
+A row's images are counted from their headers in pass 1 (no pixels) and kept with the sample: a replayed row is
+token ids, and takes its images back by its index (`PlannedEngine.row_images`), so the simulated prefix cache keys
+image blocks by the images' digests as the run's does, and the encoder budget and a bidirectional model's whole
+image chunks (Gemma 3) schedule as in the run.
 
 So a row is an error row in the plan exactly when it would be one in the run (same parsing, tokenizer,
 chat template, context length and KV pool), and the schedule is the one the run would take for those
@@ -96,19 +101,20 @@ class PlannedRunner(SimulatedRunner):
 @dataclass(eq=False)
 class PlannedEngine(Engine):
     """The engine, checking each request as a run does (`Engine.add_request`), then planning its length.
-    No text is generated, so stop strings are not checked: the planned length stands for them. Image placeholders
-    are prompt tokens like any other: the first pass counts each image's from its header (its size; no pixels are
-    decoded) and none is encoded here."""
+    No text is generated, so stop strings are not checked: the planned length stands for them. Images are counted
+    from their headers (their size and digest; no pixels are decoded) and placed as the run places them; none is
+    encoded here."""
 
     lengths: OutputLengths = field(default_factory=OutputLengths)
+    # the sampled rows' images by row index: a replayed row is token ids alone (`replay`)
+    row_images: dict[int, tuple[PromptImage, ...]] = field(default_factory=dict)
     decodes_images: ClassVar[bool] = False  # an image's header is enough to plan its tokens
-
-    def seq_images(self, prompt_ids: list[int], images: Sequence_[PromptImage] | None) -> None:
-        return None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None,
                     samples: Sequence_[int] | None = None, pooling: PoolingParams | None = None,
                     images: Sequence_[PromptImage] | None = None) -> Sequence:
+        if images is None and seq_id is not None:
+            images = self.row_images.get(seq_id)
         seq = super().add_request(prompt_ids, params, seq_id, samples, pooling, images)
         if not seq.is_finished:
             for sample in seq.samples:  # each sample its own planned length (as each draws its own tokens)
@@ -137,7 +143,8 @@ class PlanSetup:
         return JobSpec(config, self.task, self.lookahead, result_cache=cache)
 
 
-RowSample = dict[int, tuple[array, SamplingParams]]  # row index -> (prompt token ids: 4 B a token, settings)
+# row index -> (prompt token ids: 4 B a token, settings, its images counted from their headers: () for none)
+RowSample = dict[int, tuple[array, SamplingParams, tuple[PromptImage, ...]]]
 
 
 @dataclass(slots=True)
@@ -155,6 +162,10 @@ class CheckedRows:
     def scale(self) -> float:
         """Accepted rows per simulated row (1.0: every row simulated)."""
         return self.accepted / len(self.sample) if self.sample else 1.0
+
+    def sample_images(self) -> dict[int, tuple[PromptImage, ...]]:
+        """The sampled rows' images by row index (rows without images left out)."""
+        return {index: images for index, (_, _, images) in self.sample.items() if images}
 
 
 @dataclass(slots=True)
@@ -194,22 +205,23 @@ class Simulation:
         return {**spec, **{key: round(spec[key] * k) for key in ("drafted_tokens", "accepted_tokens", "draft_steps")}}
 
 
-def planned_engine(config: EngineConfig, setup: PlanSetup) -> PlannedEngine:
+def planned_engine(config: EngineConfig, setup: PlanSetup,
+                   row_images: dict[int, tuple[PromptImage, ...]] | None = None) -> PlannedEngine:
     """The engine a simulation steps: the run's on the planned device, the cost model for the model. The step limits
-    the run would get on that device fill in what `config` leaves unset."""
+    the run would get on that device fill in what `config` leaves unset. `row_images`: replayed rows' images."""
     spec = setup.model.spec
     config = memory.with_step_limits(config, setup.kind.device)
     return on_cost_clock(PlannedEngine(
         config, PlannedRunner(setup.cost, spec.eos_token_ids, spec.vocab_size, setup.acceptance),
         setup.kind.kv_pool(config, setup.model), setup.model.max_model_len, spec=spec, tokenizer=setup.tokenizer,
         device=setup.model.device, dtype=setup.model.dtype, model_dir=setup.model.checkpoint.path,
-        lengths=setup.lengths,
+        lengths=setup.lengths, row_images=row_images or {},
     ))
 
 
 def check_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, total_rows: int,
                cache: CacheSpec | None = None) -> CheckedRows:
-    """Pass 1: every row through `LocalExecutor.prepare` and `Engine.check_request`, as the run takes it on
+    """Pass 1: every row through `LocalExecutor.prepare` and `Engine.check_prompt`, as the run takes it on
     arrival; nothing is scheduled. A row found in `cache` (opened for lookups only) is not simulated: the run
     would copy it. Every `every`-th row that would run goes to the sample (all of them up to PLAN_SIMULATED_ROWS)."""
     engine = planned_engine(config, setup)
@@ -226,7 +238,7 @@ def check_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, t
             continue
         request = work.requests[0]  # (a generation row's one request: prefill-only plans take every row instead)
         params = request.params
-        prompt_ids, error = engine.check_request(request.prompt_ids, params)
+        prompt_ids, _, error = engine.check_prompt(request.prompt_ids, params, request.images)
         if error is not None:
             checked.errors.append(RowResult.failed(index, work.parsed.row_id, error, len(prompt_ids)))
             continue
@@ -234,15 +246,17 @@ def check_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, t
         if engine.config.loras:
             checked.adapters[params.lora or "base"] = checked.adapters.get(params.lora or "base", 0) + 1
         if index % every == 0:
-            checked.sample[index] = (array("i", prompt_ids), params)
+            checked.sample[index] = (array("i", prompt_ids), params, tuple(request.images or ()))
     return checked
 
 
 def simulate_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, num_rows: int,
-                  scale: float = 1.0, cache: CacheSpec | None = None) -> tuple[Simulation, int]:
-    """Pass 2: the rows (checked ones, replayed) through LocalExecutor and the planned engine, driven by the job's
-    own loop; (the simulation, the rows copied from `cache`: a prefill-only plan's single pass consults it)."""
-    engine = planned_engine(config, setup)
+                  scale: float = 1.0, cache: CacheSpec | None = None,
+                  row_images: dict[int, tuple[PromptImage, ...]] | None = None) -> tuple[Simulation, int]:
+    """Pass 2: the rows (checked ones, replayed, with their images `row_images`) through LocalExecutor and the
+    planned engine, driven by the job's own loop; (the simulation, the rows copied from `cache`: a prefill-only
+    plan's single pass consults it)."""
+    engine = planned_engine(config, setup, row_images)
     metrics = JobMetrics(total_rows=num_rows, clock=lambda: engine.runner.forward_seconds)
     executor = LocalExecutor(engine, setup.spec(engine.config, cache), metrics)
     errors: list[RowResult] = []
@@ -261,9 +275,10 @@ def simulate_rows(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup
 
 def replay(sample: RowSample, defaults: SamplingParams) -> Callable[[], Iterator[RawRow]]:
     """The checked rows again, as token-id rows with the settings they differ from the defaults in (each
-    simulation re-reads them; a row that only sets its prompt parses at the cost of its prompt)."""
+    simulation re-reads them; a row that only sets its prompt parses at the cost of its prompt). Their images are
+    not in the rows: the engine takes them by index (`CheckedRows.sample_images`)."""
     def rows() -> Iterator[RawRow]:
-        for index, (prompt_ids, params) in sample.items():
+        for index, (prompt_ids, params, _) in sample.items():
             if params is defaults:
                 yield index, {"prompt_token_ids": list(prompt_ids)}
                 continue
@@ -277,7 +292,8 @@ def replay(sample: RowSample, defaults: SamplingParams) -> Callable[[], Iterator
 
 
 def simulate_checked(checked: CheckedRows, config: EngineConfig, setup: PlanSetup) -> Simulation:
-    return simulate_rows(replay(checked.sample, setup.task.defaults)(), config, setup, len(checked.sample), checked.scale)[0]
+    return simulate_rows(replay(checked.sample, setup.task.defaults)(), config, setup, len(checked.sample),
+                         checked.scale, row_images=checked.sample_images())[0]
 
 
 def simulate_every_row(rows: Iterator[RawRow], config: EngineConfig, setup: PlanSetup, total_rows: int,

@@ -193,23 +193,32 @@ class GenerateTask(Task):
 
 def response_body(record: dict[str, Any], model: str, created: int) -> dict[str, Any]:
     """OpenAI's Responses object for a /v1/responses row (one sample: the body takes no `n`); ids from the row, as
-    a chat body's are. Cut at max_output_tokens: status "incomplete"."""
+    a chat body's are. Cut at max_output_tokens: status "incomplete". A thinking model's reasoning (the `reasoning`
+    column: <think> tags, harmony's analysis channel) is a `reasoning` item before the message, as OpenAI's API
+    gives a reasoning model's; cut while thinking, that item is the incomplete one."""
     digest = request_digest(record)
     cut = record["finish_reason"] == "length"
-    text = {"type": "output_text", "text": record.get("completion") or "", "annotations": []}
-    message = {"type": "message", "id": f"msg_{digest}", "status": "incomplete" if cut else "completed",
-               "role": "assistant", "content": [text]}
+    completion = record.get("completion") or ""
+    output = []
+    if record.get("reasoning"):
+        output.append({"type": "reasoning", "id": f"rs_{digest}", "summary": [],
+                       "content": [{"type": "reasoning_text", "text": record["reasoning"]}],
+                       "status": "incomplete" if cut and not completion else "completed"})
+    text = {"type": "output_text", "text": completion, "annotations": []}
+    output.append({"type": "message", "id": f"msg_{digest}", "status": "incomplete" if cut else "completed",
+                   "role": "assistant", "content": [text]})
     input_tokens, output_tokens = record["prompt_tokens"], record["completion_tokens"]
     return {"id": f"resp_{digest}", "object": "response", "created_at": created,
             "status": "incomplete" if cut else "completed",
-            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "model": model, "output": [message],
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "model": model, "output": output,
             "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
                       "total_tokens": input_tokens + output_tokens}}
 
 
 def _choice(record: dict[str, Any], obj: str) -> dict[str, Any]:
     """One sample's choice. Log-probabilities name tokens by id (`token_id`): cbatch keeps ids, not token text. A
-    sample that called tools has them in `message.tool_calls`, its content null when it wrote nothing else."""
+    sample that called tools has them in `message.tool_calls`, its content null when it wrote nothing else. A job
+    that splits a thinking model's reasoning gives it in `message.reasoning` (vLLM's field; null: none)."""
     calls = record.get("tool_calls")
     text = record.get("completion") if calls else (record.get("completion") or "")
     logprobs = None
@@ -219,7 +228,8 @@ def _choice(record: dict[str, Any], obj: str) -> dict[str, Any]:
                                 for t, lp, top in zip(record["completion_token_ids"], record["token_logprobs"], tops)]}
     index = record.get("sample_index", 0)
     if obj == "chat.completion":
-        message = {"role": "assistant", "content": text, "refusal": None, **({"tool_calls": calls} if calls else {})}
+        message = {"role": "assistant", "content": text, "refusal": None, **({"tool_calls": calls} if calls else {}),
+                   **({"reasoning": record["reasoning"]} if "reasoning" in record else {})}
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": record["finish_reason"]}
     return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": record["finish_reason"]}
 
