@@ -3,6 +3,7 @@ encoder cache full and the vision tower's largest step, with real model shapes c
 the tower is measured on is a valid batch of the tower (run on CPU)."""
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import replace
 
@@ -14,6 +15,7 @@ from cbatch.engine.encoder_memory import (EncoderMemory, dummy_grids, encoder_ca
                                          patch_width)
 from cbatch.engine.memory import bytes_per_block, kv_blocks_in_gpu_memory
 from helpers import make_engine
+from ops_jobs import run_inprocess, write_jsonl
 from gemma3_vision_models import GEMMA_3_4B_CONFIG
 from vision_models import make_vl_checkpoint
 
@@ -196,10 +198,11 @@ def test_the_run_sizes_its_reserve_with_the_jobs_bounds(vl_model):
     from cbatch.model.loader import read_checkpoint
 
     checkpoint = read_checkpoint(vl_model)
-    if checkpoint.spec.vision.tower == "siglip":
-        pytest.skip("Gemma 3 takes no pixel bounds")
     resolved = SimpleNamespace(device=torch.device("cuda"), checkpoint=checkpoint, dtype=torch.bfloat16)
     model = SimpleNamespace(spec=checkpoint.spec, visual=torch.nn.Identity())
+    if checkpoint.spec.vision.tower == "siglip":  # Gemma 3: its one square (pixel bounds are refused for it)
+        assert _encoder_memory(resolved, model, EngineConfig()).largest_image == 9
+        return
     assert _encoder_memory(resolved, model, EngineConfig()).largest_image == 64
     vision = checkpoint.spec.vision
     config = EngineConfig(image_max_pixels=(vision.patch_size * vision.merge_size) ** 2 * 16)
@@ -244,6 +247,15 @@ def test_the_plans_gpu_pool_takes_the_images_reserve_as_a_run_does(tmp_path):
     assert reserve - 1_553_989_632 == 1_379_926_016 == 1504 * 917_504
     vl_blocks, text_blocks = (h100.kv_pool(config, model).num_blocks for model in (vl, text))
     assert (text_blocks - vl_blocks) * config.block_size == 24_064
+    # what `cbatch plan` reports: the KV tokens in the pool
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "0", "prompt_token_ids": [1, 2, 3, 4], "max_tokens": 4}])
+    pool_tokens = []
+    for folder in (vl_folder, text_folder):
+        code, stdout, err = run_inprocess("plan", str(tmp_path / "in.jsonl"), "--model", str(folder), "--device-kind",
+                                          "h100", "--max-model-len", "32768", "--no-search")
+        assert code == 0, err
+        pool_tokens.append(int(re.search(r"([\d,]+) tokens in the pool", stdout)[1].replace(",", "")))
+    assert pool_tokens == [vl_blocks * 16, text_blocks * 16] and pool_tokens[1] - pool_tokens[0] == 24_064
     # a lower --image-max-pixels (1,280-token images): the tower's 32,768 patches (1,349,517,312 bytes) are below
     # the text step, so the step's peak is the text step's and the cache
     lower = replace(config, image_max_pixels=1_003_520)

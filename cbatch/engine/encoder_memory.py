@@ -76,7 +76,8 @@ def tower_activation_count(vision: VisionSpec | SiglipSpec, patches: int, dtype_
     held = 4 * patch_width(vision) + b * width
     attention = b * 5 * width
     if qwen:
-        held += 2 * 4 * vision.head_dim + b * vision.out_hidden_size * len(vision.deepstack_layers) // vision.merge_size**2
+        deepstack = b * vision.out_hidden_size * len(vision.deepstack_layers) // vision.merge_size**2
+        held += 2 * 4 * vision.head_dim + deepstack
         attention += 4 * 4 * width
     mlp = b * (width + (4 if qwen and vision.gated_mlp else 2) * vision.intermediate_size)
     return patches * (held + max(attention, mlp))

@@ -12,8 +12,8 @@ again for its running row stops the job with that one line).
 
 Preprocessing: transformers' PIL image processor of the model (`Qwen2VLImageProcessorPil`: resize so that both sides
 are multiples of patch x merge with the pixel count inside [min_pixels, max_pixels], rescale, normalize, patchify),
-settable per job (EngineConfig's image_min_pixels / image_max_pixels: --image-min-pixels / --image-max-pixels); Gemma 3's (`Gemma3ImageProcessorPil`:
-resize to the tower's square, rescale, normalize), its patches cut here.
+settable per job (EngineConfig's image_min_pixels / image_max_pixels: --image-min-pixels / --image-max-pixels);
+Gemma 3's (`Gemma3ImageProcessorPil`: resize to the tower's square, rescale, normalize), its patches cut here.
 """
 from __future__ import annotations
 
