@@ -81,6 +81,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # token budget of one step (decodes + prefill chunks)
     # image tokens the vision tower may encode in one step (rows with images; None: no limit; engine/encoder_budget.py)
     max_image_tokens_per_step: int | None = None
+    # rows with images (Qwen-VL): the job's pixel bounds over the model's preprocessor_config.json (None: the model's).
+    # They decide each image's tokens, and the largest image the GPU reserves memory for (engine/encoder_memory.py)
+    image_min_pixels: int | None = field(default=None, metadata=OUTPUT_CHANGED)
+    image_max_pixels: int | None = field(default=None, metadata=OUTPUT_CHANGED)
     block_size: int = 16  # tokens per KV block
     kv_cache_dtype: str = field(default="auto", metadata=OUTPUT_CHANGED)  # auto (the activations' dtype) | fp8 (e4m3, per-head scales: half the KV bytes)
     num_kv_blocks: int | None = None  # None = size the pool from the memory budget
@@ -157,6 +161,10 @@ class EngineConfig:
               "must be at least 1")
         check(self.max_image_tokens_per_step is None or self.max_image_tokens_per_step >= 1,
               "max_image_tokens_per_step", "must be at least 1")
+        low, high = self.image_min_pixels, self.image_max_pixels
+        check(low is None or low >= 1, "image_min_pixels", "must be at least 1")
+        check(high is None or high >= max(low or 1, 1), "image_max_pixels",
+              "must be at least 1 and at least --image-min-pixels")
         check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
               "must be a power of two (e.g. 16)")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be at least 1")

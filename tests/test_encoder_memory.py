@@ -3,7 +3,9 @@ encoder cache full and the vision tower's largest step, with real model shapes c
 the tower is measured on is a valid batch of the tower (run on CPU)."""
 from __future__ import annotations
 
+import re
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from cbatch.engine.encoder_memory import (EncoderMemory, dummy_grids, encoder_ca
                                          patch_width)
 from cbatch.engine.memory import bytes_per_block, kv_blocks_in_gpu_memory
 from helpers import make_engine
+from ops_jobs import run_inprocess, write_jsonl
 from gemma3_vision_models import GEMMA_3_4B_CONFIG
 from vision_models import make_vl_checkpoint
 
@@ -63,13 +66,13 @@ def test_a_steps_reserve_is_the_larger_peak_and_the_cache(monkeypatch):
     from cbatch.model.spec import parse_spec
 
     spec = parse_spec(QWEN2_5_VL_7B)
-    encoder = EncoderMemory(torch.nn.Identity(), spec.vision, spec.hidden_size, torch.bfloat16, largest_image=16384)
+    encoder = EncoderMemory(spec.vision, spec.hidden_size, torch.bfloat16, largest_image=16384)
     asked = []
     monkeypatch.setattr(EncoderMemory, "tower_peak", lambda self, *args: asked.append(args) or 3 * 2**30)
     assert encoder.cache_bytes == 234_881_024
-    assert encoder.reserve(2 * 2**30, 8192, None, torch.device("cpu")) == 3 * 2**30 + 234_881_024
-    assert encoder.reserve(5 * 2**30, 8192, 4096, torch.device("cpu")) == 5 * 2**30 + 234_881_024
-    assert asked == [(8192, None, torch.device("cpu")), (8192, 4096, torch.device("cpu"))]
+    assert encoder.reserve(2 * 2**30, 8192, None) == 3 * 2**30 + 234_881_024
+    assert encoder.reserve(5 * 2**30, 8192, 4096) == 5 * 2**30 + 234_881_024
+    assert asked == [(8192, None), (8192, 4096)]
 
 
 def test_the_reserve_comes_out_of_the_kv_pool():
@@ -123,7 +126,7 @@ def test_the_gpu_sizing_takes_the_reserve(monkeypatch):
     from cbatch.model.spec import parse_spec
 
     spec = parse_spec(QWEN2_5_VL_7B)
-    encoder = EncoderMemory(torch.nn.Identity(), spec.vision, spec.hidden_size, torch.bfloat16, largest_image=16384)
+    encoder = EncoderMemory(spec.vision, spec.hidden_size, torch.bfloat16, largest_image=16384)
     asked, sized_with = [], []
     monkeypatch.setattr(memory, "profile_activation_peak", lambda make_runner, config, length: 2**30)
     monkeypatch.setattr(EncoderMemory, "tower_peak", lambda self, *args: asked.append(args) or 3 * 2**30)
@@ -131,8 +134,132 @@ def test_the_gpu_sizing_takes_the_reserve(monkeypatch):
     config = EngineConfig(model="x", max_num_seqs=128, max_num_batched_tokens=4096, max_image_tokens_per_step=1024)
     sized, blocks = memory.gpu_step_and_pool(config, spec, torch.bfloat16, 4096, None, encoder)
     assert (sized.max_num_seqs, sized.max_num_batched_tokens, blocks) == (128, 4096, 10**6)
-    assert asked == [(4096, 1024, torch.device("cuda"))]
+    assert asked == [(4096, 1024)]
     assert sized_with == [3 * 2**30 + 234_881_024]
     sized_with.clear()
     memory.gpu_step_and_pool(config, spec, torch.bfloat16, 4096, None)  # a text model: its step's peak alone
     assert sized_with == [2**30]
+
+
+# Qwen2.5-VL-7B-Instruct's preprocessor_config.json (the fields cbatch reads)
+QWEN2_5_VL_7B_PREPROCESSOR = {
+    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor"}
+# one patch of its tower counted (bf16): held through the forward 4 x 1,176 (float32 pixels) + 2 x 1,280 (residual)
+# + 2 x 4 x 80 (float32 rotary cos, sin) = 7,904; a block's attention stage 2 x 5 x 1,280 + 4 x 4 x 1,280 (q's float32
+# rotary temporaries) = 33,280, larger than its MLP stage 2 x (1,280 + 4 x 3,420) = 29,920
+QWEN2_5_VL_7B_PATCH_BYTES = 7904 + 33280
+
+
+def config_folder(path, config: dict, preprocessor: dict | None = None):
+    """A checkpoint folder of config.json (and preprocessor_config.json) alone: enough to plan, or to size a reserve."""
+    import json
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    if preprocessor is not None:
+        (path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    return path
+
+
+def test_the_jobs_image_max_pixels_sizes_the_reserve(tmp_path):
+    """The reserve's largest image is the one the job's processor makes: Qwen2.5-VL-7B's max_pixels 12,845,056 are
+    16,384 tokens of 28 x 28 pixels, --image-max-pixels 1,003,520 are 1,280. A step of 8,192 tokens encodes one
+    16,384-token image alone (65,536 patches) under the model's bound, 8,192 tokens (32,768 patches) under the job's:
+    32,768 x 41,184 bytes less of tower (counted; the cache is its 32,768 rows either way). A bound above the model's
+    reserves more: 32,768-token images, 131,072 patches."""
+    from cbatch.engine.encoder_memory import encoder_memory, tower_activation_count
+    from cbatch.model.loader import read_checkpoint
+
+    folder = config_folder(tmp_path / "qwen2.5-vl-7b", QWEN2_5_VL_7B, QWEN2_5_VL_7B_PREPROCESSOR)
+    spec = read_checkpoint(folder).spec
+    assert tower_activation_count(spec.vision, 1, 2) == QWEN2_5_VL_7B_PATCH_BYTES == 41_184
+
+    def reserve(**bounds) -> tuple[int, int]:
+        encoder = encoder_memory(spec, torch.bfloat16, folder, EngineConfig(model=str(folder), **bounds))
+        return encoder.largest_image, encoder.reserve(2**30, 8192, None)  # (a 1 GiB text step: the tower's larger)
+
+    assert reserve() == (16384, 65536 * 41_184 + 234_881_024) == (16384, 2_933_915_648)
+    assert reserve(image_max_pixels=1_003_520) == (1280, 32768 * 41_184 + 234_881_024)
+    assert reserve()[1] - reserve(image_max_pixels=1_003_520)[1] == 1_349_517_312
+    assert reserve(image_max_pixels=28 * 28 * 32768) == (32768, 131072 * 41_184 + 234_881_024)
+    # a text model has none
+    text = parse_text_spec()
+    assert encoder_memory(text, torch.bfloat16, None, EngineConfig()) is None
+
+
+def test_the_run_sizes_its_reserve_with_the_jobs_bounds(vl_model):
+    """build_engine's reserve (on a GPU; its construction only, here) reads the engine config's pixel bounds: the
+    tiny Qwen processors' 64-token images, 16 under --image-max-pixels (merge x patch)^2 x 16."""
+    from types import SimpleNamespace
+
+    from cbatch.engine.build import _encoder_memory
+    from cbatch.model.loader import read_checkpoint
+
+    checkpoint = read_checkpoint(vl_model)
+    resolved = SimpleNamespace(device=torch.device("cuda"), checkpoint=checkpoint, dtype=torch.bfloat16)
+    model = SimpleNamespace(spec=checkpoint.spec, visual=torch.nn.Identity())
+    if checkpoint.spec.vision.tower == "siglip":  # Gemma 3: its one square (pixel bounds are refused for it)
+        assert _encoder_memory(resolved, model, EngineConfig()).largest_image == 9
+        return
+    assert _encoder_memory(resolved, model, EngineConfig()).largest_image == 64
+    vision = checkpoint.spec.vision
+    config = EngineConfig(image_max_pixels=(vision.patch_size * vision.merge_size) ** 2 * 16)
+    encoder = _encoder_memory(resolved, model, config)
+    assert encoder.largest_image == 16 and encoder.visual is model.visual
+    assert _encoder_memory(SimpleNamespace(**{**vars(resolved), "device": torch.device("cpu")}), model, config) is None
+
+
+def parse_text_spec():
+    """Qwen2.5-VL-7B's language model alone, as a text checkpoint (Qwen2ForCausalLM of the same shapes)."""
+    from cbatch.model.spec import parse_spec
+
+    return parse_spec(text_config_of(QWEN2_5_VL_7B))
+
+
+def text_config_of(config: dict) -> dict:
+    drop = ("vision_config", "image_token_id", "vision_start_token_id", "rope_scaling")
+    return {**{k: v for k, v in config.items() if k not in drop}, "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2"}
+
+
+def test_the_plans_gpu_pool_takes_the_images_reserve_as_a_run_does(tmp_path):
+    """`cbatch plan --device-kind h100` on a Qwen2.5-VL-7B-shaped config-only folder: the same weights and text
+    step as its language model alone (1,553,989,632 bytes counted: 8,192 tokens x 56,832 values x 2 bytes + 1,024
+    rows x 152,064 float32 logits), but the step's peak is the images' reserve (engine/encoder_memory.py, as a run's,
+    the tower counted): 65,536 patches x 41,184 bytes + the 234,881,024-byte cache. 1,379,926,016 bytes more, 1,504
+    blocks of 16 tokens at 917,504 bytes: 24,064 fewer KV tokens."""
+    from cbatch.engine.memory import with_step_limits
+    from cbatch.engine.resolve import resolve_model
+    from cbatch.plan.devices import activation_estimate, gpu_kind
+
+    vl_folder = config_folder(tmp_path / "qwen2.5-vl-7b", QWEN2_5_VL_7B, QWEN2_5_VL_7B_PREPROCESSOR)
+    text_folder = config_folder(tmp_path / "qwen2.5-7b", text_config_of(QWEN2_5_VL_7B))
+    cuda = torch.device("cuda")
+    config = with_step_limits(EngineConfig(max_model_len=32768), cuda)  # as the plan sizes a GPU's step
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (1024, 8192)
+    h100 = gpu_kind("H100")
+    vl, text = (resolve_model(replace(config, model=str(folder)), device=cuda) for folder in (vl_folder, text_folder))
+    assert h100.weight_bytes_per_rank(config, vl) == h100.weight_bytes_per_rank(config, text)
+    assert activation_estimate(config, vl) == activation_estimate(config, text) == 1_553_989_632
+    reserve = 65536 * QWEN2_5_VL_7B_PATCH_BYTES + 234_881_024
+    assert reserve - 1_553_989_632 == 1_379_926_016 == 1504 * 917_504
+    vl_blocks, text_blocks = (h100.kv_pool(config, model).num_blocks for model in (vl, text))
+    assert (text_blocks - vl_blocks) * config.block_size == 24_064
+    # what `cbatch plan` reports: the KV tokens in the pool
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "0", "prompt_token_ids": [1, 2, 3, 4], "max_tokens": 4}])
+    pool_tokens = []
+    for folder in (vl_folder, text_folder):
+        code, stdout, err = run_inprocess("plan", str(tmp_path / "in.jsonl"), "--model", str(folder), "--device-kind",
+                                          "h100", "--max-model-len", "32768", "--no-search")
+        assert code == 0, err
+        pool_tokens.append(int(re.search(r"([\d,]+) tokens in the pool", stdout)[1].replace(",", "")))
+    assert pool_tokens == [vl_blocks * 16, text_blocks * 16] and pool_tokens[1] - pool_tokens[0] == 24_064
+    # a lower --image-max-pixels (1,280-token images): the tower's 32,768 patches (1,349,517,312 bytes) are below
+    # the text step, so the step's peak is the text step's and the cache
+    lower = replace(config, image_max_pixels=1_003_520)
+    weights = h100.weight_bytes_per_rank(config, vl)
+    assert 32768 * QWEN2_5_VL_7B_PATCH_BYTES < 1_553_989_632
+    assert h100.kv_pool(lower, vl).num_blocks == kv_blocks_in_gpu_memory(
+        lower, vl.spec, torch.bfloat16, 32768, 80 * 2**30, weights, 1_553_989_632 + 234_881_024) == text_blocks - 256

@@ -286,6 +286,10 @@ def test_images_in_chat_and_generate_give_the_clis_tokens(tmp_path):
     pil_part = [{"role": "user", "content": [{"type": "image_pil", "image_pil": images[0]},
                                              {"type": "text", "text": "w1 w2 w3"}]}]
     assert llm.chat(pil_part, params, use_tqdm=False)[0].outputs[0].token_ids == answers[0].outputs[0].token_ids
+    # the engine keyword of --image-max-pixels: the 56 x 84 page scaled to 28 x 56, 2 image tokens for 6
+    small = LLM(model=str(model), device="cpu", use_tqdm=False, image_max_pixels=28 * 28 * 4)
+    assert len(small.chat(chats[:1], params, use_tqdm=False)[0].prompt_token_ids) == \
+        len(answers[0].prompt_token_ids) - 4
 
     with pytest.raises(UserError, match=r"prompt 0: the prompt has 2 image placeholder\(s\) for 1 image\(s\)"):
         llm.generate({"prompt": texts[1], "multi_modal_data": {"image": images[0]}}, params)

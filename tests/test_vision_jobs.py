@@ -97,16 +97,15 @@ def test_plan_counts_image_tokens_from_headers_without_decoding(vl_model, tmp_pa
     of a full read (scaled up to min_pixels, down to max_pixels or --image-max-pixels, odd sizes), no pixels."""
     from PIL import Image, ImageFile
 
-    from cbatch.io.images import ImageReader, ImageSettings
+    from cbatch.io.images import ImageReader
     from cbatch.model.loader import read_checkpoint
 
     vision = read_checkpoint(vl_model).spec.vision
     sizes = [(20, 30), (57, 85), (600, 200), (28, 28), (13, 1300), (333, 444)]  # (height, width)
     sources = [png_bytes(h, w, seed=k) for k, (h, w) in enumerate(sizes)]
     # the model's bounds (28 x 28 .. 28 x 28 x 64 pixels), then tighter ones: each image's tokens
-    for settings, tokens in ((ImageSettings(), [1, 6, 52, 1, 10, 54]),
-                             (ImageSettings(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 9), [6, 6, 5, 4, 20, 6])):
-        reader = ImageReader(vl_model, vision, settings)
+    for bounds, tokens in (((None, None), [1, 6, 52, 1, 10, 54]), ((28 * 28 * 4, 28 * 28 * 9), [6, 6, 5, 4, 20, 6])):
+        reader = ImageReader(vl_model, vision, *bounds)
         for source, expected in zip(sources, tokens):
             full, counted = reader.read(source, "a"), reader.read(source, "a", decode=False)
             assert (counted.grid, counted.num_tokens, counted.digest) == (full.grid, full.num_tokens, full.digest)

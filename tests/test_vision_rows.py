@@ -76,6 +76,31 @@ def test_one_image_given_every_way_gives_one_completion(vl_model, tmp_path):
     assert small["uri"]["prompt_tokens"] == out["text"]["prompt_tokens"] + 2 + 2  # 56 x 84 scaled to 28 x 56
 
 
+def test_the_image_pixel_bounds_are_engine_settings(tmp_path):
+    """--image-min-pixels / --image-max-pixels are EngineConfig fields (the reserve for images reads them, as the
+    processor does): checked there, refused by resolve_model for a model whose processor takes none, and part of the
+    output identity under the names the task's identity gave them, so older fingerprints hold."""
+    import torch
+
+    from cbatch.config import ConfigError, EngineConfig
+    from cbatch.engine.resolve import resolve_model
+    from cbatch.run.identity import output_identity
+    from cbatch.tasks.generate_task import GenerateTask
+    from gemma3_vision_models import GEMMA_3_4B_CONFIG
+    from cbatch.model.spec import parse_spec
+
+    with pytest.raises(ConfigError) as bad:
+        EngineConfig(image_min_pixels=800, image_max_pixels=700)
+    assert bad.value.field == "image_max_pixels" and "at least --image-min-pixels" in bad.value.reason
+    with pytest.raises(ConfigError) as bad:
+        resolve_model(EngineConfig(image_max_pixels=10**6), parse_spec(GEMMA_3_4B_CONFIG))
+    assert str(bad.value) == ("image_max_pixels: this Gemma3ForConditionalGeneration resizes every image to its "
+                              "tower's square; leave the pixel bounds out")
+    identity = output_identity(EngineConfig(image_max_pixels=10**6), GenerateTask(), torch.device("cpu"),
+                               torch.float32, 4096)
+    assert identity["image_max_pixels"] == 10**6 and "image_min_pixels" not in identity
+
+
 def _png_header(width: int, height: int) -> bytes:
     """A PNG whose header says width x height, its pixel data empty (it is refused before decoding)."""
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)

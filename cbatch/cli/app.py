@@ -208,7 +208,7 @@ def run(**values: Any) -> None:
                                            "display", "plot", "progress_interval", "result_cache", "retry_errors",
                                            "reasoning_split", "output_format", "keep_columns", "allow_duplicate_ids",
                                            "part_rows", "part_format", "task", "pooling", "normalize", "dimensions",
-                                           "tool_call_parser", "image_min_pixels", "image_max_pixels")},
+                                           "tool_call_parser")},
         effort_budgets=effort_budgets(values), classifier=classifier_tokens(values),
         score_template=score_template(values),
     )
@@ -272,8 +272,7 @@ def plan(**values: Any) -> None:
         defaults=sampling_defaults(values), deadline=job_deadline(values),
         **{name: values[name] for name in ("cost_from", "lengths_from", "device_kind", "report", "search",
                                            "allow_errors", "quiet", "lookahead", "result_cache", "task", "pooling",
-                                           "normalize", "dimensions", "tool_call_parser", "image_min_pixels",
-                                           "image_max_pixels", "speculative_acceptance")},
+                                           "normalize", "dimensions", "tool_call_parser", "speculative_acceptance")},
         effort_budgets=effort_budgets(values), classifier=classifier_tokens(values),
         score_template=score_template(values),
     )

@@ -57,7 +57,8 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
         runner.peers = peers
         return runner
 
-    config, kv_pool = _kv_pool(config, resolved, model.spec, kv_dtype, make_runner, encoder_memory(resolved, model))
+    config, kv_pool = _kv_pool(config, resolved, model.spec, kv_dtype, make_runner,
+                                 _encoder_memory(resolved, model, config))
     if config.async_scheduling is None:  # where the host can run ahead of the device
         config = replace(config, async_scheduling=device.type == "cuda" and comm.world == 1)
     runner = make_runner(config, kv_pool.num_blocks, kv_pool.num_host_blocks)
@@ -153,18 +154,15 @@ def decode_gemm_layers(model) -> list[Linear]:
             and m.weight.dtype in (torch.bfloat16, torch.float16)]
 
 
-def encoder_memory(resolved: ResolvedModel, model):
+def _encoder_memory(resolved: ResolvedModel, model, config: EngineConfig):
     """What a vision-language model's images take on the GPU beside a text step (engine/encoder_memory.py), or None
     (a text model, the CPU, a tensor-parallel worker without the tower)."""
     if resolved.device.type != "cuda" or getattr(model, "visual", None) is None:
         return None
-    from cbatch.engine.encoder_memory import EncoderMemory
-    from cbatch.io.images import ImageReader
+    from cbatch.engine.encoder_memory import encoder_memory
 
-    vision = model.spec.vision
     model_dir = resolved.checkpoint.path if resolved.checkpoint is not None else None
-    return EncoderMemory(model.visual, vision, model.spec.hidden_size, resolved.dtype,
-                         ImageReader(model_dir, vision).max_image_tokens)
+    return encoder_memory(model.spec, resolved.dtype, model_dir, config, model.visual)
 
 
 def _kv_pool(config: EngineConfig, resolved: ResolvedModel, spec: ModelSpec, kv_dtype: torch.dtype,

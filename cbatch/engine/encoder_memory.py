@@ -1,12 +1,14 @@
 """GPU memory a vision-language model's images take beside a text step, reserved before the KV pool is sized
-(memory.gpu_step_and_pool):
+(memory.gpu_step_and_pool; `cbatch plan`'s GPU pool, plan/devices.py, takes the same reserve off):
 
 - the encoder cache full (engine/image_rows.EncoderCache): its rows, at least one largest image (the cache keeps
   one entry however large), x the row width (hidden x (1 + deepstack mergers)) x the embeddings' dtype bytes;
-- the vision tower's peak activations for the largest image batch a step encodes, measured as a text step's are:
-  one tower forward over dummy images of that many tokens. A step encodes the whole images its chunks start, within
-  its token budget (--max-image-tokens-per-step when lower), and at least one image of the largest size the model's
-  processor makes (its max_pixels: an image larger than the budget runs alone).
+- the vision tower's peak activations for the largest image batch a step encodes: one tower forward over dummy
+  images of that many tokens, measured as a text step's are (a run), or counted (`tower_activation_count`: the plan,
+  which has no tower). A step encodes the whole images its chunks start, within its token budget
+  (--max-image-tokens-per-step when lower), and at least one image of the largest size the job's processor makes
+  (its max_pixels: --image-max-pixels, else the model's preprocessor_config.json; an image larger than the budget
+  runs alone).
 
 The tower runs before the language model's forward (`ImageRows.prepare`) and frees its activations but its output
 (kept by the cache, counted above), so a step's peak is the larger of the two: text and tower are not added.
@@ -15,11 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from cbatch.config import EngineConfig
 from cbatch.engine.image_rows import encoder_cache_rows, features_per_row
 from cbatch.model.siglip_spec import SiglipSpec
+from cbatch.model.spec import ModelSpec
 from cbatch.model.vision_spec import VisionSpec
 
 
@@ -59,27 +64,54 @@ def patch_width(vision: VisionSpec | SiglipSpec) -> int:
     return vision.patch_dim
 
 
+def tower_activation_count(vision: VisionSpec | SiglipSpec, patches: int, dtype_bytes: int) -> int:
+    """Bytes of the tower's activations over `patches` patches, counted from its shapes (`cbatch plan`; a run
+    measures them). Blocks run one after another and free theirs, so per patch: what the forward holds throughout
+    (the float32 input patches, the residual stream; Qwen: the float32 rotary cos and sin, Qwen3-VL's deepstack
+    features) plus the larger stage of one block: attention (its norm, qkv, the attention's output; Qwen: q's float32
+    rotary temporaries, its copy, rotated half and two products) or the MLP (its norm and its intermediate-width
+    outputs: gate, activation, up and their product when gated, else fc1 and activation)."""
+    width, b = vision.hidden_size, dtype_bytes
+    qwen = isinstance(vision, VisionSpec)
+    held = 4 * patch_width(vision) + b * width
+    attention = b * 5 * width
+    if qwen:
+        deepstack = b * vision.out_hidden_size * len(vision.deepstack_layers) // vision.merge_size**2
+        held += 2 * 4 * vision.head_dim + deepstack
+        attention += 4 * 4 * width
+    mlp = b * (width + (4 if qwen and vision.gated_mlp else 2) * vision.intermediate_size)
+    return patches * (held + max(attention, mlp))
+
+
 @dataclass(frozen=True)
 class EncoderMemory:
     """What a vision-language model reserves for its images on the GPU (see the module's docstring)."""
 
-    visual: torch.nn.Module  # the vision tower with its merger(s) (rank 0's)
     vision: VisionSpec | SiglipSpec
     hidden_size: int  # the language model's: the embeddings' width, per feature
     dtype: torch.dtype  # the tower's output's (the model's)
-    largest_image: int  # the most placeholder tokens one image gets (the model's processor at its max_pixels)
+    largest_image: int  # the most placeholder tokens one image gets (the job's processor at its max_pixels)
+    visual: torch.nn.Module | None = None  # the vision tower with its merger(s), on the GPU (rank 0's); None: counted
 
     @property
     def cache_bytes(self) -> int:
         return encoder_cache_bytes(self.hidden_size, features_per_row(self.vision), self.dtype.itemsize,
                                    self.largest_image)
 
-    def tower_peak(self, max_num_batched_tokens: int, max_image_tokens_per_step: int | None,
-                   device: torch.device) -> int:
-        """Bytes one tower forward over a step's largest image batch allocates beyond what is held (CUDA)."""
+    def step_grids(self, max_num_batched_tokens: int, max_image_tokens_per_step: int | None
+                   ) -> list[tuple[int, int, int]]:
+        """The dummy images of a step's largest image batch."""
         tokens = encoder_step_tokens(max_num_batched_tokens, max_image_tokens_per_step, self.largest_image)
-        grids = dummy_grids(self.vision, tokens, self.largest_image)
+        return dummy_grids(self.vision, tokens, self.largest_image)
+
+    def tower_peak(self, max_num_batched_tokens: int, max_image_tokens_per_step: int | None) -> int:
+        """Bytes one tower forward over a step's largest image batch allocates beyond what is held: measured on the
+        tower's GPU, or counted without one (`tower_activation_count`)."""
+        grids = self.step_grids(max_num_batched_tokens, max_image_tokens_per_step)
         patches = sum(t * h * w for t, h, w in grids)
+        if self.visual is None:
+            return tower_activation_count(self.vision, patches, self.dtype.itemsize)
+        device = next(self.visual.parameters()).device
         torch.cuda.synchronize()
         baseline = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -91,8 +123,20 @@ class EncoderMemory:
         torch.cuda.empty_cache()
         return max(0, peak)
 
-    def reserve(self, text_peak: int, max_num_batched_tokens: int, max_image_tokens_per_step: int | None,
-                device: torch.device) -> int:
+    def reserve(self, text_peak: int, max_num_batched_tokens: int, max_image_tokens_per_step: int | None) -> int:
         """A step's peak with images: the larger of the text step's and the tower's, plus the encoder cache full."""
-        tower = self.tower_peak(max_num_batched_tokens, max_image_tokens_per_step, device)
+        tower = self.tower_peak(max_num_batched_tokens, max_image_tokens_per_step)
         return max(text_peak, tower) + self.cache_bytes
+
+
+def encoder_memory(spec: ModelSpec, dtype: torch.dtype, model_dir: Path | None, config: EngineConfig,
+                   visual: torch.nn.Module | None = None) -> EncoderMemory | None:
+    """The images' reserve of a model (None: a text model): its largest image the one the job's processor makes
+    (the model's preprocessor_config.json in `model_dir` under `config`'s image pixel bounds). `visual`: the tower
+    a run measures; None: counted (`cbatch plan`)."""
+    if spec.vision is None:
+        return None
+    from cbatch.io.images import ImageReader
+
+    largest = ImageReader.for_config(model_dir, spec.vision, config).max_image_tokens
+    return EncoderMemory(spec.vision, spec.hidden_size, dtype, largest, visual)

@@ -137,8 +137,7 @@ def gpu_step_and_pool(config: EngineConfig, spec: ModelSpec, kv_dtype: torch.dty
         at_floor = (seqs, tokens) <= GPU_MIN_STEP or (config.max_num_seqs and config.max_num_batched_tokens)
         peak = profile_activation_peak(make_runner, sized, max_model_len)
         if encoder is not None:
-            peak = encoder.reserve(peak, sized.max_num_batched_tokens, sized.max_image_tokens_per_step,
-                                   torch.device("cuda"))
+            peak = encoder.reserve(peak, sized.max_num_batched_tokens, sized.max_image_tokens_per_step)
         try:
             blocks = gpu_kv_blocks(sized, spec, kv_dtype, max_model_len, peak)
         except MemoryError:  # no room for any KV at this step size: smaller steps, unless already smallest

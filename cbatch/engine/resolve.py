@@ -43,7 +43,7 @@ def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: t
     """`config.model` (or the default model) read up to its config.json; or a bare `spec` (random weights).
     `device`: the one a planned run will use (`cbatch plan`), instead of `config.device` here. Warns (one
     stderr line) when the dtype is bfloat16 on a CPU without native bfloat16. Refuses a --tensor-parallel-size
-    the model's shapes cannot split."""
+    the model's shapes cannot split, and image pixel bounds for a model whose processor takes none."""
     checkpoint = None
     if spec is None:
         from cbatch.model.default_model import default_model_dir
@@ -53,6 +53,11 @@ def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: t
     if config.expert_parallel:
         spec = with_expert_parallel(spec)
         checkpoint = replace(checkpoint, spec=spec) if checkpoint is not None else None  # (what load_model reads)
+    if (config.image_min_pixels is not None or config.image_max_pixels is not None) and (
+            spec.vision is None or isinstance(spec.vision, SiglipSpec)):
+        why = "reads no images" if spec.vision is None else "resizes every image to its tower's square"
+        raise ConfigError("image_min_pixels" if config.image_min_pixels is not None else "image_max_pixels",
+                          f"this {spec.architecture} {why}; leave the pixel bounds out")
     check_tensor_parallel(spec, config.tensor_parallel_size)
     if spec.mla is not None and config.kv_cache_dtype == "fp8":
         raise ConfigError("kv_cache_dtype", "fp8 is not supported for multi-head latent attention models (DeepSeek-V2/V3, "

@@ -12,8 +12,8 @@ again for its running row stops the job with that one line).
 
 Preprocessing: transformers' PIL image processor of the model (`Qwen2VLImageProcessorPil`: resize so that both sides
 are multiples of patch x merge with the pixel count inside [min_pixels, max_pixels], rescale, normalize, patchify),
-settable per job (`ImageSettings`: --image-min-pixels / --image-max-pixels); Gemma 3's (`Gemma3ImageProcessorPil`:
-resize to the tower's square, rescale, normalize), its patches cut here.
+settable per job (EngineConfig's image_min_pixels / image_max_pixels: --image-min-pixels / --image-max-pixels);
+Gemma 3's (`Gemma3ImageProcessorPil`: resize to the tower's square, rescale, normalize), its patches cut here.
 """
 from __future__ import annotations
 
@@ -25,15 +25,17 @@ import json
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cbatch.engine.images import PromptImage
 from cbatch.io.row_fields import RowError
 from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.vision_spec import VisionSpec
+
+if TYPE_CHECKING:
+    from cbatch.config import EngineConfig
 
 MAX_SOURCE_PIXELS = 1 << 27  # a decoded image past this (134 M pixels, e.g. 11,585 x 11,585) is refused, not decoded
 
@@ -52,18 +54,6 @@ def image_pool() -> ThreadPoolExecutor:
 
 class ImageError(RowError):
     """An image of a row that cannot be read or used; the message names the row's image and the problem."""
-
-
-@dataclass(frozen=True, slots=True)
-class ImageSettings:
-    """The job's image preprocessing settings over the model's preprocessor_config.json (None: the model's)."""
-
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-
-    def identity(self) -> dict[str, int]:
-        return {k: v for k, v in (("image_min_pixels", self.min_pixels), ("image_max_pixels", self.max_pixels))
-                if v is not None}
 
 
 def is_image_source(value: Any) -> bool:
@@ -141,13 +131,22 @@ def digest_of(data: bytes) -> str:
 
 
 class ImageReader:
-    """The model's image processor with the job's settings: a row's image source -> `PromptImage`."""
+    """The model's image processor with the job's pixel bounds: a row's image source -> `PromptImage`."""
 
-    def __init__(self, model_dir: Path | None, vision: VisionSpec | SiglipSpec,
-                 settings: ImageSettings = ImageSettings()) -> None:
+    def __init__(self, model_dir: Path | None, vision: VisionSpec | SiglipSpec, min_pixels: int | None = None,
+                 max_pixels: int | None = None) -> None:
+        """`min_pixels` / `max_pixels`: the job's (EngineConfig.image_min_pixels / image_max_pixels) over the
+        model's preprocessor_config.json; None: the model's."""
         self.vision = vision
-        siglip = isinstance(vision, SiglipSpec)
-        self.processor = _siglip_processor(model_dir, vision) if siglip else _processor(model_dir, vision, settings)
+        if isinstance(vision, SiglipSpec):
+            self.processor = _siglip_processor(model_dir, vision)
+        else:
+            self.processor = _processor(model_dir, vision, {"min_pixels": min_pixels, "max_pixels": max_pixels})
+
+    @classmethod
+    def for_config(cls, model_dir: Path | None, vision: VisionSpec | SiglipSpec, config: "EngineConfig") -> "ImageReader":
+        """The reader of an engine's `config` (an EngineConfig: its image pixel bounds)."""
+        return cls(model_dir, vision, config.image_min_pixels, config.image_max_pixels)
 
     @property
     def pixel_range(self) -> tuple[int, int]:
@@ -257,9 +256,10 @@ _PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_siz
                    "image_std", "do_resize", "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb", "size")
 
 
-def _processor(model_dir: Path | None, vision: VisionSpec, settings: ImageSettings):
+def _processor(model_dir: Path | None, vision: VisionSpec, bounds: dict[str, int | None]):
     """transformers' PIL image processor for Qwen2-VL (no torchvision needed) from the checkpoint's
-    preprocessor_config.json, the vision spec's patch sizes where it has none, the job's pixel bounds on top."""
+    preprocessor_config.json, the vision spec's patch sizes where it has none, the job's pixel `bounds` on top
+    ({"min_pixels", "max_pixels"}: None where the model's hold)."""
     try:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as Processor
     except ImportError:  # transformers before the PIL/torchvision split: the slow processor is the PIL one
@@ -271,7 +271,7 @@ def _processor(model_dir: Path | None, vision: VisionSpec, settings: ImageSettin
     kwargs.update({k: v for k, v in given.items() if k in _PROCESSOR_KEYS})
     size = dict(kwargs.pop("size", None) or {})
     for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
-        value = getattr(settings, key)
+        value = bounds[key]
         if value is not None:
             kwargs[key] = value
         elif key not in kwargs and edge in size:

@@ -55,8 +55,6 @@ class PlanOptions:
     effort_budgets: dict[str, int] | None = None
     classifier: ClassifierTokens | None = None
     score_template: str | None = None
-    image_min_pixels: int | None = None  # --image-min-pixels / --image-max-pixels (None: the model's)
-    image_max_pixels: int | None = None
     speculative_acceptance: float | None = None  # with --speculative: the share of drafted tokens kept (default 0)
 
 

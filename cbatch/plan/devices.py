@@ -3,7 +3,8 @@
 The device decides what `auto` settings become (dtype), the KV pool, and, without --cost-from, what a
 step costs. The KV pool: on a CPU exactly as `cbatch run` sizes it (cbatch/engine/memory.py); on a GPU
 from the preset's memory with the same formula as a run, the weights and activations estimated instead
-of measured (a run measures them after loading); --num-kv-blocks makes it exact either way.
+of measured (a run measures them after loading; a vision-language model's images' reserve is the run's, the
+tower's activations counted: engine/encoder_memory.py); --num-kv-blocks makes it exact either way.
 
 Default cost model (no --cost-from): the roofline counting of cbatch/observe/roofline.py (`ModelWork`)
 over the device's peaks, at fixed efficiencies (assumptions, not measurements):
@@ -35,6 +36,7 @@ import torch
 from cbatch.bench.simulator import CostModel
 from cbatch.config import EngineConfig, UserError
 from cbatch.engine import memory
+from cbatch.engine.encoder_memory import encoder_memory
 from cbatch.engine.engine import KVPool
 from cbatch.engine.resolve import ResolvedModel, resolve_device
 from cbatch.model.shard import Shard, tensor_parallel_sizes, with_expert_parallel
@@ -106,11 +108,17 @@ class DeviceKind:
                 + CUDA_CONTEXT_BYTES)
 
     def _gpu_kv_blocks(self, config: EngineConfig, model: ResolvedModel) -> int:
-        """Blocks of one rank's KV pool in this GPU's memory (MemoryError: the weights leave no room)."""
+        """Blocks of one rank's KV pool in this GPU's memory (MemoryError: the weights leave no room). A
+        vision-language model's step takes its images' reserve as a run does (engine/encoder_memory.py), the
+        tower's activations counted where a run measures them."""
         spec = Shard(0, config.tensor_parallel_size).local_spec(model.spec)
+        peak = activation_estimate(config, model)
+        model_dir = model.checkpoint.path if model.checkpoint is not None else None
+        if (encoder := encoder_memory(model.spec, model.dtype, model_dir, config)) is not None:
+            peak = encoder.reserve(peak, config.max_num_batched_tokens, config.max_image_tokens_per_step)
         return memory.kv_blocks_in_gpu_memory(config, spec, memory.kv_cache_dtype(config, model.dtype),
                                               model.max_model_len, self.memory_gib * 2**30,
-                                              self.weight_bytes_per_rank(config, model), activation_estimate(config, model))
+                                              self.weight_bytes_per_rank(config, model), peak)
 
     def _layouts(self, spec: ModelSpec) -> list[tuple[ModelSpec, bool]]:
         """(spec, expert parallel) of the layouts a plan may suggest: plain tensor parallelism, and expert

@@ -75,8 +75,6 @@ class JobOptions:
     effort_budgets: dict[str, int] | None = None  # --reasoning-effort-budgets (None: the defaults)
     classifier: ClassifierTokens | None = None  # --classifier-from-token (None: the model's config.json's, if any)
     score_template: str | None = None  # --score-template's text (score / rerank pairs rendered through it)
-    image_min_pixels: int | None = None  # --image-min-pixels / --image-max-pixels (None: the model's)
-    image_max_pixels: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

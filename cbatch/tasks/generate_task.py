@@ -9,12 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from cbatch.config import SamplingParams, UserError
-from cbatch.io.images import ImageReader, ImageSettings, expand_placeholders, image_pool, template_parts
+from cbatch.io.images import ImageReader, expand_placeholders, image_pool, template_parts
 from cbatch.io.openai import request_digest
 from cbatch.io.reader import PROMPT_FIELDS
 from cbatch.io.row_fields import RowError
 from cbatch.io.rows import RowRequest, parse_row, with_lora
-from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.reasoning import DEFAULT_EFFORT_BUDGETS, effort_in_template
 from cbatch.tasks.base import ParsedRow, Part, PendingRow, Request, RowWork, Task, TaskError, TaskOptions, register
 from cbatch.tasks.results import RowResult
@@ -35,14 +34,15 @@ class GenerateTask(Task):
     columns: ClassVar[tuple[str, ...]] = ("tool_calls",)  # (only rows with tools that called one have it)
 
     def __init__(self, defaults: SamplingParams = SamplingParams(), reasoning_split: bool = True,
-                 tool_call_parser: str | None = None, effort_budgets: Mapping[str, int] = DEFAULT_EFFORT_BUDGETS,
-                 images: ImageSettings = ImageSettings()) -> None:
+                 tool_call_parser: str | None = None, effort_budgets: Mapping[str, int] = DEFAULT_EFFORT_BUDGETS
+                 ) -> None:
         self.defaults = defaults  # the job's sampling settings, under each row's own
         self.reasoning_split = reasoning_split  # a thinking model's <think>...</think> goes to a `reasoning` column
         self.tool_call_parser = tool_call_parser  # --tool-call-parser (None: the model's own format)
         self.effort_budgets = dict(effort_budgets)  # --reasoning-effort-budgets: thinking tokens per reasoning_effort
-        self.image_settings = images  # --image-min-pixels / --image-max-pixels over the model's processor
-        self._image_reader: ImageReader | None = None  # made at the first row with images (the model's processor)
+        # made at the first row with images: the model's processor with the engine's pixel bounds
+        # (EngineConfig.image_min_pixels / image_max_pixels: --image-min-pixels / --image-max-pixels)
+        self._image_reader: ImageReader | None = None
 
     @classmethod
     def for_job(cls, options: TaskOptions, spec: "ModelSpec", model_dir: Path | None) -> "GenerateTask":
@@ -54,22 +54,14 @@ class GenerateTask(Task):
         parser = getattr(options, "tool_call_parser", None)
         if parser is not None and parser not in FORMATS:
             raise TaskError(f"--tool-call-parser: one of {', '.join(FORMATS)}, not {parser!r}")
-        images = ImageSettings(getattr(options, "image_min_pixels", None), getattr(options, "image_max_pixels", None))
-        if images.identity() and (spec.vision is None or isinstance(spec.vision, SiglipSpec)):
-            why = "reads no images" if spec.vision is None else "resizes every image to its tower's square"
-            raise TaskError(f"--image-min-pixels / --image-max-pixels: this {spec.architecture} {why}")
-        low, high = images.min_pixels, images.max_pixels
-        if (low is not None and low < 1) or (high is not None and high < max(low or 1, 1)):
-            raise TaskError(f"--image-min-pixels {low} / --image-max-pixels {high}: need 1 <= min <= max")
         return cls(options.defaults, options.reasoning_split, parser,
-                   getattr(options, "effort_budgets", None) or DEFAULT_EFFORT_BUDGETS, images)
+                   getattr(options, "effort_budgets", None) or DEFAULT_EFFORT_BUDGETS)
 
     def identity(self) -> dict[str, Any]:
         """What changes a row's output beyond its own fields (each absent at its default: older identities hold)."""
         return {**({} if self.reasoning_split else {"reasoning_split": False}),
                 **({"tool_call_parser": self.tool_call_parser} if self.tool_call_parser else {}),
-                **({"effort_budgets": self.effort_budgets} if self.effort_budgets != DEFAULT_EFFORT_BUDGETS else {}),
-                **self.image_settings.identity()}
+                **({"effort_budgets": self.effort_budgets} if self.effort_budgets != DEFAULT_EFFORT_BUDGETS else {})}
 
     def column_types(self) -> dict[str, Any]:
         import pyarrow as pa
@@ -128,7 +120,7 @@ class GenerateTask(Task):
             raise RowError(f"`{first}` is an image; this {model} reads no images (use a vision-language model, "
                            "e.g. Qwen2.5-VL or Gemma 3)")
         if self._image_reader is None or self._image_reader.vision is not engine.spec.vision:
-            self._image_reader = ImageReader(engine.model_dir, engine.spec.vision, self.image_settings)
+            self._image_reader = ImageReader.for_config(engine.model_dir, engine.spec.vision, engine.config)
         return self._image_reader
 
     def __getstate__(self) -> dict[str, Any]:  # (Ray ships the task: the processor is made again where it runs)
