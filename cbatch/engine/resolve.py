@@ -16,6 +16,7 @@ from cbatch.model.cpu_features import bf16_speed_warning
 from cbatch.model.decoder import LlamaForCausalLM
 from cbatch.model.loader import Checkpoint, build_model, init_random_weights, load_model, read_checkpoint, resolve_dtype, resolve_model_dir
 from cbatch.model.shard import check_tensor_parallel, with_expert_parallel
+from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.spec import ModelSpec
 from cbatch.parallel.comm import Communicator
 
