@@ -23,6 +23,7 @@ import torch
 
 from cbatch.config import EngineConfig
 from cbatch.engine.image_rows import encoder_cache_rows, features_per_row
+from cbatch.model.image_processor import image_processor, max_image_tokens
 from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.spec import ModelSpec
 from cbatch.model.vision_spec import VisionSpec
@@ -136,7 +137,6 @@ def encoder_memory(spec: ModelSpec, dtype: torch.dtype, model_dir: Path | None, 
     a run measures; None: counted (`cbatch plan`)."""
     if spec.vision is None:
         return None
-    from cbatch.io.images import ImageReader
-
-    largest = ImageReader.for_config(model_dir, spec.vision, config).max_image_tokens
+    processor = image_processor(model_dir, spec.vision, config.image_min_pixels, config.image_max_pixels)
+    largest = max_image_tokens(processor, spec.vision)
     return EncoderMemory(spec.vision, spec.hidden_size, dtype, largest, visual)

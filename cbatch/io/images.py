@@ -21,7 +21,6 @@ import base64
 import binascii
 import hashlib
 import io
-import json
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from cbatch.engine.images import PromptImage
 from cbatch.io.row_fields import RowError
+from cbatch.model.image_processor import image_processor, max_image_tokens, pixel_range
 from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.vision_spec import VisionSpec
 
@@ -138,10 +138,7 @@ class ImageReader:
         """`min_pixels` / `max_pixels`: the job's (EngineConfig.image_min_pixels / image_max_pixels) over the
         model's preprocessor_config.json; None: the model's."""
         self.vision = vision
-        if isinstance(vision, SiglipSpec):
-            self.processor = _siglip_processor(model_dir, vision)
-        else:
-            self.processor = _processor(model_dir, vision, {"min_pixels": min_pixels, "max_pixels": max_pixels})
+        self.processor = image_processor(model_dir, vision, min_pixels, max_pixels)
 
     @classmethod
     def for_config(cls, model_dir: Path | None, vision: VisionSpec | SiglipSpec, config: "EngineConfig") -> "ImageReader":
@@ -150,17 +147,11 @@ class ImageReader:
 
     @property
     def pixel_range(self) -> tuple[int, int]:
-        size = self.processor.size
-        return int(size["shortest_edge"]), int(size["longest_edge"])
+        return pixel_range(self.processor)
 
     @property
     def max_image_tokens(self) -> int:
-        """The most placeholder tokens one image gets: the processor's max_pixels in merged patches (Gemma 3: its
-        one square's)."""
-        if isinstance(self.vision, SiglipSpec):
-            return self.vision.mm_tokens_per_image
-        side = int(self.processor.patch_size) * int(self.processor.merge_size)
-        return self.pixel_range[1] // side**2
+        return max_image_tokens(self.processor, self.vision)
 
     def grid_for(self, height: int, width: int) -> tuple[int, int, int]:
         """The patch grid (t, h, w) the processor makes of a height x width image, from its size alone: the
@@ -250,48 +241,6 @@ def _pil_digest(image) -> str:
     digest = hashlib.blake2b(f"{image.mode} {image.size}".encode(), digest_size=16)
     digest.update(image.tobytes())
     return digest.hexdigest()
-
-
-_PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean",
-                   "image_std", "do_resize", "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb", "size")
-
-
-def _processor(model_dir: Path | None, vision: VisionSpec, bounds: dict[str, int | None]):
-    """transformers' PIL image processor for Qwen2-VL (no torchvision needed) from the checkpoint's
-    preprocessor_config.json, the vision spec's patch sizes where it has none, the job's pixel `bounds` on top
-    ({"min_pixels", "max_pixels"}: None where the model's hold)."""
-    try:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as Processor
-    except ImportError:  # transformers before the PIL/torchvision split: the slow processor is the PIL one
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as Processor
-    path = model_dir / "preprocessor_config.json" if model_dir is not None else None
-    given = json.loads(path.read_text()) if path is not None and path.is_file() else {}
-    kwargs: dict[str, Any] = dict(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-                                  merge_size=vision.merge_size)
-    kwargs.update({k: v for k, v in given.items() if k in _PROCESSOR_KEYS})
-    size = dict(kwargs.pop("size", None) or {})
-    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
-        value = bounds[key]
-        if value is not None:
-            kwargs[key] = value
-        elif key not in kwargs and edge in size:
-            kwargs[key] = size[edge]
-    return Processor(**kwargs)
-
-
-def _siglip_processor(model_dir: Path | None, vision: SiglipSpec):
-    """transformers' PIL image processor for Gemma 3 (no torchvision needed) from the checkpoint's
-    preprocessor_config.json, resizing to the tower's square whatever the file says (its positions fix the size).
-    Pan-and-scan crops are not made (the processor's default; a config asking for them is read without them)."""
-    try:
-        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil as Processor
-    except ImportError:  # transformers before the PIL/torchvision split: the slow processor is the PIL one
-        from transformers.models.gemma3.image_processing_gemma3 import Gemma3ImageProcessor as Processor
-    path = model_dir / "preprocessor_config.json" if model_dir is not None else None
-    given = json.loads(path.read_text()) if path is not None and path.is_file() else {}
-    kwargs = {k: v for k, v in given.items() if k in _PROCESSOR_KEYS + ("resample",) and v is not None}
-    kwargs["size"] = {"height": vision.image_size, "width": vision.image_size}
-    return Processor(**kwargs, do_pan_and_scan=False)
 
 
 def _square_patches(image: Any, patch: int) -> tuple[tuple[int, int, int], Any]:

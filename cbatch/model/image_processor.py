@@ -1,0 +1,78 @@
+"""The model's own Hugging Face image processor (the PIL one: no torchvision), made from its checkpoint's
+preprocessor_config.json with a job's pixel bounds on top, and what its size rule implies without an image: the
+pixel bounds and the most placeholder tokens one image can get. The row reader (io/images.py) preprocesses with it;
+the GPU memory reserve for images (engine/encoder_memory.py) sizes its largest image from it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from cbatch.model.siglip_spec import SiglipSpec
+from cbatch.model.vision_spec import VisionSpec
+
+
+def image_processor(model_dir: Path | None, vision: VisionSpec | SiglipSpec, min_pixels: int | None = None,
+                    max_pixels: int | None = None):
+    """The processor of a model of `vision` in `model_dir`; `min_pixels` / `max_pixels`: a job's bounds over the
+    model's (None: the model's; Gemma 3's processor resizes to its square whatever they are)."""
+    if isinstance(vision, SiglipSpec):
+        return _siglip_processor(model_dir, vision)
+    return _processor(model_dir, vision, {"min_pixels": min_pixels, "max_pixels": max_pixels})
+
+
+def pixel_range(processor) -> tuple[int, int]:
+    """A Qwen-style processor's (min_pixels, max_pixels)."""
+    size = processor.size
+    return int(size["shortest_edge"]), int(size["longest_edge"])
+
+
+def max_image_tokens(processor, vision: VisionSpec | SiglipSpec) -> int:
+    """The most placeholder tokens one image gets: the processor's max_pixels in merged patches (Gemma 3: its one
+    square's)."""
+    if isinstance(vision, SiglipSpec):
+        return vision.mm_tokens_per_image
+    side = int(processor.patch_size) * int(processor.merge_size)
+    return pixel_range(processor)[1] // side**2
+
+
+_PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean",
+                   "image_std", "do_resize", "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb", "size")
+
+
+def _processor(model_dir: Path | None, vision: VisionSpec, bounds: dict[str, int | None]):
+    """transformers' PIL image processor for Qwen2-VL (no torchvision needed) from the checkpoint's
+    preprocessor_config.json, the vision spec's patch sizes where it has none, the job's pixel `bounds` on top
+    ({"min_pixels", "max_pixels"}: None where the model's hold)."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as Processor
+    except ImportError:  # transformers before the PIL/torchvision split: the slow processor is the PIL one
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as Processor
+    path = model_dir / "preprocessor_config.json" if model_dir is not None else None
+    given = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    kwargs: dict[str, Any] = dict(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                                  merge_size=vision.merge_size)
+    kwargs.update({k: v for k, v in given.items() if k in _PROCESSOR_KEYS})
+    size = dict(kwargs.pop("size", None) or {})
+    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        value = bounds[key]
+        if value is not None:
+            kwargs[key] = value
+        elif key not in kwargs and edge in size:
+            kwargs[key] = size[edge]
+    return Processor(**kwargs)
+
+
+def _siglip_processor(model_dir: Path | None, vision: SiglipSpec):
+    """transformers' PIL image processor for Gemma 3 (no torchvision needed) from the checkpoint's
+    preprocessor_config.json, resizing to the tower's square whatever the file says (its positions fix the size).
+    Pan-and-scan crops are not made (the processor's default; a config asking for them is read without them)."""
+    try:
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil as Processor
+    except ImportError:  # transformers before the PIL/torchvision split: the slow processor is the PIL one
+        from transformers.models.gemma3.image_processing_gemma3 import Gemma3ImageProcessor as Processor
+    path = model_dir / "preprocessor_config.json" if model_dir is not None else None
+    given = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    kwargs = {k: v for k, v in given.items() if k in _PROCESSOR_KEYS + ("resample",) and v is not None}
+    kwargs["size"] = {"height": vision.image_size, "width": vision.image_size}
+    return Processor(**kwargs, do_pan_and_scan=False)
