@@ -1,17 +1,20 @@
 """Rows with images on CPU: cbatch's engine against transformers' batched `generate` (left-padded batches, its batch
 size tuned on a sample first), on the same random Qwen2.5-VL, rows, images and threads, in the same run. Prints
-images/s and output tok/s of each and their ratio, and checks that the two agree on a sample's greedy tokens.
+images/s and output tok/s of each and their ratio, and checks cbatch's greedy tokens against transformers' unbatched
+`generate` on a few rows.
 
-    PYTHONPATH=$PWD python benchmarks/vision_bench.py               # 200 rows, one image each, 56..448 pixel sides
-    PYTHONPATH=$PWD python benchmarks/vision_bench.py --rows 16     # a quick check of the script
+    PYTHONPATH=$PWD python benchmarks/vision_bench.py                 # 200 rows, one image each, 56..448 pixel sides
+    PYTHONPATH=$PWD python benchmarks/vision_bench.py --shape toy     # the first, per-step-bound shape
+    PYTHONPATH=$PWD python benchmarks/vision_bench.py --rows 16 --shape toy --batch-sizes 8   # a quick check
 
-Both sides get the images preprocessed by the same PIL processor (cbatch: inside its timing, as a job reads them;
-transformers: before, so its figure flatters it). Each row decodes its own number of tokens, drawn from
-`--max-tokens A:B` (ignore_eos), as captions and answers differ in length: cbatch stops a row at its length;
-transformers' `generate` runs a batch to its longest row and keeps each row's first tokens (its batches are sorted
-by prompt length, which helps it). Both count the same output tokens. The model: tests/vision_models.py's tokenizer and template with wider shapes
-(`--hidden`, `--layers`), random weights: no download. Timings on a shared machine are noisy: the ratio of the
-two in one run is the figure.
+Both sides preprocess the images with the same PIL processor inside their timing: cbatch on the job's image threads
+while it steps (as `cbatch run` does), transformers before its batches (as a script around `generate` does). Each
+row decodes its own number of tokens, drawn from `--max-tokens A:B` (no EOS before it: min_tokens, transformers'
+min_new_tokens), as captions and answers differ in length: cbatch stops a row at its length; transformers'
+`generate` runs a batch to its longest row and keeps each row's first tokens (its batches are sorted by prompt
+length, which helps it). Both count the same output tokens. The model: tests/vision_models.py's tokenizer and
+template with the shape `--shape` names, random weights: no download. Timings on a shared machine are noisy: the
+ratio of the two in one run is the figure.
 """
 from __future__ import annotations
 
@@ -29,6 +32,30 @@ import vision_models  # noqa: E402
 from vision_models import IMAGE_TOKEN, hf_model, make_vl_checkpoint, png_bytes  # noqa: E402
 
 
+def _mrope(head_dim: int) -> dict:
+    """Qwen's rotary with its (temporal, height, width) split 2:3:3 of a head's rotary pairs."""
+    half = head_dim // 2
+    return {"rope_type": "default", "rope_theta": 1e6,
+            "mrope_section": [half // 4, 3 * half // 8, half - half // 4 - 3 * half // 8]}
+
+
+# The random model's shapes. `small`: SmolLM2-135M's decoder (the project's CPU reference model) with a tower of
+# ~1/10 of its parameters (Qwen2.5-VL-7B's tower is ~1/10 of its decoder), 112-pixel windows as Qwen2.5-VL's.
+# `toy`: the shape this script had first (a 4-layer, 256-wide decoder, the tests' 3-block 32-wide tower), where both
+# sides are bound by per-step costs.
+SHAPES = {
+    "small": {"about": "decoder 576 wide x 30 layers (SmolLM2-135M), tower 384 wide x 8 blocks",
+              "text": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                           num_key_value_heads=3, rope_parameters=_mrope(64)),
+              "vision": dict(depth=8, hidden_size=384, num_heads=6, intermediate_size=1024, out_hidden_size=576,
+                             window_size=112, fullatt_block_indexes=[3, 7])},
+    "toy": {"about": "decoder 256 wide x 4 layers, tower 32 wide x 3 blocks",
+            "text": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, rope_parameters=_mrope(64)),
+            "vision": dict(out_hidden_size=256)},
+}
+
+
 def rows_of(count: int, seed: int, sides: tuple[int, int], lengths: tuple[int, int]) -> list[tuple[bytes, str, int]]:
     """(PNG bytes, question, output tokens) per row: image sides in `sides` pixels (multiples of 28), 4..24 words."""
     rng = random.Random(seed)
@@ -43,41 +70,54 @@ def span(text: str) -> tuple[int, int]:
 
 
 def run_cbatch(path: Path, rows) -> tuple[float, list[list[int]]]:
-    """Seconds to read, preprocess and generate every row (all queued at once), and the completions."""
+    """Seconds to read, preprocess and generate every row, and the completions. As in `cbatch run`, the images are
+    read and preprocessed on the job's image threads (`image_pool`) while the engine steps: a row joins the engine
+    once its image is ready, in input order."""
     from cbatch.config import EngineConfig, SamplingParams
     from cbatch.engine.build import build_engine
-    from cbatch.io.images import ImageReader, expand_placeholders
-    from cbatch.tokenizer import encode_messages
+    from cbatch.io.images import ImageReader, expand_placeholders, image_pool
 
     engine = build_engine(EngineConfig(model=str(path), device="cpu"))
     start = time.perf_counter()
     reader = ImageReader(path, engine.spec.vision)
+    futures = [image_pool().submit(reader.read, image, f"row {i}") for i, (image, _, _) in enumerate(rows)]
     seqs = []
-    for i, (image, question, length) in enumerate(rows):
-        prompt = reader.read(image, f"row {i}")
-        ids = encode_messages(engine.tokenizer, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}])
-        params = SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
-        seqs.append(engine.add_request(expand_placeholders(ids, [prompt], engine.spec.vision), params,
-                                       images=[prompt]))
-    while engine.has_unfinished():
-        engine.step()
+    while len(seqs) < len(rows) or engine.has_unfinished():
+        while len(seqs) < len(rows) and (futures[len(seqs)].done() or not engine.has_unfinished()):
+            _, question, length = rows[len(seqs)]
+            prompt = futures[len(seqs)].result()
+            params = SamplingParams(max_tokens=length, min_tokens=length, temperature=0.0)  # (as `min_new_tokens`)
+            seqs.append(engine.add_request(prompt_ids(engine.tokenizer, question, prompt, engine.spec.vision), params,
+                                           images=[prompt]))
+        if engine.has_unfinished():
+            engine.step()
     return time.perf_counter() - start, [seq.output_ids for seq in seqs]
 
 
-def hf_inputs(path: Path, rows):
-    """Each row's (prompt ids, PromptImage), preprocessed outside the timing."""
-    from cbatch.io.images import ImageReader, expand_placeholders
+def prompt_ids(tokenizer, question: str, image, vision) -> list[int]:
+    """A row's chat prompt (its image, then its question) with the image's placeholder run."""
+    from cbatch.io.images import expand_placeholders
+    from cbatch.tokenizer import encode_messages
+
+    ids = encode_messages(tokenizer, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}])
+    return expand_placeholders(ids, [image], vision)
+
+
+def hf_inputs(path: Path, rows) -> tuple[float, list]:
+    """Seconds to preprocess every row for transformers (the same PIL processor, one image after another, as a
+    script around `generate` does), and each row's (prompt ids, PromptImage, output tokens)."""
+    from cbatch.io.images import ImageReader
     from cbatch.model.loader import read_checkpoint
-    from cbatch.tokenizer import encode_messages, load_tokenizer
+    from cbatch.tokenizer import load_tokenizer
 
     vision = read_checkpoint(path).spec.vision
     reader, tokenizer = ImageReader(path, vision), load_tokenizer(path)
+    start = time.perf_counter()
     out = []
     for i, (image, question, length) in enumerate(rows):
         prompt = reader.read(image, f"row {i}")
-        ids = encode_messages(tokenizer, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}])
-        out.append((expand_placeholders(ids, [prompt], vision), prompt, length))
-    return out
+        out.append((prompt_ids(tokenizer, question, prompt, vision), prompt, length))
+    return time.perf_counter() - start, out
 
 
 def run_hf(path: Path, inputs, batch_size: int) -> tuple[float, list[list[int]]]:
@@ -109,43 +149,49 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200)
     parser.add_argument("--max-tokens", type=span, default=(16, 96), help="each row's output tokens, drawn from A:B")
     parser.add_argument("--image-sides", type=span, default=(56, 448), help="image sides in pixels, drawn from A:B")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small",
+                        help="the random model's shape: " + "; ".join(f"{k}: {v['about']}" for k, v in SHAPES.items()))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--batch-sizes", default="4,16,64", help="transformers' batch sizes tried on a sample")
-    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/cbatch-vision-bench"))
+    parser.add_argument("--batch-sizes", default="8,32,64", help="transformers' batch sizes tried on a 64-row sample (then all rows at once too)")
+    parser.add_argument("--model-dir", type=Path, default=None, help="where the checkpoint is written "
+                        "(default /tmp/cbatch-vision-bench-SHAPE)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from cbatch.model.cpu_features import cpu_description
 
     print(cpu_description())
-    heads = max(4, args.hidden // 64)
-    half = args.hidden // heads // 2  # rotary pairs per head, split 2:3:3 over (temporal, height, width) as Qwen's
-    vision_models.TEXT.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-                              num_attention_heads=heads, num_key_value_heads=2,
-                              rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                               "mrope_section": [half // 4, 3 * half // 8, half - half // 4 - 3 * half // 8]})
-    vision_models.VISION["qwen2_5_vl"].update(out_hidden_size=args.hidden)
-    path = make_vl_checkpoint("qwen2_5_vl", args.model_dir)
+    shape = SHAPES[args.shape]
+    vision_models.TEXT.update(shape["text"])
+    vision_models.VISION["qwen2_5_vl"].update(shape["vision"])
+    print(f"model: random Qwen2.5-VL, {args.shape} shape ({shape['about']})")
+    path = make_vl_checkpoint("qwen2_5_vl", args.model_dir or Path(f"/tmp/cbatch-vision-bench-{args.shape}"))
     rows = rows_of(args.rows, 0, args.image_sides, args.max_tokens)
-    inputs = hf_inputs(path, rows)
-    sample = inputs[: min(len(inputs), 32)]
-    tuned = {b: run_hf(path, sample, b)[0] for b in map(int, args.batch_sizes.split(","))}
+    prep_seconds, inputs = hf_inputs(path, rows)
+    sample = inputs[: min(len(inputs), 64)]
+    tuned = {}
+    for size in map(int, args.batch_sizes.split(",")):
+        tuned[size] = run_hf(path, sample, size)[0]
+        print(f"transformers, batch {size}: {len(sample) / tuned[size]:.2f} images/s on {len(sample)} rows", flush=True)
     best = min(tuned, key=tuned.get)
-    hf_seconds, hf_out = run_hf(path, inputs, best)
+    runs = {size: run_hf(path, inputs, size) for size in sorted({best, len(inputs)})}  # (all rows in one batch too)
+    for size, (seconds, _) in runs.items():
+        print(f"transformers, batch {size}: {len(inputs) / (prep_seconds + seconds):.2f} images/s on {len(inputs)} rows",
+              flush=True)
+    best = min(runs, key=lambda size: runs[size][0])
+    hf_seconds = prep_seconds + runs[best][0]
     ours_seconds, ours_out = run_cbatch(path, rows)
-    checked = min(16, len(rows))
-    agree = sum(a == b for a, b in zip(ours_out[:checked], hf_out[:checked]))
+    checked = min(8, len(rows))  # transformers one row at a time (no padding): the reference cbatch must equal
+    agree = sum(ours_out[i] == run_hf(path, inputs[i : i + 1], 1)[1][0] for i in range(checked))
     images, tokens = len(rows), sum(length for _, _, length in rows)
-    print(f"rows {images}, one image each ({sum(im.num_tokens for _, im, _ in inputs)} image tokens), {tokens} output "
+    print(f"rows {images}, one image each ({sum(len(ids) for ids, _, _ in inputs)} prompt tokens, of them "
+          f"{sum(im.num_tokens for _, im, _ in inputs)} image tokens), {tokens} output "
           f"tokens ({args.max_tokens[0]}..{args.max_tokens[1]} a row), {args.threads} threads")
     print(f"cbatch:       {images / ours_seconds:8.2f} images/s  {tokens / ours_seconds:9.1f} output tok/s  (reads + "
-          f"preprocesses its images inside the timing)")
-    print(f"transformers: {images / hf_seconds:8.2f} images/s  {tokens / hf_seconds:9.1f} output tok/s  (batch {best}, "
-          f"tuned over {sorted(tuned)})")
-    print(f"ratio {hf_seconds / ours_seconds:.2f}x; greedy tokens equal on {agree}/{checked} sampled rows "
-          "(batched padding moves transformers' float32 sums a little)")
-
+          f"preprocesses its images on the job's image threads while it steps)")
+    print(f"transformers: {images / hf_seconds:8.2f} images/s  {tokens / hf_seconds:9.1f} output tok/s  (batch {best}; "
+          f"sizes {sorted(tuned)} tried on {len(sample)} rows; preprocessing {prep_seconds:.1f} s before it)")
+    print(f"ratio {hf_seconds / ours_seconds:.2f}x; greedy tokens equal to transformers' unbatched `generate` on "
+          f"{agree}/{checked} rows")
 
 if __name__ == "__main__":
     main()
