@@ -255,3 +255,28 @@ def test_qwen3_vls_interleaved_mrope_axes_are_transformers():
     assert ours.tolist() == theirs.tolist()
     assert ours[:6].tolist() == [0, 1, 2, 0, 1, 2] and ours[60:64].tolist() == [0, 0, 0, 0]
     assert section_axes((24, 20, 20), 128)[:64].tolist() == [0] * 24 + [1] * 20 + [2] * 20
+
+
+@pytest.mark.parametrize("vl_model", ["qwen3_vl_moe"], indirect=True)
+def test_qwen3_vl_moe_greedy_tokens_match_hf_with_either_expert_layout(vl_model, images, tmp_path):
+    """Qwen3-VL-MoE (Qwen3-VL's tower, a Qwen3-MoE decoder whose router always renormalizes): one image, two, and a
+    text-only row in one batch give HF's tokens; its experts read from the hub's [E, in, out] stacks (the fixture's)
+    and from transformers 5's [E, out, in] give the same model."""
+    import torch
+
+    from cbatch.model.backend.registry import make_backend
+    from cbatch.model.loader import load_model, read_checkpoint
+
+    requests = [(prompt(images[:1], [10, 11]), images[:1]),
+                (prompt([images[3], images[0]], [12]), [images[3], images[0]]),
+                (prompt([], [16, 17]), None)]
+    outputs = run(make_engine(vl_model, max_model_len=256), requests)
+    assert len({tuple(o) for o in outputs}) == 3 and len(set(outputs[0])) > 2, "decisive"
+    check_hf(vl_model, requests, outputs)
+
+    saved = make_vl_checkpoint("qwen3_vl_moe", tmp_path / "saved", hub_experts=False)
+    cpu = torch.device("cpu")
+    hub, ours = (dict(load_model(read_checkpoint(path), 64, cpu, torch.float32, make_backend("auto", cpu)).named_parameters())
+                 for path in (vl_model, saved))
+    assert hub["layers.0.mlp.experts.w13"].shape == (4, 48, 64)
+    assert all(torch.equal(hub[name], ours[name]) for name in hub)

@@ -1,4 +1,4 @@
-"""Tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints (written by transformers itself) with a word-level tokenizer, a
+"""Tiny random Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE checkpoints (written by transformers itself) with a word-level tokenizer, a
 Qwen-style chat template that puts `<|vision_start|> <|image_pad|> <|vision_end|>` where a message has an image part,
 and the PIL image processor's preprocessor_config.json; HF `generate` on the same prompt as the reference; and a
 counter of what a job does with its images (`ImageWatch`)."""
@@ -41,8 +41,12 @@ VISION = {
     "qwen3_vl": dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=16,
                      num_position_embeddings=16, deepstack_visual_indexes=[0, 1]),
 }
-TEXT_OVERRIDES = {"qwen3_vl": dict(num_hidden_layers=3, head_dim=16)}
-PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}  # pixels per patch side (x 2 x 2 per image token)
+VISION["qwen3_vl_moe"] = VISION["qwen3_vl"]  # the same tower
+# Qwen3-VL-MoE: every decoder layer 4 experts, top 2, 24 wide (gate/up [E, 48, 64] never square)
+TEXT_OVERRIDES = {"qwen3_vl": dict(num_hidden_layers=3, head_dim=16),
+                  "qwen3_vl_moe": dict(num_hidden_layers=3, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=24)}
+PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}  # pixels per patch side (x 2 x 2 per image token)
 
 
 def make_tokenizer(path: Path, specials: list[str] = SPECIALS, chat_template: str = CHAT_TEMPLATE, words: int = 300):
@@ -60,14 +64,17 @@ def make_tokenizer(path: Path, specials: list[str] = SPECIALS, chat_template: st
     return fast
 
 
-def make_vl_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
-    """A tiny `kind` (qwen2_vl | qwen2_5_vl | qwen3_vl) checkpoint with its tokenizer and preprocessor_config.json at
-    `path`. Decisive: a wide text init, and the mergers' outputs scaled so images (and deepstack) move the logits."""
+def make_vl_checkpoint(kind: str, path: Path, seed: int = 0, hub_experts: bool = True) -> Path:
+    """A tiny `kind` (qwen2_vl | qwen2_5_vl | qwen3_vl | qwen3_vl_moe) checkpoint with its tokenizer and
+    preprocessor_config.json at `path`. Decisive: a wide text init (routers and experts too), and the mergers' outputs
+    scaled so images (and deepstack) move the logits. Qwen3-VL-MoE's stacked experts are written as the hub's
+    checkpoints store them ([E, in, out]; `hub_experts=False`: as transformers 5 saves them, [E, out, in])."""
     import transformers
 
     cls, model_cls = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
                       "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
-                      "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration")}[kind]
+                      "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+                      "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration")}[kind]
     text = {**TEXT, **TEXT_OVERRIDES.get(kind, {})}
     config = getattr(transformers, cls)(text_config=text, vision_config=dict(VISION[kind]), image_token_id=IMAGE_TOKEN,
                                         video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
@@ -76,17 +83,19 @@ def make_vl_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "language_model" in name and param.dim() == 2:
+            if "language_model" in name and param.dim() >= 2:
                 param.normal_(0.0, 0.3)
             elif "visual" in name and param.dim() >= 2:
                 param.normal_(0.0, 0.2)
         visual = model.model.visual
-        if kind == "qwen3_vl":
+        if kind.startswith("qwen3_vl"):
             for merger in (visual.merger, *visual.deepstack_merger_list):
                 merger.linear_fc2.weight.mul_(8.0)
         else:
             visual.merger.mlp[2].weight.mul_(8.0)
     model.save_pretrained(path)
+    if kind == "qwen3_vl_moe" and hub_experts:
+        _transpose_stacked_experts(path / "model.safetensors")
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     (path / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": (2 * PATCH[kind]) ** 2,
@@ -94,6 +103,18 @@ def make_vl_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
         "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}))
     make_tokenizer(path)
     return path
+
+
+def _transpose_stacked_experts(file: Path) -> None:
+    """Rewrites `file` with its stacked experts (`mlp.experts.gate_up_proj` / `down_proj`) transposed in their last two
+    dimensions: [E, out, in] as transformers 5 saves them -> [E, in, out] as Qwen3-VL-MoE's hub checkpoints."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(file)
+    for name, tensor in tensors.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            tensors[name] = tensor.transpose(1, 2).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
 
 
 def read_test_images(path: Path, sizes: list[tuple[int, int]]) -> list:

@@ -20,7 +20,8 @@ from cbatch.model.mxfp4 import BLOCK as MXFP4_BLOCK, Mxfp4TensorView, check_mxfp
 from cbatch.model.quant import FP8_DTYPE, channel_scales, dequantize, scale_slice
 from cbatch.model.shard import Piece, Shard
 from cbatch.model.spec import ModelSpec, parse_spec, read_config
-from cbatch.model.weights import Placement, TensorIndex, kept_fp8_modules, kept_int_module, kept_mxfp4_modules, place
+from cbatch.model.weights import (Placement, TensorIndex, expert_stack_layout, kept_fp8_modules, kept_int_module,
+                                  kept_mxfp4_modules, place)
 from cbatch.parallel.comm import SINGLE_RANK, Communicator
 
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -174,6 +175,7 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
         if placed is None or (placed[1] == "scale" and not _kept(placed[0], keep | int_keep | mxfp4_keep)):
             continue  # unused, or the scale of a weight dequantized below
         placement, kind = placed
+        placement = expert_stack_layout(placement, kind, index, name, spec)
         placement = shard.local_expert(placement, spec)  # expert parallelism: this rank's experts only
         if placement is None or not shard.holds(placement):
             continue

@@ -33,6 +33,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "qwen2",
     "Qwen2_5_VLForConditionalGeneration": "qwen2",
     "Qwen3VLForConditionalGeneration": "qwen3",  # a Qwen3 decoder, Qwen3-VL's tower (model/vision_qwen3.py)
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_moe",  # the same with a Qwen3-MoE decoder
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -408,7 +409,10 @@ def parse_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None
     arch, family = _architecture(cfg)
     if arch in VISION_ARCHITECTURES:  # text + vision: the text decoder's config, and the vision side
         vision = parse_vision(cfg, arch)
-        spec = _parse_or_refuse(text_config(cfg), arch, family, generation_cfg or {})
+        text = text_config(cfg)
+        if arch == "Qwen3VLMoeForConditionalGeneration":  # its router always renormalizes the top-k (no switch)
+            text["norm_topk_prob"] = True
+        spec = _parse_or_refuse(text, arch, family, generation_cfg or {})
         return replace(spec, vision=vision)
     if arch == "Gemma3ForConditionalGeneration":  # text + vision: the text decoder's config, and SigLIP's side
         text = {**_GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {})}

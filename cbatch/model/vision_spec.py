@@ -2,7 +2,8 @@
 placeholder token, and M-RoPE's sections. Qwen2-VL and Qwen2.5-VL (`Qwen2VLForConditionalGeneration`,
 `Qwen2_5_VLForConditionalGeneration`): their text decoder is a Qwen2 decoder whose rotary position is 3-D
 (temporal, height, width; model/mrope.py). Qwen3-VL (`Qwen3VLForConditionalGeneration`): a Qwen3 decoder, M-RoPE's
-sections interleaved, and its own tower (model/vision_qwen3.py: learned positions, deepstack).
+sections interleaved, and its own tower (model/vision_qwen3.py: learned positions, deepstack); Qwen3-VL-MoE
+(`Qwen3VLMoeForConditionalGeneration`): the same tower and M-RoPE with a Qwen3-MoE decoder.
 
 Both spellings are read: transformers 5's (`text_config`, `vision_config`, `rope_parameters.mrope_section`) and the
 hub's older one (the text decoder's fields at the top level, `rope_scaling: {"type": "mrope", "mrope_section"}`).
@@ -14,8 +15,8 @@ from typing import Any
 
 from cbatch.model.errors import UnsupportedModelError
 
-VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                        "Qwen3VLForConditionalGeneration")
+QWEN3_VL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")  # one tower
+VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", *QWEN3_VL_ARCHITECTURES)
 _VISION_ACTIVATIONS = ("quick_gelu", "silu", "gelu", "gelu_pytorch_tanh")
 
 
@@ -96,8 +97,8 @@ def parse_vision(cfg: dict[str, Any], arch: str) -> VisionSpec:
     vision = cfg.get("vision_config")
     if not isinstance(vision, dict):
         raise UnsupportedModelError(f"config.json of a {arch} has no vision_config; the checkpoint looks incomplete")
-    if arch == "Qwen3VLForConditionalGeneration":
-        return _parse_qwen3_vision(cfg, vision)
+    if arch in QWEN3_VL_ARCHITECTURES:
+        return _parse_qwen3_vision(cfg, vision, arch)
     qwen25 = arch == "Qwen2_5_VLForConditionalGeneration"
     activation = _activation(vision, "silu" if qwen25 else "quick_gelu")
     rope = vision.get("rope_parameters") or {}
@@ -146,7 +147,7 @@ def _image_token(cfg: dict[str, Any], arch: str) -> int:
     return int(image_token)
 
 
-def _parse_qwen3_vision(cfg: dict[str, Any], vision: dict[str, Any]) -> VisionSpec:
+def _parse_qwen3_vision(cfg: dict[str, Any], vision: dict[str, Any], arch: str) -> VisionSpec:
     """Qwen3-VL's tower (transformers' Qwen3VLVisionConfig defaults): LayerNorm blocks with a GELU MLP, 16-pixel
     patches, learned positions, deepstack mergers; its text decoder's M-RoPE interleaved."""
     activation = _activation(vision, "gelu_pytorch_tanh")
@@ -171,7 +172,7 @@ def _parse_qwen3_vision(cfg: dict[str, Any], vision: dict[str, Any]) -> VisionSp
         rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         window_size=0,
         full_attention_blocks=(),
-        image_token_id=_image_token(cfg, "Qwen3VLForConditionalGeneration"),
+        image_token_id=_image_token(cfg, arch),
         vision_start_token_id=cfg.get("vision_start_token_id"),
         mrope_section=_mrope_section(cfg),
         tower="qwen3",

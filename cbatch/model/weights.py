@@ -12,12 +12,13 @@ multimodal Gemma 3's text decoder (`language_model.model.*` or `model.language_m
 (`vision_tower.vision_model.*` or `vision_tower.*`: our `visual.*`) and projector (`multi_modal_projector.*`: `visual.projector.*`),
 and a Qwen-VL's vision tower (`visual.*` or `model.visual.*`, one to one). gpt-oss:
 `mlp.router` is our `mlp.gate`, `self_attn.sinks` a parameter of its own, and the stacked experts ([E, in, out],
-gate/up interleaved, with biases) are transposed and de-interleaved on load.
+gate/up interleaved, with biases) are transposed and de-interleaved on load; Qwen3-VL-MoE's hub checkpoints store
+the stacked experts [E, in, out] too (`expert_stack_layout` tells by shape).
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -195,6 +196,19 @@ def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
         return None
     placement = _layer_place(f"layers.{layer}.", rest, spec)
     return None if placement is None else (placement, kind)
+
+
+def expert_stack_layout(placement: Placement, kind: str, index: TensorIndex, name: str, spec: ModelSpec) -> Placement:
+    """`placement` of checkpoint tensor `name`, transposed where it is a float stack of experts stored [E, in, out]
+    (Qwen3-VL-MoE's hub checkpoints; transformers 5 saves [E, out, in], ours). Told apart by shape, as transformers
+    does: a stack square in its last two dimensions (hidden == 2 x moe_intermediate_size for gate/up) is ours."""
+    if (kind != "weight" or placement.slot not in ("w13", "w2") or placement.expert is not None
+            or placement.transposed or spec.quant is not None):
+        return placement
+    size, hidden = spec.moe.intermediate_size, spec.hidden_size
+    ours = [2 * size, hidden] if placement.slot == "w13" else [hidden, size]
+    turned = index.shape(name)[-2:] == ours[::-1] and ours[0] != ours[1]
+    return replace(placement, transposed=True) if turned else placement
 
 
 def kept_fp8_modules(index: TensorIndex, spec: ModelSpec) -> set[str]:
