@@ -1,8 +1,8 @@
-"""Images in prompts (issue 48): tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints give HF `generate`'s greedy
-float32 tokens (one image, several, a chunk ending inside an image's placeholders, rows of mixed sizes in one batch, a
-row preempted mid-prefill; Qwen3-VL's deepstack features sliced with the chunk's embeddings); an image is encoded once
-per engine; prefix caching shares KV between rows with the same image and never between rows whose placeholders match
-but whose images differ."""
+"""Images in prompts (issue 48): tiny random Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE checkpoints give HF
+`generate`'s greedy float32 tokens (one image, several, a chunk ending inside an image's placeholders, rows of mixed
+sizes in one batch, a row preempted mid-prefill; Qwen3-VL's deepstack features sliced with the chunk's embeddings); an
+image is encoded once per engine; prefix caching shares KV between rows with the same image and never between rows
+whose placeholders match but whose images differ."""
 from __future__ import annotations
 
 import shutil
@@ -263,10 +263,13 @@ def test_qwen3_vl_moe_greedy_tokens_match_hf_with_either_expert_layout(vl_model,
     text-only row in one batch give HF's tokens; its experts read from the hub's [E, in, out] stacks (the fixture's)
     and from transformers 5's [E, out, in] give the same model."""
     import torch
+    from safetensors import safe_open
 
     from cbatch.model.backend.registry import make_backend
     from cbatch.model.loader import load_model, read_checkpoint
 
+    with safe_open(vl_model / "model.safetensors", "pt") as f:  # the hub's layout: [E, hidden, 2 x 24]
+        assert f.get_slice("model.language_model.layers.0.mlp.experts.gate_up_proj").get_shape() == [4, 64, 48]
     requests = [(prompt(images[:1], [10, 11]), images[:1]),
                 (prompt([images[3], images[0]], [12]), [images[3], images[0]]),
                 (prompt([], [16, 17]), None)]
@@ -276,7 +279,8 @@ def test_qwen3_vl_moe_greedy_tokens_match_hf_with_either_expert_layout(vl_model,
 
     saved = make_vl_checkpoint("qwen3_vl_moe", tmp_path / "saved", hub_experts=False)
     cpu = torch.device("cpu")
-    hub, ours = (dict(load_model(read_checkpoint(path), 64, cpu, torch.float32, make_backend("auto", cpu)).named_parameters())
+    backend = make_backend("auto", cpu)
+    hub, ours = (dict(load_model(read_checkpoint(path), 64, cpu, torch.float32, backend).named_parameters())
                  for path in (vl_model, saved))
     assert hub["layers.0.mlp.experts.w13"].shape == (4, 48, 64)
     assert all(torch.equal(hub[name], ours[name]) for name in hub)

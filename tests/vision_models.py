@@ -1,7 +1,7 @@
-"""Tiny random Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE checkpoints (written by transformers itself) with a word-level tokenizer, a
-Qwen-style chat template that puts `<|vision_start|> <|image_pad|> <|vision_end|>` where a message has an image part,
-and the PIL image processor's preprocessor_config.json; HF `generate` on the same prompt as the reference; and a
-counter of what a job does with its images (`ImageWatch`)."""
+"""Tiny random Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE checkpoints (written by transformers itself) with a
+word-level tokenizer, a Qwen-style chat template that puts `<|vision_start|> <|image_pad|> <|vision_end|>` where a
+message has an image part, and the PIL image processor's preprocessor_config.json; HF `generate` on the same prompt as
+the reference; and a counter of what a job does with its images (`ImageWatch`)."""
 from __future__ import annotations
 
 import io

@@ -16,7 +16,8 @@ from typing import Any
 from cbatch.model.errors import UnsupportedModelError
 
 QWEN3_VL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")  # one tower
-VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", *QWEN3_VL_ARCHITECTURES)
+VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                        *QWEN3_VL_ARCHITECTURES)
 _VISION_ACTIVATIONS = ("quick_gelu", "silu", "gelu", "gelu_pytorch_tanh")
 
 
