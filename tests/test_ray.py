@@ -19,6 +19,19 @@ from ops_jobs import ROOT, cbatch, jsonl_records, part_records
 
 ROWS = 26
 LONG_ROWS = (4, 17)
+LONG_TOKENS = 48  # over 3x the other rows' most (14): very unequal blocks; each token is a step of every run here
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_local_runs():
+    """The local runs here use one CPU thread, as each replica does (two threads on two busy cores made the
+    reference run the slowest part of a test); EngineConfig.num_threads sets torch's count process-wide, so the
+    count the module found is given back after it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +57,7 @@ def job_input(tmp_path_factory, tiny_checkpoints) -> tuple[Path, Path]:
         if i % 3 == 0:
             row["temperature"] = 0.9  # seeded from (job seed, row index): must match wherever it runs
         if i in LONG_ROWS:
-            row.update(max_tokens=200, ignore_eos=True)
+            row.update(max_tokens=LONG_TOKENS, ignore_eos=True)
         lines.append(json.dumps(row))
     lines.insert(7, "{not json")
     lines.insert(15, json.dumps({"id": "bad", "prompt": 5}))
@@ -54,7 +67,8 @@ def job_input(tmp_path_factory, tiny_checkpoints) -> tuple[Path, Path]:
 
 def options(inp: Path, out: Path, model: Path, **extra) -> JobOptions:
     return JobOptions(
-        input=inp, output=out, engine=EngineConfig(model=str(model), device="cpu", max_num_seqs=4, seed=7),
+        input=inp, output=out,
+        engine=EngineConfig(model=str(model), device="cpu", max_num_seqs=4, seed=7, num_threads=1),
         defaults=SamplingParams(max_tokens=8), token_ids=True, quiet=True, display="none", **extra,
     )
 

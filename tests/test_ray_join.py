@@ -82,7 +82,10 @@ def test_without_the_token_the_error_says_where_it_goes(ray_head, tiny_checkpoin
     address, env = ray_head
     elsewhere = tmp_path / "home"  # a user without the cluster's token
     elsewhere.mkdir()
-    proc = _run(address, {**env, "HOME": str(elsewhere)}, tmp_path, tiny_checkpoints["llama"])
+    # Ray retries a refused join once a second, 20 times by default; RAY_gcs_server_port_wait_time_s is its
+    # operator setting for that budget (ray/_private/node.py): 2 tries, as the refusal is the same every time
+    quick = {"HOME": str(elsewhere), "RAY_gcs_server_port_wait_time_s": "2"}
+    proc = _run(address, {**env, **quick}, tmp_path, tiny_checkpoints["llama"])
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"cbatch: error: --ray {address}: cannot join that Ray cluster"), last

@@ -161,13 +161,17 @@ def test_ray_replicas_of_two_ranks_match_a_local_run(tiny_checkpoints, tmp_path)
 
     inp = write_jsonl(tmp_path / "in.jsonl", token_rows(20, 384, seed=4))
 
-    def options(out, tp):
+    def options(out, tp):  # one CPU thread per rank, as the replicas' ranks have (two on busy cores: much slower)
         engine = EngineConfig(model=str(tiny_checkpoints["qwen3"]), device="cpu", max_num_seqs=4, seed=7,
-                              tensor_parallel_size=tp)
+                              tensor_parallel_size=tp, num_threads=1)
         return JobOptions(input=inp, output=out, engine=engine, defaults=SamplingParams(max_tokens=8), token_ids=True,
                           quiet=True, display="none")
 
-    assert run_job(options(tmp_path / "local.jsonl", 1)) == 0
+    threads = torch.get_num_threads()
+    try:
+        assert run_job(options(tmp_path / "local.jsonl", 1)) == 0
+    finally:  # num_threads is set process-wide: the tests after this one keep their count
+        torch.set_num_threads(threads)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
     try:
         report = tmp_path / "report.json"
