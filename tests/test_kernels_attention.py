@@ -248,7 +248,7 @@ def test_decode_split_counts_the_policy_picks(num_splits):
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mixed_batch_half_precision(dtype, num_splits):
-    batch = make_batch(MIXED if num_splits == 1 else MIXED_SMALL, 8, 2, 128, 16, dtype, seed=11)
+    batch = make_batch(MIXED if num_splits == 1 else MIXED_SMALL, 4, 2, 128, 16, dtype, seed=11)
     run_and_check(batch, dtype, num_splits=num_splits)
 
 
