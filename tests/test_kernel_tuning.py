@@ -27,8 +27,7 @@ def unhurried(monkeypatch):
     monkeypatch.setattr(tuning, "ATTENTION_BUDGET_S", 1e9)
 
 
-@pytest.mark.parametrize("head_dim", [64, 256])
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv, head_dim", [("bf16", 256), ("fp8", 64)])  # each cache dtype, each head size once
 def test_every_candidate_matches_the_reference(head_dim, kv):
     """Each candidate's decode launch (split or not) equals float64 attention on random inputs, NaN-poisoned out."""
     spec = [(1, 70), (1, 1), (1, 141), (1, 33)]  # decode rows: (q_len, seq_len)
@@ -60,7 +59,7 @@ def test_every_candidate_matches_the_reference(head_dim, kv):
 
 
 SHAPE = tuning.DecodeShape(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, q_dtype=torch.bfloat16,
-                           kv_dtype=torch.bfloat16, batch=3, context=40)
+                           kv_dtype=torch.bfloat16, batch=2, context=40)
 
 
 class FakeTimes:
@@ -92,7 +91,7 @@ def test_the_fastest_candidate_wins_and_is_cached(tmp_path):
 
     again = tuning.tune_decode_attention(SHAPE, torch.device(DEVICE), cache_path=cache, time_us=never)
     assert again.cached and again.tiles == result.tiles
-    other = tuning.tune_decode_attention(SHAPE.__class__(**{**SHAPE.__dict__, "batch": 2}), torch.device(DEVICE),
+    other = tuning.tune_decode_attention(SHAPE.__class__(**{**SHAPE.__dict__, "batch": 1}), torch.device(DEVICE),
                                          cache_path=cache, time_us=FakeTimes(candidates))
     assert not other.cached  # another shape is another key
     assert len(json.loads(cache.read_text())) == 2
