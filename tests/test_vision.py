@@ -168,6 +168,13 @@ def test_vision_tower_matches_hfs_image_features(vl_model, images):
     assert ours.shape == ref.shape == (sum(image.num_tokens for image in images), 64 * (1 + len(deepstack)))
     assert len(deepstack) == (2 if "qwen3" in vl_model.parent.name else 0)
     assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()  # float32 rounding (conv vs matmul, batched SDPA)
+    # an image's embedding is the same bits whichever images share its step (alone or beside others, any order):
+    # a row's tokens must not depend on how the scheduler grouped the images
+    first = images[0].num_tokens
+    alone = model.visual(torch.from_numpy(images[0].patches()), [images[0].grid])
+    last_first = model.visual(torch.from_numpy(np.concatenate([image.patches() for image in images[::-1]])),
+                              [image.grid for image in images[::-1]])
+    assert torch.equal(alone, ours[:first]) and torch.equal(last_first[-first:], ours[:first])
 
 
 @pytest.mark.parametrize("vl_model", ["qwen2_5_vl"], indirect=True)  # (the split never touches the tower: one kind)

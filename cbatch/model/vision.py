@@ -56,9 +56,8 @@ class Segments:
                 global _FLASH_FAILED
                 _FLASH_FAILED = True
                 self.flash = None
-        if len(self.cu_seqlens) == 2:  # one segment: plain SDPA, no gather
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale)
-            return out.transpose(0, 1)
+        # (one segment too goes through its gather: plain SDPA on the strided [H, L, D] view rounds differently, and
+        # an image must get the same bits alone in a step as beside others)
         out = torch.empty_like(q)
         for index in self.groups():
             qs, ks, vs = (x[index].transpose(1, 2) for x in (q, k, v))  # [S, H, L, D]
