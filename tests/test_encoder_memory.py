@@ -105,11 +105,11 @@ def vl_model(request, tmp_path_factory):
 def test_the_tower_runs_the_dummy_batch_and_the_reader_knows_the_largest_image(vl_model):
     """The dummy images are a batch the tiny towers take (a step of 75 image tokens, at most 64 an image: Qwen's
     max_pixels (2 x patch)^2 x 64; Gemma 3's tiny images are 9 tokens each, 9 of them)."""
-    from cbatch.io.images import ImageReader
+    from cbatch.model.image_processor import image_processor, max_image_tokens
 
     model = make_engine(vl_model, max_model_len=64).runner.model
     vision = model.spec.vision
-    largest = ImageReader(vl_model, vision).max_image_tokens
+    largest = max_image_tokens(image_processor(vl_model, vision), vision)
     grids = dummy_grids(vision, 75, largest)
     pixels = torch.zeros(sum(t * h * w for t, h, w in grids), patch_width(vision))
     out = model.visual(pixels, grids)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from cbatch.engine.images import PromptImage
 from cbatch.io.row_fields import RowError
-from cbatch.model.image_processor import image_processor, max_image_tokens, pixel_range
+from cbatch.model.image_processor import image_processor, pixel_range
 from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.vision_spec import VisionSpec
 
@@ -148,10 +148,6 @@ class ImageReader:
     @property
     def pixel_range(self) -> tuple[int, int]:
         return pixel_range(self.processor)
-
-    @property
-    def max_image_tokens(self) -> int:
-        return max_image_tokens(self.processor, self.vision)
 
     def grid_for(self, height: int, width: int) -> tuple[int, int, int]:
         """The patch grid (t, h, w) the processor makes of a height x width image, from its size alone: the
