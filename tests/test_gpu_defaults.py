@@ -1,4 +1,4 @@
-"""Step limits: the CPU keeps 64 sequences / 2048 tokens; a GPU starts from 1024 / 8192 and gives way to the
+"""Step limits: the CPU runs 256 sequences / 2048 tokens; a GPU starts from 1024 / 8192 and gives way to the
 KV pool (the sizing loop runs here with the GPU's measurements replaced by a model of them)."""
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ CUDA = torch.device("cuda")
 
 def test_cpu_engine_limits(tiny_checkpoints):
     engine = make_engine(tiny_checkpoints["llama"])
-    assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (64, 2048)
-    assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (64, 2048)
+    assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (256, 2048)
+    assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (256, 2048)
     mine = make_engine(tiny_checkpoints["llama"], max_num_seqs=3, max_num_batched_tokens=100)
     assert (mine.config.max_num_seqs, mine.config.max_num_batched_tokens) == (3, 100)
 
 
 def test_limits_defaults_per_device():
-    assert memory.with_step_limits(EngineConfig(), torch.device("cpu")).max_num_seqs == 64
+    assert memory.with_step_limits(EngineConfig(), torch.device("cpu")).max_num_seqs == 256
     gpu = memory.with_step_limits(EngineConfig(), CUDA)
     assert (gpu.max_num_seqs, gpu.max_num_batched_tokens) == (1024, 8192)
     assert memory.with_step_limits(EngineConfig(max_num_seqs=7), CUDA).max_num_seqs == 7  # the user's value wins

@@ -53,7 +53,7 @@ def engine_flags(policy_default: str | None) -> list[Flag]:
         Flag("device", str, "auto", "auto | cpu | cuda.", ENGINE, field="device"),
         Flag("dtype", str, "auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's on GPU).",
              ENGINE, field="dtype"),
-        Flag("max_num_seqs", Optional[int], None, "Most sequences in one step (default: 64 on CPU; on a GPU what "
+        Flag("max_num_seqs", Optional[int], None, "Most sequences in one step (default: 256 on CPU; on a GPU what "
              "its memory holds, up to 1024).", ENGINE, field="max_num_seqs"),
         Flag("max_num_batched_tokens", Optional[int], None, "Token budget of one step, decodes + prefill chunks "
              "(default: 2048 on CPU; on a GPU up to 8192, sized from memory).", ENGINE, field="max_num_batched_tokens"),

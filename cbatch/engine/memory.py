@@ -9,7 +9,8 @@ the larger of that and one vision-tower forward over the largest image batch a s
 its encoder cache full (engine/encoder_memory.py). Invertible: the report states
 the pool size, so a user can pick --num-kv-blocks or --gpu-memory-utilization from it.
 
-Step size: the CPU keeps its measured best (64 sequences, 2048 tokens). A GPU starts from vLLM's H100
+Step size: the CPU runs up to 256 sequences and 2048 tokens a step (more rows make the decode GEMMs faster per
+row: benchmarks/NOTES.md). A GPU starts from vLLM's H100
 defaults (1024 sequences, 8192 tokens) and halves both while the activations leave the KV pool less than
 MIN_POOL_SEQUENCES full-length sequences; max_num_seqs never exceeds the pool's blocks (a running
 sequence holds at least one).
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from cbatch.engine.encoder_memory import EncoderMemory
 
 CUDA_GRAPH_RESERVE = 512 * 2**20  # decode graphs' own pool and workspace, besides their logits
-CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS = 64, 2048
+CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS = 256, 2048
 GPU_MAX_NUM_SEQS, GPU_MAX_NUM_BATCHED_TOKENS = 1024, 8192
 GPU_MIN_STEP = (64, 2048)  # halving stops here
 MIN_POOL_SEQUENCES = 4
