@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cbatch.model.backend import Backend
+from cbatch.model.backend import Backend, cpu_kernels
 from cbatch.model.layers import Linear, RMSNorm
 from cbatch.model.vision_spec import VisionSpec
 
@@ -96,9 +96,17 @@ def _flash_varlen() -> Callable | None:
     return varlen_attn
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] * cos + rotate_half(x) * sin in float32, back in x's dtype: transformers' bits. cos, sin
+    float32 [N, 1, D] from `rotary_cos_sin` (rotate_half's sign folded into sin: (-x2) * s == x2 * (-s) exactly).
+    CPU float32 runs the compiled kernel the decoder uses (one pass, no copies); elsewhere three torch ops."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels.available() is None:
+        out = cpu_kernels.rotary(x, cos, sin)
+        if out is not None:
+            return out
+    xf = x.float()
+    swapped = xf.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x2 | x1)
+    return (xf * cos).add_(swapped.mul_(sin)).to(x.dtype)
 
 
 def _norm(vs: VisionSpec, size: int, backend: Backend) -> nn.Module:
@@ -139,8 +147,7 @@ class VisionAttention(nn.Module):
                 segments: Segments | np.ndarray) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, D] each
-        dtype = q.dtype
-        q, k = ((t.float() * cos + _rotate_half(t.float()) * sin).to(dtype) for t in (q, k))  # float32 as HF
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = varlen_attention(q, k, v, segments, self.head_dim**-0.5)
         return self.proj(out.reshape(n, -1))
 
@@ -242,15 +249,16 @@ class VisionTower(nn.Module):
 
 def rotary_cos_sin(grids: list[tuple[int, int, int]], vs: VisionSpec, device: torch.device
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 2-D rotary's cos, sin float32 [N, 1, head_dim] of every patch (processor order): a patch's row turns the
-    first half of each half-head's frequency pairs, its column the second."""
+    """The 2-D rotary's cos, sin float32 [N, 1, head_dim] of every patch (processor order), rotate_half's sign
+    folded into sin's first half (`rotate`): a patch's row turns the first half of each half-head's frequency pairs,
+    its column the second."""
     positions = torch.as_tensor(_patch_positions(grids, vs.merge_size), device=device)  # [N, 2]: (row, col)
     spatial = vs.head_dim // 2  # rows and columns each turn half of the head's rotary pairs
     inv_freq = 1.0 / (vs.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device=device) / spatial))
     freqs = positions[..., None].float() * inv_freq  # [N, 2, D/4]
     freqs = freqs.reshape(freqs.shape[0], -1)  # [N, D/2]: rows' then columns'
-    angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [N, 1, D]
-    return angles.cos(), angles.sin()
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat([cos, cos], dim=-1)[:, None, :], torch.cat([-sin, sin], dim=-1)[:, None, :]  # [N, 1, D] each
 
 
 def _permute(x: torch.Tensor, order: np.ndarray, unit: int) -> torch.Tensor:
