@@ -36,18 +36,23 @@ GEMMA_3_4B_CONFIG = {
     "mm_tokens_per_image": 256, "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144}
 
 
+def gemma3_model():
+    """transformers' tiny Gemma3ForConditionalGeneration at its own random init."""
+    import transformers
+
+    config = transformers.Gemma3Config(text_config=dict(TEXT), vision_config=dict(VISION), mm_tokens_per_image=TOKENS_PER_IMAGE,
+                                       boi_token_index=BOI, eoi_token_index=EOI, image_token_index=IMAGE,
+                                       eos_token_id=EOS, architectures=["Gemma3ForConditionalGeneration"])
+    return transformers.Gemma3ForConditionalGeneration(config).eval()
+
+
 def make_gemma3_checkpoint(path: Path, seed: int = 0) -> Path:
     """Decisive: a wide init of every matrix, RMSNorm weights randomised (HF zeroes Gemma's), the text embeddings
     shrunk (Gemma multiplies them by sqrt(hidden)) and the projector's weight (zero at HF's init) drawn narrow, so
     that neither the image's tokens nor the text's swamp the other: the image and its bidirectional attention
     change the greedy tokens (tests/test_gemma3_vision.py checks both)."""
-    import transformers
-
-    config = transformers.Gemma3Config(text_config=dict(TEXT), vision_config=dict(VISION), mm_tokens_per_image=TOKENS_PER_IMAGE,
-                                       boi_token_index=BOI, eoi_token_index=EOI, image_token_index=IMAGE,
-                                       eos_token_id=EOS)
     torch.manual_seed(seed)
-    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    model = gemma3_model()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

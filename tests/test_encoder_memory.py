@@ -225,11 +225,13 @@ def text_config_of(config: dict) -> dict:
 
 
 def test_the_plans_gpu_pool_takes_the_images_reserve_as_a_run_does(tmp_path):
-    """`cbatch plan --device-kind h100` on a Qwen2.5-VL-7B-shaped config-only folder: the same weights and text
-    step as its language model alone (1,553,989,632 bytes counted: 8,192 tokens x 56,832 values x 2 bytes + 1,024
-    rows x 152,064 float32 logits), but the step's peak is the images' reserve (engine/encoder_memory.py, as a run's,
-    the tower counted): 65,536 patches x 41,184 bytes + the 234,881,024-byte cache. 1,379,926,016 bytes more, 1,504
-    blocks of 16 tokens at 917,504 bytes: 24,064 fewer KV tokens."""
+    """`cbatch plan --device-kind h100` on a Qwen2.5-VL-7B-shaped config-only folder against its language model
+    alone: the weights grow by the tower (676,550,144 parameters x 2 bytes: tests/test_tower_params.py); the same
+    text step (1,553,989,632 bytes counted: 8,192 tokens x 56,832 values x 2 bytes + 1,024 rows x 152,064 float32
+    logits), but the step's peak is the images' reserve (engine/encoder_memory.py, as a run's, the tower's
+    activations counted): 65,536 patches x 41,184 bytes + the 234,881,024-byte cache, 1,379,926,016 bytes more.
+    With the tower's 1,353,100,288 bytes: 2,978.8 blocks of 16 tokens at 917,504 bytes, so 2,979 fewer blocks
+    (each pool rounds down): 47,664 fewer KV tokens."""
     from cbatch.engine.memory import with_step_limits
     from cbatch.engine.resolve import resolve_model
     from cbatch.plan.devices import activation_estimate, gpu_kind
@@ -241,12 +243,14 @@ def test_the_plans_gpu_pool_takes_the_images_reserve_as_a_run_does(tmp_path):
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (1024, 8192)
     h100 = gpu_kind("H100")
     vl, text = (resolve_model(replace(config, model=str(folder)), device=cuda) for folder in (vl_folder, text_folder))
-    assert h100.weight_bytes_per_rank(config, vl) == h100.weight_bytes_per_rank(config, text)
+    tower = 676_550_144 * 2
+    assert h100.weight_bytes_per_rank(config, vl) - h100.weight_bytes_per_rank(config, text) == tower == 1_353_100_288
     assert activation_estimate(config, vl) == activation_estimate(config, text) == 1_553_989_632
     reserve = 65536 * QWEN2_5_VL_7B_PATCH_BYTES + 234_881_024
     assert reserve - 1_553_989_632 == 1_379_926_016 == 1504 * 917_504
     vl_blocks, text_blocks = (h100.kv_pool(config, model).num_blocks for model in (vl, text))
-    assert (text_blocks - vl_blocks) * config.block_size == 24_064
+    assert 2978 < (1_379_926_016 + tower) / 917_504 < text_blocks - vl_blocks == 2979
+    assert (text_blocks - vl_blocks) * config.block_size == 47_664
     # what `cbatch plan` reports: the KV tokens in the pool
     write_jsonl(tmp_path / "in.jsonl", [{"id": "0", "prompt_token_ids": [1, 2, 3, 4], "max_tokens": 4}])
     pool_tokens = []
@@ -255,11 +259,11 @@ def test_the_plans_gpu_pool_takes_the_images_reserve_as_a_run_does(tmp_path):
                                           "h100", "--max-model-len", "32768", "--no-search")
         assert code == 0, err
         pool_tokens.append(int(re.search(r"([\d,]+) tokens in the pool", stdout)[1].replace(",", "")))
-    assert pool_tokens == [vl_blocks * 16, text_blocks * 16] and pool_tokens[1] - pool_tokens[0] == 24_064
+    assert pool_tokens == [vl_blocks * 16, text_blocks * 16] and pool_tokens[1] - pool_tokens[0] == 47_664
     # a lower --image-max-pixels (1,280-token images): the tower's 32,768 patches (1,349,517,312 bytes) are below
-    # the text step, so the step's peak is the text step's and the cache
+    # the text step, so the step's peak is the text step's and the cache (with the tower's weights: 1,730.8 blocks)
     lower = replace(config, image_max_pixels=1_003_520)
     weights = h100.weight_bytes_per_rank(config, vl)
     assert 32768 * QWEN2_5_VL_7B_PATCH_BYTES < 1_553_989_632
     assert h100.kv_pool(lower, vl).num_blocks == kv_blocks_in_gpu_memory(
-        lower, vl.spec, torch.bfloat16, 32768, 80 * 2**30, weights, 1_553_989_632 + 234_881_024) == text_blocks - 256
+        lower, vl.spec, torch.bfloat16, 32768, 80 * 2**30, weights, 1_553_989_632 + 234_881_024) == text_blocks - 1731

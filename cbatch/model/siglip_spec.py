@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from cbatch.model.errors import UnsupportedModelError
+from cbatch.model.vision_spec import linear_params, vit_block_params
 
 # transformers' SiglipVisionConfig defaults (a hub config states only what differs)
 _SIGLIP_DEFAULTS: dict[str, Any] = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
@@ -66,6 +67,15 @@ class SiglipSpec:
     def tokens_for_grid(self, grid: tuple[int, int, int]) -> int:
         """Language-model tokens of an image (whatever its grid: every image is resized to one square)."""
         return self.mm_tokens_per_image
+
+    def num_params(self) -> int:
+        """Parameters of the tower and the projector as a run holds them (model/siglip.py; the pooling head is not
+        loaded): the patch embedding (biased), the learned positions, LayerNorm blocks, the final LayerNorm, the
+        projector's RMSNorm (weight) and projection [E, text hidden]."""
+        e = self.hidden_size
+        embed = linear_params(self.in_channels * self.patch_size**2, e) + self.patches_per_side**2 * e
+        blocks = self.depth * vit_block_params(e, self.intermediate_size, 2 * e)
+        return embed + blocks + 2 * e + e + e * self.out_hidden_size
 
 
 def parse_siglip(cfg: dict[str, Any], text_hidden_size: int) -> SiglipSpec:

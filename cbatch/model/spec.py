@@ -192,9 +192,15 @@ class ModelSpec:
         return total
 
     def num_params(self) -> int:
-        """Every parameter a forward pass may use (embedding lookup excluded, lm_head included): the published
-        size of a dense model; for a mixture of experts every expert counts."""
+        """Every parameter a decoder forward pass may use (embedding lookup excluded, lm_head included): the
+        published size of a dense text model; for a mixture of experts every expert counts. A vision-language
+        model's tower is not in it (`tower_params`: it runs only on steps that encode images)."""
         return self._layer_params(None) + self.vocab_size * self.hidden_size
+
+    def tower_params(self) -> int:
+        """A vision-language model's image encoder (tower, merger or projector) as a run holds it, whole on rank 0
+        (vision_spec.py, siglip_spec.py); 0 for a text model."""
+        return 0 if self.vision is None else self.vision.num_params()
 
     def active_params(self) -> int:
         """Parameters one token's forward pass multiplies (lm_head included): a mixture of experts counts

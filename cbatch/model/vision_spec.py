@@ -66,6 +66,46 @@ class VisionSpec:
         t, h, w = grid
         return t * h * w // self.merge_size**2
 
+    def num_params(self) -> int:
+        """Parameters of the tower and its merger(s) as a run holds them (model/vision.py, vision_qwen3.py): what
+        rank 0 keeps beside the decoder's `ModelSpec.num_params()`."""
+        return _qwen3_tower_params(self) if self.tower == "qwen3" else _qwen2_tower_params(self)
+
+
+def linear_params(fan_in: int, fan_out: int) -> int:
+    """A biased Linear's: weight [fan_out, fan_in] and bias [fan_out]."""
+    return fan_in * fan_out + fan_out
+
+
+def vit_block_params(width: int, intermediate: int, norm: int, gated: bool = False) -> int:
+    """One pre-norm ViT block: two norms of `norm` parameters each, biased q, k, v and output projections, and a
+    biased MLP (fc1, fc2; `gated`: gate, up, down)."""
+    mlp = (2 if gated else 1) * linear_params(width, intermediate) + linear_params(intermediate, width)
+    return 2 * norm + 4 * linear_params(width, width) + mlp
+
+
+def _merger_params(vs: VisionSpec, norm: int) -> int:
+    """A patch merger: its norm (of `norm` parameters), Linear(W, W), Linear(W, out), W = merge^2 patches' width."""
+    width = vs.hidden_size * vs.merge_size**2
+    return norm + linear_params(width, width) + linear_params(width, vs.out_hidden_size)
+
+
+def _qwen2_tower_params(vs: VisionSpec) -> int:
+    """Qwen2-VL / Qwen2.5-VL: the patch embedding (no bias), the blocks (LayerNorm: weight and bias; Qwen2.5-VL's
+    RMSNorm: weight), the merger."""
+    norm = vs.hidden_size * (1 if vs.rms_norm else 2)
+    blocks = vs.depth * vit_block_params(vs.hidden_size, vs.intermediate_size, norm, vs.gated_mlp)
+    return vs.hidden_size * vs.patch_dim + blocks + _merger_params(vs, norm)
+
+
+def _qwen3_tower_params(vs: VisionSpec) -> int:
+    """Qwen3-VL: the patch embedding (biased), the learned positions, LayerNorm blocks, the merger (LayerNorm over
+    each patch) and a deepstack merger per deepstack layer (LayerNorm over the merged patches)."""
+    embed = linear_params(vs.patch_dim, vs.hidden_size) + vs.num_position_embeddings * vs.hidden_size
+    blocks = vs.depth * vit_block_params(vs.hidden_size, vs.intermediate_size, 2 * vs.hidden_size)
+    deepstack = len(vs.deepstack_layers) * _merger_params(vs, 2 * vs.hidden_size * vs.merge_size**2)
+    return embed + blocks + _merger_params(vs, 2 * vs.hidden_size) + deepstack
+
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The text decoder's config of a vision-language checkpoint: the top level (older checkpoints keep the decoder's

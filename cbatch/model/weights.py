@@ -150,6 +150,12 @@ def _layer_place(prefix: str, rest: str, spec: ModelSpec) -> Placement | None:
     return Placement(f"{prefix}{rest}")
 
 
+def is_tower_tensor(name: str) -> bool:
+    """A vision-language checkpoint's image-encoder tensor (Qwen-VL's `visual.*`, Gemma 3's SigLIP tower and
+    projector): held whole on rank 0 in the model dtype, apart from the decoder's weights."""
+    return bool(_VISUAL.match(name) or _SIGLIP.match(name) or _PROJECTOR.match(name))
+
+
 def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
     """HF tensor name -> (where it goes, its kind: weight | bias | scale), or None for tensors we do not use."""
     if _SIGLIP_HEAD.match(name):
@@ -245,9 +251,10 @@ def kept_int_module(layer: str, spec: ModelSpec) -> str | None:
 
 
 def stored_bytes_per_weight(index: TensorIndex, quant: PackedQuant, spec: ModelSpec, dtype_bytes: int) -> float:
-    """Bytes per weight of the matrices a GPU run of this checkpoint holds, from the headers' real sizes: the
-    layers kept packed (`Int4Linear`) at bits/8 per weight plus float32 scales, uint8 zeros per group (and
-    an act-order perm); layers dequantized at load (MoE experts) and every float matrix at `dtype_bytes`."""
+    """Bytes per weight of the decoder matrices a GPU run of this checkpoint holds, from the headers' real sizes:
+    the layers kept packed (`Int4Linear`) at bits/8 per weight plus float32 scales, uint8 zeros per group (and
+    an act-order perm); layers dequantized at load (MoE experts) and every float matrix at `dtype_bytes`. A
+    vision tower's tensors are left out (`is_tower_tensor`: counted apart, ModelSpec.tower_params)."""
     marker, companions = PACKED_TENSORS[quant.format]
     layers = {n.removesuffix("." + marker) for n in index.file_of if n.endswith("." + marker)}
     beside = {f"{layer}.{c}" for layer in layers for c in companions}
@@ -255,6 +262,8 @@ def stored_bytes_per_weight(index: TensorIndex, quant: PackedQuant, spec: ModelS
     kept: set[str] = set()  # our modules: q/k/v (gate/up) share one perm
     for name in index.file_of:
         layer = name.removesuffix("." + marker)
+        if is_tower_tensor(name):
+            continue
         if layer in layers:
             n, k = packed_layer_shape(index, quant, layer)
             weights += n * k

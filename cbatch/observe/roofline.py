@@ -97,13 +97,16 @@ def hardware_estimate(spec: ModelSpec, dtype_bytes: int, samples: list[StepSampl
 
 
 def stored_bytes_per_weight(model) -> float:
-    """Bytes per weight of a live model's matrices as stored: FP8 ones at 1; packed int ones (layers.Int4Linear,
-    packed experts) at their words, scales and zeros over the weights they hold."""
+    """Bytes per weight of a live model's decoder matrices as stored (a vision tower, `visual`, left out: its steps
+    are not the decoder's): FP8 ones at 1; packed int ones (layers.Int4Linear, packed experts) at their words,
+    scales and zeros over the weights they hold."""
     from cbatch.model.layers import Int4Linear
     from cbatch.model.moe import Experts
 
     stored = weights = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
+        if name.partition(".")[0] == "visual":
+            continue
         own = [p for p in module.parameters(recurse=False) if p is not getattr(module, "bias", None)]
         if isinstance(module, Int4Linear):
             stored += sum(p.numel() * p.element_size() for p in own)

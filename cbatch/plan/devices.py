@@ -99,13 +99,16 @@ class DeviceKind:
         return KVPool(blocks, memory.host_kv_blocks(config, spec, kv_dtype, blocks))
 
     def weight_bytes_per_rank(self, config: EngineConfig, model: ResolvedModel) -> float:
-        """What one rank of `config`'s layout stores: its share of the matrices (a vocab-parallel embedding and
-        lm_head: 1/N of each; expert parallelism: its experts whole, a shared expert whole) at the bytes a GPU
-        run keeps per weight, and the CUDA context."""
+        """What rank 0 of `config`'s layout stores (no rank stores more): its share of the decoder's matrices (a
+        vocab-parallel embedding and lm_head: 1/N of each; expert parallelism: its experts whole, a shared expert
+        whole) at the bytes a GPU run keeps per weight, a vision-language model's tower whole in the model dtype
+        (quantized checkpoints leave it in 16 bits), and the CUDA context."""
         ranks = config.tensor_parallel_size
         spec = Shard(0, ranks).local_spec(model.spec)
-        return ((spec.num_params() + spec.vocab_size * spec.hidden_size * (2 / ranks - 1)) * gpu_bytes_per_weight(model)
-                + CUDA_CONTEXT_BYTES)
+        params = spec.num_params() + spec.vocab_size * spec.hidden_size * (2 / ranks - 1)  # embedding, lm_head: 1/N each
+        decoder = params * gpu_bytes_per_weight(model)
+        tower = spec.tower_params() * (torch.finfo(model.dtype).bits // 8)
+        return decoder + tower + CUDA_CONTEXT_BYTES
 
     def _gpu_kv_blocks(self, config: EngineConfig, model: ResolvedModel) -> int:
         """Blocks of one rank's KV pool in this GPU's memory (MemoryError: the weights leave no room). A
@@ -206,10 +209,10 @@ class DeviceKind:
 
 
 def gpu_bytes_per_weight(model: ResolvedModel) -> float:
-    """Bytes a GPU run stores per weight: the compute dtype's, or for an AWQ / GPTQ / compressed-tensors int
-    checkpoint the packed layers' real sizes (weights.stored_bytes_per_weight, from the safetensors headers), for
-    an FP8 one a byte per FP8 matrix weight, for an MXFP4 checkpoint (gpt-oss) its experts' 4.25 bits
-    (mxfp4.stored_bytes_per_weight)."""
+    """Bytes a GPU run stores per decoder weight (a vision tower's tensors left out: weights.is_tower_tensor): the
+    compute dtype's, or for an AWQ / GPTQ / compressed-tensors int checkpoint the packed layers' real sizes
+    (weights.stored_bytes_per_weight, from the safetensors headers), for an FP8 one a byte per FP8 matrix weight,
+    for an MXFP4 checkpoint (gpt-oss) its experts' 4.25 bits (mxfp4.stored_bytes_per_weight)."""
     dtype_bytes = torch.finfo(model.dtype).bits // 8
     quant = model.spec.quant
     if model.checkpoint is not None and quant is not None and quant.mxfp4:
@@ -220,7 +223,7 @@ def gpu_bytes_per_weight(model: ResolvedModel) -> float:
         return mxfp4_bytes_per_weight(TensorIndex(files), dtype_bytes) if files else float(dtype_bytes)
     if quant is None:
         return float(dtype_bytes)
-    from cbatch.model.weights import TensorIndex, stored_bytes_per_weight
+    from cbatch.model.weights import TensorIndex, is_tower_tensor, stored_bytes_per_weight
 
     files = sorted(model.checkpoint.path.glob("*.safetensors")) if model.checkpoint is not None else []
     if not files:  # a config.json alone (or a bare spec): an FP8 checkpoint's layers in FP8, its embeddings not
@@ -232,7 +235,7 @@ def gpu_bytes_per_weight(model: ResolvedModel) -> float:
     # FP8: the GPU path keeps the FP8 matrices in one byte each (their float32 scales are a rounding error)
     stored = weights = 0
     for name in index.file_of:
-        if len(shape := index.shape(name)) >= 2:
+        if not is_tower_tensor(name) and len(shape := index.shape(name)) >= 2:
             numel = shape[0] * shape[1] * (shape[2] if len(shape) > 2 else 1)
             weights += numel
             stored += numel * (1 if index.dtype_of[name].startswith("F8") else dtype_bytes)
