@@ -119,6 +119,11 @@ def test_openai_bodies_carry_the_reasoning(thinking_model, tmp_path):
     assert reasoning == {"type": "reasoning", "id": f"rs_{digest}", "summary": [],
                          "content": [{"type": "reasoning_text", "text": "Maybe"}], "status": "completed"}
     assert (message["type"], message["content"][0]["text"], body["responses"]["status"]) == ("message", "Yes", "completed")
+    # usage counts the tokens inside <think>...</think> ("Maybe"), the tags not (as vLLM and OpenAI count them)
+    assert body["responses"]["usage"]["output_tokens_details"] == {"reasoning_tokens": 1}
+    assert body["responses"]["usage"]["output_tokens"] == 6  # <think> Maybe </think> \n\n Yes <|im_end|>
+    assert body["chat"]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 1}
+    assert body["chat-direct"]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
     reasoning, message = body["responses-cut"]["output"]
     assert (reasoning["content"][0]["text"], reasoning["status"]) == ("Maybe", "incomplete")
     assert (message["content"][0]["text"], body["responses-cut"]["status"]) == ("", "incomplete")
@@ -134,6 +139,23 @@ def test_openai_bodies_carry_the_reasoning(thinking_model, tmp_path):
     assert [item["type"] for item in raw["responses"]["output"]] == ["message"]
     assert raw["responses"]["output"][0]["content"][0]["text"] == "<think>Maybe</think>\n\nYes"
     assert "reasoning" not in raw["chat"]["choices"][0]["message"]
+    assert raw["chat"]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}  # no split: no reasoning
+
+
+def test_reasoning_tokens_count_the_thinking_the_prompt_opened(thinking_model):
+    """A template that opens <think> in the prompt: the completion's tokens up to </think> are the reasoning."""
+    from cbatch.reasoning_split import ThinkTags, reasoning_format
+
+    tokenizer = load_tokenizer(thinking_model)
+    split = reasoning_format(tokenizer)
+    assert isinstance(split, ThinkTags)
+    think, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    words = tokenizer.encode(" weigh it up", add_special_tokens=False)
+    answer = tokenizer.encode("Yes", add_special_tokens=False)
+    assert len(words) == 3
+    assert split.reasoning_tokens([5, think], [*words, end, *answer]) == 3  # opened by the prompt
+    assert split.reasoning_tokens([5, think, 7, end], [*words, end, *answer]) == 0  # the prompt closed it
+    assert split.reasoning_tokens([5], [think, *words, end, *answer, think, *words]) == 6  # two blocks, one cut
 
 
 @pytest.mark.parametrize("text,want", [

@@ -146,6 +146,9 @@ class GenerateTask(Task):
         split = reasoning_format(engine.tokenizer) if self.reasoning_split and completion is not None else None
         if split is not None:  # the chat format's reasoning (<think> tags, harmony's analysis channel) to its column
             columns["reasoning"], completion = split.split(completion, out.token_ids)
+            # its token count, for OpenAI usage (a record key; OUTPUT has no such column)
+            columns["reasoning_tokens"] = (split.reasoning_tokens(out.prompt_token_ids, out.token_ids)
+                                           if columns["reasoning"] is not None else 0)
         request: RowRequest = row.parsed.request
         if request.tool_format is not None and completion is not None:  # the answer's calls, parsed
             parsed = request.tool_format.parse(completion, f"{row.parsed.row_id}/{out.sample_index}")
@@ -174,12 +177,14 @@ class GenerateTask(Task):
         prefix = "chatcmpl" if obj == "chat.completion" else "cmpl"
         prompt_tokens = first["prompt_tokens"]
         completion_tokens = sum(r["completion_tokens"] for r in samples)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        if obj == "chat.completion":
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(map(_reasoning_tokens, samples))}
         return {
             "id": f"{prefix}-{request_digest(first)}", "object": obj, "created": created,
             "model": echo.get("model") or model, "choices": [_choice(r, obj) for r in samples],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
-            "system_fingerprint": None,
+            "usage": usage, "system_fingerprint": None,
         }
 
 
@@ -204,7 +209,13 @@ def response_body(record: dict[str, Any], model: str, created: int) -> dict[str,
             "status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "model": model, "output": output,
             "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                      "output_tokens_details": {"reasoning_tokens": _reasoning_tokens(record)},
                       "total_tokens": input_tokens + output_tokens}}
+
+
+def _reasoning_tokens(record: dict[str, Any]) -> int:
+    """A sample's output tokens inside its reasoning (0: none, or the job keeps the raw text: --no-reasoning-split)."""
+    return record.get("reasoning_tokens") or 0
 
 
 def _choice(record: dict[str, Any], obj: str) -> dict[str, Any]:
