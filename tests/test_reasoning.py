@@ -99,7 +99,7 @@ def test_reasoning_column_and_chat_template_kwargs(thinking_model, tmp_path):
 
 def test_openai_bodies_carry_the_reasoning(thinking_model, tmp_path):
     """--output-format openai: a /v1/responses body's `output` has a `reasoning` item (OpenAI's Responses shape:
-    summary [], content [reasoning_text]) before the message; cut while thinking, it is the incomplete item. A
+    summary [], content [reasoning_text]) before the message; cut while thinking, it is the incomplete last item. A
     chat.completion's message has `reasoning` (vLLM's field), null for a row that did not think."""
     def line(custom_id: str, url: str, **body) -> dict:
         return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
@@ -124,9 +124,10 @@ def test_openai_bodies_carry_the_reasoning(thinking_model, tmp_path):
     assert body["responses"]["usage"]["output_tokens"] == 6  # <think> Maybe </think> \n\n Yes <|im_end|>
     assert body["chat"]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 1}
     assert body["chat-direct"]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
-    reasoning, message = body["responses-cut"]["output"]
-    assert (reasoning["content"][0]["text"], reasoning["status"]) == ("Maybe", "incomplete")
-    assert (message["content"][0]["text"], body["responses-cut"]["status"]) == ("", "incomplete")
+    cut = body["responses-cut"]
+    [reasoning] = cut["output"]  # cut while thinking: the reasoning item, incomplete, and no empty message after it
+    assert (reasoning["type"], reasoning["content"][0]["text"], reasoning["status"]) == ("reasoning", "Maybe", "incomplete")
+    assert (cut["status"], cut["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
     chat, direct = body["chat"]["choices"][0]["message"], body["chat-direct"]["choices"][0]["message"]
     assert (chat["content"], chat["reasoning"]) == ("Yes", "Maybe")
     assert (direct["content"], direct["reasoning"]) == ("Yes", None)

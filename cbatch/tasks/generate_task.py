@@ -192,18 +192,21 @@ def response_body(record: dict[str, Any], model: str, created: int) -> dict[str,
     """OpenAI's Responses object for a /v1/responses row (one sample: the body takes no `n`); ids from the row, as
     a chat body's are. Cut at max_output_tokens: status "incomplete". A thinking model's reasoning (the `reasoning`
     column: <think> tags, harmony's analysis channel) is a `reasoning` item before the message, as OpenAI's API
-    gives a reasoning model's; cut while thinking, that item is the incomplete one."""
+    gives a reasoning model's; cut while thinking, that item is the incomplete one and the last (no empty message
+    after it, as OpenAI writes a response cut in its reasoning)."""
     digest = request_digest(record)
     cut = record["finish_reason"] == "length"
     completion = record.get("completion") or ""
     output = []
+    thinking_cut = cut and bool(record.get("reasoning")) and not completion
     if record.get("reasoning"):
         output.append({"type": "reasoning", "id": f"rs_{digest}", "summary": [],
                        "content": [{"type": "reasoning_text", "text": record["reasoning"]}],
-                       "status": "incomplete" if cut and not completion else "completed"})
-    text = {"type": "output_text", "text": completion, "annotations": []}
-    output.append({"type": "message", "id": f"msg_{digest}", "status": "incomplete" if cut else "completed",
-                   "role": "assistant", "content": [text]})
+                       "status": "incomplete" if thinking_cut else "completed"})
+    if not thinking_cut:
+        text = {"type": "output_text", "text": completion, "annotations": []}
+        output.append({"type": "message", "id": f"msg_{digest}", "status": "incomplete" if cut else "completed",
+                       "role": "assistant", "content": [text]})
     input_tokens, output_tokens = record["prompt_tokens"], record["completion_tokens"]
     return {"id": f"resp_{digest}", "object": "response", "created_at": created,
             "status": "incomplete" if cut else "completed",
