@@ -100,7 +100,8 @@ def test_reasoning_column_and_chat_template_kwargs(thinking_model, tmp_path):
 def test_openai_bodies_carry_the_reasoning(thinking_model, tmp_path):
     """--output-format openai: a /v1/responses body's `output` has a `reasoning` item (OpenAI's Responses shape:
     summary [], content [reasoning_text]) before the message; cut while thinking, it is the incomplete last item. A
-    chat.completion's message has `reasoning` (vLLM's field), null for a row that did not think."""
+    chat.completion's message has `reasoning` (vLLM's field), null for a row that did not think; a
+    text_completion's text is the raw text."""
     def line(custom_id: str, url: str, **body) -> dict:
         return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
 
@@ -108,7 +109,8 @@ def test_openai_bodies_carry_the_reasoning(thinking_model, tmp_path):
              line("responses-cut", "/v1/responses", input=QUESTION[0]["content"], max_output_tokens=2),
              line("chat", "/v1/chat/completions", messages=QUESTION),
              line("chat-direct", "/v1/chat/completions", messages=QUESTION,
-                  chat_template_kwargs={"enable_thinking": False})]
+                  chat_template_kwargs={"enable_thinking": False}),
+             line("completion", "/v1/completions", prompt=encode_messages(load_tokenizer(thinking_model), QUESTION))]
     out = tmp_path / "out.jsonl"
     code, _, err = run_inprocess("run", str(write_jsonl(tmp_path / "in.jsonl", lines)), "--out", str(out), "--model",
                                  str(thinking_model), "--device", "cpu", "--max-tokens", "20", "--output-format", "openai")
@@ -131,6 +133,8 @@ def test_openai_bodies_carry_the_reasoning(thinking_model, tmp_path):
     chat, direct = body["chat"]["choices"][0]["message"], body["chat-direct"]["choices"][0]["message"]
     assert (chat["content"], chat["reasoning"]) == ("Yes", "Maybe")
     assert (direct["content"], direct["reasoning"]) == ("Yes", None)
+    # a /v1/completions body is the raw text, thinking included (vLLM's completions endpoint splits no reasoning)
+    assert body["completion"]["choices"][0]["text"] == "<think>Maybe</think>\n\nYes"
     # --no-reasoning-split: the raw text in the message, no reasoning item or field
     code, _, err = run_inprocess("run", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "raw.jsonl"), "--model",
                                  str(thinking_model), "--device", "cpu", "--max-tokens", "20", "--output-format",

@@ -89,6 +89,8 @@ class GenerateTask(Task):
         if images:
             prompt_ids = expand_placeholders(prompt_ids, images, engine.spec.vision, engine.tokenizer)
         identity = [*prompt_ids, *(f"image:{image.digest}" for image in images)]  # images by their bytes, not names
+        if request.raw_text:  # (its record is not split: not the same as a split row's of the same tokens)
+            identity.append("raw_text")
         return RowWork(parsed, [Request(prompt_ids, request.params, images=images or None)],
                        cache_key=(identity, request.params))
 
@@ -143,13 +145,14 @@ class GenerateTask(Task):
 
     def collect(self, engine: "Engine", row: PendingRow, part: Part, out: "RequestOutput") -> list[RowResult]:
         completion, columns, finish_reason = out.text, {}, out.finish_reason
-        split = reasoning_format(engine.tokenizer) if self.reasoning_split and completion is not None else None
+        request: RowRequest = row.parsed.request
+        splits = self.reasoning_split and not request.raw_text and completion is not None
+        split = reasoning_format(engine.tokenizer) if splits else None
         if split is not None:  # the chat format's reasoning (<think> tags, harmony's analysis channel) to its column
             columns["reasoning"], completion = split.split(completion, out.token_ids)
             # its token count, for OpenAI usage (a record key; OUTPUT has no such column)
             columns["reasoning_tokens"] = (split.reasoning_tokens(out.prompt_token_ids, out.token_ids)
                                            if columns["reasoning"] is not None else 0)
-        request: RowRequest = row.parsed.request
         if request.tool_format is not None and completion is not None:  # the answer's calls, parsed
             parsed = request.tool_format.parse(completion, f"{row.parsed.row_id}/{out.sample_index}")
             if parsed.tool_calls:
