@@ -163,6 +163,24 @@ def test_reasoning_tokens_count_the_thinking_the_prompt_opened(thinking_model):
     assert split.reasoning_tokens([5], [think, *words, end, *answer, think, *words]) == 6  # two blocks, one cut
 
 
+def test_result_cache_keeps_a_completions_lines_raw_text(thinking_model, tmp_path):
+    """A cbatch row and a /v1/completions line of the same tokens and settings: the first is split, the second is
+    the raw text, so the result cache does not hand one's record to the other."""
+    ids = encode_messages(load_tokenizer(thinking_model), QUESTION)
+    flags = ["--model", str(thinking_model), "--device", "cpu", "--max-tokens", "20", "--result-cache", str(tmp_path / "c")]
+    split = tmp_path / "split.jsonl"
+    code, _, err = run_inprocess("run", str(write_jsonl(tmp_path / "a.jsonl", [{"id": "a", "prompt_token_ids": ids}])),
+                                 "--out", str(split), *flags)
+    assert code == 0, err
+    assert (read_jsonl(split)[0]["reasoning"], read_jsonl(split)[0]["completion"]) == ("Maybe", "Yes")
+    line = {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": ids}}
+    raw = tmp_path / "raw.jsonl"
+    code, _, err = run_inprocess("run", str(write_jsonl(tmp_path / "b.jsonl", [line])), "--out", str(raw), *flags,
+                                 "--output-format", "openai")
+    assert code == 0, err
+    assert read_jsonl(raw)[0]["response"]["body"]["choices"][0]["text"] == "<think>Maybe</think>\n\nYes"
+
+
 @pytest.mark.parametrize("text,want", [
     ("<think>\nweigh it\n</think>\n\nYes.", ("weigh it", "Yes.")),
     ("weigh it</think>Yes.", ("weigh it", "Yes.")),  # the template opened <think> in the prompt
