@@ -15,7 +15,8 @@ from __future__ import annotations
 import re
 from typing import Protocol, Sequence
 
-from cbatch.tokenizer import split_reasoning, template_texts, template_thinks
+from cbatch.tokenizer import (count_thinking, split_reasoning, template_texts, template_thinks, think_token_ids,
+                              thinking_opened)
 
 
 class ReasoningFormat(Protocol):
@@ -23,18 +24,37 @@ class ReasoningFormat(Protocol):
         """(reasoning or None where the completion has none, answer) of a completion: its text and token ids."""
         ...
 
+    def reasoning_tokens(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> int:
+        """How many of the completion's tokens are its reasoning (OpenAI's usage `reasoning_tokens`); the
+        format's markers are not counted (as vLLM's reasoning parsers count)."""
+        ...
+
 
 class ThinkTags:
     """`<think>...</think>`: the text alone says it (the tags are plain text or tokens kept in the text)."""
 
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.think_ids = think_token_ids(tokenizer)  # (start, end) when each tag is one token, else None
+
     @staticmethod
     def speaks(templates: list[str], tokenizer) -> "ThinkTags | None":
-        return ThinkTags() if template_thinks(tokenizer) else None
+        return ThinkTags(tokenizer) if template_thinks(tokenizer) else None
 
     def split(self, text: str, token_ids: Sequence[int]) -> tuple[str | None, str]:
         return split_reasoning(text)
 
+    def reasoning_tokens(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> int:
+        """The tokens inside the thinking, counted as a thinking budget counts them (opened by the completion's
+        <think> or by the prompt). Tags of several tokens: the reasoning text's tokens, encoded again."""
+        if self.think_ids is not None:
+            return count_thinking(list(token_ids), self.think_ids, thinking_opened(list(prompt_ids), self.think_ids))[1]
+        reasoning, _ = self.split(self.tokenizer.decode(list(token_ids), skip_special_tokens=True), token_ids)
+        return len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
 
+
+# harmony's marker tokens (each one special token of gpt-oss's vocabulary)
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
 # One harmony message of a completion: its header (channel name, then e.g. " to=functions.f"), an optional
 # constraint, and its body up to the message's end marker, the next message's start, or the end of the text.
 _HARMONY_MESSAGE = re.compile(
@@ -59,6 +79,29 @@ class HarmonyChannels:
 
     def split(self, text: str, token_ids: Sequence[int]) -> tuple[str | None, str]:
         return split_harmony(self.tokenizer.decode(list(token_ids), skip_special_tokens=False), text)
+
+    def reasoning_tokens(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> int:
+        """The body tokens of the completion's `analysis` messages: after `<|channel|>analysis...<|message|>`, up
+        to the next marker token."""
+        marker = {name: self.tokenizer.convert_tokens_to_ids(name) for name in HARMONY_MARKERS}
+        header_start, body_start = marker["<|channel|>"], marker["<|message|>"]
+        # a message's end, or the next one's start
+        ends = set(marker.values()) - {header_start, body_start, marker["<|constrain|>"]}
+        count, header, analysis = 0, None, False  # header: the channel header's tokens while reading it
+        for token in token_ids:
+            if token == header_start:
+                header, analysis = [], False
+            elif token == body_start and header is not None:  # the header's first word is the channel
+                channel = self.tokenizer.decode(header, skip_special_tokens=True).split(" ", 1)[0].strip()
+                analysis = channel == "analysis"
+                header = None
+            elif token in ends:
+                header, analysis = None, False
+            elif header is not None:
+                header.append(token)  # (a constraint's tokens join it: only the first word is read)
+            elif analysis:
+                count += 1
+        return count
 
 
 def split_harmony(decoded: str, text: str = "") -> tuple[str | None, str]:

@@ -89,6 +89,32 @@ def _single_token(tokenizer, text: str) -> int | None:
     return token if isinstance(token, int) and token != tokenizer.unk_token_id else None
 
 
+def thinking_opened(prompt_ids: list[int], think_ids: tuple[int, int]) -> bool:
+    """The prompt leaves the thinking open: its last think marker is the start (a template that opens it)."""
+    start, end = think_ids
+    for token in reversed(prompt_ids):
+        if token == start:
+            return True
+        if token == end:
+            return False
+    return False
+
+
+def count_thinking(token_ids: list[int], think_ids: tuple[int, int], inside: bool) -> tuple[bool, int]:
+    """Walks `token_ids` from `inside` (within <think>...</think> or not): (inside after them, the thinking tokens
+    among them). The markers themselves are not thinking; several thinking blocks all count."""
+    start, end = think_ids
+    used = 0
+    for token in token_ids:
+        if token == start:
+            inside = True
+        elif token == end:
+            inside = False
+        elif inside:
+            used += 1
+    return inside, used
+
+
 def split_reasoning(text: str) -> tuple[str | None, str]:
     """(reasoning, answer) of a thinking model's completion, both stripped of surrounding whitespace.
 

@@ -58,6 +58,13 @@ def test_completion_splits_by_channel(harmony_tokenizer):
     cut = harmony_tokenizer.encode("<|channel|>analysis<|message|>Rayleigh", add_special_tokens=False)  # max_tokens
     assert split.split(harmony_tokenizer.decode(cut, skip_special_tokens=True), cut) == ("Rayleigh", "")
 
+    analysis = harmony_tokenizer.encode("Rayleigh scattering favours short wavelengths.", add_special_tokens=False)
+    assert split.reasoning_tokens([], ids) == len(analysis) > 1  # the analysis body's tokens, the markers not
+    assert split.reasoning_tokens([], cut) == len(harmony_tokenizer.encode("Rayleigh", add_special_tokens=False))
+    call = harmony_tokenizer.encode('<|channel|>commentary to=functions.get <|constrain|>json<|message|>{"a": 1}<|call|>',
+                                    add_special_tokens=False)
+    assert split.reasoning_tokens([], call) == 0  # a tool call's body is not reasoning
+
 
 @pytest.mark.parametrize("decoded, want", [
     ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>b<|return|>", ("a", "b")),

@@ -99,8 +99,9 @@ def test_reasoning_column_and_chat_template_kwargs(thinking_model, tmp_path):
 
 def test_openai_bodies_carry_the_reasoning(thinking_model, tmp_path):
     """--output-format openai: a /v1/responses body's `output` has a `reasoning` item (OpenAI's Responses shape:
-    summary [], content [reasoning_text]) before the message; cut while thinking, it is the incomplete item. A
-    chat.completion's message has `reasoning` (vLLM's field), null for a row that did not think."""
+    summary [], content [reasoning_text]) before the message; cut while thinking, it is the incomplete last item. A
+    chat.completion's message has `reasoning` (vLLM's field), null for a row that did not think; a
+    text_completion's text is the raw text."""
     def line(custom_id: str, url: str, **body) -> dict:
         return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
 
@@ -108,7 +109,8 @@ def test_openai_bodies_carry_the_reasoning(thinking_model, tmp_path):
              line("responses-cut", "/v1/responses", input=QUESTION[0]["content"], max_output_tokens=2),
              line("chat", "/v1/chat/completions", messages=QUESTION),
              line("chat-direct", "/v1/chat/completions", messages=QUESTION,
-                  chat_template_kwargs={"enable_thinking": False})]
+                  chat_template_kwargs={"enable_thinking": False}),
+             line("completion", "/v1/completions", prompt=encode_messages(load_tokenizer(thinking_model), QUESTION))]
     out = tmp_path / "out.jsonl"
     code, _, err = run_inprocess("run", str(write_jsonl(tmp_path / "in.jsonl", lines)), "--out", str(out), "--model",
                                  str(thinking_model), "--device", "cpu", "--max-tokens", "20", "--output-format", "openai")
@@ -119,12 +121,20 @@ def test_openai_bodies_carry_the_reasoning(thinking_model, tmp_path):
     assert reasoning == {"type": "reasoning", "id": f"rs_{digest}", "summary": [],
                          "content": [{"type": "reasoning_text", "text": "Maybe"}], "status": "completed"}
     assert (message["type"], message["content"][0]["text"], body["responses"]["status"]) == ("message", "Yes", "completed")
-    reasoning, message = body["responses-cut"]["output"]
-    assert (reasoning["content"][0]["text"], reasoning["status"]) == ("Maybe", "incomplete")
-    assert (message["content"][0]["text"], body["responses-cut"]["status"]) == ("", "incomplete")
+    # usage counts the tokens inside <think>...</think> ("Maybe"), the tags not (as vLLM and OpenAI count them)
+    assert body["responses"]["usage"]["output_tokens_details"] == {"reasoning_tokens": 1}
+    assert body["responses"]["usage"]["output_tokens"] == 6  # <think> Maybe </think> \n\n Yes <|im_end|>
+    assert body["chat"]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 1}
+    assert body["chat-direct"]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+    cut = body["responses-cut"]
+    [reasoning] = cut["output"]  # cut while thinking: the reasoning item, incomplete, and no empty message after it
+    assert (reasoning["type"], reasoning["content"][0]["text"], reasoning["status"]) == ("reasoning", "Maybe", "incomplete")
+    assert (cut["status"], cut["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
     chat, direct = body["chat"]["choices"][0]["message"], body["chat-direct"]["choices"][0]["message"]
     assert (chat["content"], chat["reasoning"]) == ("Yes", "Maybe")
     assert (direct["content"], direct["reasoning"]) == ("Yes", None)
+    # a /v1/completions body is the raw text, thinking included (vLLM's completions endpoint splits no reasoning)
+    assert body["completion"]["choices"][0]["text"] == "<think>Maybe</think>\n\nYes"
     # --no-reasoning-split: the raw text in the message, no reasoning item or field
     code, _, err = run_inprocess("run", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "raw.jsonl"), "--model",
                                  str(thinking_model), "--device", "cpu", "--max-tokens", "20", "--output-format",
@@ -134,6 +144,41 @@ def test_openai_bodies_carry_the_reasoning(thinking_model, tmp_path):
     assert [item["type"] for item in raw["responses"]["output"]] == ["message"]
     assert raw["responses"]["output"][0]["content"][0]["text"] == "<think>Maybe</think>\n\nYes"
     assert "reasoning" not in raw["chat"]["choices"][0]["message"]
+    assert raw["chat"]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}  # no split: no reasoning
+
+
+def test_reasoning_tokens_count_the_thinking_the_prompt_opened(thinking_model):
+    """A template that opens <think> in the prompt: the completion's tokens up to </think> are the reasoning."""
+    from cbatch.reasoning_split import ThinkTags, reasoning_format
+
+    tokenizer = load_tokenizer(thinking_model)
+    split = reasoning_format(tokenizer)
+    assert isinstance(split, ThinkTags)
+    think, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    words = tokenizer.encode(" weigh it up", add_special_tokens=False)
+    answer = tokenizer.encode("Yes", add_special_tokens=False)
+    assert len(words) == 3
+    assert split.reasoning_tokens([5, think], [*words, end, *answer]) == 3  # opened by the prompt
+    assert split.reasoning_tokens([5, think, 7, end], [*words, end, *answer]) == 0  # the prompt closed it
+    assert split.reasoning_tokens([5], [think, *words, end, *answer, think, *words]) == 6  # two blocks, one cut
+
+
+def test_result_cache_keeps_a_completions_lines_raw_text(thinking_model, tmp_path):
+    """A cbatch row and a /v1/completions line of the same tokens and settings: the first is split, the second is
+    the raw text, so the result cache does not hand one's record to the other."""
+    ids = encode_messages(load_tokenizer(thinking_model), QUESTION)
+    flags = ["--model", str(thinking_model), "--device", "cpu", "--max-tokens", "20", "--result-cache", str(tmp_path / "c")]
+    split = tmp_path / "split.jsonl"
+    code, _, err = run_inprocess("run", str(write_jsonl(tmp_path / "a.jsonl", [{"id": "a", "prompt_token_ids": ids}])),
+                                 "--out", str(split), *flags)
+    assert code == 0, err
+    assert (read_jsonl(split)[0]["reasoning"], read_jsonl(split)[0]["completion"]) == ("Maybe", "Yes")
+    line = {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": ids}}
+    raw = tmp_path / "raw.jsonl"
+    code, _, err = run_inprocess("run", str(write_jsonl(tmp_path / "b.jsonl", [line])), "--out", str(raw), *flags,
+                                 "--output-format", "openai")
+    assert code == 0, err
+    assert read_jsonl(raw)[0]["response"]["body"]["choices"][0]["text"] == "<think>Maybe</think>\n\nYes"
 
 
 @pytest.mark.parametrize("text,want", [

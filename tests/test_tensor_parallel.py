@@ -172,7 +172,8 @@ def test_ray_replicas_of_two_ranks_match_a_local_run(tiny_checkpoints, tmp_path)
         assert run_job(options(tmp_path / "local.jsonl", 1)) == 0
     finally:  # num_threads is set process-wide: the tests after this one keep their count
         torch.set_num_threads(threads)
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    # address="local": a new instance of its own, never a cluster `ray start` left running on this machine
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
     try:
         report = tmp_path / "report.json"
         code = run_ray_job(dataclasses_replace(options(tmp_path / "ray.jsonl", 2), report=report),

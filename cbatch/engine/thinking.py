@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cbatch.engine.sequence import Sequence
+from cbatch.tokenizer import count_thinking, thinking_opened
 
 
 @dataclass(slots=True)
@@ -44,29 +45,14 @@ class ThinkingBudgets:
         self._counts.pop(seq.seq_id, None)
 
     def _update(self, seq: Sequence) -> _Count:
-        start, end = seq.think_ids
         count = self._counts.get(seq.seq_id)
         if count is None:
-            count = self._counts[seq.seq_id] = _Count(0, _opened_by(seq.prompt_ids, start, end), 0)
-        for token in seq.output_ids[count.counted:]:  # NOTE: usually one token, the last step's
-            if token == start:
-                count.inside = True
-            elif token == end:
-                count.inside = False
-            elif count.inside:
-                count.used += 1
+            count = self._counts[seq.seq_id] = _Count(0, thinking_opened(seq.prompt_ids, seq.think_ids), 0)
+        # NOTE: usually one token, the last step's
+        count.inside, used = count_thinking(seq.output_ids[count.counted:], seq.think_ids, count.inside)
+        count.used += used
         count.counted = len(seq.output_ids)
         return count
-
-
-def _opened_by(prompt_ids: list[int], start: int, end: int) -> bool:
-    """The prompt leaves the thinking open: its last think marker is the start."""
-    for token in reversed(prompt_ids):
-        if token == start:
-            return True
-        if token == end:
-            return False
-    return False
 
 
 __all__ = ["ThinkingBudgets"]

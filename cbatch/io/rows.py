@@ -37,6 +37,9 @@ class RowRequest:
     effort_budget: bool = False  # its thinking budget is its reasoning_effort's (not the row's own)
     images: list[tuple[str, Any]] = field(default_factory=list)  # (where the row gave it, its source), prompt order
     image_futures: list | None = None  # their PromptImages being read on worker threads (GenerateTask.prefetch)
+    # a /v1/completions line: its completion is the model's raw text, thinking included (vLLM's completions endpoint
+    # splits no reasoning off; chat and Responses lines, and cbatch's own rows, have the `reasoning` split)
+    raw_text: bool = False
 
 
 def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams,
@@ -82,6 +85,7 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams,
             raise RowError(f"`lora` must be the name of a LoRA adapter of the job (a string), got {lora!r}")
         request.params = with_lora(request.params, lora)
     request.echo = {"object": response_object or ("chat.completion" if request.messages else "text_completion")}
+    request.raw_text = response_object == "text_completion"
     if isinstance(row.get("model"), str):
         request.echo["model"] = row["model"]
     return request

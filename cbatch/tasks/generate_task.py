@@ -89,6 +89,8 @@ class GenerateTask(Task):
         if images:
             prompt_ids = expand_placeholders(prompt_ids, images, engine.spec.vision, engine.tokenizer)
         identity = [*prompt_ids, *(f"image:{image.digest}" for image in images)]  # images by their bytes, not names
+        if request.raw_text:  # (its record is not split: not the same as a split row's of the same tokens)
+            identity.append("raw_text")
         return RowWork(parsed, [Request(prompt_ids, request.params, images=images or None)],
                        cache_key=(identity, request.params))
 
@@ -143,10 +145,14 @@ class GenerateTask(Task):
 
     def collect(self, engine: "Engine", row: PendingRow, part: Part, out: "RequestOutput") -> list[RowResult]:
         completion, columns, finish_reason = out.text, {}, out.finish_reason
-        split = reasoning_format(engine.tokenizer) if self.reasoning_split and completion is not None else None
+        request: RowRequest = row.parsed.request
+        splits = self.reasoning_split and not request.raw_text and completion is not None
+        split = reasoning_format(engine.tokenizer) if splits else None
         if split is not None:  # the chat format's reasoning (<think> tags, harmony's analysis channel) to its column
             columns["reasoning"], completion = split.split(completion, out.token_ids)
-        request: RowRequest = row.parsed.request
+            # its token count, for OpenAI usage (a record key; OUTPUT has no such column)
+            columns["reasoning_tokens"] = (split.reasoning_tokens(out.prompt_token_ids, out.token_ids)
+                                           if columns["reasoning"] is not None else 0)
         if request.tool_format is not None and completion is not None:  # the answer's calls, parsed
             parsed = request.tool_format.parse(completion, f"{row.parsed.row_id}/{out.sample_index}")
             if parsed.tool_calls:
@@ -174,12 +180,14 @@ class GenerateTask(Task):
         prefix = "chatcmpl" if obj == "chat.completion" else "cmpl"
         prompt_tokens = first["prompt_tokens"]
         completion_tokens = sum(r["completion_tokens"] for r in samples)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        if obj == "chat.completion":
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(map(_reasoning_tokens, samples))}
         return {
             "id": f"{prefix}-{request_digest(first)}", "object": obj, "created": created,
             "model": echo.get("model") or model, "choices": [_choice(r, obj) for r in samples],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
-            "system_fingerprint": None,
+            "usage": usage, "system_fingerprint": None,
         }
 
 
@@ -187,24 +195,33 @@ def response_body(record: dict[str, Any], model: str, created: int) -> dict[str,
     """OpenAI's Responses object for a /v1/responses row (one sample: the body takes no `n`); ids from the row, as
     a chat body's are. Cut at max_output_tokens: status "incomplete". A thinking model's reasoning (the `reasoning`
     column: <think> tags, harmony's analysis channel) is a `reasoning` item before the message, as OpenAI's API
-    gives a reasoning model's; cut while thinking, that item is the incomplete one."""
+    gives a reasoning model's; cut while thinking, that item is the incomplete one and the last (no empty message
+    after it, as OpenAI writes a response cut in its reasoning)."""
     digest = request_digest(record)
     cut = record["finish_reason"] == "length"
     completion = record.get("completion") or ""
     output = []
+    thinking_cut = cut and bool(record.get("reasoning")) and not completion
     if record.get("reasoning"):
         output.append({"type": "reasoning", "id": f"rs_{digest}", "summary": [],
                        "content": [{"type": "reasoning_text", "text": record["reasoning"]}],
-                       "status": "incomplete" if cut and not completion else "completed"})
-    text = {"type": "output_text", "text": completion, "annotations": []}
-    output.append({"type": "message", "id": f"msg_{digest}", "status": "incomplete" if cut else "completed",
-                   "role": "assistant", "content": [text]})
+                       "status": "incomplete" if thinking_cut else "completed"})
+    if not thinking_cut:
+        text = {"type": "output_text", "text": completion, "annotations": []}
+        output.append({"type": "message", "id": f"msg_{digest}", "status": "incomplete" if cut else "completed",
+                       "role": "assistant", "content": [text]})
     input_tokens, output_tokens = record["prompt_tokens"], record["completion_tokens"]
     return {"id": f"resp_{digest}", "object": "response", "created_at": created,
             "status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "model": model, "output": output,
             "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                      "output_tokens_details": {"reasoning_tokens": _reasoning_tokens(record)},
                       "total_tokens": input_tokens + output_tokens}}
+
+
+def _reasoning_tokens(record: dict[str, Any]) -> int:
+    """A sample's output tokens inside its reasoning (0: none, or the job keeps the raw text: --no-reasoning-split)."""
+    return record.get("reasoning_tokens") or 0
 
 
 def _choice(record: dict[str, Any], obj: str) -> dict[str, Any]:

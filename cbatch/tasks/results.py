@@ -39,7 +39,8 @@ class RowResult:
     sample_index: int = 0
     num_samples: int = 1  # the row's n (an error row stands for its whole row: 1)
     last: bool = True  # the last of its row's samples this run: the row is done (progress counts rows)
-    columns: dict[str, Any] = field(default_factory=dict)  # optional output columns: reasoning, logprobs, ...
+    # optional output columns (reasoning, logprobs, ...) and record-only keys (reasoning_tokens: OpenAI usage)
+    columns: dict[str, Any] = field(default_factory=dict)
     echo: dict[str, Any] = field(default_factory=dict)  # request fields an OpenAI output line repeats (io/openai.py)
     kept: dict[str, Any] = field(default_factory=dict)  # --keep-columns: input columns carried to the output
     # the digests of the images the row read (io/images.digest_of), in its order: kept in the part files (not OUTPUT)
