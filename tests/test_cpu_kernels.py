@@ -62,10 +62,11 @@ def _decode_through_both(dtype, heads, kv_heads, head_dim, window, softcap, sink
 
 
 def _prefill_step(backend, dtype, heads, kv_heads, head_dim, lens, cached, window=None, seed=0, softcap=None,
-                  sinks=None):
+                  sinks=None, images=None):
     """One step's attention through `backend` in `dtype`: fresh prompts of `lens` tokens (flat, one after another)
     and, for each entry of `cached`, a chunk of `cached[i][0]` tokens after `cached[i][1]` tokens already in the
-    cache; q a strided view of the packed projection. Every input holds bfloat16 values whatever `dtype` (so a
+    cache; q a strided view of the packed projection; `images`: chunk index (in that order) -> Gemma 3's image
+    runs [first, end) in its context positions. Every input holds bfloat16 values whatever `dtype` (so a
     float32 run is the exact reference of a bfloat16 one). Returns out [T, Hq, D] as float32."""
     gen = torch.Generator().manual_seed(seed)
     block_size = 8
@@ -91,7 +92,8 @@ def _prefill_step(backend, dtype, heads, kv_heads, head_dim, lens, cached, windo
         query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table, slot_mapping=slots,
         max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_host=query_lens, seq_lens_host=seq_lens,
-        block_size=block_size)
+        block_size=block_size,
+        image_spans={sum(query_lens[:b]): runs for b, runs in images.items()} if images else None)
     backend.prepare(meta)
     return backend.attend(q, k_new, v_new, kv, meta, head_dim**-0.5, window, softcap, sinks).float()
 
@@ -192,6 +194,49 @@ def test_a_windowed_prompt_is_the_same_bits_in_one_chunk_or_after_cached_context
     whole, cached = _prompt_twice(4, 2, 64, 300, 170, window=50)
     assert whole.abs().mean() > 0.05
     assert torch.equal(cached, whole[170:])
+
+
+# Gemma 3's image runs by chunk (lens 6, 70, 150, 40, then 30 after 50 cached, 20 after 40): a whole prompt; one at
+# a prompt's start and one mid-prompt; one across the kernel's 32-key panels and one at a prompt's end across its
+# 128-token tasks; none (a causal chunk beside them); mid-chunk after cached context; one whose earlier part is cached
+IMAGE_LENS, IMAGE_CACHED = [6, 70, 150, 40], [(30, 50), (20, 40)]
+IMAGE_RUNS = {0: [(0, 6)], 1: [(0, 10), (40, 64)], 2: [(5, 40), (100, 150)], 4: [(55, 75)], 5: [(30, 45)]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 16])
+def test_image_runs_match_the_torch_path_and_leave_other_rows_bit_for_bit(dtype, window):
+    """Gemma 3's bidirectional image runs in the compiled prefill kernel (each row's key end): against TorchBackend's
+    masked attention, with and without a sliding window; a row outside every run keeps the causal kernel's bits."""
+    step = lambda backend, dt, images: _prefill_step(backend, dt, 4, 2, 64, IMAGE_LENS, IMAGE_CACHED,  # noqa: E731
+                                                     window=window, seed=6, images=images)
+    got = step(CpuBackend(), dtype, IMAGE_RUNS)
+    want = step(TorchBackend(), torch.float32, IMAGE_RUNS)
+    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2**-8, atol=1e-5)
+    torch.testing.assert_close(got, want, **tol)
+    causal = step(CpuBackend(), dtype, None)
+    sees_later = torch.zeros(len(got), dtype=torch.bool)  # the rows of a run but its last: they see later keys
+    chunks = [(n, 0) for n in IMAGE_LENS] + IMAGE_CACHED
+    for b, runs in IMAGE_RUNS.items():
+        row0, first_pos = sum(n for n, _ in chunks[:b]), chunks[b][1]
+        for first, end in runs:
+            sees_later[row0 + max(first - first_pos, 0) : row0 + end - 1 - first_pos] = True
+    assert torch.equal(got[~sees_later], causal[~sees_later])
+    changed = (got != causal).any(dim=2).any(dim=1)
+    assert (got - causal).abs().max() > 0.1
+    assert torch.equal(changed, sees_later), (changed ^ sees_later).nonzero()
+
+
+def test_a_key_end_past_its_chunk_is_refused():
+    """The prefill kernel reads keys up to each row's end: an end past the chunk's last token (or not past the row's
+    own position) is refused before anything is read."""
+    q = torch.randn(4, 2, 32)
+    k, v = torch.randn(4, 1, 32), torch.randn(4, 1, 32)
+    chunks = torch.tensor([[0], [4], [0], [0]], dtype=torch.int32)
+    for ends in ([4, 4, 4, 5], [2, 2, 2, 4]):
+        with pytest.raises(ValueError, match="status 3"):
+            cpu_kernels.prefill_attention(q, k, v, torch.empty_like(q), chunks, 0.2,
+                                          key_ends=torch.tensor(ends, dtype=torch.int32))
 
 
 def _tolerance(dtype):

@@ -197,8 +197,8 @@ def test_rows_with_images_through_cbatch_run(gemma3, images, tmp_path):
 
 
 def test_the_triton_backend_gives_hfs_tokens_with_images(gemma3, images):
-    """The causal Triton kernel's image chunks are attended again by the torch path's bidirectional mask (under the
-    Triton interpreter where there is no GPU)."""
+    """The Triton paged-attention kernel takes the image runs' key ends in its own mask (under the Triton interpreter
+    where there is no GPU)."""
     ids = prompt(images[:2], [12])
     engine = make_engine(gemma3, max_model_len=64, attention_backend="triton")
     seq = engine.add_request(ids, SamplingParams(max_tokens=3, temperature=0.0), images=images[:2])

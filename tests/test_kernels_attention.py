@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from cbatch.kernels import paged_attention, store_kv  # noqa: E402
+from cbatch.model.backend.metadata import image_key_ends  # noqa: E402
 from helpers import kernel_device  # noqa: E402
 
 # the submodule, not the function of the same name that the package exports
@@ -67,9 +68,11 @@ def make_batch(spec, num_q_heads, num_kv_heads, head_dim, block_size, dtype, see
 
 
 def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, sliding_window=None,
-                        sinks=None):
+                        sinks=None, images=None):
     """Per-sequence float64 attention; returns [num_tokens, num_q_heads, head_dim] (padding rows zero). `sinks`
-    [Hq]: each head's logit joins the softmax as one more column (HF's gpt-oss), whose weight is dropped."""
+    [Hq]: each head's logit joins the softmax as one more column (HF's gpt-oss), whose weight is dropped. `images`:
+    sequence -> Gemma 3's image runs [first, end) (positions), whose tokens see each other both ways (HF's mask:
+    OR(causal, same image), then AND(window))."""
     q, k_cache, v_cache = q.cpu().double(), k_cache.cpu().double(), v_cache.cpu().double()
     query_start_loc, seq_lens, block_table = query_start_loc.cpu(), seq_lens.cpu(), block_table.cpu()
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -87,6 +90,8 @@ def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         scores = torch.einsum("qhd,khd->hqk", q[start:end], k) * scale  # [Hq, q_len, seq_len]
         pos = (seq_len - q_len + torch.arange(q_len))[:, None]  # [q_len, 1] absolute positions
         visible = j[None, :] <= pos
+        for first, stop in (images or {}).get(b, ()):
+            visible |= (pos >= first) & (pos < stop) & (j[None, :] >= first) & (j[None, :] < stop)
         if sliding_window is not None:
             visible &= (pos - j[None, :]) < sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -315,6 +320,31 @@ def test_small_tiles_many_q_blocks(monkeypatch):
         out[:n_real] = float("nan")
         run_and_check(batch, torch.float32, sliding_window=window, num_splits=num_splits, out=out)
         assert (out[n_real:] == 123.0).all(), "padding rows were written"
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_image_runs_see_their_whole_image(monkeypatch, window):
+    """Gemma 3's bidirectional image runs (`key_ends`) against the float64 reference's mask: runs at a prompt's start
+    and end, mid-chunk after cached context, one whose earlier part is cached, beside a decode and a causal chunk;
+    16-row / 16-key tiles (4 tokens a program), so a run crosses query blocks and a block's key range must reach
+    its rows' largest key end."""
+    monkeypatch.setattr(pa_mod, "_select_tiles", lambda *args: (16, 16, 4, 2))
+    spec = [(1, 17), (24, 24), (16, 33), (12, 40), (9, 9)]
+    runs = {1: [(0, 5), (15, 24)], 2: [(20, 29)], 3: [(25, 35)]}
+    batch = make_batch(spec, 4, 1, 32, 8, torch.float32, seed=5)
+    q_lens = [n for n, _ in spec]
+    spans = {sum(q_lens[:b]): r for b, r in runs.items()}
+    key_ends = torch.from_numpy(image_key_ends(q_lens, [c for _, c in spec], spans)).to(DEVICE)
+    q, scale = batch["q"], 32**-0.5
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, batch["k_cache"], batch["v_cache"], out, batch["query_start_loc"], batch["seq_lens"],
+                    batch["block_table"], scale, batch["max_query_len"], batch["max_seq_len"], sliding_window=window,
+                    key_ends=key_ends)
+    args = (q, batch["k_cache"], batch["v_cache"], batch["query_start_loc"], batch["seq_lens"], batch["block_table"],
+            scale, window)
+    ref, causal = reference_attention(*args, images=runs), reference_attention(*args)
+    assert (ref - causal).abs().max() > 0.1  # the runs change the result
+    assert rel_err(out, ref) < TOL[torch.float32]
 
 
 def test_store_then_attend():

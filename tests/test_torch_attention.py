@@ -1,25 +1,28 @@
 """The CPU path's attention (TorchBackend, and CpuBackend with its compiled decode kernel) against a dense
 per-sequence reference, on a shuffled paged cache.
 
-Mixed steps (decodes, a fresh prefill, a chunk with cached context) with blocks in random order, stale
-table entries past each row's end, and sliding windows: the paged result must match plain causal
-attention over each sequence's own keys.
+Mixed steps (decodes, a fresh prefill, a chunk with cached context, chunks holding Gemma 3's image runs) with
+blocks in random order, stale table entries past each row's end, and sliding windows: the paged result must match
+plain causal attention over each sequence's own keys (an image's tokens seeing their whole image).
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import cbatch.model.backend.torch_backend as torch_backend
 from cbatch.model.backend import FP8_KV_DTYPE, AttentionMetadata, CpuBackend, KVLayer, TorchBackend, cpu_kernels, kv_cache_shape
+from cbatch.model.backend.metadata import image_key_ends
 
 HQ, HKV, D, BS = 6, 2, 16, 4
 
 
-def _reference(q, keys, values, ctx, window):
-    """q [n, Hq, D] at positions ctx-n..ctx-1 against keys/values [ctx, Hkv, D]."""
+def _reference(q, keys, values, ctx, window, images=()):
+    """q [n, Hq, D] at positions ctx-n..ctx-1 against keys/values [ctx, Hkv, D]; `images`: Gemma 3's image runs
+    [first, end), whose tokens see each other both ways (HF's mask: OR(causal, same image), then AND(window))."""
     n = q.shape[0]
     k = keys.repeat_interleave(HQ // HKV, dim=1)
     v = values.repeat_interleave(HQ // HKV, dim=1)
@@ -27,6 +30,8 @@ def _reference(q, keys, values, ctx, window):
     q_pos = torch.arange(ctx - n, ctx)[:, None]
     k_pos = torch.arange(ctx)[None, :]
     ok = k_pos <= q_pos
+    for first, end in images:
+        ok |= (q_pos >= first) & (q_pos < end) & (k_pos >= first) & (k_pos < end)
     if window is not None:
         ok &= q_pos - k_pos < window
     probs = scores.masked_fill(~ok, float("-inf")).softmax(-1)
@@ -61,9 +66,11 @@ def test_paged_matches_dense(backend_name: str, seed: int, window: int | None, g
     monkeypatch.setattr(torch_backend, "DECODE_GROUP_ROWS", group_rows)
     monkeypatch.setattr(torch_backend, "MATMUL_PREFILL_MAX_PAIRS", matmul_prefill_pairs)
     gen = torch.Generator().manual_seed(seed)
-    # (context after this step, query tokens): decodes first, like the scheduler's plans
-    rows = [(13, 1), (1, 1), (30, 1), (17, 1), (9, 9), (21, 6)]
-    num_blocks = 64
+    # (context after this step, query tokens): decodes first, like the scheduler's plans; the last two hold Gemma 3's
+    # image runs (a fresh prompt's; a chunk's after cached context whose run began in the cache)
+    rows = [(13, 1), (1, 1), (30, 1), (17, 1), (9, 9), (21, 6), (12, 12), (30, 10)]
+    images = {6: [(2, 7)], 7: [(18, 26)]}
+    num_blocks = 96
     backend = _backend(backend_name)
     k_cache = torch.randn(kv_cache_shape(num_blocks, BS, HKV, D), generator=gen)  # stale, finite data
     v_cache = torch.randn(kv_cache_shape(num_blocks, BS, HKV, D), generator=gen)
@@ -113,13 +120,14 @@ def test_paged_matches_dense(backend_name: str, seed: int, window: int | None, g
         query_lens_host=q_lens,
         seq_lens_host=[ctx for ctx, _ in rows],
         block_size=BS,
+        image_spans={starts[b]: runs for b, runs in images.items()},
     )
     backend.prepare(meta)
     q, k_new, v_new = q.to(dtype), k_new.to(dtype), v_new.to(dtype)
     out = backend.attend(q, k_new, v_new, kv, meta, D**-0.5, window)
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for b, (ctx, n) in enumerate(rows):
-        want = _reference(q[starts[b] : starts[b + 1]].float(), keys[b], values[b], ctx, window)
+        want = _reference(q[starts[b] : starts[b + 1]].float(), keys[b], values[b], ctx, window, images.get(b, ()))
         torch.testing.assert_close(out[starts[b] : starts[b + 1]].float(), want, **tol)
     # this step's K/V landed in the cache at their slots
     for i, s in enumerate(slots.tolist()):
@@ -172,3 +180,12 @@ def test_fresh_prompts_of_one_length_batched_equal_each_alone(dtype) -> None:
     for b in range(len(q_lens)):
         alone = step([b])
         assert torch.equal(together[starts[b] : starts[b + 1]], alone), b
+
+
+def test_image_key_ends_give_each_row_its_runs_end():
+    """A decode, a fresh prompt with a run at its start, a chunk after 7 cached tokens holding the end of a run that
+    began in the cache, a chunk with a run in its middle: each row's key end is its position + 1 outside a run, the
+    run's end inside it."""
+    ends = image_key_ends([1, 6, 5, 6], [9, 6, 12, 20], {1: [(0, 3)], 7: [(5, 9)], 12: [(16, 19)]})
+    assert ends.tolist() == [9, 3, 3, 3, 4, 5, 6, 9, 9, 10, 11, 12, 15, 16, 19, 19, 19, 20]
+    assert ends.dtype == np.int32

@@ -14,6 +14,7 @@ import torch
 
 from cbatch.engine.staging import HostStaging
 from cbatch.model.backend import AttentionMetadata
+from cbatch.model.backend.metadata import image_key_ends
 
 
 @dataclass(slots=True)
@@ -63,6 +64,7 @@ class StepInputs:
             seq_lens_host=self.seq_lens.tolist(),
             block_size=block_size,
             image_spans=self.image_spans,
+            key_ends=put(image_key_ends(q_lens, self.seq_lens, self.image_spans)) if self.image_spans else None,
         )
         input_ids = put(np.array(self.token_ids, dtype=np.int64))
         if self.placeholder_rows:

@@ -8,7 +8,8 @@ Layout (per layer):
     block_table          [B, max_blocks_per_seq] int32   logical block -> physical block
 
 Query row i of sequence b (0-based among its q_len rows) sits at absolute position
-p = seq_len - q_len + i and sees keys j <= p (and p - j < sliding_window when a window is set).
+p = seq_len - q_len + i and sees keys j <= p (and p - j < sliding_window when a window is set); with `key_ends`
+(Gemma 3's image runs, int32 [num_tokens]) keys j < key_ends[row] instead, which lies past p for an image's tokens.
 Attention sinks (gpt-oss; `sinks` [num_q_heads]): head h's sink logit joins every softmax's denominator and
 contributes no value, i.e. the online softmax starts from (max = sink, sum = 1, acc = 0) instead of
 (-inf, 0, 0); with split-KV only the first segment starts so, and the merge weighs it in.
@@ -96,6 +97,7 @@ def _paged_attention_kernel(
     k_scale_ptr,  # KV_SCALED: fp32 [num_kv_heads], cache value x scale = key; unused otherwise
     v_scale_ptr,  # KV_SCALED: fp32 [num_kv_heads]
     sinks_ptr,  # HAS_SINKS: [num_q_heads] each head's sink logit (natural-log domain, like scale * q.k)
+    key_ends_ptr,  # HAS_KEY_ENDS: int32 [num_tokens] the position before which each row's keys end
     scale_log2,  # softmax scale * log2(e)
     num_seqs,
     num_splits,  # key segments per (sequence, kv head); 1 unless SPLIT
@@ -121,6 +123,7 @@ def _paged_attention_kernel(
     KV_SCALED: tl.constexpr,  # the cache holds scaled low-precision values (fp8): dequantise with k/v_scale
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,  # Gemma 2: score = cap * tanh(score / cap), here in the log2 domain
+    HAS_KEY_ENDS: tl.constexpr,  # Gemma 3's images: each row's key end from key_ends_ptr (else its position + 1)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (tf32 would cost ~1e-3 accuracy), else "tf32" (ignored for 16-bit)
     DOT_UPCAST: tl.constexpr,  # interpreter only: do bf16 dots in fp32 (see _dot)
     F16_DOTS: tl.constexpr,  # fp8 cache, bf16 q: both dots in fp16 (see paged_attention)
@@ -152,10 +155,15 @@ def _paged_attention_kernel(
     q_pos = ctx_len + tok  # [BLOCK_M] absolute position of each row's token
     row = (q_start + tok).to(tl.int64)  # [BLOCK_M] row in q / out
 
-    # Key range this program needs: [key_lo, key_hi). Causality bounds it by the block's last token;
-    # the window by its first token.
-    last_tok = tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, q_len) - 1
-    key_hi = ctx_len + last_tok + 1
+    # Key range this program needs: [key_lo, key_hi). Causality bounds it by the block's last token (key_ends: by
+    # the largest end among its rows); the window by its first token.
+    if HAS_KEY_ENDS:
+        key_end = tl.load(key_ends_ptr + row, mask=row_ok, other=0)  # [BLOCK_M]
+        key_hi = tl.max(key_end, 0)
+    else:
+        key_end = q_pos + 1
+        last_tok = tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, q_len) - 1
+        key_hi = ctx_len + last_tok + 1
     tile_lo = 0
     if USE_WINDOW:
         first_pos = ctx_len + q_block_local * BLOCK_Q
@@ -214,7 +222,7 @@ def _paged_attention_kernel(
         s = _dot(q, k.to(q.dtype), None, DOT_PRECISION, DOT_UPCAST) * score_scale  # [BLOCK_M, TILE_N]
         if SOFTCAP:
             s = softcap_log2 * tanh(s / softcap_log2)
-        visible = key_ok[None, :] & (key[None, :] <= q_pos[:, None])
+        visible = key_ok[None, :] & (key[None, :] < key_end[:, None])
         if USE_WINDOW:
             visible = visible & (q_pos[:, None] - key[None, :] < sliding_window)
         s = tl.where(visible, s, float("-inf"))
@@ -461,6 +469,7 @@ def paged_attention(
     decode_tiles: DecodeTiles | None = None,
     split_rule: SplitRule | None = None,
     sinks: torch.Tensor | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the flat batch `q` against the paged KV cache; writes and returns `out`.
 
@@ -479,6 +488,9 @@ def paged_attention(
     bf16 q to more bits wherever |q| >= 2^-14 (q is clamped to fp16's range); p in [0, 1] gains bits too.
     decode_tiles: a decode-only launch's tiles, warps and stages (start-up tuning's choice), instead of the
     policy's; ignored for batches with prefill rows.
+    key_ends (Gemma 3's image runs): int32 [num_tokens] on q's device, the position before which each row's keys end
+    (`metadata.image_key_ends`: past the row's own for its image's later tokens; a window still bounds the earlier
+    side); None: causal.
     Rows of `out` past query_start_loc[-1] (padding) are left untouched.
     """
     num_tokens, num_q_heads, head_dim = q.shape  # q: [num_tokens, num_q_heads, head_dim]
@@ -503,6 +515,10 @@ def paged_attention(
     use_window = sliding_window is not None
     if sinks is not None and (sinks.shape != (num_q_heads,) or not sinks.is_contiguous() or sinks.device != q.device):
         raise ValueError(f"sinks must be a contiguous [{num_q_heads}] tensor on {q.device}, got {tuple(sinks.shape)}")
+    if key_ends is not None and (key_ends.dtype != torch.int32 or key_ends.dim() != 1 or not key_ends.is_contiguous()
+                                 or key_ends.device != q.device):  # (it covers the real rows: rows past them go unread)
+        raise ValueError(f"key_ends must be a contiguous int32 [num_tokens] tensor on {q.device}, "
+                         f"got {key_ends.dtype} {tuple(key_ends.shape)}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if num_splits is None:
@@ -529,6 +545,7 @@ def paged_attention(
             query_start_loc, seq_lens, block_table,
             k_scale if kv_scaled else seq_lens, v_scale if kv_scaled else seq_lens,  # never read unless KV_SCALED
             sinks if sinks is not None else seq_lens,  # never read unless HAS_SINKS
+            key_ends if key_ends is not None else seq_lens,  # never read unless HAS_KEY_ENDS
             float(scale) * math.log2(math.e),
             num_seqs,
             num_splits,
@@ -554,6 +571,7 @@ def paged_attention(
             KV_SCALED=kv_scaled,
             SOFTCAP=softcap is not None,
             HAS_SINKS=sinks is not None,
+            HAS_KEY_ENDS=key_ends is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=dot_upcast,
             F16_DOTS=kv_scaled and q.dtype == torch.bfloat16,

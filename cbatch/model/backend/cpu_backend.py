@@ -1,9 +1,9 @@
 """The CPU path: the plain-torch backend with its decode attention, prefill chunks' causal attention (sliding
-windows, soft-caps and gpt-oss's sinks too), RMSNorm (with the residual add), rotary and SiLU-and-multiply replaced by the
-compiled kernels (cpu_kernels.py); the attention kernels read K and V in place, and rotary and the per-head q/k
-norms read the packed projection in place too. The KV store, partial rotary, the fp8 cache and every other op
-stay on the torch path (TorchBackend), which remains the reference the kernels are tested against; so does any
-input whose dtype or layout a kernel does not take."""
+windows, soft-caps, gpt-oss's sinks and Gemma 3's bidirectional image runs too), RMSNorm (with the residual add),
+rotary and SiLU-and-multiply replaced by the compiled kernels (cpu_kernels.py); the attention kernels read K and V
+in place, and rotary and the per-head q/k norms read the packed projection in place too. The KV store, partial
+rotary, the fp8 cache and every other op stay on the torch path (TorchBackend), which remains the reference the
+kernels are tested against; so does any input whose dtype or layout a kernel does not take."""
 from __future__ import annotations
 
 import torch
@@ -34,23 +34,21 @@ class CpuBackend(TorchBackend):
 
     def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         cache: _CacheReader, scoring: _Scoring, meta: AttentionMetadata) -> None:
-        """Every prefill chunk of the step, fresh or after cached context, in one call of the compiled causal
-        kernel, whatever their lengths; what the kernel does not take on the torch path (so do the chunks with
-        Gemma 3's images, whose mask is not causal)."""
+        """Every prefill chunk of the step, fresh or after cached context, with Gemma 3's images or without, in one
+        call of the compiled kernel, whatever their lengths; what the kernel does not take on the torch path."""
         if cache.scaled or not cpu_kernels.supports(q.dtype) or meta.block_table.dtype != torch.int32:
             super().attend_prefills(q, k, v, out, cache, scoring, meta)
             return
         state: _TorchStepState = meta.backend_state
         if state.chunks_i32 is None:  # once per step, shared by every layer
-            chunks = [c for group in state.fresh_groups for c in group.chunks] + state.prefills
+            chunks = [c for group in state.fresh_groups for c in group.chunks] + state.prefills + state.image_chunks
             state.chunks_i32 = torch.tensor([[c.start for c in chunks], [c.q_len for c in chunks],
                                              [c.ctx - c.q_len for c in chunks], [c.seq_row for c in chunks]],
                                             dtype=torch.int32).reshape(4, len(chunks))
         if state.chunks_i32.shape[1]:
             cpu_kernels.prefill_attention(q, k, v, out, state.chunks_i32, scoring.scale, cache.kv.k, cache.kv.v,
-                                          meta.block_table, scoring.sliding_window, scoring.softcap, _float32(scoring.sinks))
-        for chunk in state.image_chunks:  # Gemma 3's images (causal kernel): the torch path's bidirectional mask
-            chunk.attend(q, k, v, cache, out, scoring)
+                                          meta.block_table, scoring.sliding_window, scoring.softcap,
+                                          _float32(scoring.sinks), meta.key_ends)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
         fused = cpu_kernels.rms_norm(x, weight, eps, unit_offset)

@@ -256,7 +256,8 @@ void decode(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache
 // block_table + table_rows[p] * table_stride; 0 for a fresh prompt); out [T, Hq, D] contiguous. Every query
 // row's sums run over key panels counted from the sequence's first token, in one order: a row's result depends
 // only on its sequence's keys and values up to it, the same bits in any batch and under any chunking. Scores and
-// softmax in float32.
+// softmax in float32. key_ends (Gemma 3's images; int32 [T] or null): the position before which flat row t's keys
+// end, instead of its own position + 1 (an image token sees its whole image).
 // One vector register of floats, loaded and stored at any float alignment: 16 with AVX-512, else 8.
 #if defined(__AVX512F__)
 constexpr int32_t VEC = 16;
@@ -304,12 +305,13 @@ struct ChunkKeys {
 };
 
 // One task: the queries of chunk tokens first_token .. last_token - 1 against KV head kv_head. A query at sequence
-// position i sees keys first_key(i) .. i (sliding_window > 0: the last sliding_window of them); softcap > 0:
+// position i sees keys first_key(i) .. key_end(i) - 1: i + 1 unless key_ends (this chunk's rows, or null) says
+// further (sliding_window > 0: no key sliding_window or more before i); softcap > 0:
 // scores softcap * tanh(score / softcap) (Gemma 2), before the mask as HF; sinks (gpt-oss, [Hq], or null): each
 // head's logit joins its rows' max and sum as one more score without a value.
 template <typename T, int HEAD_DIM>
-void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, T* out, int32_t first_token,
-                  int32_t last_token, int32_t kv_head, int32_t num_heads, int32_t num_kv_heads,
+void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, const int32_t* key_ends, T* out,
+                  int32_t first_token, int32_t last_token, int32_t kv_head, int32_t num_heads, int32_t num_kv_heads,
                   int32_t runtime_head_dim, float scale, int32_t sliding_window, float softcap, const float* sinks,
                   PrefillScratch& s) {
     const int32_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
@@ -318,10 +320,15 @@ void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, T* 
     auto first_key = [sliding_window](int32_t pos) {
         return sliding_window > 0 && pos >= sliding_window ? pos + 1 - sliding_window : 0;
     };
+    auto key_end = [key_ends, cached](int32_t token) {  // of the query at chunk token `token`
+        return key_ends != nullptr ? key_ends[token] : cached + token + 1;
+    };
     auto panel_start = [](int32_t key) { return key / PREFILL_KEYS * PREFILL_KEYS; };
-    // the task's keys key0 .. cached + last_token - 1; panels counted from the sequence's first token
+    // the task's keys key0 .. last_key - 1; panels counted from the sequence's first token
+    int32_t last_key = 0;
+    for (int32_t t = first_token; t < last_token; ++t) last_key = std::max(last_key, key_end(t));
     const int32_t key0 = panel_start(first_key(cached + first_token));
-    const int32_t keys = cached + last_token - key0;
+    const int32_t keys = last_key - key0;
     const int32_t panels = (keys + PREFILL_KEYS - 1) / PREFILL_KEYS;
     const int32_t padded = panels * PREFILL_KEYS;
     s.k_panels.assign(static_cast<size_t>(panels) * head_dim * PREFILL_KEYS, 0.0f);
@@ -348,9 +355,10 @@ void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, T* 
             const T* src = q + static_cast<int64_t>(start + token_of[r]) * q_row_stride + static_cast<int64_t>(head_of[r]) * head_dim;
             for (int32_t d = 0; d < head_dim; ++d) s.queries[r * head_dim + d] = load(src, d);
         }
-        // the tile's keys, relative to key0: from its first row's first panel to its last row's key (exclusive)
+        // the tile's keys, relative to key0: from its first row's first panel to its rows' last key end
         const int32_t lo = panel_start(first_key(cached + token_of[0])) - key0;
-        const int32_t hi = cached + token_of[PREFILL_ROWS - 1] + 1 - key0;
+        int32_t hi = 0;
+        for (int32_t r = 0; r < PREFILL_ROWS; ++r) hi = std::max(hi, key_end(token_of[r]) - key0);
         const int32_t hi_padded = (hi + PREFILL_KEYS - 1) / PREFILL_KEYS * PREFILL_KEYS;
         const float* qf = s.queries.data();
         for (int32_t p = lo / PREFILL_KEYS; p < hi_padded / PREFILL_KEYS; ++p) {  // scores: acc[r] = q_r . k_j
@@ -374,7 +382,7 @@ void prefill_task(const T* q, int64_t q_row_stride, const ChunkKeys<T>& src, T* 
         float inv_sum[PREFILL_ROWS];
         for (int32_t r = 0; r < PREFILL_ROWS; ++r) {  // softmax over the row's own keys; 0 at the tile's others
             float* pr = s.probs.data() + r * padded;
-            const int32_t own_lo = first_key(cached + token_of[r]) - key0, own_hi = cached + token_of[r] + 1 - key0;
+            const int32_t own_lo = first_key(cached + token_of[r]) - key0, own_hi = key_end(token_of[r]) - key0;
             if (softcap > 0.0f)
                 for (int32_t j = own_lo; j < own_hi; ++j) pr[j] = softcap * std::tanh(pr[j] / softcap);
             const float sink = sinks != nullptr ? sinks[head_of[r]] : -INFINITY;
@@ -423,8 +431,8 @@ template <typename T>
 void prefill(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_stride, const T* v, int64_t v_row_stride,
              const T* k_cache, const T* v_cache, const int32_t* block_table, int64_t table_stride, int32_t block_size,
              T* out, const int32_t* starts, const int32_t* lens, const int32_t* cached, const int32_t* table_rows,
-             int32_t num_chunks, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, float scale,
-             int32_t sliding_window, float softcap, const float* sinks, int32_t num_threads) {
+             const int32_t* key_ends, int32_t num_chunks, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
+             float scale, int32_t sliding_window, float softcap, const float* sinks, int32_t num_threads) {
     auto* attend = head_dim == 32    ? &prefill_task<T, 32>
                    : head_dim == 64  ? &prefill_task<T, 64>
                    : head_dim == 128 ? &prefill_task<T, 128>
@@ -453,8 +461,9 @@ void prefill(const T* q, int64_t q_row_stride, const T* k, int64_t k_row_stride,
 #pragma omp for schedule(dynamic, 1)
         for (int32_t i = 0; i < n; ++i) {
             const Task& t = tasks[i];
-            attend(q, q_row_stride, chunks[t.chunk], out, t.first, t.last, t.kv_head, num_heads, num_kv_heads,
-                   head_dim, scale, sliding_window, softcap, sinks, scratch);
+            attend(q, q_row_stride, chunks[t.chunk], key_ends != nullptr ? key_ends + starts[t.chunk] : nullptr, out,
+                   t.first, t.last, t.kv_head, num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap,
+                   sinks, scratch);
         }
     }
 }
@@ -574,30 +583,34 @@ int cbatch_decode_attention(int32_t dtype, const void* q, int64_t q_row_stride, 
 }
 
 // starts/lens/cached/table_rows int32 [num_chunks]. k/v_cache and block_table may be null when no chunk has
-// cached context. sliding_window <= 0: none; softcap <= 0: none; sinks: float32 [num_heads] or null. Returns 2 for an
-// unknown dtype.
+// cached context. key_ends: int32 [T] or null (causal); each chunk row's end must lie past its own position and
+// within its chunk (3 otherwise). sliding_window <= 0: none; softcap <= 0: none; sinks: float32 [num_heads] or
+// null. Returns 2 for an unknown dtype.
 int cbatch_prefill_attention(int32_t dtype, const void* q, int64_t q_row_stride, const void* k, int64_t k_row_stride,
                              const void* v, int64_t v_row_stride, const void* k_cache, const void* v_cache,
                              const int32_t* block_table, int64_t table_stride, int32_t block_size, void* out,
                              const int32_t* starts, const int32_t* lens, const int32_t* cached,
-                             const int32_t* table_rows, int32_t num_chunks, int32_t num_heads, int32_t num_kv_heads,
-                             int32_t head_dim, float scale, int32_t sliding_window, float softcap,
-                             const float* sinks, int32_t num_threads) {
+                             const int32_t* table_rows, const int32_t* key_ends, int32_t num_chunks, int32_t num_heads,
+                             int32_t num_kv_heads, int32_t head_dim, float scale, int32_t sliding_window,
+                             float softcap, const float* sinks, int32_t num_threads) {
     if (num_heads % num_kv_heads != 0 || block_size < 1) return 1;
+    for (int32_t p = 0; key_ends != nullptr && p < num_chunks; ++p)  // keys past a chunk's end would be read
+        for (int32_t t = 0; t < lens[p]; ++t)
+            if (key_ends[starts[p] + t] <= cached[p] + t || key_ends[starts[p] + t] > cached[p] + lens[p]) return 3;
     if (dtype == 0) {
         prefill(static_cast<const float*>(q), q_row_stride, static_cast<const float*>(k), k_row_stride,
                 static_cast<const float*>(v), v_row_stride, static_cast<const float*>(k_cache),
                 static_cast<const float*>(v_cache), block_table, table_stride, block_size, static_cast<float*>(out),
-                starts, lens, cached, table_rows, num_chunks, num_heads, num_kv_heads, head_dim, scale, sliding_window,
-                softcap, sinks, num_threads);
+                starts, lens, cached, table_rows, key_ends, num_chunks, num_heads, num_kv_heads, head_dim, scale,
+                sliding_window, softcap, sinks, num_threads);
         return 0;
     }
     if (dtype == 1) {
         prefill(static_cast<const uint16_t*>(q), q_row_stride, static_cast<const uint16_t*>(k), k_row_stride,
                 static_cast<const uint16_t*>(v), v_row_stride, static_cast<const uint16_t*>(k_cache),
                 static_cast<const uint16_t*>(v_cache), block_table, table_stride, block_size,
-                static_cast<uint16_t*>(out), starts, lens, cached, table_rows, num_chunks, num_heads, num_kv_heads,
-                head_dim, scale, sliding_window, softcap, sinks, num_threads);
+                static_cast<uint16_t*>(out), starts, lens, cached, table_rows, key_ends, num_chunks, num_heads,
+                num_kv_heads, head_dim, scale, sliding_window, softcap, sinks, num_threads);
         return 0;
     }
     return 2;

@@ -1,6 +1,6 @@
-"""The CPU path's compiled kernels (cpu_kernels.cpp): paged decode attention, prefill chunks' causal attention,
-RMSNorm with the residual add, rotary, SiLU-and-multiply. Built once per machine kind with the system C++
-compiler and called through ctypes.
+"""The CPU path's compiled kernels (cpu_kernels.cpp): paged decode attention, prefill chunks' causal attention
+(Gemma 3's image tokens seeing their whole image too), RMSNorm with the residual add, rotary, SiLU-and-multiply.
+Built once per machine kind with the system C++ compiler and called through ctypes.
 
 Why compiled: the plain-torch decode attention gathers every row's blocks into a padded copy, transposes it and
 runs two tiny batched matmuls and a softmax, per layer: about five passes over K and V where one suffices
@@ -38,7 +38,7 @@ _SIGNATURES = {  # each kernel's argument types (cpu_kernels.cpp); every kernel 
     "cbatch_decode_attention": [_I32, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I32, _PTR,
                                 _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR, _I32],
     "cbatch_prefill_attention": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I32, _PTR, _PTR,
-                                 _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR, _I32],
+                                 _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR, _I32],
     "cbatch_rms_norm": [_I32, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32, _I32],
     "cbatch_rotary": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
     "cbatch_silu_and_mul": [_I32, _PTR, _I64, _PTR, _I64, _I32, _I32],
@@ -162,7 +162,8 @@ def _sinks_ptr(sinks: torch.Tensor | None, num_heads: int) -> int | None:
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, chunks: torch.Tensor,
                       scale: float, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                       block_table: torch.Tensor | None = None, sliding_window: int | None = None,
-                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
+                      softcap: float | None = None, sinks: torch.Tensor | None = None,
+                      key_ends: torch.Tensor | None = None) -> None:
     """out[rows of chunk p] = causal attention of chunk p's queries over its sequence's keys, for every p.
 
     chunks int32 [4, P]: each chunk's first flat row, length, tokens before it in the cache, and block table row.
@@ -170,13 +171,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     read from k_cache/v_cache [num_blocks, block_size, Hkv, D] (contiguous) through block_table int32 [B, cols];
     out [T, Hq, D] contiguous, same dtype. sliding_window: a query sees only the last that many keys; softcap:
     scores softcap * tanh(score / softcap) (Gemma 2); sinks (gpt-oss) float32 [Hq]: each head's logit joins its
-    softmax's denominator. A row's result depends on its sequence alone: the same bits in any batch and under any
-    chunking."""
+    softmax's denominator. key_ends (Gemma 3's images) int32 [T]: where each flat row's keys end (exclusive), past its
+    own position for a token of an image run (`metadata.image_key_ends`); None: causal. A row's result depends on its
+    sequence alone: the same bits in any batch and under any chunking."""
     num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k.shape[1]
     for x in (q, k, v):
         assert x.stride(2) == 1 and x.stride(1) == head_dim and x.dtype == q.dtype
     assert out.is_contiguous() and out.dtype == q.dtype
     assert chunks.dtype == torch.int32 and chunks.is_contiguous() and chunks.shape[0] == 4
+    assert key_ends is None or (key_ends.dtype == torch.int32 and key_ends.is_contiguous() and len(key_ends) >= len(q))
     block_size = 1
     if k_cache is not None:
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype == v_cache.dtype
@@ -188,8 +191,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     _call("cbatch_prefill_attention", _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
           v.data_ptr(), v.stride(0), cache_ptr(k_cache), cache_ptr(v_cache), cache_ptr(block_table),
           block_table.stride(0) if block_table is not None else 0, block_size, out.data_ptr(), chunks[0].data_ptr(),
-          chunks[1].data_ptr(), chunks[2].data_ptr(), chunks[3].data_ptr(), chunks.shape[1], num_heads, num_kv_heads,
-          head_dim, scale, sliding_window or 0, softcap or 0.0, _sinks_ptr(sinks, num_heads), torch.get_num_threads())
+          chunks[1].data_ptr(), chunks[2].data_ptr(), chunks[3].data_ptr(), cache_ptr(key_ends), chunks.shape[1],
+          num_heads, num_kv_heads, head_dim, scale, sliding_window or 0, softcap or 0.0, _sinks_ptr(sinks, num_heads),
+          torch.get_num_threads())
 
 
 def _rows(x: torch.Tensor) -> int | None:

@@ -3,13 +3,14 @@
 The model sees a flat, unpadded batch of T tokens from B sequences; sequence b owns query rows
 `query_start_loc[b]:query_start_loc[b+1]` and, after this step's K/V are stored, `seq_lens[b]`
 tokens of context. Query row i of sequence b sits at position `seq_lens[b] - q_len_b + i` and
-attends causally to every cached token up to it.
+attends causally to every cached token up to it (Gemma 3's image tokens to their whole image too: `key_ends`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 
 
@@ -30,6 +31,32 @@ class AttentionMetadata:
     # in it, whose tokens attend to each other both ways (a later one too; a sliding window still bounds the
     # earlier side). A run is whole in its chunk, or its earlier part cached (engine/images.py). None: all causal
     image_spans: dict[int, list[tuple[int, int]]] | None = None
+    # the same runs as every backend's mask reads them: int32 [T] on the step's device, where each query row's keys
+    # end (`image_key_ends`); None without image runs. Built from image_spans when not given (StepInputs.to_device
+    # builds it through the pinned staging, so a GPU step does not wait for the one in flight)
+    key_ends: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.image_spans and self.key_ends is None:
+            ends = image_key_ends(self.query_lens_host, self.seq_lens_host, self.image_spans)
+            self.key_ends = torch.from_numpy(ends).to(self.slot_mapping.device)
+
+
+def image_key_ends(query_lens: Sequence[int], seq_lens: Sequence[int],
+                   image_spans: dict[int, list[tuple[int, int]]]) -> np.ndarray:
+    """int32 [T]: the context position before which each flat query row's keys end (exclusive). A row at position
+    p sees keys j < end (and, under a sliding window w, p - j < w): end = p + 1 (causal), or, for a row inside one
+    of Gemma 3's image runs [first, end), the run's end, so its image's later tokens are visible too (HF's
+    Gemma 3 mask: OR(causal, same image), then AND(window) on local layers)."""
+    q_lens = np.asarray(query_lens, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(q_lens)])
+    first_pos = np.asarray(seq_lens, dtype=np.int64) - q_lens  # each chunk's first position
+    ends = np.arange(starts[-1]) + np.repeat(first_pos - starts[:-1], q_lens) + 1  # [T] position + 1
+    for row0, runs in image_spans.items():  # row0: a chunk's first flat row, at position ends[row0] - 1
+        chunk_first = int(ends[row0]) - 1
+        for first, end in runs:  # the run's rows in the chunk (its earlier part may be cached)
+            ends[row0 + max(first - chunk_first, 0) : row0 + end - chunk_first] = end
+    return ends.astype(np.int32)
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

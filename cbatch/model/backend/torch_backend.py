@@ -5,7 +5,6 @@ backend (RMSNorm, rotary, gated activations, mixture-of-experts, FP8 matmul) wit
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -396,7 +395,8 @@ class _PrefillChunk:
     ctx: int  # context length after this chunk
     slots: torch.Tensor | None  # int64 [ctx] cache slots of the whole context, None for a fresh prefill
     device: torch.device
-    spans: tuple[tuple[int, int], ...] = ()  # Gemma 3's image runs [first, end) (context positions): both ways
+    # Gemma 3's image runs: int32 [q_len] where each query's keys end (`AttentionMetadata.key_ends`); None: causal
+    key_ends: torch.Tensor | None = None
     biases: _BiasCache = field(init=False)  # [q_len, ctx]
 
     def __post_init__(self) -> None:
@@ -405,9 +405,7 @@ class _PrefillChunk:
     def _masked(self, sliding_window: int | None) -> torch.Tensor:
         q_pos = torch.arange(self.ctx - self.q_len, self.ctx, device=self.device)[:, None]  # [n, 1]
         k_pos = torch.arange(self.ctx, device=self.device)[None, :]  # [1, ctx]
-        masked = k_pos > q_pos
-        for first, end in self.spans:  # a later token of the query's own image is attended too
-            masked &= ~((q_pos >= first) & (q_pos < end) & (k_pos >= first) & (k_pos < end))
+        masked = k_pos > q_pos if self.key_ends is None else k_pos >= self.key_ends[:, None]
         if sliding_window is not None:  # (HF's: the window bounds the earlier side only)
             masked |= q_pos - k_pos >= sliding_window
         return masked
@@ -427,7 +425,7 @@ class _PrefillChunk:
             return
         sliding_window, scale = scoring.sliding_window, scoring.scale
         mask = None  # a fresh prefill without a window or images is plainly causal
-        if self.slots is not None or sliding_window is not None or self.spans:
+        if self.slots is not None or sliding_window is not None or self.key_ends is not None:
             mask = self.biases.get(q.dtype, sliding_window)
         attended = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1).unsqueeze(0), k_seq.transpose(0, 1).unsqueeze(0), v_seq.transpose(0, 1).unsqueeze(0),
@@ -482,7 +480,7 @@ def _group_fresh(prefills: list[_PrefillChunk], device: torch.device) -> tuple[l
     """(fresh prompts grouped by length where two or more share one, every other chunk)."""
     by_len: dict[int, list[_PrefillChunk]] = {}
     for chunk in prefills:
-        if chunk.slots is None and not chunk.spans:
+        if chunk.slots is None and chunk.key_ends is None:
             by_len.setdefault(chunk.q_len, []).append(chunk)
     groups = [c for c in by_len.values() if len(c) > 1]
     grouped = {id(chunk) for chunks in groups for chunk in chunks}
@@ -500,7 +498,7 @@ class _TorchStepState:
     decode_rows: list[int]  # batch index of every single-token query row, in batch order
     prefills: list[_PrefillChunk]  # every chunk not in `fresh_groups`
     fresh_groups: list[_FreshPrefills]
-    image_chunks: list[_PrefillChunk]  # chunks with Gemma 3's image runs (`meta.image_spans`): masked torch attention
+    image_chunks: list[_PrefillChunk]  # chunks with Gemma 3's image runs (`meta.image_spans`): their own masks
     _groups: list[_DecodeGroup] | None = None
     decode_rows_i32: torch.Tensor | None = None  # int32 [n]: `decode_rows` for the compiled kernel (CpuBackend)
     chunks_i32: torch.Tensor | None = None  # int32 [4, P]: every prefill chunk for the compiled kernel (CpuBackend)
@@ -530,9 +528,10 @@ class _TorchStepState:
                 continue
             ctx = seq_lens[b]
             slots = _context_slots(meta, b) if ctx != q_len else None
-            prefills.append(_PrefillChunk(starts[b], q_len, b, ctx, slots, device, tuple(spans.get(starts[b], ()))))
-        image_chunks = [c for c in prefills if c.spans]
-        fresh_groups, prefills = _group_fresh([c for c in prefills if not c.spans], device)
+            key_ends = meta.key_ends[starts[b] : starts[b] + q_len] if starts[b] in spans else None
+            prefills.append(_PrefillChunk(starts[b], q_len, b, ctx, slots, device, key_ends))
+        image_chunks = [c for c in prefills if c.key_ends is not None]
+        fresh_groups, prefills = _group_fresh([c for c in prefills if c.key_ends is None], device)
         return cls(store_all, store_rows, store_slots, starts, decode_rows, prefills, fresh_groups, image_chunks)
 
 
@@ -542,22 +541,6 @@ def _context_slots(meta: AttentionMetadata, b: int) -> torch.Tensor:
     pos = torch.arange(ctx, device=meta.slot_mapping.device)
     table = meta.block_table[b, : -(-ctx // block_size)].long()
     return table[pos // block_size] * block_size + pos % block_size
-
-
-def attend_image_chunks(q: torch.Tensor, out: torch.Tensor, kv: KVLayer, meta: AttentionMetadata,
-                        layer: AttentionLayer) -> None:
-    """out[rows] of every prefill chunk holding Gemma 3's image runs (`meta.image_spans`), attended again with the
-    bidirectional mask over the context the cache holds (this step's K/V stored): the fallback of a backend whose
-    own kernel is causal only (the Triton backend). q, out [T, Hq, D]."""
-    starts = [0, *itertools.accumulate(meta.query_lens_host)]  # (host values: no device sync per layer)
-    scoring = _Scoring(layer.scale, layer.sliding_window, layer.softcap, getattr(layer, "sinks", None))
-    cache = _CacheReader(kv, q.dtype)
-    for b, q_len in enumerate(meta.query_lens_host):
-        spans = meta.image_spans.get(starts[b])
-        if spans and q_len > 1:
-            chunk = _PrefillChunk(starts[b], q_len, b, meta.seq_lens_host[b], _context_slots(meta, b), q.device,
-                                  tuple(spans))
-            chunk.attend(q, None, None, cache, out, scoring)
 
 
 def _decode_groups(meta: AttentionMetadata, decode_rows: list[int], starts: list[int]) -> list[_DecodeGroup]:

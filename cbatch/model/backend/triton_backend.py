@@ -10,7 +10,6 @@ import torch
 from cbatch.model.backend.metadata import AttentionLayer, AttentionMetadata, KVLayer, MLALayer
 from cbatch.model.backend.registry import register
 from cbatch.model.backend.rotary import RotaryStep
-from cbatch.model.backend.torch_backend import attend_image_chunks
 
 
 def _fused_prologue_covers(layer: AttentionLayer, rope: RotaryStep) -> bool:
@@ -66,8 +65,8 @@ class TritonBackend:
     def attention(self, qkv: torch.Tensor, layer: AttentionLayer, rope: RotaryStep, kv: KVLayer,
                   meta: AttentionMetadata) -> torch.Tensor:
         """Two launches per layer: `norm_rope_store` (q rotated in place inside qkv, k/v into the cache) and
-        `paged_attention` (reading q strided out of qkv, soft-capped for Gemma 2, with gpt-oss's sinks); the prefill
-        chunks holding Gemma 3's images are attended again by the torch path's bidirectional mask. Layers the
+        `paged_attention` (reading q strided out of qkv, soft-capped for Gemma 2, with gpt-oss's sinks, Gemma 3's image
+        tokens seeing their whole image: `meta.key_ends`). Layers the
         fused prologue does not cover (partial rotary, Gemma's (1 + w) q/k norms) take the separate kernels.
         Returns [T, Hq, D]."""
         from cbatch.kernels import paged_attention
@@ -81,9 +80,8 @@ class TritonBackend:
             layer.scale, meta.max_query_len, meta.max_seq_len, sliding_window=layer.sliding_window,
             softcap=layer.softcap, k_scale=kv.k_scale, v_scale=kv.v_scale, decode_tiles=self.decode_tiles,
             num_splits=None if self.split_kv else 1, split_rule=self.split_rule, sinks=getattr(layer, "sinks", None),
+            key_ends=meta.key_ends,
         )
-        if meta.image_spans:  # Gemma 3's image runs: their chunks again on the torch path (the kernel is causal)
-            attend_image_chunks(q, out, kv, meta, layer)
         return out
 
     def mla_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
