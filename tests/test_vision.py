@@ -246,6 +246,30 @@ def test_flash_varlen_segments_match_sdpa_per_length_on_the_gpu():
     assert (ours.float() - ref.float()).abs().max() < 2e-2
 
 
+def test_cpu_kernel_segments_match_sdpa_per_length_and_ignore_their_neighbours():
+    """The CPU path's segments through the compiled prefill kernel (every row sees its whole segment) against SDPA
+    per segment length, float32, on a page's shapes; and a segment's rows are the same bits encoded alone."""
+    import numpy as np
+    import torch
+
+    from cbatch.model.vision import Segments
+
+    torch.manual_seed(0)
+    lengths = [64, 64, 32, 16, 48, 200, 64, 8]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    q, k, v = torch.randn(int(cu[-1]), 3, 4, 16).unbind(1)  # strided, as the tower's packed qkv gives them
+    kernel = Segments(cu, q.device, q.dtype)
+    assert kernel.chunks is not None, "the compiled CPU kernels are not available here"
+    ours = kernel.attend(q, k, v, 0.25)
+    per_length = Segments(cu, q.device, q.dtype)
+    per_length.chunks = None
+    ref = per_length.attend(q, k, v, 0.25)
+    assert ref.abs().mean() > 0.05 and (ours - ref).abs().max() < 1e-5
+    first, end = int(cu[5]), int(cu[6])  # the 200-row segment alone
+    alone = Segments(np.array([0, end - first]), q.device, q.dtype).attend(q[first:end], k[first:end], v[first:end], 0.25)
+    assert torch.equal(alone, ours[first:end])
+
+
 def test_qwen3_vls_interleaved_mrope_axes_are_transformers():
     """Qwen3-VL turns rotary pair c by axis c % 3 (while that axis has pairs left), Qwen2-VL by sections: the axis of
     each cos | sin column at Qwen3-VL-8B's sections, as transformers' rotary embedding lays them out."""

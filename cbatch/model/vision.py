@@ -6,8 +6,9 @@ the language-model embeddings of the merged patches ([N / merge^2, out_hidden]),
 
 Attention is bidirectional within an image (Qwen2-VL: each frame of each image; Qwen2.5-VL: within windows of
 window_size pixels, except the `full_attention_blocks`), never across images: a varlen attention over the packed
-patches with block-diagonal segments (`Segments`: flash attention's varlen kernel on CUDA in 16 bits, else one
-batched SDPA per distinct segment length, so the images of a step run together whatever their number). The GEMMs
+patches with block-diagonal segments (`Segments`: flash attention's varlen kernel on CUDA in 16 bits, the compiled
+prefill kernel on the CPU, else one batched SDPA per distinct segment length, so the images of a step run together
+whatever their number). The GEMMs
 run in the model's dtype (bfloat16 on the GPU; float32 on CPU). The numerics are transformers' (float32 rotary,
 LayerNorm eps 1e-6, exact GELU in the merger).
 """
@@ -32,9 +33,11 @@ _EPS = 1e-6
 class Segments:
     """Block-diagonal attention's segments [cu[i], cu[i+1]) of the packed patches (each image, frame or window),
     prepared once per tower call for every layer: on CUDA in 16 bits, flash attention's varlen kernel over the
-    whole pack (one launch, no gather; `torch.nn.attention.varlen`); elsewhere (CPU float32: exact as
-    transformers') the segments of one length gathered into one batched SDPA ([S, H, L, D]), a call per distinct
-    length, each length's gather index made once, not per layer."""
+    whole pack (one launch, no gather; `torch.nn.attention.varlen`); on the CPU the compiled prefill kernel the
+    decoder uses, each segment a chunk whose every row sees the whole segment (`key_ends`: no gather either);
+    elsewhere the segments of one length gathered into one batched SDPA ([S, H, L, D]), a call per distinct
+    length, each length's gather index made once, not per layer. Each path gives a segment the same bits whatever
+    else the step encodes."""
 
     def __init__(self, cu_seqlens: np.ndarray, device: torch.device, dtype: torch.dtype) -> None:
         self.cu_seqlens, self.device = cu_seqlens, device
@@ -42,6 +45,12 @@ class Segments:
         if self.flash is not None:
             self.cu = torch.as_tensor(cu_seqlens, dtype=torch.int32).to(device)
             self.max_len = int(np.diff(cu_seqlens).max())
+        self.chunks: tuple[torch.Tensor, torch.Tensor] | None = None  # (chunks [4, S], key_ends [N]) for the kernel
+        if device.type == "cpu" and cpu_kernels.supports(dtype) and cpu_kernels.available() is None:
+            starts, lengths = cu_seqlens[:-1], np.diff(cu_seqlens)
+            zeros = np.zeros_like(starts)
+            self.chunks = (torch.as_tensor(np.stack([starts, lengths, zeros, zeros]), dtype=torch.int32),
+                           torch.as_tensor(np.repeat(lengths, lengths), dtype=torch.int32))  # a row's keys: its segment
         self._groups: list[torch.Tensor] | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -56,6 +65,10 @@ class Segments:
                 global _FLASH_FAILED
                 _FLASH_FAILED = True
                 self.flash = None
+        if self.chunks is not None:
+            out = torch.empty(q.shape, dtype=q.dtype)
+            cpu_kernels.prefill_attention(q, k, v, out, self.chunks[0], scale, key_ends=self.chunks[1])
+            return out
         # (one segment too goes through its gather: plain SDPA on the strided [H, L, D] view rounds differently, and
         # an image must get the same bits alone in a step as beside others)
         out = torch.empty_like(q)
