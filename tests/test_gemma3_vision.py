@@ -314,6 +314,11 @@ def test_plan_counts_pan_and_scan_crops_as_the_run_does(gemma3, tmp_path):
         assert [(c.digest, c.num_tokens) for c in counted.crops] == [(c.digest, c.num_tokens) for c in full.crops]
         assert len(full.crops) == crops and counted.pixels is None
         assert all(c.pixels.shape == full.pixels.shape for c in full.crops)
+    wide = reader.read(sources[0], "a")
+    crop = wide.crops[1]  # released once encoded, a crop's patches are read again from the image's source
+    kept = crop.pixels
+    crop.release()
+    assert crop.pixels is None and (crop.patches() == kept).all() and not (kept == wide.crops[0].pixels).all()
     for k, source in enumerate(sources):
         (tmp_path / f"p{k}.png").write_bytes(source)
     rows = [{"id": str(i), "messages": [{"role": "user", "content": f"w{i}"}], "images": [str(tmp_path / f"p{i % 2}.png")],
