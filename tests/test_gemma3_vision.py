@@ -298,7 +298,8 @@ def test_pan_and_scan_gives_transformers_prompt_and_tokens(gemma3, pan_images, t
 def test_plan_counts_pan_and_scan_crops_as_the_run_does(gemma3, tmp_path):
     """A checkpoint whose file asks for pan-and-scan: `cbatch run` cuts the wide image's crops (3 more runs, the
     crop text) and `cbatch plan` counts the same prompt and image tokens from the header; the header's count is
-    the full read's (the crops' digests too); --no-image-pan-and-scan takes them off."""
+    the full read's (the crops' digests too); a released crop is read again from the source; --no-image-pan-and-scan
+    takes the crops off."""
     from cbatch.io.images import ImageReader
     from cbatch.model.loader import read_checkpoint
     from gemma3_vision_models import CHAT_TEMPLATE, SPECIALS, with_pan_and_scan
