@@ -85,6 +85,8 @@ class EngineConfig:
     # They decide each image's tokens, and the largest image the GPU reserves memory for (engine/encoder_memory.py)
     image_min_pixels: int | None = field(default=None, metadata=OUTPUT_CHANGED)
     image_max_pixels: int | None = field(default=None, metadata=OUTPUT_CHANGED)
+    # rows with images (Gemma 3): pan-and-scan crops of wide and tall images (None: the model's do_pan_and_scan)
+    image_pan_and_scan: bool | None = field(default=None, metadata=OUTPUT_CHANGED)
     block_size: int = 16  # tokens per KV block
     kv_cache_dtype: str = field(default="auto", metadata=OUTPUT_CHANGED)  # auto (the activations' dtype) | fp8 (e4m3, per-head scales: half the KV bytes)
     num_kv_blocks: int | None = None  # None = size the pool from the memory budget

@@ -46,6 +46,29 @@ def gemma3_model():
     return transformers.Gemma3ForConditionalGeneration(config).eval()
 
 
+def with_pan_and_scan(path: Path, target: Path, do_pan_and_scan: bool | None) -> Path:
+    """The checkpoint at `path` copied to `target`, its preprocessor_config.json saying `do_pan_and_scan` with
+    crops of at least 8 pixels (the tiny images get some; the other pan_and_scan_* settings left null)."""
+    import shutil
+
+    shutil.copytree(path, target)
+    config = json.loads((target / "preprocessor_config.json").read_text())
+    config.update(do_pan_and_scan=do_pan_and_scan, pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=None,
+                  pan_and_scan_min_ratio_to_activate=None)
+    (target / "preprocessor_config.json").write_text(json.dumps(config))
+    return target
+
+
+def hf_gemma3_processor(path: Path):
+    """transformers' Gemma3Processor of the checkpoint at `path` (its tokenizer: vision_models.make_tokenizer's)."""
+    from transformers import Gemma3Processor, PreTrainedTokenizerFast
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    names = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(path, extra_special_tokens=names)
+    return Gemma3Processor(Gemma3ImageProcessorPil.from_pretrained(path), tokenizer, image_seq_length=TOKENS_PER_IMAGE)
+
+
 def make_gemma3_checkpoint(path: Path, seed: int = 0) -> Path:
     """Decisive: a wide init of every matrix, RMSNorm weights randomised (HF zeroes Gemma's), the text embeddings
     shrunk (Gemma multiplies them by sqrt(hidden)) and the projector's weight (zero at HF's init) drawn narrow, so

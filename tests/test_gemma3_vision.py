@@ -2,7 +2,9 @@
 `generate`'s greedy float32 tokens (one image, two, text rows beside image rows, images of several pixel sizes, an
 image after text chunked across steps, a row preempted mid-prefill, a prefix-cache hit ending inside an image); the
 image tokens attend to each other both ways (HF's causal output differs), so a chunk never ends inside an image; two
-tensor-parallel ranks give one rank's tokens."""
+tensor-parallel ranks give one rank's tokens. Pan-and-scan: a wide or tall image's crops, each an image of its own,
+give transformers' processor's prompt ids and pixels and `generate`'s tokens; `cbatch plan` counts them from the
+header as the run does."""
 from __future__ import annotations
 
 import json
@@ -228,3 +230,115 @@ def test_two_ranks_give_the_tokens_of_one(gemma3, images):
             engine.close()
     assert outputs[2] == outputs[1]
     assert len({tuple(o) for o in outputs[1]}) == len(requests)  # decisive: every row its own tokens
+
+
+# ---- pan-and-scan ---------------------------------------------------------------------------------------------
+PAN_SIZES = [(20, 50), (30, 30), (60, 24)]  # (height, width): wide (3 crops at >= 8 pixels), square (none), tall (3)
+
+
+def test_pan_and_scan_cuts_the_crops_transformers_cuts():
+    """cbatch's crop rule (from the size alone) against transformers' on arrays of many shapes and settings."""
+    import numpy as np
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from cbatch.model.image_processor import PanAndScan
+
+    sizes = [(20, 50), (60, 24), (30, 30), (30, 35), (30, 37), (896, 2000), (2000, 896), (300, 1000), (100, 2000),
+             (512, 1023), (256, 1100), (9, 40)]
+    counts = set()
+    for setting in (PanAndScan(min_crop=8), PanAndScan(), PanAndScan(min_crop=8, max_crops=2, min_ratio=1.5)):
+        for height, width in sizes:
+            theirs = Gemma3ImageProcessorPil().pan_and_scan(np.zeros((1, height, width)), setting.min_crop,
+                                                            setting.max_crops, setting.min_ratio)
+            ours = setting.boxes(height, width)
+            assert [(b - t, r - l) for l, t, r, b in ours] == [c.shape[1:] for c in theirs], (setting, height, width)
+            counts.add(len(ours))
+    assert counts == {0, 2, 3, 4}  # (the sizes reach every case: none, 2 .. max_crops)
+
+
+@pytest.fixture(scope="module")
+def pan_images():
+    import io
+
+    from PIL import Image
+
+    return [Image.open(io.BytesIO(png_bytes(h, w, seed=k))) for k, (h, w) in enumerate(PAN_SIZES)]
+
+
+def test_pan_and_scan_gives_transformers_prompt_and_tokens(gemma3, pan_images, tmp_path):
+    """mm_processor_kwargs={"do_pan_and_scan": True} over a checkpoint whose file leaves it off (its crop size 8
+    read from the file): a wide, a square and a tall image in one chat give Gemma3Processor's input_ids (crop text,
+    one run per crop) and transformers' greedy tokens on its pixel_values (the crops among them)."""
+    import torch
+
+    from cbatch import LLM, SamplingParams
+    from gemma3_vision_models import CHAT_TEMPLATE, SPECIALS, hf_gemma3, hf_gemma3_processor, with_pan_and_scan
+    from vision_models import make_tokenizer
+
+    path = with_pan_and_scan(gemma3, tmp_path / "model", None)
+    tokenizer = make_tokenizer(path, SPECIALS, CHAT_TEMPLATE)
+    parts = [{"type": "text", "text": "w1 w2"}, *({"type": "image_pil", "image_pil": im} for im in pan_images),
+             {"type": "text", "text": "w3"}]
+    llm = LLM(model=str(path), device="cpu", use_tqdm=False, mm_processor_kwargs={"do_pan_and_scan": True})
+    got = llm.chat([{"role": "user", "content": parts}], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)[0]
+
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [p if p["type"] == "text" else {"type": "image"}
+                                                                       for p in parts]}],
+                                         add_generation_prompt=True, tokenize=False)
+    ref = hf_gemma3_processor(path)(text=[text], images=[pan_images], do_pan_and_scan=True,
+                                    pan_and_scan_min_crop_size=8, return_tensors="pt")
+    assert got.prompt_token_ids == ref["input_ids"][0].tolist()
+    assert got.prompt_token_ids.count(BOI) == ref["pixel_values"].shape[0] == 1 + 3 + 1 + 1 + 3  # crops: 3, 0, 3
+    with torch.no_grad():
+        out = hf_gemma3(gemma3).generate(**ref, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert got.outputs[0].token_ids == out[0, ref["input_ids"].shape[1]:].tolist()
+    assert len(set(got.outputs[0].token_ids)) > 2, "decisive: greedy output is not one repeated token"
+
+
+def test_plan_counts_pan_and_scan_crops_as_the_run_does(gemma3, tmp_path):
+    """A checkpoint whose file asks for pan-and-scan: `cbatch run` cuts the wide image's crops (3 more runs, the
+    crop text) and `cbatch plan` counts the same prompt and image tokens from the header; the header's count is
+    the full read's (the crops' digests too); a released crop is read again from the source; --no-image-pan-and-scan
+    takes the crops off."""
+    from cbatch.io.images import ImageReader
+    from cbatch.model.loader import read_checkpoint
+    from gemma3_vision_models import CHAT_TEMPLATE, SPECIALS, with_pan_and_scan
+    from ops_jobs import read_jsonl, run_inprocess, write_jsonl
+    from vision_models import make_tokenizer
+
+    path = with_pan_and_scan(gemma3, tmp_path / "model", True)
+    make_tokenizer(path, SPECIALS, CHAT_TEMPLATE)
+    sources = [png_bytes(h, w, seed=k) for k, (h, w) in enumerate(PAN_SIZES[:2])]  # wide, square
+    reader = ImageReader(path, read_checkpoint(path).spec.vision)
+    for source, crops in zip(sources, (3, 0)):
+        full, counted = reader.read(source, "a"), reader.read(source, "a", decode=False)
+        assert [(c.digest, c.num_tokens) for c in counted.crops] == [(c.digest, c.num_tokens) for c in full.crops]
+        assert len(full.crops) == crops and counted.pixels is None
+        assert all(c.pixels.shape == full.pixels.shape for c in full.crops)
+    wide = reader.read(sources[0], "a")
+    crop = wide.crops[1]  # released once encoded, a crop's patches are read again from the image's source
+    kept = crop.pixels
+    crop.release()
+    assert crop.pixels is None and (crop.patches() == kept).all() and not (kept == wide.crops[0].pixels).all()
+    for k, source in enumerate(sources):
+        (tmp_path / f"p{k}.png").write_bytes(source)
+    rows = [{"id": str(i), "messages": [{"role": "user", "content": f"w{i}"}], "images": [str(tmp_path / f"p{i % 2}.png")],
+             "max_tokens": 2} for i in range(4)]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    common = ("--model", str(path), "--device", "cpu", "--no-search")
+    code, _, err = run_inprocess("run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--model",
+                                 str(path), "--device", "cpu", "--display", "none", "--quiet",
+                                 "--report", str(tmp_path / "run.json"))
+    assert code == 0, err
+    tokens = {r["id"]: r["prompt_tokens"] for r in read_jsonl(tmp_path / "out.jsonl")}
+    # a wide row: 3 crop runs (boi, 9 soft tokens, eoi) and the crop text's 15 words (unknown to the tiny vocabulary)
+    assert tokens["0"] - tokens["1"] == 3 * (TOKENS_PER_IMAGE + 2) + 15
+    assert json.loads((tmp_path / "run.json").read_text())["images"]["image_tokens"] == 2 * (4 + 1) * TOKENS_PER_IMAGE
+    planned = {}
+    for flag in ("--image-pan-and-scan", "--no-image-pan-and-scan"):
+        code, _, err = run_inprocess("plan", str(tmp_path / "in.jsonl"), *common, flag,
+                                     "--report", str(tmp_path / "plan.json"))
+        assert code == 0, err
+        planned[flag] = json.loads((tmp_path / "plan.json").read_text())["predicted"]["prompt_tokens"]
+    assert planned["--image-pan-and-scan"] == sum(tokens.values())
+    assert planned["--no-image-pan-and-scan"] == sum(tokens.values()) - 2 * (3 * (TOKENS_PER_IMAGE + 2) + 15)

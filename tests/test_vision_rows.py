@@ -101,6 +101,35 @@ def test_the_image_pixel_bounds_are_engine_settings(tmp_path):
     assert identity["image_max_pixels"] == 10**6 and "image_min_pixels" not in identity
 
 
+def test_pan_and_scan_is_a_gemma3_setting_of_the_job():
+    """--image-pan-and-scan (LLM: image_pan_and_scan, or vLLM's mm_processor_kwargs' do_pan_and_scan) is an
+    EngineConfig field in the output identity, refused for a model without pan-and-scan; other processor keywords
+    are refused by name."""
+    import torch
+
+    from cbatch.api.engine_args import library_settings
+    from cbatch.config import ConfigError, EngineConfig, UserError
+    from cbatch.engine.resolve import resolve_model
+    from cbatch.model.spec import parse_spec
+    from cbatch.run.identity import output_identity
+    from cbatch.tasks.generate_task import GenerateTask
+    from gemma3_vision_models import GEMMA_3_4B_CONFIG
+
+    config = library_settings(None, {"mm_processor_kwargs": {"do_pan_and_scan": True, "max_pixels": 4096}}).config
+    assert (config.image_pan_and_scan, config.image_max_pixels) == (True, 4096)
+    with pytest.raises(UserError, match="mm_processor_kwargs: cbatch does not take 'crop_size'; it takes do_pan_and_scan"):
+        library_settings(None, {"mm_processor_kwargs": {"crop_size": 2}})
+    assert resolve_model(EngineConfig(image_pan_and_scan=False), parse_spec(GEMMA_3_4B_CONFIG)).spec.vision is not None
+    text_model = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "hidden_size": 64,
+                  "vocab_size": 10, "intermediate_size": 8, "num_hidden_layers": 1}
+    with pytest.raises(ConfigError) as bad:
+        resolve_model(EngineConfig(image_pan_and_scan=True), parse_spec(text_model))
+    assert str(bad.value) == "image_pan_and_scan: this LlamaForCausalLM reads no images; leave it out"
+    identity = output_identity(EngineConfig(image_pan_and_scan=True), GenerateTask(), torch.device("cpu"),
+                               torch.float32, 4096)
+    assert identity["image_pan_and_scan"] is True
+
+
 def _png_header(width: int, height: int) -> bytes:
     """A PNG whose header says width x height, its pixel data empty (it is refused before decoding)."""
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)

@@ -22,6 +22,9 @@ RUNNERS = ("auto", "generate", "pooling")  # vLLM's `runner`
 QUANT_METHODS = {"fp8": "fp8", "compressed-tensors": "compressed-tensors", "awq": "awq", "awq_marlin": "awq",
                  "gptq": "gptq", "gptq_marlin": "gptq"}
 _CONFIG_FIELDS = frozenset(f.name for f in fields(EngineConfig))
+# vLLM's mm_processor_kwargs keys -> the EngineConfig fields that set them for every image of the engine
+MM_PROCESSOR_KWARGS = {"do_pan_and_scan": "image_pan_and_scan", "min_pixels": "image_min_pixels",
+                       "max_pixels": "image_max_pixels"}
 # vLLM's hf_overrides keys cbatch honours: an LM-head reranker's (`architectures` routes it to a classifier there)
 HF_OVERRIDES = ("classifier_from_token", "method", "is_original_qwen3_reranker", "architectures")
 
@@ -52,6 +55,7 @@ def library_settings(model: str | None, settings: dict[str, Any]) -> LibrarySett
         raise UserError(f"quantization={quantization!r}: cbatch quantizes nothing itself; it runs checkpoints "
                         f"quantized as {', '.join(sorted(set(QUANT_METHODS.values())))} (docs/models.md)")
     classifier = _classifier(settings.pop("hf_overrides", None))
+    _image_settings(settings, settings.pop("mm_processor_kwargs", None))
     tokenizer = settings.pop("tokenizer", None)
     if tokenizer is not None and tokenizer != model:
         raise UserError("tokenizer: cbatch uses the model's own tokenizer; leave tokenizer out")
@@ -72,6 +76,19 @@ def library_settings(model: str | None, settings: dict[str, Any]) -> LibrarySett
         del settings["seed"]
     return LibrarySettings(EngineConfig(model=model, **settings), enable_lora, task,
                            QUANT_METHODS.get(quantization) if quantization else None, classifier)
+
+
+def _image_settings(settings: dict[str, Any], mm_processor_kwargs: dict[str, Any] | None) -> None:
+    """vLLM's `mm_processor_kwargs` into `settings` as cbatch's image fields (do_pan_and_scan: image_pan_and_scan;
+    min_pixels / max_pixels: image_min_pixels / image_max_pixels); any other key is refused by name."""
+    for key, value in (mm_processor_kwargs or {}).items():
+        name = MM_PROCESSOR_KWARGS.get(key)
+        if name is None:
+            raise UserError(f"mm_processor_kwargs: cbatch does not take {key!r}; it takes "
+                            f"{', '.join(MM_PROCESSOR_KWARGS)} (docs/library.md)")
+        if name in settings:
+            raise UserError(f"give mm_processor_kwargs' {key} or {name}, not both")
+        settings[name] = value
 
 
 def _classifier(overrides: Any) -> ClassifierTokens | None:

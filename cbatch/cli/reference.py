@@ -26,7 +26,7 @@ def _default(param: Any) -> str:
     if param.required:
         return "required"
     value = param.default
-    if param.is_flag and getattr(param, "secondary_opts", None):
+    if param.is_flag and getattr(param, "secondary_opts", None) and value is not None:  # (None: neither, the model's)
         return param.opts[0] if value else param.secondary_opts[0]
     if value is None or value == () or value == []:
         return ""

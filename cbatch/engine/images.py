@@ -10,7 +10,7 @@ sizes (`whole_images`): a chunk never ends inside an image's run, so the run's q
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -38,6 +38,10 @@ class PromptImage:
     # the patches read and preprocessed again from the image's source (io/images.ImageReader.reread: raises
     # ImageError if the source is gone or has other bytes); None: nothing to read again
     reread: Callable[[], np.ndarray] | None = None
+    # Gemma 3's pan-and-scan crops of this image (model/image_processor.PanAndScan): each an image of its own whose
+    # run follows this one's in the prompt (io/images.expand_placeholders); the engine places them as images
+    # (`with_crops`), the row's record, the result cache and a resume know the image by its own digest alone
+    crops: tuple["PromptImage", ...] = ()
 
     def patches(self) -> np.ndarray:
         """The image's patches for the vision tower: the ones held, else read again from its source."""
@@ -101,8 +105,16 @@ def whole_images(seq, num_new: int) -> int:
     return num_new if images is None else images.chunk_tokens(seq.num_computed, num_new)
 
 
+def with_crops(images: Sequence[PromptImage]) -> list[PromptImage]:
+    """A prompt's images as the vision tower and the prompt's runs take them: each image, then its pan-and-scan
+    crops."""
+    return [part for image in images for part in (image, *image.crops)]
+
+
 def seq_images(prompt_ids: list[int], images: list[PromptImage], vision: VisionSpec | SiglipSpec) -> SeqImages | str:
-    """The sequence's view of `images` in `prompt_ids`, or why they do not fit its placeholders (one sentence)."""
+    """The sequence's view of `images` in `prompt_ids` (each image's crops after it: runs of their own), or why
+    they do not fit its placeholders (one sentence)."""
+    images = with_crops(images)
     token = vision.image_token_id
     ids = np.asarray(prompt_ids, dtype=np.int64)
     where = np.flatnonzero(ids == token)

@@ -44,7 +44,8 @@ def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: t
     """`config.model` (or the default model) read up to its config.json; or a bare `spec` (random weights).
     `device`: the one a planned run will use (`cbatch plan`), instead of `config.device` here. Warns (one
     stderr line) when the dtype is bfloat16 on a CPU without native bfloat16. Refuses a --tensor-parallel-size
-    the model's shapes cannot split, and image pixel bounds for a model whose processor takes none."""
+    the model's shapes cannot split, image pixel bounds for a model whose processor takes none, and pan-and-scan
+    for a model without it."""
     checkpoint = None
     if spec is None:
         from cbatch.model.default_model import default_model_dir
@@ -59,6 +60,9 @@ def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: t
         why = "reads no images" if spec.vision is None else "resizes every image to its tower's square"
         raise ConfigError("image_min_pixels" if config.image_min_pixels is not None else "image_max_pixels",
                           f"this {spec.architecture} {why}; leave the pixel bounds out")
+    if config.image_pan_and_scan is not None and not isinstance(spec.vision, SiglipSpec):
+        why = "reads no images" if spec.vision is None else "has no pan-and-scan (Gemma 3's option)"
+        raise ConfigError("image_pan_and_scan", f"this {spec.architecture} {why}; leave it out")
     check_tensor_parallel(spec, config.tensor_parallel_size)
     if spec.mla is not None and config.kv_cache_dtype == "fp8":
         raise ConfigError("kv_cache_dtype", "fp8 is not supported for multi-head latent attention models (DeepSeek-V2/V3, "

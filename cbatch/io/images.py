@@ -13,7 +13,10 @@ again for its running row stops the job with that one line).
 Preprocessing: transformers' PIL image processor of the model (`Qwen2VLImageProcessorPil`: resize so that both sides
 are multiples of patch x merge with the pixel count inside [min_pixels, max_pixels], rescale, normalize, patchify),
 settable per job (EngineConfig's image_min_pixels / image_max_pixels: --image-min-pixels / --image-max-pixels);
-Gemma 3's (`Gemma3ImageProcessorPil`: resize to the tower's square, rescale, normalize), its patches cut here.
+Gemma 3's (`Gemma3ImageProcessorPil`: resize to the tower's square, rescale, normalize), its patches cut here; with
+pan-and-scan (EngineConfig.image_pan_and_scan: --image-pan-and-scan, else the checkpoint's do_pan_and_scan) a wide
+or tall image's crops are cut here too (model/image_processor.PanAndScan) and preprocessed beside it, each its own
+`PromptImage` in the image's `crops`.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from cbatch.engine.images import PromptImage
 from cbatch.io.row_fields import RowError
-from cbatch.model.image_processor import image_processor, pixel_range
+from cbatch.model.image_processor import image_processor, pan_and_scan_for, pixel_range
 from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.vision_spec import VisionSpec
 
@@ -134,16 +137,17 @@ class ImageReader:
     """The model's image processor with the job's pixel bounds: a row's image source -> `PromptImage`."""
 
     def __init__(self, model_dir: Path | None, vision: VisionSpec | SiglipSpec, min_pixels: int | None = None,
-                 max_pixels: int | None = None) -> None:
-        """`min_pixels` / `max_pixels`: the job's (EngineConfig.image_min_pixels / image_max_pixels) over the
-        model's preprocessor_config.json; None: the model's."""
+                 max_pixels: int | None = None, pan_and_scan: bool | None = None) -> None:
+        """`min_pixels` / `max_pixels` / `pan_and_scan`: the job's (EngineConfig.image_min_pixels /
+        image_max_pixels / image_pan_and_scan) over the model's preprocessor_config.json; None: the model's."""
         self.vision = vision
         self.processor = image_processor(model_dir, vision, min_pixels, max_pixels)
+        self.pan_and_scan = pan_and_scan_for(model_dir, vision, pan_and_scan)  # Gemma 3's crops; None: none
 
     @classmethod
     def for_config(cls, model_dir: Path | None, vision: VisionSpec | SiglipSpec, config: "EngineConfig") -> "ImageReader":
-        """The reader of an engine's `config` (an EngineConfig: its image pixel bounds)."""
-        return cls(model_dir, vision, config.image_min_pixels, config.image_max_pixels)
+        """The reader of an engine's `config` (an EngineConfig: its image pixel bounds and pan-and-scan)."""
+        return cls(model_dir, vision, config.image_min_pixels, config.image_max_pixels, config.image_pan_and_scan)
 
     @property
     def pixel_range(self) -> tuple[int, int]:
@@ -183,28 +187,39 @@ class ImageReader:
             raise ImageError(f"is {width} x {height} pixels, more than the {MAX_SOURCE_PIXELS:,} cbatch decodes; shrink it")
         if min(width, height) < 1 or max(width, height) / min(width, height) > 200:
             raise ImageError(f"is {width} x {height} pixels; the model's processor takes aspect ratios up to 200:1")
+        boxes = self.pan_and_scan.boxes(height, width) if self.pan_and_scan is not None else []
         if not decode:
             grid = self.grid_for(height, width)
-            return PromptImage(digest, grid, self.vision.tokens_for_grid(grid), None, name)
+            return self._image(digest, name, None, [(grid, None)] * (1 + len(boxes)))
         try:
             image.load()
             rgb = image.convert("RGB")
         except Exception as exc:  # truncated or corrupt data past the header
             raise ImageError(f"cannot be decoded ({type(exc).__name__}: {exc})") from None
-        out = self.processor(images=[rgb], return_tensors="np")
-        if isinstance(self.vision, SiglipSpec):
-            grid, pixels = _square_patches(out["pixel_values"][0], self.vision.patch_size)
+        out = self.processor(images=[rgb, *(rgb.crop(box) for box in boxes)], return_tensors="np")
+        if isinstance(self.vision, SiglipSpec):  # the image, then its crops: each [C, S, S]
+            parts = [_square_patches(square, self.vision.patch_size) for square in out["pixel_values"]]
         else:
-            grid = tuple(int(x) for x in out["image_grid_thw"][0])
-            pixels = out["pixel_values"].astype("float32", copy=False)
-        return PromptImage(digest, grid, self.vision.tokens_for_grid(grid), pixels, name,
-                           partial(self.reread, source, name, digest))
+            parts = [(tuple(int(x) for x in out["image_grid_thw"][0]), out["pixel_values"].astype("float32", copy=False))]
+        return self._image(digest, name, source, parts)
 
-    def reread(self, source: Any, name: str, digest: str) -> Any:
-        """The patches of the image `source` (read before as `name`, its bytes hashing to `digest`) read and
-        preprocessed again: a preempted row's image whose embedding the encoder cache dropped after its pixels
-        were released. Raises ImageError if the source is gone or its bytes changed since (the prefix cache and
-        the row's record know the image by `digest`)."""
+    def _image(self, digest: str, name: str, source: Any, parts: list[tuple[tuple[int, int, int], Any]]) -> PromptImage:
+        """The `PromptImage` of an image whose bytes hash to `digest` from its `parts` [(grid, patches or None)]:
+        the whole image, then its pan-and-scan crops (each known by the image's digest and its place among them).
+        `source` None: nothing to read again (counted from its header)."""
+        made = []
+        for k, (grid, pixels) in enumerate(parts):
+            key, label = (digest, name) if k == 0 else (f"{digest}/crop {k} of {len(parts) - 1}", f"{name} (crop {k})")
+            reread = partial(self.reread, source, name, digest, k) if source is not None else None
+            made.append(PromptImage(key, grid, self.vision.tokens_for_grid(grid), pixels, label, reread))
+        made[0].crops = tuple(made[1:])
+        return made[0]
+
+    def reread(self, source: Any, name: str, digest: str, part: int = 0) -> Any:
+        """The patches of the image `source` (read before as `name`, its bytes hashing to `digest`; `part` k > 0:
+        its k-th pan-and-scan crop) read and preprocessed again: a preempted row's image whose embedding the encoder
+        cache dropped after its pixels were released. Raises ImageError if the source is gone or its bytes changed
+        since (the prefix cache and the row's record know the image by `digest`)."""
         keep = "keep a job's images in place and unchanged until it finishes"
         try:
             image = self.read(source, name)
@@ -212,7 +227,7 @@ class ImageReader:
             raise ImageError(f"{exc}, read again for its preempted row; {keep}") from None
         if image.digest != digest:
             raise ImageError(f"`{name}` ({describe(source)}) has other bytes than when its row was queued; {keep}")
-        return image.pixels
+        return (image, *image.crops)[part].pixels
 
 
 def _open(source: Any):
@@ -247,18 +262,37 @@ def _square_patches(image: Any, patch: int) -> tuple[tuple[int, int, int], Any]:
     return (1, side, side), patches.reshape(side * side, -1).astype("float32")
 
 
+# Gemma 3's words around an image with pan-and-scan crops (transformers' Gemma3Processor's, which the model reads):
+# before the image's run, between it and the first crop's, between two crops'; "\n\n" around every run
+_CROPS_TEXT = ("Here is the original image ", " and here are some crops to help you see better ", " ")
+
+
 def expand_placeholders(prompt_ids: list[int], images: list[PromptImage], vision: VisionSpec | SiglipSpec,
                         tokenizer: Any = None) -> list[int]:
     """The prompt with each image's one placeholder token (as the chat template writes it) expanded to the image's
     run, as the model's processor does: Qwen2-VL's `<|image_pad|>` repeated to the image's token count; Gemma 3's
-    `<start_of_image>` turned into "\n\n" <start_of_image>, its `<image_soft_token>`s, <end_of_image> "\n\n"
-    (the newlines as `tokenizer` encodes them alone). Raises RowError when the counts differ."""
+    `<start_of_image>` turned into "\n\n" <start_of_image>, its `<image_soft_token>`s, <end_of_image> "\n\n", and
+    for an image with pan-and-scan crops "Here is the original image " and that run, " and here are some crops to
+    help you see better " and each crop's run (" " between them). The text between two special tokens is encoded by
+    `tokenizer` as one piece, as the processor's tokenizer splits it (None: no text). Raises RowError when the
+    counts differ."""
     if isinstance(vision, SiglipSpec):
         token = vision.boi_token_id
-        newlines = list(tokenizer.encode("\n\n", add_special_tokens=False)) if tokenizer is not None else []
+        encoded: dict[str, list[int]] = {}
+
+        def text(piece: str) -> list[int]:
+            if piece not in encoded:
+                encoded[piece] = list(tokenizer.encode(piece, add_special_tokens=False)) if tokenizer is not None else []
+            return encoded[piece]
 
         def run(image: PromptImage) -> list[int]:
-            return [*newlines, token, *[vision.image_token_id] * image.num_tokens, vision.eoi_token_id, *newlines]
+            before, first, between = _CROPS_TEXT if image.crops else ("", "", "")
+            out = text(before + "\n\n")
+            for k, part in enumerate((image, *image.crops)):
+                if k:
+                    out = out + text("\n\n" + (first if k == 1 else between) + "\n\n")
+                out = out + [token, *[vision.image_token_id] * part.num_tokens, vision.eoi_token_id]
+            return out + text("\n\n")
     else:
         token = vision.image_token_id
 

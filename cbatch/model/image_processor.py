@@ -1,10 +1,13 @@
 """The model's own Hugging Face image processor (the PIL one: no torchvision), made from its checkpoint's
 preprocessor_config.json with a job's pixel bounds on top, and what its size rule implies without an image: the
 pixel bounds and the most placeholder tokens one image can get. The row reader (io/images.py) preprocesses with it;
-the GPU memory reserve for images (engine/encoder_memory.py) sizes its largest image from it."""
+the GPU memory reserve for images (engine/encoder_memory.py) sizes its largest image from it. Gemma 3's
+pan-and-scan (`PanAndScan`: where an image's extra crops are cut, from its size alone) is cbatch's own rule."""
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,12 @@ _PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_siz
                    "image_std", "do_resize", "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb", "size")
 
 
+def _preprocessor_config(model_dir: Path | None) -> dict[str, Any]:
+    """The checkpoint's preprocessor_config.json ({} where it has none)."""
+    path = model_dir / "preprocessor_config.json" if model_dir is not None else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else {}
+
+
 def _processor(model_dir: Path | None, vision: VisionSpec, bounds: dict[str, int | None]):
     """transformers' PIL image processor for Qwen2-VL (no torchvision needed) from the checkpoint's
     preprocessor_config.json, the vision spec's patch sizes where it has none, the job's pixel `bounds` on top
@@ -48,8 +57,7 @@ def _processor(model_dir: Path | None, vision: VisionSpec, bounds: dict[str, int
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as Processor
     except ImportError:  # transformers before the PIL/torchvision split: the slow processor is the PIL one
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as Processor
-    path = model_dir / "preprocessor_config.json" if model_dir is not None else None
-    given = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    given = _preprocessor_config(model_dir)
     kwargs: dict[str, Any] = dict(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
                                   merge_size=vision.merge_size)
     kwargs.update({k: v for k, v in given.items() if k in _PROCESSOR_KEYS})
@@ -66,13 +74,56 @@ def _processor(model_dir: Path | None, vision: VisionSpec, bounds: dict[str, int
 def _siglip_processor(model_dir: Path | None, vision: SiglipSpec):
     """transformers' PIL image processor for Gemma 3 (no torchvision needed) from the checkpoint's
     preprocessor_config.json, resizing to the tower's square whatever the file says (its positions fix the size).
-    Pan-and-scan crops are not made (the processor's default; a config asking for them is read without them)."""
+    It never cuts pan-and-scan crops itself: the reader cuts them (`PanAndScan`) and hands them over as images."""
     try:
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil as Processor
     except ImportError:  # transformers before the PIL/torchvision split: the slow processor is the PIL one
         from transformers.models.gemma3.image_processing_gemma3 import Gemma3ImageProcessor as Processor
-    path = model_dir / "preprocessor_config.json" if model_dir is not None else None
-    given = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    given = _preprocessor_config(model_dir)
     kwargs = {k: v for k, v in given.items() if k in _PROCESSOR_KEYS + ("resample",) and v is not None}
     kwargs["size"] = {"height": vision.image_size, "width": vision.image_size}
     return Processor(**kwargs, do_pan_and_scan=False)
+
+
+@dataclass(frozen=True, slots=True)
+class PanAndScan:
+    """Gemma 3's pan-and-scan: an image at least `min_ratio` times wider than tall (or taller than wide) also goes
+    to the tower as 2 to `max_crops` equal slices along its long side, each at least `min_crop` pixels both ways
+    (none where they would be smaller); each slice is an image of its own (resized to the tower's square, 256
+    tokens). Defaults: transformers' Gemma3Processor's, where preprocessor_config.json says null."""
+
+    min_crop: int = 256
+    max_crops: int = 4
+    min_ratio: float = 1.2
+
+    def boxes(self, height: int, width: int) -> list[tuple[int, int, int, int]]:
+        """The crops of a height x width image as PIL boxes (left, top, right, bottom), left to right or top to
+        bottom; [] where the image gets none. Its size alone decides them (cbatch plan counts them from a header)."""
+        long, short = max(height, width), min(height, width)
+        if long / short < self.min_ratio:
+            return []
+        count = min(int(math.floor(long / short + 0.5)), long // self.min_crop)  # slices near square, not too small
+        count = min(self.max_crops, max(2, count))
+        step = -(-long // count)  # ceil: the last slice may be narrower
+        if min(step, short) < self.min_crop:
+            return []
+        spans = [(start, min(start + step, long)) for start in range(0, long, step)]  # (count of them)
+        if width >= height:  # (a square image only where min_ratio <= 1: cut across, as a wide one)
+            return [(lo, 0, hi, height) for lo, hi in spans]
+        return [(0, lo, width, hi) for lo, hi in spans]
+
+
+def pan_and_scan_for(model_dir: Path | None, vision: VisionSpec | SiglipSpec, job: bool | None = None) -> PanAndScan | None:
+    """The pan-and-scan a Gemma 3 reader applies: the job's choice (`job`: EngineConfig.image_pan_and_scan), else
+    the checkpoint's `do_pan_and_scan` (null: off), with its `pan_and_scan_*` settings; None where off or for a model
+    without it (Qwen)."""
+    if not isinstance(vision, SiglipSpec):
+        return None
+    given = _preprocessor_config(model_dir)
+    if not (job if job is not None else bool(given.get("do_pan_and_scan"))):
+        return None
+    settings = {name: given[key] for name, key in (("min_crop", "pan_and_scan_min_crop_size"),
+                                                   ("max_crops", "pan_and_scan_max_num_crops"),
+                                                   ("min_ratio", "pan_and_scan_min_ratio_to_activate"))
+                if given.get(key) is not None}
+    return PanAndScan(**settings)

@@ -164,11 +164,14 @@ class JobMetrics:
         usage["output_tokens"] += output_tokens
 
     def count_images(self, images: list) -> None:
-        """A row with `images` (engine/images.PromptImage) handed to an engine."""
+        """A row with `images` (engine/images.PromptImage) handed to an engine: its images, and the placeholder
+        tokens of them and of their pan-and-scan crops."""
+        from cbatch.engine.images import with_crops  # (here: that module imports torch, this one does not)
+
         usage = self.image_usage
         usage["rows"] = usage.get("rows", 0) + 1
         usage["images"] = usage.get("images", 0) + len(images)
-        usage["image_tokens"] = usage.get("image_tokens", 0) + sum(image.num_tokens for image in images)
+        usage["image_tokens"] = usage.get("image_tokens", 0) + sum(image.num_tokens for image in with_crops(images))
 
     def add_timing(self, timing: RequestTiming) -> None:
         """Keeps `timing` for the latency percentiles: all of them up to MAX_TIMINGS, then a uniform

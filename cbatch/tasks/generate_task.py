@@ -40,8 +40,8 @@ class GenerateTask(Task):
         self.reasoning_split = reasoning_split  # a thinking model's <think>...</think> goes to a `reasoning` column
         self.tool_call_parser = tool_call_parser  # --tool-call-parser (None: the model's own format)
         self.effort_budgets = dict(effort_budgets)  # --reasoning-effort-budgets: thinking tokens per reasoning_effort
-        # made at the first row with images: the model's processor with the engine's pixel bounds
-        # (EngineConfig.image_min_pixels / image_max_pixels: --image-min-pixels / --image-max-pixels)
+        # made at the first row with images: the model's processor with the engine's pixel bounds and pan-and-scan
+        # (EngineConfig.image_min_pixels / image_max_pixels / image_pan_and_scan: --image-min-pixels / ...)
         self._image_reader: ImageReader | None = None
 
     @classmethod
