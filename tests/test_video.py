@@ -84,6 +84,8 @@ def test_frames_are_sampled_and_patched_as_transformers_does(vl_model):
     Image.fromarray(frames[0]).save(png, format="PNG")
     image = ImageReader(vl_model, videos.vision).read(png.getvalue(), "i")
     assert still.grid == image.grid == (1, 4, 4)
+    header = videos.read(VideoSource(video_bytes(random_frames(8, 56, 84), fps=4)), "v", decode=False)  # cbatch plan's
+    assert (header.grid, header.num_tokens, header.pixels) == ((2, 4, 6), 12, None)
     np.testing.assert_array_equal(still.pixels, image.pixels)
 
     # 3 sampled frames (the last repeated to fill the second temporal patch), against transformers' video patchify
@@ -121,6 +123,10 @@ def test_video_rows_and_bad_videos_through_cbatch_run(tmp_path, monkeypatch):
         {"id": "missing", "messages": [{"role": "user", "content": "w1"}], "videos": [str(tmp_path / "nope.avi")]},
         {"id": "junk", "messages": [{"role": "user", "content": "w1"}], "videos": [str(tmp_path / "junk.avi")]},
         {"id": "text", "messages": [{"role": "user", "content": "w1 w2"}]},
+        # a text prompt names its video before its image: the row's `images` and `videos` take their placeholders
+        {"id": "prompt", "prompt": "<|vision_start|> <|video_pad|> <|vision_end|> <|vision_start|> <|image_pad|> "
+                                   "<|vision_end|> w1 w2", "videos": [str(tmp_path / "clip.avi")],
+         "images": ["data:image/png;base64," + base64.b64encode(png_bytes(56, 56, seed=1)).decode()]},
     ]
     write_jsonl(tmp_path / "in.jsonl", rows)
     assert run(model, tmp_path / "in.jsonl", tmp_path / "out.jsonl") == 1
@@ -129,6 +135,7 @@ def test_video_rows_and_bad_videos_through_cbatch_run(tmp_path, monkeypatch):
     # 4 frames at 2 fps: 2 s, 4 frames sampled, 2 temporal patches of 2 x 2 tokens, between vision start and end
     assert out["part"]["prompt_tokens"] == out["text"]["prompt_tokens"] + 2 + 8
     assert out["with-image"]["prompt_tokens"] == out["text"]["prompt_tokens"] + 2 + 8 + 2 + 4
+    assert out["prompt"]["prompt_tokens"] == 2 + 8 + 2 + 4 + 2 and out["prompt"]["completion"]
     assert out["missing"]["error"] == f"`videos[0]` ('{tmp_path}/nope.avi') names a file that does not exist"
     assert out["junk"]["error"].startswith(f"`videos[0]` ('{tmp_path}/junk.avi') cannot be decoded as a video (")
 
