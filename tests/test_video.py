@@ -77,7 +77,7 @@ def test_frames_are_sampled_and_patched_as_transformers_does(vl_model):
     assert frame_indices(1, 24.0, 2.0, 2, 4, 768).tolist() == [0]  # shorter than a temporal patch: all of it
 
     videos = reader(vl_model)
-    frames = random_frames(3, 56, 56, seed=5)
+    frames = random_frames(19, 56, 56, seed=5)
     # a 2-frame video of one repeated frame is the image processor's patches of that frame
     still = videos.read(VideoSource(video_bytes([frames[0], frames[0]], fps=1)), "v")
     png = io.BytesIO()
@@ -88,17 +88,18 @@ def test_frames_are_sampled_and_patched_as_transformers_does(vl_model):
     assert (header.grid, header.num_tokens, header.pixels) == ((2, 4, 6), 12, None)
     np.testing.assert_array_equal(still.pixels, image.pixels)
 
-    # 3 sampled frames (the last repeated to fill the second temporal patch), against transformers' video patchify
-    # written out in numpy over frames rescaled and normalized by hand (56 x 56 needs no resize)
-    grid_thw, pixels = videos.patches([Image.fromarray(f) for f in frames])
+    # 19 sampled frames (preprocessed 16 at a time; the last repeated to fill the tenth temporal patch), against
+    # transformers' video patchify written out in numpy over frames rescaled and normalized by hand (56 x 56 needs
+    # no resize)
+    grid_thw, pixels = videos.patches(iter([Image.fromarray(f) for f in frames]), len(frames))
     mean = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)[:, None, None]
     std = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)[:, None, None]
-    video = np.stack([(f.transpose(2, 0, 1).astype(np.float32) / 255 - mean) / std for f in frames + [frames[2]]])
-    t, c, patch, merge = 2, 3, 14, 2  # [F, C, H, W] -> view (t, 2, C, h/m, m, P, w/m, m, P), permute as transformers
+    video = np.stack([(f.transpose(2, 0, 1).astype(np.float32) / 255 - mean) / std for f in frames + [frames[-1]]])
+    t, c, patch, merge = 10, 3, 14, 2  # [F, C, H, W] -> view (t, 2, C, h/m, m, P, w/m, m, P), permute as transformers
     grid = 56 // patch
     view = video.reshape(t, 2, c, grid // merge, merge, patch, grid // merge, merge, patch)
     expected = view.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * grid * grid, c * 2 * patch * patch)
-    assert grid_thw == (2, 4, 4)
+    assert grid_thw == (10, 4, 4)
     np.testing.assert_allclose(pixels, expected, rtol=0, atol=1e-5)
 
 

@@ -12,6 +12,8 @@ same smart_resize, rescale and normalize: all frames have one size, so one grid)
 become temporal patches: patch k of a pair holds frame 2j at temporal index 0 and frame 2j + 1 at index 1, in the
 processor's patch order (merge blocks row-major), as transformers' video `patchify`. Qwen2.5-VL's M-RoPE spaces the
 temporal patches by tokens_per_second x seconds per temporal patch (temporal_patch_size / the sampled fps).
+Frames are decoded and preprocessed FRAME_GROUP at a time into the output: a long clip holds its float32 patches
+and one group of frames, never all its decoded frames.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import io
 import math
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -30,6 +32,7 @@ from cbatch.model.image_processor import VIDEO_CONFIGS, read_config
 from cbatch.model.vision_spec import VisionSpec
 
 DEFAULT_FPS = 2.0  # frames sampled per second of video
+FRAME_GROUP = 16  # frames preprocessed at once (a multiple of the temporal patch)
 VIDEO_EXTRA = "pip install 'cbatch[video]'"
 
 
@@ -86,10 +89,9 @@ class VideoReader:
                                      "cbatch decodes; shrink it")
                 indices = frame_indices(total, video_fps, self.fps, self.vision.temporal_patch_size, self.min_frames,
                                         self.max_frames)
-                frames = _decode(container, stream, indices) if decode else None
-        except ImageError:
-            raise
-        except Exception as exc:  # PyAV's errors: not a container it knows, broken data
+                # (decoded while preprocessed, a group of frames at a time: the float32 patches are what is held)
+                grid, pixels = self.patches(_decode(container, stream, indices), len(indices)) if decode else (None, None)
+        except av.error.FFmpegError as exc:  # not a container PyAV knows, broken data
             raise ImageError(f"cannot be decoded as a video ({type(exc).__name__}: {exc})") from None
         temporal = self.vision.temporal_patch_size
         sampled_fps = len(indices) / total * video_fps
@@ -97,30 +99,33 @@ class VideoReader:
         interval = (float(np.float32(self.vision.tokens_per_second) * np.float32(temporal / sampled_fps))
                     if self.vision.tokens_per_second else 1.0)
         digest = source_digest(source, data)
-        if frames is None:
+        if grid is None:  # cbatch plan: the grid from the header's size and frame count
             _, h, w = self.frames.grid_for(height, width)
             grid = (-(-len(indices) // temporal), h, w)
             return PromptImage(digest, grid, self.vision.tokens_for_grid(grid), None, name, video=True,
                                time_interval=interval)
-        grid, pixels = self.patches(frames)
         return PromptImage(digest, grid, self.vision.tokens_for_grid(grid), pixels, name,
                            partial(self.reread, source, name, digest), video=True, time_interval=interval)
 
-    def patches(self, frames: list[Any]) -> tuple[tuple[int, int, int], np.ndarray]:
-        """Sampled frames (PIL RGB images of one size) -> (grid (t, h, w), float32 [t * h * w, patch_dim]): each
-        frame through the image processor, then consecutive pairs as temporal patches (the last frame repeated to
-        fill the last pair)."""
-        out = self.frames.processor(images=frames, return_tensors="np")
-        _, h, w = (int(x) for x in out["image_grid_thw"][0])
+    def patches(self, frames: Iterable[Any], count: int) -> tuple[tuple[int, int, int], np.ndarray]:
+        """`count` sampled frames (PIL RGB images of one size) -> (grid (t, h, w), float32 [t * h * w, patch_dim]):
+        each frame through the image processor, then consecutive pairs as temporal patches (the last frame repeated
+        to fill the last pair). Frames are processed FRAME_GROUP at a time into the output."""
         temporal, patch = self.vision.temporal_patch_size, self.vision.patch_size
-        # the image processor repeats each frame over the temporal patch: keep temporal index 0 of each
-        per_frame = out["pixel_values"].reshape(len(frames), h * w, -1, temporal, patch * patch)[:, :, :, 0]
-        if pad := -len(frames) % temporal:
-            per_frame = np.concatenate([per_frame, np.repeat(per_frame[-1:], pad, axis=0)])
-        t = per_frame.shape[0] // temporal
-        # [t, temporal, h * w, C, P * P] -> [t, h * w, C, temporal, P * P]: a patch's values channel, then frame
-        pairs = per_frame.reshape(t, temporal, h * w, -1, patch * patch).transpose(0, 2, 3, 1, 4)
-        return (t, h, w), np.ascontiguousarray(pairs.reshape(t * h * w, -1), dtype=np.float32)
+        t = -(-count // temporal)
+        out: np.ndarray | None = None
+        for first, group in _groups(frames, count, temporal):
+            processed = self.frames.processor(images=group, return_tensors="np")
+            _, h, w = (int(x) for x in processed["image_grid_thw"][0])
+            # the image processor repeats each frame over the temporal patch: keep temporal index 0 of each
+            per_frame = processed["pixel_values"].reshape(len(group), h * w, -1, temporal, patch * patch)[:, :, :, 0]
+            # [pairs, temporal, h * w, C, P * P] -> [pairs, h * w, C, temporal, P * P]: a patch's values channel, then frame
+            pairs = per_frame.reshape(-1, temporal, h * w, per_frame.shape[2], patch * patch).transpose(0, 2, 3, 1, 4)
+            if out is None:
+                out = np.empty((t * h * w, pairs[0].size // (h * w)), dtype=np.float32)
+            start = first // temporal * h * w
+            out[start : start + pairs.shape[0] * h * w] = pairs.reshape(pairs.shape[0] * h * w, -1)
+        return (t, h, w), out
 
     def reread(self, source: VideoSource, name: str, digest: str) -> np.ndarray:
         """The patches of the video `source` read and preprocessed again (a preempted row's: `reread_checked`)."""
@@ -143,16 +148,30 @@ def _count_frames(data: bytes) -> int:
         return sum(1 for packet in container.demux(container.streams.video[0]) if packet.size)
 
 
-def _decode(container: Any, stream: Any, indices: np.ndarray) -> list[Any]:
-    """The frames at `indices` (ascending) as PIL RGB images, decoding no further than the last one."""
-    wanted = {int(i): k for k, i in enumerate(indices)}
-    frames: list[Any] = [None] * len(indices)
-    last = int(indices[-1])
+def _groups(frames: Iterable[Any], count: int, temporal: int) -> Iterator[tuple[int, list[Any]]]:
+    """(index of the group's first frame, FRAME_GROUP frames) of `count` frames, the last group filled to a whole
+    temporal patch by repeating the last frame."""
+    group: list[Any] = []
+    first = 0
+    for frame in frames:
+        group.append(frame)
+        if len(group) == FRAME_GROUP:
+            yield first, group
+            first, group = first + FRAME_GROUP, []
+    if group:
+        yield first, group + [group[-1]] * (-len(group) % temporal)
+
+
+def _decode(container: Any, stream: Any, indices: np.ndarray) -> Iterator[Any]:
+    """The frames at `indices` (ascending, distinct) as PIL RGB images, decoding no further than the last one;
+    raises ImageError if the stream ends first."""
+    wanted = {int(i) for i in indices}
+    last, found = int(indices[-1]), 0
     for number, frame in enumerate(container.decode(stream)):
         if number in wanted:
-            frames[wanted[number]] = frame.to_image().convert("RGB")
+            found += 1
+            yield frame.to_image().convert("RGB")
         if number >= last:
             break
-    if any(frame is None for frame in frames):
-        raise ImageError(f"has fewer frames than its header says ({len(indices)} sampled of {last + 1} or more)")
-    return frames
+    if found < len(wanted):
+        raise ImageError(f"has fewer frames than its header says ({found} of the {len(wanted)} sampled were found)")
