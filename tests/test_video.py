@@ -117,7 +117,8 @@ def test_video_rows_and_bad_videos_through_cbatch_run(tmp_path, monkeypatch):
     uri = "data:video/x-msvideo;base64," + base64.b64encode(clip).decode()
     ask = {"type": "text", "text": "w1 w2"}
     rows = [
-        {"id": "part", "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": uri}}, ask]}]},
+        {"id": "part",
+         "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": uri}}, ask]}]},
         {"id": "field", "messages": [{"role": "user", "content": "w1 w2"}], "videos": [f"file://{tmp_path}/clip.avi"]},
         {"id": "with-image", "messages": [{"role": "user", "content": "w1 w2"}], "videos": [str(tmp_path / "clip.avi")],
          "images": ["data:image/png;base64," + base64.b64encode(png_bytes(56, 56, seed=1)).decode()]},
@@ -140,6 +141,13 @@ def test_video_rows_and_bad_videos_through_cbatch_run(tmp_path, monkeypatch):
     assert out["missing"]["error"] == f"`videos[0]` ('{tmp_path}/nope.avi') names a file that does not exist"
     assert out["junk"]["error"].startswith(f"`videos[0]` ('{tmp_path}/junk.avi') cannot be decoded as a video (")
 
+    # the library's chat takes the same video part
+    from cbatch import LLM, SamplingParams as Params
+
+    llm = LLM(model=str(model), device="cpu", use_tqdm=False)
+    chat = llm.chat(rows[0]["messages"], Params(max_tokens=6, temperature=0.0))
+    assert chat[0].outputs[0].text == out["part"]["completion"]
+
     # without PyAV: the video rows are error rows saying how to install it; the others complete
     monkeypatch.setitem(sys.modules, "av", None)
     assert run(model, tmp_path / "in.jsonl", tmp_path / "out2.jsonl") == 1
@@ -156,4 +164,5 @@ def test_a_video_for_a_model_without_videos_is_an_error_row(tmp_path):
                                          "videos": [str(tmp_path / "clip.avi")]}])
     assert run(model, tmp_path / "in.jsonl", tmp_path / "out.jsonl") == 1
     error = read_jsonl(tmp_path / "out.jsonl")[0]["error"]
-    assert error == "`videos[0]` is a video; this Qwen3VLForConditionalGeneration reads no videos (Qwen2-VL and Qwen2.5-VL do)"
+    assert error == ("`videos[0]` is a video; this Qwen3VLForConditionalGeneration reads no videos (Qwen2-VL and "
+                     "Qwen2.5-VL do)")

@@ -123,7 +123,8 @@ def seq_images(prompt_ids: list[int], images: list[PromptImage], vision: VisionS
                     "(truncate_prompt_tokens)?")
         start = int(where[cursor])
         run = ids[where[cursor : cursor + image.num_tokens]]
-        if int(where[cursor + image.num_tokens - 1]) != start + image.num_tokens - 1 or (run != image.token(vision)).any():
+        contiguous = int(where[cursor + image.num_tokens - 1]) == start + image.num_tokens - 1
+        if not contiguous or (run != image.token(vision)).any():
             return (f"{kind} {number}'s placeholder run in the prompt is {_run_length(ids, where, cursor)} "
                     f"{kind} tokens, it needs {image.num_tokens}")
         runs.append((start, image))
@@ -135,8 +136,8 @@ def seq_images(prompt_ids: list[int], images: list[PromptImage], vision: VisionS
         return "the prompt ends with an image or video; add text after it"
     if not vision.mrope_section:  # 1-D positions: the token's index
         return SeqImages(runs, np.arange(len(prompt_ids), dtype=np.int64)[None], 0, vision.bidirectional_images)
-    positions, delta = mrope_positions(len(prompt_ids), [(start, image.grid, image.time_interval) for start, image in runs],
-                                       vision.merge_size)
+    extents = [(start, image.grid, image.time_interval) for start, image in runs]
+    positions, delta = mrope_positions(len(prompt_ids), extents, vision.merge_size)
     return SeqImages(runs, positions, delta)
 
 

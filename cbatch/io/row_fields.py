@@ -53,7 +53,8 @@ class VideoSource:
 
 
 def _video_part(where: str, part: dict[str, Any]) -> dict[str, Any]:
-    """A video content part -> {"type": "video", "video": its VideoSource (None: the row's next `videos` entry), "name"}."""
+    """A video content part -> {"type": "video", "video": its VideoSource (None: the row's next `videos` entry),
+    "name"}."""
     source = part.get("video_url", part.get("video"))
     if isinstance(source, dict):  # {"url": ...}
         source = source.get("url")
@@ -87,7 +88,8 @@ def _content_parts(where: str, content: list[Any], images: bool) -> str | list[d
             raise RowError(f"`{where}[{j}]` is an image or video part; this task reads text only (images and videos: "
                            f"--task generate with a vision-language model)")
         else:
-            raise RowError(f"`{where}` parts must be text, image or video parts ({{\"type\": \"text\", \"text\": ...}})")
+            raise RowError(f"`{where}` parts must be text, image or video parts "
+                           f"({{\"type\": \"text\", \"text\": ...}})")
     if any(p["type"] != "text" for p in parts):
         return parts
     return "".join(p["text"] for p in parts)

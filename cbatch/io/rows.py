@@ -127,7 +127,8 @@ def _listed(row: dict[str, Any], plural: str, single: str) -> list[tuple[str, An
     given = row.get(key)
     entries = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
     for j, source in enumerate(entries):
-        if not (isinstance(source, (str, bytes, bytearray)) or (isinstance(source, dict) and ("bytes" in source or "path" in source))):
+        if not (isinstance(source, (str, bytes, bytearray))
+                or (isinstance(source, dict) and ("bytes" in source or "path" in source))):
             raise RowError(f"`{key}[{j}]` must be {'an image' if single == 'image' else 'a video'}: a URL, a path, a "
                            "data: URI, bytes or {\"bytes\", \"path\"}")
     wrap = VideoSource if single == "video" else (lambda source: source)

@@ -90,7 +90,8 @@ class VideoReader:
                 indices = frame_indices(total, video_fps, self.fps, self.vision.temporal_patch_size, self.min_frames,
                                         self.max_frames)
                 # (decoded while preprocessed, a group of frames at a time: the float32 patches are what is held)
-                grid, pixels = self.patches(_decode(container, stream, indices), len(indices)) if decode else (None, None)
+                grid, pixels = (self.patches(_decode(container, stream, indices), len(indices)) if decode
+                                else (None, None))
         except av.error.FFmpegError as exc:  # not a container PyAV knows, broken data
             raise ImageError(f"cannot be decoded as a video ({type(exc).__name__}: {exc})") from None
         temporal = self.vision.temporal_patch_size
@@ -119,7 +120,8 @@ class VideoReader:
             _, h, w = (int(x) for x in processed["image_grid_thw"][0])
             # the image processor repeats each frame over the temporal patch: keep temporal index 0 of each
             per_frame = processed["pixel_values"].reshape(len(group), h * w, -1, temporal, patch * patch)[:, :, :, 0]
-            # [pairs, temporal, h * w, C, P * P] -> [pairs, h * w, C, temporal, P * P]: a patch's values channel, then frame
+            # [pairs, temporal, h * w, C, P * P] -> [pairs, h * w, C, temporal, P * P]: a patch's values by channel,
+            # then frame
             pairs = per_frame.reshape(-1, temporal, h * w, per_frame.shape[2], patch * patch).transpose(0, 2, 3, 1, 4)
             if out is None:
                 out = np.empty((t * h * w, pairs[0].size // (h * w)), dtype=np.float32)
