@@ -166,3 +166,47 @@ def test_a_video_for_a_model_without_videos_is_an_error_row(tmp_path):
     error = read_jsonl(tmp_path / "out.jsonl")[0]["error"]
     assert error == ("`videos[0]` is a video; this Qwen3VLForConditionalGeneration reads no videos (Qwen2-VL and "
                      "Qwen2.5-VL do)")
+
+
+def test_a_resume_knows_a_video_by_its_bytes(tmp_path, monkeypatch):
+    """A finished row's record keeps its video's digest (of its bytes, tagged as a video); a resume reads the video
+    again and refuses when it has other bytes, and resumes to the uninterrupted run's OUTPUT once it is restored."""
+    import os
+    import signal
+
+    from cbatch.io.images import digest_of, source_digest
+    from cbatch.io.state import JobState
+    from ops_jobs import part_records
+
+    model = make_vl_checkpoint("qwen2_vl", tmp_path / "model")
+    clips = [video_bytes(random_frames(4, 28, 28, seed=k), fps=2) for k in range(2)]
+    for k, clip in enumerate(clips):
+        (tmp_path / f"c{k}.avi").write_bytes(clip)
+    write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "messages": [{"role": "user", "content": f"w{i}"}],
+                                         "videos": [str(tmp_path / f"c{i % 2}.avi")]} for i in range(8)])
+    assert run(model, tmp_path / "in.jsonl", tmp_path / "ref.jsonl", "--max-num-seqs", 2) == 0
+    out = tmp_path / "out.jsonl"
+    append = JobState.append
+
+    def append_then_stop(state, record, *args, **kwargs):  # a real SIGTERM once 3 rows are on disk
+        append(state, record, *args, **kwargs)
+        if state.num_rows == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(JobState, "append", append_then_stop)
+    assert run(model, tmp_path / "in.jsonl", out, "--max-num-seqs", 2) == 143
+    monkeypatch.undo()
+    records = part_records(out)
+    assert 0 < len(records) < 8
+    video = source_digest(VideoSource("c.avi"), clips[0])
+    assert video != digest_of(clips[0])  # the same bytes read as an image are known apart
+    assert all(r["image_digests"] == [source_digest(VideoSource(""), clips[r["index"] % 2])] for r in records)
+
+    changed = records[0]["index"] % 2
+    (tmp_path / f"c{changed}.avi").write_bytes(video_bytes(random_frames(4, 28, 28, seed=9), fps=2))
+    code, _, err = run_inprocess("run", str(tmp_path / "in.jsonl"), "-o", str(out), "--model", str(model), "--device",
+                                 "cpu", "--display", "none", "--max-tokens", "6", "--max-num-seqs", "2")
+    assert code == 2 and f"with `videos[0]` ('{tmp_path}/c{changed}.avi'), which has other bytes now" in err, err
+    (tmp_path / f"c{changed}.avi").write_bytes(clips[changed])
+    assert run(model, tmp_path / "in.jsonl", out, "--max-num-seqs", 2) == 0
+    assert read_jsonl(out) == read_jsonl(tmp_path / "ref.jsonl")
