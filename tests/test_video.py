@@ -171,12 +171,8 @@ def test_a_video_for_a_model_without_videos_is_an_error_row(tmp_path):
 def test_a_resume_knows_a_video_by_its_bytes(tmp_path, monkeypatch):
     """A finished row's record keeps its video's digest (of its bytes, tagged as a video); a resume reads the video
     again and refuses when it has other bytes, and resumes to the uninterrupted run's OUTPUT once it is restored."""
-    import os
-    import signal
-
     from cbatch.io.images import digest_of, source_digest
-    from cbatch.io.state import JobState
-    from ops_jobs import part_records
+    from ops_jobs import part_records, sigterm_after_rows
 
     model = make_vl_checkpoint("qwen2_vl", tmp_path / "model")
     clips = [video_bytes(random_frames(4, 28, 28, seed=k), fps=2) for k in range(2)]
@@ -186,14 +182,7 @@ def test_a_resume_knows_a_video_by_its_bytes(tmp_path, monkeypatch):
                                          "videos": [str(tmp_path / f"c{i % 2}.avi")]} for i in range(8)])
     assert run(model, tmp_path / "in.jsonl", tmp_path / "ref.jsonl", "--max-num-seqs", 2) == 0
     out = tmp_path / "out.jsonl"
-    append = JobState.append
-
-    def append_then_stop(state, record, *args, **kwargs):  # a real SIGTERM once 3 rows are on disk
-        append(state, record, *args, **kwargs)
-        if state.num_rows == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(JobState, "append", append_then_stop)
+    sigterm_after_rows(monkeypatch, 3)  # a real SIGTERM once 3 rows are on disk
     assert run(model, tmp_path / "in.jsonl", out, "--max-num-seqs", 2) == 143
     monkeypatch.undo()
     records = part_records(out)
