@@ -115,6 +115,24 @@ main()
 """
 
 
+def sigterm_after_rows(monkeypatch, rows: int) -> None:
+    """An in-process job (`run_inprocess`) gets a real SIGTERM once `rows` rows are on disk (its JobState.append
+    patched through `monkeypatch`; `monkeypatch.undo()` ends it)."""
+    import os
+    import signal
+
+    from cbatch.io.state import JobState
+
+    append = JobState.append
+
+    def append_then_stop(state, record, *args, **kwargs):
+        append(state, record, *args, **kwargs)
+        if state.num_rows == rows:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(JobState, "append", append_then_stop)
+
+
 def cbatch_process(*args: str, stop_after_rows: int | None = None) -> subprocess.Popen:
     """A real `cbatch` process (stdout and stderr are pipes: not a terminal, as under cron).
 

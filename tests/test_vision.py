@@ -143,7 +143,7 @@ def test_a_prompt_whose_placeholders_do_not_fit_its_images_is_an_error(vl_model,
     seq = engine.add_request(short[:3] + short[4:], GREEDY, images=[images[0]])
     assert seq.error and "placeholder" in seq.error
     seq = engine.add_request(prompt([images[0]], [5]), GREEDY)
-    assert seq.error == "the prompt has image placeholder tokens but the row gives no images"
+    assert seq.error == "the prompt has image or video placeholder tokens but the row gives no images or videos"
 
 
 def test_vision_tower_matches_hfs_image_features(vl_model, images):

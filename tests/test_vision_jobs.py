@@ -134,12 +134,8 @@ def test_a_resume_notices_an_image_file_changed_since_the_partial_run(vl_model, 
     """A finished row's record keeps its images' digests; a resume reads the images of the rows it keeps again and
     refuses (exit 2, one line) when one has other bytes or is gone, as it refuses a changed INPUT. Restored, the same
     command resumes and gives the uninterrupted run's OUTPUT."""
-    import os
-    import signal
-
     from cbatch.io.images import digest_of
-    from cbatch.io.state import JobState
-    from ops_jobs import part_records
+    from ops_jobs import part_records, sigterm_after_rows
 
     pages = [png_bytes(28, 56, seed=k) for k in range(6)]
     for k, page in enumerate(pages):
@@ -149,14 +145,7 @@ def test_a_resume_notices_an_image_file_changed_since_the_partial_run(vl_model, 
     flags = ("--max-num-seqs", 2)
     assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "ref.jsonl", *flags) == 0
     out = tmp_path / "out.jsonl"
-    append = JobState.append
-
-    def append_then_stop(state, record, *args, **kwargs):  # a real SIGTERM once 5 rows are on disk
-        append(state, record, *args, **kwargs)
-        if state.num_rows == 5:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(JobState, "append", append_then_stop)
+    sigterm_after_rows(monkeypatch, 5)
     code, _, err = run_inprocess("run", str(tmp_path / "in.jsonl"), "-o", str(out), "--model", str(vl_model),
                                  "--device", "cpu", "--max-tokens", "6", "--max-num-seqs", "2")
     assert code == 143, err

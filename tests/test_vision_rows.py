@@ -186,11 +186,11 @@ def test_a_released_image_is_read_again_from_its_source_or_refused_in_one_senten
     assert image.pixels is None and np.array_equal(image.patches(), pixels) and image.pixels is None
     path.write_bytes(png_bytes(56, 28, seed=4))
     with pytest.raises(ImageError, match=r"^`images\[0\]` \('.*page.png'\) has other bytes than when its row was "
-                                         r"queued; keep a job's images in place and unchanged until it finishes$"):
+                                         r"queued; keep a job's images and videos in place and unchanged until it finishes$"):
         image.patches()
     path.unlink()
     with pytest.raises(ImageError, match=r"^`images\[0\]` \('.*page.png'\) names a file that does not exist, read "
-                                         r"again for its preempted row; keep a job's images in place"):
+                                         r"again for its preempted row; keep a job's images and videos in place"):
         image.patches()
 
 

@@ -1,6 +1,6 @@
 """Tiny random Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE checkpoints (written by transformers itself) with a
 word-level tokenizer, a Qwen-style chat template that puts `<|vision_start|> <|image_pad|> <|vision_end|>` where a
-message has an image part, and the PIL image processor's preprocessor_config.json; HF `generate` on the same prompt as
+message has an image part (`<|video_pad|>`: a video part), and the PIL image processor's preprocessor_config.json; HF `generate` on the same prompt as
 the reference; and a counter of what a job does with its images (`ImageWatch`)."""
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} "
     "{% if m['content'] is string %}{{ m['content'] }} "
     "{% else %}{% for part in m['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }} {% else %}<|vision_start|> <|image_pad|> <|vision_end|> {% endif %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }} "
+    "{% elif part['type'] == 'video' %}<|vision_start|> <|video_pad|> <|vision_end|> "
+    "{% else %}<|vision_start|> <|image_pad|> <|vision_end|> {% endif %}"
     "{% endfor %}{% endif %}<|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
 )
@@ -153,6 +155,27 @@ def png_bytes(height: int, width: int, seed: int) -> bytes:
     return buffer.getvalue()
 
 
+def video_bytes(frames: list[np.ndarray], fps: int = 4) -> bytes:
+    """An AVI of `frames` (uint8 [H, W, 3] each) at `fps`, PNG-coded: lossless, so decoding gives them back."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="avi") as out:
+        stream = out.add_stream("png", rate=fps)
+        stream.height, stream.width = frames[0].shape[:2]
+        stream.pix_fmt = "rgb24"
+        for frame in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def random_frames(count: int, height: int, width: int, seed: int = 0) -> list[np.ndarray]:
+    """`count` random RGB frames."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (height, width, 3), dtype=np.uint8) for _ in range(count)]
+
+
 _HF_MODELS: dict[Path, object] = {}
 
 
@@ -167,14 +190,23 @@ def hf_model(path: Path):
 
 
 def hf_vl_greedy(path: Path, prompt_ids: list[int], images, max_new_tokens: int) -> list[int]:
-    """HF `generate`, greedy, on the same prompt ids (placeholders expanded) and the same preprocessed images."""
+    """HF `generate`, greedy, on the same prompt ids (placeholders expanded) and the same preprocessed images and
+    videos (Qwen2.5-VL's videos with their seconds per temporal patch: time_interval / tokens_per_second)."""
     model = hf_model(path)
     ids = torch.tensor([prompt_ids])
     kwargs = {}
+    stills, videos = [im for im in images or () if not im.video], [im for im in images or () if im.video]
     if images:
-        kwargs = dict(pixel_values=torch.from_numpy(np.concatenate([im.patches() for im in images])),
-                      image_grid_thw=torch.tensor([im.grid for im in images]),
-                      mm_token_type_ids=(ids == IMAGE_TOKEN).int())
+        kwargs["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int() + 2 * (ids == VIDEO_TOKEN).int()
+    if stills:
+        kwargs.update(pixel_values=torch.from_numpy(np.concatenate([im.patches() for im in stills])),
+                      image_grid_thw=torch.tensor([im.grid for im in stills]))
+    if videos:
+        kwargs.update(pixel_values_videos=torch.from_numpy(np.concatenate([im.patches() for im in videos])),
+                      video_grid_thw=torch.tensor([im.grid for im in videos]))
+        per_second = getattr(model.config.vision_config, "tokens_per_second", None)
+        if per_second:  # Qwen2.5-VL
+            kwargs["second_per_grid_ts"] = torch.tensor([im.time_interval / per_second for im in videos])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=0, **kwargs)

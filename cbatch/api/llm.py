@@ -88,7 +88,8 @@ class LLM:
         """One conversation (a list of {"role", "content"}) or a list of them, rendered with the model's chat
         template (or `chat_template`), the assistant's turn opened unless `add_generation_prompt=False`. Content
         reaches the template as a string (text parts joined); a message with image parts (`image_url`, `image`,
-        `image_pil`: a vision-language model's) as its parts, each image a bare {"type": "image"}."""
+        `image_pil`: a vision-language model's) or video parts (`video_url`, `video`: Qwen2-VL's, Qwen2.5-VL's) as
+        its parts, each image a bare {"type": "image"}, each video {"type": "video"}."""
         if self.engine.tokenizer is None:
             raise UserError("this model has no tokenizer; chat needs one")
         if chat_template_content_format not in ("auto", "string"):

@@ -22,7 +22,7 @@ import torch
 
 from cbatch.config import Constraint, EngineConfig, SamplingParams
 from cbatch.engine.batching import ClosedAdmission
-from cbatch.engine.images import PromptImage, SeqImages, seq_images
+from cbatch.engine.images import PromptImage, SeqImages, placeholder_tokens, seq_images
 from cbatch.engine.kv_blocks import BlockPool
 from cbatch.engine.logprobs import Logprobs
 from cbatch.engine.pooling import PoolingParams
@@ -196,8 +196,8 @@ class Engine:
         """The request's images placed in its prompt (engine/images.py), None without images, or why they do not fit."""
         vision = self.spec.vision if self.spec is not None else None
         if not images:
-            if vision is not None and vision.image_token_id in prompt_ids:
-                return "the prompt has image placeholder tokens but the row gives no images"
+            if vision is not None and not set(placeholder_tokens(vision)).isdisjoint(prompt_ids):
+                return "the prompt has image or video placeholder tokens but the row gives no images or videos"
             return None
         if vision is None:
             name = self.spec.architecture if self.spec is not None else "model"

@@ -42,6 +42,14 @@ class PromptImage:
     # run follows this one's in the prompt (io/images.expand_placeholders); the engine places them as images
     # (`with_crops`), the row's record, the result cache and a resume know the image by its own digest alone
     crops: tuple["PromptImage", ...] = ()
+    # a video (io/videos.py): its frames in temporal patches (grid t > 1 for more than one pair), its placeholder
+    # the model's video token, and M-RoPE's temporal step per temporal patch (model/mrope.py)
+    video: bool = False
+    time_interval: float = 1.0
+
+    def token(self, vision: VisionSpec | SiglipSpec) -> int:
+        """The placeholder token of its run: the model's video token for a video, else its image token."""
+        return vision.video_token_id if self.video else vision.image_token_id
 
     def patches(self) -> np.ndarray:
         """The image's patches for the vision tower: the ones held, else read again from its source."""
@@ -112,33 +120,46 @@ def with_crops(images: Sequence[PromptImage]) -> list[PromptImage]:
 
 
 def seq_images(prompt_ids: list[int], images: list[PromptImage], vision: VisionSpec | SiglipSpec) -> SeqImages | str:
-    """The sequence's view of `images` in `prompt_ids` (each image's crops after it: runs of their own), or why
-    they do not fit its placeholders (one sentence)."""
+    """The sequence's view of `images` (images and videos, in prompt order; each image's pan-and-scan crops after
+    it: runs of their own) in `prompt_ids`, or why they do not fit its placeholders (one sentence)."""
     images = with_crops(images)
-    token = vision.image_token_id
     ids = np.asarray(prompt_ids, dtype=np.int64)
-    where = np.flatnonzero(ids == token)
+    where = np.flatnonzero(np.isin(ids, placeholder_tokens(vision)))
     runs, cursor = [], 0  # `cursor`: index into `where`
     for number, image in enumerate(images, start=1):
+        kind = "video" if image.video else "image"
         if cursor + image.num_tokens > len(where):
-            return (f"the prompt has {len(where)} image placeholder tokens, too few for its {len(images)} image(s) "
-                    f"(image {number} needs {image.num_tokens}); was the prompt cut (truncate_prompt_tokens)?")
+            return (f"the prompt has {len(where)} image/video placeholder tokens, too few for its {len(images)} "
+                    f"image(s) and video(s) ({kind} {number} needs {image.num_tokens}); was the prompt cut "
+                    "(truncate_prompt_tokens)?")
         start = int(where[cursor])
-        if int(where[cursor + image.num_tokens - 1]) != start + image.num_tokens - 1:
-            return f"image {number}'s placeholder run in the prompt is {_run_length(where, cursor)} tokens, it needs {image.num_tokens}"
+        run = ids[where[cursor : cursor + image.num_tokens]]
+        contiguous = int(where[cursor + image.num_tokens - 1]) == start + image.num_tokens - 1
+        if not contiguous or (run != image.token(vision)).any():
+            return (f"{kind} {number}'s placeholder run in the prompt is {_run_length(ids, where, cursor)} "
+                    f"{kind} tokens, it needs {image.num_tokens}")
         runs.append((start, image))
         cursor += image.num_tokens
     if cursor != len(where):
-        return (f"the prompt has {len(where) - cursor} image placeholder tokens no image fills; give one image per "
-                f"placeholder (the chat template puts one where a message has an image part)")
-    if runs and ids.size and ids[-1] == token:
-        return "the prompt ends with an image; add text after it"
+        return (f"the prompt has {len(where) - cursor} image/video placeholder tokens no image or video fills; give "
+                f"one per placeholder (the chat template puts one where a message has an image or video part)")
+    if runs and ids.size and ids[-1] in placeholder_tokens(vision):
+        return "the prompt ends with an image or video; add text after it"
     if not vision.mrope_section:  # 1-D positions: the token's index
         return SeqImages(runs, np.arange(len(prompt_ids), dtype=np.int64)[None], 0, vision.bidirectional_images)
-    positions, delta = mrope_positions(len(prompt_ids), [(start, image.grid) for start, image in runs], vision.merge_size)
+    extents = [(start, image.grid, image.time_interval) for start, image in runs]
+    positions, delta = mrope_positions(len(prompt_ids), extents, vision.merge_size)
     return SeqImages(runs, positions, delta)
 
 
-def _run_length(where: np.ndarray, cursor: int) -> int:
-    breaks = np.flatnonzero(np.diff(where[cursor:]) != 1)
-    return int(breaks[0]) + 1 if breaks.size else len(where) - cursor
+def placeholder_tokens(vision: VisionSpec | SiglipSpec) -> list[int]:
+    """The tokens an image's or a video's run is made of (the video token where the model takes videos)."""
+    video = getattr(vision, "video_token_id", None)
+    return [vision.image_token_id] + ([video] if video is not None else [])
+
+
+def _run_length(ids: np.ndarray, where: np.ndarray, cursor: int) -> int:
+    """The length of the run of one placeholder token starting at where[cursor]."""
+    rest = where[cursor:]
+    breaks = np.flatnonzero((np.diff(rest) != 1) | (ids[rest[1:]] != ids[rest[0]]))
+    return int(breaks[0]) + 1 if breaks.size else len(rest)

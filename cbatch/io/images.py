@@ -29,10 +29,10 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from cbatch.engine.images import PromptImage
-from cbatch.io.row_fields import RowError
+from cbatch.engine.images import PromptImage, placeholder_tokens
+from cbatch.io.row_fields import RowError, VideoSource
 from cbatch.model.image_processor import image_processor, pan_and_scan_for, pixel_range
 from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.vision_spec import VisionSpec
@@ -74,6 +74,8 @@ def describe(source: Any) -> str:
     """A short name of an image source for messages (a data URI or bytes by their size, a path or URL as given)."""
     if is_pil_image(source):
         return f"<PIL image {source.size[0]} x {source.size[1]}>"
+    if isinstance(source, VideoSource):
+        source = source.source
     if isinstance(source, dict):
         source = source.get("path") or source.get("bytes")
     if isinstance(source, (bytes, bytearray)):
@@ -84,7 +86,9 @@ def describe(source: Any) -> str:
 
 
 def read_source(source: Any) -> bytes:
-    """The image's bytes; raises ImageError (without the image's name: the caller adds it)."""
+    """The image's (or video's) bytes; raises ImageError (without the image's name: the caller adds it)."""
+    if isinstance(source, VideoSource):
+        source = source.source
     if isinstance(source, dict):  # a datasets Image struct: its bytes, else its path
         data = source.get("bytes")
         source = data if data is not None else source.get("path")
@@ -133,16 +137,27 @@ def digest_of(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
+VIDEO_DIGEST_TAG = b"cbatch video\0"
+
+
+def source_digest(source: Any, data: bytes) -> str:
+    """The digest a source with bytes `data` is known by (encoder cache, prefix cache, result cache, resume): of its
+    bytes, a video's tagged (the same bytes read as an image and as a video are other embeddings). A video's
+    sampling settings are the model's processor config (io/videos.py), which the job's identity holds already."""
+    return digest_of(VIDEO_DIGEST_TAG + data if isinstance(source, VideoSource) else data)
+
+
 class ImageReader:
     """The model's image processor with the job's pixel bounds: a row's image source -> `PromptImage`."""
 
     def __init__(self, model_dir: Path | None, vision: VisionSpec | SiglipSpec, min_pixels: int | None = None,
-                 max_pixels: int | None = None, pan_and_scan: bool | None = None) -> None:
+                 max_pixels: int | None = None, pan_and_scan: bool | None = None, video: bool = False) -> None:
         """`min_pixels` / `max_pixels` / `pan_and_scan`: the job's (EngineConfig.image_min_pixels /
-        image_max_pixels / image_pan_and_scan) over the model's preprocessor_config.json; None: the model's."""
+        image_max_pixels / image_pan_and_scan) over the model's preprocessor_config.json; None: the model's.
+        `video`: the reader of a video's frames (the video processor's config: io/videos.py; no crops)."""
         self.vision = vision
-        self.processor = image_processor(model_dir, vision, min_pixels, max_pixels)
-        self.pan_and_scan = pan_and_scan_for(model_dir, vision, pan_and_scan)  # Gemma 3's crops; None: none
+        self.processor = image_processor(model_dir, vision, min_pixels, max_pixels, video)
+        self.pan_and_scan = None if video else pan_and_scan_for(model_dir, vision, pan_and_scan)  # Gemma 3's crops
 
     @classmethod
     def for_config(cls, model_dir: Path | None, vision: VisionSpec | SiglipSpec, config: "EngineConfig") -> "ImageReader":
@@ -218,16 +233,22 @@ class ImageReader:
     def reread(self, source: Any, name: str, digest: str, part: int = 0) -> Any:
         """The patches of the image `source` (read before as `name`, its bytes hashing to `digest`; `part` k > 0:
         its k-th pan-and-scan crop) read and preprocessed again: a preempted row's image whose embedding the encoder
-        cache dropped after its pixels were released. Raises ImageError if the source is gone or its bytes changed
-        since (the prefix cache and the row's record know the image by `digest`)."""
-        keep = "keep a job's images in place and unchanged until it finishes"
-        try:
-            image = self.read(source, name)
-        except ImageError as exc:
-            raise ImageError(f"{exc}, read again for its preempted row; {keep}") from None
-        if image.digest != digest:
-            raise ImageError(f"`{name}` ({describe(source)}) has other bytes than when its row was queued; {keep}")
+        cache dropped after its pixels were released (`reread_checked`)."""
+        image = reread_checked(self.read, source, name, digest)
         return (image, *image.crops)[part].pixels
+
+
+def reread_checked(read: Callable[[Any, str], PromptImage], source: Any, name: str, digest: str) -> PromptImage:
+    """What `read(source, name)` gives again (an image or a video); raises ImageError if the source is gone or its
+    bytes changed since (the prefix cache and the row's record know it by `digest`)."""
+    keep = "keep a job's images and videos in place and unchanged until it finishes"
+    try:
+        image = read(source, name)
+    except ImageError as exc:
+        raise ImageError(f"{exc}, read again for its preempted row; {keep}") from None
+    if image.digest != digest:
+        raise ImageError(f"`{name}` ({describe(source)}) has other bytes than when its row was queued; {keep}")
+    return image
 
 
 def _open(source: Any):
@@ -269,15 +290,15 @@ _CROPS_TEXT = ("Here is the original image ", " and here are some crops to help 
 
 def expand_placeholders(prompt_ids: list[int], images: list[PromptImage], vision: VisionSpec | SiglipSpec,
                         tokenizer: Any = None) -> list[int]:
-    """The prompt with each image's one placeholder token (as the chat template writes it) expanded to the image's
-    run, as the model's processor does: Qwen2-VL's `<|image_pad|>` repeated to the image's token count; Gemma 3's
-    `<start_of_image>` turned into "\n\n" <start_of_image>, its `<image_soft_token>`s, <end_of_image> "\n\n", and
+    """The prompt with each image's (or video's) one placeholder token (as the chat template writes it) expanded to
+    its run, as the model's processor does: Qwen2-VL's `<|image_pad|>` (a video's `<|video_pad|>`) repeated to its
+    token count; Gemma 3's `<start_of_image>` turned into "\n\n" <start_of_image>, its `<image_soft_token>`s, <end_of_image> "\n\n", and
     for an image with pan-and-scan crops "Here is the original image " and that run, " and here are some crops to
     help you see better " and each crop's run (" " between them). The text between two special tokens is encoded by
     `tokenizer` as one piece, as the processor's tokenizer splits it (None: no text). Raises RowError when the
-    counts differ."""
+    counts or the order differ."""
     if isinstance(vision, SiglipSpec):
-        token = vision.boi_token_id
+        tokens = [vision.boi_token_id]
         encoded: dict[str, list[int]] = {}
 
         def text(piece: str) -> list[int]:
@@ -291,17 +312,18 @@ def expand_placeholders(prompt_ids: list[int], images: list[PromptImage], vision
             for k, part in enumerate((image, *image.crops)):
                 if k:
                     out = out + text("\n\n" + (first if k == 1 else between) + "\n\n")
-                out = out + [token, *[vision.image_token_id] * part.num_tokens, vision.eoi_token_id]
+                out = out + [vision.boi_token_id, *[vision.image_token_id] * part.num_tokens, vision.eoi_token_id]
             return out + text("\n\n")
     else:
-        token = vision.image_token_id
+        tokens = placeholder_tokens(vision)
 
         def run(image: PromptImage) -> list[int]:
-            return [token] * image.num_tokens
-    where = [i for i, t in enumerate(prompt_ids) if t == token]
-    if len(where) != len(images):
-        raise RowError(f"the prompt has {len(where)} image placeholder(s) for {len(images)} image(s); a chat puts one "
-                       "per image part, a text `prompt` must hold the model's image placeholder once per image")
+            return [image.token(vision)] * image.num_tokens
+    where = [i for i, t in enumerate(prompt_ids) if t in tokens]
+    given = [image.video for image in images]  # each one a video?, in row order
+    placed = [prompt_ids[i] != tokens[0] for i in where]  # each placeholder a video's?, in prompt order
+    if given != placed:
+        raise RowError(_placeholder_mismatch(given, placed))
     out: list[int] = []
     start = 0
     for index, image in zip(where, images):
@@ -310,8 +332,34 @@ def expand_placeholders(prompt_ids: list[int], images: list[PromptImage], vision
     return out + prompt_ids[start:]
 
 
+def in_prompt_order(prompt_ids: list[int], images: list[PromptImage], vision: VisionSpec | SiglipSpec
+                    ) -> list[PromptImage]:
+    """A text prompt's images and videos (given as the row's `images`, then `videos`) in the order of its
+    placeholders: each image placeholder takes the next image, each video placeholder the next video (a chat's
+    come in prompt order already). Unchanged where the counts differ (`expand_placeholders` says why)."""
+    tokens = placeholder_tokens(vision) if isinstance(vision, VisionSpec) else [vision.boi_token_id]
+    queues = {False: [i for i in images if not i.video], True: [i for i in images if i.video]}
+    placed = [t != tokens[0] for t in prompt_ids if t in tokens]
+    if not queues[True] or [placed.count(False), placed.count(True)] != [len(queues[False]), len(queues[True])]:
+        return images
+    return [queues[video].pop(0) for video in placed]
+
+
+def _placeholder_mismatch(given: list[bool], placed: list[bool]) -> str:
+    """Why a row's images and videos (`given`: is each a video) do not fit its prompt's placeholders (`placed`)."""
+    if not any(given) and not any(placed):
+        return (f"the prompt has {len(placed)} image placeholder(s) for {len(given)} image(s); a chat puts one per "
+                "image part, a text `prompt` must hold the model's image placeholder once per image")
+    if sorted(given) == sorted(placed):
+        return ("the prompt's image and video placeholders come in another order than the row's images and videos; "
+                "give them in the order the prompt names them")
+    return (f"the prompt has {placed.count(False)} image and {placed.count(True)} video placeholder(s) for "
+            f"{given.count(False)} image(s) and {given.count(True)} video(s); a chat puts one per image or video part, "
+            "a text `prompt` must hold the model's placeholder once per image or video")
+
+
 def template_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as a chat template reads them: each image part a bare `{"type": "image"}` (the template writes the
-    placeholder; the bytes stay out of it)."""
-    return [{**m, "content": [p if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
+    """Messages as a chat template reads them: each image part a bare `{"type": "image"}`, each video part
+    `{"type": "video"}` (the template writes the placeholder; the bytes stay out of it)."""
+    return [{**m, "content": [p if p["type"] == "text" else {"type": p["type"]} for p in m["content"]]}
             if isinstance(m.get("content"), list) else m for m in messages]

@@ -4,6 +4,7 @@ this module imports no other row module.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from cbatch.config import UserError
@@ -34,11 +35,32 @@ def parse_messages(value: Any, images: bool = False) -> list[dict[str, Any]]:
     """A row's `messages`, checked (raises RowError naming the message and field). `images`: image content parts are
     taken (OpenAI's `image_url`, or `{"type": "image", "image": SOURCE}`; a bare `{"type": "image"}` takes the row's
     next `images` entry): a message with one keeps its content as parts, `{"type": "text"}` and
-    `{"type": "image", "image": SOURCE or None, "name": where}` (io/images.py reads them)."""
+    `{"type": "image", "image": SOURCE or None, "name": where}` (io/images.py reads them); video parts (`video_url`,
+    `{"type": "video", "video": SOURCE}`; a bare one takes the row's next `videos` entry) likewise, as
+    `{"type": "video", "video": VideoSource or None, "name": where}` (io/videos.py reads them)."""
     return _messages(value, images)
 
 
 IMAGE_PART_TYPES = ("image_url", "image", "input_image", "image_pil")  # (image_pil: vLLM's, a library PIL image)
+VIDEO_PART_TYPES = ("video_url", "video")  # (video_url: vLLM's OpenAI-style part)
+
+
+@dataclass(frozen=True, slots=True)
+class VideoSource:
+    """A row's video: its source (any form an image's takes), marked so that it is read as a video (io/videos.py)."""
+
+    source: Any
+
+
+def _video_part(where: str, part: dict[str, Any]) -> dict[str, Any]:
+    """A video content part -> {"type": "video", "video": its VideoSource (None: the row's next `videos` entry),
+    "name"}."""
+    source = part.get("video_url", part.get("video"))
+    if isinstance(source, dict):  # {"url": ...}
+        source = source.get("url")
+    if part.get("type") == "video_url" and not isinstance(source, str):
+        raise RowError(f"`{where}.video_url` must be {{\"url\": \"...\"}} (a URL, a path or a data: URI)")
+    return {"type": "video", "video": None if source is None else VideoSource(source), "name": where}
 
 
 def _image_part(where: str, part: dict[str, Any]) -> dict[str, Any]:
@@ -60,12 +82,15 @@ def _content_parts(where: str, content: list[Any], images: bool) -> str | list[d
             parts.append({"type": "text", "text": _text(f"{where}[{j}].text", part["text"])})
         elif kind in IMAGE_PART_TYPES and images:
             parts.append(_image_part(f"{where}[{j}]", part))
-        elif kind in IMAGE_PART_TYPES:
-            raise RowError(f"`{where}[{j}]` is an image part; this task reads text only (images: --task generate "
-                           f"with a vision-language model)")
+        elif kind in VIDEO_PART_TYPES and images:
+            parts.append(_video_part(f"{where}[{j}]", part))
+        elif kind in IMAGE_PART_TYPES + VIDEO_PART_TYPES:
+            raise RowError(f"`{where}[{j}]` is an image or video part; this task reads text only (images and videos: "
+                           f"--task generate with a vision-language model)")
         else:
-            raise RowError(f"`{where}` parts must be text or image parts ({{\"type\": \"text\", \"text\": ...}})")
-    if any(p["type"] == "image" for p in parts):
+            raise RowError(f"`{where}` parts must be text, image or video parts "
+                           f"({{\"type\": \"text\", \"text\": ...}})")
+    if any(p["type"] != "text" for p in parts):
         return parts
     return "".join(p["text"] for p in parts)
 

@@ -16,8 +16,8 @@ from cbatch.config import (INT, NUMBER, OBJECT, SAMPLING_FIELDS, STRINGS, TOKEN_
                            UserError)
 from cbatch.io.constraints import ConstraintFieldError, constraint_from_row
 from cbatch.io.openai import RequestError, is_openai_request, request_fields
-from cbatch.io.row_fields import (RowError, given_row_id, is_token_ids, parse_messages, row_id_of, text_field,
-                                  token_ids_field)
+from cbatch.io.row_fields import (RowError, VideoSource, given_row_id, is_token_ids, parse_messages, row_id_of,
+                                  text_field, token_ids_field)
 from cbatch.reasoning import DEFAULT_EFFORT_BUDGETS, with_reasoning_effort
 from cbatch.tools import ToolFormat, ToolSpec, tool_spec
 
@@ -92,38 +92,51 @@ def parse_row(index: int, row: dict[str, Any] | str, defaults: SamplingParams,
 
 
 def row_images(row: dict[str, Any], request: RowRequest) -> list[tuple[str, Any]]:
-    """The row's images in prompt order, (where the row gave it, its source), unread: a chat's image parts (a bare
-    `{"type": "image"}` part takes the next entry of the row's `images`; entries left over go before the first user
-    message's text, as Qwen's examples put them), or a text prompt's `images`, one per image placeholder it has."""
-    key = "images" if row.get("images") is not None else "image"
-    given = row.get(key)
-    extra = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
-    for j, source in enumerate(extra):
-        if not (isinstance(source, (str, bytes, bytearray)) or (isinstance(source, dict) and ("bytes" in source or "path" in source))):
-            raise RowError(f"`{key}[{j}]` must be an image: a URL, a path, a data: URI, bytes or {{\"bytes\", \"path\"}}")
-    named = [(f"{key}[{j}]", source) for j, source in enumerate(extra)]
+    """The row's images and videos in prompt order, (where the row gave it, its source: a video's a VideoSource),
+    unread: a chat's image and video parts (a bare `{"type": "image"}` part takes the next entry of the row's
+    `images`, a bare `{"type": "video"}` the next of its `videos`; entries left over go before the first user
+    message's text, images then videos, as Qwen's examples put them), or a text prompt's `images` then `videos`,
+    one per placeholder it has (engine order: io/images.in_prompt_order)."""
+    given = {"image": _listed(row, "images", "image"), "video": _listed(row, "videos", "video")}
     if request.messages is None:
+        named = given["image"] + given["video"]
         if named and request.prompt_token_ids is not None:
-            raise RowError(f"`{key}` needs a `prompt` with the model's image placeholders, or `messages`; "
-                           "`prompt_token_ids` cannot carry images")
+            raise RowError(f"`{named[0][0].split('[')[0]}` needs a `prompt` with the model's placeholders, or "
+                           "`messages`; `prompt_token_ids` cannot carry images or videos")
         return named
-    left = list(named)
     for message in request.messages:
         for part in message["content"] if isinstance(message["content"], list) else ():
-            if part["type"] == "image" and part["image"] is None:
-                if not left:
-                    raise RowError(f"`{part['name']}` is an image part with no image, and the row's `images` has no "
-                                   "entry left for it")
-                part["name"], part["image"] = left.pop(0)
+            kind = part["type"]
+            if kind != "text" and part[kind] is None:
+                if not given[kind]:
+                    raise RowError(f"`{part['name']}` is {'an image' if kind == 'image' else 'a video'} part with no "
+                                   f"source, and the row's `{kind}s` has no entry left for it")
+                part["name"], part[kind] = given[kind].pop(0)
+    left = [(name, kind, source) for kind in ("image", "video") for name, source in given[kind]]
     if left:
         user = next((m for m in request.messages if m["role"] == "user"), None)
         if user is None:
-            raise RowError(f"`{key}`: the chat has no user message to put the images in")
+            raise RowError(f"`{left[0][0].split('[')[0]}`: the chat has no user message to put them in")
         text = user["content"]
         parts = text if isinstance(text, list) else [{"type": "text", "text": text or ""}]
-        user["content"] = [{"type": "image", "image": source, "name": name} for name, source in left] + parts
-    return [(part["name"], part["image"]) for message in request.messages if isinstance(message["content"], list)
-            for part in message["content"] if part["type"] == "image"]
+        user["content"] = [{"type": kind, kind: source, "name": name} for name, kind, source in left] + parts
+    return [(part["name"], part[part["type"]]) for message in request.messages if isinstance(message["content"], list)
+            for part in message["content"] if part["type"] != "text"]
+
+
+def _listed(row: dict[str, Any], plural: str, single: str) -> list[tuple[str, Any]]:
+    """The row's `images` (else `image`: one) or `videos` (else `video`), checked: (its name, its source); a video's
+    source wrapped as a VideoSource."""
+    key = plural if row.get(plural) is not None else single
+    given = row.get(key)
+    entries = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
+    for j, source in enumerate(entries):
+        if not (isinstance(source, (str, bytes, bytearray))
+                or (isinstance(source, dict) and ("bytes" in source or "path" in source))):
+            raise RowError(f"`{key}[{j}]` must be {'an image' if single == 'image' else 'a video'}: a URL, a path, a "
+                           "data: URI, bytes or {\"bytes\", \"path\"}")
+    wrap = VideoSource if single == "video" else (lambda source: source)
+    return [(f"{key}[{j}]", wrap(source)) for j, source in enumerate(entries)]
 
 
 _WITH_LORA: dict[tuple[int, str], tuple[SamplingParams, SamplingParams]] = {}  # (id(params), adapter) -> both

@@ -15,13 +15,37 @@ from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.vision_spec import VisionSpec
 
 
+IMAGE_CONFIG = "preprocessor_config.json"
+# a video's: transformers' video processor reads this file where the checkpoint has it, else the image one
+VIDEO_CONFIGS = ("video_preprocessor_config.json", IMAGE_CONFIG)
+# the video processor's pixel bounds where its file has none (transformers' Qwen2VLVideoProcessor's defaults)
+VIDEO_PIXELS = (128 * 28 * 28, 768 * 28 * 28)
+
+
 def image_processor(model_dir: Path | None, vision: VisionSpec | SiglipSpec, min_pixels: int | None = None,
-                    max_pixels: int | None = None):
+                    max_pixels: int | None = None, video: bool = False):
     """The processor of a model of `vision` in `model_dir`; `min_pixels` / `max_pixels`: a job's bounds over the
-    model's (None: the model's; Gemma 3's processor resizes to its square whatever they are)."""
+    model's (None: the model's; Gemma 3's processor resizes to its square whatever they are). `video`: the one a
+    video's frames go through (Qwen: the image processor with the video processor's config: VIDEO_CONFIGS)."""
     if isinstance(vision, SiglipSpec):
         return _siglip_processor(model_dir, vision)
-    return _processor(model_dir, vision, {"min_pixels": min_pixels, "max_pixels": max_pixels})
+    bounds = {"min_pixels": min_pixels, "max_pixels": max_pixels}
+    if not video:
+        return _processor(vision, bounds, read_config(model_dir, (IMAGE_CONFIG,)))
+    given = read_config(model_dir, VIDEO_CONFIGS)
+    size = given.get("size") or {}
+    for (key, edge), default in zip((("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")), VIDEO_PIXELS):
+        given[key] = given.get(key) or size.get(edge) or default
+    return _processor(vision, bounds, given)
+
+
+def read_config(model_dir: Path | None, names: tuple[str, ...]) -> dict[str, Any]:
+    """The first of the checkpoint's processor config files `names` it has, read ({} where none)."""
+    for name in names:
+        path = model_dir / name if model_dir is not None else None
+        if path is not None and path.is_file():
+            return json.loads(path.read_text())
+    return {}
 
 
 def pixel_range(processor) -> tuple[int, int]:
@@ -43,21 +67,14 @@ _PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_siz
                    "image_std", "do_resize", "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb", "size")
 
 
-def _preprocessor_config(model_dir: Path | None) -> dict[str, Any]:
-    """The checkpoint's preprocessor_config.json ({} where it has none)."""
-    path = model_dir / "preprocessor_config.json" if model_dir is not None else None
-    return json.loads(path.read_text()) if path is not None and path.is_file() else {}
-
-
-def _processor(model_dir: Path | None, vision: VisionSpec, bounds: dict[str, int | None]):
-    """transformers' PIL image processor for Qwen2-VL (no torchvision needed) from the checkpoint's
-    preprocessor_config.json, the vision spec's patch sizes where it has none, the job's pixel `bounds` on top
-    ({"min_pixels", "max_pixels"}: None where the model's hold)."""
+def _processor(vision: VisionSpec, bounds: dict[str, int | None], given: dict[str, Any]):
+    """transformers' PIL image processor for Qwen2-VL (no torchvision needed) from the checkpoint's processor
+    config `given` (preprocessor_config.json's), the vision spec's patch sizes where it has none, the job's pixel
+    `bounds` on top ({"min_pixels", "max_pixels"}: None where the model's hold)."""
     try:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as Processor
     except ImportError:  # transformers before the PIL/torchvision split: the slow processor is the PIL one
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as Processor
-    given = _preprocessor_config(model_dir)
     kwargs: dict[str, Any] = dict(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
                                   merge_size=vision.merge_size)
     kwargs.update({k: v for k, v in given.items() if k in _PROCESSOR_KEYS})
@@ -79,7 +96,7 @@ def _siglip_processor(model_dir: Path | None, vision: SiglipSpec):
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil as Processor
     except ImportError:  # transformers before the PIL/torchvision split: the slow processor is the PIL one
         from transformers.models.gemma3.image_processing_gemma3 import Gemma3ImageProcessor as Processor
-    given = _preprocessor_config(model_dir)
+    given = read_config(model_dir, (IMAGE_CONFIG,))
     kwargs = {k: v for k, v in given.items() if k in _PROCESSOR_KEYS + ("resample",) and v is not None}
     kwargs["size"] = {"height": vision.image_size, "width": vision.image_size}
     return Processor(**kwargs, do_pan_and_scan=False)
@@ -119,7 +136,7 @@ def pan_and_scan_for(model_dir: Path | None, vision: VisionSpec | SiglipSpec, jo
     without it (Qwen)."""
     if not isinstance(vision, SiglipSpec):
         return None
-    given = _preprocessor_config(model_dir)
+    given = read_config(model_dir, (IMAGE_CONFIG,))
     if not (job if job is not None else bool(given.get("do_pan_and_scan"))):
         return None
     settings = {name: given[key] for name, key in (("min_crop", "pan_and_scan_min_crop_size"),

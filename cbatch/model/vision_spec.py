@@ -51,6 +51,10 @@ class VisionSpec:
     num_position_embeddings: int = 0
     deepstack_layers: tuple[int, ...] = ()
     mrope_interleaved: bool = False
+    # videos (Qwen2-VL, Qwen2.5-VL): the placeholder token of a video's merged patches (None: the model takes no
+    # videos), and Qwen2.5-VL's M-RoPE temporal positions per second of video (0: one position per temporal patch)
+    video_token_id: int | None = None
+    tokens_per_second: float = 0.0
 
     @property
     def patch_dim(self) -> int:
@@ -170,7 +174,14 @@ def parse_vision(cfg: dict[str, Any], arch: str) -> VisionSpec:
         image_token_id=_image_token(cfg, arch),
         vision_start_token_id=cfg.get("vision_start_token_id"),
         mrope_section=_mrope_section(cfg),
+        video_token_id=_video_token(cfg),
+        tokens_per_second=float(vision.get("tokens_per_second", 4)) if qwen25 else 0.0,
     )
+
+
+def _video_token(cfg: dict[str, Any]) -> int | None:
+    token = cfg.get("video_token_id", (cfg.get("text_config") or {}).get("video_token_id"))
+    return None if token is None else int(token)
 
 
 def _activation(vision: dict[str, Any], default: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from cbatch.io.images import ImageError, describe, digest_of, read_source
+from cbatch.io.images import ImageError, describe, read_source, source_digest
 from cbatch.io.reader import RawRow
 from cbatch.io.row_fields import RowError
 from cbatch.io.state import JobState, StateError
@@ -31,7 +31,7 @@ def check_resumed_images(state: JobState, rows: Iterator[RawRow], task: Task) ->
             sources = []
         for (name, source), digest in zip(sources, digests):
             try:
-                now = digest_of(read_source(source))
+                now = source_digest(source, read_source(source))
             except ImageError as exc:
                 now, problem = None, f"{exc} now"
             else:

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from cbatch.config import SamplingParams, UserError
-from cbatch.io.images import ImageReader, expand_placeholders, image_pool, template_parts
+from cbatch.io.images import ImageReader, expand_placeholders, image_pool, in_prompt_order, template_parts
 from cbatch.io.openai import request_digest
 from cbatch.io.reader import PROMPT_FIELDS
-from cbatch.io.row_fields import RowError
+from cbatch.io.row_fields import RowError, VideoSource
+from cbatch.io.videos import VideoReader
 from cbatch.io.rows import RowRequest, parse_row, with_lora
 from cbatch.reasoning import DEFAULT_EFFORT_BUDGETS, effort_in_template
 from cbatch.tasks.base import ParsedRow, Part, PendingRow, Request, RowWork, Task, TaskError, TaskOptions, register
@@ -43,6 +44,7 @@ class GenerateTask(Task):
         # made at the first row with images: the model's processor with the engine's pixel bounds and pan-and-scan
         # (EngineConfig.image_min_pixels / image_max_pixels / image_pan_and_scan: --image-min-pixels / ...)
         self._image_reader: ImageReader | None = None
+        self._video_reader: VideoReader | None = None  # made at the first row with a video (io/videos.py)
 
     @classmethod
     def for_job(cls, options: TaskOptions, spec: "ModelSpec", model_dir: Path | None) -> "GenerateTask":
@@ -87,6 +89,7 @@ class GenerateTask(Task):
         images = self.read_images(engine, request)
         prompt_ids = prompt_token_ids(engine, request)
         if images:
+            images = in_prompt_order(prompt_ids, images, engine.spec.vision)
             prompt_ids = expand_placeholders(prompt_ids, images, engine.spec.vision, engine.tokenizer)
         identity = [*prompt_ids, *(f"image:{image.digest}" for image in images)]  # images by their bytes, not names
         if request.raw_text:  # (its record is not split: not the same as a split row's of the same tokens)
@@ -101,9 +104,9 @@ class GenerateTask(Task):
         request: RowRequest = parsed.request
         if not request.images:
             return None
-        reader = self._reader(engine, request.images[0][0])
         pool = image_pool()
-        request.image_futures = [pool.submit(reader.read, source, name) for name, source in request.images]
+        request.image_futures = [pool.submit(self._reader(engine, name, source).read, source, name)
+                                 for name, source in request.images]
         return request.image_futures
 
     def read_images(self, engine: "Engine", request: RowRequest) -> list:
@@ -113,20 +116,29 @@ class GenerateTask(Task):
             return []
         if request.image_futures is not None:
             return [future.result() for future in request.image_futures]  # (an ImageError: the row's error)
-        reader = self._reader(engine, request.images[0][0])
-        return [reader.read(source, name, engine.decodes_images) for name, source in request.images]
+        return [self._reader(engine, name, source).read(source, name, engine.decodes_images)
+                for name, source in request.images]
 
-    def _reader(self, engine: "Engine", first: str) -> ImageReader:
-        if engine.spec is None or engine.spec.vision is None:
+    def _reader(self, engine: "Engine", name: str, source: Any) -> ImageReader | VideoReader:
+        """The reader of the row's image or video `source` (called `name`); a RowError where the model takes none."""
+        video = isinstance(source, VideoSource)
+        vision = engine.spec.vision if engine.spec is not None else None
+        if vision is None or (video and getattr(vision, "video_token_id", None) is None):
             model = engine.spec.architecture if engine.spec is not None else "model"
-            raise RowError(f"`{first}` is an image; this {model} reads no images (use a vision-language model, "
+            if video:
+                raise RowError(f"`{name}` is a video; this {model} reads no videos (Qwen2-VL and Qwen2.5-VL do)")
+            raise RowError(f"`{name}` is an image; this {model} reads no images (use a vision-language model, "
                            "e.g. Qwen2.5-VL or Gemma 3)")
-        if self._image_reader is None or self._image_reader.vision is not engine.spec.vision:
-            self._image_reader = ImageReader.for_config(engine.model_dir, engine.spec.vision, engine.config)
+        if video:
+            if self._video_reader is None or self._video_reader.vision is not vision:
+                self._video_reader = VideoReader(engine.model_dir, vision)
+            return self._video_reader
+        if self._image_reader is None or self._image_reader.vision is not vision:
+            self._image_reader = ImageReader.for_config(engine.model_dir, vision, engine.config)
         return self._image_reader
 
     def __getstate__(self) -> dict[str, Any]:  # (Ray ships the task: the processor is made again where it runs)
-        return {**self.__dict__, "_image_reader": None}
+        return {**self.__dict__, "_image_reader": None, "_video_reader": None}
 
     def _add_tool_choice(self, engine: "Engine", request: RowRequest) -> None:
         """The row's tool-call format (--tool-call-parser, else the chat template's), and for tool_choice "required"

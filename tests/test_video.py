@@ -1,0 +1,201 @@
+"""Videos in prompts: tiny random Qwen2-VL and Qwen2.5-VL checkpoints give HF `generate`'s greedy float32 tokens on
+cbatch's own preprocessing of a video (one video, a video beside an image, chunks cutting the video's run), with
+Qwen2.5-VL's temporal M-RoPE spacing; the frame sampling and patch layout against an independent computation; rows
+with videos through `cbatch run`, bad videos as error rows naming the row's video."""
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from cbatch.config import SamplingParams
+from cbatch.io.images import ImageReader
+from cbatch.io.row_fields import VideoSource
+from cbatch.io.videos import VideoReader, frame_indices
+from cbatch.model.loader import read_checkpoint
+from helpers import make_engine
+from ops_jobs import read_jsonl, run_inprocess, write_jsonl
+from vision_models import (IMAGE_TOKEN, VIDEO_TOKEN, VISION_END, VISION_START, hf_vl_greedy, make_vl_checkpoint,
+                           png_bytes, random_frames, run_requests, video_bytes)
+
+pytest.importorskip("av")
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vl_model(request, tmp_path_factory):
+    path = make_vl_checkpoint(request.param, tmp_path_factory.mktemp(request.param) / "model")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def reader(path) -> VideoReader:
+    return VideoReader(path, read_checkpoint(path).spec.vision)
+
+
+def prompt(items, tail: int = 3) -> list[int]:
+    """Words, each image's or video's placeholder run between vision start/end, then `tail` words."""
+    ids = [4, 10, 11]
+    for i, item in enumerate(items):
+        ids += [VISION_START, *[VIDEO_TOKEN if item.video else IMAGE_TOKEN] * item.num_tokens, VISION_END, 40 + i]
+    return ids + list(range(100, 100 + tail))
+
+
+def test_greedy_tokens_match_hf_for_a_video_and_a_video_beside_an_image(vl_model):
+    videos = reader(vl_model)
+    # 8 frames at 2 fps: all 8 sampled, 4 temporal patches of 2 x 2 tokens (Qwen2.5-VL: temporal positions 0, 4, 8,
+    # 12 past the start, beyond the text after it: the completion still continues from the prompt's last token, as
+    # transformers' generate does)
+    clip = videos.read(VideoSource(video_bytes(random_frames(8, 56, 56, seed=1), fps=2)), "videos[0]")
+    other = videos.read(VideoSource(video_bytes(random_frames(8, 56, 56, seed=2), fps=2)), "videos[0]")
+    image = ImageReader(vl_model, videos.vision).read(png_bytes(56, 84, seed=3), "images[0]")
+    assert clip.video and clip.grid == (4, 4, 4) and clip.num_tokens == 16
+    assert clip.time_interval == (4.0 if videos.vision.tokens_per_second else 1.0)
+    requests = [(prompt([clip]), [clip]), (prompt([image, clip]), [image, clip]), (prompt([other]), [other])]
+    outputs = run_requests(make_engine(vl_model, max_model_len=256), requests, GREEDY)
+    assert len(set(outputs[0])) > 2, "decisive: greedy output is not one repeated token"
+    assert outputs[0] != outputs[2], "the video decides the completion"
+    for (ids, items), ours in zip(requests, outputs):
+        assert ours == hf_vl_greedy(vl_model, ids, items, GREEDY.max_tokens)
+    # a 5-token budget cuts the video's run across steps; its embeddings are computed once and sliced
+    engine = make_engine(vl_model, max_model_len=256, max_num_batched_tokens=5, enable_prefix_cache=False)
+    assert run_requests(engine, requests[:2], GREEDY) == outputs[:2]
+    assert engine.runner.images.images_encoded == 2  # the video and the image, once each
+
+
+def test_frames_are_sampled_and_patched_as_transformers_does(vl_model):
+    # sampling: fps frames a second, at least min_frames (4), a multiple of the temporal patch (2)
+    assert frame_indices(8, 4.0, 2.0, 2, 4, 768).tolist() == [0, 2, 4, 6]
+    assert frame_indices(30, 30.0, 2.0, 2, 4, 768).tolist() == [0, 7, 15, 22]  # 1 s: 2 frames, raised to 4
+    assert frame_indices(9, 2.0, 2.0, 2, 4, 768).tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # 9 -> 8 (a multiple of 2)
+    assert frame_indices(1, 24.0, 2.0, 2, 4, 768).tolist() == [0]  # shorter than a temporal patch: all of it
+
+    videos = reader(vl_model)
+    frames = random_frames(19, 56, 56, seed=5)
+    # a 2-frame video of one repeated frame is the image processor's patches of that frame
+    still = videos.read(VideoSource(video_bytes([frames[0], frames[0]], fps=1)), "v")
+    png = io.BytesIO()
+    Image.fromarray(frames[0]).save(png, format="PNG")
+    image = ImageReader(vl_model, videos.vision).read(png.getvalue(), "i")
+    assert still.grid == image.grid == (1, 4, 4)
+    header = videos.read(VideoSource(video_bytes(random_frames(8, 56, 84), fps=4)), "v", decode=False)  # cbatch plan's
+    assert (header.grid, header.num_tokens, header.pixels) == ((2, 4, 6), 12, None)
+    np.testing.assert_array_equal(still.pixels, image.pixels)
+
+    # 19 sampled frames (preprocessed 16 at a time; the last repeated to fill the tenth temporal patch), against
+    # transformers' video patchify written out in numpy over frames rescaled and normalized by hand (56 x 56 needs
+    # no resize)
+    grid_thw, pixels = videos.patches(iter([Image.fromarray(f) for f in frames]), len(frames))
+    mean = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)[:, None, None]
+    std = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)[:, None, None]
+    video = np.stack([(f.transpose(2, 0, 1).astype(np.float32) / 255 - mean) / std for f in frames + [frames[-1]]])
+    t, c, patch, merge = 10, 3, 14, 2  # [F, C, H, W] -> view (t, 2, C, h/m, m, P, w/m, m, P), permute as transformers
+    grid = 56 // patch
+    view = video.reshape(t, 2, c, grid // merge, merge, patch, grid // merge, merge, patch)
+    expected = view.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * grid * grid, c * 2 * patch * patch)
+    assert grid_thw == (10, 4, 4)
+    np.testing.assert_allclose(pixels, expected, rtol=0, atol=1e-5)
+
+
+def run(model, input_path, out, *flags) -> int:
+    code, _, _ = run_inprocess("run", str(input_path), "-o", str(out), "--model", str(model), "--device", "cpu",
+                               "--display", "none", "--quiet", "--max-tokens", "6", *map(str, flags))
+    return code
+
+
+def test_video_rows_and_bad_videos_through_cbatch_run(tmp_path, monkeypatch):
+    model = make_vl_checkpoint("qwen2_vl", tmp_path / "model")
+    clip = video_bytes(random_frames(4, 56, 56, seed=7), fps=2)
+    (tmp_path / "clip.avi").write_bytes(clip)
+    (tmp_path / "junk.avi").write_bytes(b"this is not a video")
+    uri = "data:video/x-msvideo;base64," + base64.b64encode(clip).decode()
+    ask = {"type": "text", "text": "w1 w2"}
+    rows = [
+        {"id": "part",
+         "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": uri}}, ask]}]},
+        {"id": "field", "messages": [{"role": "user", "content": "w1 w2"}], "videos": [f"file://{tmp_path}/clip.avi"]},
+        {"id": "with-image", "messages": [{"role": "user", "content": "w1 w2"}], "videos": [str(tmp_path / "clip.avi")],
+         "images": ["data:image/png;base64," + base64.b64encode(png_bytes(56, 56, seed=1)).decode()]},
+        {"id": "missing", "messages": [{"role": "user", "content": "w1"}], "videos": [str(tmp_path / "nope.avi")]},
+        {"id": "junk", "messages": [{"role": "user", "content": "w1"}], "videos": [str(tmp_path / "junk.avi")]},
+        {"id": "text", "messages": [{"role": "user", "content": "w1 w2"}]},
+        # a text prompt names its video before its image: the row's `images` and `videos` take their placeholders
+        {"id": "prompt", "prompt": "<|vision_start|> <|video_pad|> <|vision_end|> <|vision_start|> <|image_pad|> "
+                                   "<|vision_end|> w1 w2", "videos": [str(tmp_path / "clip.avi")],
+         "images": ["data:image/png;base64," + base64.b64encode(png_bytes(56, 56, seed=1)).decode()]},
+    ]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    assert run(model, tmp_path / "in.jsonl", tmp_path / "out.jsonl") == 1
+    out = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert out["part"]["completion"] and out["part"]["completion"] == out["field"]["completion"]
+    # 4 frames at 2 fps: 2 s, 4 frames sampled, 2 temporal patches of 2 x 2 tokens, between vision start and end
+    assert out["part"]["prompt_tokens"] == out["text"]["prompt_tokens"] + 2 + 8
+    assert out["with-image"]["prompt_tokens"] == out["text"]["prompt_tokens"] + 2 + 8 + 2 + 4
+    assert out["prompt"]["prompt_tokens"] == 2 + 8 + 2 + 4 + 2 and out["prompt"]["completion"]
+    assert out["missing"]["error"] == f"`videos[0]` ('{tmp_path}/nope.avi') names a file that does not exist"
+    assert out["junk"]["error"].startswith(f"`videos[0]` ('{tmp_path}/junk.avi') cannot be decoded as a video (")
+
+    # the library's chat takes the same video part
+    from cbatch import LLM, SamplingParams as Params
+
+    llm = LLM(model=str(model), device="cpu", use_tqdm=False)
+    chat = llm.chat(rows[0]["messages"], Params(max_tokens=6, temperature=0.0))
+    assert chat[0].outputs[0].text == out["part"]["completion"]
+
+    # without PyAV: the video rows are error rows saying how to install it; the others complete
+    monkeypatch.setitem(sys.modules, "av", None)
+    assert run(model, tmp_path / "in.jsonl", tmp_path / "out2.jsonl") == 1
+    out2 = {r["id"]: r for r in read_jsonl(tmp_path / "out2.jsonl")}
+    assert out2["field"]["error"] == (f"`videos[0]` ('file://{tmp_path}/clip.avi') is a video, which needs PyAV: "
+                                      "pip install 'cbatch[video]'")
+    assert out2["text"]["completion"] == out["text"]["completion"]
+
+
+def test_a_video_for_a_model_without_videos_is_an_error_row(tmp_path):
+    model = make_vl_checkpoint("qwen3_vl", tmp_path / "model")
+    (tmp_path / "clip.avi").write_bytes(video_bytes(random_frames(4, 32, 32), fps=2))
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "v", "messages": [{"role": "user", "content": "w1"}],
+                                         "videos": [str(tmp_path / "clip.avi")]}])
+    assert run(model, tmp_path / "in.jsonl", tmp_path / "out.jsonl") == 1
+    error = read_jsonl(tmp_path / "out.jsonl")[0]["error"]
+    assert error == ("`videos[0]` is a video; this Qwen3VLForConditionalGeneration reads no videos (Qwen2-VL and "
+                     "Qwen2.5-VL do)")
+
+
+def test_a_resume_knows_a_video_by_its_bytes(tmp_path, monkeypatch):
+    """A finished row's record keeps its video's digest (of its bytes, tagged as a video); a resume reads the video
+    again and refuses when it has other bytes, and resumes to the uninterrupted run's OUTPUT once it is restored."""
+    from cbatch.io.images import digest_of, source_digest
+    from ops_jobs import part_records, sigterm_after_rows
+
+    model = make_vl_checkpoint("qwen2_vl", tmp_path / "model")
+    clips = [video_bytes(random_frames(4, 28, 28, seed=k), fps=2) for k in range(2)]
+    for k, clip in enumerate(clips):
+        (tmp_path / f"c{k}.avi").write_bytes(clip)
+    write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "messages": [{"role": "user", "content": f"w{i}"}],
+                                         "videos": [str(tmp_path / f"c{i % 2}.avi")]} for i in range(8)])
+    assert run(model, tmp_path / "in.jsonl", tmp_path / "ref.jsonl", "--max-num-seqs", 2) == 0
+    out = tmp_path / "out.jsonl"
+    sigterm_after_rows(monkeypatch, 3)  # a real SIGTERM once 3 rows are on disk
+    assert run(model, tmp_path / "in.jsonl", out, "--max-num-seqs", 2) == 143
+    monkeypatch.undo()
+    records = part_records(out)
+    assert 0 < len(records) < 8
+    video = source_digest(VideoSource("c.avi"), clips[0])
+    assert video != digest_of(clips[0])  # the same bytes read as an image are known apart
+    assert all(r["image_digests"] == [source_digest(VideoSource(""), clips[r["index"] % 2])] for r in records)
+
+    changed = records[0]["index"] % 2
+    (tmp_path / f"c{changed}.avi").write_bytes(video_bytes(random_frames(4, 28, 28, seed=9), fps=2))
+    code, _, err = run_inprocess("run", str(tmp_path / "in.jsonl"), "-o", str(out), "--model", str(model), "--device",
+                                 "cpu", "--display", "none", "--max-tokens", "6", "--max-num-seqs", "2")
+    assert code == 2 and f"with `videos[0]` ('{tmp_path}/c{changed}.avi'), which has other bytes now" in err, err
+    (tmp_path / f"c{changed}.avi").write_bytes(clips[changed])
+    assert run(model, tmp_path / "in.jsonl", out, "--max-num-seqs", 2) == 0
+    assert read_jsonl(out) == read_jsonl(tmp_path / "ref.jsonl")
