@@ -288,17 +288,23 @@ def _square_patches(image: Any, patch: int) -> tuple[tuple[int, int, int], Any]:
 _CROPS_TEXT = ("Here is the original image ", " and here are some crops to help you see better ", " ")
 
 
+def template_placeholders(vision: VisionSpec | SiglipSpec) -> list[int]:
+    """The one token a chat template writes per image (first) and per video (second, where the model takes videos)
+    before `expand_placeholders` makes each a run: Gemma 3's <start_of_image>, else the runs' own tokens."""
+    return [vision.boi_token_id] if isinstance(vision, SiglipSpec) else placeholder_tokens(vision)
+
+
 def expand_placeholders(prompt_ids: list[int], images: list[PromptImage], vision: VisionSpec | SiglipSpec,
                         tokenizer: Any = None) -> list[int]:
     """The prompt with each image's (or video's) one placeholder token (as the chat template writes it) expanded to
     its run, as the model's processor does: Qwen2-VL's `<|image_pad|>` (a video's `<|video_pad|>`) repeated to its
-    token count; Gemma 3's `<start_of_image>` turned into "\n\n" <start_of_image>, its `<image_soft_token>`s, <end_of_image> "\n\n", and
-    for an image with pan-and-scan crops "Here is the original image " and that run, " and here are some crops to
+    token count; Gemma 3's `<start_of_image>` turned into "\n\n" <start_of_image>, its `<image_soft_token>`s,
+    <end_of_image> "\n\n", and for an image with pan-and-scan crops "Here is the original image " and that run, " and here are some crops to
     help you see better " and each crop's run (" " between them). The text between two special tokens is encoded by
     `tokenizer` as one piece, as the processor's tokenizer splits it (None: no text). Raises RowError when the
     counts or the order differ."""
+    tokens = template_placeholders(vision)
     if isinstance(vision, SiglipSpec):
-        tokens = [vision.boi_token_id]
         encoded: dict[str, list[int]] = {}
 
         def text(piece: str) -> list[int]:
@@ -315,8 +321,6 @@ def expand_placeholders(prompt_ids: list[int], images: list[PromptImage], vision
                 out = out + [vision.boi_token_id, *[vision.image_token_id] * part.num_tokens, vision.eoi_token_id]
             return out + text("\n\n")
     else:
-        tokens = placeholder_tokens(vision)
-
         def run(image: PromptImage) -> list[int]:
             return [image.token(vision)] * image.num_tokens
     where = [i for i, t in enumerate(prompt_ids) if t in tokens]
@@ -337,7 +341,7 @@ def in_prompt_order(prompt_ids: list[int], images: list[PromptImage], vision: Vi
     """A text prompt's images and videos (given as the row's `images`, then `videos`) in the order of its
     placeholders: each image placeholder takes the next image, each video placeholder the next video (a chat's
     come in prompt order already). Unchanged where the counts differ (`expand_placeholders` says why)."""
-    tokens = placeholder_tokens(vision) if isinstance(vision, VisionSpec) else [vision.boi_token_id]
+    tokens = template_placeholders(vision)
     queues = {False: [i for i in images if not i.video], True: [i for i in images if i.video]}
     placed = [t != tokens[0] for t in prompt_ids if t in tokens]
     if not queues[True] or [placed.count(False), placed.count(True)] != [len(queues[False]), len(queues[True])]:
