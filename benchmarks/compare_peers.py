@@ -75,8 +75,11 @@ PEER_PYTHON = {
     "vllm-cpu": PeerVenv("--vllm-python", "CBATCH_VLLM_PYTHON", "vllm", "vllm"),
     "llama-cpp": PeerVenv("--llama-python", "CBATCH_LLAMA_PYTHON", "llama", "llamacpp"),
 }
-# --isa: caps for oneDNN and ATen (and, in peer_engines.py, vLLM's kernel choice) in every engine's process
-ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
+# --isa: caps for oneDNN, ATen and MKL (and, in peer_engines.py, vLLM's kernel choice) in every engine's process.
+# MKL's cap matters on Intel CPUs, where torch's float32 matmuls (transformers') run MKL's AVX-512 kernels: without
+# it they kept twice an AVX2 CPU's rate while cbatch's oneDNN GEMMs were capped.
+ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+                                  "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}  # (cpu_features.ISA_CAP_VARIABLES)
 
 
 # ---- the workload ------------------------------------------------------------------------------------
@@ -320,7 +323,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where every engine runs")
     p.add_argument("--isa", default="native", choices=tuple(ISA_ENV),
                    help="avx2: run every engine as on a CPU without AVX-512 (ONEDNN_MAX_CPU_ISA=AVX2, "
-                        "ATEN_CPU_CAPABILITY=avx2; vLLM is shown an AVX2 CPU too)")
+                        "ATEN_CPU_CAPABILITY=avx2, MKL_ENABLE_INSTRUCTIONS=AVX2; vLLM is shown an AVX2 CPU too)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="checkpoint folder (default: the converted SmolLM2-135M-Instruct)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="ENGINE:KEY=VALUE",

@@ -6,6 +6,8 @@ images/s and output tok/s of each and their ratio, and checks cbatch's greedy to
     PYTHONPATH=$PWD python benchmarks/vision_bench.py                 # 200 rows, one image each, 56..448 pixel sides
     PYTHONPATH=$PWD python benchmarks/vision_bench.py --shape toy     # the first, per-step-bound shape
     PYTHONPATH=$PWD python benchmarks/vision_bench.py --rows 16 --shape toy --batch-sizes 8   # a quick check
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 PYTHONPATH=$PWD \
+        python benchmarks/vision_bench.py       # both sides as on an AVX2 CPU (MKL's cap: transformers' matmuls)
 
 Both sides preprocess the images with the same PIL processor inside their timing: cbatch on the job's image threads
 while it steps (as `cbatch run` does), transformers before its batches (as a script around `generate` does). Each

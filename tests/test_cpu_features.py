@@ -72,3 +72,12 @@ def test_cli_run_warns_once(tiny_checkpoints, tmp_path, monkeypatch, flags, dtyp
     assert code == 0, err
     warnings = [line for line in err.splitlines() if line.startswith("cbatch: warning:")]
     assert warnings == ([f"cbatch: warning: {bf16_speed_warning(torch.bfloat16, CPU, ZEN3, {})}"] if warned else [])
+
+
+def test_cpu_description_names_the_isa_caps(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("model name\t: Test CPU\ncpu family\t: 25\nmodel\t\t: 97\nflags\t\t: fpu avx2 fma avx512f\n")
+    plain = cpu_features.cpu_description(cpuinfo, {})
+    assert plain == "CPU: Test CPU (family 25, model 97); vector flags: avx2 avx512f"
+    capped = cpu_features.cpu_description(cpuinfo, {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"})
+    assert capped == plain + "; capped by ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2"

@@ -1,5 +1,6 @@
 """What this CPU computes natively: its ISA flags from /proc/cpuinfo, narrowed by the caps oneDNN and ATen
-are told to respect (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY: how an AVX-512 machine is run as an AVX2 one).
+are told to respect (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY; with MKL_ENABLE_INSTRUCTIONS, how an AVX-512 machine
+is run as an AVX2 one).
 
 Used for one decision, whether bfloat16 is native here, and by the benchmarks to print the machine.
 """
@@ -61,8 +62,14 @@ def bf16_speed_warning(dtype: torch.dtype, device: torch.device, flags: Iterable
             "ONEDNN_MAX_CPU_ISA/ATEN_CPU_CAPABILITY) runs slower than float32; --dtype auto picks float32 here")
 
 
-def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """"CPU: <model name> (family F, model M); vector flags: ..." for a benchmark's first line."""
+# the variables that run an AVX-512 machine as an AVX2 one: oneDNN's, ATen's and MKL's (torch's float32 matmuls
+# go to MKL on Intel CPUs, and its AVX-512 kernels ignore the other two)
+ISA_CAP_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo"), env: Mapping[str, str] = os.environ) -> str:
+    """"CPU: <model name> (family F, model M); vector flags: ...[; capped by VAR=value ...]" for a benchmark's
+    first line."""
     fields: dict[str, str] = {}
     try:
         for line in cpuinfo.read_text().splitlines():
@@ -70,5 +77,7 @@ def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
             fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    caps = " ".join(f"{name}={env[name]}" for name in ISA_CAP_VARIABLES if env.get(name))
     return (f"CPU: {fields.get('model name', '?')} (family {fields.get('cpu family', '?')}, model "
-            f"{fields.get('model', '?')}); vector flags: {' '.join(vector_isa_flags(cpu_flags(cpuinfo))) or 'none'}")
+            f"{fields.get('model', '?')}); vector flags: {' '.join(vector_isa_flags(cpu_flags(cpuinfo))) or 'none'}"
+            + (f"; capped by {caps}" if caps else ""))
