@@ -91,6 +91,14 @@ inline void dots8(const float* q, const float* keys, int64_t key_stride, float s
 }
 #endif
 
+// Asks the caches for one KV head's rows of a block (block_size rows of head_dim, token_stride apart).
+template <typename T>
+inline void prefetch_block(const T* block, int32_t block_size, int64_t token_stride, int32_t head_dim) {
+    const int32_t line = 64 / static_cast<int32_t>(sizeof(T));
+    for (int32_t t = 0; t < block_size; ++t)
+        for (int32_t d = 0; d < head_dim; d += line) __builtin_prefetch(block + t * token_stride + d, 0, 3);
+}
+
 // One (row, KV head): the G query heads of that KV head against the row's context. HEAD_DIM > 0 is the head
 // dimension known at compile time (the inner loops unroll to whole vectors); 0 reads it from `head_dim`.
 template <typename T, int HEAD_DIM>
@@ -114,9 +122,15 @@ void decode_one(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_c
     const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
     const T* k_head = k_cache + static_cast<int64_t>(kv_head) * head_dim;
     const T* v_head = v_cache + static_cast<int64_t>(kv_head) * head_dim;
+    // the first block's rows of this head, before the queries are loaded
+    prefetch_block(k_head + static_cast<int64_t>(table[first / block_size]) * block_size * token_stride,
+                   block_size, token_stride, head_dim);
     // pass 1: scores[g, t] = q_g . k_t, block by block (each block's tokens are token_stride apart)
     for (int32_t t0 = first - first % block_size; t0 < ctx; t0 += block_size) {
         const T* k_block = k_head + static_cast<int64_t>(table[t0 / block_size]) * block_size * token_stride;
+        if (t0 + block_size < ctx)  // the next block lies elsewhere in the pool: fetch its rows while this one computes
+            prefetch_block(k_head + static_cast<int64_t>(table[t0 / block_size + 1]) * block_size * token_stride,
+                           block_size, token_stride, head_dim);
         const int32_t lo = t0 < first ? first : t0, hi = t0 + block_size < ctx ? t0 + block_size : ctx;
         int32_t t = lo;
 #ifdef CBATCH_DOTS8
@@ -206,6 +220,9 @@ void decode_one(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_c
         float acc[HEAD_DIM > 0 ? HEAD_DIM : 512] = {};
         for (int32_t t0 = first - first % block_size; t0 < ctx; t0 += block_size) {
             const T* v_block = v_head + static_cast<int64_t>(table[t0 / block_size]) * block_size * token_stride;
+            if (g == 0 && t0 + block_size < ctx)
+                prefetch_block(v_head + static_cast<int64_t>(table[t0 / block_size + 1]) * block_size * token_stride,
+                               block_size, token_stride, head_dim);
             const int32_t lo = t0 < first ? first : t0, hi = t0 + block_size < ctx ? t0 + block_size : ctx;
             int32_t t = lo;
             for (; t + 4 <= hi; t += 4) {  // four tokens per pass over the accumulator
