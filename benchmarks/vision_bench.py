@@ -71,7 +71,7 @@ def span(text: str) -> tuple[int, int]:
     return int(low), int(high or low)
 
 
-def run_cbatch(path: Path, rows) -> tuple[float, list[list[int]]]:
+def run_cbatch(path: Path, rows, dtype: str) -> tuple[float, list[list[int]]]:
     """Seconds to read, preprocess and generate every row, and the completions. As in `cbatch run`, the images are
     read and preprocessed on the job's image threads (`image_pool`) while the engine steps: a row joins the engine
     once its image is ready, in input order."""
@@ -79,7 +79,7 @@ def run_cbatch(path: Path, rows) -> tuple[float, list[list[int]]]:
     from cbatch.engine.build import build_engine
     from cbatch.io.images import ImageReader, expand_placeholders, image_pool
 
-    engine = build_engine(EngineConfig(model=str(path), device="cpu"))
+    engine = build_engine(EngineConfig(model=str(path), device="cpu", dtype=dtype))
     start = time.perf_counter()
     reader = ImageReader(path, engine.spec.vision)
     futures = [image_pool().submit(reader.read, image, f"row {i}") for i, (image, _, _) in enumerate(rows)]
@@ -122,10 +122,10 @@ def hf_inputs(path: Path, rows) -> tuple[float, list]:
     return time.perf_counter() - start, out
 
 
-def run_hf(path: Path, inputs, batch_size: int) -> tuple[float, list[list[int]]]:
+def run_hf(path: Path, inputs, batch_size: int, dtype: str) -> tuple[float, list[list[int]]]:
     """Seconds for transformers' `generate` over `inputs` in left-padded batches (sorted by length), each batch to
     its longest row's length; completions cut to each row's length."""
-    model = hf_model(path)
+    model = hf_model(path).to(getattr(torch, dtype))
     order = sorted(range(len(inputs)), key=lambda i: len(inputs[i][0]))
     outputs: list[list[int]] = [[] for _ in inputs]
     start = time.perf_counter()
@@ -138,7 +138,7 @@ def run_hf(path: Path, inputs, batch_size: int) -> tuple[float, list[list[int]]]
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                  do_sample=False, pad_token_id=0,
-                                 pixel_values=torch.from_numpy(np.concatenate([im.pixels for _, im, _ in batch])),
+                                 pixel_values=torch.from_numpy(np.concatenate([im.pixels for _, im, _ in batch])).to(model.dtype),
                                  image_grid_thw=torch.tensor([im.grid for _, im, _ in batch]),
                                  mm_token_type_ids=(ids == IMAGE_TOKEN).int())
         for j, i in enumerate(order[first : first + batch_size]):
@@ -154,6 +154,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small",
                         help="the random model's shape: " + "; ".join(f"{k}: {v['about']}" for k, v in SHAPES.items()))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="both sides' weights and activations (float32: cbatch's CPU default, token-exact)")
     parser.add_argument("--batch-sizes", default="8,32,64", help="transformers' batch sizes tried on a 64-row sample (then all rows at once too)")
     parser.add_argument("--model-dir", type=Path, default=None, help="where the checkpoint is written "
                         "(default /tmp/cbatch-vision-bench-SHAPE)")
@@ -172,22 +174,22 @@ def main() -> None:
     sample = inputs[: min(len(inputs), 64)]
     tuned = {}
     for size in map(int, args.batch_sizes.split(",")):
-        tuned[size] = run_hf(path, sample, size)[0]
+        tuned[size] = run_hf(path, sample, size, args.dtype)[0]
         print(f"transformers, batch {size}: {len(sample) / tuned[size]:.2f} images/s on {len(sample)} rows", flush=True)
     best = min(tuned, key=tuned.get)
-    runs = {size: run_hf(path, inputs, size) for size in sorted({best, len(inputs)})}  # (all rows in one batch too)
+    runs = {size: run_hf(path, inputs, size, args.dtype) for size in sorted({best, len(inputs)})}  # (all rows in one batch too)
     for size, (seconds, _) in runs.items():
         print(f"transformers, batch {size}: {len(inputs) / (prep_seconds + seconds):.2f} images/s on {len(inputs)} rows",
               flush=True)
     best = min(runs, key=lambda size: runs[size][0])
     hf_seconds = prep_seconds + runs[best][0]
-    ours_seconds, ours_out = run_cbatch(path, rows)
+    ours_seconds, ours_out = run_cbatch(path, rows, args.dtype)
     checked = min(8, len(rows))  # transformers one row at a time (no padding): the reference cbatch must equal
-    agree = sum(ours_out[i] == run_hf(path, inputs[i : i + 1], 1)[1][0] for i in range(checked))
+    agree = sum(ours_out[i] == run_hf(path, inputs[i : i + 1], 1, args.dtype)[1][0] for i in range(checked))
     images, tokens = len(rows), sum(length for _, _, length in rows)
     print(f"rows {images}, one image each ({sum(len(ids) for ids, _, _ in inputs)} prompt tokens, of them "
           f"{sum(im.num_tokens for _, im, _ in inputs)} image tokens), {tokens} output "
-          f"tokens ({args.max_tokens[0]}..{args.max_tokens[1]} a row), {args.threads} threads")
+          f"tokens ({args.max_tokens[0]}..{args.max_tokens[1]} a row), {args.threads} threads, {args.dtype}")
     print(f"cbatch:       {images / ours_seconds:8.2f} images/s  {tokens / ours_seconds:9.1f} output tok/s  (reads + "
           f"preprocesses its images on the job's image threads while it steps)")
     print(f"transformers: {images / hf_seconds:8.2f} images/s  {tokens / hf_seconds:9.1f} output tok/s  (batch {best}; "
