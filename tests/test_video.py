@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from cbatch.config import SamplingParams
@@ -101,6 +102,92 @@ def test_frames_are_sampled_and_patched_as_transformers_does(vl_model):
     expected = view.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * grid * grid, c * 2 * patch * patch)
     assert grid_thw == (10, 4, 4)
     np.testing.assert_allclose(pixels, expected, rtol=0, atol=1e-5)
+
+
+@pytest.fixture
+def hf_video_processor(monkeypatch):
+    """transformers' own Qwen2VLVideoProcessor module. It imports torchvision, which it needs only to resize pixels:
+    where torchvision is missing, the module is imported over empty stand-ins (its settings, config-file handling and
+    size rule need none) and forgotten after the test."""
+    import importlib
+    import types
+
+    from transformers.utils import is_torchvision_available
+
+    name = "transformers.models.qwen2_vl.video_processing_qwen2_vl"
+    if is_torchvision_available():  # (cached False before any stand-in goes in)
+        yield importlib.import_module(name)
+        return
+    for part in ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
+                 "torchvision.transforms.v2.functional"):
+        monkeypatch.setitem(sys.modules, part, types.ModuleType(part))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.modules.pop(name, None)
+
+
+def with_processor_files(model, path, files: dict[str, dict]):
+    """A copy of checkpoint `model` at `path` with processor config `files` (name -> content) added."""
+    import json
+
+    shutil.copytree(model, path)
+    for name, content in files.items():
+        (path / name).write_text(json.dumps(content))
+    return path
+
+
+def test_frames_take_the_video_processors_limits_as_transformers_resolves_them(vl_model, tmp_path,
+                                                                               hf_video_processor):
+    """processor_config.json's video_processor section (transformers 5's file) wins over video_preprocessor_config.json
+    and the image's preprocessor_config.json: 784 to 1,568 pixels a frame, while images take 784 to 50,176. A 56 x 84
+    video is 28 x 28 pixels a frame (1 token a temporal patch), the image of that size 4 x 6 patches (6 tokens), as
+    transformers' video processor made from the folder and its smart_resize give; greedy tokens equal transformers'
+    generate on them."""
+    model = with_processor_files(vl_model, tmp_path / "model", {
+        "processor_config.json": {"video_processor": {"size": {"shortest_edge": 784, "longest_edge": 1568}}},
+        "video_preprocessor_config.json": {"max_pixels": 784 * 16}})
+    hf = hf_video_processor.Qwen2VLVideoProcessor.from_pretrained(model)
+    videos = reader(model)
+    assert (videos.limits.min_pixels, videos.limits.max_pixels) == (hf.size.shortest_edge, hf.size.longest_edge)
+    assert (videos.limits.min_frames, videos.limits.max_frames) == (hf.min_frames, hf.max_frames) == (4, 768)
+    assert ImageReader(model, videos.vision).pixel_range == (784, 784 * 64)
+
+    data = video_bytes(random_frames(8, 56, 84, seed=4), fps=2)
+    clip = videos.read(VideoSource(data), "videos[0]")
+    height, width = hf_video_processor.smart_resize(56, 84, 28, hf.size.shortest_edge, hf.size.longest_edge)
+    assert clip.grid == (4, height // 14, width // 14) == (4, 2, 2) and clip.num_tokens == 4
+    assert videos.read(VideoSource(data), "v", decode=False).grid == clip.grid  # cbatch plan's, from the header
+    image = ImageReader(model, videos.vision).read(png_bytes(56, 84, seed=3), "images[0]")
+    assert image.grid == (1, 4, 6)
+    requests = [(prompt([image, clip]), [image, clip])]
+    ours = run_requests(make_engine(model, max_model_len=256), requests, GREEDY)
+    assert ours == [hf_vl_greedy(model, *requests[0], GREEDY.max_tokens)]
+
+
+def test_cap_pixels_per_frame_shares_the_videos_total_as_transformers_does(vl_model, tmp_path, hf_video_processor,
+                                                                          monkeypatch):
+    """A checkpoint setting `cap_pixels_per_frame` (max_video_tokens 20: 14,112 pixels in all, 2 frames a temporal
+    patch): 8 sampled frames get 3,528 pixels each (28 x 56), 4 frames 7,056 (56 x 84 needs no resize); the sizes
+    transformers' own resize asks for (its torchvision resize stubbed to report them)."""
+    module = hf_video_processor
+    model = with_processor_files(vl_model, tmp_path / "model", {"video_preprocessor_config.json": {
+        "size": {"shortest_edge": 784, "longest_edge": 784 * 64}, "cap_pixels_per_frame": True,
+        "max_video_tokens": 20}})
+    hf = module.Qwen2VLVideoProcessor.from_pretrained(model)
+    asked = []
+    monkeypatch.setattr(module.BaseVideoProcessor, "resize",
+                        lambda self, image, size, resample, **kwargs: asked.append((size.height, size.width)))
+    videos = reader(model)
+    assert videos.limits.cap_pixels_per_frame and videos.limits.max_video_tokens == hf.max_video_tokens == 20
+    for frames, expected in ((8, (4, 2, 4)), (4, (2, 4, 6))):
+        hf.resize(torch.zeros(1, frames, 3, 56, 84), size=hf.size, resample=None, factor=28, temporal_factor=2,
+                  cap_pixels_per_frame=True)
+        height, width = asked[-1]
+        data = video_bytes(random_frames(frames, 56, 84, seed=frames), fps=2)
+        clip = videos.read(VideoSource(data), "v")
+        assert clip.grid == (frames // 2, height // 14, width // 14) == expected
+        assert videos.read(VideoSource(data), "v", decode=False).grid == expected
 
 
 def run(model, input_path, out, *flags) -> int:
