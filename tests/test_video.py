@@ -64,10 +64,14 @@ def test_greedy_tokens_match_hf_for_a_video_and_a_video_beside_an_image(vl_model
     assert outputs[0] != outputs[2], "the video decides the completion"
     for (ids, items), ours in zip(requests, outputs):
         assert ours == hf_vl_greedy(vl_model, ids, items, GREEDY.max_tokens)
-    # a 5-token budget cuts the video's run across steps; its embeddings are computed once and sliced
+    # a 5-token budget cuts the video's run across steps; its embeddings are computed once and sliced, in tower
+    # calls of at most 5 tokens: the video's 4 temporal patches (4 tokens each) one a call, the 6-token image alone
     engine = make_engine(vl_model, max_model_len=256, max_num_batched_tokens=5, enable_prefix_cache=False)
+    calls, tower = [], engine.runner.images.visual
+    engine.runner.images.visual = lambda pixels, grids: calls.append(list(grids)) or tower(pixels, grids)
     assert run_requests(engine, requests[:2], GREEDY) == outputs[:2]
     assert engine.runner.images.images_encoded == 2  # the video and the image, once each
+    assert sorted(calls) == [[(1, 4, 4)]] * 4 + [[(1, 4, 6)]]
 
 
 def test_frames_are_sampled_and_patched_as_transformers_does(vl_model):
