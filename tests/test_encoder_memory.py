@@ -339,3 +339,20 @@ def test_the_plans_gpu_pool_takes_the_videos_reserve(tmp_path):
     peak = max(activation_estimate(config, model), 65536 * QWEN2_5_VL_7B_PATCH_BYTES) + 469_754_880
     assert h100.kv_pool(config, model).num_blocks == kv_blocks_in_gpu_memory(
         config, model.spec, torch.bfloat16, 65536, 80 * 2**30, h100.weight_bytes_per_rank(config, model), peak)
+
+
+def test_the_encoder_cache_makes_room_before_the_tower_runs():
+    """A step's new embeddings (a long video's) go beside what the cache keeps, so it evicts its least recently
+    used entries first, never the ones the step reads (`keep`), until they fit in its rows or none is left."""
+    from cbatch.engine.image_rows import EncoderCache
+
+    cache = EncoderCache(max_tokens=10)
+    for digest, tokens in (("a", 4), ("b", 3), ("c", 3)):
+        cache.put(digest, torch.zeros(tokens, 2))
+    cache.make_room(5, keep={"a"})  # "b" goes (3 free), then "c" (6 free): "a" stays though least recent
+    assert [d for d in ("a", "b", "c") if cache.get(d) is not None] == ["a"]
+    cache.put("d", torch.zeros(2, 2))
+    cache.make_room(20, keep={"d"})  # more than its rows: all but what the step reads
+    assert [d for d in ("a", "d") if cache.get(d) is not None] == ["d"]
+    cache.make_room(1, keep=set())  # room already: nothing goes
+    assert cache.get("d") is not None

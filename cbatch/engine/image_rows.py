@@ -69,6 +69,14 @@ class EncoderCache:
         self._entries[digest] = embeds
         self._tokens += embeds.shape[0]
 
+    def make_room(self, tokens: int, keep: set[str]) -> None:
+        """Evicts the least recently used entries outside `keep` until `tokens` more fit in `max_tokens` (or none
+        outside it is left)."""
+        for digest in [d for d in self._entries if d not in keep]:
+            if self._tokens + tokens <= self.max_tokens:
+                return
+            self._tokens -= self._entries.pop(digest).shape[0]
+
     def trim(self) -> None:
         while self._tokens > self.max_tokens and len(self._entries) > 1:
             _, embeds = self._entries.popitem(last=False)
@@ -187,9 +195,11 @@ class ImageRows(RowFeature):
         if not missing:
             return
         todo = list(missing.values())
+        # the cache makes room first: what it holds past its rows while the tower runs is this step's own
+        self.cache.make_room(sum(image.num_tokens for image in todo), keep={image.digest for image in images})
         # (a released image's patches are read again from its source: a preempted row the cache had dropped)
         patches = [image.patches() for image in todo]
-        pieces: list[list[torch.Tensor]] = [[] for _ in todo]  # each image's embeddings, piece by piece
+        encoded: list[torch.Tensor | None] = [None] * len(todo)  # a video cut in pieces: one buffer, filled in turn
         for call in tower_calls([(image.num_tokens, image.grid[0]) for image in todo], self.tower_tokens):
             rows, grids = [], []  # per piece: its patches, its grid (t, h, w)
             for index, first, end in call:
@@ -198,11 +208,17 @@ class ImageRows(RowFeature):
                 grids.append((end - first, h, w))
             pixels = torch.from_numpy(np.concatenate(rows)).to(device)
             embeds = self.visual(pixels, grids)  # [the call's tokens, hidden x (1 + deepstack)]
-            sizes = [todo[index].num_tokens * (end - first) // todo[index].grid[0] for index, first, end in call]
-            for (index, _, _), part in zip(call, embeds.split(sizes)):
-                # each entry its own memory: a view would keep the whole call's tensor alive until its last part goes
-                pieces[index].append(part.clone() if len(call) > 1 else part)
+            per_patch = [todo[index].num_tokens // todo[index].grid[0] for index, _, _ in call]  # a temporal patch's
+            sizes = [(end - first) * per for (_, first, end), per in zip(call, per_patch)]
+            for (index, first, end), per, part in zip(call, per_patch, embeds.split(sizes)):
+                if end - first == todo[index].grid[0]:  # whole: its own memory (a view would keep the call's alive)
+                    encoded[index] = part.clone() if len(call) > 1 else part
+                    continue
+                if encoded[index] is None:
+                    encoded[index] = part.new_empty(todo[index].num_tokens, part.shape[1])
+                encoded[index][first * per : end * per] = part
             self.image_tokens_encoded += embeds.shape[0]
-        for image, parts in zip(todo, pieces):
-            self.cache.put(image.digest, parts[0] if len(parts) == 1 else torch.cat(parts))
+            del pixels, embeds
+        for image, embeds in zip(todo, encoded):
+            self.cache.put(image.digest, embeds)
         self.images_encoded += len(todo)
