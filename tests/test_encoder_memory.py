@@ -292,8 +292,8 @@ def test_videos_in_the_reserve(tmp_path):
     (16,384 tokens a temporal patch, as transformers' video processor reads that file), which --image-max-pixels
     leaves alone: a tower call still takes a 16,384-token frame (65,536 patches), not 8,192 tokens. A
     video_preprocessor_config.json of 602,112 pixels (768 tokens a frame) lets the job's 1,280-token images bound the
-    call to the step's 8,192 tokens (32,768 patches). A video is at most max_model_len - 1 tokens (65,535 at 65,536:
-    the cache grows past its 32,768 rows to hold it)."""
+    call to the step's 8,192 tokens (32,768 patches), as --video-max-pixels 602,112 does. A video is at most
+    max_model_len - 1 tokens (65,535 at 65,536: the cache grows past its 32,768 rows to hold it)."""
     import json
 
     from cbatch.engine.encoder_memory import encoder_memory
@@ -315,6 +315,10 @@ def test_videos_in_the_reserve(tmp_path):
     assert longer.largest_video == 65535 and longer.cache_bytes == 65535 * 3584 * 2 == 469_754_880
     assert longer.reserve(2**30, 8192, None) == 65536 * QWEN2_5_VL_7B_PATCH_BYTES + 469_754_880
 
+    # the job's --video-max-pixels bounds the frames as that file would
+    flagged = encoder(image_max_pixels=1_003_520, video_max_pixels=768 * 28 * 28)
+    assert flagged.largest_video_frame == 768
+    assert flagged.reserve(2**30, 8192, None) == 32768 * QWEN2_5_VL_7B_PATCH_BYTES + 234_881_024
     (folder / "video_preprocessor_config.json").write_text(json.dumps({"max_pixels": 768 * 28 * 28}))
     capped = encoder(image_max_pixels=1_003_520)
     assert (capped.largest_video_frame, capped.largest_video) == (768, 32767)  # 384 temporal patches pass 32,767

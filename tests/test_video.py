@@ -290,3 +290,50 @@ def test_a_resume_knows_a_video_by_its_bytes(tmp_path, monkeypatch):
     (tmp_path / f"c{changed}.avi").write_bytes(clips[changed])
     assert run(model, tmp_path / "in.jsonl", out, "--max-num-seqs", 2) == 0
     assert read_jsonl(out) == read_jsonl(tmp_path / "ref.jsonl")
+
+
+def test_the_jobs_video_bounds_size_frames_and_its_image_bounds_do_not(tmp_path):
+    """--video-max-pixels (EngineConfig.video_max_pixels) bounds video frames over the model's video processor, as
+    transformers' from_pretrained(max_pixels=...) would; --image-max-pixels leaves them alone. The tiny checkpoint has
+    preprocessor_config.json alone, so frames start at the images' bounds: a 56 x 84 frame is 2 x 3 tokens, a
+    4-frame clip 2 temporal patches of 6; at 1,568 pixels a frame is 28 x 28, 1 token. Checked, refused for a model
+    without videos, in the output identity."""
+    import torch
+
+    from cbatch.config import ConfigError, EngineConfig
+    from cbatch.engine.resolve import resolve_model
+    from cbatch.model.image_processor import video_limits
+    from cbatch.run.identity import output_identity
+    from cbatch.tasks.generate_task import GenerateTask
+
+    model = make_vl_checkpoint("qwen2_vl", tmp_path / "model")
+    (tmp_path / "clip.avi").write_bytes(video_bytes(random_frames(4, 56, 84, seed=2), fps=2))
+    image = "data:image/png;base64," + base64.b64encode(png_bytes(56, 84, seed=1)).decode()
+    write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "v", "messages": [{"role": "user", "content": "w1"}], "videos": [str(tmp_path / "clip.avi")]},
+        {"id": "i", "messages": [{"role": "user", "content": "w1"}], "images": [image]},
+        {"id": "t", "messages": [{"role": "user", "content": "w1"}]}])
+
+    def tokens(*flags) -> tuple[int, int]:
+        """(the video's, the image's) placeholder tokens in a run with `flags`."""
+        out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}.jsonl"
+        assert run(model, tmp_path / "in.jsonl", out, *flags) == 0
+        rows = {r["id"]: r["prompt_tokens"] for r in read_jsonl(out)}
+        return rows["v"] - rows["t"] - 2, rows["i"] - rows["t"] - 2  # (less vision start and end)
+
+    assert tokens() == (12, 6)
+    assert tokens("--video-max-pixels", 1568) == (2, 6)
+    assert tokens("--image-max-pixels", 1568) == (12, 1)
+    assert video_limits(model, max_pixels=1568).max_pixels == 1568 and video_limits(model).max_pixels == 784 * 64
+
+    with pytest.raises(ConfigError) as bad:
+        EngineConfig(video_min_pixels=800, video_max_pixels=700)
+    assert bad.value.field == "video_max_pixels" and "at least --video-min-pixels" in bad.value.reason
+    qwen3 = make_vl_checkpoint("qwen3_vl", tmp_path / "qwen3")
+    with pytest.raises(ConfigError) as bad:
+        resolve_model(EngineConfig(model=str(qwen3), video_max_pixels=10**6))
+    assert str(bad.value) == ("video_max_pixels: this Qwen3VLForConditionalGeneration reads no videos (Qwen2-VL and "
+                              "Qwen2.5-VL do); leave the video pixel bounds out")
+    identity = output_identity(EngineConfig(video_max_pixels=10**6), GenerateTask(), torch.device("cpu"),
+                               torch.float32, 4096)
+    assert identity["video_max_pixels"] == 10**6 and "video_min_pixels" not in identity

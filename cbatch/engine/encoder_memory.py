@@ -8,8 +8,8 @@
   has no tower). A call takes at most the step's image budget (its token budget, --max-image-tokens-per-step when
   lower), or one image or one temporal patch of a video larger than that alone (engine/tower_calls.py: a video is
   cut between temporal patches); its frames are at most the largest image the job's processor makes (its
-  max_pixels: --image-max-pixels, else the model's processor config) or the largest video frame (the video
-  processor's max_pixels: model/image_processor.VideoLimits).
+  max_pixels: --image-max-pixels, else the model's processor config) or the largest video frame (its max_pixels:
+  --video-max-pixels, else the video processor's: model/image_processor.VideoLimits).
 
 The largest video (Qwen2-VL, Qwen2.5-VL) is the video processor's largest frame x its most temporal patches
 (max_frames / 2), never more than max_model_len - 1 tokens (a longer prompt is refused before its video is encoded).
@@ -162,7 +162,7 @@ def encoder_memory(spec: ModelSpec, dtype: torch.dtype, model_dir: Path | None, 
                                vision)
     frame = video = 0
     if getattr(vision, "video_token_id", None) is not None:
-        limits = video_limits(model_dir)
+        limits = video_limits(model_dir, config.video_min_pixels, config.video_max_pixels)
         frame = limits.largest_frame_pixels // (vision.patch_size * vision.merge_size) ** 2
         video = largest_video_tokens(frame, limits.max_temporal_patches(vision.temporal_patch_size), max_model_len)
     return EncoderMemory(vision, spec.hidden_size, dtype, largest, visual, frame, video)

@@ -6,7 +6,8 @@ Sampling (transformers' `sample_frames` with fps): `fps` frames a second of the 
 temporal patch (2); frame i of n at index floor(i * total / n). A video with fewer frames than one temporal patch
 keeps them all (its last frame repeats to fill the patch). The settings are the checkpoint's video processor's
 as transformers finds them (model/image_processor.video_limits: processor_config.json's video_processor section,
-else video_preprocessor_config.json, else preprocessor_config.json); the job's image pixel bounds never apply.
+else video_preprocessor_config.json, else preprocessor_config.json), under the job's video pixel bounds
+(--video-min-pixels / --video-max-pixels); the job's image pixel bounds never apply.
 
 Preprocessing: every frame goes through the model's image processor with the video processor's pixel bounds (the
 same smart_resize, rescale and normalize: all frames have one size, so one grid; with `cap_pixels_per_frame` a
@@ -54,10 +55,19 @@ def frame_indices(total: int, video_fps: float, fps: float, temporal: int, min_f
 class VideoReader:
     """The model's video sampling and its frames' processor: a row's video source -> `PromptImage` (video)."""
 
-    def __init__(self, model_dir: Path | None, vision: VisionSpec) -> None:
+    def __init__(self, model_dir: Path | None, vision: VisionSpec, min_pixels: int | None = None,
+                 max_pixels: int | None = None) -> None:
+        """`min_pixels` / `max_pixels`: the job's per-frame bounds (EngineConfig.video_min_pixels /
+        video_max_pixels) over the model's video processor's; None: the model's."""
         self.vision = vision
-        self.frames = ImageReader(model_dir, vision, video=True)  # the image processor with the video's config
-        self.limits = video_limits(model_dir)
+        # the image processor with the video's settings
+        self.frames = ImageReader(model_dir, vision, min_pixels, max_pixels, video=True)
+        self.limits = video_limits(model_dir, min_pixels, max_pixels)
+
+    @classmethod
+    def for_config(cls, model_dir: Path | None, vision: VisionSpec, config: "EngineConfig") -> "VideoReader":
+        """The reader of an engine's `config` (an EngineConfig: its video pixel bounds)."""
+        return cls(model_dir, vision, config.video_min_pixels, config.video_max_pixels)
 
     def read(self, source: VideoSource, name: str, decode: bool = True) -> PromptImage:
         """The video `source` (called `name` in messages) read, sampled and preprocessed; raises ImageError naming it.

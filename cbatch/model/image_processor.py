@@ -33,9 +33,9 @@ def image_processor(model_dir: Path | None, vision: VisionSpec | SiglipSpec, min
     if not video:
         return _processor(vision, bounds, processor_config(model_dir))
     given = processor_config(model_dir, video=True)
-    limits = video_limits(model_dir)
+    limits = video_limits(model_dir, min_pixels, max_pixels)
     given.update(min_pixels=limits.min_pixels, max_pixels=limits.max_pixels)
-    return _processor(vision, bounds, given)
+    return _processor(vision, {"min_pixels": None, "max_pixels": None}, given)
 
 
 def processor_config(model_dir: Path | None, video: bool = False) -> dict[str, Any]:
@@ -89,12 +89,15 @@ class VideoLimits:
         return max(1, self.max_frames // temporal)
 
 
-def video_limits(model_dir: Path | None) -> VideoLimits:
+def video_limits(model_dir: Path | None, min_pixels: int | None = None, max_pixels: int | None = None
+                 ) -> VideoLimits:
     """The video processor's settings in `model_dir` (`processor_config(video=True)`), read as
     Qwen2VLVideoProcessor's constructor reads them: the file's `size` {shortest_edge, longest_edge} replaces the
     class's, and its `min_pixels` / `max_pixels` override that (a checkpoint with a preprocessor_config.json alone
-    gives its videos the images' bounds, as transformers does)."""
+    gives its videos the images' bounds, as transformers does). `min_pixels` / `max_pixels`: a job's bounds over
+    the file's (EngineConfig.video_min_pixels / video_max_pixels; None: the file's), as from_pretrained's kwargs."""
     given = processor_config(model_dir, video=True)
+    given.update({k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None})
     default = VideoLimits()
     size = given.get("size") or {"shortest_edge": default.min_pixels, "longest_edge": default.max_pixels}
     low = given.get("min_pixels") or size.get("shortest_edge") or default.min_pixels
