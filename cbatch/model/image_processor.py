@@ -3,8 +3,8 @@ settings (`processor_config`: where transformers reads them) with a job's pixel 
 processor's settings (`VideoLimits`: frame sampling, per-frame pixel bounds); and what the size rule implies without
 an image: the pixel bounds and the most placeholder tokens one image can get. The row readers (io/images.py,
 io/videos.py) preprocess with it; the GPU memory reserve for images (engine/encoder_memory.py) sizes its largest
-image and video from it. Gemma 3's
-pan-and-scan (`PanAndScan`: where an image's extra crops are cut, from its size alone) is cbatch's own rule."""
+image and video from it. Gemma 3's pan-and-scan (`PanAndScan`: where an image's extra crops are cut, from its size
+alone) is cbatch's own rule."""
 from __future__ import annotations
 
 import json
