@@ -85,6 +85,10 @@ class EngineConfig:
     # They decide each image's tokens, and the largest image the GPU reserves memory for (engine/encoder_memory.py)
     image_min_pixels: int | None = field(default=None, metadata=OUTPUT_CHANGED)
     image_max_pixels: int | None = field(default=None, metadata=OUTPUT_CHANGED)
+    # rows with videos (Qwen2-VL, Qwen2.5-VL): the job's per-frame pixel bounds over the model's video processor's
+    # (model/image_processor.video_limits; None: the model's). The image bounds above never apply to video frames
+    video_min_pixels: int | None = field(default=None, metadata=OUTPUT_CHANGED)
+    video_max_pixels: int | None = field(default=None, metadata=OUTPUT_CHANGED)
     # rows with images (Gemma 3): pan-and-scan crops of wide and tall images (None: the model's do_pan_and_scan)
     image_pan_and_scan: bool | None = field(default=None, metadata=OUTPUT_CHANGED)
     block_size: int = 16  # tokens per KV block
@@ -163,10 +167,11 @@ class EngineConfig:
               "must be at least 1")
         check(self.max_image_tokens_per_step is None or self.max_image_tokens_per_step >= 1,
               "max_image_tokens_per_step", "must be at least 1")
-        low, high = self.image_min_pixels, self.image_max_pixels
-        check(low is None or low >= 1, "image_min_pixels", "must be at least 1")
-        check(high is None or high >= max(low or 1, 1), "image_max_pixels",
-              "must be at least 1 and at least --image-min-pixels")
+        for kind in ("image", "video"):
+            low, high = getattr(self, f"{kind}_min_pixels"), getattr(self, f"{kind}_max_pixels")
+            check(low is None or low >= 1, f"{kind}_min_pixels", "must be at least 1")
+            check(high is None or high >= max(low or 1, 1), f"{kind}_max_pixels",
+                  f"must be at least 1 and at least --{kind}-min-pixels")
         check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
               "must be a power of two (e.g. 16)")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be at least 1")

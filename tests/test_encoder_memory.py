@@ -177,7 +177,7 @@ def test_the_jobs_image_max_pixels_sizes_the_reserve(tmp_path):
     assert tower_activation_count(spec.vision, 1, 2) == QWEN2_5_VL_7B_PATCH_BYTES == 41_184
 
     def reserve(**bounds) -> tuple[int, int]:
-        encoder = encoder_memory(spec, torch.bfloat16, folder, EngineConfig(model=str(folder), **bounds))
+        encoder = encoder_memory(spec, torch.bfloat16, folder, EngineConfig(model=str(folder), **bounds), 32768)
         return encoder.largest_image, encoder.reserve(2**30, 8192, None)  # (a 1 GiB text step: the tower's larger)
 
     assert reserve() == (16384, 65536 * 41_184 + 234_881_024) == (16384, 2_933_915_648)
@@ -186,7 +186,7 @@ def test_the_jobs_image_max_pixels_sizes_the_reserve(tmp_path):
     assert reserve(image_max_pixels=28 * 28 * 32768) == (32768, 131072 * 41_184 + 234_881_024)
     # a text model has none
     text = parse_text_spec()
-    assert encoder_memory(text, torch.bfloat16, None, EngineConfig()) is None
+    assert encoder_memory(text, torch.bfloat16, None, EngineConfig(), 32768) is None
 
 
 def test_the_run_sizes_its_reserve_with_the_jobs_bounds(vl_model):
@@ -198,7 +198,8 @@ def test_the_run_sizes_its_reserve_with_the_jobs_bounds(vl_model):
     from cbatch.model.loader import read_checkpoint
 
     checkpoint = read_checkpoint(vl_model)
-    resolved = SimpleNamespace(device=torch.device("cuda"), checkpoint=checkpoint, dtype=torch.bfloat16)
+    resolved = SimpleNamespace(device=torch.device("cuda"), checkpoint=checkpoint, dtype=torch.bfloat16,
+                               max_model_len=64)
     model = SimpleNamespace(spec=checkpoint.spec, visual=torch.nn.Identity())
     if checkpoint.spec.vision.tower == "siglip":  # Gemma 3: its one square (pixel bounds are refused for it)
         assert _encoder_memory(resolved, model, EngineConfig()).largest_image == 9
@@ -267,3 +268,95 @@ def test_the_plans_gpu_pool_takes_the_images_reserve_as_a_run_does(tmp_path):
     assert 32768 * QWEN2_5_VL_7B_PATCH_BYTES < 1_553_989_632
     assert h100.kv_pool(lower, vl).num_blocks == kv_blocks_in_gpu_memory(
         lower, vl.spec, torch.bfloat16, 32768, 80 * 2**30, weights, 1_553_989_632 + 234_881_024) == text_blocks - 1731
+
+
+def test_tower_calls_cut_videos_between_temporal_patches():
+    """A step's images and videos in tower calls of at most the budget (engine/tower_calls.py): images whole (one past
+    the budget alone), a video (t temporal patches) in pieces of budget // its tokens a temporal patch."""
+    from cbatch.engine.tower_calls import tower_budget, tower_calls
+
+    # an image of 10, a video of 4 temporal patches of 16 tokens (pieces of 2), an image of 30; budget 40
+    assert tower_calls([(10, 1), (64, 4), (30, 1)], 40) == [[(0, 0, 1)], [(1, 0, 2)], [(1, 2, 4)], [(2, 0, 1)]]
+    assert tower_calls([(10, 1), (8, 2), (20, 1)], 40) == [[(0, 0, 1), (1, 0, 2), (2, 0, 1)]]  # all within it
+    assert tower_calls([(50, 1), (5, 1)], 40) == [[(0, 0, 1)], [(1, 0, 1)]]  # a lone image past the budget
+    assert tower_calls([(100, 2)], 40) == [[(0, 0, 1)], [(0, 1, 2)]]  # a temporal patch past it: one a call
+    assert tower_calls([(10, 1), (64, 4)], None) == [[(0, 0, 1), (1, 0, 4)]]  # no limit: one call
+    assert tower_budget(8192, None) == 8192 and tower_budget(8192, 2048) == 2048 and tower_budget(2048, 4096) == 2048
+
+
+QWEN2_5_VL_7B_VIDEO = {**QWEN2_5_VL_7B, "video_token_id": 151656}  # (the real config has it)
+
+
+def test_videos_in_the_reserve(tmp_path):
+    """Qwen2.5-VL-7B with its video token: its preprocessor_config.json alone gives video frames the images' bounds
+    (16,384 tokens a temporal patch, as transformers' video processor reads that file), which --image-max-pixels
+    leaves alone: a tower call still takes a 16,384-token frame (65,536 patches), not 8,192 tokens. A
+    video_preprocessor_config.json of 602,112 pixels (768 tokens a frame) lets the job's 1,280-token images bound the
+    call to the step's 8,192 tokens (32,768 patches), as --video-max-pixels 602,112 does. A video is at most
+    max_model_len - 1 tokens (65,535 at 65,536: the cache grows past its 32,768 rows to hold it)."""
+    import json
+
+    from cbatch.engine.encoder_memory import encoder_memory
+    from cbatch.model.loader import read_checkpoint
+
+    folder = config_folder(tmp_path / "qwen2.5-vl-7b", QWEN2_5_VL_7B_VIDEO, QWEN2_5_VL_7B_PREPROCESSOR)
+    spec = read_checkpoint(folder).spec
+
+    def encoder(max_model_len: int = 32768, **bounds):
+        return encoder_memory(spec, torch.bfloat16, folder, EngineConfig(model=str(folder), **bounds), max_model_len)
+
+    plain, lowered = encoder(), encoder(image_max_pixels=1_003_520)
+    assert (plain.largest_image, plain.largest_video_frame, plain.largest_video) == (16384, 16384, 32767)
+    assert (lowered.largest_image, lowered.largest_video_frame) == (1280, 16384)
+    for memory in (plain, lowered):
+        assert memory.step_grids(8192, None) == [(1, 256, 256)]  # one 128 x 128-token frame
+        assert memory.reserve(2**30, 8192, None) == 65536 * QWEN2_5_VL_7B_PATCH_BYTES + 234_881_024
+    longer = encoder(65536)
+    assert longer.largest_video == 65535 and longer.cache_bytes == 65535 * 3584 * 2 == 469_754_880
+    assert longer.reserve(2**30, 8192, None) == 65536 * QWEN2_5_VL_7B_PATCH_BYTES + 469_754_880
+
+    # the job's --video-max-pixels bounds the frames as that file would
+    flagged = encoder(image_max_pixels=1_003_520, video_max_pixels=768 * 28 * 28)
+    assert flagged.largest_video_frame == 768
+    assert flagged.reserve(2**30, 8192, None) == 32768 * QWEN2_5_VL_7B_PATCH_BYTES + 234_881_024
+    (folder / "video_preprocessor_config.json").write_text(json.dumps({"max_pixels": 768 * 28 * 28}))
+    capped = encoder(image_max_pixels=1_003_520)
+    assert (capped.largest_video_frame, capped.largest_video) == (768, 32767)  # 384 temporal patches pass 32,767
+    assert capped.step_grids(8192, None) == [(1, 64, 80)] * 6 + [(1, 32, 64)]  # frames of at most 1,280 tokens
+    assert capped.reserve(2**30, 8192, None) == 32768 * QWEN2_5_VL_7B_PATCH_BYTES + 234_881_024
+    assert encoder(2048).largest_video == 2047  # (a short context bounds a video below max_frames)
+
+
+def test_the_plans_gpu_pool_takes_the_videos_reserve(tmp_path):
+    """`cbatch plan`'s GPU pool takes the run's reserve with videos (the same encoder_memory, at the plan's
+    max_model_len): at 65,536 tokens Qwen2.5-VL-7B's cache holds a 65,535-token video, beside the 16,384-token frame's
+    tower call (65,536 patches counted)."""
+    from cbatch.engine.memory import with_step_limits
+    from cbatch.engine.resolve import resolve_model
+    from cbatch.plan.devices import activation_estimate, gpu_kind
+
+    folder = config_folder(tmp_path / "qwen2.5-vl-7b", QWEN2_5_VL_7B_VIDEO, QWEN2_5_VL_7B_PREPROCESSOR)
+    cuda = torch.device("cuda")
+    config = with_step_limits(EngineConfig(model=str(folder), max_model_len=65536), cuda)
+    model = resolve_model(config, device=cuda)
+    h100 = gpu_kind("H100")
+    peak = max(activation_estimate(config, model), 65536 * QWEN2_5_VL_7B_PATCH_BYTES) + 469_754_880
+    assert h100.kv_pool(config, model).num_blocks == kv_blocks_in_gpu_memory(
+        config, model.spec, torch.bfloat16, 65536, 80 * 2**30, h100.weight_bytes_per_rank(config, model), peak)
+
+
+def test_the_encoder_cache_makes_room_before_the_tower_runs():
+    """A step's new embeddings (a long video's) go beside what the cache keeps, so it evicts its least recently
+    used entries first, never the ones the step reads (`keep`), until they fit in its rows or none is left."""
+    from cbatch.engine.image_rows import EncoderCache
+
+    cache = EncoderCache(max_tokens=10)
+    for digest, tokens in (("a", 4), ("b", 3), ("c", 3)):
+        cache.put(digest, torch.zeros(tokens, 2))
+    cache.make_room(5, keep={"a"})  # "b" goes (3 free), then "c" (6 free): "a" stays though least recent
+    assert [d for d in ("a", "b", "c") if cache.get(d) is not None] == ["a"]
+    cache.put("d", torch.zeros(2, 2))
+    cache.make_room(20, keep={"d"})  # more than its rows: all but what the step reads
+    assert [d for d in ("a", "d") if cache.get(d) is not None] == ["d"]
+    cache.make_room(1, keep=set())  # room already: nothing goes
+    assert cache.get("d") is not None

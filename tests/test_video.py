@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from cbatch.config import SamplingParams
@@ -63,10 +64,14 @@ def test_greedy_tokens_match_hf_for_a_video_and_a_video_beside_an_image(vl_model
     assert outputs[0] != outputs[2], "the video decides the completion"
     for (ids, items), ours in zip(requests, outputs):
         assert ours == hf_vl_greedy(vl_model, ids, items, GREEDY.max_tokens)
-    # a 5-token budget cuts the video's run across steps; its embeddings are computed once and sliced
+    # a 5-token budget cuts the video's run across steps; its embeddings are computed once and sliced, in tower
+    # calls of at most 5 tokens: the video's 4 temporal patches (4 tokens each) one a call, the 6-token image alone
     engine = make_engine(vl_model, max_model_len=256, max_num_batched_tokens=5, enable_prefix_cache=False)
+    calls, tower = [], engine.runner.images.visual
+    engine.runner.images.visual = lambda pixels, grids: calls.append(list(grids)) or tower(pixels, grids)
     assert run_requests(engine, requests[:2], GREEDY) == outputs[:2]
     assert engine.runner.images.images_encoded == 2  # the video and the image, once each
+    assert sorted(calls) == [[(1, 4, 4)]] * 4 + [[(1, 4, 6)]]
 
 
 def test_frames_are_sampled_and_patched_as_transformers_does(vl_model):
@@ -101,6 +106,92 @@ def test_frames_are_sampled_and_patched_as_transformers_does(vl_model):
     expected = view.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * grid * grid, c * 2 * patch * patch)
     assert grid_thw == (10, 4, 4)
     np.testing.assert_allclose(pixels, expected, rtol=0, atol=1e-5)
+
+
+@pytest.fixture
+def hf_video_processor(monkeypatch):
+    """transformers' own Qwen2VLVideoProcessor module. It imports torchvision, which it needs only to resize pixels:
+    where torchvision is missing, the module is imported over empty stand-ins (its settings, config-file handling and
+    size rule need none) and forgotten after the test."""
+    import importlib
+    import types
+
+    from transformers.utils import is_torchvision_available
+
+    name = "transformers.models.qwen2_vl.video_processing_qwen2_vl"
+    if is_torchvision_available():  # (cached False before any stand-in goes in)
+        yield importlib.import_module(name)
+        return
+    for part in ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
+                 "torchvision.transforms.v2.functional"):
+        monkeypatch.setitem(sys.modules, part, types.ModuleType(part))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.modules.pop(name, None)
+
+
+def with_processor_files(model, path, files: dict[str, dict]):
+    """A copy of checkpoint `model` at `path` with processor config `files` (name -> content) added."""
+    import json
+
+    shutil.copytree(model, path)
+    for name, content in files.items():
+        (path / name).write_text(json.dumps(content))
+    return path
+
+
+def test_frames_take_the_video_processors_limits_as_transformers_resolves_them(vl_model, tmp_path,
+                                                                               hf_video_processor):
+    """processor_config.json's video_processor section (transformers 5's file) wins over video_preprocessor_config.json
+    and the image's preprocessor_config.json: 784 to 1,568 pixels a frame, while images take 784 to 50,176. A 56 x 84
+    video is 28 x 28 pixels a frame (1 token a temporal patch), the image of that size 4 x 6 patches (6 tokens), as
+    transformers' video processor made from the folder and its smart_resize give; greedy tokens equal transformers'
+    generate on them."""
+    model = with_processor_files(vl_model, tmp_path / "model", {
+        "processor_config.json": {"video_processor": {"size": {"shortest_edge": 784, "longest_edge": 1568}}},
+        "video_preprocessor_config.json": {"max_pixels": 784 * 16}})
+    hf = hf_video_processor.Qwen2VLVideoProcessor.from_pretrained(model)
+    videos = reader(model)
+    assert (videos.limits.min_pixels, videos.limits.max_pixels) == (hf.size.shortest_edge, hf.size.longest_edge)
+    assert (videos.limits.min_frames, videos.limits.max_frames) == (hf.min_frames, hf.max_frames) == (4, 768)
+    assert ImageReader(model, videos.vision).pixel_range == (784, 784 * 64)
+
+    data = video_bytes(random_frames(8, 56, 84, seed=4), fps=2)
+    clip = videos.read(VideoSource(data), "videos[0]")
+    height, width = hf_video_processor.smart_resize(56, 84, 28, hf.size.shortest_edge, hf.size.longest_edge)
+    assert clip.grid == (4, height // 14, width // 14) == (4, 2, 2) and clip.num_tokens == 4
+    assert videos.read(VideoSource(data), "v", decode=False).grid == clip.grid  # cbatch plan's, from the header
+    image = ImageReader(model, videos.vision).read(png_bytes(56, 84, seed=3), "images[0]")
+    assert image.grid == (1, 4, 6)
+    requests = [(prompt([image, clip]), [image, clip])]
+    ours = run_requests(make_engine(model, max_model_len=256), requests, GREEDY)
+    assert ours == [hf_vl_greedy(model, *requests[0], GREEDY.max_tokens)]
+
+
+def test_cap_pixels_per_frame_shares_the_videos_total_as_transformers_does(vl_model, tmp_path, hf_video_processor,
+                                                                          monkeypatch):
+    """A checkpoint setting `cap_pixels_per_frame` (max_video_tokens 20: 14,112 pixels in all, 2 frames a temporal
+    patch): 8 sampled frames get 3,528 pixels each (28 x 56), 4 frames 7,056 (56 x 84 needs no resize); the sizes
+    transformers' own resize asks for (its torchvision resize stubbed to report them)."""
+    module = hf_video_processor
+    model = with_processor_files(vl_model, tmp_path / "model", {"video_preprocessor_config.json": {
+        "size": {"shortest_edge": 784, "longest_edge": 784 * 64}, "cap_pixels_per_frame": True,
+        "max_video_tokens": 20}})
+    hf = module.Qwen2VLVideoProcessor.from_pretrained(model)
+    asked = []
+    monkeypatch.setattr(module.BaseVideoProcessor, "resize",
+                        lambda self, image, size, resample, **kwargs: asked.append((size.height, size.width)))
+    videos = reader(model)
+    assert videos.limits.cap_pixels_per_frame and videos.limits.max_video_tokens == hf.max_video_tokens == 20
+    for frames, expected in ((8, (4, 2, 4)), (4, (2, 4, 6))):
+        hf.resize(torch.zeros(1, frames, 3, 56, 84), size=hf.size, resample=None, factor=28, temporal_factor=2,
+                  cap_pixels_per_frame=True)
+        height, width = asked[-1]
+        data = video_bytes(random_frames(frames, 56, 84, seed=frames), fps=2)
+        clip = videos.read(VideoSource(data), "v")
+        assert clip.grid == (frames // 2, height // 14, width // 14) == expected
+        assert videos.read(VideoSource(data), "v", decode=False).grid == expected
 
 
 def run(model, input_path, out, *flags) -> int:
@@ -199,3 +290,50 @@ def test_a_resume_knows_a_video_by_its_bytes(tmp_path, monkeypatch):
     (tmp_path / f"c{changed}.avi").write_bytes(clips[changed])
     assert run(model, tmp_path / "in.jsonl", out, "--max-num-seqs", 2) == 0
     assert read_jsonl(out) == read_jsonl(tmp_path / "ref.jsonl")
+
+
+def test_the_jobs_video_bounds_size_frames_and_its_image_bounds_do_not(tmp_path):
+    """--video-max-pixels (EngineConfig.video_max_pixels) bounds video frames over the model's video processor, as
+    transformers' from_pretrained(max_pixels=...) would; --image-max-pixels leaves them alone. The tiny checkpoint has
+    preprocessor_config.json alone, so frames start at the images' bounds: a 56 x 84 frame is 2 x 3 tokens, a
+    4-frame clip 2 temporal patches of 6; at 1,568 pixels a frame is 28 x 28, 1 token. Checked, refused for a model
+    without videos, in the output identity."""
+    import torch
+
+    from cbatch.config import ConfigError, EngineConfig
+    from cbatch.engine.resolve import resolve_model
+    from cbatch.model.image_processor import video_limits
+    from cbatch.run.identity import output_identity
+    from cbatch.tasks.generate_task import GenerateTask
+
+    model = make_vl_checkpoint("qwen2_vl", tmp_path / "model")
+    (tmp_path / "clip.avi").write_bytes(video_bytes(random_frames(4, 56, 84, seed=2), fps=2))
+    image = "data:image/png;base64," + base64.b64encode(png_bytes(56, 84, seed=1)).decode()
+    write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "v", "messages": [{"role": "user", "content": "w1"}], "videos": [str(tmp_path / "clip.avi")]},
+        {"id": "i", "messages": [{"role": "user", "content": "w1"}], "images": [image]},
+        {"id": "t", "messages": [{"role": "user", "content": "w1"}]}])
+
+    def tokens(*flags) -> tuple[int, int]:
+        """(the video's, the image's) placeholder tokens in a run with `flags`."""
+        out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}.jsonl"
+        assert run(model, tmp_path / "in.jsonl", out, *flags) == 0
+        rows = {r["id"]: r["prompt_tokens"] for r in read_jsonl(out)}
+        return rows["v"] - rows["t"] - 2, rows["i"] - rows["t"] - 2  # (less vision start and end)
+
+    assert tokens() == (12, 6)
+    assert tokens("--video-max-pixels", 1568) == (2, 6)
+    assert tokens("--image-max-pixels", 1568) == (12, 1)
+    assert video_limits(model, max_pixels=1568).max_pixels == 1568 and video_limits(model).max_pixels == 784 * 64
+
+    with pytest.raises(ConfigError) as bad:
+        EngineConfig(video_min_pixels=800, video_max_pixels=700)
+    assert bad.value.field == "video_max_pixels" and "at least --video-min-pixels" in bad.value.reason
+    qwen3 = make_vl_checkpoint("qwen3_vl", tmp_path / "qwen3")
+    with pytest.raises(ConfigError) as bad:
+        resolve_model(EngineConfig(model=str(qwen3), video_max_pixels=10**6))
+    assert str(bad.value) == ("video_max_pixels: this Qwen3VLForConditionalGeneration reads no videos (Qwen2-VL and "
+                              "Qwen2.5-VL do); leave the video pixel bounds out")
+    identity = output_identity(EngineConfig(video_max_pixels=10**6), GenerateTask(), torch.device("cpu"),
+                               torch.float32, 4096)
+    assert identity["video_max_pixels"] == 10**6 and "video_min_pixels" not in identity

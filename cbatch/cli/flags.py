@@ -220,10 +220,17 @@ TASK_FLAGS = [  # prefill-only jobs (docs/tasks.md)
     Flag("reasoning_effort_budgets", Optional[str], None, "Thinking tokens per `reasoning_effort` (default "
          "low=512,medium=2048,high=8192; docs/tools.md).", JOB, metavar="low=N,medium=N,high=N"),
     Flag("image_min_pixels", Optional[int], None, "Rows with images: scale smaller images up to at least N pixels "
-         "(default: the model's preprocessor_config.json; docs/vision.md).", JOB, field="image_min_pixels", metavar="N"),
+         "(default: the model's preprocessor_config.json; videos keep their video processor's; docs/vision.md).",
+         JOB, field="image_min_pixels", metavar="N"),
     Flag("image_max_pixels", Optional[int], None, "Rows with images: scale larger images down to at most N pixels "
-         "(fewer image tokens per row; default: the model's; docs/vision.md).", JOB, field="image_max_pixels",
+         "(fewer image tokens per row; default: the model's; videos keep their video processor's; docs/vision.md).",
+         JOB, field="image_max_pixels", metavar="N"),
+    Flag("video_min_pixels", Optional[int], None, "Rows with videos: scale smaller frames up to at least N pixels "
+         "(default: the model's video processor config; docs/vision.md).", JOB, field="video_min_pixels",
          metavar="N"),
+    Flag("video_max_pixels", Optional[int], None, "Rows with videos: scale larger frames down to at most N pixels "
+         "(fewer video tokens per row; default: the model's video processor config; docs/vision.md).", JOB,
+         field="video_max_pixels", metavar="N"),
     Flag("image_pan_and_scan", Optional[bool], None, "Rows with images, Gemma 3: also give the model up to "
          "pan_and_scan_max_num_crops crops of each wide or tall image, 256 tokens each (default: the model's "
          "preprocessor_config.json; docs/vision.md).", JOB, decls=("--image-pan-and-scan/--no-image-pan-and-scan",),

@@ -13,6 +13,7 @@ from cbatch.engine.engine import Engine, KVPool
 from cbatch.engine.resolve import ResolvedModel, load_rank_model, resolve_model
 from cbatch.engine.runner import ModelRunner
 from cbatch.engine.tensor_parallel import start_group
+from cbatch.engine.tower_calls import tower_budget
 from cbatch.engine.warmup import warm_up
 from cbatch.model.backend import Backend
 from cbatch.model.layers import Linear
@@ -50,7 +51,8 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None, *,
     def make_runner(sized: EngineConfig, num_blocks: int, num_host_blocks: int = 0) -> ModelRunner:
         settings = dict(num_kv_blocks=num_blocks, block_size=sized.block_size, max_num_seqs=sized.max_num_seqs,
                         max_model_len=resolved.max_model_len, dtype=dtype, job_seed=sized.seed,
-                        num_host_blocks=num_host_blocks, kv_dtype=kv_dtype, split_sampler=sized.split_sampler)
+                        num_host_blocks=num_host_blocks, kv_dtype=kv_dtype, split_sampler=sized.split_sampler,
+                        tower_tokens=tower_budget(sized.max_num_batched_tokens, sized.max_image_tokens_per_step))
         if peers is not None:
             peers.send_runner(**settings)  # the workers build the same runner over their shares
         runner = ModelRunner(model, device=device, **settings)
@@ -162,7 +164,7 @@ def _encoder_memory(resolved: ResolvedModel, model, config: EngineConfig):
     from cbatch.engine.encoder_memory import encoder_memory
 
     model_dir = resolved.checkpoint.path if resolved.checkpoint is not None else None
-    return encoder_memory(model.spec, resolved.dtype, model_dir, config, model.visual)
+    return encoder_memory(model.spec, resolved.dtype, model_dir, config, resolved.max_model_len, model.visual)
 
 
 def _kv_pool(config: EngineConfig, resolved: ResolvedModel, spec: ModelSpec, kv_dtype: torch.dtype,

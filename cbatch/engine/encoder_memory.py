@@ -1,14 +1,18 @@
 """GPU memory a vision-language model's images take beside a text step, reserved before the KV pool is sized
 (memory.gpu_step_and_pool; `cbatch plan`'s GPU pool, plan/devices.py, takes the same reserve off):
 
-- the encoder cache full (engine/image_rows.EncoderCache): its rows, at least one largest image (the cache keeps
-  one entry however large), x the row width (hidden x (1 + deepstack mergers)) x the embeddings' dtype bytes;
-- the vision tower's peak activations for the largest image batch a step encodes: one tower forward over dummy
-  images of that many tokens, measured as a text step's are (a run), or counted (`tower_activation_count`: the plan,
-  which has no tower). A step encodes the whole images its chunks start, within its token budget
-  (--max-image-tokens-per-step when lower), and at least one image of the largest size the job's processor makes
-  (its max_pixels: --image-max-pixels, else the model's preprocessor_config.json; an image larger than the budget
-  runs alone).
+- the encoder cache full (engine/image_rows.EncoderCache): its rows, at least one largest image or video (the cache
+  keeps one entry however large), x the row width (hidden x (1 + deepstack mergers)) x the embeddings' dtype bytes;
+- the vision tower's peak activations for the largest call a step makes: one tower forward over dummy frames of
+  that many tokens, measured as a text step's are (a run), or counted (`tower_activation_count`: the plan, which
+  has no tower). A call takes at most the step's image budget (its token budget, --max-image-tokens-per-step when
+  lower), or one image or one temporal patch of a video larger than that alone (engine/tower_calls.py: a video is
+  cut between temporal patches); its frames are at most the largest image the job's processor makes (its
+  max_pixels: --image-max-pixels, else the model's processor config) or the largest video frame (its max_pixels:
+  --video-max-pixels, else the video processor's: model/image_processor.VideoLimits).
+
+The largest video (Qwen2-VL, Qwen2.5-VL) is the video processor's largest frame x its most temporal patches
+(max_frames / 2), never more than max_model_len - 1 tokens (a longer prompt is refused before its video is encoded).
 
 The tower runs before the language model's forward (`ImageRows.prepare`) and frees its activations but its output
 (kept by the cache, counted above), so a step's peak is the larger of the two: text and tower are not added.
@@ -23,29 +27,37 @@ import torch
 
 from cbatch.config import EngineConfig
 from cbatch.engine.image_rows import encoder_cache_rows, features_per_row
-from cbatch.model.image_processor import image_processor, max_image_tokens
+from cbatch.engine.tower_calls import tower_budget
+from cbatch.model.image_processor import image_processor, max_image_tokens, video_limits
 from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.spec import ModelSpec
 from cbatch.model.vision_spec import VisionSpec
 
 
 def encoder_cache_bytes(hidden_size: int, features: int, dtype_bytes: int, largest_image: int) -> int:
-    """The encoder cache's bytes when full: max(its rows, one largest image) x hidden x features x dtype bytes."""
+    """The encoder cache's bytes when full: max(its rows, one largest image or video) x hidden x features x dtype
+    bytes."""
     return max(encoder_cache_rows(features), largest_image) * hidden_size * features * dtype_bytes
 
 
 def encoder_step_tokens(max_num_batched_tokens: int, max_image_tokens_per_step: int | None,
                         largest_image: int) -> int:
-    """The most image tokens one step encodes: the step's token budget (or the encoder's, when lower), at least
-    one largest image."""
-    budget = min(max_num_batched_tokens, max_image_tokens_per_step or max_num_batched_tokens)
-    return max(budget, largest_image)
+    """The most image tokens one tower call takes: the step's image budget (engine/tower_calls.py), at least one
+    largest frame (an image, or a video's temporal patch)."""
+    return max(tower_budget(max_num_batched_tokens, max_image_tokens_per_step), largest_image)
+
+
+def largest_video_tokens(frame_tokens: int, max_temporal_patches: int, max_model_len: int) -> int:
+    """The most placeholder tokens one video gets: its largest frame's tokens x its most temporal patches, within
+    a prompt (max_model_len - 1 tokens at most); 0 where the model takes no videos (`frame_tokens` 0)."""
+    return min(frame_tokens * max_temporal_patches, max_model_len - 1) if frame_tokens else 0
 
 
 def dummy_grids(vision: VisionSpec | SiglipSpec, tokens: int, largest_image: int) -> list[tuple[int, int, int]]:
-    """Patch grids (t, h, w) of images adding up to at least `tokens` placeholder tokens, each at most
-    `largest_image` (Gemma 3: its one square, as many as it takes). A Qwen image of n tokens is the near-square
-    h x w merged tokens with h x w = n (the tower's windows and positions as for a page)."""
+    """Patch grids (t, h, w) of frames adding up to at least `tokens` placeholder tokens, each at most
+    `largest_image` (Gemma 3: its one square, as many as it takes). A Qwen frame of n tokens is the near-square
+    h x w merged tokens with h x w = n (the tower's windows and positions as for a page; a video's temporal patches
+    are frames of their own to the tower)."""
     if isinstance(vision, SiglipSpec):
         side = vision.patches_per_side
         return [(1, side, side)] * -(-tokens // vision.mm_tokens_per_image)
@@ -93,20 +105,27 @@ class EncoderMemory:
     dtype: torch.dtype  # the tower's output's (the model's)
     largest_image: int  # the most placeholder tokens one image gets (the job's processor at its max_pixels)
     visual: torch.nn.Module | None = None  # the vision tower with its merger(s), on the GPU (rank 0's); None: counted
+    largest_video_frame: int = 0  # the most tokens of one temporal patch of a video (0: the model takes no videos)
+    largest_video: int = 0  # the most tokens of one video (`largest_video_tokens`)
+
+    @property
+    def largest_frame(self) -> int:
+        """The most tokens one frame of a tower call has: an image's, or a video's temporal patch's."""
+        return max(self.largest_image, self.largest_video_frame)
 
     @property
     def cache_bytes(self) -> int:
         return encoder_cache_bytes(self.hidden_size, features_per_row(self.vision), self.dtype.itemsize,
-                                   self.largest_image)
+                                   max(self.largest_image, self.largest_video))
 
     def step_grids(self, max_num_batched_tokens: int, max_image_tokens_per_step: int | None
                    ) -> list[tuple[int, int, int]]:
-        """The dummy images of a step's largest image batch."""
-        tokens = encoder_step_tokens(max_num_batched_tokens, max_image_tokens_per_step, self.largest_image)
-        return dummy_grids(self.vision, tokens, self.largest_image)
+        """The dummy frames of a step's largest tower call."""
+        tokens = encoder_step_tokens(max_num_batched_tokens, max_image_tokens_per_step, self.largest_frame)
+        return dummy_grids(self.vision, tokens, self.largest_frame)
 
     def tower_peak(self, max_num_batched_tokens: int, max_image_tokens_per_step: int | None) -> int:
-        """Bytes one tower forward over a step's largest image batch allocates beyond what is held: measured on the
+        """Bytes one tower forward over a step's largest call allocates beyond what is held: measured on the
         tower's GPU, or counted without one (`tower_activation_count`)."""
         grids = self.step_grids(max_num_batched_tokens, max_image_tokens_per_step)
         patches = sum(t * h * w for t, h, w in grids)
@@ -131,12 +150,19 @@ class EncoderMemory:
 
 
 def encoder_memory(spec: ModelSpec, dtype: torch.dtype, model_dir: Path | None, config: EngineConfig,
-                   visual: torch.nn.Module | None = None) -> EncoderMemory | None:
+                   max_model_len: int, visual: torch.nn.Module | None = None) -> EncoderMemory | None:
     """The images' reserve of a model (None: a text model): its largest image the one the job's processor makes
-    (the model's preprocessor_config.json in `model_dir` under `config`'s image pixel bounds). `visual`: the tower
-    a run measures; None: counted (`cbatch plan`)."""
-    if spec.vision is None:
+    (the model's processor config in `model_dir` under `config`'s image pixel bounds), its largest video frame the
+    video processor's (`VideoLimits`; a model that takes videos). `visual`: the tower a run measures; None: counted
+    (`cbatch plan`)."""
+    vision = spec.vision
+    if vision is None:
         return None
-    processor = image_processor(model_dir, spec.vision, config.image_min_pixels, config.image_max_pixels)
-    largest = max_image_tokens(processor, spec.vision)
-    return EncoderMemory(spec.vision, spec.hidden_size, dtype, largest, visual)
+    largest = max_image_tokens(image_processor(model_dir, vision, config.image_min_pixels, config.image_max_pixels),
+                               vision)
+    frame = video = 0
+    if getattr(vision, "video_token_id", None) is not None:
+        limits = video_limits(model_dir, config.video_min_pixels, config.video_max_pixels)
+        frame = limits.largest_frame_pixels // (vision.patch_size * vision.merge_size) ** 2
+        video = largest_video_tokens(frame, limits.max_temporal_patches(vision.temporal_patch_size), max_model_len)
+    return EncoderMemory(vision, spec.hidden_size, dtype, largest, visual, frame, video)

@@ -7,7 +7,8 @@ Per step: the build records each image row's chunk (`add_row`; a quiet decode is
 delta (text positions are equal on the three axes, so a step without image placeholders keeps 1-D positions and its
 decode graph), and for a step whose chunks meet image placeholders writes the 3-D positions and the embedding rows
 each chunk takes: a chunk may end inside an image's run, and the next takes the rest. `prepare` encodes every image
-of the step that the encoder cache lacks in one vision-tower call, then gathers the slices. The cache (`EncoderCache`,
+of the step that the encoder cache lacks, in vision-tower calls of at most the step's image budget (a video cut
+between temporal patches: engine/tower_calls.py), then gathers the slices. The cache (`EncoderCache`,
 keyed by the image's digest) keeps an image encoded once across its row's chunks, preemptions and rows sharing it.
 A step's images release their pixels once read (`PromptImage.release`): a row holds float32 patches only until its
 images are encoded; an image the cache dropped before its row's prefill consumed it (a preempted row, a chunk after
@@ -31,6 +32,7 @@ from cbatch.engine.images import PromptImage
 from cbatch.engine.row_features import RowFeature
 from cbatch.engine.sequence import Sequence
 from cbatch.engine.step_inputs import StepInputs
+from cbatch.engine.tower_calls import tower_calls
 from cbatch.model.decoder import LlamaForCausalLM
 
 ENCODER_CACHE_TOKENS = 32768  # embeddings kept past their step (LRU): a few pages' worth; a 7B's: 0.22 GiB in bf16
@@ -67,6 +69,14 @@ class EncoderCache:
         self._entries[digest] = embeds
         self._tokens += embeds.shape[0]
 
+    def make_room(self, tokens: int, keep: set[str]) -> None:
+        """Evicts the least recently used entries outside `keep` until `tokens` more fit in `max_tokens` (or none
+        outside it is left)."""
+        for digest in [d for d in self._entries if d not in keep]:
+            if self._tokens + tokens <= self.max_tokens:
+                return
+            self._tokens -= self._entries.pop(digest).shape[0]
+
     def trim(self) -> None:
         while self._tokens > self.max_tokens and len(self._entries) > 1:
             _, embeds = self._entries.popitem(last=False)
@@ -80,7 +90,8 @@ class EncoderCache:
 class ImageRows(RowFeature):
     """The image rows of a vision-language model's steps (see the module's docstring)."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: LlamaForCausalLM, tower_tokens: int | None = None) -> None:
+        self.tower_tokens = tower_tokens  # the most image tokens one tower call takes (None: no limit)
         self.visual = model.visual  # None on a tensor-parallel worker: rank 0 encodes and broadcasts (`prepare`)
         self.comm = model.comm
         self.embed_dtype = model.embed_tokens.weight.dtype  # the embeddings' (the broadcast's) dtype
@@ -176,7 +187,7 @@ class ImageRows(RowFeature):
         return replace(inputs, image_slices=[(row, None, first, end) for row, _, first, end in inputs.image_slices])
 
     def _encode(self, images: list[PromptImage], device: torch.device) -> None:
-        """Encodes the images the cache lacks, all in one vision-tower call."""
+        """Encodes the images the cache lacks, in tower calls of at most `tower_tokens` (`tower_calls`)."""
         missing: dict[str, PromptImage] = {}
         for image in images:
             if image.digest not in missing and self.cache.get(image.digest) is None:
@@ -184,11 +195,30 @@ class ImageRows(RowFeature):
         if not missing:
             return
         todo = list(missing.values())
+        # the cache makes room first: what it holds past its rows while the tower runs is this step's own
+        self.cache.make_room(sum(image.num_tokens for image in todo), keep={image.digest for image in images})
         # (a released image's patches are read again from its source: a preempted row the cache had dropped)
-        pixels = torch.from_numpy(np.concatenate([image.patches() for image in todo])).to(device)
-        embeds = self.visual(pixels, [image.grid for image in todo])  # [sum of num_tokens, hidden x (1 + deepstack)]
-        for image, part in zip(todo, embeds.split([image.num_tokens for image in todo])):
-            # each entry its own memory: a view would keep the whole step's tensor alive until its last part goes
-            self.cache.put(image.digest, part.clone() if len(todo) > 1 else part)
+        patches = [image.patches() for image in todo]
+        encoded: list[torch.Tensor | None] = [None] * len(todo)  # a video cut in pieces: one buffer, filled in turn
+        for call in tower_calls([(image.num_tokens, image.grid[0]) for image in todo], self.tower_tokens):
+            rows, grids = [], []  # per piece: its patches, its grid (t, h, w)
+            for index, first, end in call:
+                _, h, w = todo[index].grid
+                rows.append(patches[index][first * h * w : end * h * w])
+                grids.append((end - first, h, w))
+            pixels = torch.from_numpy(np.concatenate(rows)).to(device)
+            embeds = self.visual(pixels, grids)  # [the call's tokens, hidden x (1 + deepstack)]
+            per_patch = [todo[index].num_tokens // todo[index].grid[0] for index, _, _ in call]  # a temporal patch's
+            sizes = [(end - first) * per for (_, first, end), per in zip(call, per_patch)]
+            for (index, first, end), per, part in zip(call, per_patch, embeds.split(sizes)):
+                if end - first == todo[index].grid[0]:  # whole: its own memory (a view would keep the call's alive)
+                    encoded[index] = part.clone() if len(call) > 1 else part
+                    continue
+                if encoded[index] is None:
+                    encoded[index] = part.new_empty(todo[index].num_tokens, part.shape[1])
+                encoded[index][first * per : end * per] = part
+            self.image_tokens_encoded += embeds.shape[0]
+            del pixels, embeds
+        for image, embeds in zip(todo, encoded):
+            self.cache.put(image.digest, embeds)
         self.images_encoded += len(todo)
-        self.image_tokens_encoded += embeds.shape[0]

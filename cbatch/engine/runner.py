@@ -47,6 +47,7 @@ class ModelRunner:
         num_host_blocks: int = 0,
         kv_dtype: torch.dtype | None = None,
         split_sampler: bool = True,
+        tower_tokens: int | None = None,
     ) -> None:
         spec = model.spec
         self.model = model
@@ -69,7 +70,9 @@ class ModelRunner:
         self.pooling, self.prompt_logprobs, self.adapters = PoolingRows(), PromptLogprobRows(), AdapterRows()
         self.features: list[RowFeature] = [self.pooling, self.prompt_logprobs, self.adapters,
                                            GrammarRows(spec.vocab_size, device)]
-        self.images = ImageRows(model) if spec.vision is not None else None  # a vision-language model's image rows
+        # a vision-language model's image rows; `tower_tokens`: the most image tokens one vision-tower call takes
+        # (engine/tower_calls.py; None: a step's images in one call)
+        self.images = ImageRows(model, tower_tokens) if spec.vision is not None else None
         if self.images is not None:
             self.features.append(self.images)
         self.reset()

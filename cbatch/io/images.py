@@ -168,10 +168,10 @@ class ImageReader:
     def pixel_range(self) -> tuple[int, int]:
         return pixel_range(self.processor)
 
-    def grid_for(self, height: int, width: int) -> tuple[int, int, int]:
+    def grid_for(self, height: int, width: int, max_pixels: int | None = None) -> tuple[int, int, int]:
         """The patch grid (t, h, w) the processor makes of a height x width image, from its size alone: the
-        processor's own resize rule (both sides multiples of patch x merge, the pixel count in its bounds; Gemma 3:
-        one square whatever the size)."""
+        processor's own resize rule (both sides multiples of patch x merge, the pixel count in its bounds, or up to
+        `max_pixels` where given: a video's capped frames; Gemma 3: one square whatever the size)."""
         import importlib
 
         if isinstance(self.vision, SiglipSpec):
@@ -179,6 +179,7 @@ class ImageReader:
         processor = self.processor
         smart_resize = importlib.import_module(type(processor).__module__).smart_resize
         low, high = self.pixel_range
+        high = high if max_pixels is None else max_pixels
         patch = int(processor.patch_size)
         if getattr(processor, "do_resize", True):
             height, width = smart_resize(height, width, factor=patch * int(processor.merge_size), min_pixels=low,

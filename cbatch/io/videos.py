@@ -4,11 +4,14 @@ preprocessed as transformers' Qwen2-VL video processor does, into a `PromptImage
 Sampling (transformers' `sample_frames` with fps): `fps` frames a second of the video (default 2.0), at least
 `min_frames` (4) and at most `max_frames` (768) and the video's own frame count, rounded down to a multiple of the
 temporal patch (2); frame i of n at index floor(i * total / n). A video with fewer frames than one temporal patch
-keeps them all (its last frame repeats to fill the patch). The settings come from the checkpoint's
-video_preprocessor_config.json, else its preprocessor_config.json (model/image_processor.VIDEO_CONFIGS).
+keeps them all (its last frame repeats to fill the patch). The settings are the checkpoint's video processor's
+as transformers finds them (model/image_processor.video_limits: processor_config.json's video_processor section,
+else video_preprocessor_config.json, else preprocessor_config.json), under the job's video pixel bounds
+(--video-min-pixels / --video-max-pixels); the job's image pixel bounds never apply.
 
 Preprocessing: every frame goes through the model's image processor with the video processor's pixel bounds (the
-same smart_resize, rescale and normalize: all frames have one size, so one grid), then consecutive frame pairs
+same smart_resize, rescale and normalize: all frames have one size, so one grid; with `cap_pixels_per_frame` a
+frame's max_pixels is its share of the video's total, from the sampled frame count), then consecutive frame pairs
 become temporal patches: patch k of a pair holds frame 2j at temporal index 0 and frame 2j + 1 at index 1, in the
 processor's patch order (merge blocks row-major), as transformers' video `patchify`. Qwen2.5-VL's M-RoPE spaces the
 temporal patches by tokens_per_second x seconds per temporal patch (temporal_patch_size / the sampled fps).
@@ -28,10 +31,9 @@ import numpy as np
 from cbatch.engine.images import PromptImage
 from cbatch.io.images import (MAX_SOURCE_PIXELS, ImageError, ImageReader, VideoSource, describe, read_source,
                               reread_checked, source_digest)
-from cbatch.model.image_processor import VIDEO_CONFIGS, read_config
+from cbatch.model.image_processor import video_limits
 from cbatch.model.vision_spec import VisionSpec
 
-DEFAULT_FPS = 2.0  # frames sampled per second of video
 FRAME_GROUP = 16  # frames preprocessed at once (a multiple of the temporal patch)
 VIDEO_EXTRA = "pip install 'cbatch[video]'"
 
@@ -53,13 +55,19 @@ def frame_indices(total: int, video_fps: float, fps: float, temporal: int, min_f
 class VideoReader:
     """The model's video sampling and its frames' processor: a row's video source -> `PromptImage` (video)."""
 
-    def __init__(self, model_dir: Path | None, vision: VisionSpec) -> None:
+    def __init__(self, model_dir: Path | None, vision: VisionSpec, min_pixels: int | None = None,
+                 max_pixels: int | None = None) -> None:
+        """`min_pixels` / `max_pixels`: the job's per-frame bounds (EngineConfig.video_min_pixels /
+        video_max_pixels) over the model's video processor's; None: the model's."""
         self.vision = vision
-        self.frames = ImageReader(model_dir, vision, video=True)  # the image processor with the video's config
-        given = read_config(model_dir, VIDEO_CONFIGS)
-        self.fps = float(given.get("fps") or DEFAULT_FPS)
-        self.min_frames = int(given.get("min_frames") or 4)
-        self.max_frames = int(given.get("max_frames") or 768)
+        # the image processor with the video's settings
+        self.frames = ImageReader(model_dir, vision, min_pixels, max_pixels, video=True)
+        self.limits = video_limits(model_dir, min_pixels, max_pixels)
+
+    @classmethod
+    def for_config(cls, model_dir: Path | None, vision: VisionSpec, config: "EngineConfig") -> "VideoReader":
+        """The reader of an engine's `config` (an EngineConfig: its video pixel bounds)."""
+        return cls(model_dir, vision, config.video_min_pixels, config.video_max_pixels)
 
     def read(self, source: VideoSource, name: str, decode: bool = True) -> PromptImage:
         """The video `source` (called `name` in messages) read, sampled and preprocessed; raises ImageError naming it.
@@ -87,8 +95,9 @@ class VideoReader:
                 if width * height > MAX_SOURCE_PIXELS:
                     raise ImageError(f"has {width} x {height} frames, more than the {MAX_SOURCE_PIXELS:,} pixels "
                                      "cbatch decodes; shrink it")
-                indices = frame_indices(total, video_fps, self.fps, self.vision.temporal_patch_size, self.min_frames,
-                                        self.max_frames)
+                limits = self.limits
+                indices = frame_indices(total, video_fps, limits.fps, self.vision.temporal_patch_size,
+                                        limits.min_frames, limits.max_frames)
                 # (decoded while preprocessed, a group of frames at a time: the float32 patches are what is held)
                 grid, pixels = (self.patches(_decode(container, stream, indices), len(indices)) if decode
                                 else (None, None))
@@ -101,7 +110,7 @@ class VideoReader:
                     if self.vision.tokens_per_second else 1.0)
         digest = source_digest(source, data)
         if grid is None:  # cbatch plan: the grid from the header's size and frame count
-            _, h, w = self.frames.grid_for(height, width)
+            _, h, w = self.frames.grid_for(height, width, self._max_pixels(len(indices)))
             grid = (-(-len(indices) // temporal), h, w)
             return PromptImage(digest, grid, self.vision.tokens_for_grid(grid), None, name, video=True,
                                time_interval=interval)
@@ -114,9 +123,10 @@ class VideoReader:
         to fill the last pair). Frames are processed FRAME_GROUP at a time into the output."""
         temporal, patch = self.vision.temporal_patch_size, self.vision.patch_size
         t = -(-count // temporal)
+        size = {"shortest_edge": self.limits.min_pixels, "longest_edge": self._max_pixels(count)}
         out: np.ndarray | None = None
         for first, group in _groups(frames, count, temporal):
-            processed = self.frames.processor(images=group, return_tensors="np")
+            processed = self.frames.processor(images=group, size=size, return_tensors="np")
             _, h, w = (int(x) for x in processed["image_grid_thw"][0])
             # the image processor repeats each frame over the temporal patch: keep temporal index 0 of each
             per_frame = processed["pixel_values"].reshape(len(group), h * w, -1, temporal, patch * patch)[:, :, :, 0]
@@ -128,6 +138,11 @@ class VideoReader:
             start = first // temporal * h * w
             out[start : start + pairs.shape[0] * h * w] = pairs.reshape(pairs.shape[0] * h * w, -1)
         return (t, h, w), out
+
+    def _max_pixels(self, frames: int) -> int:
+        """Each frame's max_pixels in a video of `frames` sampled frames (the video processor's: `VideoLimits`)."""
+        vision = self.vision
+        return self.limits.frame_max_pixels(frames, vision.patch_size * vision.merge_size, vision.temporal_patch_size)
 
     def reread(self, source: VideoSource, name: str, digest: str) -> np.ndarray:
         """The patches of the video `source` read and preprocessed again (a preempted row's: `reread_checked`)."""

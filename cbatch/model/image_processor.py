@@ -1,8 +1,10 @@
-"""The model's own Hugging Face image processor (the PIL one: no torchvision), made from its checkpoint's
-preprocessor_config.json with a job's pixel bounds on top, and what its size rule implies without an image: the
-pixel bounds and the most placeholder tokens one image can get. The row reader (io/images.py) preprocesses with it;
-the GPU memory reserve for images (engine/encoder_memory.py) sizes its largest image from it. Gemma 3's
-pan-and-scan (`PanAndScan`: where an image's extra crops are cut, from its size alone) is cbatch's own rule."""
+"""The model's own Hugging Face image processor (the PIL one: no torchvision), made from its checkpoint's processor
+settings (`processor_config`: where transformers reads them) with a job's pixel bounds on top; a Qwen2-VL video
+processor's settings (`VideoLimits`: frame sampling, per-frame pixel bounds); and what the size rule implies without
+an image: the pixel bounds and the most placeholder tokens one image can get. The row readers (io/images.py,
+io/videos.py) preprocess with it; the GPU memory reserve for images (engine/encoder_memory.py) sizes its largest
+image and video from it. Gemma 3's pan-and-scan (`PanAndScan`: where an image's extra crops are cut, from its size
+alone) is cbatch's own rule."""
 from __future__ import annotations
 
 import json
@@ -16,36 +18,95 @@ from cbatch.model.vision_spec import VisionSpec
 
 
 IMAGE_CONFIG = "preprocessor_config.json"
-# a video's: transformers' video processor reads this file where the checkpoint has it, else the image one
-VIDEO_CONFIGS = ("video_preprocessor_config.json", IMAGE_CONFIG)
-# the video processor's pixel bounds where its file has none (transformers' Qwen2VLVideoProcessor's defaults)
-VIDEO_PIXELS = (128 * 28 * 28, 768 * 28 * 28)
+VIDEO_CONFIG = "video_preprocessor_config.json"
+PROCESSOR_CONFIG = "processor_config.json"  # transformers 5 saves a processor's parts in it, a section each
 
 
 def image_processor(model_dir: Path | None, vision: VisionSpec | SiglipSpec, min_pixels: int | None = None,
                     max_pixels: int | None = None, video: bool = False):
     """The processor of a model of `vision` in `model_dir`; `min_pixels` / `max_pixels`: a job's bounds over the
     model's (None: the model's; Gemma 3's processor resizes to its square whatever they are). `video`: the one a
-    video's frames go through (Qwen: the image processor with the video processor's config: VIDEO_CONFIGS)."""
+    video's frames go through (Qwen: the image processor with the video processor's settings: `video_limits`)."""
     if isinstance(vision, SiglipSpec):
         return _siglip_processor(model_dir, vision)
     bounds = {"min_pixels": min_pixels, "max_pixels": max_pixels}
     if not video:
-        return _processor(vision, bounds, read_config(model_dir, (IMAGE_CONFIG,)))
-    given = read_config(model_dir, VIDEO_CONFIGS)
-    size = given.get("size") or {}
-    for (key, edge), default in zip((("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")), VIDEO_PIXELS):
-        given[key] = given.get(key) or size.get(edge) or default
-    return _processor(vision, bounds, given)
+        return _processor(vision, bounds, processor_config(model_dir))
+    given = processor_config(model_dir, video=True)
+    limits = video_limits(model_dir, min_pixels, max_pixels)
+    given.update(min_pixels=limits.min_pixels, max_pixels=limits.max_pixels)
+    return _processor(vision, {"min_pixels": None, "max_pixels": None}, given)
 
 
-def read_config(model_dir: Path | None, names: tuple[str, ...]) -> dict[str, Any]:
-    """The first of the checkpoint's processor config files `names` it has, read ({} where none)."""
-    for name in names:
-        path = model_dir / name if model_dir is not None else None
-        if path is not None and path.is_file():
-            return json.loads(path.read_text())
+def processor_config(model_dir: Path | None, video: bool = False) -> dict[str, Any]:
+    """The checkpoint's image (`video`: video) processor settings where transformers looks for them:
+    processor_config.json's "image_processor" / "video_processor" section, else preprocessor_config.json (a video's:
+    video_preprocessor_config.json first); {} where none."""
+    nested = (_read_json(model_dir, PROCESSOR_CONFIG) or {}).get("video_processor" if video else "image_processor")
+    if isinstance(nested, dict):
+        return dict(nested)
+    for name in (VIDEO_CONFIG, IMAGE_CONFIG) if video else (IMAGE_CONFIG,):
+        if (given := _read_json(model_dir, name)) is not None:
+            return given
     return {}
+
+
+def _read_json(model_dir: Path | None, name: str) -> dict[str, Any] | None:
+    """The checkpoint's file `name` read (None where it has none)."""
+    path = model_dir / name if model_dir is not None else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+
+@dataclass(frozen=True, slots=True)
+class VideoLimits:
+    """A Qwen2-VL video processor's frame sampling and per-frame pixel bounds, as transformers' Qwen2VLVideoProcessor
+    sets them from a checkpoint (`video_limits`). Its defaults are the class's (cbatch samples at `fps` always)."""
+
+    min_pixels: int = 128 * 28 * 28
+    max_pixels: int = 768 * 28 * 28
+    fps: float = 2.0  # frames sampled per second of video
+    min_frames: int = 4
+    max_frames: int = 768
+    # qwen-vl-utils' total bound (transformers' `cap_pixels_per_frame`, off unless the checkpoint sets it): a frame
+    # gets at most its share of `max_video_tokens` x 0.9 tokens' pixels, never below 1.05 x min_pixels
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 128000
+
+    def frame_max_pixels(self, frames: int, factor: int, temporal: int) -> int:
+        """The max_pixels of each frame of a video of `frames` sampled frames (`factor`: patch x merge pixels)."""
+        if not self.cap_pixels_per_frame:
+            return self.max_pixels
+        total = int(self.max_video_tokens * factor * factor * 0.9)
+        return max(min(self.max_pixels, total * temporal // max(frames, 1)), int(self.min_pixels * 1.05))
+
+    @property
+    def largest_frame_pixels(self) -> int:
+        """The most pixels a frame of any video gets (the cap's floor may pass max_pixels)."""
+        return max(self.max_pixels, int(self.min_pixels * 1.05)) if self.cap_pixels_per_frame else self.max_pixels
+
+    def max_temporal_patches(self, temporal: int) -> int:
+        """The most temporal patches a video samples (max_frames rounded down to whole patches; at least one)."""
+        return max(1, self.max_frames // temporal)
+
+
+def video_limits(model_dir: Path | None, min_pixels: int | None = None, max_pixels: int | None = None
+                 ) -> VideoLimits:
+    """The video processor's settings in `model_dir` (`processor_config(video=True)`), read as
+    Qwen2VLVideoProcessor's constructor reads them: the file's `size` {shortest_edge, longest_edge} replaces the
+    class's, and its `min_pixels` / `max_pixels` override that (a checkpoint with a preprocessor_config.json alone
+    gives its videos the images' bounds, as transformers does). `min_pixels` / `max_pixels`: a job's bounds over
+    the file's (EngineConfig.video_min_pixels / video_max_pixels; None: the file's), as from_pretrained's kwargs."""
+    given = processor_config(model_dir, video=True)
+    given.update({k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None})
+    default = VideoLimits()
+    size = given.get("size") or {"shortest_edge": default.min_pixels, "longest_edge": default.max_pixels}
+    low = given.get("min_pixels") or size.get("shortest_edge") or default.min_pixels
+    high = given.get("max_pixels") or size.get("longest_edge") or default.max_pixels
+    return VideoLimits(int(low), int(high), float(given.get("fps") or default.fps),
+                       int(given.get("min_frames") or default.min_frames),
+                       int(given.get("max_frames") or default.max_frames),
+                       bool(given.get("cap_pixels_per_frame")),
+                       int(given.get("max_video_tokens") or default.max_video_tokens))
 
 
 def pixel_range(processor) -> tuple[int, int]:
@@ -96,7 +157,7 @@ def _siglip_processor(model_dir: Path | None, vision: SiglipSpec):
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil as Processor
     except ImportError:  # transformers before the PIL/torchvision split: the slow processor is the PIL one
         from transformers.models.gemma3.image_processing_gemma3 import Gemma3ImageProcessor as Processor
-    given = read_config(model_dir, (IMAGE_CONFIG,))
+    given = processor_config(model_dir)
     kwargs = {k: v for k, v in given.items() if k in _PROCESSOR_KEYS + ("resample",) and v is not None}
     kwargs["size"] = {"height": vision.image_size, "width": vision.image_size}
     return Processor(**kwargs, do_pan_and_scan=False)
@@ -136,7 +197,7 @@ def pan_and_scan_for(model_dir: Path | None, vision: VisionSpec | SiglipSpec, jo
     without it (Qwen)."""
     if not isinstance(vision, SiglipSpec):
         return None
-    given = read_config(model_dir, (IMAGE_CONFIG,))
+    given = processor_config(model_dir)
     if not (job if job is not None else bool(given.get("do_pan_and_scan"))):
         return None
     settings = {name: given[key] for name, key in (("min_crop", "pan_and_scan_min_crop_size"),

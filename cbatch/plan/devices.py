@@ -117,7 +117,7 @@ class DeviceKind:
         spec = Shard(0, config.tensor_parallel_size).local_spec(model.spec)
         peak = activation_estimate(config, model)
         model_dir = model.checkpoint.path if model.checkpoint is not None else None
-        if (encoder := encoder_memory(model.spec, model.dtype, model_dir, config)) is not None:
+        if (encoder := encoder_memory(model.spec, model.dtype, model_dir, config, model.max_model_len)) is not None:
             peak = encoder.reserve(peak, config.max_num_batched_tokens, config.max_image_tokens_per_step)
         return memory.kv_blocks_in_gpu_memory(config, spec, memory.kv_cache_dtype(config, model.dtype),
                                               model.max_model_len, self.memory_gib * 2**30,

@@ -44,7 +44,8 @@ class GenerateTask(Task):
         # made at the first row with images: the model's processor with the engine's pixel bounds and pan-and-scan
         # (EngineConfig.image_min_pixels / image_max_pixels / image_pan_and_scan: --image-min-pixels / ...)
         self._image_reader: ImageReader | None = None
-        self._video_reader: VideoReader | None = None  # made at the first row with a video (io/videos.py)
+        # made at the first row with a video (io/videos.py), with the engine's video pixel bounds
+        self._video_reader: VideoReader | None = None
 
     @classmethod
     def for_job(cls, options: TaskOptions, spec: "ModelSpec", model_dir: Path | None) -> "GenerateTask":
@@ -131,7 +132,7 @@ class GenerateTask(Task):
                            "e.g. Qwen2.5-VL or Gemma 3)")
         if video:
             if self._video_reader is None or self._video_reader.vision is not vision:
-                self._video_reader = VideoReader(engine.model_dir, vision)
+                self._video_reader = VideoReader.for_config(engine.model_dir, vision, engine.config)
             return self._video_reader
         if self._image_reader is None or self._image_reader.vision is not vision:
             self._image_reader = ImageReader.for_config(engine.model_dir, vision, engine.config)
