@@ -69,3 +69,20 @@ def test_both_record_the_settings_as_the_engine_runs_them(tiny_checkpoints, sour
     seeded = EngineConfig(model=model, device="cpu", seed=9)
     assert fingerprint(seeded, source, tmp_path) != fingerprint(auto, source, tmp_path)
     assert cache_identity(seeded) == cache_identity(auto)
+
+
+def test_a_vision_models_processor_files_enter_the_resume_fingerprint(tmp_path, source):
+    """An edited preprocessor_config.json changes every image's pixels and tokens: a partial run made before the
+    edit must not be resumed with it."""
+    import json
+
+    from vision_models import make_vl_checkpoint
+
+    folder = make_vl_checkpoint("qwen2_5_vl", tmp_path / "vl")
+    config = EngineConfig(model=str(folder), device="cpu")
+    before = fingerprint(config, source, tmp_path)
+    processor = json.loads((folder / "preprocessor_config.json").read_text())
+    processor["max_pixels"] = processor["max_pixels"] // 2
+    (folder / "preprocessor_config.json").write_text(json.dumps(processor))
+    assert fingerprint(config, source, tmp_path)["settings"] != before["settings"]
+    assert fingerprint(config, source, tmp_path) == fingerprint(config, source, tmp_path)

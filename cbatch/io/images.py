@@ -143,7 +143,8 @@ VIDEO_DIGEST_TAG = b"cbatch video\0"
 def source_digest(source: Any, data: bytes) -> str:
     """The digest a source with bytes `data` is known by (encoder cache, prefix cache, result cache, resume): of its
     bytes, a video's tagged (the same bytes read as an image and as a video are other embeddings). A video's
-    sampling settings are the model's processor config (io/videos.py), which the job's identity holds already."""
+    sampling settings are the model's processor files (io/videos.py), which a resumed job's fingerprint
+    (run/preflight.job_fingerprint) and the result cache's model digest hold."""
     return digest_of(VIDEO_DIGEST_TAG + data if isinstance(source, VideoSource) else data)
 
 

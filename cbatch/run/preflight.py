@@ -170,7 +170,7 @@ def resolve_or_fail(config: EngineConfig, device: torch.device | None = None) ->
 def job_fingerprint(options: JobOptions, model: ResolvedModel, source: InputFile | None = None,
                     task: Task | None = None) -> dict[str, str]:
     """What makes a partial run's rows valid for this run: the input bytes, the checkpoint (its folder, config and
-    weight files), the output identity (run/identity.py: every engine and task setting that changes an output),
+    weight files; a vision-language model's processor files), the output identity (run/identity.py: every engine and task setting that changes an output),
     the job's sampling defaults, and what the records hold (the output's format and kept columns, when not the
     default). Batch shape settings (--max-num-seqs, --policy, ...) are left out: outputs do not depend on them.
     NOTE: of the sampling fields, only those set away from their defaults count beyond the first few, so a job
@@ -185,6 +185,8 @@ def job_fingerprint(options: JobOptions, model: ResolvedModel, source: InputFile
         "defaults": {**{k: v for k, v in asdict(options.defaults).items() if k in _FINGERPRINTED_ALWAYS},
                      **options.defaults.changed_fields()},
     }
+    if model.spec.vision is not None:  # how its rows' images and videos become pixels and tokens
+        settings["processor_files"] = processor_files(checkpoint.path)
     if options.output_format != "cbatch" or options.keep_columns is not None:  # what the records hold
         settings["output"] = {"format": options.output_format, "keep_columns": options.keep_columns}
     fingerprint = {"input": input_digest(source or open_input(options.input)), "settings": settings_digest(settings)}
@@ -194,6 +196,15 @@ def job_fingerprint(options: JobOptions, model: ResolvedModel, source: InputFile
         digests = adapter_digests(options.engine.loras, model.spec, options.engine.max_lora_rank)
         fingerprint.update({f"lora:{name}": digest for name, digest in digests.items()})
     return fingerprint
+
+
+def processor_files(folder: Path) -> dict[str, str]:
+    """The text of each processor file the checkpoint has (model/image_processor.py reads them: pixel bounds, frame
+    sampling): an edited one between runs changes every image's tokens."""
+    from cbatch.model.image_processor import IMAGE_CONFIG, PROCESSOR_CONFIG, VIDEO_CONFIG
+
+    return {name: (folder / name).read_text() for name in (PROCESSOR_CONFIG, IMAGE_CONFIG, VIDEO_CONFIG)
+            if (folder / name).is_file()}
 
 
 def input_digest(source: InputFile) -> str:
