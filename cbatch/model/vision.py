@@ -166,24 +166,30 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    """Qwen2-VL: fc2(act(fc1(x))); Qwen2.5-VL (gated): down(act(gate(x)) * up(x)), biases on every matmul."""
+    """Qwen2-VL: fc2(act(fc1(x))); Qwen2.5-VL (gated): down(act(gate(x)) * up(x)), gate and up packed into one
+    matmul (`gate_up_proj` [2 * I, E]: the checkpoint's gate_proj rows, then up_proj's; weights.place) and, with
+    SiLU, the activation and product one backend op (`silu_and_mul`); biases on every matmul."""
 
-    def __init__(self, vs: VisionSpec) -> None:
+    def __init__(self, vs: VisionSpec, backend: Backend) -> None:
         super().__init__()
         self.gated = vs.gated_mlp
         self.activation = vs.activation
+        self.backend = backend
         if self.gated:
-            self.gate_proj = Linear(vs.hidden_size, vs.intermediate_size, bias=True)
-            self.up_proj = Linear(vs.hidden_size, vs.intermediate_size, bias=True)
+            self.gate_up_proj = Linear(vs.hidden_size, 2 * vs.intermediate_size, bias=True)
             self.down_proj = Linear(vs.intermediate_size, vs.hidden_size, bias=True)
         else:
             self.fc1 = Linear(vs.hidden_size, vs.intermediate_size, bias=True)
             self.fc2 = Linear(vs.intermediate_size, vs.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            return self.down_proj(activation(self.activation, self.gate_proj(x)) * self.up_proj(x))
-        return self.fc2(activation(self.activation, self.fc1(x)))
+        if not self.gated:
+            return self.fc2(activation(self.activation, self.fc1(x)))
+        gate_up = self.gate_up_proj(x)  # [N, 2 * I]: gate | up
+        if self.activation == "silu":
+            return self.down_proj(self.backend.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(activation(self.activation, gate) * up)
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -203,7 +209,7 @@ class VisionBlock(nn.Module):
         self.norm1 = _norm(vs, vs.hidden_size, backend)
         self.norm2 = _norm(vs, vs.hidden_size, backend)
         self.attn = VisionAttention(vs)
-        self.mlp = mlp if mlp is not None else VisionMLP(vs)
+        self.mlp = mlp if mlp is not None else VisionMLP(vs, backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 segments: Segments | np.ndarray) -> torch.Tensor:
