@@ -201,8 +201,20 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh" if name == "gelu_pytorch_tanh" else "none")
 
 
+def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual): the residual add before a pre-norm, in one pass where `norm` is an
+    RMSNorm (the backend's `add_rms_norm`: Qwen2.5-VL); residual None: x is the whole stream already."""
+    if residual is None:
+        return norm(x), x
+    if isinstance(norm, RMSNorm):
+        return norm.add_forward(x, residual)
+    stream = x + residual
+    return norm(stream), stream
+
+
 class VisionBlock(nn.Module):
-    """Pre-norm ViT block; `mlp`: the family's MLP (Qwen2-VL's and Qwen2.5-VL's `VisionMLP` when None)."""
+    """Pre-norm ViT block; `mlp`: the family's MLP (Qwen2-VL's and Qwen2.5-VL's `VisionMLP` when None). The residual
+    is carried as the decoder's layers carry it, so each add runs with the norm after it (`add_norm`)."""
 
     def __init__(self, vs: VisionSpec, backend: Backend, mlp: nn.Module | None = None) -> None:
         super().__init__()
@@ -211,10 +223,13 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(vs)
         self.mlp = mlp if mlp is not None else VisionMLP(vs, backend)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segments: Segments | np.ndarray) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                segments: Segments | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream hidden + residual (residual None: hidden alone) in; out (the MLP's output, the stream before
+        it), whose sum is the stream after the block: x + attn(norm1(x)), then + mlp(norm2(.))."""
+        normed, residual = add_norm(self.norm1, hidden, residual)
+        normed, residual = add_norm(self.norm2, self.attn(normed, cos, sin, segments), residual)
+        return self.mlp(normed), residual
 
 
 class PatchMerger(nn.Module):
@@ -228,8 +243,9 @@ class PatchMerger(nn.Module):
         self.mlp = nn.ModuleList([Linear(self.width, self.width, bias=True), nn.GELU(),
                                   Linear(self.width, vs.out_hidden_size, bias=True)])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.ln_q(x).reshape(-1, self.width)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The stream hidden + residual [N, E] (the last block's carried pair) -> [N / merge^2, out_hidden]."""
+        x = add_norm(self.ln_q, hidden, residual)[0].reshape(-1, self.width)
         return self.mlp[2](F.gelu(self.mlp[0](x)))
 
 
@@ -257,10 +273,11 @@ class VisionTower(nn.Module):
             windows = Segments(window_cu, hidden.device, hidden.dtype)
             unit = vs.merge_size**2
             hidden, cos, sin = (_permute(t, order, unit) for t in (hidden, cos, sin))
+        residual = None
         for i, block in enumerate(self.blocks):
             segments = full if (not vs.window_size or i in vs.full_attention_blocks) else windows
-            hidden = block(hidden, cos, sin, segments)
-        merged = self.merger(hidden)  # [N / merge^2, out_hidden]
+            hidden, residual = block(hidden, residual, cos, sin, segments)
+        merged = self.merger(hidden, residual)  # [N / merge^2, out_hidden]
         if order is not None:  # back to the processor's order
             merged = merged[torch.as_tensor(np.argsort(order), device=merged.device)]
         return merged
