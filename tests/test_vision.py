@@ -146,10 +146,9 @@ def test_a_prompt_whose_placeholders_do_not_fit_its_images_is_an_error(vl_model,
     assert seq.error == "the prompt has image or video placeholder tokens but the row gives no images or videos"
 
 
-def test_vision_tower_matches_hfs_image_features(vl_model, images):
-    """Every image of a step in one call (varlen attention; Qwen2.5-VL's windows, edge windows smaller; Qwen3-VL's
-    learned positions resampled to each grid) gives transformers' embeddings of each image, and Qwen3-VL's deepstack
-    features beside them."""
+def tower_features(path, images):
+    """(our model loaded from `path` in float32 on CPU, its tower's features of `images`, transformers' features:
+    the embeddings, then Qwen3-VL's deepstack features beside them, and the number of deepstack mergers)."""
     import numpy as np
     import torch
 
@@ -158,15 +157,26 @@ def test_vision_tower_matches_hfs_image_features(vl_model, images):
     from vision_models import hf_model
 
     cpu = torch.device("cpu")
-    model = load_model(read_checkpoint(vl_model), 64, cpu, torch.float32, make_backend("auto", cpu))
+    model = load_model(read_checkpoint(path), 64, cpu, torch.float32, make_backend("auto", cpu))
     pixels = torch.from_numpy(np.concatenate([image.patches() for image in images]))
     ours = model.visual(pixels, [image.grid for image in images])
     with torch.no_grad():
-        ref = hf_model(vl_model).model.get_image_features(pixels, torch.tensor([image.grid for image in images]))
+        ref = hf_model(path).model.get_image_features(pixels, torch.tensor([image.grid for image in images]))
     deepstack = getattr(ref, "deepstack_features", None) or []  # Qwen3-VL's: one list of per-image parts per merger
     ref = torch.cat([torch.cat(ref.pooler_output), *(torch.cat(parts) for parts in deepstack)], dim=1)
     assert ours.shape == ref.shape == (sum(image.num_tokens for image in images), 64 * (1 + len(deepstack)))
-    assert len(deepstack) == (2 if "qwen3" in vl_model.parent.name else 0)
+    return model, ours, ref, len(deepstack)
+
+
+def test_vision_tower_matches_hfs_image_features(vl_model, images):
+    """Every image of a step in one call (varlen attention; Qwen2.5-VL's windows, edge windows smaller; Qwen3-VL's
+    learned positions resampled to each grid) gives transformers' embeddings of each image, and Qwen3-VL's deepstack
+    features beside them."""
+    import numpy as np
+    import torch
+
+    model, ours, ref, deepstack = tower_features(vl_model, images)
+    assert deepstack == (2 if "qwen3" in vl_model.parent.name else 0)
     assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()  # float32 rounding (conv vs matmul, batched SDPA)
     # an image's embedding is the same bits whichever images share its step (alone or beside others, any order):
     # a row's tokens must not depend on how the scheduler grouped the images
@@ -175,6 +185,17 @@ def test_vision_tower_matches_hfs_image_features(vl_model, images):
     last_first = model.visual(torch.from_numpy(np.concatenate([image.patches() for image in images[::-1]])),
                               [image.grid for image in images[::-1]])
     assert torch.equal(alone, ours[:first]) and torch.equal(last_first[-first:], ours[:first])
+
+
+@pytest.mark.parametrize("vl_model", ["qwen2_5_vl"], indirect=True)
+def test_a_gated_tower_whose_activation_is_not_silu_keeps_it(vl_model, images, tmp_path):
+    """Qwen2.5-VL's gate/up load packed into one matmul whatever the activation; only SiLU's runs the backend's
+    silu_and_mul, another (here tanh GELU) its own function on the gate half: transformers' features either way."""
+    path = make_vl_checkpoint("qwen2_5_vl", tmp_path / "gelu", vision={"hidden_act": "gelu_pytorch_tanh"})
+    model, ours, ref, _ = tower_features(path, images)
+    assert model.visual.vs.activation == "gelu_pytorch_tanh"
+    assert model.visual.blocks[0].mlp.gate_up_proj.out_features == 2 * 48  # gate | up
+    assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 @pytest.mark.parametrize("vl_model", ["qwen2_5_vl"], indirect=True)  # (the split never touches the tower: one kind)

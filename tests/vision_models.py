@@ -66,8 +66,9 @@ def make_tokenizer(path: Path, specials: list[str] = SPECIALS, chat_template: st
     return fast
 
 
-def vl_model(kind: str):
-    """transformers' tiny `kind` (qwen2_vl | qwen2_5_vl | qwen3_vl | qwen3_vl_moe) model at its own random init."""
+def vl_model(kind: str, vision: dict | None = None):
+    """transformers' tiny `kind` (qwen2_vl | qwen2_5_vl | qwen3_vl | qwen3_vl_moe) model at its own random init;
+    `vision`: fields over its vision config's."""
     import transformers
 
     cls, model_cls = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
@@ -75,20 +76,22 @@ def vl_model(kind: str):
                       "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
                       "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration")}[kind]
     text = {**TEXT, **TEXT_OVERRIDES.get(kind, {})}
-    config = getattr(transformers, cls)(text_config=text, vision_config=dict(VISION[kind]), image_token_id=IMAGE_TOKEN,
+    config = getattr(transformers, cls)(text_config=text, vision_config={**VISION[kind], **(vision or {})}, image_token_id=IMAGE_TOKEN,
                                         video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
                                         vision_end_token_id=VISION_END, eos_token_id=2, tie_word_embeddings=False,
                                         architectures=[model_cls])
     return getattr(transformers, model_cls)(config).eval()
 
 
-def make_vl_checkpoint(kind: str, path: Path, seed: int = 0, hub_experts: bool = True) -> Path:
+def make_vl_checkpoint(kind: str, path: Path, seed: int = 0, hub_experts: bool = True,
+                       vision: dict | None = None) -> Path:
     """A tiny `kind` (qwen2_vl | qwen2_5_vl | qwen3_vl | qwen3_vl_moe) checkpoint with its tokenizer and
     preprocessor_config.json at `path`. Decisive: a wide text init (routers and experts too), and the mergers' outputs
     scaled so images (and deepstack) move the logits. Qwen3-VL-MoE's stacked experts are written as the hub's
-    checkpoints store them ([E, in, out]; `hub_experts=False`: as transformers 5 saves them, [E, out, in])."""
+    checkpoints store them ([E, in, out]; `hub_experts=False`: as transformers 5 saves them, [E, out, in]); `vision`:
+    fields over the vision config's."""
     torch.manual_seed(seed)
-    model = vl_model(kind)
+    model = vl_model(kind, vision)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "language_model" in name and param.dim() >= 2:

@@ -83,7 +83,7 @@ def tower_activation_count(vision: VisionSpec | SiglipSpec, patches: int, dtype_
     (the float32 input patches, the residual stream; Qwen: the float32 rotary cos and sin, Qwen3-VL's deepstack
     features) plus the larger stage of one block: attention (its norm, qkv, the attention's output; Qwen: q's float32
     rotary temporaries, its copy, rotated half and two products) or the MLP (its norm and its intermediate-width
-    outputs: gate, activation, up and their product when gated, else fc1 and activation)."""
+    outputs: the packed gate | up and their activated product when gated, else fc1 and activation)."""
     width, b = vision.hidden_size, dtype_bytes
     qwen = isinstance(vision, VisionSpec)
     held = 4 * patch_width(vision) + b * width
@@ -92,7 +92,7 @@ def tower_activation_count(vision: VisionSpec | SiglipSpec, patches: int, dtype_
         deepstack = b * vision.out_hidden_size * len(vision.deepstack_layers) // vision.merge_size**2
         held += 2 * 4 * vision.head_dim + deepstack
         attention += 4 * 4 * width
-    mlp = b * (width + (4 if qwen and vision.gated_mlp else 2) * vision.intermediate_size)
+    mlp = b * (width + (3 if qwen and vision.gated_mlp else 2) * vision.intermediate_size)
     return patches * (held + max(attention, mlp))
 
 

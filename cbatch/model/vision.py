@@ -166,24 +166,30 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    """Qwen2-VL: fc2(act(fc1(x))); Qwen2.5-VL (gated): down(act(gate(x)) * up(x)), biases on every matmul."""
+    """Qwen2-VL: fc2(act(fc1(x))); Qwen2.5-VL (gated): down(act(gate(x)) * up(x)), gate and up packed into one
+    matmul (`gate_up_proj` [2 * I, E]: the checkpoint's gate_proj rows, then up_proj's; weights.place) and, with
+    SiLU, the activation and product one backend op (`silu_and_mul`); biases on every matmul."""
 
-    def __init__(self, vs: VisionSpec) -> None:
+    def __init__(self, vs: VisionSpec, backend: Backend) -> None:
         super().__init__()
         self.gated = vs.gated_mlp
         self.activation = vs.activation
+        self.backend = backend
         if self.gated:
-            self.gate_proj = Linear(vs.hidden_size, vs.intermediate_size, bias=True)
-            self.up_proj = Linear(vs.hidden_size, vs.intermediate_size, bias=True)
+            self.gate_up_proj = Linear(vs.hidden_size, 2 * vs.intermediate_size, bias=True)
             self.down_proj = Linear(vs.intermediate_size, vs.hidden_size, bias=True)
         else:
             self.fc1 = Linear(vs.hidden_size, vs.intermediate_size, bias=True)
             self.fc2 = Linear(vs.intermediate_size, vs.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            return self.down_proj(activation(self.activation, self.gate_proj(x)) * self.up_proj(x))
-        return self.fc2(activation(self.activation, self.fc1(x)))
+        if not self.gated:
+            return self.fc2(activation(self.activation, self.fc1(x)))
+        gate_up = self.gate_up_proj(x)  # [N, 2 * I]: gate | up
+        if self.activation == "silu":
+            return self.down_proj(self.backend.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(activation(self.activation, gate) * up)
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -195,20 +201,35 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh" if name == "gelu_pytorch_tanh" else "none")
 
 
+def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual): the residual add before a pre-norm, in one pass where `norm` is an
+    RMSNorm (the backend's `add_rms_norm`: Qwen2.5-VL); residual None: x is the whole stream already."""
+    if residual is None:
+        return norm(x), x
+    if isinstance(norm, RMSNorm):
+        return norm.add_forward(x, residual)
+    stream = x + residual
+    return norm(stream), stream
+
+
 class VisionBlock(nn.Module):
-    """Pre-norm ViT block; `mlp`: the family's MLP (Qwen2-VL's and Qwen2.5-VL's `VisionMLP` when None)."""
+    """Pre-norm ViT block; `mlp`: the family's MLP (Qwen2-VL's and Qwen2.5-VL's `VisionMLP` when None). The residual
+    is carried as the decoder's layers carry it, so each add runs with the norm after it (`add_norm`)."""
 
     def __init__(self, vs: VisionSpec, backend: Backend, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.norm1 = _norm(vs, vs.hidden_size, backend)
         self.norm2 = _norm(vs, vs.hidden_size, backend)
         self.attn = VisionAttention(vs)
-        self.mlp = mlp if mlp is not None else VisionMLP(vs)
+        self.mlp = mlp if mlp is not None else VisionMLP(vs, backend)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segments: Segments | np.ndarray) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                segments: Segments | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream hidden + residual (residual None: hidden alone) in; out (the MLP's output, the stream before
+        it), whose sum is the stream after the block: x + attn(norm1(x)), then + mlp(norm2(.))."""
+        normed, residual = add_norm(self.norm1, hidden, residual)
+        normed, residual = add_norm(self.norm2, self.attn(normed, cos, sin, segments), residual)
+        return self.mlp(normed), residual
 
 
 class PatchMerger(nn.Module):
@@ -222,8 +243,9 @@ class PatchMerger(nn.Module):
         self.mlp = nn.ModuleList([Linear(self.width, self.width, bias=True), nn.GELU(),
                                   Linear(self.width, vs.out_hidden_size, bias=True)])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.ln_q(x).reshape(-1, self.width)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The stream hidden + residual [N, E] (the last block's carried pair) -> [N / merge^2, out_hidden]."""
+        x = add_norm(self.ln_q, hidden, residual)[0].reshape(-1, self.width)
         return self.mlp[2](F.gelu(self.mlp[0](x)))
 
 
@@ -251,10 +273,11 @@ class VisionTower(nn.Module):
             windows = Segments(window_cu, hidden.device, hidden.dtype)
             unit = vs.merge_size**2
             hidden, cos, sin = (_permute(t, order, unit) for t in (hidden, cos, sin))
+        residual = None
         for i, block in enumerate(self.blocks):
             segments = full if (not vs.window_size or i in vs.full_attention_blocks) else windows
-            hidden = block(hidden, cos, sin, segments)
-        merged = self.merger(hidden)  # [N / merge^2, out_hidden]
+            hidden, residual = block(hidden, residual, cos, sin, segments)
+        merged = self.merger(hidden, residual)  # [N / merge^2, out_hidden]
         if order is not None:  # back to the processor's order
             merged = merged[torch.as_tensor(np.argsort(order), device=merged.device)]
         return merged

@@ -79,11 +79,14 @@ class Qwen3VisionTower(nn.Module):
         hidden = hidden + self._positions(grids, hidden.device).to(hidden.dtype)
         cos, sin = rotary_cos_sin(grids, vs, hidden.device)
         cu = frame_seqlens(grids)
-        features = []
+        features, residual = [], None
         for i, block in enumerate(self.blocks):
-            hidden = block(hidden, cos, sin, cu)
-            if i in vs.deepstack_layers:
+            hidden, residual = block(hidden, residual, cos, sin, cu)
+            if i in vs.deepstack_layers:  # its merger reads the whole stream
+                hidden, residual = hidden + residual, None
                 features.append(self.deepstack_merger_list[vs.deepstack_layers.index(i)](hidden))
+        if residual is not None:
+            hidden = hidden + residual
         return torch.cat([self.merger(hidden), *features], dim=1)
 
     def _positions(self, grids: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:

@@ -10,7 +10,8 @@ our `shared_expert`, and its multi-token-prediction layers (past num_hidden_laye
 Mixtral's `block_sparse_moe` and w1/w3/w2 expert names are read too, and a
 multimodal Gemma 3's text decoder (`language_model.model.*` or `model.language_model.*`), its SigLIP tower
 (`vision_tower.vision_model.*` or `vision_tower.*`: our `visual.*`) and projector (`multi_modal_projector.*`: `visual.projector.*`),
-and a Qwen-VL's vision tower (`visual.*` or `model.visual.*`, one to one). gpt-oss:
+and a Qwen-VL's vision tower (`visual.*` or `model.visual.*`, one to one but Qwen2.5-VL's gated MLP, whose
+gate_proj / up_proj pack into `gate_up_proj`). gpt-oss:
 `mlp.router` is our `mlp.gate`, `self_attn.sinks` a parameter of its own, and the stacked experts ([E, in, out],
 gate/up interleaved, with biases) are transposed and de-interleaved on load; Qwen3-VL-MoE's hub checkpoints store
 the stacked experts [E, in, out] too (`expert_stack_layout` tells by shape).
@@ -39,6 +40,7 @@ _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(\w+)$")
 _TEXT_DECODER = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")  # multimodal Gemma 3
 _BARE_DECODER = ("layers.", "embed_tokens.", "norm.")
 _VISUAL = re.compile(r"^(?:model\.)?visual\.")  # a vision-language model's vision tower (model/vision.py)
+_TOWER_GATE_UP = re.compile(r"^(visual\.blocks\.\d+\.mlp)\.(gate_proj|up_proj)$")  # Qwen2.5-VL's gated MLP
 _SIGLIP = re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?")  # Gemma 3's (model/siglip.py)
 _SIGLIP_HEAD = re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?head\.")  # its pooling head: unused
 _PROJECTOR = re.compile(r"^(?:model\.)?multi_modal_projector\.")
@@ -150,6 +152,16 @@ def _layer_place(prefix: str, rest: str, spec: ModelSpec) -> Placement | None:
     return Placement(f"{prefix}{rest}")
 
 
+def _tower_place(module: str, spec: ModelSpec) -> Placement:
+    """A vision tower module's place (`module`: `visual.`-prefixed): Qwen2.5-VL's gated MLP packs gate_proj and
+    up_proj into `gate_up_proj` (model/vision.VisionMLP), as the decoder's; the rest one to one."""
+    match = _TOWER_GATE_UP.match(module)
+    if match is None:
+        return Placement(module)
+    size = spec.vision.intermediate_size
+    return Placement(f"{match.group(1)}.gate_up_proj", rows=_packed([size, size], _GATE_UP[match.group(2)]))
+
+
 def is_tower_tensor(name: str) -> bool:
     """A vision-language checkpoint's image-encoder tensor (Qwen-VL's `visual.*`, Gemma 3's SigLIP tower and
     projector): held whole on rank 0 in the model dtype, apart from the decoder's weights."""
@@ -165,7 +177,7 @@ def place(name: str, spec: ModelSpec) -> tuple[Placement, str] | None:
         module, _, kind = _VISUAL.sub("visual.", name).rpartition(".")
         if spec.vision is not None and kind == "mm_input_projection_weight":  # Gemma 3's projection [E, text]
             return Placement(module, kind), "weight"
-        return (Placement(module), kind) if spec.vision is not None and kind in ("weight", "bias") else None
+        return (_tower_place(module, spec), kind) if spec.vision is not None and kind in ("weight", "bias") else None
     name = _TEXT_DECODER.sub("model.", name).replace("language_model.lm_head.", "lm_head.", 1)
     if name.startswith(_BARE_DECODER):  # a bare decoder saved alone (`Qwen3Model`, sentence-transformers)
         name = "model." + name
