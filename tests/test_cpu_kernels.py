@@ -296,6 +296,28 @@ def test_per_head_norms_and_rotary_read_the_packed_projection_in_place(dtype):
     assert cpu_kernels.rotary(q, rope.cos, rope.sin) is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_store_writes_what_index_copy_writes(dtype):
+    """k and v as strided views of the packed projection, slots out of order and a padded row (slot -1): the
+    caches equal the torch path's bit for bit, every other slot untouched; a layout the kernel does not take
+    (heads not contiguous) is left to torch."""
+    gen = torch.Generator().manual_seed(6)
+    tokens, heads, kv_heads, head_dim, blocks, block_size = 300, 6, 2, 64, 40, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+    slots[7] = -1
+    caches = [[torch.randn(kv_cache_shape(blocks, block_size, kv_heads, head_dim), generator=gen).to(dtype)
+               for _ in range(2)]]
+    caches.append([c.clone() for c in caches[0]])
+    assert cpu_kernels.store_kv(k, v, *caches[0], slots)
+    for cache, x in zip(caches[1], (k, v)):  # the reference: index_copy_ of the stored rows
+        cache.view(-1, kv_heads, head_dim).index_copy_(0, slots[slots >= 0], x[slots >= 0])
+    assert all(torch.equal(got, want) for got, want in zip(caches[0], caches[1]))
+    assert not cpu_kernels.store_kv(k.transpose(1, 2).contiguous().transpose(1, 2), v, *caches[0], slots)
+
+
 def test_inputs_the_kernels_do_not_take_fall_back_to_torch():
     """float16, rows that are not one uniform run of groups, partial rotary: the torch ops, same results."""
     gen = torch.Generator().manual_seed(1)

@@ -1,7 +1,7 @@
 """The CPU path: the plain-torch backend with its decode attention, prefill chunks' causal attention (sliding
 windows, soft-caps, gpt-oss's sinks and Gemma 3's bidirectional image runs too), RMSNorm (with the residual add),
-rotary and SiLU-and-multiply replaced by the compiled kernels (cpu_kernels.py); the attention kernels read K and V
-in place, and rotary and the per-head q/k norms read the packed projection in place too. The KV store, partial
+rotary, SiLU-and-multiply and the KV store replaced by the compiled kernels (cpu_kernels.py); the attention kernels
+read K and V in place, and rotary and the per-head q/k norms read the packed projection in place too. Partial
 rotary, the fp8 cache and every other op stay on the torch path (TorchBackend), which remains the reference the
 kernels are tested against; so does any input whose dtype or layout a kernel does not take."""
 from __future__ import annotations
@@ -31,6 +31,11 @@ class CpuBackend(TorchBackend):
         cpu_kernels.decode_attention(q, cache.kv.k, cache.kv.v, meta.block_table, meta.seq_lens, meta.query_start_loc,
                                      state.decode_rows_i32, out, scoring.scale, scoring.sliding_window, scoring.softcap,
                                      _float32(scoring.sinks))
+
+    def store_kv(self, stored_k: torch.Tensor, stored_v: torch.Tensor, cache: _CacheReader,
+                 meta: AttentionMetadata) -> None:
+        if cache.scaled or not cpu_kernels.store_kv(stored_k, stored_v, cache.kv.k, cache.kv.v, meta.slot_mapping):
+            super().store_kv(stored_k, stored_v, cache, meta)  # the fp8 cache, or a layout the kernel does not take
 
     def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         cache: _CacheReader, scoring: _Scoring, meta: AttentionMetadata) -> None:

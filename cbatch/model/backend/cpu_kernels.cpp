@@ -1,5 +1,5 @@
 // The CPU path's compiled kernels: paged decode attention (one query token per row, K and V read in place
-// from the block cache), and the fused RMSNorm (with the residual add) and SiLU-and-multiply.
+// from the block cache), the fused RMSNorm (with the residual add) and SiLU-and-multiply, and the KV store.
 //
 // Built at first use by cpu_kernels.py (the system C++ compiler, OpenMP from the torch process) and called
 // through ctypes: plain pointers and sizes, no torch headers (it compiles in about a second).
@@ -569,6 +569,20 @@ void silu_and_mul(const T* gate_up, int64_t stride, T* out, int64_t rows, int32_
     }
 }
 
+// The step's keys and values into the paged cache: row i of k and v ([T, width] elements, row strides
+// k_row_stride / v_row_stride; width = Hkv * D, contiguous) to slot slots[i] of k_cache / v_cache ([num_slots,
+// width]); a negative slot (a padded row) is skipped. Bytes copied as they are, so any dtype.
+void store_kv(const char* k, int64_t k_row_stride, const char* v, int64_t v_row_stride, char* k_cache, char* v_cache,
+              const int64_t* slots, int64_t rows, int64_t row_bytes, int64_t element_bytes, int32_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * row_bytes >= 262144) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t slot = slots[i];
+        if (slot < 0) continue;
+        std::memcpy(k_cache + slot * row_bytes, k + i * k_row_stride * element_bytes, row_bytes);
+        std::memcpy(v_cache + slot * row_bytes, v + i * v_row_stride * element_bytes, row_bytes);
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -681,6 +695,16 @@ int cbatch_silu_and_mul(int32_t dtype, const void* gate_up, int64_t stride, void
         return 0;
     }
     return 2;
+}
+
+// element_bytes: 4 (float32) or 2 (bfloat16); row strides in elements.
+int cbatch_store_kv(int64_t element_bytes, const void* k, int64_t k_row_stride, const void* v, int64_t v_row_stride,
+                    void* k_cache, void* v_cache, const int64_t* slots, int64_t rows, int64_t width, int32_t num_threads) {
+    if (element_bytes != 4 && element_bytes != 2) return 2;
+    store_kv(static_cast<const char*>(k), k_row_stride, static_cast<const char*>(v), v_row_stride,
+             static_cast<char*>(k_cache), static_cast<char*>(v_cache), slots, rows, width * element_bytes,
+             element_bytes, num_threads);
+    return 0;
 }
 
 }  // extern "C"

@@ -83,17 +83,9 @@ class TorchBackend:
         (Gemma 2): scores = softcap * tanh(scale * q.k / softcap) before the mask. `sinks` (gpt-oss) [Hq]: each
         head's logit joins the softmax's denominator (a column of the softmax whose value weight is 0)."""
         state: _TorchStepState = meta.backend_state
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
         cache = _CacheReader(kv, q.dtype)
         stored_k, stored_v = cache.stored(k, kv.k_scale), cache.stored(v, kv.v_scale)  # what the cache will hold
-        k_slots = cache.raw(kv.k).view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
-        v_slots = cache.raw(kv.v).view(-1, num_kv_heads, head_dim)
-        if state.store_all:
-            k_slots.index_copy_(0, meta.slot_mapping, cache.raw(stored_k))
-            v_slots.index_copy_(0, meta.slot_mapping, cache.raw(stored_v))
-        else:
-            k_slots.index_copy_(0, state.store_slots, cache.raw(stored_k)[state.store_rows])
-            v_slots.index_copy_(0, state.store_slots, cache.raw(stored_v)[state.store_rows])
+        self.store_kv(stored_k, stored_v, cache, meta)
         if cache.scaled:  # attend to what the cache holds, whether read back or fresh: chunking changes nothing
             k, v = cache.dequantize(stored_k, kv.k_scale), cache.dequantize(stored_v, kv.v_scale)
 
@@ -103,6 +95,21 @@ class TorchBackend:
             self.attend_decodes(q, out, cache, scoring, meta)
         self.attend_prefills(q, k, v, out, cache, scoring, meta)
         return out
+
+    def store_kv(self, stored_k: torch.Tensor, stored_v: torch.Tensor, cache: "_CacheReader",
+                 meta: AttentionMetadata) -> None:
+        """The step's k/v [T, Hkv, D], as the cache holds them, to their slots (`slot_mapping`; rows with a
+        negative slot are not stored)."""
+        state: _TorchStepState = meta.backend_state
+        num_kv_heads, head_dim = stored_k.shape[1], stored_k.shape[2]
+        k_slots = cache.raw(cache.kv.k).view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+        v_slots = cache.raw(cache.kv.v).view(-1, num_kv_heads, head_dim)
+        if state.store_all:
+            k_slots.index_copy_(0, meta.slot_mapping, cache.raw(stored_k))
+            v_slots.index_copy_(0, meta.slot_mapping, cache.raw(stored_v))
+        else:
+            k_slots.index_copy_(0, state.store_slots, cache.raw(stored_k)[state.store_rows])
+            v_slots.index_copy_(0, state.store_slots, cache.raw(stored_v)[state.store_rows])
 
     def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         cache: "_CacheReader", scoring: "_Scoring", meta: AttentionMetadata) -> None:
