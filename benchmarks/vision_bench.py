@@ -1,7 +1,8 @@
 """Rows with images on CPU: cbatch's engine against transformers' batched `generate` (left-padded batches, its batch
 size tuned on a sample first), on the same random Qwen2.5-VL, rows, images and threads, in the same run. Prints
 images/s and output tok/s of each and their ratio, and checks cbatch's greedy tokens against transformers' unbatched
-`generate` on a few rows.
+`generate` on a few rows. After transformers' batch size is tuned, the two sides run alternated `--repeats` times
+(this shared VM's speed drifts over minutes): the median of the pairs' ratios is the figure.
 
     PYTHONPATH=$PWD python benchmarks/vision_bench.py                 # 200 rows, one image each, 56..448 pixel sides
     PYTHONPATH=$PWD python benchmarks/vision_bench.py --shape toy     # the first, per-step-bound shape
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -157,6 +159,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="both sides' weights and activations (float32: cbatch's CPU default, token-exact)")
     parser.add_argument("--batch-sizes", default="8,32,64", help="transformers' batch sizes tried on a 64-row sample (then all rows at once too)")
+    parser.add_argument("--repeats", type=int, default=3, help="transformers' best batch size and cbatch, alternated")
     parser.add_argument("--model-dir", type=Path, default=None, help="where the checkpoint is written "
                         "(default /tmp/cbatch-vision-bench-SHAPE)")
     args = parser.parse_args()
@@ -182,8 +185,16 @@ def main() -> None:
         print(f"transformers, batch {size}: {len(inputs) / (prep_seconds + seconds):.2f} images/s on {len(inputs)} rows",
               flush=True)
     best = min(runs, key=lambda size: runs[size][0])
-    hf_seconds = prep_seconds + runs[best][0]
-    ours_seconds, ours_out = run_cbatch(path, rows, args.dtype)
+    # then the two sides alternated: this shared VM's speed drifts over minutes, so each pair's ratio is a figure
+    # and their median the one to quote
+    pairs = []
+    for repeat in range(args.repeats):
+        hf_seconds = prep_seconds + (runs[best][0] if repeat == 0 else run_hf(path, inputs, best, args.dtype)[0])
+        ours_seconds, ours_out = run_cbatch(path, rows, args.dtype)
+        pairs.append((hf_seconds, ours_seconds))
+        print(f"pair {repeat + 1}: transformers {hf_seconds:.1f} s, cbatch {ours_seconds:.1f} s, "
+              f"ratio {hf_seconds / ours_seconds:.2f}x", flush=True)
+    hf_seconds, ours_seconds = (statistics.median(side) for side in zip(*pairs))
     checked = min(8, len(rows))  # transformers one row at a time (no padding): the reference cbatch must equal
     agree = sum(ours_out[i] == run_hf(path, inputs[i : i + 1], 1, args.dtype)[1][0] for i in range(checked))
     images, tokens = len(rows), sum(length for _, _, length in rows)
@@ -191,11 +202,12 @@ def main() -> None:
           f"{sum(im.num_tokens for _, im, _ in inputs)} image tokens), {tokens} output "
           f"tokens ({args.max_tokens[0]}..{args.max_tokens[1]} a row), {args.threads} threads, {args.dtype}")
     print(f"cbatch:       {images / ours_seconds:8.2f} images/s  {tokens / ours_seconds:9.1f} output tok/s  (reads + "
-          f"preprocesses its images on the job's image threads while it steps)")
+          f"preprocesses its images on the job's image threads while it steps; median of {len(pairs)})")
     print(f"transformers: {images / hf_seconds:8.2f} images/s  {tokens / hf_seconds:9.1f} output tok/s  (batch {best}; "
           f"sizes {sorted(tuned)} tried on {len(sample)} rows; preprocessing {prep_seconds:.1f} s before it)")
-    print(f"ratio {hf_seconds / ours_seconds:.2f}x; greedy tokens equal to transformers' unbatched `generate` on "
-          f"{agree}/{checked} rows")
+    print(f"ratio {statistics.median(hf / ours for hf, ours in pairs):.2f}x (median of the pairs'); greedy tokens "
+          f"equal to transformers' unbatched `generate` on {agree}/{checked} rows")
+
 
 if __name__ == "__main__":
     main()
