@@ -31,7 +31,7 @@ from cbatch.engine.tower_calls import tower_budget
 from cbatch.model.image_processor import image_processor, max_image_tokens, video_limits
 from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.spec import ModelSpec
-from cbatch.model.vision_spec import VisionSpec
+from cbatch.model.vision_spec import VisionSpec, takes_videos
 
 
 def encoder_cache_bytes(hidden_size: int, features: int, dtype_bytes: int, largest_image: int) -> int:
@@ -161,7 +161,7 @@ def encoder_memory(spec: ModelSpec, dtype: torch.dtype, model_dir: Path | None, 
     largest = max_image_tokens(image_processor(model_dir, vision, config.image_min_pixels, config.image_max_pixels),
                                vision)
     frame = video = 0
-    if getattr(vision, "video_token_id", None) is not None:
+    if takes_videos(vision):
         limits = video_limits(model_dir, config.video_min_pixels, config.video_max_pixels)
         frame = limits.largest_frame_pixels // (vision.patch_size * vision.merge_size) ** 2
         video = largest_video_tokens(frame, limits.max_temporal_patches(vision.temporal_patch_size), max_model_len)

@@ -16,7 +16,7 @@ import numpy as np
 
 from cbatch.model.mrope import mrope_positions
 from cbatch.model.siglip_spec import SiglipSpec
-from cbatch.model.vision_spec import VisionSpec
+from cbatch.model.vision_spec import VisionSpec, takes_videos
 
 
 @dataclass(slots=True, eq=False)
@@ -154,8 +154,7 @@ def seq_images(prompt_ids: list[int], images: list[PromptImage], vision: VisionS
 
 def placeholder_tokens(vision: VisionSpec | SiglipSpec) -> list[int]:
     """The tokens an image's or a video's run is made of (the video token where the model takes videos)."""
-    video = getattr(vision, "video_token_id", None)
-    return [vision.image_token_id] + ([video] if video is not None else [])
+    return [vision.image_token_id] + ([vision.video_token_id] if takes_videos(vision) else [])
 
 
 def _run_length(ids: np.ndarray, where: np.ndarray, cursor: int) -> int:

@@ -18,6 +18,7 @@ from cbatch.model.loader import Checkpoint, build_model, init_random_weights, lo
 from cbatch.model.shard import check_tensor_parallel, with_expert_parallel
 from cbatch.model.siglip_spec import SiglipSpec
 from cbatch.model.spec import ModelSpec
+from cbatch.model.vision_spec import takes_videos
 from cbatch.parallel.comm import Communicator
 
 
@@ -60,8 +61,7 @@ def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: t
         why = "reads no images" if spec.vision is None else "resizes every image to its tower's square"
         raise ConfigError("image_min_pixels" if config.image_min_pixels is not None else "image_max_pixels",
                           f"this {spec.architecture} {why}; leave the pixel bounds out")
-    if (config.video_min_pixels is not None or config.video_max_pixels is not None) and (
-            getattr(spec.vision, "video_token_id", None) is None):
+    if (config.video_min_pixels is not None or config.video_max_pixels is not None) and not takes_videos(spec.vision):
         raise ConfigError("video_min_pixels" if config.video_min_pixels is not None else "video_max_pixels",
                           f"this {spec.architecture} reads no videos (Qwen2-VL and Qwen2.5-VL do); leave the video "
                           "pixel bounds out")

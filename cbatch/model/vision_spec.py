@@ -179,6 +179,12 @@ def parse_vision(cfg: dict[str, Any], arch: str) -> VisionSpec:
     )
 
 
+def takes_videos(vision: Any) -> bool:
+    """Whether a model of `vision` (a VisionSpec, Gemma 3's SiglipSpec, or None for text) reads videos: Qwen2-VL and
+    Qwen2.5-VL, whose VisionSpec has a video placeholder token."""
+    return getattr(vision, "video_token_id", None) is not None
+
+
 def _video_token(cfg: dict[str, Any]) -> int | None:
     token = cfg.get("video_token_id", (cfg.get("text_config") or {}).get("video_token_id"))
     return None if token is None else int(token)

@@ -170,7 +170,8 @@ def resolve_or_fail(config: EngineConfig, device: torch.device | None = None) ->
 def job_fingerprint(options: JobOptions, model: ResolvedModel, source: InputFile | None = None,
                     task: Task | None = None) -> dict[str, str]:
     """What makes a partial run's rows valid for this run: the input bytes, the checkpoint (its folder, config and
-    weight files; a vision-language model's processor files), the output identity (run/identity.py: every engine and task setting that changes an output),
+    weight files; a vision-language model's processor files), the output identity (run/identity.py: every engine
+    and task setting that changes an output),
     the job's sampling defaults, and what the records hold (the output's format and kept columns, when not the
     default). Batch shape settings (--max-num-seqs, --policy, ...) are left out: outputs do not depend on them.
     NOTE: of the sampling fields, only those set away from their defaults count beyond the first few, so a job

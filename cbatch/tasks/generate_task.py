@@ -15,6 +15,7 @@ from cbatch.io.reader import PROMPT_FIELDS
 from cbatch.io.row_fields import RowError, VideoSource
 from cbatch.io.videos import VideoReader
 from cbatch.io.rows import RowRequest, parse_row, with_lora
+from cbatch.model.vision_spec import takes_videos
 from cbatch.reasoning import DEFAULT_EFFORT_BUDGETS, effort_in_template
 from cbatch.tasks.base import ParsedRow, Part, PendingRow, Request, RowWork, Task, TaskError, TaskOptions, register
 from cbatch.tasks.results import RowResult
@@ -124,7 +125,7 @@ class GenerateTask(Task):
         """The reader of the row's image or video `source` (called `name`); a RowError where the model takes none."""
         video = isinstance(source, VideoSource)
         vision = engine.spec.vision if engine.spec is not None else None
-        if vision is None or (video and getattr(vision, "video_token_id", None) is None):
+        if vision is None or (video and not takes_videos(vision)):
             model = engine.spec.architecture if engine.spec is not None else "model"
             if video:
                 raise RowError(f"`{name}` is a video; this {model} reads no videos (Qwen2-VL and Qwen2.5-VL do)")
