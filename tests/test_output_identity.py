@@ -86,3 +86,26 @@ def test_a_vision_models_processor_files_enter_the_resume_fingerprint(tmp_path, 
     (folder / "preprocessor_config.json").write_text(json.dumps(processor))
     assert fingerprint(config, source, tmp_path)["settings"] != before["settings"]
     assert fingerprint(config, source, tmp_path) == fingerprint(config, source, tmp_path)
+
+
+@pytest.mark.parametrize("edit", ["chat_template.jinja", "generation_config.json", "tokenizer_config.json"])
+def test_the_tokenizer_template_and_generation_files_enter_the_resume_fingerprint(tmp_path, source, edit):
+    """An edited chat template renders every chat row's prompt anew, edited end tokens end rows elsewhere: a partial
+    run made before such an edit must not be resumed after it (config.json and the weights were all it held)."""
+    import json
+
+    from vision_models import make_vl_checkpoint  # (a checkpoint with a tokenizer and a chat template)
+
+    folder = make_vl_checkpoint("qwen2_5_vl", tmp_path / "vl")
+    config = EngineConfig(model=str(folder), device="cpu")
+    before = fingerprint(config, source, tmp_path)
+    path = folder / edit
+    if edit == "chat_template.jinja":
+        path.write_text(path.read_text().replace("<|im_start|>", "<|im_start|> "))
+    else:
+        values = json.loads(path.read_text())
+        key = "eos_token_id" if edit == "generation_config.json" else "model_max_length"
+        values[key] = 7 if edit == "generation_config.json" else 4096
+        path.write_text(json.dumps(values))
+    assert fingerprint(config, source, tmp_path)["settings"] != before["settings"]
+    assert fingerprint(config, source, tmp_path)["input"] == before["input"]

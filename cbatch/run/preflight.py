@@ -170,24 +170,22 @@ def resolve_or_fail(config: EngineConfig, device: torch.device | None = None) ->
 def job_fingerprint(options: JobOptions, model: ResolvedModel, source: InputFile | None = None,
                     task: Task | None = None) -> dict[str, str]:
     """What makes a partial run's rows valid for this run: the input bytes, the checkpoint (its folder, config and
-    weight files; a vision-language model's processor files), the output identity (run/identity.py: every engine
-    and task setting that changes an output),
-    the job's sampling defaults, and what the records hold (the output's format and kept columns, when not the
-    default). Batch shape settings (--max-num-seqs, --policy, ...) are left out: outputs do not depend on them.
-    NOTE: of the sampling fields, only those set away from their defaults count beyond the first few, so a job
-    that uses none of a newer field keeps its fingerprint."""
+    weight files, and the files that turn a row into tokens: `reading_files`), the output identity (run/identity.py:
+    every engine and task setting that changes an output), the job's sampling defaults, and what the records hold
+    (the output's format and kept columns, when not the default). Batch shape settings (--max-num-seqs, --policy,
+    ...) are left out: outputs do not depend on them. NOTE: of the sampling fields, only those set away from their
+    defaults count beyond the first few, so a job that uses none of a newer field keeps its fingerprint."""
     checkpoint = model.checkpoint
     task = task if task is not None else resolve_task(options, model)
     settings = {
         "model": str(checkpoint.path.resolve()),
         "model_config": checkpoint.raw_config,
         "weights": sorted((p.name, p.stat().st_size) for p in checkpoint.path.glob("*.safetensors")),
+        "reading_files": reading_files(checkpoint.path, vision=model.spec.vision is not None),
         **output_identity(options.engine, task, model.device, model.dtype, model.max_model_len),
         "defaults": {**{k: v for k, v in asdict(options.defaults).items() if k in _FINGERPRINTED_ALWAYS},
                      **options.defaults.changed_fields()},
     }
-    if model.spec.vision is not None:  # how its rows' images and videos become pixels and tokens
-        settings["processor_files"] = processor_files(checkpoint.path)
     if options.output_format != "cbatch" or options.keep_columns is not None:  # what the records hold
         settings["output"] = {"format": options.output_format, "keep_columns": options.keep_columns}
     fingerprint = {"input": input_digest(source or open_input(options.input)), "settings": settings_digest(settings)}
@@ -199,12 +197,21 @@ def job_fingerprint(options: JobOptions, model: ResolvedModel, source: InputFile
     return fingerprint
 
 
-def processor_files(folder: Path) -> dict[str, str]:
-    """The text of each processor file the checkpoint has (model/image_processor.py reads them: pixel bounds, frame
-    sampling): an edited one between runs changes every image's tokens."""
+# The checkpoint's files besides config.json and the weights that change what a row becomes or how it ends: the
+# tokenizer and its chat template, the generation defaults (end tokens), and a vision-language model's processor
+# files (pixel bounds, frame sampling: model/image_processor.py).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                    "generation_config.json")
+
+
+def reading_files(folder: Path, vision: bool) -> dict[str, str]:
+    """The digest of each of the files above the checkpoint has: one edited between runs (a new chat template, a
+    pixel bound) changes rows' tokens, so a partial run made before must not be resumed after."""
     from cbatch.model.image_processor import IMAGE_CONFIG, PROCESSOR_CONFIG, VIDEO_CONFIG
 
-    return {name: (folder / name).read_text() for name in (PROCESSOR_CONFIG, IMAGE_CONFIG, VIDEO_CONFIG)
+    names = _TOKENIZER_FILES + ((PROCESSOR_CONFIG, IMAGE_CONFIG, VIDEO_CONFIG) if vision else ())
+    return {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in names
             if (folder / name).is_file()}
 
 
