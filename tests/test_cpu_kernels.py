@@ -268,11 +268,14 @@ def test_rms_norm_and_residual_add_match_the_torch_path(dtype, unit_offset, hidd
 def test_silu_and_mul_matches_the_torch_path(dtype):
     gen = torch.Generator().manual_seed(5)
     gate_up = (torch.randn(3, 70, 2 * 1536, generator=gen) * 4).to(dtype)  # gates far into both tails
+    gate_up[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])  # gates: NaN stays NaN
+    gate_up[0, 0, 1536 + 3] = float("nan")  # an up
     got, want = CpuBackend().silu_and_mul(gate_up), TorchBackend().silu_and_mul(gate_up)
-    assert got.shape == (3, 70, 1536) and want.abs().mean() > 0.5
+    assert got.shape == (3, 70, 1536) and want[want.isfinite()].abs().mean() > 0.5
+    assert torch.isnan(got[0, 0, [0, 2, 3]]).all() and torch.isnan(want[0, 0, [0, 2, 3]]).all()
     # float32: our exp and torch's differ by an ulp at most; bfloat16 rounds that away
     tol = dict(rtol=4e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=0)
-    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got, want, equal_nan=True, **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

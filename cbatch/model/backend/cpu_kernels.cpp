@@ -35,15 +35,24 @@ inline float load(const uint16_t* p, int64_t i) {  // bfloat16 bits -> float32
     return f;
 }
 inline void store(float* p, int64_t i, float x) { p[i] = x; }
-inline void store(uint16_t* p, int64_t i, float x) {  // float32 -> bfloat16, round to nearest even (as torch)
+// x's bits rounded to bfloat16's (nearest even, as torch), in the top half; a NaN stays NaN (its quiet bit set).
+// Branch-free and in registers, so that the loops around it vectorize.
+inline uint32_t bfloat16_bits(float x) {
     uint32_t bits;
     std::memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-        p[i] = static_cast<uint16_t>((bits >> 16) | 0x40u);
-        return;
-    }
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    p[i] = static_cast<uint16_t>(bits >> 16);
+    const uint32_t nearest = bits + 0x7fffu + ((bits >> 16) & 1u);
+    return ((bits & 0x7fffffffu) > 0x7f800000u ? bits | 0x400000u : nearest) & 0xffff0000u;
+}
+inline void store(uint16_t* p, int64_t i, float x) { p[i] = static_cast<uint16_t>(bfloat16_bits(x) >> 16); }
+
+// x rounded to T's precision, as a store to T and a load back would (float32: x itself).
+template <typename T> inline float rounded(float x);
+template <> inline float rounded<float>(float x) { return x; }
+template <> inline float rounded<uint16_t>(float x) {
+    const uint32_t bits = bfloat16_bits(x);
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
 // exp(x) in a form the compiler vectorizes (the libm call does not): x = n ln2 + r with |r| <= ln2 / 2,
@@ -511,11 +520,8 @@ void rms_norm(const T* x, int64_t x_stride, int64_t x_group_rows, int64_t x_grou
         if (unit_offset) {
             for (int32_t i = 0; i < hidden; ++i) store(dst, i, load(xr, i) * inv * (1.0f + load(weight, i)));
         } else {
-            for (int32_t i = 0; i < hidden; ++i) {
-                T normed;  // rounded to the dtype before the weight multiply, as HF does
-                store(&normed, 0, load(xr, i) * inv);
-                store(dst, i, load(weight, i) * load(&normed, 0));
-            }
+            // the normed value rounded to the dtype before the weight multiply, as HF does
+            for (int32_t i = 0; i < hidden; ++i) store(dst, i, load(weight, i) * rounded<T>(load(xr, i) * inv));
         }
     }
 }
@@ -537,14 +543,13 @@ void rotary(const T* x, int64_t x_stride, int64_t x_token_stride, const T* cos, 
         for (int32_t h = 0; h < heads; ++h) {
             const T* xr = x + t * x_token_stride + h * x_stride;
             T* dst = out + (t * heads + h) * head_dim;
+            // the two halves apart (rotate_half pairs d with d + half): each loop's reads are contiguous
 #pragma omp simd
-            for (int32_t d = 0; d < head_dim; ++d) {
-                const int32_t swapped = d < half ? d + half : d - half;
-                T a, b;
-                store(&a, 0, load(xr, d) * load(c, d));
-                store(&b, 0, load(xr, swapped) * load(s, d));
-                store(dst, d, load(&a, 0) + load(&b, 0));
-            }
+            for (int32_t d = 0; d < half; ++d)
+                store(dst, d, rounded<T>(load(xr, d) * load(c, d)) + rounded<T>(load(xr, d + half) * load(s, d)));
+#pragma omp simd
+            for (int32_t d = half; d < head_dim; ++d)
+                store(dst, d, rounded<T>(load(xr, d) * load(c, d)) + rounded<T>(load(xr, d - half) * load(s, d)));
         }
     }
 }
@@ -562,9 +567,7 @@ void silu_and_mul(const T* gate_up, int64_t stride, T* out, int64_t rows, int32_
 #pragma omp simd
         for (int32_t i = 0; i < width; ++i) {
             const float g = load(gate, i);
-            T silu;
-            store(&silu, 0, g / (1.0f + exp_approx(-g)));
-            store(dst, i, load(&silu, 0) * load(up, i));
+            store(dst, i, rounded<T>(g / (1.0f + exp_approx(-g))) * load(up, i));
         }
     }
 }
