@@ -111,6 +111,7 @@ def run_cbatch(args, device: torch.device, dtype: torch.dtype) -> dict:
     rows, prep = requests(spec.vision, shapes(args)["vision_end_token_id"], pages(args.rows, args.cpu_dry_run),
                           args.question_len)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    tower_pages = [(page.pixels, page.grid) for _, page in rows[:8]]  # (the engine releases a page's pixels once encoded)
     sync(device)
     start = time.perf_counter()
     seqs = [engine.add_request(ids, params, images=[page]) for ids, page in rows]
@@ -123,18 +124,18 @@ def run_cbatch(args, device: torch.device, dtype: torch.dtype) -> dict:
     result = dict(engine="cbatch", rows=len(rows), image_tokens=sum(p.num_tokens for _, p in rows),
                   output_tokens=tokens, seconds=seconds, images_per_s=len(rows) / seconds,
                   output_tok_per_s=tokens / seconds, startup_s=startup, preprocess_images_per_s=len(rows) / prep,
-                  tower=tower_rates(engine.runner.model.visual, [p for _, p in rows[:8]], device))
+                  tower=tower_rates(engine.runner.model.visual, tower_pages, device))
     engine.close()
     return result
 
 
-def tower_rates(visual, images, device: torch.device) -> dict:
-    """Pages per second through the vision tower alone (8 pages per call), with the flash varlen kernel where it
-    runs and with SDPA per segment length."""
+def tower_rates(visual, pages: list[tuple[np.ndarray, tuple[int, int, int]]], device: torch.device) -> dict:
+    """Pages per second through the vision tower alone (the pages' (patches, grid) in one call), with the flash
+    varlen kernel where it runs and with SDPA per segment length."""
     import cbatch.model.vision as vision
 
-    pixels = torch.from_numpy(np.concatenate([im.pixels for im in images])).to(device)
-    grids = [im.grid for im in images]
+    pixels = torch.from_numpy(np.concatenate([patches for patches, _ in pages])).to(device)
+    grids = [grid for _, grid in pages]
     rates = {}
     for name, flash in (("flash_varlen", True), ("sdpa_per_length", False)):
         if flash and (device.type != "cuda" or vision._flash_varlen() is None):
@@ -148,7 +149,7 @@ def tower_rates(visual, images, device: torch.device) -> dict:
             for _ in range(calls):
                 visual(pixels, grids)
             sync(device)
-            rates[name] = calls * len(images) / (time.perf_counter() - start)
+            rates[name] = calls * len(pages) / (time.perf_counter() - start)
         finally:
             vision._flash_varlen = found
     return rates
