@@ -56,9 +56,9 @@ def measure(running: int, steps: int, prompt_len: int, clock, async_order: bool,
         runner.release(plan)
         runner.begin_step()
         t0 = clock()
-        inputs, sampling_seqs, _, _ = runner._build(plan)
+        inputs, sampling_seqs, _, _, offsets = runner._build(plan)
         batch = inputs.to_device(runner.device, runner.block_size, runner._last_sampled, runner.staging)  # host copies on a GPU
-        runner.sampling.build(sampling_seqs)  # the sampling settings (and seeds) the runner builds each step
+        runner.sampling.build(sampling_seqs, offsets, plan.drafts)  # the sampling settings (and seeds) of each step
         runner._last_sampled = torch.full((len(sampling_seqs),), 7, dtype=torch.int64)
         runner._last_row = dict(zip([seq.seq_id for seq in sampling_seqs], range(len(sampling_seqs))))  # as `launch`
         t1 = clock()

@@ -166,3 +166,15 @@ def test_the_first_step_on_a_cpu_engine_with_an_injected_failure(tmp_path):
     assert "injected failure of split_kv" in doc["tries"][0]["error"]
     assert off.read_text() == "split_kv=false\n" and doc["settings"] == {"split_kv": False}
     assert "first step: split_kv failed in sizing: RuntimeError: injected failure of split_kv" in proc.stdout
+
+
+def test_the_host_step_script_runs_on_this_engine(tmp_path):
+    """The kit's `host_step` (benchmarks/host_overhead.py) mirrors the runner's host part: when the runner's step
+    inputs change shape it must change with them, or the device call loses the step's figures."""
+    out = tmp_path / "host.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_overhead.py"), "--cpu-time", "--running", "4",
+                           "--steps", "2", "--prompt-len", "8", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| sync | 4 |" in proc.stdout and "| async | 4 |" in proc.stdout
+    assert out.is_file()
