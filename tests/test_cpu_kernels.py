@@ -364,3 +364,26 @@ def test_without_a_compiler_auto_keeps_the_torch_path_and_says_so_once(tmp_path,
     finally:
         for cached in (cpu_kernels._library, cpu_kernels.available):
             cached.cache_clear()
+
+
+def test_vision_rotary_in_bfloat16_takes_the_float32_math_of_transformers():
+    """The towers' rotary (vision.rotate) with bfloat16 q/k and float32 angles: x taken to float32, rotated, rounded
+    back once, as transformers' apply_rotary_pos_emb_vision; the kernel gives the torch ops' bits."""
+    from cbatch.model import vision
+
+    gen = torch.Generator().manual_seed(11)
+    tokens, heads, head_dim = 300, 6, 64
+    qkv = torch.randn(tokens, 3 * heads * head_dim, generator=gen).to(torch.bfloat16)
+    q = qkv.view(tokens, 3, heads, head_dim)[:, 0]  # a strided per-head view, as the tower's unbind gives
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=gen) * 40
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)
+    got = cpu_kernels.rotary(q, cos, sin)
+    assert got is not None and got.dtype == torch.bfloat16
+    qf = q.float()
+    want = (qf * cos).add_(qf.unflatten(-1, (2, -1)).flip(-2).flatten(-2).mul_(sin)).to(torch.bfloat16)
+    assert torch.equal(got, want) and not torch.equal(got, q)
+    assert torch.equal(vision.rotate(q, cos, sin), want)
+    # rounding each product to bfloat16 (the decoder's rule) would differ somewhere
+    q16, c16, s16 = q, cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+    per_op = q16 * c16 + q16.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * s16
+    assert not torch.equal(per_op, want)

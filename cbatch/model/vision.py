@@ -112,8 +112,9 @@ def _flash_varlen() -> Callable | None:
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, H, D] * cos + rotate_half(x) * sin in float32, back in x's dtype: transformers' bits. cos, sin
     float32 [N, 1, D] from `rotary_cos_sin` (rotate_half's sign folded into sin: (-x2) * s == x2 * (-s) exactly).
-    CPU float32 runs the compiled kernel the decoder uses (one pass, no copies); elsewhere three torch ops."""
-    if x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels.available() is None:
+    The CPU runs the compiled kernel the decoder uses (one pass, no copies; float32 math for bfloat16 x too);
+    elsewhere three torch ops."""
+    if x.device.type == "cpu" and cpu_kernels.supports(x.dtype) and cpu_kernels.available() is None:
         out = cpu_kernels.rotary(x, cos, sin)
         if out is not None:
             return out

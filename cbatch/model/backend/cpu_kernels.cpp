@@ -527,29 +527,31 @@ void rms_norm(const T* x, int64_t x_stride, int64_t x_group_rows, int64_t x_grou
 }
 
 // NeoX rotary (HF's rotate_half) on rows of x: out = x * cos + (x2 | x1) * sin, with rotate_half's sign in
-// sin's first half, each product and the sum rounded to the dtype as torch's three ops do (no fused multiply-add:
-// the same bits as the torch path). x's rows: `heads` per token, x_stride apart; tokens x_token_stride apart;
-// cos/sin [T, D] contiguous in the dtype; out [T, heads, D] contiguous.
+// sin's first half, each product and the sum rounded to the angles' dtype C as torch's three ops do (no fused
+// multiply-add: the same bits as the torch path), the result to x's dtype T. C = T: the decoder's rotary in the
+// model's dtype; C = float with bfloat16 x: the vision towers' (x taken to float32, rotated, rounded back once).
+// x's rows: `heads` per token, x_stride apart; tokens x_token_stride apart; cos/sin [T, D] contiguous;
+// out [T, heads, D] contiguous.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-template <typename T>
-void rotary(const T* x, int64_t x_stride, int64_t x_token_stride, const T* cos, const T* sin, T* out,
+template <typename T, typename C>
+void rotary(const T* x, int64_t x_stride, int64_t x_token_stride, const C* cos, const C* sin, T* out,
             int64_t tokens, int32_t heads, int32_t head_dim, int32_t num_threads) {
     const int32_t half = head_dim / 2;
 #pragma omp parallel for num_threads(num_threads) if (tokens * heads * head_dim >= 65536) schedule(static)
     for (int64_t t = 0; t < tokens; ++t) {
-        const T* c = cos + t * head_dim;
-        const T* s = sin + t * head_dim;
+        const C* c = cos + t * head_dim;
+        const C* s = sin + t * head_dim;
         for (int32_t h = 0; h < heads; ++h) {
             const T* xr = x + t * x_token_stride + h * x_stride;
             T* dst = out + (t * heads + h) * head_dim;
             // the two halves apart (rotate_half pairs d with d + half): each loop's reads are contiguous
 #pragma omp simd
             for (int32_t d = 0; d < half; ++d)
-                store(dst, d, rounded<T>(load(xr, d) * load(c, d)) + rounded<T>(load(xr, d + half) * load(s, d)));
+                store(dst, d, rounded<C>(rounded<C>(load(xr, d) * load(c, d)) + rounded<C>(load(xr, d + half) * load(s, d))));
 #pragma omp simd
             for (int32_t d = half; d < head_dim; ++d)
-                store(dst, d, rounded<T>(load(xr, d) * load(c, d)) + rounded<T>(load(xr, d - half) * load(s, d)));
+                store(dst, d, rounded<C>(rounded<C>(load(xr, d) * load(c, d)) + rounded<C>(load(xr, d - half) * load(s, d))));
         }
     }
 }
@@ -670,17 +672,25 @@ int cbatch_rms_norm(int32_t dtype, const void* x, int64_t x_stride, int64_t x_gr
     return 2;
 }
 
-int cbatch_rotary(int32_t dtype, const void* x, int64_t x_stride, int64_t x_token_stride, const void* cos,
-                  const void* sin, void* out, int64_t tokens, int32_t heads, int32_t head_dim, int32_t num_threads) {
+// dtype: x's and out's, 0 = float32, 1 = bfloat16; angles_dtype: cos's and sin's (float32 angles with bfloat16 x:
+// the float32 math of transformers' vision rotary).
+int cbatch_rotary(int32_t dtype, const void* x, int64_t x_stride, int64_t x_token_stride, int32_t angles_dtype,
+                  const void* cos, const void* sin, void* out, int64_t tokens, int32_t heads, int32_t head_dim,
+                  int32_t num_threads) {
     if (head_dim % 2 != 0) return 1;
-    if (dtype == 0) {
+    if (dtype == 0 && angles_dtype == 0) {
         rotary(static_cast<const float*>(x), x_stride, x_token_stride, static_cast<const float*>(cos),
                static_cast<const float*>(sin), static_cast<float*>(out), tokens, heads, head_dim, num_threads);
         return 0;
     }
-    if (dtype == 1) {
+    if (dtype == 1 && angles_dtype == 1) {
         rotary(static_cast<const uint16_t*>(x), x_stride, x_token_stride, static_cast<const uint16_t*>(cos),
                static_cast<const uint16_t*>(sin), static_cast<uint16_t*>(out), tokens, heads, head_dim, num_threads);
+        return 0;
+    }
+    if (dtype == 1 && angles_dtype == 0) {
+        rotary(static_cast<const uint16_t*>(x), x_stride, x_token_stride, static_cast<const float*>(cos),
+               static_cast<const float*>(sin), static_cast<uint16_t*>(out), tokens, heads, head_dim, num_threads);
         return 0;
     }
     return 2;

@@ -41,7 +41,7 @@ _SIGNATURES = {  # each kernel's argument types (cpu_kernels.cpp); every kernel 
     "cbatch_prefill_attention": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I32, _PTR, _PTR,
                                  _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR, _I32],
     "cbatch_rms_norm": [_I32, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32, _I32],
-    "cbatch_rotary": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
+    "cbatch_rotary": [_I32, _PTR, _I64, _I64, _I32, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
     "cbatch_silu_and_mul": [_I32, _PTR, _I64, _PTR, _I64, _I32, _I32],
     "cbatch_store_kv": [_I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I32],
 }
@@ -246,16 +246,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """x [T, H, D] rotated (NeoX, rotate_half's sign folded into sin) with the torch path's bits; cos, sin [T, 1, D]
-    in x's dtype. None when the layout or dtype is not one the kernel takes."""
+    in x's dtype (each product and the sum rounded to it: the decoder's), or float32 with bfloat16 x (x taken to
+    float32 and the result rounded back once: the vision towers'). None when the layout or dtypes are not ones the
+    kernel takes."""
     layout = _row_groups(x)
-    if (layout is None or x.dim() != 3 or not supports(x.dtype) or x.shape[-1] % 2 or cos.dtype != x.dtype
-            or sin.dtype != x.dtype or not cos.is_contiguous() or not sin.is_contiguous()
+    angles_match = cos.dtype == x.dtype or (cos.dtype == torch.float32 and x.dtype == torch.bfloat16)
+    if (layout is None or x.dim() != 3 or not supports(x.dtype) or x.shape[-1] % 2 or not angles_match
+            or sin.dtype != cos.dtype or not cos.is_contiguous() or not sin.is_contiguous()
             or cos.shape != (x.shape[0], 1, x.shape[2]) or sin.shape != cos.shape):
         return None
     row_stride, heads, token_stride = layout
     out = torch.empty(x.shape, dtype=x.dtype)
-    _call("cbatch_rotary", _DTYPE_CODES[x.dtype], x.data_ptr(), row_stride, token_stride, cos.data_ptr(), sin.data_ptr(),
-          out.data_ptr(), x.shape[0], heads, x.shape[2], torch.get_num_threads())
+    _call("cbatch_rotary", _DTYPE_CODES[x.dtype], x.data_ptr(), row_stride, token_stride, _DTYPE_CODES[cos.dtype],
+          cos.data_ptr(), sin.data_ptr(), out.data_ptr(), x.shape[0], heads, x.shape[2], torch.get_num_threads())
     return out
 
 
