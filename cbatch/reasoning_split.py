@@ -15,13 +15,14 @@ from __future__ import annotations
 import re
 from typing import Protocol, Sequence
 
-from cbatch.tokenizer import (count_thinking, split_reasoning, template_texts, template_thinks, think_token_ids,
-                              thinking_opened)
+from cbatch.tokenizer import (THINK_END, THINK_START, count_thinking, split_reasoning, template_texts, template_thinks,
+                              think_token_ids, thinking_opened)
 
 
 class ReasoningFormat(Protocol):
-    def split(self, text: str, token_ids: Sequence[int]) -> tuple[str | None, str]:
-        """(reasoning or None where the completion has none, answer) of a completion: its text and token ids."""
+    def split(self, text: str, token_ids: Sequence[int], prompt_ids: Sequence[int]) -> tuple[str | None, str]:
+        """(reasoning or None where the completion has none, answer) of a completion: its text and token ids, and
+        its prompt's (which may have opened the reasoning)."""
         ...
 
     def reasoning_tokens(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> int:
@@ -41,16 +42,28 @@ class ThinkTags:
     def speaks(templates: list[str], tokenizer) -> "ThinkTags | None":
         return ThinkTags(tokenizer) if template_thinks(tokenizer) else None
 
-    def split(self, text: str, token_ids: Sequence[int]) -> tuple[str | None, str]:
-        return split_reasoning(text)
+    def split(self, text: str, token_ids: Sequence[int], prompt_ids: Sequence[int]) -> tuple[str | None, str]:
+        return split_reasoning(text, opened=self.opened(prompt_ids))
+
+    def opened(self, prompt_ids: Sequence[int]) -> bool:
+        """The prompt leaves the thinking open (its last think tag is <think>): by the tags' tokens, or for tags of
+        several tokens by the prompt's last words decoded."""
+        if self.think_ids is not None:
+            return thinking_opened(list(prompt_ids), self.think_ids)
+        tail = self.tokenizer.decode(list(prompt_ids[-_OPENED_TAIL:]), skip_special_tokens=False)
+        return tail.rfind(THINK_START) > tail.rfind(THINK_END)
 
     def reasoning_tokens(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> int:
         """The tokens inside the thinking, counted as a thinking budget counts them (opened by the completion's
         <think> or by the prompt). Tags of several tokens: the reasoning text's tokens, encoded again."""
         if self.think_ids is not None:
-            return count_thinking(list(token_ids), self.think_ids, thinking_opened(list(prompt_ids), self.think_ids))[1]
-        reasoning, _ = self.split(self.tokenizer.decode(list(token_ids), skip_special_tokens=True), token_ids)
+            return count_thinking(list(token_ids), self.think_ids, self.opened(prompt_ids))[1]
+        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        reasoning, _ = self.split(text, token_ids, prompt_ids)
         return len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+
+
+_OPENED_TAIL = 32  # the prompt's last tokens read for a think tag of several tokens (templates open it at the end)
 
 
 # harmony's marker tokens (each one special token of gpt-oss's vocabulary)
@@ -77,7 +90,7 @@ class HarmonyChannels:
         markers = ("<|channel|>", "<|message|>")
         return HarmonyChannels(tokenizer) if any(all(m in t for m in markers) for t in templates) else None
 
-    def split(self, text: str, token_ids: Sequence[int]) -> tuple[str | None, str]:
+    def split(self, text: str, token_ids: Sequence[int], prompt_ids: Sequence[int]) -> tuple[str | None, str]:
         return split_harmony(self.tokenizer.decode(list(token_ids), skip_special_tokens=False), text)
 
     def reasoning_tokens(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> int:

@@ -115,15 +115,16 @@ def count_thinking(token_ids: list[int], think_ids: tuple[int, int], inside: boo
     return inside, used
 
 
-def split_reasoning(text: str) -> tuple[str | None, str]:
-    """(reasoning, answer) of a thinking model's completion, both stripped of surrounding whitespace.
+def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
+    """(reasoning, answer) of a thinking model's completion, both stripped of surrounding whitespace; `opened`: the
+    prompt left the thinking open (DeepSeek-R1's template ends its prompt with <think>).
 
     `<think>R</think>A` -> (R, A); `R</think>A` (the template opened the thinking in the prompt) -> (R, A);
-    `<think>R` (cut off while thinking, e.g. by max_tokens) -> (R, ""); no tags -> (None, text).
+    `<think>R`, or `R` with `opened` (cut off while thinking, e.g. by max_tokens) -> (R, ""); no tags -> (None, text).
     """
     before, end, after = text.partition(THINK_END)
     if end:
         return before.strip().removeprefix(THINK_START).strip(), after.strip()
-    if text.lstrip().startswith(THINK_START):
+    if text.lstrip().startswith(THINK_START) or opened:
         return text.lstrip().removeprefix(THINK_START).strip(), ""
     return None, text

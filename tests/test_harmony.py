@@ -54,9 +54,9 @@ def test_completion_splits_by_channel(harmony_tokenizer):
     ids = harmony_tokenizer.encode(completion, add_special_tokens=False)
     text = harmony_tokenizer.decode(ids, skip_special_tokens=True)  # the completion's text: the markers are gone
     assert "<|channel|>" not in text and "analysis" in text
-    assert split.split(text, ids) == ("Rayleigh scattering favours short wavelengths.", "Blue light scatters most.")
+    assert split.split(text, ids, []) == ("Rayleigh scattering favours short wavelengths.", "Blue light scatters most.")
     cut = harmony_tokenizer.encode("<|channel|>analysis<|message|>Rayleigh", add_special_tokens=False)  # max_tokens
-    assert split.split(harmony_tokenizer.decode(cut, skip_special_tokens=True), cut) == ("Rayleigh", "")
+    assert split.split(harmony_tokenizer.decode(cut, skip_special_tokens=True), cut, []) == ("Rayleigh", "")
 
     analysis = harmony_tokenizer.encode("Rayleigh scattering favours short wavelengths.", add_special_tokens=False)
     assert split.reasoning_tokens([], ids) == len(analysis) > 1  # the analysis body's tokens, the markers not

@@ -181,14 +181,30 @@ def test_result_cache_keeps_a_completions_lines_raw_text(thinking_model, tmp_pat
     assert read_jsonl(raw)[0]["response"]["body"]["choices"][0]["text"] == "<think>Maybe</think>\n\nYes"
 
 
-@pytest.mark.parametrize("text,want", [
-    ("<think>\nweigh it\n</think>\n\nYes.", ("weigh it", "Yes.")),
-    ("weigh it</think>Yes.", ("weigh it", "Yes.")),  # the template opened <think> in the prompt
-    ("<think>still weighing", ("still weighing", "")),  # cut off while thinking
-    ("Just an answer.", (None, "Just an answer.")),
+@pytest.mark.parametrize("text,opened,want", [
+    ("<think>\nweigh it\n</think>\n\nYes.", False, ("weigh it", "Yes.")),
+    ("weigh it</think>Yes.", True, ("weigh it", "Yes.")),  # the template opened <think> in the prompt
+    ("<think>still weighing", False, ("still weighing", "")),  # cut off while thinking
+    ("\nstill weighing", True, ("still weighing", "")),  # the same, the prompt having opened it (DeepSeek-R1)
+    ("Just an answer.", False, (None, "Just an answer.")),
 ])
-def test_split_reasoning(text, want):
-    assert split_reasoning(text) == want
+def test_split_reasoning(text, opened, want):
+    assert split_reasoning(text, opened) == want
+
+
+def test_a_completion_cut_off_in_the_thinking_its_prompt_opened_is_all_reasoning(thinking_model):
+    """DeepSeek-R1's template ends the prompt with <think>: a completion cut off before </think> is reasoning only,
+    not an answer (which is what the text alone would say); a prompt that closed the thinking leaves text as it is."""
+    from cbatch.reasoning_split import reasoning_format
+
+    tokenizer = load_tokenizer(thinking_model)
+    split = reasoning_format(tokenizer)
+    think, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    words = tokenizer.encode(" weigh it up", add_special_tokens=False)
+    text = tokenizer.decode(words, skip_special_tokens=True)
+    assert split.split(text, words, [5, think]) == (text.strip(), "")
+    assert split.split(text, words, [5, think, 7, end]) == (None, text)
+    assert split.split(text, words, [5]) == (None, text)
 
 
 def test_reserved_template_kwargs_are_an_error_row(thinking_model, tmp_path):
@@ -219,3 +235,19 @@ def test_stop_token_text_and_min_tokens_hold_stop_strings(thinking_model):
     assert by_token.text == "<think>Maybe</think>\n\n"
     assert by_string.text == "<think>" and len(by_string.token_ids) == 2
     assert held.text == full.text and held.finish_reason == "stop"  # "Maybe" came at token 2 < min_tokens
+
+
+def test_think_tags_of_several_tokens_find_the_prompt_opened_thinking_in_its_text(smollm2_dir):
+    """A tokenizer whose <think> is no single token (SmolLM2's): the prompt's last words, decoded, say whether the
+    thinking was left open."""
+    from cbatch.reasoning_split import ThinkTags
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    tags = ThinkTags(tokenizer)
+    assert tags.think_ids is None
+    opened = tokenizer.encode("User: is it so?\nAssistant: <think>\n", add_special_tokens=False)
+    closed = tokenizer.encode("User: is it so?\nAssistant: <think>\n\n</think>\n\n", add_special_tokens=False)
+    words = tokenizer.encode("weigh it up", add_special_tokens=False)
+    assert tags.split("weigh it up", words, opened) == ("weigh it up", "")
+    assert tags.split("weigh it up", words, closed) == (None, "weigh it up")
+    assert tags.reasoning_tokens(opened, words) == len(words)

@@ -163,7 +163,7 @@ class GenerateTask(Task):
         splits = self.reasoning_split and not request.raw_text and completion is not None
         split = reasoning_format(engine.tokenizer) if splits else None
         if split is not None:  # the chat format's reasoning (<think> tags, harmony's analysis channel) to its column
-            columns["reasoning"], completion = split.split(completion, out.token_ids)
+            columns["reasoning"], completion = split.split(completion, out.token_ids, out.prompt_token_ids)
             # its token count, for OpenAI usage (a record key; OUTPUT has no such column)
             columns["reasoning_tokens"] = (split.reasoning_tokens(out.prompt_token_ids, out.token_ids)
                                            if columns["reasoning"] is not None else 0)
