@@ -51,10 +51,19 @@ class VisionSpec:
     num_position_embeddings: int = 0
     deepstack_layers: tuple[int, ...] = ()
     mrope_interleaved: bool = False
-    # videos (Qwen2-VL, Qwen2.5-VL): the placeholder token of a video's merged patches (None: the model takes no
-    # videos), and Qwen2.5-VL's M-RoPE temporal positions per second of video (0: one position per temporal patch)
+    # videos: the placeholder token of a video's merged patches (None: the model takes no videos), and Qwen2.5-VL's
+    # M-RoPE temporal positions per second of video (0: one position per temporal patch); Qwen3-VL writes each
+    # temporal patch as its own run between vision start and end tokens (`timestamped_videos`)
     video_token_id: int | None = None
     tokens_per_second: float = 0.0
+    vision_end_token_id: int | None = None
+
+    @property
+    def timestamped_videos(self) -> bool:
+        """Qwen3-VL: a video's temporal patches are runs of their own, each after its time as text ("<1.2 seconds>")
+        between vision start and end tokens, placed by M-RoPE as images; the video processor's pixel bounds hold
+        for the whole video's frames (io/videos.py)."""
+        return self.tower == "qwen3"
 
     @property
     def patch_dim(self) -> int:
@@ -180,13 +189,18 @@ def parse_vision(cfg: dict[str, Any], arch: str) -> VisionSpec:
 
 
 def takes_videos(vision: Any) -> bool:
-    """Whether a model of `vision` (a VisionSpec, Gemma 3's SiglipSpec, or None for text) reads videos: Qwen2-VL and
-    Qwen2.5-VL, whose VisionSpec has a video placeholder token."""
+    """Whether a model of `vision` (a VisionSpec, Gemma 3's SiglipSpec, or None for text) reads videos: Qwen2-VL,
+    Qwen2.5-VL and Qwen3-VL, whose VisionSpec has a video placeholder token."""
     return getattr(vision, "video_token_id", None) is not None
 
 
 def _video_token(cfg: dict[str, Any]) -> int | None:
-    token = cfg.get("video_token_id", (cfg.get("text_config") or {}).get("video_token_id"))
+    return _token(cfg, "video_token_id")
+
+
+def _token(cfg: dict[str, Any], key: str) -> int | None:
+    """The special token `key` of the config (top level, else its text_config); None where neither has it."""
+    token = cfg.get(key, (cfg.get("text_config") or {}).get(key))
     return None if token is None else int(token)
 
 
@@ -237,4 +251,7 @@ def _parse_qwen3_vision(cfg: dict[str, Any], vision: dict[str, Any], arch: str) 
         num_position_embeddings=int(vision.get("num_position_embeddings", 2304)),
         deepstack_layers=deepstack,
         mrope_interleaved=True,  # transformers' Qwen3-VL interleaves whatever its config's mrope_interleaved says
+        # (a video's runs close with the vision end token: without one in the config, no videos)
+        video_token_id=_video_token(cfg) if _token(cfg, "vision_end_token_id") is not None else None,
+        vision_end_token_id=_token(cfg, "vision_end_token_id"),
     )
