@@ -70,10 +70,13 @@ def processor_text(text: str, video, indices: np.ndarray, video_fps: float, imag
     return text
 
 
-def test_greedy_tokens_match_transformers_on_its_processors_prompt(qwen3, hf_video):
+def test_greedy_tokens_match_transformers_on_its_processors_prompt(qwen3, hf_video, monkeypatch):
     """10 frames at 4 fps: transformers samples 5 (0, 2, 4, 7, 9: 4.5 rounds to even), 3 temporal patches (the last
     frame repeated) at 0.25, 1.375 and 2.25 s; 48 x 80 frames go to 64 x 64 (4 frames' worth within the bounds):
     4 tokens a temporal patch. cbatch's prompt equals the processor's, and its tokens HF generate's."""
+    from cbatch.io import videos as videos_module
+
+    decode = videos_module._decode
     vision = read_checkpoint(qwen3).spec.vision
     engine = make_engine(qwen3, max_model_len=256)
     tokenizer = engine.tokenizer
@@ -110,6 +113,11 @@ def test_greedy_tokens_match_transformers_on_its_processors_prompt(qwen3, hf_vid
     assert outputs[0] != outputs[2], "the video decides the completion"
     for (ids, items), ours in zip(requests, outputs):
         assert ours == hf_vl_greedy(qwen3, ids, items, GREEDY.max_tokens)
+    # the parts' pixels went once encoded: a new engine reads the video again, decoded once for its 3 parts
+    decoded = []
+    monkeypatch.setattr(videos_module, "_decode", lambda *args: decoded.append(1) or decode(*args))
+    assert run_requests(make_engine(qwen3, max_model_len=256), requests[:1], GREEDY) == outputs[:1]
+    assert len(decoded) == 1
     # a 5-token budget cuts the runs across steps: each temporal patch and the image encoded once
     engine = make_engine(qwen3, max_model_len=256, max_num_batched_tokens=5, enable_prefix_cache=False)
     assert run_requests(engine, requests[1:2], GREEDY) == outputs[1:2]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import math
+import weakref
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -186,11 +187,12 @@ class VideoReader:
         and its place), each with its time in `seconds` (the text before its run)."""
         t, h, w = grid
         size = h * w
+        shared = None if reread is None else _SharedReread(reread, size)
         parts = []
         for k in range(t):
             key, label = (digest, name) if k == 0 else (f"{digest}/temporal patch {k} of {t - 1}", f"{name} ({k})")
             part_pixels = None if pixels is None else pixels[k * size : (k + 1) * size]
-            part_reread = None if reread is None else partial(_part, reread, k, size)
+            part_reread = None if shared is None else partial(shared.part, k)
             parts.append(PromptImage(key, (1, h, w), self.vision.tokens_for_grid((1, h, w)), part_pixels, label,
                                      part_reread, video=True, timestamp=seconds[k]))
         parts[0].crops = tuple(parts[1:])
@@ -239,9 +241,22 @@ class VideoReader:
         return np.concatenate([part.pixels for part in (video, *video.crops)]) if video.crops else video.pixels
 
 
-def _part(reread: Callable[[], np.ndarray], k: int, size: int) -> np.ndarray:
-    """Temporal patch k's patches (`size` rows) of a video read again by `reread`."""
-    return reread()[k * size : (k + 1) * size]
+class _SharedReread:
+    """A timestamped video's patches read again for its temporal patches (`part`): once while any part still holds
+    its slice (a view: the whole array lives as long as one of them, then goes; this keeps only a weak reference),
+    so a preempted row's parts read again in one step decode the video once."""
+
+    def __init__(self, reread: Callable[[], np.ndarray], size: int) -> None:
+        self.reread, self.size = reread, size  # `size`: a temporal patch's rows
+        self.held: weakref.ref | None = None
+
+    def part(self, k: int) -> np.ndarray:
+        """Temporal patch k's patches."""
+        pixels = self.held() if self.held is not None else None
+        if pixels is None:
+            pixels = self.reread()
+            self.held = weakref.ref(pixels)
+        return pixels[k * self.size : (k + 1) * self.size]
 
 
 def _pyav():
