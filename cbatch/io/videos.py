@@ -181,7 +181,7 @@ class VideoReader:
         return indices, whole_video_frame_size(len(indices), height, width, factor, temporal, limits.min_pixels, bound)
 
     def _timestamped(self, digest: str, name: str, grid: tuple[int, int, int], pixels: np.ndarray | None,
-                     seconds: list[float], reread: Any) -> PromptImage:
+                     seconds: list[float], reread: Callable[[], np.ndarray] | None) -> PromptImage:
         """Qwen3-VL: the video as its first temporal patch, its later ones the `crops` (each an image of grid
         (1, h, w) with its own run, M-RoPE place, tower input and encoder-cache entry; known by the video's digest
         and its place), each with its time in `seconds` (the text before its run)."""
@@ -190,7 +190,8 @@ class VideoReader:
         shared = None if reread is None else _SharedReread(reread, size)
         parts = []
         for k in range(t):
-            key, label = (digest, name) if k == 0 else (f"{digest}/temporal patch {k} of {t - 1}", f"{name} ({k})")
+            key, label = ((digest, name) if k == 0 else
+                          (f"{digest}/temporal patch {k} of {t - 1}", f"{name} (temporal patch {k})"))
             part_pixels = None if pixels is None else pixels[k * size : (k + 1) * size]
             part_reread = None if shared is None else partial(shared.part, k)
             parts.append(PromptImage(key, (1, h, w), self.vision.tokens_for_grid((1, h, w)), part_pixels, label,
