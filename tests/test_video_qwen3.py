@@ -157,9 +157,9 @@ def run(model, input_path, out, *flags) -> int:
 
 
 def test_video_rows_bad_videos_and_the_plan_through_cbatch(qwen3, tmp_path):
-    """Video rows complete with the timestamps in their prompt tokens, bad videos are error rows naming them (a
-    single frame: Qwen3-VL's processor needs a temporal patch's 2), and `cbatch plan` counts the same prompt tokens
-    from the headers."""
+    """Video rows complete with the timestamps in their prompt tokens (the library's chat the same), bad videos are
+    error rows naming them (a single frame: Qwen3-VL's processor needs a temporal patch's 2), and `cbatch plan`
+    counts the same prompt tokens from the headers."""
     clip = video_bytes(random_frames(4, 64, 64, seed=7), fps=2)  # 4 frames, 2 temporal patches of 4 tokens
     (tmp_path / "clip.avi").write_bytes(clip)
     (tmp_path / "one.avi").write_bytes(video_bytes(random_frames(1, 64, 64), fps=2))
@@ -188,6 +188,12 @@ def test_video_rows_bad_videos_and_the_plan_through_cbatch(qwen3, tmp_path):
     assert out["junk"]["error"].startswith(f"`videos[0]` ('{tmp_path}/junk.avi') cannot be decoded as a video (")
     assert out["one"]["error"] == (f"`videos[0]` ('{tmp_path}/one.avi') has 1 frame(s); the model's video processor "
                                    "takes at least 2 (give a still as an image)")
+
+    from cbatch import LLM, SamplingParams as Params  # the library's chat takes the same video part
+
+    llm = LLM(model=str(qwen3), device="cpu", use_tqdm=False)
+    assert llm.chat(rows[0]["messages"], Params(max_tokens=6, temperature=0.0))[0].outputs[0].text == \
+        out["part"]["completion"]
 
     good = [row for row in rows if row["id"] in ("part", "field", "with-image", "text")]
     write_jsonl(tmp_path / "good.jsonl", good)
