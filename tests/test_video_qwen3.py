@@ -202,3 +202,28 @@ def test_video_rows_bad_videos_and_the_plan_through_cbatch(qwen3, tmp_path):
     assert code == 0, err
     predicted = json.loads((tmp_path / "plan.json").read_text())["predicted"]["prompt_tokens"]
     assert predicted == sum(out[row["id"]]["prompt_tokens"] for row in good)
+
+
+def test_the_gpu_reserves_largest_frame_bounds_every_whole_video_frame():
+    """VideoLimits.largest_frame_pixels (the reserve's largest video frame) against the frame sizes of videos of
+    2 to 13 frames and many shapes (up to 200:1), uncapped and capped, under the hub's Qwen3-VL bounds (4,096 ..
+    25,165,824: half of the top, 12,288 tokens, below its images' 16,384) and small ones where scaling up decides."""
+    from cbatch.model.image_processor import VideoLimits
+
+    sides = [1, 3, 16, 31, 33, 50, 64, 97, 200, 333, 640, 1080, 1920, 4000]
+    for low, high in ((4096, 25165824), (128 * 1024, 768 * 1024), (64 * 1024, 96 * 1024), (4096, 8192)):
+        for cap in (False, True):
+            limits = VideoLimits(low, high, cap_pixels_per_frame=cap, max_video_tokens=768, whole_video=True)
+            bound, largest = limits.largest_frame_pixels(32), 0
+            for frames in range(2, 14):
+                for height in sides:
+                    for width in sides:
+                        try:
+                            h, w = whole_video_frame_size(frames, height, width, 32, 2, low,
+                                                          limits.video_max_pixels(frames, 32))
+                        except ValueError:  # past 200:1
+                            continue
+                        largest = max(largest, h * w)
+            assert largest <= bound, (low, high, cap, largest, bound)
+            if (low, high) == (4096, 25165824):
+                assert bound == high // 2 == 12288 * 32 * 32

@@ -163,6 +163,7 @@ def encoder_memory(spec: ModelSpec, dtype: torch.dtype, model_dir: Path | None, 
     frame = video = 0
     if takes_videos(vision):
         limits = video_limits(model_dir, config.video_min_pixels, config.video_max_pixels, vision.timestamped_videos)
-        frame = limits.largest_frame_pixels // (vision.patch_size * vision.merge_size) ** 2
+        factor = vision.patch_size * vision.merge_size
+        frame = limits.largest_frame_pixels(factor) // factor**2
         video = largest_video_tokens(frame, limits.max_temporal_patches(vision.temporal_patch_size), max_model_len)
     return EncoderMemory(vision, spec.hidden_size, dtype, largest, visual, frame, video)

@@ -58,10 +58,14 @@ def whole_video_frame_size(frames: int, height: int, width: int, factor: int, te
     """Qwen3-VL: the (height, width) every frame of a video of `frames` sampled height x width frames is resized
     to (Qwen3VLVideoProcessor's rule): sides rounded to multiples of `factor` (a side below it scaled up first), then
     if the frames, counted in whole temporal patches, pass `max_pixels` together, scaled down (floored), if they
-    stay below `min_pixels`, scaled up (ceiled), by the video's own pixel count."""
+    stay below `min_pixels`, scaled up (ceiled), by the video's own pixel count. Raises ValueError (a sentence)
+    past 200:1 once scaled up."""
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"has {width} x {height} frames (scaled to the model's {factor}-pixel blocks); the model's "
+                         "processor takes aspect ratios up to 200:1")
     h, w = round(height / factor) * factor, round(width / factor) * factor
     total = round(frames / temporal) * temporal * h * w
     if total > max_pixels:
@@ -174,11 +178,13 @@ class VideoReader:
         if len(indices) < temporal:
             raise ImageError(f"has {total} frame(s); the model's video processor takes at least {temporal} (give a "
                              "still as an image)")
-        if max(height, width) / min(height, width) > 200:
-            raise ImageError(f"has {width} x {height} frames; the model's processor takes aspect ratios up to 200:1")
         factor = self.vision.patch_size * self.vision.merge_size
         bound = limits.video_max_pixels(len(indices), factor)
-        return indices, whole_video_frame_size(len(indices), height, width, factor, temporal, limits.min_pixels, bound)
+        try:
+            return indices, whole_video_frame_size(len(indices), height, width, factor, temporal, limits.min_pixels,
+                                                   bound)
+        except ValueError as exc:
+            raise ImageError(str(exc)) from None
 
     def _timestamped(self, digest: str, name: str, grid: tuple[int, int, int], pixels: np.ndarray | None,
                      seconds: list[float], reread: Callable[[], np.ndarray] | None) -> PromptImage:

@@ -92,12 +92,20 @@ class VideoLimits:
         per_frame = min(self.max_video_tokens * factor * factor, self.max_pixels // max(frames, 1))
         return max(per_frame, int(self.min_pixels * 1.05)) * frames
 
-    @property
-    def largest_frame_pixels(self) -> int:
-        """At least the most pixels a frame of any video gets (the cap's floor may pass max_pixels; a whole video's
-        bounds are its frames' together: each frame is below them)."""
-        capped = self.cap_pixels_per_frame or self.whole_video
-        return max(self.max_pixels, int(self.min_pixels * 1.05)) if capped else self.max_pixels
+    def largest_frame_pixels(self, factor: int) -> int:
+        """At least the most pixels a frame of any video gets (`factor`: patch x merge pixels). Per frame: max_pixels
+        (the cap's floor may pass it). A whole video's frames (at least one temporal patch of 2, within the bounds
+        together; at most 200:1): half of max_pixels; with the cap 5 / 4 of its floor (5 frames are counted as 4);
+        a narrow video scaled down with its short side kept at one factor: the factor x its long side (under
+        sqrt(200 x the frame's share)); a small video scaled up to min_pixels: half of that, each side then rounded
+        up to a factor (the sides of half of min_pixels at 200:1 sum to under 15 x its square root)."""
+        if not self.whole_video:
+            return max(self.max_pixels, int(self.min_pixels * 1.05)) if self.cap_pixels_per_frame else self.max_pixels
+        floor = -(-int(self.min_pixels * 1.05) * 5 // 4) if self.cap_pixels_per_frame else 0
+        narrow = factor * (math.isqrt(100 * self.max_pixels + 210 * self.min_pixels) + 1)
+        half = self.min_pixels // 2
+        scaled_up = half + factor * (15 * (math.isqrt(half) + 1) + factor)
+        return max(self.max_pixels // 2, floor, narrow, scaled_up)
 
     def max_temporal_patches(self, temporal: int) -> int:
         """The most temporal patches a video samples (max_frames rounded down to whole patches, Qwen3-VL's up: it
