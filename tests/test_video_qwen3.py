@@ -204,10 +204,13 @@ def test_video_rows_bad_videos_and_the_plan_through_cbatch(qwen3, tmp_path):
     assert predicted == sum(out[row["id"]]["prompt_tokens"] for row in good)
 
 
-def test_the_gpu_reserves_largest_frame_bounds_every_whole_video_frame():
+def test_the_gpu_reserves_largest_frame_bounds_every_whole_video_frame(qwen3, tmp_path):
     """VideoLimits.largest_frame_pixels (the reserve's largest video frame) against the frame sizes of videos of
     2 to 13 frames and many shapes (up to 200:1), uncapped and capped, under the hub's Qwen3-VL bounds (4,096 ..
-    25,165,824: half of the top, 12,288 tokens, below its images' 16,384) and small ones where scaling up decides."""
+    25,165,824: half of the top, 12,288 tokens, below its images' 16,384) and small ones where scaling up decides.
+    The encoder cache's largest video entry is one such frame (each temporal patch its own entry)."""
+    from cbatch.config import EngineConfig
+    from cbatch.engine.encoder_memory import encoder_memory
     from cbatch.model.image_processor import VideoLimits
 
     sides = [1, 3, 16, 31, 33, 50, 64, 97, 200, 333, 640, 1080, 1920, 4000]
@@ -227,3 +230,9 @@ def test_the_gpu_reserves_largest_frame_bounds_every_whole_video_frame():
             assert largest <= bound, (low, high, cap, largest, bound)
             if (low, high) == (4096, 25165824):
                 assert bound == high // 2 == 12288 * 32 * 32
+
+    hub = shutil.copytree(qwen3, tmp_path / "model")
+    (hub / "video_preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 4096,
+                                                                            "longest_edge": 25165824}}))
+    memory = encoder_memory(read_checkpoint(hub).spec, torch.float32, hub, EngineConfig(model=str(hub)), 65536)
+    assert (memory.largest_video_frame, memory.largest_video) == (12288, 12288)
