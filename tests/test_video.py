@@ -19,10 +19,11 @@ from cbatch.io.images import ImageReader
 from cbatch.io.row_fields import VideoSource
 from cbatch.io.videos import VideoReader, frame_indices
 from cbatch.model.loader import read_checkpoint
+from gemma3_vision_models import make_gemma3_checkpoint
 from helpers import make_engine
 from ops_jobs import read_jsonl, run_inprocess, write_jsonl
 from vision_models import (IMAGE_TOKEN, VIDEO_TOKEN, VISION_END, VISION_START, hf_vl_greedy, make_vl_checkpoint,
-                           png_bytes, random_frames, run_requests, video_bytes)
+                           png_bytes, random_frames, run_requests, video_bytes, without_torchvision)
 
 pytest.importorskip("av")
 
@@ -110,25 +111,9 @@ def test_frames_are_sampled_and_patched_as_transformers_does(vl_model):
 
 @pytest.fixture
 def hf_video_processor(monkeypatch):
-    """transformers' own Qwen2VLVideoProcessor module. It imports torchvision, which it needs only to resize pixels:
-    where torchvision is missing, the module is imported over empty stand-ins (its settings, config-file handling and
-    size rule need none) and forgotten after the test."""
-    import importlib
-    import types
-
-    from transformers.utils import is_torchvision_available
-
-    name = "transformers.models.qwen2_vl.video_processing_qwen2_vl"
-    if is_torchvision_available():  # (cached False before any stand-in goes in)
-        yield importlib.import_module(name)
-        return
-    for part in ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
-                 "torchvision.transforms.v2.functional"):
-        monkeypatch.setitem(sys.modules, part, types.ModuleType(part))
-    try:
-        yield importlib.import_module(name)
-    finally:
-        sys.modules.pop(name, None)
+    """transformers' own Qwen2VLVideoProcessor module (imported without torchvision where it is missing)."""
+    with without_torchvision(monkeypatch, "transformers.models.qwen2_vl.video_processing_qwen2_vl") as module:
+        yield module
 
 
 def with_processor_files(model, path, files: dict[str, dict]):
@@ -249,14 +234,14 @@ def test_video_rows_and_bad_videos_through_cbatch_run(tmp_path, monkeypatch):
 
 
 def test_a_video_for_a_model_without_videos_is_an_error_row(tmp_path):
-    model = make_vl_checkpoint("qwen3_vl", tmp_path / "model")
+    model = make_gemma3_checkpoint(tmp_path / "model")
     (tmp_path / "clip.avi").write_bytes(video_bytes(random_frames(4, 32, 32), fps=2))
     write_jsonl(tmp_path / "in.jsonl", [{"id": "v", "messages": [{"role": "user", "content": "w1"}],
                                          "videos": [str(tmp_path / "clip.avi")]}])
     assert run(model, tmp_path / "in.jsonl", tmp_path / "out.jsonl") == 1
     error = read_jsonl(tmp_path / "out.jsonl")[0]["error"]
-    assert error == ("`videos[0]` is a video; this Qwen3VLForConditionalGeneration reads no videos (Qwen2-VL and "
-                     "Qwen2.5-VL do)")
+    assert error == ("`videos[0]` is a video; this Gemma3ForConditionalGeneration reads no videos (Qwen2-VL, "
+                     "Qwen2.5-VL and Qwen3-VL do)")
 
 
 def test_a_resume_knows_a_video_by_its_bytes(tmp_path, monkeypatch):
@@ -329,11 +314,11 @@ def test_the_jobs_video_bounds_size_frames_and_its_image_bounds_do_not(tmp_path)
     with pytest.raises(ConfigError) as bad:
         EngineConfig(video_min_pixels=800, video_max_pixels=700)
     assert bad.value.field == "video_max_pixels" and "at least --video-min-pixels" in bad.value.reason
-    qwen3 = make_vl_checkpoint("qwen3_vl", tmp_path / "qwen3")
+    gemma3 = make_gemma3_checkpoint(tmp_path / "gemma3")
     with pytest.raises(ConfigError) as bad:
-        resolve_model(EngineConfig(model=str(qwen3), video_max_pixels=10**6))
-    assert str(bad.value) == ("video_max_pixels: this Qwen3VLForConditionalGeneration reads no videos (Qwen2-VL and "
-                              "Qwen2.5-VL do); leave the video pixel bounds out")
+        resolve_model(EngineConfig(model=str(gemma3), video_max_pixels=10**6))
+    assert str(bad.value) == ("video_max_pixels: this Gemma3ForConditionalGeneration reads no videos (Qwen2-VL, "
+                              "Qwen2.5-VL and Qwen3-VL do); leave the video pixel bounds out")
     identity = output_identity(EngineConfig(video_max_pixels=10**6), GenerateTask(), torch.device("cpu"),
                                torch.float32, 4096)
     assert identity["video_max_pixels"] == 10**6 and "video_min_pixels" not in identity

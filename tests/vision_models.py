@@ -4,6 +4,7 @@ message has an image part (`<|video_pad|>`: a video part), and the PIL image pro
 the reference; and a counter of what a job does with its images (`ImageWatch`)."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import weakref
@@ -48,15 +49,19 @@ VISION["qwen3_vl_moe"] = VISION["qwen3_vl"]  # the same tower
 TEXT_OVERRIDES = {"qwen3_vl": dict(num_hidden_layers=3, head_dim=16),
                   "qwen3_vl_moe": dict(num_hidden_layers=3, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                        moe_intermediate_size=24)}
+# Qwen3-VL's video timestamps ("<1.4 seconds>": two words) the tests' videos give, in Qwen3-VL checkpoints' vocabularies
+TIMESTAMP_WORDS = ["seconds>", "<0.2", "<1.2", "<1.4", "<2.2", "<3.2"]
 PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}  # pixels per patch side (x 2 x 2 per image token)
 
 
-def make_tokenizer(path: Path, specials: list[str] = SPECIALS, chat_template: str = CHAT_TEMPLATE, words: int = 300):
-    """A word-level tokenizer: `specials` (pad, eos, bos, unk and the model's own), then w0 .. w{words - 1}."""
+def make_tokenizer(path: Path, specials: list[str] = SPECIALS, chat_template: str = CHAT_TEMPLATE, words: int = 300,
+                   extra: list[str] = ()):
+    """A word-level tokenizer: `specials` (pad, eos, bos, unk and the model's own), then w0 .. w{words - 1}, then the
+    `extra` words."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(words)])}
+    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(words)] + list(extra))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
@@ -112,7 +117,7 @@ def make_vl_checkpoint(kind: str, path: Path, seed: int = 0, hub_experts: bool =
         "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": (2 * PATCH[kind]) ** 2,
         "max_pixels": (2 * PATCH[kind]) ** 2 * 64, "patch_size": PATCH[kind], "temporal_patch_size": 2, "merge_size": 2,
         "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}))
-    make_tokenizer(path)
+    make_tokenizer(path, extra=TIMESTAMP_WORDS if kind.startswith("qwen3_vl") else ())
     return path
 
 
@@ -146,6 +151,29 @@ def run_requests(engine, requests, params) -> list[list[int]]:
     while engine.has_unfinished():
         engine.step()
     return [seq.output_ids for seq in seqs]
+
+
+@contextlib.contextmanager
+def without_torchvision(monkeypatch, name: str):
+    """transformers' module `name` (a video processor's). It imports torchvision, which it needs only to resize
+    pixels: where torchvision is missing, the module is imported over empty stand-ins (its settings, config-file
+    handling, sampling and size rule need none) and forgotten afterwards."""
+    import importlib
+    import sys
+    import types
+
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():  # (cached False before any stand-in goes in)
+        yield importlib.import_module(name)
+        return
+    for part in ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
+                 "torchvision.transforms.v2.functional"):
+        monkeypatch.setitem(sys.modules, part, types.ModuleType(part))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.modules.pop(name, None)
 
 
 def png_bytes(height: int, width: int, seed: int) -> bytes:
@@ -194,7 +222,8 @@ def hf_model(path: Path):
 
 def hf_vl_greedy(path: Path, prompt_ids: list[int], images, max_new_tokens: int) -> list[int]:
     """HF `generate`, greedy, on the same prompt ids (placeholders expanded) and the same preprocessed images and
-    videos (Qwen2.5-VL's videos with their seconds per temporal patch: time_interval / tokens_per_second)."""
+    videos (Qwen2.5-VL's videos with their seconds per temporal patch: time_interval / tokens_per_second; Qwen3-VL's
+    as one video of all its temporal patches)."""
     model = hf_model(path)
     ids = torch.tensor([prompt_ids])
     kwargs = {}
@@ -204,9 +233,11 @@ def hf_vl_greedy(path: Path, prompt_ids: list[int], images, max_new_tokens: int)
     if stills:
         kwargs.update(pixel_values=torch.from_numpy(np.concatenate([im.patches() for im in stills])),
                       image_grid_thw=torch.tensor([im.grid for im in stills]))
-    if videos:
-        kwargs.update(pixel_values_videos=torch.from_numpy(np.concatenate([im.patches() for im in videos])),
-                      video_grid_thw=torch.tensor([im.grid for im in videos]))
+    if videos:  # (a Qwen3-VL video: its first temporal patch, its crops the others)
+        kwargs.update(pixel_values_videos=torch.from_numpy(np.concatenate(
+                          [part.patches() for im in videos for part in (im, *im.crops)])),
+                      video_grid_thw=torch.tensor([(sum(part.grid[0] for part in (im, *im.crops)), *im.grid[1:])
+                                                   for im in videos]))
         per_second = getattr(model.config.vision_config, "tokens_per_second", None)
         if per_second:  # Qwen2.5-VL
             kwargs["second_per_grid_ts"] = torch.tensor([im.time_interval / per_second for im in videos])

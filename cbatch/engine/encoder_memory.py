@@ -13,6 +13,8 @@
 
 The largest video (Qwen2-VL, Qwen2.5-VL) is the video processor's largest frame x its most temporal patches
 (max_frames / 2), never more than max_model_len - 1 tokens (a longer prompt is refused before its video is encoded).
+A Qwen3-VL video's temporal patches are images of their own (io/videos.py), each its own cache entry: its largest
+entry is one frame, at most half the video processor's max_pixels (VideoLimits.largest_frame_pixels).
 
 The tower runs before the language model's forward (`ImageRows.prepare`) and frees its activations but its output
 (kept by the cache, counted above), so a step's peak is the larger of the two: text and tower are not added.
@@ -106,7 +108,7 @@ class EncoderMemory:
     largest_image: int  # the most placeholder tokens one image gets (the job's processor at its max_pixels)
     visual: torch.nn.Module | None = None  # the vision tower with its merger(s), on the GPU (rank 0's); None: counted
     largest_video_frame: int = 0  # the most tokens of one temporal patch of a video (0: the model takes no videos)
-    largest_video: int = 0  # the most tokens of one video (`largest_video_tokens`)
+    largest_video: int = 0  # the most tokens of one video's cache entry (`largest_video_tokens`; Qwen3-VL: a frame's)
 
     @property
     def largest_frame(self) -> int:
@@ -162,7 +164,10 @@ def encoder_memory(spec: ModelSpec, dtype: torch.dtype, model_dir: Path | None, 
                                vision)
     frame = video = 0
     if takes_videos(vision):
-        limits = video_limits(model_dir, config.video_min_pixels, config.video_max_pixels)
-        frame = limits.largest_frame_pixels // (vision.patch_size * vision.merge_size) ** 2
-        video = largest_video_tokens(frame, limits.max_temporal_patches(vision.temporal_patch_size), max_model_len)
+        limits = video_limits(model_dir, config.video_min_pixels, config.video_max_pixels, vision.timestamped_videos)
+        factor = vision.patch_size * vision.merge_size
+        frame = limits.largest_frame_pixels(factor) // factor**2
+        # (Qwen3-VL: each temporal patch is an image of its own, its own cache entry: the largest is one frame)
+        patches = 1 if vision.timestamped_videos else limits.max_temporal_patches(vision.temporal_patch_size)
+        video = largest_video_tokens(frame, patches, max_model_len)
     return EncoderMemory(vision, spec.hidden_size, dtype, largest, visual, frame, video)

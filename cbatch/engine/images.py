@@ -38,14 +38,17 @@ class PromptImage:
     # the patches read and preprocessed again from the image's source (io/images.ImageReader.reread: raises
     # ImageError if the source is gone or has other bytes); None: nothing to read again
     reread: Callable[[], np.ndarray] | None = None
-    # Gemma 3's pan-and-scan crops of this image (model/image_processor.PanAndScan): each an image of its own whose
-    # run follows this one's in the prompt (io/images.expand_placeholders); the engine places them as images
-    # (`with_crops`), the row's record, the result cache and a resume know the image by its own digest alone
+    # parts of this image that are images of their own, each with its own run after this one's in the prompt
+    # (io/images.expand_placeholders): Gemma 3's pan-and-scan crops (model/image_processor.PanAndScan), a Qwen3-VL
+    # video's later temporal patches (io/videos.py); the engine places them as images (`with_crops`), the row's
+    # record, the result cache and a resume know the image by its own digest alone
     crops: tuple["PromptImage", ...] = ()
     # a video (io/videos.py): its frames in temporal patches (grid t > 1 for more than one pair), its placeholder
-    # the model's video token, and M-RoPE's temporal step per temporal patch (model/mrope.py)
+    # the model's video token, and M-RoPE's temporal step per temporal patch (model/mrope.py); Qwen3-VL's: one
+    # temporal patch each (the video and its crops), `timestamp` its time in seconds, written before its run
     video: bool = False
     time_interval: float = 1.0
+    timestamp: float | None = None
 
     def token(self, vision: VisionSpec | SiglipSpec) -> int:
         """The placeholder token of its run: the model's video token for a video, else its image token."""

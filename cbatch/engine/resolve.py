@@ -63,7 +63,7 @@ def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: t
                           f"this {spec.architecture} {why}; leave the pixel bounds out")
     if (config.video_min_pixels is not None or config.video_max_pixels is not None) and not takes_videos(spec.vision):
         raise ConfigError("video_min_pixels" if config.video_min_pixels is not None else "video_max_pixels",
-                          f"this {spec.architecture} reads no videos (Qwen2-VL and Qwen2.5-VL do); leave the video "
+                          f"this {spec.architecture} reads no videos (Qwen2-VL, Qwen2.5-VL and Qwen3-VL do); leave the video "
                           "pixel bounds out")
     if config.image_pan_and_scan is not None and not isinstance(spec.vision, SiglipSpec):
         why = "reads no images" if spec.vision is None else "has no pan-and-scan (Gemma 3's option)"

@@ -300,20 +300,21 @@ def expand_placeholders(prompt_ids: list[int], images: list[PromptImage], vision
                         tokenizer: Any = None) -> list[int]:
     """The prompt with each image's (or video's) one placeholder token (as the chat template writes it) expanded to
     its run, as the model's processor does: Qwen2-VL's `<|image_pad|>` (a video's `<|video_pad|>`) repeated to its
-    token count; Gemma 3's `<start_of_image>` turned into "\n\n" <start_of_image>, its `<image_soft_token>`s,
-    <end_of_image> "\n\n", and for an image with pan-and-scan crops "Here is the original image " and that run, " and here are some crops to
-    help you see better " and each crop's run (" " between them). The text between two special tokens is encoded by
-    `tokenizer` as one piece, as the processor's tokenizer splits it (None: no text). Raises RowError when the
-    counts or the order differ."""
+    token count; a Qwen3-VL video's `<|video_pad|>` turned into each temporal patch's "<{seconds:.1f} seconds>",
+    <|vision_start|>, its `<|video_pad|>`s, <|vision_end|>; Gemma 3's `<start_of_image>` turned into "\n\n"
+    <start_of_image>, its `<image_soft_token>`s, <end_of_image> "\n\n", and for an image with pan-and-scan crops
+    "Here is the original image " and that run, " and here are some crops to help you see better " and each crop's
+    run (" " between them). The text between two special tokens is encoded by `tokenizer` as one piece, as the
+    processor's tokenizer splits it (None: no text). Raises RowError when the counts or the order differ."""
     tokens = template_placeholders(vision)
+    encoded: dict[str, list[int]] = {}
+
+    def text(piece: str) -> list[int]:
+        if piece not in encoded:
+            encoded[piece] = list(tokenizer.encode(piece, add_special_tokens=False)) if tokenizer is not None else []
+        return encoded[piece]
+
     if isinstance(vision, SiglipSpec):
-        encoded: dict[str, list[int]] = {}
-
-        def text(piece: str) -> list[int]:
-            if piece not in encoded:
-                encoded[piece] = list(tokenizer.encode(piece, add_special_tokens=False)) if tokenizer is not None else []
-            return encoded[piece]
-
         def run(image: PromptImage) -> list[int]:
             before, first, between = _CROPS_TEXT if image.crops else ("", "", "")
             out = text(before + "\n\n")
@@ -324,7 +325,11 @@ def expand_placeholders(prompt_ids: list[int], images: list[PromptImage], vision
             return out + text("\n\n")
     else:
         def run(image: PromptImage) -> list[int]:
-            return [image.token(vision)] * image.num_tokens
+            if image.timestamp is None:
+                return [image.token(vision)] * image.num_tokens
+            return [token for part in (image, *image.crops) for token in (
+                *text(f"<{part.timestamp:.1f} seconds>"), vision.vision_start_token_id,
+                *[part.token(vision)] * part.num_tokens, vision.vision_end_token_id)]
     where = [i for i, t in enumerate(prompt_ids) if t in tokens]
     given = [image.video for image in images]  # each one a video?, in row order
     placed = [prompt_ids[i] != tokens[0] for i in where]  # each placeholder a video's?, in prompt order

@@ -1,5 +1,6 @@
-"""A row's videos (Qwen2-VL, Qwen2.5-VL): decoded with PyAV (pip install 'cbatch[video]'), frames sampled and
-preprocessed as transformers' Qwen2-VL video processor does, into a `PromptImage` with `video` set (engine/images.py).
+"""A row's videos (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): decoded with PyAV (pip install 'cbatch[video]'), frames sampled
+and preprocessed as transformers' Qwen2-VL video processor does (Qwen3-VL: its own, below), into a `PromptImage` with
+`video` set (engine/images.py).
 
 Sampling (transformers' `sample_frames` with fps): `fps` frames a second of the video (default 2.0), at least
 `min_frames` (4) and at most `max_frames` (768) and the video's own frame count, rounded down to a multiple of the
@@ -17,14 +18,20 @@ processor's patch order (merge blocks row-major), as transformers' video `patchi
 temporal patches by tokens_per_second x seconds per temporal patch (temporal_patch_size / the sampled fps).
 Frames are decoded and preprocessed FRAME_GROUP at a time into the output: a long clip holds its float32 patches
 and one group of frames, never all its decoded frames.
+
+Qwen3-VL (VisionSpec.timestamped_videos; Qwen3VLVideoProcessor and Qwen3VLProcessor): int(seconds x fps) frames
+spread from the first to the last (`spread_frame_indices`), all resized to one size that puts the video's pixels
+within the bounds (`whole_video_frame_size`), and each temporal patch its own `PromptImage` (the video and its
+`crops`) with its time (`patch_seconds`), which io/images.expand_placeholders writes before its run.
 """
 from __future__ import annotations
 
 import io
 import math
+import weakref
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -36,6 +43,47 @@ from cbatch.model.vision_spec import VisionSpec
 
 FRAME_GROUP = 16  # frames preprocessed at once (a multiple of the temporal patch)
 VIDEO_EXTRA = "pip install 'cbatch[video]'"
+
+
+def spread_frame_indices(total: int, video_fps: float, fps: float, min_frames: int, max_frames: int) -> np.ndarray:
+    """Qwen3-VL's sampling (Qwen3VLVideoProcessor's `sample_frames` with fps): int(seconds x fps) frames, at least
+    `min_frames`, at most `max_frames` and the video's `total`, spread evenly from its first frame to its last (each
+    index rounded to the nearest, halves to even)."""
+    count = min(max(int(total / video_fps * fps), min_frames), max_frames, total)
+    return np.linspace(0, total - 1, count).round().astype(np.int64)
+
+
+def whole_video_frame_size(frames: int, height: int, width: int, factor: int, temporal: int, min_pixels: int,
+                           max_pixels: int) -> tuple[int, int]:
+    """Qwen3-VL: the (height, width) every frame of a video of `frames` sampled height x width frames is resized
+    to (Qwen3VLVideoProcessor's rule): sides rounded to multiples of `factor` (a side below it scaled up first), then
+    if the frames, counted in whole temporal patches, pass `max_pixels` together, scaled down (floored), if they
+    stay below `min_pixels`, scaled up (ceiled), by the video's own pixel count. Raises ValueError (a sentence)
+    past 200:1 once scaled up."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"has {width} x {height} frames (scaled to the model's {factor}-pixel blocks); the model's "
+                         "processor takes aspect ratios up to 200:1")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    total = round(frames / temporal) * temporal * h * w
+    if total > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
+        return (max(factor, math.floor(height / beta / factor) * factor),
+                max(factor, math.floor(width / beta / factor) * factor))
+    if total < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        return math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def patch_seconds(indices: np.ndarray, video_fps: float, temporal: int) -> list[float]:
+    """Each temporal patch's time in seconds: the mean of its first and last frame's (the last sampled frame
+    repeated to fill the last patch), as Qwen3VLProcessor computes the timestamps its prompt writes."""
+    padded = [int(i) for i in indices] + [int(indices[-1])] * (-len(indices) % temporal)
+    seconds = [i / video_fps for i in padded]
+    return [(seconds[k] + seconds[k + temporal - 1]) / 2 for k in range(0, len(seconds), temporal)]
 
 
 def frame_indices(total: int, video_fps: float, fps: float, temporal: int, min_frames: int, max_frames: int
@@ -62,7 +110,7 @@ class VideoReader:
         self.vision = vision
         # the image processor with the video's settings
         self.frames = ImageReader(model_dir, vision, min_pixels, max_pixels, video=True)
-        self.limits = video_limits(model_dir, min_pixels, max_pixels)
+        self.limits = video_limits(model_dir, min_pixels, max_pixels, vision.timestamped_videos)
 
     @classmethod
     def for_config(cls, model_dir: Path | None, vision: VisionSpec, config: "EngineConfig") -> "VideoReader":
@@ -95,38 +143,87 @@ class VideoReader:
                 if width * height > MAX_SOURCE_PIXELS:
                     raise ImageError(f"has {width} x {height} frames, more than the {MAX_SOURCE_PIXELS:,} pixels "
                                      "cbatch decodes; shrink it")
-                limits = self.limits
-                indices = frame_indices(total, video_fps, limits.fps, self.vision.temporal_patch_size,
-                                        limits.min_frames, limits.max_frames)
+                indices, frame_size = self._sampling(total, video_fps, height, width)
                 # (decoded while preprocessed, a group of frames at a time: the float32 patches are what is held)
-                grid, pixels = (self.patches(_decode(container, stream, indices), len(indices)) if decode
-                                else (None, None))
+                grid, pixels = (self.patches(_decode(container, stream, indices), len(indices), frame_size)
+                                if decode else (None, None))
         except av.error.FFmpegError as exc:  # not a container PyAV knows, broken data
             raise ImageError(f"cannot be decoded as a video ({type(exc).__name__}: {exc})") from None
         temporal = self.vision.temporal_patch_size
+        digest = source_digest(source, data)
+        if grid is None:  # cbatch plan: the grid from the header's size and frame count
+            if frame_size is None:
+                _, h, w = self.frames.grid_for(height, width, self._max_pixels(len(indices)))
+            else:
+                h, w = (side // self.vision.patch_size for side in frame_size)
+            grid = (-(-len(indices) // temporal), h, w)
+        reread = None if pixels is None else partial(self.reread, source, name, digest)
+        if self.vision.timestamped_videos:
+            return self._timestamped(digest, name, grid, pixels, patch_seconds(indices, video_fps, temporal), reread)
         sampled_fps = len(indices) / total * video_fps
         # Qwen2.5-VL: M-RoPE's temporal step (float32, as transformers multiplies it); Qwen2-VL: one per patch
         interval = (float(np.float32(self.vision.tokens_per_second) * np.float32(temporal / sampled_fps))
                     if self.vision.tokens_per_second else 1.0)
-        digest = source_digest(source, data)
-        if grid is None:  # cbatch plan: the grid from the header's size and frame count
-            _, h, w = self.frames.grid_for(height, width, self._max_pixels(len(indices)))
-            grid = (-(-len(indices) // temporal), h, w)
-            return PromptImage(digest, grid, self.vision.tokens_for_grid(grid), None, name, video=True,
-                               time_interval=interval)
-        return PromptImage(digest, grid, self.vision.tokens_for_grid(grid), pixels, name,
-                           partial(self.reread, source, name, digest), video=True, time_interval=interval)
+        return PromptImage(digest, grid, self.vision.tokens_for_grid(grid), pixels, name, reread, video=True,
+                           time_interval=interval)
 
-    def patches(self, frames: Iterable[Any], count: int) -> tuple[tuple[int, int, int], np.ndarray]:
+    def _sampling(self, total: int, video_fps: float, height: int, width: int
+                  ) -> tuple[np.ndarray, tuple[int, int] | None]:
+        """(the sampled frames' indices, the (height, width) each is resized to; None: the image processor's own
+        resize decides it, per frame) of a video of `total` frames at `video_fps` of height x width."""
+        limits, temporal = self.limits, self.vision.temporal_patch_size
+        if not self.vision.timestamped_videos:
+            return frame_indices(total, video_fps, limits.fps, temporal, limits.min_frames, limits.max_frames), None
+        indices = spread_frame_indices(total, video_fps, limits.fps, limits.min_frames, limits.max_frames)
+        if len(indices) < temporal:
+            raise ImageError(f"has {total} frame(s); the model's video processor takes at least {temporal} (give a "
+                             "still as an image)")
+        factor = self.vision.patch_size * self.vision.merge_size
+        bound = limits.video_max_pixels(len(indices), factor)
+        try:
+            return indices, whole_video_frame_size(len(indices), height, width, factor, temporal, limits.min_pixels,
+                                                   bound)
+        except ValueError as exc:
+            raise ImageError(str(exc)) from None
+
+    def _timestamped(self, digest: str, name: str, grid: tuple[int, int, int], pixels: np.ndarray | None,
+                     seconds: list[float], reread: Callable[[], np.ndarray] | None) -> PromptImage:
+        """Qwen3-VL: the video as its first temporal patch, its later ones the `crops` (each an image of grid
+        (1, h, w) with its own run, M-RoPE place, tower input and encoder-cache entry; known by the video's digest
+        and its place), each with its time in `seconds` (the text before its run)."""
+        t, h, w = grid
+        size = h * w
+        shared = None if reread is None else _SharedReread(reread, size)
+        parts = []
+        for k in range(t):
+            key, label = ((digest, name) if k == 0 else
+                          (f"{digest}/temporal patch {k} of {t - 1}", f"{name} (temporal patch {k})"))
+            part_pixels = None if pixels is None else pixels[k * size : (k + 1) * size]
+            part_reread = None if shared is None else partial(shared.part, k)
+            parts.append(PromptImage(key, (1, h, w), self.vision.tokens_for_grid((1, h, w)), part_pixels, label,
+                                     part_reread, video=True, timestamp=seconds[k]))
+        parts[0].crops = tuple(parts[1:])
+        return parts[0]
+
+    def patches(self, frames: Iterable[Any], count: int, frame_size: tuple[int, int] | None = None
+                ) -> tuple[tuple[int, int, int], np.ndarray]:
         """`count` sampled frames (PIL RGB images of one size) -> (grid (t, h, w), float32 [t * h * w, patch_dim]):
-        each frame through the image processor, then consecutive pairs as temporal patches (the last frame repeated
-        to fill the last pair). Frames are processed FRAME_GROUP at a time into the output."""
+        each frame through the image processor (resized to `frame_size` (height, width) first where given, else by
+        the processor with the video's pixel bounds), then consecutive pairs as temporal patches (the last frame
+        repeated to fill the last pair). Frames are processed FRAME_GROUP at a time into the output."""
         temporal, patch = self.vision.temporal_patch_size, self.vision.patch_size
         t = -(-count // temporal)
-        size = {"shortest_edge": self.limits.min_pixels, "longest_edge": self._max_pixels(count)}
+        processor = self.frames.processor
+        if frame_size is None:
+            options: dict[str, Any] = {"size": {"shortest_edge": self.limits.min_pixels,
+                                                "longest_edge": self._max_pixels(count)}}
+        else:  # (the resize the processor's own would do to that size: PIL's, with its resample)
+            options = {"do_resize": False}
         out: np.ndarray | None = None
         for first, group in _groups(frames, count, temporal):
-            processed = self.frames.processor(images=group, size=size, return_tensors="np")
+            if frame_size is not None:
+                group = [frame.resize(frame_size[::-1], resample=processor.resample) for frame in group]
+            processed = processor(images=group, return_tensors="np", **options)
             _, h, w = (int(x) for x in processed["image_grid_thw"][0])
             # the image processor repeats each frame over the temporal patch: keep temporal index 0 of each
             per_frame = processed["pixel_values"].reshape(len(group), h * w, -1, temporal, patch * patch)[:, :, :, 0]
@@ -145,8 +242,28 @@ class VideoReader:
         return self.limits.frame_max_pixels(frames, vision.patch_size * vision.merge_size, vision.temporal_patch_size)
 
     def reread(self, source: VideoSource, name: str, digest: str) -> np.ndarray:
-        """The patches of the video `source` read and preprocessed again (a preempted row's: `reread_checked`)."""
-        return reread_checked(self.read, source, name, digest).pixels
+        """The patches of the video `source` read and preprocessed again (a preempted row's: `reread_checked`); a
+        timestamped video's, all its temporal patches'."""
+        video = reread_checked(self.read, source, name, digest)
+        return np.concatenate([part.pixels for part in (video, *video.crops)]) if video.crops else video.pixels
+
+
+class _SharedReread:
+    """A timestamped video's patches read again for its temporal patches (`part`): once while any part still holds
+    its slice (a view: the whole array lives as long as one of them, then goes; this keeps only a weak reference),
+    so a preempted row's parts read again in one step decode the video once."""
+
+    def __init__(self, reread: Callable[[], np.ndarray], size: int) -> None:
+        self.reread, self.size = reread, size  # `size`: a temporal patch's rows
+        self.held: weakref.ref | None = None
+
+    def part(self, k: int) -> np.ndarray:
+        """Temporal patch k's patches."""
+        pixels = self.held() if self.held is not None else None
+        if pixels is None:
+            pixels = self.reread()
+            self.held = weakref.ref(pixels)
+        return pixels[k * self.size : (k + 1) * self.size]
 
 
 def _pyav():

@@ -33,8 +33,11 @@ def image_processor(model_dir: Path | None, vision: VisionSpec | SiglipSpec, min
     if not video:
         return _processor(vision, bounds, processor_config(model_dir))
     given = processor_config(model_dir, video=True)
-    limits = video_limits(model_dir, min_pixels, max_pixels)
+    limits = video_limits(model_dir, min_pixels, max_pixels, vision.timestamped_videos)
     given.update(min_pixels=limits.min_pixels, max_pixels=limits.max_pixels)
+    if vision.timestamped_videos:  # Qwen3VLVideoProcessor's class defaults (ImageNet's standard mean and std)
+        given.setdefault("image_mean", [0.5, 0.5, 0.5])
+        given.setdefault("image_std", [0.5, 0.5, 0.5])
     return _processor(vision, {"min_pixels": None, "max_pixels": None}, given)
 
 
@@ -59,18 +62,21 @@ def _read_json(model_dir: Path | None, name: str) -> dict[str, Any] | None:
 
 @dataclass(frozen=True, slots=True)
 class VideoLimits:
-    """A Qwen2-VL video processor's frame sampling and per-frame pixel bounds, as transformers' Qwen2VLVideoProcessor
-    sets them from a checkpoint (`video_limits`). Its defaults are the class's (cbatch samples at `fps` always)."""
+    """A Qwen video processor's frame sampling and pixel bounds, as transformers' Qwen2VLVideoProcessor (per frame)
+    or Qwen3VLVideoProcessor (`whole_video`: the bounds hold for all the video's frames together) sets them from a
+    checkpoint (`video_limits`). Its defaults are Qwen2VLVideoProcessor's (cbatch samples at `fps` always)."""
 
     min_pixels: int = 128 * 28 * 28
     max_pixels: int = 768 * 28 * 28
     fps: float = 2.0  # frames sampled per second of video
     min_frames: int = 4
     max_frames: int = 768
-    # qwen-vl-utils' total bound (transformers' `cap_pixels_per_frame`, off unless the checkpoint sets it): a frame
-    # gets at most its share of `max_video_tokens` x 0.9 tokens' pixels, never below 1.05 x min_pixels
+    # qwen-vl-utils' bound (transformers' `cap_pixels_per_frame`, off unless the checkpoint sets it). Qwen2-VL: a
+    # frame gets at most its share of `max_video_tokens` x 0.9 tokens' pixels; Qwen3-VL: at most `max_video_tokens`
+    # tokens' pixels and its share of max_pixels; both never below 1.05 x min_pixels
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = 128000
+    whole_video: bool = False  # Qwen3-VL: min_pixels / max_pixels bound the sampled frames' pixels together
 
     def frame_max_pixels(self, frames: int, factor: int, temporal: int) -> int:
         """The max_pixels of each frame of a video of `frames` sampled frames (`factor`: patch x merge pixels)."""
@@ -79,26 +85,52 @@ class VideoLimits:
         total = int(self.max_video_tokens * factor * factor * 0.9)
         return max(min(self.max_pixels, total * temporal // max(frames, 1)), int(self.min_pixels * 1.05))
 
-    @property
-    def largest_frame_pixels(self) -> int:
-        """The most pixels a frame of any video gets (the cap's floor may pass max_pixels)."""
-        return max(self.max_pixels, int(self.min_pixels * 1.05)) if self.cap_pixels_per_frame else self.max_pixels
+    def video_max_pixels(self, frames: int, factor: int) -> int:
+        """`whole_video`: the max_pixels of all `frames` sampled frames together (Qwen3VLVideoProcessor's resize)."""
+        if not self.cap_pixels_per_frame:
+            return self.max_pixels
+        per_frame = min(self.max_video_tokens * factor * factor, self.max_pixels // max(frames, 1))
+        return max(per_frame, int(self.min_pixels * 1.05)) * frames
+
+    def largest_frame_pixels(self, factor: int) -> int:
+        """At least the most pixels a frame of any video gets (`factor`: patch x merge pixels). Per frame: max_pixels
+        (the cap's floor may pass it). A whole video's frames (at least one temporal patch of 2, within the bounds
+        together; at most 200:1): half of max_pixels; with the cap 5 / 4 of its floor (5 frames are counted as 4);
+        a narrow video scaled down with its short side kept at one factor: the factor x its long side (under
+        sqrt(200 x the frame's share)); a small video scaled up to min_pixels: half of that, each side then rounded
+        up to a factor (the sides of half of min_pixels at 200:1 sum to under 15 x its square root)."""
+        if not self.whole_video:
+            return max(self.max_pixels, int(self.min_pixels * 1.05)) if self.cap_pixels_per_frame else self.max_pixels
+        floor = -(-int(self.min_pixels * 1.05) * 5 // 4) if self.cap_pixels_per_frame else 0
+        narrow = factor * (math.isqrt(100 * self.max_pixels + 210 * self.min_pixels) + 1)
+        half = self.min_pixels // 2
+        scaled_up = half + factor * (15 * (math.isqrt(half) + 1) + factor)
+        return max(self.max_pixels // 2, floor, narrow, scaled_up)
 
     def max_temporal_patches(self, temporal: int) -> int:
-        """The most temporal patches a video samples (max_frames rounded down to whole patches; at least one)."""
-        return max(1, self.max_frames // temporal)
+        """The most temporal patches a video samples (max_frames rounded down to whole patches, Qwen3-VL's up: it
+        fills the last patch; at least one)."""
+        return max(1, -(-self.max_frames // temporal) if self.whole_video else self.max_frames // temporal)
 
 
-def video_limits(model_dir: Path | None, min_pixels: int | None = None, max_pixels: int | None = None
-                 ) -> VideoLimits:
+# Qwen3VLVideoProcessor's class defaults: its pixel bounds are for a whole video
+QWEN3_VIDEO_LIMITS = VideoLimits(min_pixels=128 * 32 * 32, max_pixels=768 * 32 * 32, max_video_tokens=768,
+                                 whole_video=True)
+
+
+def video_limits(model_dir: Path | None, min_pixels: int | None = None, max_pixels: int | None = None,
+                 whole_video: bool = False) -> VideoLimits:
     """The video processor's settings in `model_dir` (`processor_config(video=True)`), read as
     Qwen2VLVideoProcessor's constructor reads them: the file's `size` {shortest_edge, longest_edge} replaces the
     class's, and its `min_pixels` / `max_pixels` override that (a checkpoint with a preprocessor_config.json alone
-    gives its videos the images' bounds, as transformers does). `min_pixels` / `max_pixels`: a job's bounds over
-    the file's (EngineConfig.video_min_pixels / video_max_pixels; None: the file's), as from_pretrained's kwargs."""
+    gives its videos the images' bounds, as transformers does). `whole_video` (Qwen3-VL): Qwen3VLVideoProcessor's,
+    which reads the file's `size` alone. `min_pixels` / `max_pixels`: a job's bounds over the file's
+    (EngineConfig.video_min_pixels / video_max_pixels; None: the file's), as from_pretrained's kwargs."""
     given = processor_config(model_dir, video=True)
+    if whole_video:
+        given = {k: v for k, v in given.items() if k not in ("min_pixels", "max_pixels")}
     given.update({k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None})
-    default = VideoLimits()
+    default = QWEN3_VIDEO_LIMITS if whole_video else VideoLimits()
     size = given.get("size") or {"shortest_edge": default.min_pixels, "longest_edge": default.max_pixels}
     low = given.get("min_pixels") or size.get("shortest_edge") or default.min_pixels
     high = given.get("max_pixels") or size.get("longest_edge") or default.max_pixels
@@ -106,7 +138,7 @@ def video_limits(model_dir: Path | None, min_pixels: int | None = None, max_pixe
                        int(given.get("min_frames") or default.min_frames),
                        int(given.get("max_frames") or default.max_frames),
                        bool(given.get("cap_pixels_per_frame")),
-                       int(given.get("max_video_tokens") or default.max_video_tokens))
+                       int(given.get("max_video_tokens") or default.max_video_tokens), whole_video)
 
 
 def pixel_range(processor) -> tuple[int, int]:

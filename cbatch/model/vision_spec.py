@@ -51,10 +51,19 @@ class VisionSpec:
     num_position_embeddings: int = 0
     deepstack_layers: tuple[int, ...] = ()
     mrope_interleaved: bool = False
-    # videos (Qwen2-VL, Qwen2.5-VL): the placeholder token of a video's merged patches (None: the model takes no
-    # videos), and Qwen2.5-VL's M-RoPE temporal positions per second of video (0: one position per temporal patch)
+    # videos: the placeholder token of a video's merged patches (None: the model takes no videos), and Qwen2.5-VL's
+    # M-RoPE temporal positions per second of video (0: one position per temporal patch); Qwen3-VL writes each
+    # temporal patch as its own run between vision start and end tokens (`timestamped_videos`)
     video_token_id: int | None = None
     tokens_per_second: float = 0.0
+    vision_end_token_id: int | None = None
+
+    @property
+    def timestamped_videos(self) -> bool:
+        """Qwen3-VL: a video's temporal patches are runs of their own, each after its time as text ("<1.2 seconds>")
+        between vision start and end tokens, placed by M-RoPE as images; the video processor's pixel bounds hold
+        for the whole video's frames (io/videos.py)."""
+        return self.tower == "qwen3"
 
     @property
     def patch_dim(self) -> int:
@@ -174,19 +183,20 @@ def parse_vision(cfg: dict[str, Any], arch: str) -> VisionSpec:
         image_token_id=_image_token(cfg, arch),
         vision_start_token_id=cfg.get("vision_start_token_id"),
         mrope_section=_mrope_section(cfg),
-        video_token_id=_video_token(cfg),
+        video_token_id=_token(cfg, "video_token_id"),
         tokens_per_second=float(vision.get("tokens_per_second", 4)) if qwen25 else 0.0,
     )
 
 
 def takes_videos(vision: Any) -> bool:
-    """Whether a model of `vision` (a VisionSpec, Gemma 3's SiglipSpec, or None for text) reads videos: Qwen2-VL and
-    Qwen2.5-VL, whose VisionSpec has a video placeholder token."""
+    """Whether a model of `vision` (a VisionSpec, Gemma 3's SiglipSpec, or None for text) reads videos: Qwen2-VL,
+    Qwen2.5-VL and Qwen3-VL, whose VisionSpec has a video placeholder token."""
     return getattr(vision, "video_token_id", None) is not None
 
 
-def _video_token(cfg: dict[str, Any]) -> int | None:
-    token = cfg.get("video_token_id", (cfg.get("text_config") or {}).get("video_token_id"))
+def _token(cfg: dict[str, Any], key: str) -> int | None:
+    """The special token `key` of the config (top level, else its text_config); None where neither has it."""
+    token = cfg.get(key, (cfg.get("text_config") or {}).get(key))
     return None if token is None else int(token)
 
 
@@ -199,10 +209,10 @@ def _activation(vision: dict[str, Any], default: str) -> str:
 
 
 def _image_token(cfg: dict[str, Any], arch: str) -> int:
-    image_token = cfg.get("image_token_id", (cfg.get("text_config") or {}).get("image_token_id"))
+    image_token = _token(cfg, "image_token_id")
     if image_token is None:
         raise UnsupportedModelError(f"config.json of a {arch} has no image_token_id; the checkpoint looks incomplete")
-    return int(image_token)
+    return image_token
 
 
 def _parse_qwen3_vision(cfg: dict[str, Any], vision: dict[str, Any], arch: str) -> VisionSpec:
@@ -237,4 +247,8 @@ def _parse_qwen3_vision(cfg: dict[str, Any], vision: dict[str, Any], arch: str) 
         num_position_embeddings=int(vision.get("num_position_embeddings", 2304)),
         deepstack_layers=deepstack,
         mrope_interleaved=True,  # transformers' Qwen3-VL interleaves whatever its config's mrope_interleaved says
+        # (a video's runs sit between vision start and end tokens: without them in the config, no videos)
+        video_token_id=(_token(cfg, "video_token_id") if None not in (cfg.get("vision_start_token_id"),
+                                                                       _token(cfg, "vision_end_token_id")) else None),
+        vision_end_token_id=_token(cfg, "vision_end_token_id"),
     )
