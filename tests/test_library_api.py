@@ -295,12 +295,14 @@ def test_images_in_chat_and_generate_give_the_clis_tokens(tmp_path):
         llm.generate({"prompt": texts[1], "multi_modal_data": {"image": images[0]}}, params)
     with pytest.raises(UserError, match="prompt_token_ids cannot carry images"):
         llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": images[0]}}, params)
-    with pytest.raises(UserError, match="takes images only .*not video"):
+    with pytest.raises(UserError, match=r"multi_modal_data.video\[0\] must be a video file .*got PngImageFile"):
         llm.generate({"prompt": texts[0], "multi_modal_data": {"video": images}}, params)
+    with pytest.raises(UserError, match="takes images and videos .*not audio"):
+        llm.generate({"prompt": texts[0], "multi_modal_data": {"audio": b"RIFF"}}, params)
     missing = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(tmp_path / "no.png")}}]}]
     with pytest.raises(UserError, match=r"conversation 0: `messages\[0\].content\[0\]` .* does not exist"):
         llm.chat(missing, params)
-    with pytest.raises(UserError, match="images are for generate and chat"):
+    with pytest.raises(UserError, match="images and videos are for generate and chat"):
         llm.embed({"prompt": texts[0], "multi_modal_data": {"image": images[0]}}, pooling="last")
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from cbatch.config import SamplingParams
+from cbatch.config import SamplingParams, UserError
 from cbatch.io.images import ImageReader
 from cbatch.io.row_fields import VideoSource
 from cbatch.io.videos import VideoReader, frame_indices
@@ -223,6 +223,15 @@ def test_video_rows_and_bad_videos_through_cbatch_run(tmp_path, monkeypatch):
     llm = LLM(model=str(model), device="cpu", use_tqdm=False)
     chat = llm.chat(rows[0]["messages"], Params(max_tokens=6, temperature=0.0))
     assert chat[0].outputs[0].text == out["part"]["completion"]
+    # and vLLM's multi_modal_data with the video file (a path, bytes), its prompt holding the placeholders
+    prompt = {"prompt": rows[-1]["prompt"], "multi_modal_data": {"video": str(tmp_path / "clip.avi"),
+                                                                  "image": [png_bytes(56, 56, seed=1)]}}
+    made = llm.generate([prompt, {**prompt, "multi_modal_data": {"video": [clip], "image": png_bytes(56, 56, seed=1)}}],
+                        Params(max_tokens=6, temperature=0.0))
+    assert made[0].outputs[0].text == made[1].outputs[0].text == out["prompt"]["completion"]
+    assert len(made[0].prompt_token_ids) == out["prompt"]["prompt_tokens"]
+    with pytest.raises(UserError, match=r"multi_modal_data.video\[0\] must be a video file .* got ndarray"):
+        llm.generate({"prompt": rows[-1]["prompt"], "multi_modal_data": {"video": np.zeros((4, 56, 56, 3))}})
 
     # without PyAV: the video rows are error rows saying how to install it; the others complete
     monkeypatch.setitem(sys.modules, "av", None)

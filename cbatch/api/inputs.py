@@ -1,5 +1,5 @@
 """The prompts the library takes, in vLLM's shapes: a string, `TextPrompt` ({"prompt": ...}, with
-`multi_modal_data={"image": ...}` for a vision-language model), `TokensPrompt` ({"prompt_token_ids": [...]}), or a
+`multi_modal_data={"image": ..., "video": ...}` for a vision-language model), `TokensPrompt` ({"prompt_token_ids": [...]}), or a
 list of them; read into `RowRequest`s, the rows `cbatch run` tokenizes."""
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any, NotRequired, Sequence, TypedDict, Union
 
 from cbatch.config import UserError
 from cbatch.io.images import is_image_source
+from cbatch.io.row_fields import VideoSource
 from cbatch.io.rows import RowRequest, is_token_ids, text_field
 
 
@@ -14,7 +15,8 @@ class TextPrompt(TypedDict):
     """A text prompt (tokenized with the model's special tokens, as `cbatch run` does a row's `prompt`)."""
 
     prompt: str
-    multi_modal_data: NotRequired[Any]  # {"image": a PIL image or a list}: the prompt holds one placeholder per image
+    # {"image": a PIL image or a list, "video": a video file or a list}: the prompt holds one placeholder for each
+    multi_modal_data: NotRequired[Any]
 
 
 class TokensPrompt(TypedDict):
@@ -49,12 +51,12 @@ def row_request(index: int, prompt: PromptType) -> RowRequest:
     unknown = sorted(set(prompt) - set(_KEYS))
     if unknown:
         raise UserError(f"{where}: cbatch does not take {', '.join(unknown)} (give prompt or prompt_token_ids, "
-                        "and multi_modal_data for images)")
+                        "and multi_modal_data for images and videos)")
     images = _images(where, prompt.get("multi_modal_data"))
     if "prompt_token_ids" in prompt:
         if images:
-            raise UserError(f"{where}: multi_modal_data needs a text prompt holding the model's image placeholders; "
-                            "prompt_token_ids cannot carry images")
+            raise UserError(f"{where}: multi_modal_data needs a text prompt holding the model's image and video "
+                            "placeholders; prompt_token_ids cannot carry images or videos")
         ids = list(prompt["prompt_token_ids"])
         if not is_token_ids(ids):
             raise UserError(f"{where}: prompt_token_ids must be a non-empty list of non-negative integers")
@@ -66,22 +68,33 @@ def row_request(index: int, prompt: PromptType) -> RowRequest:
 
 
 def _images(where: str, data: Any) -> list[tuple[str, Any]]:
-    """vLLM's `multi_modal_data` -> the prompt's images (where it gave each, its source): {"image": a PIL image, a
-    path, a URL or bytes, or a list of them}; other modalities are refused by name."""
+    """vLLM's `multi_modal_data` -> the prompt's images and videos (where it gave each, its source; a video's a
+    VideoSource), images first (the engine places them by their placeholders): {"image": a PIL image, a path, a URL
+    or bytes, or a list of them; "video": a video file as a path, a URL or bytes, or a list of them}. Decoded
+    frames (vLLM's arrays) are refused by name: cbatch samples a video's frames itself, as the model's processor
+    does from the file."""
     if data is None:
         return []
     if not isinstance(data, dict):
         raise UserError(f"{where}: multi_modal_data must be a dict such as {{\"image\": PIL.Image}}")
-    other = sorted(set(data) - {"image"})
+    other = sorted(set(data) - {"image", "video"})
     if other:
-        raise UserError(f"{where}: multi_modal_data takes images only (\"image\"), not {', '.join(other)}")
-    given = data.get("image")
-    sources = list(given) if isinstance(given, (list, tuple)) else [given]
-    for j, source in enumerate(sources):
-        if not is_image_source(source):
-            raise UserError(f"{where}: multi_modal_data image {j} must be a PIL image, a path, a URL or bytes, "
-                            f"got {type(source).__name__}")
-    return [(f"multi_modal_data.image[{j}]", source) for j, source in enumerate(sources)]
+        raise UserError(f"{where}: multi_modal_data takes images and videos (\"image\", \"video\"), not {', '.join(other)}")
+    found = []
+    for kind in (k for k in ("image", "video") if k in data):
+        given = data[kind]
+        sources = list(given) if isinstance(given, (list, tuple)) else [given]
+        for j, source in enumerate(sources):
+            name = f"multi_modal_data.{kind}[{j}]"
+            if kind == "image" and not is_image_source(source):
+                raise UserError(f"{where}: {name} must be a PIL image, a path, a URL or bytes, got "
+                                f"{type(source).__name__}")
+            if kind == "video" and not isinstance(source, (str, bytes, bytearray)):
+                raise UserError(f"{where}: {name} must be a video file (a path, a URL or bytes), got "
+                                f"{type(source).__name__}: cbatch samples the frames from the file itself, as the "
+                                "model's video processor does")
+            found.append((name, VideoSource(source) if kind == "video" else source))
+    return found
 
 
 __all__ = ["PromptType", "TextPrompt", "TokensPrompt", "as_list", "row_request"]

@@ -18,7 +18,7 @@ from cbatch.config import RESERVED_TEMPLATE_KWARGS, SamplingParams as RowSamplin
 from cbatch.engine.build import add_loras, build_engine
 from cbatch.engine.engine import RequestOutput as EngineOutput, run_to_completion
 from cbatch.engine.images import PromptImage
-from cbatch.io.images import expand_placeholders, template_parts
+from cbatch.io.images import expand_placeholders, in_prompt_order, template_parts
 from cbatch.engine.pooling import PoolingParams
 from cbatch.engine.resolve import resolve_model
 from cbatch.io.pooling_rows import score_pairs
@@ -137,7 +137,8 @@ class LLM:
         request.params = params
         try:
             if request.images:
-                raise UserError("multi_modal_data: images are for generate and chat (the pooling calls read text)")
+                raise UserError("multi_modal_data: images and videos are for generate and chat (the pooling calls "
+                                "read text)")
             return row_token_ids(self.engine, request)
         except UserError as exc:
             raise UserError(f"prompt {index}: {exc}") from None
@@ -177,10 +178,11 @@ class LLM:
                   use_tqdm: bool, images: list[list[PromptImage] | None]) -> list[RequestOutput]:
         """Runs the prompts (each with the seq_id of its index, as the CLI's rows) and groups each one's samples;
         a prompt's images (`images`) each take its placeholder, expanded to the image's tokens here."""
-        token_lists = list(token_lists)
+        token_lists, images = list(token_lists), list(images)
         for i, (ids, p, read) in enumerate(zip(token_lists, params, images)):
             try:
-                if read:
+                if read:  # (a text prompt's images, then its videos: each takes its placeholder in prompt order)
+                    images[i] = read = in_prompt_order(ids, read, self.engine.spec.vision)
                     token_lists[i] = ids = expand_placeholders(ids, read, self.engine.spec.vision,
                                                                 self.engine.tokenizer)
                 error = self.engine.check_prompt(ids, p, read)[2]
