@@ -89,6 +89,8 @@ class EngineConfig:
     # (model/image_processor.video_limits; None: the model's). The image bounds above never apply to video frames
     video_min_pixels: int | None = field(default=None, metadata=OUTPUT_CHANGED)
     video_max_pixels: int | None = field(default=None, metadata=OUTPUT_CHANGED)
+    # rows with videos: frames sampled per second of video over the model's video processor's `fps` (None: the model's)
+    video_fps: float | None = field(default=None, metadata=OUTPUT_CHANGED)
     # rows with images (Gemma 3): pan-and-scan crops of wide and tall images (None: the model's do_pan_and_scan)
     image_pan_and_scan: bool | None = field(default=None, metadata=OUTPUT_CHANGED)
     block_size: int = 16  # tokens per KV block
@@ -172,6 +174,7 @@ class EngineConfig:
             check(low is None or low >= 1, f"{kind}_min_pixels", "must be at least 1")
             check(high is None or high >= max(low or 1, 1), f"{kind}_max_pixels",
                   f"must be at least 1 and at least --{kind}-min-pixels")
+        check(self.video_fps is None or self.video_fps > 0, "video_fps", "must be above 0 (frames per second, e.g. 1)")
         check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
               "must be a power of two (e.g. 16)")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be at least 1")

@@ -327,7 +327,47 @@ def test_the_jobs_video_bounds_size_frames_and_its_image_bounds_do_not(tmp_path)
     with pytest.raises(ConfigError) as bad:
         resolve_model(EngineConfig(model=str(gemma3), video_max_pixels=10**6))
     assert str(bad.value) == ("video_max_pixels: this Gemma3ForConditionalGeneration reads no videos (Qwen2-VL, "
-                              "Qwen2.5-VL and Qwen3-VL do); leave the video pixel bounds out")
+                              "Qwen2.5-VL and Qwen3-VL do); leave the video settings out")
     identity = output_identity(EngineConfig(video_max_pixels=10**6), GenerateTask(), torch.device("cpu"),
                                torch.float32, 4096)
     assert identity["video_max_pixels"] == 10**6 and "video_min_pixels" not in identity
+
+
+def test_the_jobs_frame_rate_samples_fewer_frames(tmp_path):
+    """--video-fps (EngineConfig.video_fps; the library's mm_processor_kwargs fps) over the processor's 2 frames a
+    second: a 16-frame clip at 4 fps (4 s) samples 8 frames, 4 temporal patches of one 28 x 28 token each; at 1 fps 4
+    frames, 2 patches. Checked, refused for a model without videos, in the output identity."""
+    import torch
+
+    from cbatch.api.engine_args import library_settings
+    from cbatch.config import ConfigError, EngineConfig
+    from cbatch.engine.resolve import resolve_model
+    from cbatch.run.identity import output_identity
+    from cbatch.tasks.generate_task import GenerateTask
+
+    model = make_vl_checkpoint("qwen2_vl", tmp_path / "model")
+    (tmp_path / "clip.avi").write_bytes(video_bytes(random_frames(16, 28, 28, seed=3), fps=4))
+    write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "v", "messages": [{"role": "user", "content": "w1"}], "videos": [str(tmp_path / "clip.avi")]},
+        {"id": "t", "messages": [{"role": "user", "content": "w1"}]}])
+
+    def video_tokens(*flags) -> int:
+        out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}.jsonl"
+        assert run(model, tmp_path / "in.jsonl", out, *flags) == 0
+        rows = {r["id"]: r["prompt_tokens"] for r in read_jsonl(out)}
+        return rows["v"] - rows["t"] - 2  # (less vision start and end)
+
+    assert video_tokens() == 4 and video_tokens("--video-fps", 1) == 2
+    vision = read_checkpoint(model).spec.vision
+    clip = VideoSource(str(tmp_path / "clip.avi"))
+    assert VideoReader(model, vision, fps=1.0).read(clip, "v").grid == (2, 2, 2)
+    library = library_settings(str(model), {"mm_processor_kwargs": {"fps": 4}}).config  # (vLLM's spelling)
+    assert VideoReader.for_config(model, vision, library).read(clip, "v").grid == (8, 2, 2)
+    with pytest.raises(ConfigError) as bad:
+        EngineConfig(video_fps=0)
+    assert bad.value.field == "video_fps"
+    with pytest.raises(ConfigError) as bad:
+        resolve_model(EngineConfig(model=str(make_gemma3_checkpoint(tmp_path / "gemma3")), video_fps=1.0))
+    assert bad.value.field == "video_fps"
+    assert output_identity(EngineConfig(video_fps=1.0), GenerateTask(), torch.device("cpu"), torch.float32,
+                           4096)["video_fps"] == 1.0

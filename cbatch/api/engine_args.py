@@ -24,7 +24,7 @@ QUANT_METHODS = {"fp8": "fp8", "compressed-tensors": "compressed-tensors", "awq"
 _CONFIG_FIELDS = frozenset(f.name for f in fields(EngineConfig))
 # vLLM's mm_processor_kwargs keys -> the EngineConfig fields that set them for every image of the engine
 MM_PROCESSOR_KWARGS = {"do_pan_and_scan": "image_pan_and_scan", "min_pixels": "image_min_pixels",
-                       "max_pixels": "image_max_pixels"}
+                       "max_pixels": "image_max_pixels", "fps": "video_fps"}
 # vLLM's hf_overrides keys cbatch honours: an LM-head reranker's (`architectures` routes it to a classifier there)
 HF_OVERRIDES = ("classifier_from_token", "method", "is_original_qwen3_reranker", "architectures")
 
@@ -80,7 +80,7 @@ def library_settings(model: str | None, settings: dict[str, Any]) -> LibrarySett
 
 def _image_settings(settings: dict[str, Any], mm_processor_kwargs: dict[str, Any] | None) -> None:
     """vLLM's `mm_processor_kwargs` into `settings` as cbatch's image fields (do_pan_and_scan: image_pan_and_scan;
-    min_pixels / max_pixels: image_min_pixels / image_max_pixels); any other key is refused by name."""
+    min_pixels / max_pixels: image_min_pixels / image_max_pixels; fps: video_fps); any other key is refused by name."""
     for key, value in (mm_processor_kwargs or {}).items():
         name = MM_PROCESSOR_KWARGS.get(key)
         if name is None:

@@ -231,6 +231,9 @@ TASK_FLAGS = [  # prefill-only jobs (docs/tasks.md)
     Flag("video_max_pixels", Optional[int], None, "Rows with videos: scale larger frames down to at most N pixels "
          "(fewer video tokens per row; default: the model's video processor config; docs/vision.md).", JOB,
          field="video_max_pixels", metavar="N"),
+    Flag("video_fps", Optional[float], None, "Rows with videos: sample F frames per second of video (fewer: fewer "
+         "video tokens per row; default: the model's video processor config, else 2; docs/vision.md).", JOB,
+         field="video_fps", metavar="F"),
     Flag("image_pan_and_scan", Optional[bool], None, "Rows with images, Gemma 3: also give the model up to "
          "pan_and_scan_max_num_crops crops of each wide or tall image, 256 tokens each (default: the model's "
          "preprocessor_config.json; docs/vision.md).", JOB, decls=("--image-pan-and-scan/--no-image-pan-and-scan",),

@@ -61,10 +61,11 @@ def resolve_model(config: EngineConfig, spec: ModelSpec | None = None, device: t
         why = "reads no images" if spec.vision is None else "resizes every image to its tower's square"
         raise ConfigError("image_min_pixels" if config.image_min_pixels is not None else "image_max_pixels",
                           f"this {spec.architecture} {why}; leave the pixel bounds out")
-    if (config.video_min_pixels is not None or config.video_max_pixels is not None) and not takes_videos(spec.vision):
-        raise ConfigError("video_min_pixels" if config.video_min_pixels is not None else "video_max_pixels",
-                          f"this {spec.architecture} reads no videos (Qwen2-VL, Qwen2.5-VL and Qwen3-VL do); leave the video "
-                          "pixel bounds out")
+    video_settings = [name for name in ("video_min_pixels", "video_max_pixels", "video_fps")
+                      if getattr(config, name) is not None]
+    if video_settings and not takes_videos(spec.vision):
+        raise ConfigError(video_settings[0], f"this {spec.architecture} reads no videos (Qwen2-VL, Qwen2.5-VL and "
+                                             "Qwen3-VL do); leave the video settings out")
     if config.image_pan_and_scan is not None and not isinstance(spec.vision, SiglipSpec):
         why = "reads no images" if spec.vision is None else "has no pan-and-scan (Gemma 3's option)"
         raise ConfigError("image_pan_and_scan", f"this {spec.architecture} {why}; leave it out")

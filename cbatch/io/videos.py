@@ -104,18 +104,18 @@ class VideoReader:
     """The model's video sampling and its frames' processor: a row's video source -> `PromptImage` (video)."""
 
     def __init__(self, model_dir: Path | None, vision: VisionSpec, min_pixels: int | None = None,
-                 max_pixels: int | None = None) -> None:
-        """`min_pixels` / `max_pixels`: the job's per-frame bounds (EngineConfig.video_min_pixels /
-        video_max_pixels) over the model's video processor's; None: the model's."""
+                 max_pixels: int | None = None, fps: float | None = None) -> None:
+        """`min_pixels` / `max_pixels`: the job's pixel bounds (EngineConfig.video_min_pixels / video_max_pixels),
+        `fps` its frames per second (video_fps), over the model's video processor's; None: the model's."""
         self.vision = vision
         # the image processor with the video's settings
         self.frames = ImageReader(model_dir, vision, min_pixels, max_pixels, video=True)
-        self.limits = video_limits(model_dir, min_pixels, max_pixels, vision.timestamped_videos)
+        self.limits = video_limits(model_dir, min_pixels, max_pixels, vision.timestamped_videos, fps)
 
     @classmethod
     def for_config(cls, model_dir: Path | None, vision: VisionSpec, config: "EngineConfig") -> "VideoReader":
-        """The reader of an engine's `config` (an EngineConfig: its video pixel bounds)."""
-        return cls(model_dir, vision, config.video_min_pixels, config.video_max_pixels)
+        """The reader of an engine's `config` (an EngineConfig: its video pixel bounds and frame rate)."""
+        return cls(model_dir, vision, config.video_min_pixels, config.video_max_pixels, config.video_fps)
 
     def read(self, source: VideoSource, name: str, decode: bool = True) -> PromptImage:
         """The video `source` (called `name` in messages) read, sampled and preprocessed; raises ImageError naming it.

@@ -119,17 +119,19 @@ QWEN3_VIDEO_LIMITS = VideoLimits(min_pixels=128 * 32 * 32, max_pixels=768 * 32 *
 
 
 def video_limits(model_dir: Path | None, min_pixels: int | None = None, max_pixels: int | None = None,
-                 whole_video: bool = False) -> VideoLimits:
+                 whole_video: bool = False, fps: float | None = None) -> VideoLimits:
     """The video processor's settings in `model_dir` (`processor_config(video=True)`), read as
     Qwen2VLVideoProcessor's constructor reads them: the file's `size` {shortest_edge, longest_edge} replaces the
     class's, and its `min_pixels` / `max_pixels` override that (a checkpoint with a preprocessor_config.json alone
     gives its videos the images' bounds, as transformers does). `whole_video` (Qwen3-VL): Qwen3VLVideoProcessor's,
-    which reads the file's `size` alone. `min_pixels` / `max_pixels`: a job's bounds over the file's
-    (EngineConfig.video_min_pixels / video_max_pixels; None: the file's), as from_pretrained's kwargs."""
+    which reads the file's `size` alone. `min_pixels` / `max_pixels` / `fps`: a job's bounds and frame rate over the
+    file's (EngineConfig.video_min_pixels / video_max_pixels / video_fps; None: the file's), as from_pretrained's
+    kwargs."""
     given = processor_config(model_dir, video=True)
     if whole_video:
         given = {k: v for k, v in given.items() if k not in ("min_pixels", "max_pixels")}
-    given.update({k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None})
+    given.update({k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels), ("fps", fps))
+                  if v is not None})
     default = QWEN3_VIDEO_LIMITS if whole_video else VideoLimits()
     size = given.get("size") or {"shortest_edge": default.min_pixels, "longest_edge": default.max_pixels}
     low = given.get("min_pixels") or size.get("shortest_edge") or default.min_pixels
