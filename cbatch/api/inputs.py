@@ -1,6 +1,6 @@
 """The prompts the library takes, in vLLM's shapes: a string, `TextPrompt` ({"prompt": ...}, with
-`multi_modal_data={"image": ..., "video": ...}` for a vision-language model), `TokensPrompt` ({"prompt_token_ids": [...]}), or a
-list of them; read into `RowRequest`s, the rows `cbatch run` tokenizes."""
+`multi_modal_data={"image": ..., "video": ...}` for a vision-language model), `TokensPrompt`
+({"prompt_token_ids": [...]}), or a list of them; read into `RowRequest`s, the rows `cbatch run` tokenizes."""
 from __future__ import annotations
 
 from typing import Any, NotRequired, Sequence, TypedDict, Union
@@ -79,7 +79,8 @@ def _images(where: str, data: Any) -> list[tuple[str, Any]]:
         raise UserError(f"{where}: multi_modal_data must be a dict such as {{\"image\": PIL.Image}}")
     other = sorted(set(data) - {"image", "video"})
     if other:
-        raise UserError(f"{where}: multi_modal_data takes images and videos (\"image\", \"video\"), not {', '.join(other)}")
+        raise UserError(f"{where}: multi_modal_data takes images and videos (\"image\", \"video\"), not "
+                        f"{', '.join(other)}")
     found = []
     for kind in (k for k in ("image", "video") if k in data):
         given = data[kind]

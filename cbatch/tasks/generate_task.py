@@ -128,7 +128,8 @@ class GenerateTask(Task):
         if vision is None or (video and not takes_videos(vision)):
             model = engine.spec.architecture if engine.spec is not None else "model"
             if video:
-                raise RowError(f"`{name}` is a video; this {model} reads no videos (Qwen2-VL, Qwen2.5-VL and Qwen3-VL do)")
+                raise RowError(f"`{name}` is a video; this {model} reads no videos (Qwen2-VL, Qwen2.5-VL and "
+                               "Qwen3-VL do)")
             raise RowError(f"`{name}` is an image; this {model} reads no images (use a vision-language model, "
                            "e.g. Qwen2.5-VL or Gemma 3)")
         if video:

@@ -547,11 +547,17 @@ void rotary(const T* x, int64_t x_stride, int64_t x_token_stride, const C* cos, 
             T* dst = out + (t * heads + h) * head_dim;
             // the two halves apart (rotate_half pairs d with d + half): each loop's reads are contiguous
 #pragma omp simd
-            for (int32_t d = 0; d < half; ++d)
-                store(dst, d, rounded<C>(rounded<C>(load(xr, d) * load(c, d)) + rounded<C>(load(xr, d + half) * load(s, d))));
+            for (int32_t d = 0; d < half; ++d) {
+                const float turned = rounded<C>(load(xr, d) * load(c, d));
+                const float paired = rounded<C>(load(xr, d + half) * load(s, d));
+                store(dst, d, rounded<C>(turned + paired));
+            }
 #pragma omp simd
-            for (int32_t d = half; d < head_dim; ++d)
-                store(dst, d, rounded<C>(rounded<C>(load(xr, d) * load(c, d)) + rounded<C>(load(xr, d - half) * load(s, d))));
+            for (int32_t d = half; d < head_dim; ++d) {
+                const float turned = rounded<C>(load(xr, d) * load(c, d));
+                const float paired = rounded<C>(load(xr, d - half) * load(s, d));
+                store(dst, d, rounded<C>(turned + paired));
+            }
         }
     }
 }
