@@ -550,13 +550,13 @@ void rotary(const T* x, int64_t x_stride, int64_t x_token_stride, const C* cos, 
             for (int32_t d = 0; d < half; ++d) {
                 const float turned = rounded<C>(load(xr, d) * load(c, d));
                 const float paired = rounded<C>(load(xr, d + half) * load(s, d));
-                store(dst, d, rounded<C>(turned + paired));
+                store(dst, d, turned + paired);  // (the one rounding to T: the store)
             }
 #pragma omp simd
             for (int32_t d = half; d < head_dim; ++d) {
                 const float turned = rounded<C>(load(xr, d) * load(c, d));
                 const float paired = rounded<C>(load(xr, d - half) * load(s, d));
-                store(dst, d, rounded<C>(turned + paired));
+                store(dst, d, turned + paired);  // (the one rounding to T: the store)
             }
         }
     }
