@@ -336,3 +336,59 @@ def test_qwen3_vl_moe_greedy_tokens_match_hf_with_either_expert_layout(vl_model,
                  for path in (vl_model, saved))
     assert hub["layers.0.mlp.experts.w13"].shape == (4, 48, 64)
     assert all(torch.equal(hub[name], ours[name]) for name in hub)
+
+
+@pytest.mark.parametrize("vl_model", ["qwen3_vl_moe"], indirect=True)
+def test_qwen3_vl_moe_fp8_checkpoints_store_each_expert_apart(vl_model, images, tmp_path):
+    """Qwen3-VL-MoE's FP8 releases keep each expert's gate/up/down as its own FP8 matrix with block scales
+    (`experts.{e}.gate_proj.weight` + `weight_scale_inv`), not the float releases' stacks: dequantized at load on
+    the CPU, kept in FP8 with the Triton backend, and HF's tokens on the same dequantized weights either way."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from cbatch.model.quant import FP8_DTYPE, dequantize
+    from fp8_models import fp8_config, quantize_fp8
+
+    block = (8, 8)
+    quant, dequant = {}, {}
+    for name, tensor in load_file(str(vl_model / "model.safetensors")).items():
+        quant[name] = dequant[name] = tensor
+        if not (name.startswith("model.language_model.layers.") and name.endswith(("proj", "proj.weight"))):
+            continue
+        if name.endswith("proj.weight"):  # attention: one matrix
+            weight, scale = quantize_fp8(tensor, block, False)
+            quant |= {name: weight, name.removesuffix("weight") + "weight_scale_inv": scale}
+            dequant[name] = dequantize(weight, scale, block, torch.float32)
+            continue
+        del quant[name]  # a stack of experts [E, in, out] (the float release's) -> each expert's [out, in] apart
+        base, _, kind = name.rpartition(".")
+        parts = {"down_proj": [kind]} if kind == "down_proj" else {"gate_up_proj": ["gate_proj", "up_proj"]}
+        restored = []
+        for e, matrix in enumerate(tensor.transpose(1, 2)):
+            pieces = []
+            for leaf, part in zip(parts[kind], matrix.chunk(len(parts[kind]))):
+                weight, scale = quantize_fp8(part.contiguous(), block, False)
+                quant |= {f"{base}.{e}.{leaf}.weight": weight, f"{base}.{e}.{leaf}.weight_scale_inv": scale}
+                pieces.append(dequantize(weight, scale, block, torch.float32))
+            restored.append(torch.cat(pieces))
+        dequant[name] = torch.stack(restored).transpose(1, 2).contiguous()
+    paths = {}
+    for kind, state in (("quant", quant), ("dequant", dequant)):
+        paths[kind] = tmp_path / kind
+        shutil.copytree(vl_model, paths[kind])
+        save_file(state, str(paths[kind] / "model.safetensors"))
+    config = json.loads((vl_model / "config.json").read_text())
+    (paths["quant"] / "config.json").write_text(json.dumps({**config, "quantization_config": fp8_config(list(block))}))
+    layers = config["text_config"]["num_hidden_layers"]
+    assert sum(name.endswith("experts.3.down_proj.weight_scale_inv") for name in quant) == layers > 1
+
+    requests = [(prompt(images[:1], [10, 11]), images[:1]), (prompt([images[3], images[0]], [12]), [images[3], images[0]])]
+    outputs = run(make_engine(paths["quant"], max_model_len=256), requests)
+    assert len(set(outputs[0])) > 2, "decisive"
+    check_hf(paths["dequant"], requests, outputs)
+    engine = make_engine(paths["quant"], max_model_len=256, attention_backend="triton")
+    kept = {name for name, param in engine.runner.model.named_parameters() if param.dtype == FP8_DTYPE}
+    assert {"layers.0.mlp.experts.w13", "layers.0.mlp.experts.w2", "layers.1.self_attn.qkv_proj.weight"} <= kept
+    assert run(engine, requests[:1]) == outputs[:1]
