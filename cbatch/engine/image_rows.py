@@ -78,9 +78,8 @@ class EncoderCache:
             self._tokens -= self._entries.pop(digest).shape[0]
 
     def trim(self) -> None:
-        while self._tokens > self.max_tokens and len(self._entries) > 1:
-            _, embeds = self._entries.popitem(last=False)
-            self._tokens -= embeds.shape[0]
+        """Evicts the least recently used entries past `max_tokens`, the most recent one always kept."""
+        self.make_room(0, keep={next(reversed(self._entries))} if self._entries else set())
 
     def clear(self) -> None:
         self._entries.clear()
