@@ -75,7 +75,7 @@ class EngineConfig:
     model: str | None = field(default=None, metadata=OUTPUT_FILES)  # folder or hub id; None = the default model (SmolLM2-135M-Instruct)
     device: str = field(default="auto", metadata=OUTPUT_ALWAYS)  # auto | cpu | cuda
     dtype: str = field(default="auto", metadata=OUTPUT_ALWAYS)  # auto (float32 on CPU, the checkpoint's dtype on GPU) | float32 | bfloat16 | float16
-    # None = the device's default (cbatch.engine.memory): CPU 64 / 2048; GPU sized from memory, up to 1024 / 8192.
+    # None = the device's default (cbatch.engine.memory): CPU 256 / 2048; GPU sized from memory, up to 1024 / 8192.
     # An engine's own config always has them set (build_engine fills them in).
     max_num_seqs: int | None = None  # sequences in one step
     max_num_batched_tokens: int | None = None  # token budget of one step (decodes + prefill chunks)
