@@ -293,8 +293,15 @@ def test_images_in_chat_and_generate_give_the_clis_tokens(tmp_path):
 
     with pytest.raises(UserError, match=r"prompt 0: the prompt has 2 image placeholder\(s\) for 1 image\(s\)"):
         llm.generate({"prompt": texts[1], "multi_modal_data": {"image": images[0]}}, params)
-    with pytest.raises(UserError, match="prompt_token_ids cannot carry images"):
-        llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": images[0]}}, params)
+    # token ids hold the placeholder once per image, as the text does (vLLM's TokensPrompt with multi_modal_data)
+    from cbatch.tokenizer import encode_text
+
+    ids = encode_text(llm.get_tokenizer(), texts[1])
+    tokens = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, params, use_tqdm=False)
+    assert tokens[0].outputs[0].token_ids == generated[1].outputs[0].token_ids
+    assert tokens[0].prompt_token_ids == generated[1].prompt_token_ids != ids  # expanded to the images' runs
+    with pytest.raises(UserError, match=r"prompt 0: the prompt has 2 image placeholder\(s\) for 1 image\(s\)"):
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images[0]}}, params)
     with pytest.raises(UserError, match=r"multi_modal_data.video\[0\] must be a video file .*got PngImageFile"):
         llm.generate({"prompt": texts[0], "multi_modal_data": {"video": images}}, params)
     with pytest.raises(UserError, match="takes images and videos .*not audio"):

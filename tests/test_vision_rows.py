@@ -12,7 +12,7 @@ import zlib
 import pytest
 
 from ops_jobs import read_jsonl, run_inprocess, write_jsonl
-from vision_models import make_vl_checkpoint, png_bytes
+from vision_models import IMAGE_TOKEN, make_vl_checkpoint, png_bytes
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +74,29 @@ def test_one_image_given_every_way_gives_one_completion(vl_model, tmp_path):
     assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "out3.jsonl", "--image-max-pixels", 28 * 28 * 4) == 0
     small = {r["id"]: r for r in read_jsonl(tmp_path / "out3.jsonl")}
     assert small["uri"]["prompt_tokens"] == out["text"]["prompt_tokens"] + 2 + 2  # 56 x 84 scaled to 28 x 56
+
+
+def test_token_ids_carry_images_as_a_text_prompt_does(vl_model, tmp_path):
+    """A row's `prompt_token_ids` hold the image placeholder once per image, as the chat template writes it (vLLM's
+    TokensPrompt with multi_modal_data): the same completion as the chat row; ids already expanded to the image's run
+    are an error row saying so."""
+    from cbatch.io.images import template_parts
+    from cbatch.tokenizer import encode_messages, load_tokenizer
+
+    image = png_bytes(56, 84, seed=1)
+    messages = chat({"type": "image_url", "image_url": {"url": data_uri(image)}})
+    ids = encode_messages(load_tokenizer(vl_model), template_parts(messages))
+    assert ids.count(IMAGE_TOKEN) == 1
+    expanded = [t for token in ids for t in ([token] * 6 if token == IMAGE_TOKEN else [token])]  # its 6 image tokens
+    rows = [{"id": "chat", "messages": messages}, {"id": "ids", "prompt_token_ids": ids, "images": [data_uri(image)]},
+            {"id": "expanded", "prompt_token_ids": expanded, "images": [data_uri(image)]}]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "out.jsonl") == 1
+    out = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert out["ids"]["completion"] == out["chat"]["completion"] and out["ids"]["error"] is None
+    assert out["ids"]["prompt_tokens"] == out["chat"]["prompt_tokens"] == len(ids) + 5
+    assert "6 image placeholder(s) for 1 image(s)" in out["expanded"]["error"]
+    assert "not expanded" in out["expanded"]["error"]
 
 
 def test_the_image_pixel_bounds_are_engine_settings(tmp_path):
@@ -199,7 +222,7 @@ def test_an_image_for_a_text_model_is_an_error_row(tiny_checkpoints, tmp_path):
     write_jsonl(tmp_path / "in.jsonl", rows)
     assert run(tiny_checkpoints["llama"], tmp_path / "in.jsonl", tmp_path / "out.jsonl") == 1
     error = read_jsonl(tmp_path / "out.jsonl")[0]["error"]
-    assert "`prompt_token_ids` cannot carry images" in error
+    assert "`images[0]` is an image; this" in error and "reads no images" in error
 
 
 def test_images_are_read_off_the_engine_loop_and_the_row_waits_outside_the_engine(vl_model, monkeypatch):

@@ -24,7 +24,7 @@ class TokensPrompt(TypedDict):
 
     prompt_token_ids: list[int]
     prompt: NotRequired[str]  # ignored for the model; returned as the output's `prompt`
-    multi_modal_data: NotRequired[Any]  # refused: token ids cannot carry images (as a row's)
+    multi_modal_data: NotRequired[Any]  # images and videos, one placeholder token each in the ids (as a row's)
 
 
 PromptType = Union[str, TextPrompt, TokensPrompt]
@@ -54,13 +54,10 @@ def row_request(index: int, prompt: PromptType) -> RowRequest:
                         "and multi_modal_data for images and videos)")
     images = _images(where, prompt.get("multi_modal_data"))
     if "prompt_token_ids" in prompt:
-        if images:
-            raise UserError(f"{where}: multi_modal_data needs a text prompt holding the model's image and video "
-                            "placeholders; prompt_token_ids cannot carry images or videos")
         ids = list(prompt["prompt_token_ids"])
         if not is_token_ids(ids):
             raise UserError(f"{where}: prompt_token_ids must be a non-empty list of non-negative integers")
-        return RowRequest(index=index, row_id=str(index), prompt_token_ids=ids)
+        return RowRequest(index=index, row_id=str(index), prompt_token_ids=ids, images=images)
     if "prompt" not in prompt:
         raise UserError(f"{where}: give prompt (a string) or prompt_token_ids")
     return RowRequest(index=index, row_id=str(index), prompt=text_field(f"{where}.prompt", prompt["prompt"]),

@@ -360,13 +360,14 @@ def _placeholder_mismatch(given: list[bool], placed: list[bool]) -> str:
     """Why a row's images and videos (`given`: is each a video) do not fit its prompt's placeholders (`placed`)."""
     if not any(given) and not any(placed):
         return (f"the prompt has {len(placed)} image placeholder(s) for {len(given)} image(s); a chat puts one per "
-                "image part, a text `prompt` must hold the model's image placeholder once per image")
+                "image part, a `prompt` (text or token ids) must hold the model's image placeholder once per image, "
+                "as the chat template writes it (not expanded)")
     if sorted(given) == sorted(placed):
         return ("the prompt's image and video placeholders come in another order than the row's images and videos; "
                 "give them in the order the prompt names them")
     return (f"the prompt has {placed.count(False)} image and {placed.count(True)} video placeholder(s) for "
             f"{given.count(False)} image(s) and {given.count(True)} video(s); a chat puts one per image or video part, "
-            "a text `prompt` must hold the model's placeholder once per image or video")
+            "a `prompt` (text or token ids) must hold the model's placeholder once per image or video")
 
 
 def template_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

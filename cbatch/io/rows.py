@@ -98,12 +98,8 @@ def row_images(row: dict[str, Any], request: RowRequest) -> list[tuple[str, Any]
     message's text, images then videos, as Qwen's examples put them), or a text prompt's `images` then `videos`,
     one per placeholder it has (engine order: io/images.in_prompt_order)."""
     given = {"image": _listed(row, "images", "image"), "video": _listed(row, "videos", "video")}
-    if request.messages is None:
-        named = given["image"] + given["video"]
-        if named and request.prompt_token_ids is not None:
-            raise RowError(f"`{named[0][0].split('[')[0]}` needs a `prompt` with the model's placeholders, or "
-                           "`messages`; `prompt_token_ids` cannot carry images or videos")
-        return named
+    if request.messages is None:  # a text prompt or token ids: one placeholder per image or video
+        return given["image"] + given["video"]
     for message in request.messages:
         for part in message["content"] if isinstance(message["content"], list) else ():
             kind = part["type"]
