@@ -336,3 +336,42 @@ def test_rows_starting_together_compute_a_shared_prefix_once():
     assert cached["tokens"]["prompt"] == 12 * 104
     assert cached["utilization"]["prefix_cache_saved_tokens"] == 11 * 96
     assert uncached["utilization"]["prefix_cache_saved_tokens"] == 0
+
+
+def test_images_per_prompt_bench_a_vision_language_checkpoint(tmp_path, tiny_checkpoints):
+    """`--images N --image-size WxH,...`: each prompt gets N synthetic images of its own (never shared: the encoder
+    encodes every one), their placeholders expanded as a row's, every policy the same images; the report's images
+    and the table's images/s. A text model, --simulate and --model-config are refused by flag."""
+    from cbatch.bench.command import BenchOptions, run_bench
+    from cbatch.bench.workload import WorkloadError
+    from ops_jobs import run_inprocess
+    from vision_models import make_vl_checkpoint
+
+    model = make_vl_checkpoint("qwen2_vl", tmp_path / "vl")
+    report = tmp_path / "r.json"
+    code, out, err = run_inprocess("bench", "--model", str(model), "--device", "cpu", "--num-prompts", "4",
+                                   "--input-len", "6:10", "--output-len", "3:5", "--images", "2", "--image-size",
+                                   "56x84,28x28", "--policy", "all", "-q", "--report", str(report))
+    assert code == 0, err
+    result = json.loads(report.read_text())
+    workload = result["workload"]
+    assert workload["images_per_prompt"] == 2 and workload["image_size"] == "56x84,28x28"
+    first = result["runs"][0]["images"]
+    for run in result["runs"]:  # (each trial counts its own encoding)
+        images = run["images"]
+        assert run["requests"]["error"] == 0 and run["tokens"]["output"] == workload["output_tokens"]
+        assert images["images"] == images["encoded"] == 8 and images["image_tokens"] == images["encoded_tokens"]
+        assert {k: images[k] for k in ("images", "image_tokens")} == {k: first[k] for k in ("images", "image_tokens")}
+        # text tokens, each image's run (6 tokens at 56 x 84, 1 at 28 x 28) and its start and end tokens
+        assert run["tokens"]["prompt"] == workload["prompt_tokens"] + images["image_tokens"] + 2 * 8
+    assert 8 < first["image_tokens"] < 48  # both sizes drawn
+    assert "images/s" in out
+
+    options = dict(engine=EngineConfig(device="cpu"), num_prompts=2, input_len="4", output_len="2", images=1)
+    with pytest.raises(WorkloadError, match="--images: a real run of a vision-language checkpoint"):
+        run_bench(BenchOptions(**options, simulate=True))
+    with pytest.raises(WorkloadError, match="--image-size: expected WIDTHxHEIGHT"):
+        run_bench(BenchOptions(**{**options, "engine": EngineConfig(model=str(model), device="cpu")}, image_size="896"))
+    with pytest.raises(WorkloadError, match="--images: .* reads no images; give --model a vision-language"):
+        run_bench(BenchOptions(**{**options, "engine": EngineConfig(model=str(tiny_checkpoints["llama"]),
+                                                                       device="cpu")}, warmup=False, quiet=True))

@@ -9,7 +9,8 @@ from typing import Any
 from cbatch.bench.result import BenchRun, comparison_rows, comparison_table
 from cbatch.bench.simulator import SIMULATED_VOCAB, CostModel, check_acceptance, cost_settings, simulated_engine
 from cbatch.bench.trial import make_bench_engine, run_trial, warm_up, workload_prompts
-from cbatch.bench.workload import BenchRequest, WorkloadError, parse_distribution, read_trace, synthetic_workload
+from cbatch.bench.workload import (BenchRequest, WorkloadError, parse_distribution, parse_image_sizes, read_trace,
+                                   synthetic_workload, with_images)
 from cbatch.config import POLICIES, EngineConfig
 
 ALL_POLICIES = ("static", "fcfs", "longest-first", "prefix")  # static first: the baseline of the comparison
@@ -34,6 +35,8 @@ class BenchOptions:
     warmup: bool = True
     shared_prefix: int = 0  # every prompt starts with the same this many tokens
     speculative_acceptance: float | None = None  # --simulate with --speculative: the share of drafts kept
+    images: int = 0  # synthetic images per prompt (a vision-language --model)
+    image_size: str = "896x1152"  # WxH, or several drawn per image
 
 
 def policies_of(name: str) -> list[str]:
@@ -73,6 +76,13 @@ def make_workload(options: BenchOptions) -> tuple[list[BenchRequest], dict[str, 
     if options.shared_prefix:
         requests = [replace(r, prompt_len=options.shared_prefix + r.prompt_len) for r in requests]
         workload["shared_prefix"] = options.shared_prefix
+    if options.images:
+        if options.simulate or options.model_config is not None:
+            raise WorkloadError("--images: a real run of a vision-language checkpoint (--model: its image processor "
+                                "reads the images), not --simulate or --model-config")
+        sizes = parse_image_sizes(options.image_size, "--image-size")
+        requests = with_images(requests, options.images, sizes, options.seed)
+        workload.update(images_per_prompt=options.images, image_size=options.image_size)
     return requests, workload
 
 
@@ -96,12 +106,16 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     workload["output_tokens"] = sum(r.output_len for r in requests)
     engine, clock = _bench_engine(options, requests)
     vocab = engine.spec.vocab_size if engine.spec is not None else SIMULATED_VOCAB
-    prompts = workload_prompts(requests, vocab, options.seed, options.shared_prefix)
+    vision = engine.spec.vision if options.images else None
+    if options.images and vision is None:
+        raise WorkloadError(f"--images: {engine.config.model} reads no images; give --model a vision-language "
+                            "checkpoint (docs/vision.md lists them)")
+    prompts = workload_prompts(requests, vocab, options.seed, options.shared_prefix, vision)
     runs: list[BenchRun] = []
     for label, policy, settings in trials_of(options):
         if not options.quiet and not options.simulate:
             print(f"cbatch bench: running {len(requests)} requests: {label} ...", file=sys.stderr, flush=True)
-        run = run_trial(engine, requests, prompts, policy, clock, label, **settings)
+        run = run_trial(engine, requests, prompts, policy, clock, label, options.seed, **settings)
         run.build_report(engine.config.max_num_seqs, _run_settings(options, engine, policy),
                          options.cost.unit if options.simulate else "s", _hardware(options, engine, run))
         runs.append(run)
@@ -141,7 +155,8 @@ def _bench_engine(options: BenchOptions, requests: list[BenchRequest]):
     graphs = options.engine.cuda_graph_max_batch or len(requests)  # no CUDA graph above what the workload can run
     engine = make_bench_engine(replace(options.engine, cuda_graph_max_batch=graphs), options.model_config, options.seed)
     if options.warmup:
-        warm_up(engine, options.seed)
+        warm_up(engine, options.seed, next((r.image_sizes[0] for r in requests if r.image_sizes), None)
+                if engine.spec.vision is not None else None)
     return engine, None
 
 

@@ -52,6 +52,7 @@ def comparison_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "latency_p50": lat["p50"],
             "latency_p99": lat["p99"],
             "prefix_cache_hit_rate": r["utilization"]["prefix_cache_hit_rate"],
+            **({"images_per_s": r["images"]["images_per_s"]} if "images" in r else {}),
         }
 
     b = figures(base)
@@ -82,6 +83,7 @@ def comparison_table(runs: list[dict[str, Any]]):
         ("latency_p50", f"latency p50 ({unit})", "{:,.2f}"),
         ("latency_p99", f"latency p99 ({unit})", "{:,.2f}"),
         ("prefix_cache_hit_rate", "prefix cache hits", "{:.1%}"),
+        *([("images_per_s", f"images/{unit}", "{:,.2f}")] if "images_per_s" in rows[0] else []),  # --images
     ):
         cells = []
         for row in rows:

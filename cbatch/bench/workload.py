@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -28,9 +28,10 @@ class WorkloadError(UserError):
 
 @dataclass(frozen=True, slots=True)
 class BenchRequest:
-    prompt_len: int
+    prompt_len: int  # text tokens (an image's placeholder run comes on top)
     output_len: int
     arrival: int = 0  # the engine step at which the request appears (0 = known up front)
+    image_sizes: tuple[tuple[int, int], ...] = ()  # (width, height) in pixels of each of its images
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,25 @@ def synthetic_workload(num_prompts: int, input_len: Distribution, output_len: Di
     prompts = input_len.sample(random.Random(f"{seed}/input"), num_prompts)
     outputs = output_len.sample(random.Random(f"{seed}/output"), num_prompts)
     return [BenchRequest(p, o) for p, o in zip(prompts, outputs)]
+
+
+def parse_image_sizes(text: str, flag: str) -> list[tuple[int, int]]:
+    """`WxH` or several, comma-separated: [(width, height)]; raises WorkloadError naming `flag`."""
+    sizes = []
+    for part in text.split(","):
+        width, _, height = part.strip().lower().partition("x")
+        if not (width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+            raise WorkloadError(f"{flag}: expected WIDTHxHEIGHT in pixels (e.g. 896x1152), or several separated by "
+                                f"commas, not {text!r}")
+        sizes.append((int(width), int(height)))
+    return sizes
+
+
+def with_images(requests: list[BenchRequest], count: int, sizes: list[tuple[int, int]], seed: int
+                ) -> list[BenchRequest]:
+    """`requests` with `count` images each, every image's size drawn from `sizes` (a seeded stream of its own)."""
+    rng = random.Random(f"{seed}/images")
+    return [replace(r, image_sizes=tuple(rng.choice(sizes) for _ in range(count))) for r in requests]
 
 
 def read_trace(path: Path) -> list[BenchRequest]:

@@ -236,6 +236,8 @@ def bench(**values: Any) -> None:
         fail("--model and --model-config: give one (a checkpoint, or a weightless shape)")
     if values["shared_prefix"] < 0:
         fail("--shared-prefix: must be a non-negative number of tokens")
+    if values["images"] < 0:
+        fail("--images: must be a non-negative number of images per prompt")
     config = engine_config(values, BENCH_COMMAND_FLAGS)
     report = values["report"]
 
@@ -253,7 +255,7 @@ def bench(**values: Any) -> None:
             engine=config, cost=cost,
             **{name: values[name] for name in ("model_config", "num_prompts", "input_len", "output_len", "seed", "trace",
                                                "policy", "simulate", "report", "plot", "quiet", "warmup",
-                                               "shared_prefix", "speculative_acceptance")},
+                                               "shared_prefix", "speculative_acceptance", "images", "image_size")},
         ))
         return 0
 

@@ -269,6 +269,10 @@ BENCH_FLAGS = [
          "synthetic workload.", WORKLOAD),
     Flag("shared_prefix", int, 0, "This many tokens, the same for every prompt (a system prompt), in front of each "
          "prompt's --input-len tokens; adds a run without the prefix cache to compare.", WORKLOAD),
+    Flag("images", int, 0, "Images per prompt (a vision-language --model): synthetic pages, each prompt's own, "
+         "their placeholders before its --input-len tokens.", WORKLOAD),
+    Flag("image_size", str, "896x1152", "Each image's WIDTHxHEIGHT in pixels, or several (896x1152,1024x768) drawn "
+         "per image; the model's processor resizes them as a row's.", WORKLOAD),
     Flag("policy", str, "all", "static | fcfs | longest-first | prefix | all (the first three, each on the identical "
          "workload).",
          WORKLOAD),
@@ -322,7 +326,7 @@ def flags_named(flags: list[Flag], *names: str) -> list[Flag]:
 
 RUN_FLAGS = (JOB_FLAGS[:2] + engine_flags("longest-first") + SAMPLING_FLAGS + JOB_FLAGS[2:] + TASK_FLAGS + DEADLINE_FLAGS
              + ACROSS_JOBS_FLAGS + RAY_FLAGS)
-BENCH_COMMAND_FLAGS = BENCH_FLAGS[:7] + engine_flags(None) + BENCH_FLAGS[7:]
+BENCH_COMMAND_FLAGS = BENCH_FLAGS[:9] + engine_flags(None) + BENCH_FLAGS[9:]  # (workload, engine, the rest)
 PLAN_FLAGS = (JOB_FLAGS[:1] + engine_flags("longest-first") + SAMPLING_FLAGS + PLAN_OWN_FLAGS
               + flags_named(JOB_FLAGS, "allow_errors", "quiet", "lookahead") + DEADLINE_FLAGS[:2] + ACROSS_JOBS_FLAGS[:1]
               + TASK_FLAGS)

@@ -108,6 +108,7 @@ class ImageRows(RowFeature):
 
     def reset(self) -> None:
         self.cache.clear()
+        self.images_encoded = self.image_tokens_encoded = 0  # (a bench's next trial counts its own)
 
     def order_keys(self, scheduled: list[tuple[Sequence, int]]) -> np.ndarray | None:
         deltas = [seq.images.delta if seq.images is not None else 0 for seq, _ in scheduled]

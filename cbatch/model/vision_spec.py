@@ -185,6 +185,7 @@ def parse_vision(cfg: dict[str, Any], arch: str) -> VisionSpec:
         mrope_section=_mrope_section(cfg),
         video_token_id=_token(cfg, "video_token_id"),
         tokens_per_second=float(vision.get("tokens_per_second", 4)) if qwen25 else 0.0,
+        vision_end_token_id=_token(cfg, "vision_end_token_id"),
     )
 
 
