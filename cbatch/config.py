@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -93,6 +94,9 @@ class EngineConfig:
     video_fps: float | None = field(default=None, metadata=OUTPUT_CHANGED)
     # rows with images (Gemma 3): pan-and-scan crops of wide and tall images (None: the model's do_pan_and_scan)
     image_pan_and_scan: bool | None = field(default=None, metadata=OUTPUT_CHANGED)
+    # rows with images or videos: at most N of a kind ("image", "video") in one prompt, (kind, N) pairs; a row
+    # with more is an error row (vLLM's limit_mm_per_prompt; 0: the kind is refused; none: no limit)
+    limit_mm_per_prompt: tuple[tuple[str, int], ...] = ()
     block_size: int = 16  # tokens per KV block
     kv_cache_dtype: str = field(default="auto", metadata=OUTPUT_CHANGED)  # auto (the activations' dtype) | fp8 (e4m3, per-head scales: half the KV bytes)
     num_kv_blocks: int | None = None  # None = size the pool from the memory budget
@@ -194,6 +198,37 @@ class EngineConfig:
         check(self.max_lora_rank >= 1, "max_lora_rank", "must be at least 1")
         names = [name for name, _ in self.loras]
         check(len(set(names)) == len(names), "lora", "names an adapter twice; give each adapter one name")
+        kinds = [kind for kind, _ in self.limit_mm_per_prompt]
+        check(set(kinds) <= {"image", "video"} and len(set(kinds)) == len(kinds)
+              and all(isinstance(n, int) and n >= 0 for _, n in self.limit_mm_per_prompt), "limit_mm_per_prompt",
+              "takes image and video, each once, with a count of at least 0 (e.g. image=4,video=1)")
+
+
+def mm_limits(value: Any, where: str) -> tuple[tuple[str, int], ...]:
+    """vLLM's limit_mm_per_prompt ({"image": 4, "video": 1}; a count may be {"count": N}), or the flag's
+    image=4,video=1 (or that JSON), as EngineConfig.limit_mm_per_prompt's pairs; a UserError naming `where`."""
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = json.loads(text) if text.startswith("{") else {
+                kind.strip(): int(count) for kind, _, count in (part.partition("=") for part in text.split(","))}
+        except ValueError:
+            raise UserError(f"{where}: expected image=N,video=N (or JSON such as {{\"image\": 4}}), not {text!r}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: a dict such as {{\"image\": 4, \"video\": 1}}, not {type(value).__name__}")
+    pairs = []
+    for kind, count in value.items():
+        if isinstance(count, dict):  # vLLM's {"count": N, "width": W, ...}: the rest sizes its memory profile
+            extra = sorted(set(count) - {"count"})
+            if extra:
+                raise UserError(f"{where}: {kind}'s {', '.join(extra)} size vLLM's memory profile; cbatch sizes its "
+                                "memory from the images themselves: give the count alone")
+            count = count.get("count")
+        if kind not in ("image", "video") or isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise UserError(f"{where}: takes image and video counts of at least 0 (e.g. image=4,video=1), not "
+                            f"{kind!r}: {count!r}")
+        pairs.append((kind, count))
+    return tuple(sorted(pairs))
 
 
 _INT64 = 2**63  # sampling settings become int64 tensors

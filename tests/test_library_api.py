@@ -293,6 +293,15 @@ def test_images_in_chat_and_generate_give_the_clis_tokens(tmp_path):
 
     with pytest.raises(UserError, match=r"prompt 0: the prompt has 2 image placeholder\(s\) for 1 image\(s\)"):
         llm.generate({"prompt": texts[1], "multi_modal_data": {"image": images[0]}}, params)
+    # vLLM's limit_mm_per_prompt: a prompt with more images than it allows is refused by name
+    limited = LLM(model=str(model), device="cpu", use_tqdm=False, limit_mm_per_prompt={"image": 1, "video": 0})
+    one = limited.generate(TextPrompt(prompt=texts[0], multi_modal_data={"image": images[1]}), params, use_tqdm=False)
+    assert one[0].outputs[0].token_ids == generated[0].outputs[0].token_ids
+    with pytest.raises(UserError, match=r"prompt 0: the prompt has 2 images, more than the 1 the engine's "
+                                        r"limit_mm_per_prompt"):
+        limited.generate({"prompt": texts[1], "multi_modal_data": {"image": images}}, params)
+    with pytest.raises(UserError, match=r"limit_mm_per_prompt: takes image and video counts .* not 'audio'"):
+        LLM(model=str(model), device="cpu", limit_mm_per_prompt={"audio": 1})
     # token ids hold the placeholder once per image, as the text does (vLLM's TokensPrompt with multi_modal_data)
     from cbatch.tokenizer import encode_text
 

@@ -99,6 +99,22 @@ def test_token_ids_carry_images_as_a_text_prompt_does(vl_model, tmp_path):
     assert "not expanded" in out["expanded"]["error"]
 
 
+def test_limit_mm_per_prompt_makes_a_row_with_more_images_an_error_row(vl_model, tmp_path):
+    """--limit-mm-per-prompt image=1 (vLLM's flag): a row with two images is an error row naming the limit, the
+    row with one completes; a bad value is refused before anything runs."""
+    image = data_uri(png_bytes(56, 84, seed=1))
+    rows = [{"id": "one", "messages": chat({"type": "image_url", "image_url": {"url": image}})},
+            {"id": "two", "messages": chat(*[{"type": "image_url", "image_url": {"url": image}}] * 2)}]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "out.jsonl", "--limit-mm-per-prompt", "image=1") == 1
+    out = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert out["one"]["error"] is None and out["one"]["completion_tokens"] == 6
+    assert "the prompt has 2 images, more than the 1 the engine's limit_mm_per_prompt" in out["two"]["error"]
+    code, _, err = run_inprocess("run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "x.jsonl"), "--model",
+                                 str(vl_model), "--limit-mm-per-prompt", "images=1")
+    assert code == 2 and "--limit-mm-per-prompt: takes image and video counts" in err
+
+
 def test_the_image_pixel_bounds_are_engine_settings(tmp_path):
     """--image-min-pixels / --image-max-pixels are EngineConfig fields (the reserve for images reads them, as the
     processor does): checked there, refused by resolve_model for a model whose processor takes none, and part of the

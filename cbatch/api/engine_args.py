@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from cbatch.config import EngineConfig, UserError
+from cbatch.config import EngineConfig, UserError, mm_limits
 from cbatch.model.pooling_config import ClassifierTokens
 
 # vLLM's name -> EngineConfig's, where they differ
@@ -56,6 +56,8 @@ def library_settings(model: str | None, settings: dict[str, Any]) -> LibrarySett
                         f"quantized as {', '.join(sorted(set(QUANT_METHODS.values())))} (docs/models.md)")
     classifier = _classifier(settings.pop("hf_overrides", None))
     _image_settings(settings, settings.pop("mm_processor_kwargs", None))
+    if "limit_mm_per_prompt" in settings:
+        settings["limit_mm_per_prompt"] = mm_limits(settings["limit_mm_per_prompt"], "limit_mm_per_prompt")
     tokenizer = settings.pop("tokenizer", None)
     if tokenizer is not None and tokenizer != model:
         raise UserError("tokenizer: cbatch uses the model's own tokenizer; leave tokenizer out")

@@ -12,7 +12,8 @@ from typing import Any, Callable, NoReturn
 import typer
 
 from cbatch.cli.flags import BENCH_COMMAND_FLAGS, PLAN_FLAGS, RUN_FLAGS, SAMPLING_FLAGS, Flag, command, fields_of, flag_of
-from cbatch.config import SAMPLING_FIELDS, ConfigError, Constraint, EngineConfig, SamplingParams, UserError
+from cbatch.config import (SAMPLING_FIELDS, ConfigError, Constraint, EngineConfig, SamplingParams, UserError,
+                           mm_limits)
 from cbatch.io.state import StorageError
 from cbatch.parallel import WorkerFailure
 from cbatch.run.exit_codes import EXIT_INTERNAL, EXIT_IO, EXIT_SIGINT, EXIT_USAGE
@@ -73,6 +74,8 @@ def engine_config(values: dict[str, Any], flags: list[Flag], **overrides: Any) -
     try:
         if values.get("lora") or values.get("lora_dir"):  # --lora NAME=PATH, --lora-dir
             overrides["loras"] = job_adapters(values.get("lora"), values.get("lora_dir"))
+        if values.get("limit_mm_per_prompt"):
+            overrides["limit_mm_per_prompt"] = mm_limits(values["limit_mm_per_prompt"], "--limit-mm-per-prompt")
         return EngineConfig(**{**fields_of(flags, values, ENGINE_FIELDS), **overrides})
     except ConfigError as exc:
         fail(f"{flag_of(exc.field)}: {exc.reason}")

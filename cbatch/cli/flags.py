@@ -238,6 +238,9 @@ TASK_FLAGS = [  # prefill-only jobs (docs/tasks.md)
          "pan_and_scan_max_num_crops crops of each wide or tall image, 256 tokens each (default: the model's "
          "preprocessor_config.json; docs/vision.md).", JOB, decls=("--image-pan-and-scan/--no-image-pan-and-scan",),
          field="image_pan_and_scan"),
+    Flag("limit_mm_per_prompt", Optional[str], None, "Rows with images or videos: at most N images and M videos "
+         "in one row (vLLM's --limit-mm-per-prompt; 0 refuses the kind); a row with more is an error row.", JOB,
+         metavar="image=N,video=M"),
 ]
 
 DEADLINE_FLAGS = [

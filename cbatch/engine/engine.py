@@ -202,6 +202,11 @@ class Engine:
         if vision is None:
             name = self.spec.architecture if self.spec is not None else "model"
             return f"this {name} reads no images; drop the row's images or use a vision-language model"
+        for kind, limit in self.config.limit_mm_per_prompt:
+            count = sum(image.video == (kind == "video") for image in images)
+            if count > limit:
+                return (f"the prompt has {count} {kind}s, more than the {limit} the engine's limit_mm_per_prompt "
+                        "(--limit-mm-per-prompt) allows in one prompt")
         placed = seq_images(prompt_ids, list(images), vision)
         budget = self.scheduler.max_num_batched_tokens
         largest = max(image.num_tokens for image in images)
