@@ -8,7 +8,7 @@ from typing import Any
 
 from cbatch.bench.result import BenchRun, comparison_rows, comparison_table
 from cbatch.bench.simulator import SIMULATED_VOCAB, CostModel, check_acceptance, cost_settings, simulated_engine
-from cbatch.bench.trial import make_bench_engine, run_trial, warm_up, workload_prompts
+from cbatch.bench.trial import make_bench_engine, run_trial, warm_up, workload_images, workload_prompts
 from cbatch.bench.workload import (BenchRequest, WorkloadError, parse_distribution, parse_image_sizes, read_trace,
                                    synthetic_workload, with_images)
 from cbatch.config import POLICIES, EngineConfig
@@ -111,11 +111,12 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         raise WorkloadError(f"--images: {engine.config.model} reads no images; give --model a vision-language "
                             "checkpoint (docs/vision.md lists them)")
     prompts = workload_prompts(requests, vocab, options.seed, options.shared_prefix, vision)
+    images = workload_images(requests, options.seed) if options.images else None
     runs: list[BenchRun] = []
     for label, policy, settings in trials_of(options):
         if not options.quiet and not options.simulate:
             print(f"cbatch bench: running {len(requests)} requests: {label} ...", file=sys.stderr, flush=True)
-        run = run_trial(engine, requests, prompts, policy, clock, label, options.seed, **settings)
+        run = run_trial(engine, requests, prompts, policy, clock, label, images, **settings)
         run.build_report(engine.config.max_num_seqs, _run_settings(options, engine, policy),
                          options.cost.unit if options.simulate else "s", _hardware(options, engine, run))
         runs.append(run)

@@ -114,37 +114,40 @@ def synthetic_image(size: tuple[int, int], key: tuple[int, ...]) -> bytes:
     return out.getvalue()
 
 
+def workload_images(requests: list[BenchRequest], seed: int) -> list[list[bytes]]:
+    """Each request's synthetic images (PNG bytes, ~25 KB for a 896 x 1152 page), made once before any trial is
+    timed and given to every trial: the job reads and preprocesses them as a row's, it does not draw them."""
+    return [[synthetic_image(size, (seed, index, k)) for k, size in enumerate(r.image_sizes)]
+            for index, r in enumerate(requests)]
+
+
 class WorkloadFeed:
     """The workload's rows, each handed to the executor once the engine reaches its arrival step."""
 
     def __init__(self, requests: list[BenchRequest], prompts: list[list[int]], steps: Callable[[], int],
-                 seed: int = 0) -> None:
+                 images: list[list[bytes]] | None = None) -> None:
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
         self._rows = [(requests[i].arrival, i, {"prompt_token_ids": prompts[i], "max_tokens": requests[i].output_len,
-                                                  "ignore_eos": True}) for i in order]
-        self._sizes = [requests[i].image_sizes for i in order]
+                                                  "ignore_eos": True, **({"images": images[i]} if images and images[i]
+                                                                         else {})}) for i in order]
         self._steps = steps
-        self._seed = seed
         self._next = 0
         self.exhausted = not self._rows
 
     def fill(self, executor: Executor) -> None:
         while self._next < len(self._rows) and self._rows[self._next][0] <= self._steps():
             _, index, row = self._rows[self._next]
-            if self._sizes[self._next]:  # made as the row arrives (the same bytes in every trial)
-                row = {**row, "images": [synthetic_image(size, (self._seed, index, k))
-                                         for k, size in enumerate(self._sizes[self._next])]}
             self._next += 1
             executor.submit(index, row)
         self.exhausted = self._next == len(self._rows)
 
 
 def run_trial(engine: Engine, requests: list[BenchRequest], prompts: list[list[int]], policy: str,
-              clock: Callable[[], float] | None = None, label: str | None = None, seed: int = 0,
-              **settings: Any) -> BenchRun:
+              clock: Callable[[], float] | None = None, label: str | None = None,
+              images: list[list[bytes]] | None = None, **settings: Any) -> BenchRun:
     """Runs the workload under `policy` (and other scheduling `settings`, e.g. enable_prefix_cache) on
     `engine` (reset first); time from the first step, on `clock` (wall time, or the simulator's cost clock).
-    `seed`: the requests' synthetic images'."""
+    `images`: each request's (`workload_images`)."""
     engine.reset(policy, **settings)
     run = BenchRun(policy, label=label or policy)
     run.finish_step, run.finish_time = [None] * len(requests), [None] * len(requests)
@@ -156,7 +159,7 @@ def run_trial(engine: Engine, requests: list[BenchRequest], prompts: list[list[i
         run.finish_step[result.index], run.finish_time[result.index] = steps(), metrics.now()
         return True
 
-    drive(WorkloadFeed(requests, prompts, steps, seed), executor, store, metrics, NoProgress())
+    drive(WorkloadFeed(requests, prompts, steps, images), executor, store, metrics, NoProgress())
     run.wall = metrics.now()
     metrics.forward_seconds = engine.runner.forward_seconds
     run.stats, run.num_kv_blocks = engine.scheduler.stats, engine.pool.num_blocks
