@@ -205,8 +205,8 @@ class Engine:
         for kind, limit in self.config.limit_mm_per_prompt:
             count = sum(image.video == (kind == "video") for image in images)
             if count > limit:
-                return (f"the prompt has {count} {kind}s, more than the {limit} the engine's limit_mm_per_prompt "
-                        "(--limit-mm-per-prompt) allows in one prompt")
+                return (f"the prompt has {count} {kind}{'s' if count > 1 else ''}, more than the {limit} the engine's "
+                        "limit_mm_per_prompt (--limit-mm-per-prompt) allows in one prompt")
         placed = seq_images(prompt_ids, list(images), vision)
         budget = self.scheduler.max_num_batched_tokens
         largest = max(image.num_tokens for image in images)

@@ -95,8 +95,8 @@ def row_images(row: dict[str, Any], request: RowRequest) -> list[tuple[str, Any]
     """The row's images and videos in prompt order, (where the row gave it, its source: a video's a VideoSource),
     unread: a chat's image and video parts (a bare `{"type": "image"}` part takes the next entry of the row's
     `images`, a bare `{"type": "video"}` the next of its `videos`; entries left over go before the first user
-    message's text, images then videos, as Qwen's examples put them), or a text prompt's `images` then `videos`,
-    one per placeholder it has (engine order: io/images.in_prompt_order)."""
+    message's text, images then videos, as Qwen's examples put them), or a text prompt's (or token ids') `images`
+    then `videos`, one per placeholder it has (engine order: io/images.in_prompt_order)."""
     given = {"image": _listed(row, "images", "image"), "video": _listed(row, "videos", "video")}
     if request.messages is None:  # a text prompt or token ids: one placeholder per image or video
         return given["image"] + given["video"]
