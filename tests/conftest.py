@@ -22,6 +22,22 @@ def pytest_configure(config) -> None:
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    _fast_tensor_parallel_ranks()
+
+
+def _fast_tensor_parallel_ranks() -> None:
+    """Tensor-parallel worker ranks fork from one server process that imported torch once, instead of each
+    spawning a fresh interpreter that imports it again (seconds per rank, dozens of ranks in the suite). Each
+    worker still starts from that clean state, as under "spawn"; the server starts on first use, after the
+    environment above is set. Only torch is preloaded: importing cbatch runs an OpenMP region, and a child forked
+    after one hangs in its first parallel op. tests/test_tensor_parallel.py keeps one run on "spawn", production's
+    method."""
+    import multiprocessing
+
+    from cbatch.engine import tensor_parallel
+
+    multiprocessing.set_forkserver_preload(["torch"])
+    tensor_parallel.START_METHOD = "forkserver"
 
 
 @pytest.fixture(scope="session")

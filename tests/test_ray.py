@@ -96,14 +96,20 @@ def check_rows(data: bytes) -> list[dict]:
 
 
 def test_two_replicas_match_the_single_process_run(ray_cluster, job_input, local_output, tmp_path):
+    """Two replicas give the single-process run's bytes and a report summing theirs; with --out DIR (one run for
+    both: a Ray run is seconds of process starts) the driver writes each part the moment the replicas' blocks
+    complete its rows. A single --out file under --ray: the tests below."""
     from cbatch.scaleout.ray_job import run_ray_job
 
     inp, model = job_input
-    out, report_path = tmp_path / "out.jsonl", tmp_path / "report.json"
-    code = run_ray_job(options(inp, out, model, report=report_path), ray_options())
+    out, report_path = tmp_path / "res", tmp_path / "report.json"
+    code = run_ray_job(options(inp, out, model, report=report_path, part_rows=10, part_format="jsonl"), ray_options())
     assert code == 1  # the same exit code as the local run: two error rows
-    assert out.read_bytes() == local_output  # same rows, same order, same tokens (sampled rows included)
-    rows = check_rows(out.read_bytes())
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["_SUCCESS", "_manifest.json", "part-00000.jsonl", "part-00001.jsonl", "part-00002.jsonl"]
+    parts = b"".join((out / n).read_bytes() for n in names[2:])
+    assert parts == local_output  # same rows, same order, same tokens (sampled rows included)
+    rows = check_rows(parts)
     assert sum(r["finish_reason"] == "error" for r in rows) == 2
     report = json.loads(report_path.read_text())
     assert report["requests"] == {"total": ROWS + 2, "ok": ROWS, "error": 2, "resumed": 0, "cached": 0,
@@ -121,20 +127,6 @@ def test_two_replicas_match_the_single_process_run(ray_cluster, job_input, local
     assert report["throughput"]["output_tokens_per_s"] == pytest.approx(
         report["tokens"]["output"] / report["time"]["wall_seconds"])
     assert report["ray"]["replicas"] == 2 and report["ray"]["retried_blocks"] == 0
-
-
-def test_a_folder_out_gets_its_parts_from_the_replicas_blocks(ray_cluster, job_input, local_output, tmp_path):
-    """--out DIR under --ray: the driver writes each part the moment the replicas' blocks complete its rows; the
-    parts hold the single-process run's rows in order."""
-    from cbatch.scaleout.ray_job import run_ray_job
-
-    inp, model = job_input
-    out = tmp_path / "res"
-    assert run_ray_job(options(inp, out, model, part_rows=10, part_format="jsonl"), ray_options()) == 1
-    names = sorted(p.name for p in out.iterdir())
-    assert names == ["_SUCCESS", "_manifest.json", "part-00000.jsonl", "part-00001.jsonl", "part-00002.jsonl"]
-    parts = b"".join((out / n).read_bytes() for n in names[2:])
-    assert parts == local_output
 
 
 def test_a_killed_replica_has_its_rows_retried_exactly_once(ray_cluster, job_input, local_output, tmp_path):

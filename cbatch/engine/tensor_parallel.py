@@ -36,6 +36,10 @@ from cbatch.parallel import WorkerFailure
 from cbatch.parallel.comm import ProcessGroupComm, init_process_group
 
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("CBATCH_TP_TIMEOUT", "600"))  # loading a shard counts, hence long
+# How worker ranks start: "spawn", a fresh interpreter (no fork of torch's threads). A test hook: the test suite
+# uses a "forkserver" that imported torch once (tests/conftest.py), the same fresh state per worker without
+# importing torch again for each of its many ranks.
+START_METHOD = "spawn"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +112,7 @@ def start_group(config: EngineConfig, resolved: ResolvedModel) -> tuple[ProcessG
     """Spawns ranks 1..N-1 and joins the group as rank 0; returns rank 0's communicator and its peers."""
     world = config.tensor_parallel_size
     port = _free_port()
-    context = mp.get_context("spawn")  # a fresh interpreter: no fork of torch's threads
+    context = mp.get_context(START_METHOD)
     processes = []
     for rank in range(1, world):
         args = WorkerArgs(rank, world, port, config, resolved, COLLECTIVE_TIMEOUT_S)
