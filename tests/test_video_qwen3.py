@@ -236,3 +236,23 @@ def test_the_gpu_reserves_largest_frame_bounds_every_whole_video_frame(qwen3, tm
                                                                             "longest_edge": 25165824}}))
     memory = encoder_memory(read_checkpoint(hub).spec, torch.float32, hub, EngineConfig(model=str(hub)), 65536)
     assert (memory.largest_video_frame, memory.largest_video) == (12288, 12288)
+
+
+def test_qwen3_vl_moe_reads_videos_as_qwen3_vl_does(tmp_path):
+    """Qwen3-VL-MoE (the same tower and timestamped runs, a Qwen3-MoE decoder): a video row's tokens equal HF
+    generate's on the same prompt and frames."""
+    path = make_vl_checkpoint("qwen3_vl_moe", tmp_path / "moe")
+    (path / "video_preprocessor_config.json").write_text(json.dumps({"size": VIDEO_SIZE}))
+    vision = read_checkpoint(path).spec.vision
+    engine = make_engine(path, max_model_len=256)
+    reader = VideoReader(path, vision)
+    clips = [reader.read(VideoSource(video_bytes(random_frames(10, 48, 80, seed=seed), fps=4)), "videos[0]")
+             for seed in (1, 2)]
+    text = "w1 <|vision_start|> <|video_pad|> <|vision_end|> w2 w3"
+    ids = expand_placeholders(engine.tokenizer.encode(text, add_special_tokens=False), clips[:1], vision,
+                              engine.tokenizer)
+    assert ids.count(VIDEO_TOKEN) == 12  # 3 temporal patches of 4 tokens, each its own run after its time
+    outputs = run_requests(engine, [(ids, [clip]) for clip in clips], GREEDY)
+    assert len(set(outputs[0])) > 2, "decisive: greedy output is not one repeated token"
+    assert outputs[0] != outputs[1], "the video decides the completion"
+    assert outputs[0] == hf_vl_greedy(path, ids, clips[:1], GREEDY.max_tokens)
