@@ -367,6 +367,11 @@ def test_images_per_prompt_bench_a_vision_language_checkpoint(tmp_path, tiny_che
     assert 8 < first["image_tokens"] < 48  # both sizes drawn
     assert "images/s" in out
 
+    # without --images the random prompts draw no image or video token (the tiny vocabulary's ids 6-9 were drawn)
+    text_only = run_bench(BenchOptions(engine=EngineConfig(model=str(model), device="cpu"), num_prompts=4,
+                                       input_len="40", output_len="2", policy="fcfs", warmup=False, quiet=True))
+    assert text_only["runs"][0]["requests"]["error"] == 0 and "images" not in text_only["runs"][0]
+
     options = dict(engine=EngineConfig(device="cpu"), num_prompts=2, input_len="4", output_len="2", images=1)
     with pytest.raises(WorkloadError, match="--images: a real run of a vision-language checkpoint"):
         run_bench(BenchOptions(**options, simulate=True))

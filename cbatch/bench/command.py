@@ -106,10 +106,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     workload["output_tokens"] = sum(r.output_len for r in requests)
     engine, clock = _bench_engine(options, requests)
     vocab = engine.spec.vocab_size if engine.spec is not None else SIMULATED_VOCAB
-    vision = engine.spec.vision if options.images else None
-    if options.images and vision is None:
-        raise WorkloadError(f"--images: {engine.config.model} reads no images; give --model a vision-language "
-                            "checkpoint (docs/vision.md lists them)")
+    vision = engine.spec.vision if engine.spec is not None else None  # (with images or not: no random placeholder)
     prompts = workload_prompts(requests, vocab, options.seed, options.shared_prefix, vision)
     images = workload_images(requests, options.seed) if options.images else None
     runs: list[BenchRun] = []
@@ -155,9 +152,12 @@ def _bench_engine(options: BenchOptions, requests: list[BenchRequest]):
         raise WorkloadError("--speculative-acceptance: only with --simulate (a real run measures its own acceptance)")
     graphs = options.engine.cuda_graph_max_batch or len(requests)  # no CUDA graph above what the workload can run
     engine = make_bench_engine(replace(options.engine, cuda_graph_max_batch=graphs), options.model_config, options.seed)
+    first_image = next((r.image_sizes[0] for r in requests if r.image_sizes), None)  # (--images)
+    if first_image is not None and engine.spec.vision is None:
+        raise WorkloadError(f"--images: {engine.config.model} reads no images; give --model a vision-language "
+                            "checkpoint (docs/vision.md lists them)")
     if options.warmup:
-        warm_up(engine, options.seed, next((r.image_sizes[0] for r in requests if r.image_sizes), None)
-                if engine.spec.vision is not None else None)
+        warm_up(engine, options.seed, first_image)
     return engine, None
 
 

@@ -64,8 +64,9 @@ def workload_prompts(requests: list[BenchRequest], vocab_size: int, seed: int, s
                      vision: Any = None) -> list[list[int]]:
     """Seeded random prompts of the workload's lengths (identical for every policy); the first
     `shared_prefix` tokens are the same in every prompt (a system prompt; `make_workload` counted them in
-    each request's length). A request's images (`vision`: the model's VisionSpec or SiglipSpec) put their
-    placeholders after the shared prefix, as a chat template writes them; no random token is one of them."""
+    each request's length). A vision-language model's prompts (`vision`: its VisionSpec or SiglipSpec) draw no
+    image or video token (one would be an image's placeholder without its image: an error row); a request's
+    images put their placeholders after the shared prefix, as a chat template writes them."""
     gen = np.random.default_rng(seed)
     low = min(3, vocab_size - 1)
     special = image_special_tokens(vision) if vision is not None else []
