@@ -48,6 +48,17 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] | None, per_tensor
     return (weight / full).to(FP8_DTYPE), scale
 
 
+def fp8_tensors(name: str, tensor: torch.Tensor, block: tuple[int, int] | None, per_tensor: bool,
+                suffix: str = "weight_scale_inv") -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Float weight `name` quantized: ({name: FP8 weight, its scale's name (`suffix`): scale}, the dequantized float32
+    weight that HF's reference loads)."""
+    weight, scale = quantize_fp8(tensor, block, per_tensor)
+    flat_scale = scale.reshape(-1) if block is None else scale
+    dequantized = dequantize(weight, flat_scale if not per_tensor else flat_scale.expand(weight.shape[0]), block,
+                             torch.float32)
+    return {name: weight, name.removesuffix("weight") + suffix: scale}, dequantized
+
+
 def _quantized(name: str) -> bool:
     """The decoder matmuls (attention, experts); not the router, norms, embeddings or lm_head."""
     return name.startswith("model.layers.") and name.endswith("proj.weight")
@@ -61,15 +72,11 @@ def write_fp8_checkpoint(src: Path, dst: Path, qconfig: dict, block: tuple[int, 
     for name, tensor in tensors.items():
         quant[name] = dequant[name] = tensor
         if _quantized(name):
-            weight, scale = quantize_fp8(tensor, block, per_tensor)
             suffix = "weight_scale_inv" if qconfig["quant_method"] == "fp8" else "weight_scale"
-            quant[name] = weight
-            quant[name.removesuffix("weight") + suffix] = scale
+            stored, dequant[name] = fp8_tensors(name, tensor, block, per_tensor, suffix)
+            quant |= stored
             if "input_activations" in qconfig.get("config_groups", {}).get("group_0", {}):
                 quant[name.removesuffix("weight") + "input_scale"] = torch.ones(1)  # unused (weight-only)
-            flat_scale = scale.reshape(-1) if block is None else scale
-            dequant[name] = dequantize(weight, flat_scale if not per_tensor else flat_scale.expand(weight.shape[0]),
-                                       block, torch.float32)
     for kind, state in (("quant", quant), ("dequant", dequant)):
         shutil.copytree(src, dst / kind)
         save_file(state, str(dst / kind / "model.safetensors"))

@@ -348,8 +348,8 @@ def test_qwen3_vl_moe_fp8_checkpoints_store_each_expert_apart(vl_model, images, 
     import torch
     from safetensors.torch import load_file, save_file
 
-    from cbatch.model.quant import FP8_DTYPE, dequantize
-    from fp8_models import fp8_config, quantize_fp8
+    from cbatch.model.quant import FP8_DTYPE
+    from fp8_models import fp8_config, fp8_tensors
 
     block = (8, 8)
     quant, dequant = {}, {}
@@ -358,9 +358,8 @@ def test_qwen3_vl_moe_fp8_checkpoints_store_each_expert_apart(vl_model, images, 
         if not (name.startswith("model.language_model.layers.") and name.endswith(("proj", "proj.weight"))):
             continue
         if name.endswith("proj.weight"):  # attention: one matrix
-            weight, scale = quantize_fp8(tensor, block, False)
-            quant |= {name: weight, name.removesuffix("weight") + "weight_scale_inv": scale}
-            dequant[name] = dequantize(weight, scale, block, torch.float32)
+            stored, dequant[name] = fp8_tensors(name, tensor, block, False)
+            quant |= stored
             continue
         del quant[name]  # a stack of experts [E, in, out] (the float release's) -> each expert's [out, in] apart
         base, _, kind = name.rpartition(".")
@@ -369,9 +368,9 @@ def test_qwen3_vl_moe_fp8_checkpoints_store_each_expert_apart(vl_model, images, 
         for e, matrix in enumerate(tensor.transpose(1, 2)):
             pieces = []
             for leaf, part in zip(parts[kind], matrix.chunk(len(parts[kind]))):
-                weight, scale = quantize_fp8(part.contiguous(), block, False)
-                quant |= {f"{base}.{e}.{leaf}.weight": weight, f"{base}.{e}.{leaf}.weight_scale_inv": scale}
-                pieces.append(dequantize(weight, scale, block, torch.float32))
+                stored, dequantized = fp8_tensors(f"{base}.{e}.{leaf}.weight", part.contiguous(), block, False)
+                quant |= stored
+                pieces.append(dequantized)
             restored.append(torch.cat(pieces))
         dequant[name] = torch.stack(restored).transpose(1, 2).contiguous()
     paths = {}
