@@ -104,12 +104,16 @@ def test_limit_mm_per_prompt_makes_a_row_with_more_images_an_error_row(vl_model,
     row with one completes; a bad value is refused before anything runs."""
     image = data_uri(png_bytes(56, 84, seed=1))
     rows = [{"id": "one", "messages": chat({"type": "image_url", "image_url": {"url": image}})},
-            {"id": "two", "messages": chat(*[{"type": "image_url", "image_url": {"url": image}}] * 2)}]
+            {"id": "two", "messages": chat(*[{"type": "image_url", "image_url": {"url": image}}] * 2)},
+            # refused before its images are read: the limit is its error, not the missing file
+            {"id": "unread", "messages": chat({"type": "image_url", "image_url": {"url": str(tmp_path / "nope.png")}},
+                                              {"type": "image_url", "image_url": {"url": image}})}]
     write_jsonl(tmp_path / "in.jsonl", rows)
     assert run(vl_model, tmp_path / "in.jsonl", tmp_path / "out.jsonl", "--limit-mm-per-prompt", "image=1") == 1
     out = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
     assert out["one"]["error"] is None and out["one"]["completion_tokens"] == 6
-    assert "the prompt has 2 images, more than the 1 the engine's limit_mm_per_prompt" in out["two"]["error"]
+    for row in ("two", "unread"):
+        assert "the prompt has 2 images, more than the 1 the engine's limit_mm_per_prompt" in out[row]["error"]
     code, _, err = run_inprocess("run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "x.jsonl"), "--model",
                                  str(vl_model), "--limit-mm-per-prompt", "images=1")
     assert code == 2 and "--limit-mm-per-prompt: takes image and video counts" in err

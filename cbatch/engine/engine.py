@@ -202,11 +202,9 @@ class Engine:
         if vision is None:
             name = self.spec.architecture if self.spec is not None else "model"
             return f"this {name} reads no images; drop the row's images or use a vision-language model"
-        for kind, limit in self.config.limit_mm_per_prompt:
-            count = sum(image.video == (kind == "video") for image in images)
-            if count > limit:
-                return (f"the prompt has {count} {kind}{'s' if count > 1 else ''}, more than the {limit} the engine's "
-                        "limit_mm_per_prompt (--limit-mm-per-prompt) allows in one prompt")
+        over = self.mm_limit_error([image.video for image in images])
+        if over is not None:
+            return over
         placed = seq_images(prompt_ids, list(images), vision)
         budget = self.scheduler.max_num_batched_tokens
         largest = max(image.num_tokens for image in images)
@@ -214,6 +212,16 @@ class Engine:
             return (f"an image of this {self.spec.architecture} is {largest} tokens, computed in one step, more than "
                     f"--max-num-batched-tokens {budget}; raise it to at least {largest}")
         return placed
+
+    def mm_limit_error(self, videos: Seq[bool]) -> str | None:
+        """Why a prompt with these images (False) and videos (True) passes the engine's limit_mm_per_prompt, or None
+        where it does not. Checked before a row's images are read (GenerateTask) and when a request is added."""
+        for kind, limit in self.config.limit_mm_per_prompt:
+            count = sum(video == (kind == "video") for video in videos)
+            if count > limit:
+                return (f"the prompt has {count} {kind}{'s' if count > 1 else ''}, more than the {limit} the engine's "
+                        "limit_mm_per_prompt (--limit-mm-per-prompt) allows in one prompt")
+        return None
 
     def extra_seq_id(self) -> int:
         """A seq_id no row has (negative, as forked samples'): a request of a row beyond its own (a bi-encoder

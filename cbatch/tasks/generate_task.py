@@ -106,6 +106,7 @@ class GenerateTask(Task):
         request: RowRequest = parsed.request
         if not request.images:
             return None
+        self._check_limits(engine, request)
         pool = image_pool()
         request.image_futures = [pool.submit(self._reader(engine, name, source).read, source, name)
                                  for name, source in request.images]
@@ -116,10 +117,19 @@ class GenerateTask(Task):
         `prefetch` started, or read here (cbatch plan's engine: counted from their headers, not decoded)."""
         if not request.images:
             return []
+        self._check_limits(engine, request)
         if request.image_futures is not None:
             return [future.result() for future in request.image_futures]  # (an ImageError: the row's error)
         return [self._reader(engine, name, source).read(source, name, engine.decodes_images)
                 for name, source in request.images]
+
+    @staticmethod
+    def _check_limits(engine: "Engine", request: RowRequest) -> None:
+        """A RowError where the row has more images or videos than --limit-mm-per-prompt allows: before any is
+        read."""
+        error = engine.mm_limit_error([isinstance(source, VideoSource) for _, source in request.images])
+        if error is not None:
+            raise RowError(error)
 
     def _reader(self, engine: "Engine", name: str, source: Any) -> ImageReader | VideoReader:
         """The reader of the row's image or video `source` (called `name`); a RowError where the model takes none."""
