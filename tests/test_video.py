@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import shutil
 import sys
 
@@ -17,7 +18,7 @@ from PIL import Image
 from cbatch.config import SamplingParams, UserError
 from cbatch.io.images import ImageReader
 from cbatch.io.row_fields import VideoSource
-from cbatch.io.videos import VideoReader, frame_indices
+from cbatch.io.videos import VideoFrames, VideoReader, frame_indices
 from cbatch.model.loader import read_checkpoint
 from gemma3_vision_models import make_gemma3_checkpoint
 from helpers import make_engine
@@ -73,6 +74,30 @@ def test_greedy_tokens_match_hf_for_a_video_and_a_video_beside_an_image(vl_model
     assert run_requests(engine, requests[:2], GREEDY) == outputs[:2]
     assert engine.runner.images.images_encoded == 2  # the video and the image, once each
     assert sorted(calls) == [[(1, 4, 4)]] * 4 + [[(1, 4, 6)]]
+
+
+def test_decoded_frames_read_as_the_files_sampled_frames(vl_model):
+    """vLLM's video as decoded frames: the frames a file's sampling takes, given as an array (their times from the
+    metadata, else 2 frames a second), give the file's grid, patches and Qwen2.5-VL temporal spacing, so HF's tokens."""
+    videos = reader(vl_model)
+    frames = np.stack(random_frames(8, 56, 84, seed=11))
+    from_file = videos.read(VideoSource(video_bytes(list(frames), fps=4)), "v")  # (PNG-coded: the same frames)
+    picked = frame_indices(8, 4.0, 2.0, 2, 4, 768)  # [0, 2, 4, 6]: 2 frames a second of a 2-second clip
+    given = videos.read(VideoSource(VideoFrames.of((frames[picked], {"fps": 4.0, "frames_indices": picked.tolist(),
+                                                                     "total_num_frames": 8}))), "v")
+    assert (given.grid, given.num_tokens, given.time_interval) == (from_file.grid, from_file.num_tokens,
+                                                                    from_file.time_interval) == ((2, 4, 6), 12, (
+                                                                        4.0 if videos.vision.tokens_per_second else 1.0))
+    np.testing.assert_array_equal(given.pixels, from_file.pixels)
+    # without metadata: 2 frames a second (the processors' default), so the same spacing; a frame more or other
+    # times are other content
+    bare = videos.read(VideoSource(VideoFrames.of(frames[picked])), "v")
+    np.testing.assert_array_equal(bare.pixels, from_file.pixels)
+    assert bare.time_interval == from_file.time_interval and bare.digest != given.digest
+    assert len({given.digest, bare.digest, VideoFrames.of(frames).digest, from_file.digest}) == 4
+    np.testing.assert_array_equal(given.reread(), given.pixels)  # a preempted row's patches, made again
+    assert run_requests(make_engine(vl_model, max_model_len=256), [(prompt([given]), [given])], GREEDY)[0] == \
+        hf_vl_greedy(vl_model, prompt([from_file]), [from_file], GREEDY.max_tokens)
 
 
 def test_frames_are_sampled_and_patched_as_transformers_does(vl_model):
@@ -230,8 +255,18 @@ def test_video_rows_and_bad_videos_through_cbatch_run(tmp_path, monkeypatch):
                         Params(max_tokens=6, temperature=0.0))
     assert made[0].outputs[0].text == made[1].outputs[0].text == out["prompt"]["completion"]
     assert len(made[0].prompt_token_ids) == out["prompt"]["prompt_tokens"]
-    with pytest.raises(UserError, match=r"multi_modal_data.video\[0\] must be a video file .* got ndarray"):
-        llm.generate({"prompt": rows[-1]["prompt"], "multi_modal_data": {"video": np.zeros((4, 56, 56, 3))}})
+    # the file as a {"bytes", "path"} dict (a row's Parquet struct), and its decoded frames (vLLM's uint8 array)
+    frames = np.stack(random_frames(4, 56, 56, seed=7))
+    made = llm.generate([{**prompt, "multi_modal_data": {"video": {"bytes": clip, "path": None},
+                                                         "image": png_bytes(56, 56, seed=1)}},
+                         {**prompt, "multi_modal_data": {"video": frames, "image": png_bytes(56, 56, seed=1)}}],
+                        Params(max_tokens=6, temperature=0.0))
+    assert made[0].outputs[0].text == made[1].outputs[0].text == out["prompt"]["completion"]
+    for bad, says in ((np.zeros((4, 56, 56, 3)), "an array [4, 56, 56, 3] of float64"), (frames[0], "[56, 56, 3]"),
+                      ((frames, {"frames_indices": [0, 1]}), "frames_indices must be 4 ascending frame numbers")):
+        with pytest.raises(UserError, match=r"prompt 0: multi_modal_data.video\[0\] must be a video file .* or its "
+                                            r"decoded frames; its .*" + re.escape(says)):
+            llm.generate({"prompt": rows[-1]["prompt"], "multi_modal_data": {"video": bad}})
 
     # without PyAV: the video rows are error rows saying how to install it; the others complete
     monkeypatch.setitem(sys.modules, "av", None)

@@ -18,7 +18,9 @@ import torch
 from cbatch.config import SamplingParams
 from cbatch.io.images import ImageReader, expand_placeholders
 from cbatch.io.row_fields import VideoSource
-from cbatch.io.videos import VideoReader, patch_seconds, spread_frame_indices, whole_video_frame_size
+from cbatch.io.images import ImageError
+from cbatch.io.videos import (VideoFrames, VideoReader, patch_seconds, spread_frame_indices,
+                               whole_video_frame_size)
 from cbatch.model.loader import read_checkpoint
 from helpers import make_engine
 from ops_jobs import read_jsonl, run_inprocess, write_jsonl
@@ -148,6 +150,27 @@ def test_sizes_and_timestamps_as_transformers_computes_them(qwen3, hf_video, mon
     hf.resize(torch.zeros(1, 6, 3, 96, 96), size=hf.size, resample=None, factor=32, temporal_factor=2,
               cap_pixels_per_frame=True)
     assert whole_video_frame_size(6, 96, 96, 32, 2, limits.min_pixels, limits.video_max_pixels(6, 32)) == asked[-1]
+
+
+def test_decoded_frames_with_their_times_read_as_the_files_sampled_frames(qwen3):
+    """vLLM's Qwen3-VL video as decoded frames with metadata (the source's fps, the frames' indices): the file's
+    temporal patches, sizes and timestamps; without metadata the frames are 2 a second."""
+    videos = VideoReader(qwen3, read_checkpoint(qwen3).spec.vision)
+    frames = np.stack(random_frames(10, 64, 96, seed=3))
+    from_file = videos.read(VideoSource(video_bytes(list(frames), fps=4)), "v")  # (PNG-coded: the same frames)
+    picked = spread_frame_indices(10, 4.0, 2.0, 4, 768)
+    given = videos.read(VideoSource(VideoFrames.of((frames[picked], {"fps": 4.0, "frames_indices": picked.tolist(),
+                                                                     "total_num_frames": 10}))), "v")
+    parts, expected = (given, *given.crops), (from_file, *from_file.crops)
+    assert len(parts) == len(expected) >= 2
+    for part, want in zip(parts, expected):
+        assert (part.grid, part.num_tokens, part.timestamp) == (want.grid, want.num_tokens, want.timestamp)
+        np.testing.assert_array_equal(part.pixels, want.pixels)
+    bare = videos.read(VideoSource(VideoFrames.of(frames[picked])), "v")
+    assert [p.timestamp for p in (bare, *bare.crops)] == patch_seconds(np.arange(len(picked)), 2.0, 2)
+    with pytest.raises(ImageError, match=r"`v` \(<1 decoded frames of 96 x 64>\) has 1 frame\(s\); the model's video "
+                                         r"processor takes at least 2"):
+        videos.read(VideoSource(VideoFrames.of(frames[:1])), "v")
 
 
 def run(model, input_path, out, *flags) -> int:

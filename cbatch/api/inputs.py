@@ -9,13 +9,15 @@ from cbatch.config import UserError
 from cbatch.io.images import is_image_source
 from cbatch.io.row_fields import VideoSource
 from cbatch.io.rows import RowRequest, is_token_ids, text_field
+from cbatch.io.videos import VideoFrames
 
 
 class TextPrompt(TypedDict):
     """A text prompt (tokenized with the model's special tokens, as `cbatch run` does a row's `prompt`)."""
 
     prompt: str
-    # {"image": a PIL image or a list, "video": a video file or a list}: the prompt holds one placeholder for each
+    # {"image": a PIL image or a list, "video": a video file, its decoded frames or a list}: the prompt holds one
+    # placeholder for each
     multi_modal_data: NotRequired[Any]
 
 
@@ -67,9 +69,9 @@ def row_request(index: int, prompt: PromptType) -> RowRequest:
 def _images(where: str, data: Any) -> list[tuple[str, Any]]:
     """vLLM's `multi_modal_data` -> the prompt's images and videos (where it gave each, its source; a video's a
     VideoSource), images first (the engine places them by their placeholders): {"image": a PIL image, a path, a URL
-    or bytes, or a list of them; "video": a video file as a path, a URL or bytes, or a list of them}. Decoded
-    frames (vLLM's arrays) are refused by name: cbatch samples a video's frames itself, as the model's processor
-    does from the file."""
+    or bytes, or a list of them; "video": a video file (a path, a URL, bytes or a {"bytes", "path"} dict; cbatch
+    samples its frames as the model's processor does) or its decoded frames (vLLM's uint8 array [T, H, W, 3], or
+    (array, metadata): io/videos.VideoFrames, taken as sampled), or a list of them}."""
     if data is None:
         return []
     if not isinstance(data, dict):
@@ -81,18 +83,26 @@ def _images(where: str, data: Any) -> list[tuple[str, Any]]:
     found = []
     for kind in (k for k in ("image", "video") if k in data):
         given = data[kind]
-        sources = list(given) if isinstance(given, (list, tuple)) else [given]
+        one_video = kind == "video" and isinstance(given, tuple) and len(given) == 2 and isinstance(given[1], dict)
+        sources = list(given) if isinstance(given, (list, tuple)) and not one_video else [given]
         for j, source in enumerate(sources):
             name = f"multi_modal_data.{kind}[{j}]"
             if kind == "image" and not is_image_source(source):
                 raise UserError(f"{where}: {name} must be a PIL image, a path, a URL or bytes, got "
                                 f"{type(source).__name__}")
-            if kind == "video" and not isinstance(source, (str, bytes, bytearray)):
-                raise UserError(f"{where}: {name} must be a video file (a path, a URL or bytes), got "
-                                f"{type(source).__name__}: cbatch samples the frames from the file itself, as the "
-                                "model's video processor does")
-            found.append((name, VideoSource(source) if kind == "video" else source))
+            found.append((name, _video(where, name, source) if kind == "video" else source))
     return found
+
+
+def _video(where: str, name: str, source: Any) -> VideoSource:
+    """A `multi_modal_data` video: its file (as a row's `videos` entry takes it) or its decoded frames."""
+    if isinstance(source, (str, bytes, bytearray, dict)):
+        return VideoSource(source)
+    try:
+        return VideoSource(VideoFrames.of(source))
+    except ValueError as exc:
+        raise UserError(f"{where}: {name} must be a video file (a path, a URL, bytes or a {{\"bytes\", \"path\"}} "
+                        f"dict) or its decoded frames; its {exc}") from None
 
 
 __all__ = ["PromptType", "TextPrompt", "TokensPrompt", "as_list", "row_request"]

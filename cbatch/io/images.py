@@ -76,6 +76,8 @@ def describe(source: Any) -> str:
         return f"<PIL image {source.size[0]} x {source.size[1]}>"
     if isinstance(source, VideoSource):
         source = source.source
+    if hasattr(source, "describe"):  # decoded frames (io/videos.VideoFrames)
+        return source.describe()
     if isinstance(source, dict):
         source = source.get("path") or source.get("bytes")
     if isinstance(source, (bytes, bytearray)):

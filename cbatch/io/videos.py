@@ -23,12 +23,18 @@ Qwen3-VL (VisionSpec.timestamped_videos; Qwen3VLVideoProcessor and Qwen3VLProces
 spread from the first to the last (`spread_frame_indices`), all resized to one size that puts the video's pixels
 within the bounds (`whole_video_frame_size`), and each temporal patch its own `PromptImage` (the video and its
 `crops`) with its time (`patch_seconds`), which io/images.expand_placeholders writes before its run.
+
+Decoded frames (the library's `multi_modal_data={"video": frames}`, vLLM's shape: `VideoFrames`) are taken as the
+sampled frames, as transformers' processors take frames with `do_sample_frames` off: no sampling, the same
+preprocessing, and their times from the optional metadata (`fps` of the video, `frames_indices` of the frames,
+`total_num_frames`), else the frames are taken `fps` a second (the job's --video-fps over the processor's: 2.0).
 """
 from __future__ import annotations
 
 import io
 import math
 import weakref
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -36,13 +42,60 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from cbatch.engine.images import PromptImage
-from cbatch.io.images import (MAX_SOURCE_PIXELS, ImageError, ImageReader, VideoSource, describe, read_source,
-                              reread_checked, source_digest)
+from cbatch.io.images import (MAX_SOURCE_PIXELS, VIDEO_DIGEST_TAG, ImageError, ImageReader, VideoSource, describe,
+                              digest_of, read_source, reread_checked, source_digest)
 from cbatch.model.image_processor import video_limits
 from cbatch.model.vision_spec import VisionSpec
 
 FRAME_GROUP = 16  # frames preprocessed at once (a multiple of the temporal patch)
 VIDEO_EXTRA = "pip install 'cbatch[video]'"
+
+
+@dataclass(frozen=True, eq=False)
+class VideoFrames:
+    """A video given as its decoded, already sampled frames: uint8 [T, H, W, 3] (`frames`), frame j taken at index
+    indices[j] of a video of `total` frames at `fps` (None: the job's sampling rate, indices 0..T-1)."""
+
+    frames: np.ndarray
+    fps: float | None
+    indices: np.ndarray  # int64 [T], ascending
+    total: int
+    digest: str  # of the pixels and the times (the encoder, prefix and result caches' key)
+
+    @classmethod
+    def of(cls, value: Any) -> "VideoFrames":
+        """vLLM's video item: an array [T, H, W, 3] of uint8, or (that array, metadata {"fps", "frames_indices",
+        "total_num_frames"}); a ValueError saying what is wrong."""
+        metadata: dict = {}
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+            value, metadata = value
+        if not (isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 4 and value.shape[3] == 3
+                and value.shape[0] >= 1 and min(value.shape[1:3]) >= 1):
+            got = (f"an array {list(value.shape)} of {value.dtype}" if isinstance(value, np.ndarray)
+                   else type(value).__name__)
+            raise ValueError(f"frames must be an array [frames, height, width, 3] of uint8 (RGB), got {got}")
+        count = value.shape[0]
+        fps = float(metadata["fps"]) if metadata.get("fps") else None
+        indices = np.asarray(metadata.get("frames_indices", range(count)), dtype=np.int64)
+        if len(indices) != count or (count > 1 and bool((np.diff(indices) <= 0).any())) or indices[0] < 0:
+            raise ValueError(f"metadata frames_indices must be {count} ascending frame numbers, one per frame")
+        total = int(metadata.get("total_num_frames") or indices[-1] + 1)
+        if not ((fps is None or fps > 0) and total > indices[-1]):
+            raise ValueError("metadata fps must be positive and total_num_frames past the last of frames_indices")
+        frames = np.ascontiguousarray(value)
+        times = repr((fps, total, indices.tolist(), frames.shape)).encode()
+        return cls(frames, fps, indices, total, digest_of(VIDEO_DIGEST_TAG + times + frames.tobytes()))
+
+    def describe(self) -> str:
+        """Its name in messages (io/images.describe)."""
+        count, height, width = self.frames.shape[:3]
+        return f"<{count} decoded frames of {width} x {height}>"
+
+    def images(self) -> Iterator[Any]:
+        """The frames as PIL RGB images, one at a time."""
+        from PIL import Image
+
+        return (Image.fromarray(frame) for frame in self.frames)
 
 
 def spread_frame_indices(total: int, video_fps: float, fps: float, min_frames: int, max_frames: int) -> np.ndarray:
@@ -126,6 +179,8 @@ class VideoReader:
             raise ImageError(f"`{name}` ({describe(source)}) {exc}") from None
 
     def _read(self, source: VideoSource, name: str, decode: bool) -> PromptImage:
+        if isinstance(source.source, VideoFrames):
+            return self._given_frames(source.source, name, decode)
         data = read_source(source)
         if not data:
             raise ImageError("is empty (0 bytes)")
@@ -149,15 +204,40 @@ class VideoReader:
                                 if decode else (None, None))
         except av.error.FFmpegError as exc:  # not a container PyAV knows, broken data
             raise ImageError(f"cannot be decoded as a video ({type(exc).__name__}: {exc})") from None
-        temporal = self.vision.temporal_patch_size
         digest = source_digest(source, data)
         if grid is None:  # cbatch plan: the grid from the header's size and frame count
-            if frame_size is None:
-                _, h, w = self.frames.grid_for(height, width, self._max_pixels(len(indices)))
-            else:
-                h, w = (side // self.vision.patch_size for side in frame_size)
-            grid = (-(-len(indices) // temporal), h, w)
+            grid = self._grid(len(indices), height, width, frame_size)
         reread = None if pixels is None else partial(self.reread, source, name, digest)
+        return self._video(digest, name, grid, pixels, indices, total, video_fps, reread)
+
+    def _given_frames(self, given: VideoFrames, name: str, decode: bool) -> PromptImage:
+        """A video given as its sampled frames (`VideoFrames`): preprocessed as a file's sampled frames are."""
+        count, height, width = given.frames.shape[:3]
+        if width * height > MAX_SOURCE_PIXELS:
+            raise ImageError(f"has {width} x {height} frames, more than the {MAX_SOURCE_PIXELS:,} pixels cbatch "
+                             "decodes; shrink them")
+        frame_size = self._frame_size(count, height, width) if self.vision.timestamped_videos else None
+        if not decode:
+            return self._video(given.digest, name, self._grid(count, height, width, frame_size), None, given.indices,
+                               given.total, given.fps or self.limits.fps, None)
+        repatch = lambda: self.patches(given.images(), count, frame_size)  # noqa: E731
+        grid, pixels = repatch()
+        return self._video(given.digest, name, grid, pixels, given.indices, given.total, given.fps or self.limits.fps,
+                           lambda: repatch()[1])
+
+    def _grid(self, count: int, height: int, width: int, frame_size: tuple[int, int] | None) -> tuple[int, int, int]:
+        """The grid (t, h, w) of `count` sampled height x width frames, without preprocessing them (cbatch plan)."""
+        if frame_size is None:
+            _, h, w = self.frames.grid_for(height, width, self._max_pixels(count))
+        else:
+            h, w = (side // self.vision.patch_size for side in frame_size)
+        return (-(-count // self.vision.temporal_patch_size), h, w)
+
+    def _video(self, digest: str, name: str, grid: tuple[int, int, int], pixels: np.ndarray | None,
+               indices: np.ndarray, total: int, video_fps: float, reread: Callable[[], np.ndarray] | None
+               ) -> PromptImage:
+        """The video's `PromptImage` from its frames' `indices` in a video of `total` frames at `video_fps`."""
+        temporal = self.vision.temporal_patch_size
         if self.vision.timestamped_videos:
             return self._timestamped(digest, name, grid, pixels, patch_seconds(indices, video_fps, temporal), reread)
         sampled_fps = len(indices) / total * video_fps
@@ -175,14 +255,18 @@ class VideoReader:
         if not self.vision.timestamped_videos:
             return frame_indices(total, video_fps, limits.fps, temporal, limits.min_frames, limits.max_frames), None
         indices = spread_frame_indices(total, video_fps, limits.fps, limits.min_frames, limits.max_frames)
-        if len(indices) < temporal:
-            raise ImageError(f"has {total} frame(s); the model's video processor takes at least {temporal} (give a "
+        return indices, self._frame_size(len(indices), height, width)
+
+    def _frame_size(self, count: int, height: int, width: int) -> tuple[int, int]:
+        """Qwen3-VL: the (height, width) each of `count` sampled height x width frames is resized to."""
+        temporal, limits = self.vision.temporal_patch_size, self.limits
+        if count < temporal:
+            raise ImageError(f"has {count} frame(s); the model's video processor takes at least {temporal} (give a "
                              "still as an image)")
         factor = self.vision.patch_size * self.vision.merge_size
-        bound = limits.video_max_pixels(len(indices), factor)
         try:
-            return indices, whole_video_frame_size(len(indices), height, width, factor, temporal, limits.min_pixels,
-                                                   bound)
+            return whole_video_frame_size(count, height, width, factor, temporal, limits.min_pixels,
+                                          limits.video_max_pixels(count, factor))
         except ValueError as exc:
             raise ImageError(str(exc)) from None
 
