@@ -82,7 +82,8 @@ def _cubin_resources(cubin: bytes) -> str:
     return f"regs={m.group(1):>3} stack={m.group(2):>4}B" if m else text.strip()
 
 
-def compile_call(jit_fn, args, kwargs, arch: int = 90):
+def launch_spec(jit_fn, args, kwargs):
+    """(signature, constexprs, attrs, options) of a launch, as the JIT specialises it."""
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     signature, constexprs, attrs = {}, {}, {}
@@ -96,8 +97,30 @@ def compile_call(jit_fn, args, kwargs, arch: int = 90):
             signature[name], div16 = _arg_spec(value)
             if div16 and not getattr(param, "do_not_specialize", False):  # as the JIT: no hint for those
                 attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs, options
+
+
+def compile_call(jit_fn, args, kwargs, arch: int = 90):
+    signature, constexprs, attrs, options = launch_spec(jit_fn, args, kwargs)
+    return _compile(jit_fn, signature, constexprs, attrs, options, arch)
+
+
+def _compile(jit_fn, signature, constexprs, attrs, options, arch: int):
     src = ASTSource(jit_fn, signature, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _compile_variant(module: str, name: str, spec: tuple, arch: int) -> tuple[bytes, str, int, str] | str:
+    """A worker's compile of kernel `name` of cbatch.kernels.`module` with launch `spec`: (cubin, resources, shared
+    memory, mma kind), or the error as text."""
+    jit_fn = getattr(importlib.import_module(f"cbatch.kernels.{module}"), name)
+    try:
+        compiled = _compile(jit_fn, *spec, arch)
+    except Exception as err:  # reported by the caller, which fails after every variant
+        return f"{type(err).__name__}: {err}"
+    ptx = compiled.asm["ptx"]
+    mma = "wgmma" if "wgmma" in ptx else ("mma" if "mma.sync" in ptx else "-")
+    return compiled.asm["cubin"], _cubin_resources(compiled.asm["cubin"]), compiled.metadata.shared, mma
 
 
 def _drive():
@@ -328,41 +351,52 @@ def _drive_mla():
         yield f"mla decode {str(dtype).removeprefix('torch.')} {heads} heads, latent {rank}+{rope}"
 
 
-def main(arch: int = 90, only: str | None = None) -> int:
+def main(arch: int = 90, only: str | None = None, jobs: int = os.cpu_count() or 1) -> int:
+    """Compiles every variant the wrappers launch (each distinct launch once, `jobs` at a time in fresh processes:
+    Triton compiles on one core), then prints one line per launch in the order the wrappers made them."""
     modules = [importlib.import_module(f"cbatch.kernels.{m}") for m in KERNEL_MODULES]
     recorders = {}
-    for mod in modules:
+    for module_name, mod in zip(KERNEL_MODULES, modules):
         # the wrappers check for CUDA tensors; nothing is launched here, so CPU tensors are fine
         mod.check_launchable = lambda *tensors: torch.device("cpu")
         for name, obj in list(vars(mod).items()):
             if isinstance(obj, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
                 recorders[name] = rec = _Recorder(obj)
+                rec.module = module_name
                 setattr(mod, name, rec)
 
-    failures = 0
-    seen = set()
+    launches = []  # (label, kernel name, key of its variant)
+    variants = {}  # key -> (module, kernel name, launch spec)
     for label in _drive():
-        if only is not None and only not in label:
-            for rec in recorders.values():
-                rec.calls.clear()
-            continue
         for name, rec in recorders.items():
-            for args, kwargs in rec.calls:
-                t0 = time.time()
-                try:
-                    compiled = compile_call(rec.jit_fn, args, kwargs, arch)
-                except Exception as err:  # report every failing variant, then fail
-                    failures += 1
-                    print(f"FAIL  {label:45s} {name}: {type(err).__name__}: {err}")
-                    continue
-                key = compiled.asm["cubin"]
-                note = "" if key not in seen else " (same binary as above)"
-                seen.add(key)
-                ptx = compiled.asm["ptx"]
-                mma = "wgmma" if "wgmma" in ptx else ("mma" if "mma.sync" in ptx else "-")
-                print(f"ok    {label:45s} {name:26s} {_cubin_resources(compiled.asm['cubin'])} "
-                      f"smem={compiled.metadata.shared:>6}B mma={mma:5s} {time.time() - t0:4.1f}s{note}")
+            if only is None or only in label:
+                for args, kwargs in rec.calls:
+                    spec = launch_spec(rec.jit_fn, args, kwargs)
+                    key = repr((name, spec))
+                    variants.setdefault(key, (rec.module, name, spec))
+                    launches.append((label, name, key))
             rec.calls.clear()
+
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    started = time.time()
+    with ProcessPoolExecutor(max(1, jobs), mp_context=get_context("spawn")) as pool:
+        futures = {key: pool.submit(_compile_variant, *variant, arch) for key, variant in variants.items()}
+        results = {key: future.result() for key, future in futures.items()}
+    failures, seen = 0, set()
+    for label, name, key in launches:
+        result = results[key]
+        if isinstance(result, str):
+            failures += 1
+            print(f"FAIL  {label:45s} {name}: {result}")
+            continue
+        cubin, resources, shared, mma = result
+        note = "" if cubin not in seen else " (same binary as above)"
+        seen.add(cubin)
+        print(f"ok    {label:45s} {name:26s} {resources} smem={shared:>6}B mma={mma}{note}")
+    print(f"{len(variants)} distinct variants of {len(launches)} launches compiled in {time.time() - started:.1f} s "
+          f"on {max(1, jobs)} processes")
     print(f"{failures} variant(s) failed to compile for sm_{arch}" if failures else f"all variants compile for sm_{arch}")
     return 1 if failures else 0
 
