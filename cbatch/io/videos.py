@@ -217,13 +217,13 @@ class VideoReader:
             raise ImageError(f"has {width} x {height} frames, more than the {MAX_SOURCE_PIXELS:,} pixels cbatch "
                              "decodes; shrink them")
         frame_size = self._frame_size(count, height, width) if self.vision.timestamped_videos else None
-        if not decode:
-            return self._video(given.digest, name, self._grid(count, height, width, frame_size), None, given.indices,
-                               given.total, given.fps or self.limits.fps, None)
-        repatch = lambda: self.patches(given.images(), count, frame_size)  # noqa: E731
-        grid, pixels = repatch()
+        if decode:
+            grid, pixels = self.patches(given.images(), count, frame_size)
+            reread = lambda: self.patches(given.images(), count, frame_size)[1]  # noqa: E731 (from the held frames)
+        else:  # cbatch plan's engine
+            grid, pixels, reread = self._grid(count, height, width, frame_size), None, None
         return self._video(given.digest, name, grid, pixels, given.indices, given.total, given.fps or self.limits.fps,
-                           lambda: repatch()[1])
+                           reread)
 
     def _grid(self, count: int, height: int, width: int, frame_size: tuple[int, int] | None) -> tuple[int, int, int]:
         """The grid (t, h, w) of `count` sampled height x width frames, without preprocessing them (cbatch plan)."""
