@@ -162,8 +162,11 @@ def tower_features(path, images):
     ours = model.visual(pixels, [image.grid for image in images])
     with torch.no_grad():
         ref = hf_model(path).model.get_image_features(pixels, torch.tensor([image.grid for image in images]))
-    deepstack = getattr(ref, "deepstack_features", None) or []  # Qwen3-VL's: one list of per-image parts per merger
-    ref = torch.cat([torch.cat(ref.pooler_output), *(torch.cat(parts) for parts in deepstack)], dim=1)
+    # Qwen3-VL's deepstack features: per merger, per-image parts (transformers 5.2x) or one tensor (5.17: the GPU
+    # machine's)
+    deepstack = getattr(ref, "deepstack_features", None) or []
+    whole = lambda parts: parts if isinstance(parts, torch.Tensor) else torch.cat(parts)  # noqa: E731
+    ref = torch.cat([whole(ref.pooler_output), *(whole(parts) for parts in deepstack)], dim=1)
     assert ours.shape == ref.shape == (sum(image.num_tokens for image in images), 64 * (1 + len(deepstack)))
     return model, ours, ref, len(deepstack)
 
