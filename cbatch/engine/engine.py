@@ -214,8 +214,8 @@ class Engine:
         return placed
 
     def mm_limit_error(self, videos: Seq[bool]) -> str | None:
-        """Why a prompt with these images (False) and videos (True) passes the engine's limit_mm_per_prompt, or None
-        where it does not. Checked before a row's images are read (GenerateTask) and when a request is added."""
+        """Why a prompt with these images (False) and videos (True) is over the engine's limit_mm_per_prompt, or None
+        where it is within it. Checked before a row's images are read (GenerateTask) and when a request is added."""
         for kind, limit in self.config.limit_mm_per_prompt:
             count = sum(video == (kind == "video") for video in videos)
             if count > limit:

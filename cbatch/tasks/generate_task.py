@@ -117,9 +117,9 @@ class GenerateTask(Task):
         `prefetch` started, or read here (cbatch plan's engine: counted from their headers, not decoded)."""
         if not request.images:
             return []
-        self._check_limits(engine, request)
-        if request.image_futures is not None:
+        if request.image_futures is not None:  # (`prefetch` checked the limits)
             return [future.result() for future in request.image_futures]  # (an ImageError: the row's error)
+        self._check_limits(engine, request)
         return [self._reader(engine, name, source).read(source, name, engine.decodes_images)
                 for name, source in request.images]
 
