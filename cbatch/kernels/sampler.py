@@ -80,7 +80,8 @@ def _exponential_from_bits(bits):
     scores lie within that rounding of each other, the same near-ties float32 scores already have.
     (Triton's tl.log on float32 is libdevice's __nv_logf on CUDA, accurate to an ulp, also near 1.)"""
     upper = (bits >> 31) != 0  # u > 1/2
-    w = ((tl.where(upper, ~bits, bits)).to(tl.float32) + 0.5) * 2.3283064365386963e-10  # * 2**-32
+    # ~bits as a xor with all ones (the Triton 3.6 interpreter cannot make uint32 all-ones: -1 overflows)
+    w = ((tl.where(upper, bits ^ 0xFFFFFFFF, bits)).to(tl.float32) + 0.5) * 2.3283064365386963e-10  # * 2**-32
     t = 1.0 - w
     log_arg = tl.where(upper, t, w)
     log_val = tl.log(log_arg)  # one log per element: log(t) for the upper half, log(w) for the lower
