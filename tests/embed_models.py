@@ -93,7 +93,9 @@ def hf_classifier_logits(path: Path, texts: list[str] | list[tuple[str, str]],
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).eval()
+    # eager attention: transformers 5.17's default (SDPA) drops Gemma 2's attention soft-capping
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype,
+                                                                            attn_implementation="eager").eval()
     out = []
     with torch.no_grad():
         for text in texts:
