@@ -59,6 +59,24 @@ def test_every_part_of_the_plan_leaves_its_reserve(tmp_path):
     assert "on 256 requests" in listing.split("part peer:")[1].split("\npart ")[0]
 
 
+def test_the_dry_run_counts_the_files_of_each_part_alone(tmp_path):
+    """A device call brings back 8 files and runs one part: the all-parts dry run passes while each part alone
+    leaves at most 8 (its figures, its logs, summary.txt), however many they make together, and fails past it."""
+    def dry_run(sizes: dict[str, int]) -> subprocess.CompletedProcess:
+        fake = "run_part() { local i; for i in $(seq $(eval echo \\$N_${1//-/_})); do echo x > \"$OUT/$1-$i.json\"; done; " \
+               "echo x > \"$OUT/$1-logs.tgz\"; }"
+        counts = " ".join(f"N_{name.replace('-', '_')}={n}" for name, n in sizes.items())
+        return subprocess.run(["bash", "-c", f"source {KIT}; {counts}; {fake}; main --cpu-dry-run {' '.join(sizes)}"],
+                              capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path / str(len(sizes)))},
+                              timeout=60)
+
+    passed = dry_run({"all": 4, "vision": 2, "spec": 2})  # 8 figures in all, at most 6 files a part
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert "a part alone leaves at most 6 file(s) in $OUT (part all; limit 8)" in passed.stdout
+    failed = dry_run({"all": 7, "e2e-gemm": 1})
+    assert failed.returncode != 0 and "at most 9 file(s) in $OUT (part all; limit 8)" in failed.stdout
+
+
 def test_the_switched_off_pieces_reach_every_later_run(tmp_path):
     """What the first step wrote goes into gpu_profile's and compare_peers' cbatch settings, on the GPU and in
     the dry run; the peer in `all` compares 64 requests with its JSON in $OUT."""
