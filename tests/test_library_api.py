@@ -8,6 +8,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -281,6 +282,12 @@ def test_images_in_chat_and_generate_give_the_clis_tokens(tmp_path):
     generated = llm.generate([TextPrompt(prompt=texts[0], multi_modal_data={"image": images[1]}),
                               {"prompt": texts[1], "multi_modal_data": {"image": images}}], params, use_tqdm=False)
     assert [g.outputs[0].token_ids for g in generated] == [cli[(f"t{i}", 0)]["completion_token_ids"] for i in range(2)]
+    as_array = llm.generate({"prompt": texts[0], "multi_modal_data": {"image": np.asarray(images[1])}}, params,
+                            use_tqdm=False)  # vLLM's uint8 [H, W, 3] image
+    assert as_array[0].outputs[0].token_ids == generated[0].outputs[0].token_ids
+    with pytest.raises(UserError, match=r"prompt 0: multi_modal_data.image\[0\] as an array must be uint8 .* got "
+                                        r"\[56, 84, 3\] of float32"):
+        llm.generate({"prompt": texts[0], "multi_modal_data": {"image": np.zeros((56, 84, 3), np.float32)}}, params)
     assert generated[0].prompt == texts[0] and answers[0].prompt.count("<|image_pad|>") == 1  # as given, not expanded
     assert len({tuple(a.outputs[0].token_ids) for a in [*answers, *generated]}) == 5  # decisive: each row its own
     pil_part = [{"role": "user", "content": [{"type": "image_pil", "image_pil": images[0]},

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, NotRequired, Sequence, TypedDict, Union
 
+import numpy as np
+
 from cbatch.config import UserError
 from cbatch.io.images import is_image_source
 from cbatch.io.row_fields import VideoSource
@@ -16,8 +18,8 @@ class TextPrompt(TypedDict):
     """A text prompt (tokenized with the model's special tokens, as `cbatch run` does a row's `prompt`)."""
 
     prompt: str
-    # {"image": a PIL image or a list, "video": a video file, its decoded frames or a list}: the prompt holds one
-    # placeholder for each
+    # {"image": a PIL image, an array or a list, "video": a video file, its decoded frames or a list}: the prompt
+    # holds one placeholder for each
     multi_modal_data: NotRequired[Any]
 
 
@@ -68,8 +70,8 @@ def row_request(index: int, prompt: PromptType) -> RowRequest:
 
 def _images(where: str, data: Any) -> list[tuple[str, Any]]:
     """vLLM's `multi_modal_data` -> the prompt's images and videos (where it gave each, its source; a video's a
-    VideoSource), images first (the engine places them by their placeholders): {"image": a PIL image, a path, a URL
-    or bytes, or a list of them; "video": a video file (a path, a URL, bytes or a {"bytes", "path"} dict; cbatch
+    VideoSource), images first (the engine places them by their placeholders): {"image": a PIL image, vLLM's uint8
+    array, a path, a URL or bytes, or a list of them; "video": a video file (a path, a URL, bytes or a {"bytes", "path"} dict; cbatch
     samples its frames as the model's processor does) or its decoded frames (vLLM's uint8 array [T, H, W, 3], or
     (array, metadata): io/videos.VideoFrames, taken as sampled), or a list of them}."""
     if data is None:
@@ -87,11 +89,24 @@ def _images(where: str, data: Any) -> list[tuple[str, Any]]:
         sources = list(given) if isinstance(given, (list, tuple)) and not one_video else [given]
         for j, source in enumerate(sources):
             name = f"multi_modal_data.{kind}[{j}]"
-            if kind == "image" and not is_image_source(source):
-                raise UserError(f"{where}: {name} must be a PIL image, a path, a URL or bytes, got "
-                                f"{type(source).__name__}")
-            found.append((name, _video(where, name, source) if kind == "video" else source))
+            found.append((name, _video(where, name, source) if kind == "video" else _image(where, name, source)))
     return found
+
+
+def _image(where: str, name: str, source: Any) -> Any:
+    """A `multi_modal_data` image: a PIL image, a path, a URL or bytes as they are; vLLM's array (uint8 [H, W, 3]
+    RGB or [H, W] grey) as the PIL image of those pixels."""
+    if isinstance(source, np.ndarray):
+        if source.dtype != np.uint8 or not (source.ndim == 2 or (source.ndim == 3 and source.shape[2] == 3)):
+            raise UserError(f"{where}: {name} as an array must be uint8 [height, width, 3] (RGB) or [height, width], "
+                            f"got {list(source.shape)} of {source.dtype}")
+        from PIL import Image
+
+        return Image.fromarray(source).convert("RGB")
+    if not is_image_source(source):
+        raise UserError(f"{where}: {name} must be a PIL image, an array, a path, a URL or bytes, got "
+                        f"{type(source).__name__}")
+    return source
 
 
 def _video(where: str, name: str, source: Any) -> VideoSource:
