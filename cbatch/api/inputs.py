@@ -71,9 +71,9 @@ def row_request(index: int, prompt: PromptType) -> RowRequest:
 def _images(where: str, data: Any) -> list[tuple[str, Any]]:
     """vLLM's `multi_modal_data` -> the prompt's images and videos (where it gave each, its source; a video's a
     VideoSource), images first (the engine places them by their placeholders): {"image": a PIL image, vLLM's uint8
-    array, a path, a URL or bytes, or a list of them; "video": a video file (a path, a URL, bytes or a {"bytes", "path"} dict; cbatch
-    samples its frames as the model's processor does) or its decoded frames (vLLM's uint8 array [T, H, W, 3], or
-    (array, metadata): io/videos.VideoFrames, taken as sampled), or a list of them}."""
+    array, a path, a URL or bytes, or a list of them; "video": a video file (a path, a URL, bytes or a {"bytes",
+    "path"} dict; cbatch samples its frames as the model's processor does) or its decoded frames (vLLM's uint8 array
+    [T, H, W, 3], or (array, metadata): io/videos.VideoFrames, taken as sampled), or a list of them}."""
     if data is None:
         return []
     if not isinstance(data, dict):
