@@ -46,8 +46,9 @@ from cbatch.kernels.jit_stats import KERNEL_MODULES  # noqa: E402  (every kernel
 class _Recorder:
     """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kwargs)` records the call."""
 
-    def __init__(self, jit_fn):
+    def __init__(self, jit_fn, module: str):
         self.jit_fn = jit_fn
+        self.module = module  # its cbatch.kernels module (where a compile worker finds the kernel again)
         self.calls = []
 
     def __getitem__(self, grid):
@@ -100,22 +101,14 @@ def launch_spec(jit_fn, args, kwargs):
     return signature, constexprs, attrs, options
 
 
-def compile_call(jit_fn, args, kwargs, arch: int = 90):
-    signature, constexprs, attrs, options = launch_spec(jit_fn, args, kwargs)
-    return _compile(jit_fn, signature, constexprs, attrs, options, arch)
-
-
-def _compile(jit_fn, signature, constexprs, attrs, options, arch: int):
-    src = ASTSource(jit_fn, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-
-
 def _compile_variant(module: str, name: str, spec: tuple, arch: int) -> tuple[bytes, str, int, str] | str:
     """A worker's compile of kernel `name` of cbatch.kernels.`module` with launch `spec`: (cubin, resources, shared
     memory, mma kind), or the error as text."""
     jit_fn = getattr(importlib.import_module(f"cbatch.kernels.{module}"), name)
+    signature, constexprs, attrs, options = spec
     try:
-        compiled = _compile(jit_fn, *spec, arch)
+        compiled = triton.compile(ASTSource(jit_fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+                                  options=options)
     except Exception as err:  # reported by the caller, which fails after every variant
         return f"{type(err).__name__}: {err}"
     ptx = compiled.asm["ptx"]
@@ -361,8 +354,7 @@ def main(arch: int = 90, only: str | None = None, jobs: int = os.cpu_count() or 
         mod.check_launchable = lambda *tensors: torch.device("cpu")
         for name, obj in list(vars(mod).items()):
             if isinstance(obj, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
-                recorders[name] = rec = _Recorder(obj)
-                rec.module = module_name
+                recorders[name] = rec = _Recorder(obj, module_name)
                 setattr(mod, name, rec)
 
     launches = []  # (label, kernel name, key of its variant)
