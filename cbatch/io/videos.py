@@ -195,9 +195,7 @@ class VideoReader:
                 width, height = stream.codec_context.width, stream.codec_context.height
                 if total < 1 or min(width, height) < 1:
                     raise ImageError("has no frames")
-                if width * height > MAX_SOURCE_PIXELS:
-                    raise ImageError(f"has {width} x {height} frames, more than the {MAX_SOURCE_PIXELS:,} pixels "
-                                     "cbatch decodes; shrink it")
+                _check_frame_pixels(width, height)
                 indices, frame_size = self._sampling(total, video_fps, height, width)
                 # (decoded while preprocessed, a group of frames at a time: the float32 patches are what is held)
                 grid, pixels = (self.patches(_decode(container, stream, indices), len(indices), frame_size)
@@ -213,9 +211,7 @@ class VideoReader:
     def _given_frames(self, given: VideoFrames, name: str, decode: bool) -> PromptImage:
         """A video given as its sampled frames (`VideoFrames`): preprocessed as a file's sampled frames are."""
         count, height, width = given.frames.shape[:3]
-        if width * height > MAX_SOURCE_PIXELS:
-            raise ImageError(f"has {width} x {height} frames, more than the {MAX_SOURCE_PIXELS:,} pixels cbatch "
-                             "decodes; shrink them")
+        _check_frame_pixels(width, height)
         frame_size = self._frame_size(count, height, width) if self.vision.timestamped_videos else None
         if decode:
             grid, pixels = self.patches(given.images(), count, frame_size)
@@ -348,6 +344,13 @@ class _SharedReread:
             pixels = self.reread()
             self.held = weakref.ref(pixels)
         return pixels[k * self.size : (k + 1) * self.size]
+
+
+def _check_frame_pixels(width: int, height: int) -> None:
+    """An ImageError where a video's frames are larger than cbatch decodes."""
+    if width * height > MAX_SOURCE_PIXELS:
+        raise ImageError(f"has {width} x {height} frames, more than the {MAX_SOURCE_PIXELS:,} pixels cbatch decodes; "
+                         "shrink them")
 
 
 def _pyav():
