@@ -337,3 +337,18 @@ def test_a_text_model_refuses_images_in_one_sentence(tiny, tmp_path):
         tiny.generate({"prompt": "x", "multi_modal_data": {"image": image}})
     with pytest.raises(UserError, match=r"conversation 0: `messages\[0\].content\[0\]` is an image; this \w+ reads no"):
         tiny.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}])
+
+
+def test_a_process_that_imports_the_library_can_fork(tmp_path):
+    """Importing the library runs no OpenMP region: a process that forks after `import cbatch` (a user's
+    multiprocessing pool) gets children whose first parallel matmul completes (GNU OpenMP's pool does not survive
+    a fork: the child hangs in its first region). The child runs with two threads whatever the machine has."""
+    import subprocess
+    import sys
+
+    script = ("import os, torch\nimport cbatch.api.llm, cbatch.engine.build\nfrom cbatch import LLM\n"
+              "torch.set_num_threads(2)\npid = os.fork()\n"
+              "if pid == 0:\n    x = torch.randn(512, 512)\n    os._exit(0 if (x @ x).abs().sum() > 0 else 3)\n"
+              "_, status = os.waitpid(pid, 0)\nraise SystemExit(os.waitstatus_to_exitcode(status))\n")
+    done = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

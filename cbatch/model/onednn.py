@@ -2,10 +2,15 @@
 weights (`prepack_weight`, `packed_linear`). Below the layers and the backends, which both call `linear`."""
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 
 
+# The two probes run at first use, not at import: a oneDNN call starts OpenMP's thread pool, and a process that
+# forks after that (a user's multiprocessing around `import cbatch`) hangs in its child's first parallel region.
+@cache
 def _onednn_linear_works() -> bool:
     """oneDNN's linear op (an internal op inductor uses) exists here and agrees with F.linear."""
     try:
@@ -14,9 +19,6 @@ def _onednn_linear_works() -> bool:
         return torch.backends.mkldnn.is_available() and torch.allclose(got, F.linear(x, w, b), atol=1e-5)
     except (AttributeError, RuntimeError):
         return False
-
-
-_ONEDNN_LINEAR = _onednn_linear_works()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -29,17 +31,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     that gets one token in a step must give it the bits it would among others (batch invariance:
     docs/speculative.md).
     """
-    if _ONEDNN_LINEAR and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and _onednn_linear_works():
         if x.shape[0] == 1:
             return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), weight, bias, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
+@cache
 def _onednn_prepack_dtypes() -> frozenset[torch.dtype]:
     """The dtypes whose weights oneDNN prepacks here (what inductor's CPU backend uses), each checked against
     F.linear on its own: CPUs without AVX-512 (or AVX-NE-CONVERT) refuse bfloat16 but prepack float32."""
-    if not _ONEDNN_LINEAR:
+    if not _onednn_linear_works():
         return frozenset()
     works = set()
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.1)):
@@ -53,8 +56,6 @@ def _onednn_prepack_dtypes() -> frozenset[torch.dtype]:
     return frozenset(works)
 
 
-_PREPACK_DTYPES = _onednn_prepack_dtypes()
-
 
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of a CPU float32/bfloat16 [out, in] weight for `packed_linear`, or None where
@@ -63,7 +64,7 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     Why: unpacked, oneDNN reorders the weight on every call; prepacked, decode-sized matmuls run
     markedly faster and prefill-sized ones as fast as before (benchmarks/NOTES.md, session 2).
     """
-    if weight.device.type != "cpu" or weight.dtype not in _PREPACK_DTYPES:
+    if weight.device.type != "cpu" or weight.dtype not in _onednn_prepack_dtypes():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
