@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from cbatch.config import EngineConfig
-from cbatch.engine.encoder_memory import (EncoderMemory, dummy_grids, encoder_cache_bytes, encoder_step_tokens,
-                                         patch_width)
+from cbatch.engine.encoder_memory import EncoderMemory, dummy_grids, encoder_cache_bytes, encoder_step_tokens
 from cbatch.engine.memory import bytes_per_block, kv_blocks_in_gpu_memory
 from helpers import make_engine
 from ops_jobs import run_inprocess, write_jsonl
@@ -57,7 +56,7 @@ def test_a_steps_image_tokens_and_their_dummy_images():
     assert dummy_grids(vision, 7, 64) == [(1, 2, 14)]  # a prime count: one row of merged tokens
     gemma = parse_spec(GEMMA_3_4B_CONFIG).vision  # every image one 64 x 64 patch square, 256 tokens
     assert encoder_step_tokens(1000, None, 256) == 1000
-    assert dummy_grids(gemma, 1000, 256) == [(1, 64, 64)] * 4 and patch_width(gemma) == 3 * 14 * 14
+    assert dummy_grids(gemma, 1000, 256) == [(1, 64, 64)] * 4 and gemma.patch_dim == 3 * 14 * 14
 
 
 def test_a_steps_reserve_is_the_larger_peak_and_the_cache(monkeypatch):
@@ -111,7 +110,7 @@ def test_the_tower_runs_the_dummy_batch_and_the_reader_knows_the_largest_image(v
     vision = model.spec.vision
     largest = max_image_tokens(image_processor(vl_model, vision), vision)
     grids = dummy_grids(vision, 75, largest)
-    pixels = torch.zeros(sum(t * h * w for t, h, w in grids), patch_width(vision))
+    pixels = torch.zeros(sum(t * h * w for t, h, w in grids), vision.patch_dim)
     out = model.visual(pixels, grids)
     if vision.tower == "siglip":
         assert largest == 9 and len(grids) == 9 and out.shape[0] == 81

@@ -211,25 +211,26 @@ def test_the_triton_backend_gives_hfs_tokens_with_images(gemma3, images):
 
 
 def test_two_ranks_give_the_tokens_of_one(gemma3, images):
-    """-tp 2 over gloo: rank 0 encodes with the SigLIP tower and projector (the worker holds none) and broadcasts the
-    embeddings; the worker's heads attend with the same bidirectional image runs (sent with the step) and the same
-    1-D positions. Rows with one image, two, and a long text before an image chunked across steps under a 12-token
+    """-tp 2 over gloo: each rank holds the SigLIP tower and projector and encodes a share of a step's images, rank 0
+    broadcasts the step's embeddings; the worker's heads attend with the same bidirectional image runs (sent with the
+    step) and the same 1-D positions. Rows with one image, two, and a long text before an image chunked across steps under a 12-token
     budget (the chunks, which never end inside an image, are rank 0's scheduler's): the tokens are one rank's."""
     requests = [(prompt(images[:1], [10, 11]), images[:1]),
                 (prompt(images[1:3], [12]), images[1:3]),
                 (prompt([images[3]], list(range(20, 37)), tail=4), [images[3]]),
                 (prompt([], [16, 17]), None)]
     outputs = {}
-    for tp in (1, 2):
-        engine = make_engine(gemma3, tensor_parallel_size=tp, max_model_len=128, max_num_batched_tokens=12)
+    for tp, budget in ((1, 12), (2, 12), (2, 128)):  # 128: the first step encodes every image, a share on each rank
+        engine = make_engine(gemma3, tensor_parallel_size=tp, max_model_len=128, max_num_batched_tokens=budget)
         try:
-            assert engine.runner.model.visual is not None  # rank 0's tower, under -tp 2 as well
-            outputs[tp] = run(engine, requests)
+            assert engine.runner.model.visual is not None  # every rank holds the tower whole
+            outputs[tp, budget] = run(engine, requests)
             assert engine.runner.images.images_encoded == 4
+            assert (engine.runner.images.images_on_workers > 0) == (budget == 128)
         finally:
             engine.close()
-    assert outputs[2] == outputs[1]
-    assert len({tuple(o) for o in outputs[1]}) == len(requests)  # decisive: every row its own tokens
+    assert outputs[2, 12] == outputs[1, 12] == outputs[2, 128]
+    assert len({tuple(o) for o in outputs[1, 12]}) == len(requests)  # decisive: every row its own tokens
 
 
 # ---- pan-and-scan ---------------------------------------------------------------------------------------------

@@ -201,33 +201,38 @@ def test_a_gated_tower_whose_activation_is_not_silu_keeps_it(vl_model, images, t
     assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-@pytest.mark.parametrize("vl_model", ["qwen2_5_vl"], indirect=True)  # (the split never touches the tower: one kind)
+@pytest.mark.parametrize("vl_model", ["qwen2_5_vl", "qwen3_vl"], indirect=True)  # (Qwen3-VL: deepstack's wider rows)
 def test_two_ranks_give_the_tokens_of_one(vl_model, images):
-    """-tp 2 over gloo: rank 0 encodes (the workers hold no tower) and broadcasts the embeddings; the language model
-    is split as for text. Under chunks ending inside images and preemption, the tokens are one rank's."""
+    """-tp 2 over gloo: each rank encodes a share of a step's images (rank 0 sends the worker its share's patches and
+    gathers the embeddings), rank 0 broadcasts the step's; the language model is split as for text. Under chunks
+    ending inside images and preemption, the tokens are one rank's."""
     from cbatch.model.shard import tensor_parallel_sizes
 
     requests = [(prompt([images[3], images[0]], [20, 21], tail=4), [images[3], images[0]]),
                 (prompt([images[2]], [22] * 5), [images[2]]),
                 (prompt([], [16, 17]), None),
                 (prompt([images[1], images[3]], [23]), [images[1], images[3]])]
-    settings = dict(max_model_len=128, max_num_batched_tokens=9, num_kv_blocks=14, block_size=4)
+    tight = dict(max_model_len=128, max_num_batched_tokens=9, num_kv_blocks=14, block_size=4)  # an image a step
+    roomy = dict(max_model_len=128, max_num_batched_tokens=128)  # every image in the first step: shared
     outputs = {}
-    for tp in (1, 2):
+    for tp, settings in ((1, tight), (2, tight), (2, roomy)):
         engine = make_engine(vl_model, tensor_parallel_size=tp, **settings)
         try:
-            outputs[tp] = run(engine, requests)
-            assert engine.scheduler.stats.preemptions > 0
+            outputs[tp, settings is tight] = run(engine, requests)
+            assert (engine.scheduler.stats.preemptions > 0) == (settings is tight)
             assert engine.runner.images.images_encoded == 4
+            assert (engine.runner.images.images_on_workers > 0) == (settings is roomy)  # (one image a step: rank 0's)
         finally:
             engine.close()
-    assert outputs[2] == outputs[1]
-    assert len({tuple(o) for o in outputs[1]}) == len(requests)  # decisive: every row its own tokens
+    assert outputs[2, True] == outputs[1, True] == outputs[2, False]
+    assert len({tuple(o) for o in outputs[1, True]}) == len(requests)  # decisive: every row its own tokens
     assert tensor_parallel_sizes(engine.spec, limit=4) == [1, 2, 4]  # what cbatch plan offers agrees
 
 
 @pytest.mark.parametrize("vl_model", ["qwen2_5_vl"], indirect=True)
-def test_a_worker_rank_holds_no_vision_tower(vl_model):
+def test_every_rank_holds_the_whole_vision_tower(vl_model):
+    """Under -tp 2 each rank loads the tower whole (rank 0's weights, bit for bit) and its share of the language
+    model: the ranks' parameters past the tower add up to one rank's whole model."""
     import torch
 
     from cbatch.config import EngineConfig
@@ -235,15 +240,30 @@ def test_a_worker_rank_holds_no_vision_tower(vl_model):
     from cbatch.parallel.comm import Communicator
 
     class Rank(Communicator):  # a rank's identity without a group: loading a shard needs no collective
-        def __init__(self, rank: int) -> None:
-            self.rank, self.world = rank, 2
+        def __init__(self, rank: int, world: int) -> None:
+            self.rank, self.world = rank, world
 
     config = EngineConfig(model=str(vl_model), device="cpu")
     resolved = resolve_model(config)
-    ranks = [load_rank_model(config, resolved, Rank(r), torch.device("cpu")) for r in (0, 1)]
-    assert ranks[0].visual is not None and ranks[1].visual is None
-    whole = sum(p.numel() for p in ranks[0].visual.parameters())
-    assert sum(p.numel() for p in ranks[0].parameters()) - whole == sum(p.numel() for p in ranks[1].parameters())
+    layouts = ((0, 1), (0, 2), (1, 2))  # (rank, world)
+    whole, *ranks = (load_rank_model(config, resolved, Rank(r, w), torch.device("cpu")) for r, w in layouts)
+    for rank in ranks:
+        tower = dict(rank.visual.named_parameters())
+        assert tower.keys() == dict(whole.visual.named_parameters()).keys()
+        assert all(torch.equal(tower[name], p) for name, p in whole.visual.named_parameters())
+
+    def count(model) -> int:  # parameters past the tower
+        return sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in model.visual.parameters())
+
+    assert count(ranks[0]) + count(ranks[1]) > count(whole) > count(ranks[0])  # (norms and the like are replicated)
+
+
+def test_images_go_to_ranks_by_their_patches():
+    from cbatch.engine.tower_shares import assign_ranks
+
+    assert assign_ranks([100, 400, 300, 100, 50], 2) == [1, 0, 1, 0, 1]  # 400 + 100 against 300 + 100 + 50
+    assert assign_ranks([64] * 5, 4) == [0, 1, 2, 3, 0]
+    assert assign_ranks([], 3) == [] and assign_ranks([7, 9], 1) == [0, 0]
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the flash varlen kernel runs on CUDA")

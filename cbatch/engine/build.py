@@ -158,7 +158,7 @@ def decode_gemm_layers(model) -> list[Linear]:
 
 def _encoder_memory(resolved: ResolvedModel, model, config: EngineConfig):
     """What a vision-language model's images take on the GPU beside a text step (engine/encoder_memory.py), or None
-    (a text model, the CPU, a tensor-parallel worker without the tower)."""
+    (a text model, the CPU)."""
     if resolved.device.type != "cuda" or getattr(model, "visual", None) is None:
         return None
     from cbatch.engine.encoder_memory import encoder_memory

@@ -72,13 +72,6 @@ def dummy_grids(vision: VisionSpec | SiglipSpec, tokens: int, largest_image: int
     return grids
 
 
-def patch_width(vision: VisionSpec | SiglipSpec) -> int:
-    """Values per patch row the tower takes (the processor's flattened patches)."""
-    if isinstance(vision, SiglipSpec):
-        return vision.in_channels * vision.patch_size**2
-    return vision.patch_dim
-
-
 def tower_activation_count(vision: VisionSpec | SiglipSpec, patches: int, dtype_bytes: int) -> int:
     """Bytes of the tower's activations over `patches` patches, counted from its shapes (`cbatch plan`; a run
     measures them). Blocks run one after another and free theirs, so per patch: what the forward holds throughout
@@ -88,7 +81,7 @@ def tower_activation_count(vision: VisionSpec | SiglipSpec, patches: int, dtype_
     outputs: the packed gate | up and their activated product when gated, else fc1 and activation)."""
     width, b = vision.hidden_size, dtype_bytes
     qwen = isinstance(vision, VisionSpec)
-    held = 4 * patch_width(vision) + b * width
+    held = 4 * vision.patch_dim + b * width
     attention = b * 5 * width
     if qwen:
         deepstack = b * vision.out_hidden_size * len(vision.deepstack_layers) // vision.merge_size**2
@@ -137,7 +130,7 @@ class EncoderMemory:
         torch.cuda.synchronize()
         baseline = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        pixels = torch.zeros(patches, patch_width(self.vision), dtype=torch.float32, device=device)
+        pixels = torch.zeros(patches, self.vision.patch_dim, dtype=torch.float32, device=device)
         out = self.visual(pixels, grids)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - baseline

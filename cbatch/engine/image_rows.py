@@ -14,10 +14,11 @@ A step's images release their pixels once read (`PromptImage.release`): a row ho
 images are encoded; an image the cache dropped before its row's prefill consumed it (a preempted row, a chunk after
 an eviction) is read again from its source (`PromptImage.patches`).
 
-Tensor parallelism: the vision tower is rank 0's alone (whole; the language model is split as for text). Rank 0 sends
-the workers the step's image slices without pixels (`for_workers`), encodes, and broadcasts the step's gathered
-embeddings [image rows, hidden]; every rank then puts the same values in place of its placeholders. The workers need
-no tower, no encoder cache and no pixels, and the embeddings are rank 0's bit for bit.
+Tensor parallelism: every rank holds the vision tower whole (the language model is split as for text). Rank 0 alone
+reads images and keeps the encoder cache; the workers get the step's image slices without pixels (`for_workers`).
+The images the cache lacks are encoded a share on each rank (engine/tower_shares.py: rank 0 sends each worker its
+images' patches and gathers their embeddings), then rank 0 broadcasts the step's gathered embeddings [image rows,
+hidden]; every rank puts the same values in place of its placeholders, rank 0's bit for bit.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from cbatch.engine.images import PromptImage
 from cbatch.engine.row_features import RowFeature
 from cbatch.engine.sequence import Sequence
 from cbatch.engine.step_inputs import StepInputs
-from cbatch.engine.tower_calls import tower_calls
+from cbatch.engine.tower_calls import Item, encode
+from cbatch.engine.tower_shares import assign_ranks, encode_shared
 from cbatch.model.decoder import LlamaForCausalLM
 
 ENCODER_CACHE_TOKENS = 32768  # embeddings kept past their step (LRU): a few pages' worth; a 7B's: 0.22 GiB in bf16
@@ -91,7 +93,8 @@ class ImageRows(RowFeature):
 
     def __init__(self, model: LlamaForCausalLM, tower_tokens: int | None = None) -> None:
         self.tower_tokens = tower_tokens  # the most image tokens one tower call takes (None: no limit)
-        self.visual = model.visual  # None on a tensor-parallel worker: rank 0 encodes and broadcasts (`prepare`)
+        self.visual = model.visual  # whole on every rank; under tensor parallelism each encodes a share (`prepare`)
+        self.patch_width = model.spec.vision.patch_dim  # values per patch row the tower takes
         self.comm = model.comm
         self.embed_dtype = model.embed_tokens.weight.dtype  # the embeddings' (the broadcast's) dtype
         self.mrope = bool(model.spec.vision.mrope_section)  # Qwen2-VL: 3-D positions; Gemma 3: 1-D
@@ -102,13 +105,15 @@ class ImageRows(RowFeature):
         self.cache = EncoderCache(encoder_cache_rows(features))
         self.images_encoded = 0  # vision-tower runs per image (an image encoded again after eviction counts again)
         self.image_tokens_encoded = 0
+        self.images_on_workers = 0  # of those, encoded by another tensor-parallel rank than rank 0
         self._deltas: np.ndarray | None = None
         self._forward: dict[str, Any] = {}
         self.start_step()
 
     def reset(self) -> None:
         self.cache.clear()
-        self.images_encoded = self.image_tokens_encoded = 0  # (a bench's next trial counts its own)
+        # (a bench's next trial counts its own)
+        self.images_encoded = self.image_tokens_encoded = self.images_on_workers = 0
 
     def order_keys(self, scheduled: list[tuple[Sequence, int]]) -> np.ndarray | None:
         deltas = [seq.images.delta if seq.images is not None else 0 for seq, _ in scheduled]
@@ -159,14 +164,15 @@ class ImageRows(RowFeature):
             return True
         slices = inputs.image_slices
         rows = np.concatenate([np.arange(row, row + end - first) for row, _, first, end in slices])
-        if self.visual is not None:
+        if self.comm.rank == 0:
             self._encode([image for _, image, _, _ in slices], device)
             embeds = torch.cat([self.cache.get(image.digest)[first:end] for _, image, first, end in slices])
             for _, image, _, _ in slices:  # encoded (or found encoded): the cache has them, the row no longer needs them
                 image.release()
             self.cache.trim()
             embeds = embeds.to(self.embed_dtype)
-        else:  # a tensor-parallel worker: rank 0's embeddings land here
+        else:  # a tensor-parallel worker: it encodes its share of the step's images, then rank 0's gathered
+            self._encode_shared(None, None, device)  # embeddings land here
             embeds = torch.empty(len(rows), self.row_width, dtype=self.embed_dtype, device=device)
         embeds = self.comm.broadcast(embeds)  # (one rank: as it is)
         to_device = put or torch.from_numpy
@@ -180,45 +186,41 @@ class ImageRows(RowFeature):
 
     @staticmethod
     def for_workers(inputs: StepInputs) -> StepInputs:
-        """The step's inputs as the other tensor-parallel ranks get them: the image slices without their images
-        (rank 0 encodes them and broadcasts the embeddings, so the pixels never travel)."""
+        """The step's inputs as the other tensor-parallel ranks get them: the image slices without their images (a
+        worker gets the patches of its share of the images to encode over the group, not pickled with the step)."""
         if not inputs.image_slices:
             return inputs
         return replace(inputs, image_slices=[(row, None, first, end) for row, _, first, end in inputs.image_slices])
 
     def _encode(self, images: list[PromptImage], device: torch.device) -> None:
-        """Encodes the images the cache lacks, in tower calls of at most `tower_tokens` (`tower_calls`)."""
+        """Encodes the images the cache lacks, in tower calls of at most `tower_tokens` (`tower_calls`); under tensor
+        parallelism each rank encodes a share of them (`encode_shared`, which the workers join from `prepare`)."""
         missing: dict[str, PromptImage] = {}
         for image in images:
             if image.digest not in missing and self.cache.get(image.digest) is None:
                 missing[image.digest] = image
-        if not missing:
-            return
         todo = list(missing.values())
+        if not todo and self.comm.world == 1:
+            return
         # the cache makes room first: what it holds past its rows while the tower runs is this step's own
         self.cache.make_room(sum(image.num_tokens for image in todo), keep={image.digest for image in images})
         # (a released image's patches are read again from its source: a preempted row the cache had dropped)
-        patches = [image.patches() for image in todo]
-        encoded: list[torch.Tensor | None] = [None] * len(todo)  # a video cut in pieces: one buffer, filled in turn
-        for call in tower_calls([(image.num_tokens, image.grid[0]) for image in todo], self.tower_tokens):
-            rows, grids = [], []  # per piece: its patches, its grid (t, h, w)
-            for index, first, end in call:
-                _, h, w = todo[index].grid
-                rows.append(patches[index][first * h * w : end * h * w])
-                grids.append((end - first, h, w))
-            pixels = torch.from_numpy(np.concatenate(rows)).to(device)
-            embeds = self.visual(pixels, grids)  # [the call's tokens, hidden x (1 + deepstack)]
-            per_patch = [todo[index].num_tokens // todo[index].grid[0] for index, _, _ in call]  # a temporal patch's
-            sizes = [(end - first) * per for (_, first, end), per in zip(call, per_patch)]
-            for (index, first, end), per, part in zip(call, per_patch, embeds.split(sizes)):
-                if end - first == todo[index].grid[0]:  # whole: its own memory (a view would keep the call's alive)
-                    encoded[index] = part.clone() if len(call) > 1 else part
-                    continue
-                if encoded[index] is None:
-                    encoded[index] = part.new_empty(todo[index].num_tokens, part.shape[1])
-                encoded[index][first * per : end * per] = part
-            self.image_tokens_encoded += embeds.shape[0]
-            del pixels, embeds
+        items = [(torch.from_numpy(image.patches()), image.grid, image.num_tokens) for image in todo]
+        if self.comm.world == 1:
+            encoded = self._run_tower(items, device)
+        else:
+            owners = assign_ranks([t * h * w for t, h, w in (image.grid for image in todo)], self.comm.world)
+            encoded = self._encode_shared(items, owners, device)
+            self.images_on_workers += sum(owner != 0 for owner in owners)
         for image, embeds in zip(todo, encoded):
             self.cache.put(image.digest, embeds)
         self.images_encoded += len(todo)
+        self.image_tokens_encoded += sum(image.num_tokens for image in todo)
+
+    def _run_tower(self, items: list[Item], device: torch.device) -> list[torch.Tensor]:
+        return encode(self.visual, items, self.tower_tokens, device)
+
+    def _encode_shared(self, items: list[Item] | None, owners: list[int] | None, device: torch.device
+                       ) -> list[torch.Tensor] | None:
+        return encode_shared(self.comm, items, owners, lambda mine: self._run_tower(mine, device), self.patch_width,
+                             self.row_width, self.embed_dtype, device)

@@ -11,10 +11,14 @@ its frames at most the largest image or video frame: what the reserve's dummy ba
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
+
+import torch
 
 # one piece of a call: (index of the image in the step's list, first temporal patch, end temporal patch)
 Piece = tuple[int, int, int]
+# one image (or video) to encode: (patches [t * h * w, patch width] on the host or the device, grid (t, h, w), tokens)
+Item = tuple[torch.Tensor, tuple[int, int, int], int]
 
 
 def tower_budget(max_num_batched_tokens: int, max_image_tokens_per_step: int | None) -> int:
@@ -41,3 +45,27 @@ def tower_calls(items: Sequence[tuple[int, int]], budget: int | None) -> list[li
             calls[-1].append((index, first, end))
             used += size
     return calls
+
+
+def encode(visual: Callable, items: Sequence[Item], budget: int | None, device: torch.device) -> list[torch.Tensor]:
+    """Each item's embeddings [tokens, hidden x features] through `visual` (a tower) in `tower_calls`, in order."""
+    encoded: list[torch.Tensor | None] = [None] * len(items)  # a video cut in pieces: one buffer, filled in turn
+    for call in tower_calls([(tokens, grid[0]) for _, grid, tokens in items], budget):
+        rows, grids = [], []  # per piece: its patches, its grid (t, h, w)
+        for index, first, end in call:
+            patches, (_, h, w), _ = items[index]
+            rows.append(patches[first * h * w : end * h * w])
+            grids.append((end - first, h, w))
+        embeds = visual(torch.cat(rows).to(device), grids)  # [the call's tokens, hidden x features]
+        per_patch = [items[index][2] // items[index][1][0] for index, _, _ in call]  # a temporal patch's tokens
+        sizes = [(end - first) * per for (_, first, end), per in zip(call, per_patch)]
+        for (index, first, end), per, part in zip(call, per_patch, embeds.split(sizes)):
+            t, tokens = items[index][1][0], items[index][2]
+            if end - first == t:  # whole: its own memory (a view would keep the call's alive)
+                encoded[index] = part.clone() if len(call) > 1 else part
+                continue
+            if encoded[index] is None:
+                encoded[index] = part.new_empty(tokens, part.shape[1])
+            encoded[index][first * per : end * per] = part
+        del embeds
+    return encoded

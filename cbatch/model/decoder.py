@@ -179,10 +179,10 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = max_positions
         self.rope_tables: list[torch.Tensor] = []  # set by `build_rope_cache` once the device is known
         # a vision-language model's image encoder (model/vision.py; Qwen3-VL's: vision_qwen3.py; Gemma 3's:
-        # siglip.py), called by the runner's image rows; rank 0's alone under tensor parallelism (it broadcasts the
-        # embeddings: engine/image_rows.py)
+        # siglip.py), called by the runner's image rows; whole on every rank under tensor parallelism (each encodes a
+        # share of a step's images: engine/tower_shares.py)
         self.visual = None
-        if spec.vision is not None and comm.rank == 0:
+        if spec.vision is not None:
             tower = (SiglipTower if isinstance(spec.vision, SiglipSpec)
                      else Qwen3VisionTower if spec.vision.tower == "qwen3" else VisionTower)
             self.visual = tower(spec.vision, backend)

@@ -177,7 +177,7 @@ def load_model(ckpt: Checkpoint, max_positions: int, device: torch.device, dtype
         placement, kind = placed
         placement = expert_stack_layout(placement, kind, index, name, spec)
         placement = shard.local_expert(placement, spec)  # expert parallelism: this rank's experts only
-        if placement is None or not shard.holds(placement):
+        if placement is None:
             continue
         target = placement.param(kind)
         if target not in params:

@@ -5,8 +5,8 @@ Megatron's layout, as vLLM and nano-vllm use it:
                      gate_up_proj and the experts' w13 (gate and up each split), embed_tokens / lm_head (vocab rows)
     row-parallel     o_proj, down_proj, the experts' w2 (input columns): each rank's output is a partial sum,
                      all-reduced once per block (`DecoderLayer`); their bias is added by rank 0 only
-    replicated       norms, q/k norms, the MoE router and Qwen2-MoE's shared-expert gate
-    rank 0 alone     a vision-language model's vision tower, whole (engine/image_rows.py broadcasts its output)
+    replicated       norms, q/k norms, the MoE router and Qwen2-MoE's shared-expert gate; a vision-language model's
+                     vision tower, whole (each rank encodes a share of a step's images: engine/tower_shares.py)
 Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) splits by heads: q_proj / q_b_proj and kv_b_proj (each head's
 up-projection W_UK | W_UV) column-parallel, o_proj row-parallel; the latent's projection (q_a_proj, kv_a_proj_with_mqa
 and their norms) is replicated, so every rank caches every token's whole latent, as vLLM does (the spec's one latent
@@ -115,10 +115,6 @@ class Shard:
             return None
         return replace(placement, expert=placement.expert - first)
 
-    def holds(self, placement: Placement) -> bool:
-        """Whether this rank holds anything of `placement`'s module: the vision tower is rank 0's alone."""
-        return self.rank == 0 or not placement.module.startswith(VISION_TOWER)
-
     def local_vocab(self, vocab_size: int) -> int:
         return Part(vocab_size).local_size(self.world)
 
@@ -177,7 +173,7 @@ class Shard:
 def _split(leaf: str, slot: str, spec: ModelSpec, module: str) -> tuple[str, list[Part]] | None:
     """(column | row, the packed parts of the split dimension) of a parameter, or None (replicated)."""
     if module.startswith(VISION_TOWER):
-        return None  # whole, on rank 0 (`holds`)
+        return None  # whole, on every rank
     head = spec.head_dim
     if spec.mla is not None and leaf in _MLA_HEAD_SPLIT:
         return _mla_split(leaf, spec)

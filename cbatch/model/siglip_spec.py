@@ -56,6 +56,11 @@ class SiglipSpec:
         return self.hidden_size // self.num_heads
 
     @property
+    def patch_dim(self) -> int:
+        """Values per flattened patch: channels x patch x patch (io/images.py's rows)."""
+        return self.in_channels * self.patch_size**2
+
+    @property
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
 
@@ -73,7 +78,7 @@ class SiglipSpec:
         loaded): the patch embedding (biased), the learned positions, LayerNorm blocks, the final LayerNorm, the
         projector's RMSNorm (weight) and projection [E, text hidden]."""
         e = self.hidden_size
-        embed = linear_params(self.in_channels * self.patch_size**2, e) + self.patches_per_side**2 * e
+        embed = linear_params(self.patch_dim, e) + self.patches_per_side**2 * e
         blocks = self.depth * vit_block_params(e, self.intermediate_size, 2 * e)
         return embed + blocks + 2 * e + e + e * self.out_hidden_size
 
