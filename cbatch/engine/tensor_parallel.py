@@ -57,9 +57,10 @@ class WorkerArgs:
 class Peers:
     """Rank 0's handle on the worker ranks: sends them each step, tells a dead worker from a bug."""
 
-    def __init__(self, processes: list[mp.process.BaseProcess], control: Any) -> None:
+    def __init__(self, processes: list[mp.process.BaseProcess], control: Any, threads_before: int | None = None) -> None:
         self.processes = processes  # rank r is processes[r - 1]
         self.control = control  # the gloo group messages travel on
+        self.threads_before = threads_before  # this process's torch threads before its rank's share (`close`)
 
     def send(self, message: tuple) -> None:
         try:
@@ -106,6 +107,9 @@ class Peers:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.processes = []
+        if self.threads_before is not None:  # (the library's process goes on after its engine)
+            torch.set_num_threads(self.threads_before)
+            self.threads_before = None
 
 
 def start_group(config: EngineConfig, resolved: ResolvedModel) -> tuple[ProcessGroupComm, Peers]:
@@ -120,7 +124,19 @@ def start_group(config: EngineConfig, resolved: ResolvedModel) -> tuple[ProcessG
         process.start()
         processes.append(process)
     comm = init_process_group(0, world, port, resolved.device, COLLECTIVE_TIMEOUT_S)
-    return comm, Peers(processes, dist.new_group(backend="gloo"))
+    threads_before = None
+    if (threads := rank_threads(config, resolved.device)) is not None:
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+    return comm, Peers(processes, dist.new_group(backend="gloo"), threads_before)
+
+
+def rank_threads(config: EngineConfig, device: torch.device) -> int | None:
+    """A CPU rank's torch threads without --threads: the process's cores split between the ranks (each rank's
+    OpenMP pool would take them all, and N ranks' threads spin on the same cores); None: leave them."""
+    if config.num_threads or device.type != "cpu" or config.tensor_parallel_size == 1:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // config.tensor_parallel_size)
 
 
 def worker_main(args: WorkerArgs) -> None:
@@ -128,6 +144,8 @@ def worker_main(args: WorkerArgs) -> None:
     device = args.resolved.device
     if device.type == "cuda":
         device = torch.device("cuda", args.rank)
+    if (threads := args.config.num_threads or rank_threads(args.config, device)) is not None:
+        torch.set_num_threads(threads)
     comm = init_process_group(args.rank, args.world, args.port, device, args.timeout_s)
     control = dist.new_group(backend="gloo")
     model = load_rank_model(args.config, args.resolved, comm, device)
