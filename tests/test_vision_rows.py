@@ -162,6 +162,11 @@ def test_pan_and_scan_is_a_gemma3_setting_of_the_job():
     assert (config.image_pan_and_scan, config.image_max_pixels) == (True, 4096)
     with pytest.raises(UserError, match="mm_processor_kwargs: cbatch does not take 'crop_size'; it takes do_pan_and_scan"):
         library_settings(None, {"mm_processor_kwargs": {"crop_size": 2}})
+    from cbatch.api.inputs import row_request
+
+    with pytest.raises(UserError, match=r"^prompt 3: cbatch takes mm_processor_kwargs for every prompt, not per prompt; "
+                                        r"give them to the engine: LLM\(\.\.\., mm_processor_kwargs=\{\.\.\.\}\)$"):
+        row_request(3, {"prompt": "x", "mm_processor_kwargs": {"max_pixels": 4096}})
     assert resolve_model(EngineConfig(image_pan_and_scan=False), parse_spec(GEMMA_3_4B_CONFIG)).spec.vision is not None
     text_model = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "hidden_size": 64,
                   "vocab_size": 10, "intermediate_size": 8, "num_hidden_layers": 1}

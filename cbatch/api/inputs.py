@@ -52,6 +52,9 @@ def row_request(index: int, prompt: PromptType) -> RowRequest:
         return RowRequest(index=index, row_id=str(index), prompt=text_field(where, prompt))
     if not isinstance(prompt, dict):
         raise UserError(f"{where}: must be a string, a TextPrompt or a TokensPrompt, got {type(prompt).__name__}")
+    if "mm_processor_kwargs" in prompt:  # vLLM takes them per prompt too
+        raise UserError(f"{where}: cbatch takes mm_processor_kwargs for every prompt, not per prompt; give them to the "
+                        "engine: LLM(..., mm_processor_kwargs={...})")
     unknown = sorted(set(prompt) - set(_KEYS))
     if unknown:
         raise UserError(f"{where}: cbatch does not take {', '.join(unknown)} (give prompt or prompt_token_ids, "
