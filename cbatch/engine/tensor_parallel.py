@@ -132,11 +132,12 @@ def start_group(config: EngineConfig, resolved: ResolvedModel) -> tuple[ProcessG
 
 
 def rank_threads(config: EngineConfig, device: torch.device) -> int | None:
-    """A CPU rank's torch threads without --threads: the process's cores split between the ranks (each rank's
-    OpenMP pool would take them all, and N ranks' threads spin on the same cores); None: leave them."""
+    """A CPU rank's torch threads without --threads: torch's threads for the process (its cores) split between the
+    ranks (each rank's OpenMP pool would take them all, and N ranks' threads spin on the same cores); None: leave
+    them."""
     if config.num_threads or device.type != "cpu" or config.tensor_parallel_size == 1:
         return None
-    return max(1, len(os.sched_getaffinity(0)) // config.tensor_parallel_size)
+    return max(1, torch.get_num_threads() // config.tensor_parallel_size)
 
 
 def worker_main(args: WorkerArgs) -> None:
