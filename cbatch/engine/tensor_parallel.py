@@ -20,7 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -117,15 +117,17 @@ def start_group(config: EngineConfig, resolved: ResolvedModel) -> tuple[ProcessG
     world = config.tensor_parallel_size
     port = _free_port()
     context = mp.get_context(START_METHOD)
+    threads = rank_threads(config, resolved.device)
+    worker_config = config if threads is None else replace(config, num_threads=threads)  # each rank alike
     processes = []
     for rank in range(1, world):
-        args = WorkerArgs(rank, world, port, config, resolved, COLLECTIVE_TIMEOUT_S)
+        args = WorkerArgs(rank, world, port, worker_config, resolved, COLLECTIVE_TIMEOUT_S)
         process = context.Process(target=worker_main, args=(args,), name=f"cbatch-tp{rank}", daemon=True)
         process.start()
         processes.append(process)
     comm = init_process_group(0, world, port, resolved.device, COLLECTIVE_TIMEOUT_S)
     threads_before = None
-    if (threads := rank_threads(config, resolved.device)) is not None:
+    if threads is not None:
         threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
     return comm, Peers(processes, dist.new_group(backend="gloo"), threads_before)
@@ -145,8 +147,8 @@ def worker_main(args: WorkerArgs) -> None:
     device = args.resolved.device
     if device.type == "cuda":
         device = torch.device("cuda", args.rank)
-    if (threads := args.config.num_threads or rank_threads(args.config, device)) is not None:
-        torch.set_num_threads(threads)
+    if args.config.num_threads:  # --threads, or rank 0's share of its threads (`rank_threads`)
+        torch.set_num_threads(args.config.num_threads)
     comm = init_process_group(args.rank, args.world, args.port, device, args.timeout_s)
     control = dist.new_group(backend="gloo")
     model = load_rank_model(args.config, args.resolved, comm, device)
